@@ -1,0 +1,35 @@
+# halfmoon: every target creates/refreshes the virtual environment it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# On this CPU-only machine torch==2.13.0 resolves to the CPU wheel on local disk; a plain
+# `torch` requirement would pull a multi-GB CUDA build. GPU users override TORCH_SPEC.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check halfmoon tests benchmarks
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check halfmoon tests benchmarks
+
+demo: $(STAMP)
+	$(VENV)/bin/halfmoon demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_hashing.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,7 @@
+"""User-facing errors: the CLI prints their message on one line, servers turn them into 4xx."""
+
+from __future__ import annotations
+
+
+class HalfmoonError(Exception):
+    """A problem with the user's input or environment, explained in the message."""

@@ -1,0 +1,66 @@
+"""The request record shared by traces, datasets, the Conductor, the simulator and serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI-style sampling options plus vLLM's ``ignore_eos`` / ``min_tokens``."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One inference request.
+
+    ``block_hashes`` are the prompt's chained prefix-block hashes at ``block_size_tokens``
+    tokens per block (for Mooncake traces: the trace's ``hash_ids`` at 512 tokens).
+    ``prompt_token_ids`` is empty when only lengths are known (simulation of a trace).
+    """
+
+    request_id: str
+    arrival_time_s: float
+    input_length: int
+    output_length: int
+    block_hashes: tuple[int, ...] = ()
+    block_size_tokens: int = 512
+    prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if self.input_length < 1:
+            raise ValueError(f"input_length must be >= 1, got {self.input_length}")
+        if self.output_length < 1:
+            raise ValueError(f"output_length must be >= 1, got {self.output_length}")
+        if self.block_hashes:
+            expected = -(-self.input_length // self.block_size_tokens)
+            if len(self.block_hashes) != expected:
+                raise ValueError(
+                    f"{len(self.block_hashes)} block hashes for {self.input_length} tokens "
+                    f"at {self.block_size_tokens} tokens/block (expected {expected})"
+                )
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Blocks of the prompt that hold ``block_size_tokens`` tokens (cacheable)."""
+        return self.input_length // self.block_size_tokens
