@@ -1,0 +1,439 @@
+"""The Conductor: places each request on a (prefill, decode) pair by estimated TTFT, or
+rejects it before any prefill work when the SLOs cannot be met.
+
+Per request (the paper's algorithm, see docs/conductor.md)::
+
+    for each prefill instance p:
+        local   = longest prefix of the request's blocks cached on p          (PrefixIndex)
+        TTFT(p) = T_queue(p) + T_prefill(uncached tokens | cached prefix)
+        if a remote instance holds a longer prefix, by more than
+           kvcache_balancing_threshold x prompt, also consider
+        TTFT(p <- remote) = T_queue(p) + T_transfer(missing blocks) + T_prefill(rest)
+    pick a candidate by the policy (kvcache-centric: minimum TTFT)
+    pick the decode instance with the lowest estimated TBT after admission
+    early rejection: TTFT > SLO, or TBT (now, or predicted at prefill end) > SLO -> reject
+    plan replication of remote prefixes and of hot prefixes
+
+No torch, no sockets: it is driven by events and returns :class:`Decision` records.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.index import PrefixIndex
+from halfmoon.conductor.messages import (
+    BlockEvicted,
+    BlockStored,
+    Decision,
+    DecodeCandidate,
+    DecodeStarted,
+    LoadReport,
+    PrefillCandidate,
+    PrefillFinished,
+    PrefillStarted,
+    ReplicationPlan,
+    RequestFinished,
+)
+from halfmoon.conductor.policies import COUPLED_ROUTERS, get_policy
+from halfmoon.conductor.replication import HotSpotPlanner
+from halfmoon.conductor.state import DecodeState, PrefillState
+from halfmoon.core.clock import Clock
+from halfmoon.core.request import Request
+from halfmoon.costmodel.base import CostModel
+
+Event = (
+    BlockStored
+    | BlockEvicted
+    | PrefillStarted
+    | PrefillFinished
+    | DecodeStarted
+    | RequestFinished
+    | LoadReport
+)
+_TD_SMOOTHING = 0.05  # weight of a new observation in the moving average of t_d
+
+
+class Conductor:
+    """Global scheduler shared by the live system and the simulator."""
+
+    def __init__(
+        self,
+        config: ConductorConfig,
+        cost_model: CostModel,
+        clock: Clock,
+        rng: random.Random | None = None,
+    ) -> None:
+        if config.coupled_router not in COUPLED_ROUTERS:
+            raise ValueError(
+                f"unknown coupled router {config.coupled_router!r}; "
+                f"choose from {', '.join(COUPLED_ROUTERS)}"
+            )
+        self.config = config
+        self.policy = get_policy(config.policy)
+        self.cost_model = cost_model
+        self.clock = clock
+        self.rng = rng if rng is not None else random.Random(0)
+        self.index = PrefixIndex()
+        self._prefill: dict[str, PrefillState] = {}
+        self._decode: dict[str, DecodeState] = {}
+        self._coupled: set[str] = set()
+        self._placements: dict[str, tuple[str, str]] = {}
+        self._decode_time_s = config.decode_time_estimate_s
+        self._round_robin = 0
+        self._hot = HotSpotPlanner(
+            config.hot_min_requests, config.hot_window_s, config.hot_max_replicas
+        )
+
+    # -- membership ----------------------------------------------------------------------
+    def add_prefill_instance(self, instance_id: str, cost_model: CostModel | None = None) -> None:
+        """Register a prefill instance (its own cost model, or the Conductor's)."""
+        self._prefill[instance_id] = PrefillState(instance_id, cost_model or self.cost_model)
+        self.index.add_instance(instance_id)
+
+    def add_decode_instance(
+        self,
+        instance_id: str,
+        cost_model: CostModel | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """Register a decode instance and its KV capacity in tokens."""
+        cm = cost_model or self.cost_model
+        capacity = cm.kv_capacity_tokens() if kv_capacity_tokens is None else kv_capacity_tokens
+        self._decode[instance_id] = DecodeState(instance_id, cm, capacity)
+
+    def add_coupled_instance(
+        self,
+        instance_id: str,
+        cost_model: CostModel | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """Register an instance that does both prefill and decode (vLLM-like)."""
+        self.add_prefill_instance(instance_id, cost_model)
+        self.add_decode_instance(instance_id, cost_model, kv_capacity_tokens)
+        self._coupled.add(instance_id)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Stop placing on ``instance_id`` and forget its blocks."""
+        self._prefill.pop(instance_id, None)
+        self._decode.pop(instance_id, None)
+        self._coupled.discard(instance_id)
+        self.index.remove_instance(instance_id)
+
+    @property
+    def prefill_instances(self) -> tuple[str, ...]:
+        """Instances that accept prefill work (disaggregated ones only)."""
+        return tuple(i for i in self._prefill if i not in self._coupled)
+
+    @property
+    def decode_instances(self) -> tuple[str, ...]:
+        """Disaggregated decode instances."""
+        return tuple(i for i in self._decode if i not in self._coupled)
+
+    @property
+    def coupled_instances(self) -> tuple[str, ...]:
+        """Coupled instances."""
+        return tuple(i for i in self._prefill if i in self._coupled)
+
+    def queue_s(self, instance_id: str) -> float:
+        """Estimated prefill queue time on an instance now."""
+        return self._prefill[instance_id].queue_s(self.clock.now())
+
+    @property
+    def decode_time_estimate_s(self) -> float | None:
+        """The uniform decode duration t_d used by prediction (configured or learned)."""
+        return self._decode_time_s
+
+    # -- events ----------------------------------------------------------------------------
+    def handle(self, event: Event) -> None:
+        """Apply one event from an instance."""
+        now = self.clock.now()
+        if isinstance(event, BlockStored):
+            if event.instance_id in self._prefill:
+                self.index.stored(event.instance_id, event.block_hash, event.tier)
+        elif isinstance(event, BlockEvicted):
+            self.index.evicted(event.instance_id, event.block_hash, event.tier)
+        elif isinstance(event, PrefillStarted):
+            if (state := self._prefill.get(event.instance_id)) is not None:
+                state.start(event.request_id, now)
+        elif isinstance(event, PrefillFinished):
+            if (state := self._prefill.get(event.instance_id)) is not None:
+                state.finish(event.request_id)
+        elif isinstance(event, DecodeStarted):
+            if (dstate := self._decode.get(event.instance_id)) is not None:
+                dstate.start(event.request_id, now)
+        elif isinstance(event, RequestFinished):
+            self._finish(event.request_id, now)
+        elif isinstance(event, LoadReport):
+            self._apply_report(event)
+        else:
+            raise TypeError(f"unknown event {event!r}")
+
+    def _finish(self, request_id: str, now_s: float) -> None:
+        prefill_id, decode_id = self._placements.pop(request_id, ("", ""))
+        if (state := self._prefill.get(prefill_id)) is not None:
+            state.finish(request_id)
+        if (dstate := self._decode.get(decode_id)) is not None:
+            started = dstate.finish(request_id)
+            if started is not None and self.config.decode_time_estimate_s is None:
+                sample = now_s - started
+                old = self._decode_time_s
+                self._decode_time_s = (
+                    sample if old is None else old + _TD_SMOOTHING * (sample - old)
+                )
+
+    def _apply_report(self, report: LoadReport) -> None:
+        if (state := self._prefill.get(report.instance_id)) is not None:
+            state.report(report.queued_prefill_tokens, self.clock.now())
+        dstate = self._decode.get(report.instance_id)
+        if dstate is None:
+            return
+        dstate.reported_running = report.num_running
+        dstate.reported_context_tokens = report.context_tokens
+        if report.kv_capacity_tokens:
+            dstate.kv_capacity_tokens = report.kv_capacity_tokens
+
+    # -- placement -------------------------------------------------------------------------
+    def _local_candidates(
+        self, request: Request, instance_ids: Sequence[str], matched_blocks: dict[str, int]
+    ) -> list[PrefillCandidate]:
+        now = self.clock.now()
+        block = request.block_size_tokens
+        out = []
+        for iid in instance_ids:
+            state = self._prefill[iid]
+            cached = min(matched_blocks[iid] * block, request.input_length - 1)
+            out.append(
+                PrefillCandidate(
+                    iid,
+                    cached,
+                    iid,
+                    state.queue_s(now),
+                    state.cost_model.prefill_time_s(request.input_length - cached, cached),
+                    0.0,
+                )
+            )
+        return out
+
+    def _remote_candidates(
+        self,
+        request: Request,
+        local: Sequence[PrefillCandidate],
+        matched_blocks: dict[str, int],
+    ) -> list[PrefillCandidate]:
+        """Candidates that first fetch the longest prefix held anywhere (paper, step 3c)."""
+        block = request.block_size_tokens
+        source = max(matched_blocks, key=matched_blocks.__getitem__)  # first on ties
+        best_blocks = matched_blocks[source]
+        threshold_tokens = self.config.kvcache_balancing_threshold * request.input_length
+        out = []
+        for cand in local:
+            missing_blocks = best_blocks - matched_blocks[cand.instance_id]
+            if missing_blocks <= 0 or missing_blocks * block <= threshold_tokens:
+                continue
+            cm = self._prefill[cand.instance_id].cost_model
+            cached = min(best_blocks * block, request.input_length - 1)
+            out.append(
+                PrefillCandidate(
+                    cand.instance_id,
+                    cached,
+                    source,
+                    cand.queue_s,
+                    cm.prefill_time_s(request.input_length - cached, cached),
+                    cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token),
+                )
+            )
+        return out
+
+    def prefill_candidates(self, request: Request) -> list[PrefillCandidate]:
+        """Every placement the policy may choose from for ``request``."""
+        ids = self.prefill_instances
+        matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
+        local = self._local_candidates(request, ids, matched)
+        if self.policy.uses_remote_prefixes and local:
+            return local + self._remote_candidates(request, local, matched)
+        return local
+
+    def _t_d(self, request: Request, dstate: DecodeState) -> float:
+        if self._decode_time_s is not None:
+            return self._decode_time_s
+        step = dstate.step_time_s(dstate.num_running + 1, dstate.context_tokens)
+        return request.output_length * step  # before any observation: this request's own
+
+    def _decode_candidate(
+        self, request: Request, dstate: DecodeState, ready_s: float
+    ) -> DecodeCandidate:
+        """Estimated TBT on ``dstate`` once the request joins.
+
+        ``predict``: the batch at ``ready_s`` (the request's expected prefill end) is the
+        running requests that will not have finished by then (uniform decode time t_d)
+        plus every placed request whose prefill ends by then. Otherwise the batch counts
+        running and incoming requests as they are now.
+        """
+        if self.config.early_reject == "predict":
+            t_d = self._t_d(request, dstate)
+            members = [c for start, c in dstate.running.values() if start + t_d > ready_s]
+            members += [c for done, c in dstate.incoming.values() if done <= ready_s]
+            num, ctx = len(members), sum(members)
+        else:
+            num = dstate.num_running + len(dstate.incoming)
+            ctx = dstate.committed_tokens
+        num += 1
+        ctx += request.input_length
+        return DecodeCandidate(dstate.instance_id, num, ctx, dstate.step_time_s(num, ctx))
+
+    def _rejection(
+        self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate
+    ) -> str:
+        mode = self.config.early_reject
+        if mode == "none":
+            return ""
+        slo = self.config.slo
+        if chosen.ttft_s > slo.ttft_s:
+            return (
+                f"estimated TTFT {chosen.ttft_s:.2f}s on {chosen.instance_id} exceeds "
+                f"the {slo.ttft_s:g}s SLO"
+            )
+        dstate = self._decode[decode.instance_id]
+        if mode == "snapshot":
+            num = dstate.num_running + 1
+            tbt_s = dstate.step_time_s(num, dstate.context_tokens + request.input_length)
+        else:
+            tbt_s = decode.est_tbt_s
+        if tbt_s > slo.tbt_s:
+            return (
+                f"estimated TBT {tbt_s * 1e3:.1f}ms on {decode.instance_id} ({mode}) "
+                f"exceeds the {slo.tbt_s * 1e3:g}ms SLO"
+            )
+        need = request.input_length + request.output_length
+        if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
+            return (
+                f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "
+                f"tokens > capacity {dstate.kv_capacity_tokens}"
+            )
+        return ""
+
+    def schedule(self, request: Request) -> Decision:
+        """Place ``request`` on a prefill and a decode instance, or reject it."""
+        policy = self.policy.name
+        candidates = self.prefill_candidates(request)
+        if not candidates or not self.decode_instances:
+            return Decision(
+                request.request_id,
+                policy,
+                False,
+                None,
+                None,
+                reject_reason="no prefill or decode instance available",
+                candidates=tuple(candidates),
+                why="cluster has no capacity",
+            )
+        chosen = self.policy.choose(candidates, self.rng)
+        ready_s = self.clock.now() + chosen.ttft_s
+        decodes = [
+            self._decode_candidate(request, self._decode[d], ready_s) for d in self.decode_instances
+        ]
+        decode = min(decodes, key=lambda d: d.est_tbt_s)
+        why = (
+            f"{policy}: {chosen.instance_id} (prefix from {chosen.cache_source}, "
+            f"est TTFT {chosen.ttft_s:.3f}s); decode {decode.instance_id} "
+            f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
+        )
+        reason = self._rejection(request, chosen, decode)
+        if reason:
+            return Decision(
+                request.request_id,
+                policy,
+                False,
+                chosen,
+                decode,
+                reason,
+                tuple(candidates),
+                tuple(decodes),
+                why=why,
+            )
+        replications = self._commit(request, chosen, decode.instance_id, ready_s)
+        return Decision(
+            request.request_id,
+            policy,
+            True,
+            chosen,
+            decode,
+            "",
+            tuple(candidates),
+            tuple(decodes),
+            replications,
+            why,
+        )
+
+    def route_coupled(self, request: Request) -> Decision:
+        """Pick a coupled instance by the configured router (no early rejection)."""
+        ids = self.coupled_instances
+        router = self.config.coupled_router
+        if not ids:
+            return Decision(
+                request.request_id,
+                router,
+                False,
+                None,
+                None,
+                reject_reason="no coupled instance available",
+                why="cluster has no capacity",
+            )
+        matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
+        cands = self._local_candidates(request, ids, matched)
+
+        def load(c: PrefillCandidate) -> tuple[float, int]:
+            return (c.queue_s, self._decode[c.instance_id].num_running)
+
+        if router == "round-robin":
+            chosen = cands[self._round_robin % len(cands)]
+            self._round_robin += 1
+        elif router == "least-load":
+            chosen = min(cands, key=load)
+        else:
+            chosen = min(cands, key=lambda c: (-c.cached_tokens, *load(c)))
+        ready_s = self.clock.now() + chosen.ttft_s
+        decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
+        self._commit(request, chosen, chosen.instance_id, ready_s)
+        return Decision(
+            request.request_id,
+            router,
+            True,
+            chosen,
+            decode,
+            "",
+            tuple(cands),
+            (decode,),
+            why=f"{router}: {chosen.instance_id} (cached {chosen.cached_tokens} tokens)",
+        )
+
+    def _commit(
+        self, request: Request, chosen: PrefillCandidate, decode_id: str, ready_s: float
+    ) -> tuple[ReplicationPlan, ...]:
+        """Book the placement and plan any replication it calls for."""
+        rid = request.request_id
+        new_tokens = request.input_length - chosen.cached_tokens
+        self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
+        self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
+        self._placements[rid] = (chosen.instance_id, decode_id)
+        block = request.block_size_tokens
+        num_cached_blocks = chosen.cached_tokens // block
+        prefix = request.block_hashes[:num_cached_blocks]
+        plans = []
+        if chosen.is_remote and self.config.replicate_remote_prefixes:
+            missing = [h for h in prefix if not self.index.holds(chosen.instance_id, h)]
+            plans.append(
+                ReplicationPlan(
+                    chosen.cache_source, chosen.instance_id, tuple(missing), "remote prefix"
+                )
+            )
+        if chosen.instance_id not in self._coupled:
+            hot = self._hot.observe(
+                self.clock.now(), prefix, self.index, self.prefill_instances, self.queue_s
+            )
+            if hot is not None:
+                plans.append(hot)
+        return tuple(plans)

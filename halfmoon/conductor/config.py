@@ -1,0 +1,56 @@
+"""The Conductor's configuration (frozen; every knob documented)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from halfmoon.core.config import SLOConfig
+
+EARLY_REJECT_MODES = ("none", "snapshot", "predict")
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    """How the Conductor places and rejects requests.
+
+    - ``policy``: prefill placement policy (see ``halfmoon.conductor.policies.POLICIES``).
+    - ``block_size_tokens``: tokens per hashed block of the requests it sees.
+    - ``early_reject``: ``none`` (admit everything), ``snapshot`` (reject when the estimated
+      TTFT or the decode TBT *now* breaks the SLO), ``predict`` (TBT at the moment the
+      request's prefill would finish, from the paper's load prediction).
+    - ``kvcache_balancing_threshold``: the kvcache-centric policy fetches a remote prefix
+      only when it is longer than the local one by more than this fraction of the prompt.
+    - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
+      None learns it as a moving average of observed decode durations.
+    - ``replicate_remote_prefixes``: plan a copy of remotely fetched blocks to the chosen
+      instance (they arrive there anyway; the plan makes the copy a cached one).
+    - Hot-spot replication: a prefix (identified by its last cached block) used by at least
+      ``hot_min_requests`` requests within ``hot_window_s`` seconds is copied to more
+      instances, up to ``hot_max_replicas`` holders; 0 disables it.
+    - ``coupled_router``: how coupled (prefill+decode) instances are chosen.
+    """
+
+    policy: str = "kvcache-centric"
+    block_size_tokens: int = 512
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    early_reject: str = "none"
+    kvcache_balancing_threshold: float = 0.1
+    decode_time_estimate_s: float | None = None
+    replicate_remote_prefixes: bool = True
+    hot_min_requests: int = 8
+    hot_window_s: float = 60.0
+    hot_max_replicas: int = 2
+    coupled_router: str = "cache-aware"
+
+    def __post_init__(self) -> None:
+        if self.early_reject not in EARLY_REJECT_MODES:
+            raise ValueError(
+                f"unknown early-reject mode {self.early_reject!r}; "
+                f"choose from {', '.join(EARLY_REJECT_MODES)}"
+            )
+        if self.block_size_tokens < 1:
+            raise ValueError(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
+        if not 0 <= self.kvcache_balancing_threshold <= 1:
+            raise ValueError("kvcache_balancing_threshold must be in [0, 1]")
+        if self.hot_min_requests < 0 or self.hot_window_s <= 0 or self.hot_max_replicas < 0:
+            raise ValueError("hot-spot parameters must be non-negative (window positive)")

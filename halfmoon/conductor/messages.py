@@ -1,0 +1,177 @@
+"""Messages into and out of the Conductor: events, load reports and decision records.
+
+The Conductor learns cluster state only from these events, exactly as it would over the
+network; the simulator and the live workers both produce them.
+
+Request lifecycle events, in order, for a disaggregated request placed on (P, D)::
+
+    schedule() -> PrefillStarted(P) -> PrefillFinished(P) -> DecodeStarted(D) -> RequestFinished(D)
+
+A coupled instance plays both roles and sends the same events with its own id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIERS = ("dram", "ssd")
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """``instance_id`` now holds ``block_hash`` in ``tier``."""
+
+    instance_id: str
+    block_hash: int
+    tier: str = "dram"
+
+
+@dataclass(frozen=True)
+class BlockEvicted:
+    """``instance_id`` no longer holds ``block_hash`` in ``tier``."""
+
+    instance_id: str
+    block_hash: int
+    tier: str = "dram"
+
+
+@dataclass(frozen=True)
+class PrefillStarted:
+    """The instance began computing the request's prefill."""
+
+    instance_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PrefillFinished:
+    """The request's prefill is done (its KV is on its way to the decode instance)."""
+
+    instance_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class DecodeStarted:
+    """The decode instance admitted the request into its batch."""
+
+    instance_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """The request left ``instance_id`` (finished, rejected after prefill, or aborted)."""
+
+    instance_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """An instance's own view of its load; overrides the Conductor's bookkeeping.
+
+    ``queued_prefill_tokens`` counts uncached prompt tokens waiting or running on a prefill
+    instance; ``num_running`` / ``context_tokens`` describe a decode batch; ``kv_*`` its
+    KV memory in tokens.
+    """
+
+    instance_id: str
+    num_running: int = 0
+    context_tokens: int = 0
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    queued_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    """One way to run the prefill: on ``instance_id``, with its prefix from ``cache_source``."""
+
+    instance_id: str
+    cached_tokens: int
+    cache_source: str
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        """Estimated time to first token if this candidate is chosen."""
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the prefix is fetched from another instance."""
+        return self.cache_source != self.instance_id
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """Estimated decode step time on ``instance_id`` once the request joins."""
+
+    instance_id: str
+    num_running: int
+    context_tokens: int
+    est_tbt_s: float
+
+
+@dataclass(frozen=True)
+class ReplicationPlan:
+    """Copy ``block_hashes`` from ``source`` to ``target`` (prefix migration or hot spot)."""
+
+    source: str
+    target: str
+    block_hashes: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The Conductor's answer for one request, with everything it considered.
+
+    When ``accepted`` is False, ``reject_reason`` says why and nothing was placed.
+    """
+
+    request_id: str
+    policy: str
+    accepted: bool
+    prefill: PrefillCandidate | None
+    decode: DecodeCandidate | None
+    reject_reason: str = ""
+    candidates: tuple[PrefillCandidate, ...] = ()
+    decode_candidates: tuple[DecodeCandidate, ...] = ()
+    replications: tuple[ReplicationPlan, ...] = field(default=())
+    why: str = ""
+
+    @property
+    def est_ttft_s(self) -> float | None:
+        """Estimated TTFT of the chosen placement."""
+        return None if self.prefill is None else self.prefill.ttft_s
+
+    def explain(self) -> str:
+        """A human-readable table of the candidates and the choice."""
+        lines = [f"request {self.request_id} policy={self.policy}: {self.why}"]
+        lines.append(
+            f"  {'prefill':<10} {'source':<10} {'cached':>8} {'queue_s':>8} "
+            f"{'xfer_s':>8} {'prefill_s':>9} {'ttft_s':>8}"
+        )
+        for c in self.candidates:
+            mark = "*" if c == self.prefill else " "
+            lines.append(
+                f" {mark}{c.instance_id:<10} {c.cache_source:<10} {c.cached_tokens:>8} "
+                f"{c.queue_s:>8.3f} {c.transfer_s:>8.3f} {c.prefill_s:>9.3f} {c.ttft_s:>8.3f}"
+            )
+        for d in self.decode_candidates:
+            mark = "*" if d == self.decode else " "
+            lines.append(
+                f" {mark}{d.instance_id:<10} running={d.num_running} "
+                f"context={d.context_tokens} est_tbt_s={d.est_tbt_s:.4f}"
+            )
+        if not self.accepted:
+            lines.append(f"  REJECTED: {self.reject_reason}")
+        for r in self.replications:
+            lines.append(
+                f"  replicate {len(r.block_hashes)} blocks {r.source} -> {r.target} ({r.reason})"
+            )
+        return "\n".join(lines)

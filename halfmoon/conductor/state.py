@@ -1,0 +1,126 @@
+"""The Conductor's per-instance bookkeeping, kept from its own placements and events.
+
+Nothing here talks to an instance: the Conductor records what it placed, and the
+lifecycle events (PrefillStarted/Finished, DecodeStarted, RequestFinished) and load
+reports move requests along or correct the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from halfmoon.costmodel.base import CostModel
+
+
+@dataclass
+class PrefillState:
+    """Prefill work placed on one instance and not yet finished (FIFO).
+
+    ``queue_s(now)`` is the paper's T_queue: the estimated prefill time of everything
+    ahead of a new request, less what the running ones have already done.
+    """
+
+    instance_id: str
+    cost_model: CostModel
+    pending_s: dict[str, float] = field(default_factory=dict)
+    pending_tokens: dict[str, int] = field(default_factory=dict)
+    started_at_s: dict[str, float] = field(default_factory=dict)
+    total_pending_s: float = 0.0
+    reported_queue_s: float = 0.0
+    reported_at_s: float = 0.0
+
+    def add(self, request_id: str, prefill_s: float, new_tokens: int) -> None:
+        """Queue a placed request."""
+        self.pending_s[request_id] = prefill_s
+        self.pending_tokens[request_id] = new_tokens
+        self.total_pending_s += prefill_s
+
+    def start(self, request_id: str, now_s: float) -> None:
+        """The instance began this request's prefill."""
+        if request_id in self.pending_s:
+            self.started_at_s[request_id] = now_s
+
+    def finish(self, request_id: str) -> None:
+        """The prefill is over (done, failed or aborted)."""
+        est = self.pending_s.pop(request_id, None)
+        if est is not None:
+            self.total_pending_s -= est
+        self.pending_tokens.pop(request_id, None)
+        self.started_at_s.pop(request_id, None)
+        if not self.pending_s:
+            self.total_pending_s = 0.0  # no float drift once empty
+
+    def report(self, queued_prefill_tokens: int, now_s: float) -> None:
+        """The instance says how many uncached tokens it has queued (work the Conductor
+        may not know of, e.g. after a restart)."""
+        self.reported_queue_s = self.cost_model.prefill_time_s(queued_prefill_tokens, 0)
+        self.reported_at_s = now_s
+
+    def queue_s(self, now_s: float) -> float:
+        """Estimated seconds until a newly queued request could start.
+
+        The larger of the Conductor's own bookkeeping and the instance's last report
+        (drained at one second of work per second since it was made).
+        """
+        done = 0.0
+        for rid, start in self.started_at_s.items():
+            done += min(self.pending_s[rid], max(0.0, now_s - start))
+        booked = self.total_pending_s - done
+        reported = self.reported_queue_s - (now_s - self.reported_at_s)
+        return max(0.0, booked, reported)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Uncached prompt tokens still to prefill."""
+        return sum(self.pending_tokens.values())
+
+
+@dataclass
+class DecodeState:
+    """Requests decoding on, or heading to, one decode instance.
+
+    ``incoming`` maps a request to (expected prefill-done time, context tokens);
+    ``running`` to (decode start time, context tokens).
+    """
+
+    instance_id: str
+    cost_model: CostModel
+    kv_capacity_tokens: int
+    running: dict[str, tuple[float, int]] = field(default_factory=dict)
+    incoming: dict[str, tuple[float, int]] = field(default_factory=dict)
+    reported_running: int | None = None
+    reported_context_tokens: int | None = None
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the decode batch (a load report wins over bookkeeping)."""
+        return len(self.running) if self.reported_running is None else self.reported_running
+
+    @property
+    def context_tokens(self) -> int:
+        """KV tokens the batch reads per step."""
+        if self.reported_context_tokens is not None:
+            return self.reported_context_tokens
+        return sum(ctx for _, ctx in self.running.values())
+
+    @property
+    def committed_tokens(self) -> int:
+        """KV tokens of running plus incoming requests."""
+        return self.context_tokens + sum(ctx for _, ctx in self.incoming.values())
+
+    def step_time_s(self, num_running: int, context_tokens: int) -> float:
+        """Estimated decode step for a batch of that shape."""
+        return self.cost_model.decode_step_time_s(max(1, num_running), context_tokens)
+
+    def start(self, request_id: str, now_s: float) -> None:
+        """The request joined the batch."""
+        _, ctx = self.incoming.pop(request_id, (now_s, 0))
+        self.running[request_id] = (now_s, ctx)
+        self.reported_running = self.reported_context_tokens = None
+
+    def finish(self, request_id: str) -> float | None:
+        """The request left; returns its decode duration start->now if it was running."""
+        self.incoming.pop(request_id, None)
+        entry = self.running.pop(request_id, None)
+        self.reported_running = self.reported_context_tokens = None
+        return None if entry is None else entry[0]
