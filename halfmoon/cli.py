@@ -20,7 +20,12 @@ from halfmoon.core.errors import HalfmoonError
 #: Modules that add subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES = (
     "halfmoon.workload.cli",
+    "halfmoon.sim.cli",
+    "halfmoon.engine.cli",
     "halfmoon.demo",
+    "halfmoon.serve.launcher",
+    "halfmoon.serve.worker_main",
+    "halfmoon.serve.conductor_main",
 )
 
 

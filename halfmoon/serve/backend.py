@@ -1,0 +1,62 @@
+"""What the gateway needs from whatever generates tokens: the :class:`Backend` protocol.
+
+The disaggregated cluster (Conductor + prefill + decode workers) and the coupled cluster
+both implement it, so the HTTP layer is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New output token ids of one request; the last chunk carries ``finish_reason``.
+
+    ``cached_tokens`` (prompt tokens served from a prefix cache) and ``est_ttft_s`` (the
+    Conductor's estimate) come with the first chunk when known.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    cached_tokens: int | None = None
+    est_ttft_s: float | None = None
+
+
+class Rejected(HalfmoonError):
+    """The cluster declined the request up front (early rejection, overload)."""
+
+    def __init__(self, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class BackendError(HalfmoonError):
+    """The request failed inside the cluster (a worker died, a transfer timed out)."""
+
+
+class Backend(Protocol):
+    """Generates tokens for the gateway."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's output; raises :class:`Rejected` before the first chunk
+        when the request is declined, :class:`BackendError` when it fails."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds (idempotent)."""
+        ...
+
+    async def health(self) -> dict[str, Any]:
+        """A small status map; raises when the cluster is not serving."""
+        ...

@@ -1,0 +1,218 @@
+"""The gateway's :class:`~halfmoon.serve.backend.Backend` over a live cluster.
+
+It asks the Conductor service for a placement, then talks to the workers directly:
+
+- coupled: ``generate`` to the chosen worker, which streams ``tokens`` back;
+- disaggregated: ``expect`` to the decode worker (it will stream the tokens), then
+  ``prefill`` to the prefill worker with the decode worker's transfer endpoint; the
+  prefill worker streams the KV layer by layer to the decode worker and sends the first
+  token back itself.
+
+One asyncio DEALER socket per peer; a receive task per socket routes each reply to the
+request's queue. A request that sees no progress for ``token_timeout_s`` fails with
+:class:`BackendError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.core.request import SamplingParams
+from halfmoon.serve.backend import BackendError, GenerationChunk, Rejected
+from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wire
+from halfmoon.serve.wire import params_to_wire
+
+log = logging.getLogger(__name__)
+
+
+class _Peer:
+    """One DEALER connection and the task reading it."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.task: asyncio.Task | None = None
+
+
+class ClusterBackend:
+    """Generates through the Conductor and the workers of one cluster."""
+
+    def __init__(
+        self,
+        conductor_endpoint: str,
+        secret: bytes,
+        block_size: int,
+        mode: str = "disaggregated",
+        expected_instances: int = 0,
+        token_timeout_s: float = 120.0,
+    ) -> None:
+        if mode not in ("disaggregated", "coupled"):
+            raise ValueError(f"unknown mode {mode!r}")
+        self.secret = secret
+        self.block_size = block_size
+        self.mode = mode
+        self.expected_instances = expected_instances
+        self.token_timeout_s = token_timeout_s
+        self._conductor_endpoint = conductor_endpoint
+        self._ctx: zmq.asyncio.Context | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._routes: dict[str, tuple[str, ...]] = {}
+        self._ids = itertools.count(1)
+
+    # -- sockets -------------------------------------------------------------------------------
+    def _peer(self, endpoint: str) -> _Peer:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            peer = self._peers[endpoint] = _Peer(self._ctx, endpoint)
+            peer.task = asyncio.get_running_loop().create_task(self._receive(peer))
+        return peer
+
+    async def _receive(self, peer: _Peer) -> None:
+        while True:
+            frames = await peer.sock.recv_multipart()
+            try:
+                msg = decode(frames, self.secret)
+            except ProtocolError as exc:
+                log.warning("dropped a reply: %s", exc)
+                continue
+            msg_id = msg.get("msg_id")
+            if msg_id is not None and msg_id in self._calls:
+                fut = self._calls.pop(msg_id)
+                if not fut.done():
+                    fut.set_result(msg)
+                continue
+            queue = self._queues.get(str(msg.get("request_id")))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
+        await self._peer(endpoint).sock.send_multipart(encode(msg, self.secret))
+
+    async def _call(self, endpoint: str, msg: dict[str, Any], timeout_s: float) -> dict:
+        msg_id = next(self._ids)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._calls[msg_id] = fut
+        try:
+            await self._send(endpoint, {**msg, "msg_id": msg_id})
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise BackendError(f"no answer from {endpoint} within {timeout_s:g}s") from None
+        finally:
+            self._calls.pop(msg_id, None)
+
+    async def close(self) -> None:
+        """Cancel receive tasks and close sockets."""
+        for peer in self._peers.values():
+            if peer.task is not None:
+                peer.task.cancel()
+            peer.sock.close(0)
+        self._peers.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # -- Backend -------------------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        """The Conductor's view; fails until every expected worker has registered."""
+        pong = await self._call(self._conductor_endpoint, {"type": "ping"}, 5.0)
+        instances = pong.get("instances", {})
+        if len(instances) < self.expected_instances:
+            raise BackendError(f"{len(instances)} of {self.expected_instances} workers registered")
+        return {"mode": self.mode, "instances": instances}
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """Place the request, start it, and stream its tokens."""
+        decision = await self._place(request_id, prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            await self._start(request_id, prompt_token_ids, params, decision)
+            first = True
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), self.token_timeout_s)
+                except TimeoutError:
+                    raise BackendError(
+                        f"no progress for {self.token_timeout_s:g}s on request {request_id}"
+                    ) from None
+                if msg["type"] == "error":
+                    raise BackendError(str(msg.get("error")))
+                finish = msg.get("finish_reason")
+                chunk = GenerationChunk(
+                    tuple(msg.get("token_ids", ())),
+                    finish,
+                    decision.get("cached_tokens") if first else None,
+                    decision.get("est_ttft_s") if first else None,
+                )
+                first = False
+                yield chunk
+                if finish is not None:
+                    self._routes.pop(request_id, None)
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    async def _place(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> dict[str, Any]:
+        hashes = hash_blocks(prompt_token_ids, self.block_size).full
+        decision = await self._call(self._conductor_endpoint, {
+            "type": "schedule", "request_id": request_id,
+            "input_length": len(prompt_token_ids), "output_length": params.max_tokens,
+            "block_size": self.block_size, "hashes": hashes_to_wire(hashes),
+            "coupled": self.mode == "coupled",
+        }, 10.0)  # fmt: skip
+        if decision.get("type") != "decision":
+            raise BackendError(f"conductor error: {decision.get('error')}")
+        if not decision["accepted"]:
+            raise Rejected(decision["reject_reason"])
+        return decision
+
+    async def _start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        decision: dict[str, Any],
+    ) -> None:
+        wire_params = params_to_wire(params)
+        prefill = decision["prefill"]["command"]
+        if self.mode == "coupled":
+            self._routes[request_id] = (prefill,)
+            await self._send(prefill, {
+                "type": "generate", "request_id": request_id,
+                "token_ids": list(prompt_token_ids), "params": wire_params,
+            })  # fmt: skip
+            return
+        decode_ep = decision["decode"]
+        self._routes[request_id] = (prefill, decode_ep["command"])
+        await self._send(decode_ep["command"], {
+            "type": "expect", "request_id": request_id, "params": wire_params,
+            "num_prompt_tokens": len(prompt_token_ids),
+        })  # fmt: skip
+        await self._send(prefill, {
+            "type": "prefill", "request_id": request_id, "token_ids": list(prompt_token_ids),
+            "params": wire_params, "decode": decode_ep, "cache_source": decision["cache_source"],
+            "cached_tokens": decision["cached_tokens"],
+            "replications": decision.get("replications", []),
+        })  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        """Tell every worker the request touched to drop it."""
+        for endpoint in self._routes.pop(request_id, ()):
+            await self._send(endpoint, {"type": "abort", "request_id": request_id})

@@ -1,0 +1,213 @@
+"""The Conductor as a process: a ZeroMQ ROUTER socket in front of :class:`Conductor`.
+
+Workers register themselves and stream events; the gateway asks for placements. Every
+message is signed (:mod:`halfmoon.serve.protocol`); a message that fails to verify is
+dropped and counted, never answered. Messages (``type``):
+
+- ``register``: instance_id, role (prefill | decode | coupled), command_endpoint,
+  transfer_endpoint, kv_capacity_tokens -> ``registered``
+- ``events``: a batch of lifecycle / block events (no reply)
+- ``schedule``: request_id, input_length, output_length, block_size, hashes (packed) ->
+  ``decision`` (the placement with every endpoint the gateway and workers need, or a
+  rejection with its reason)
+- ``ping`` -> ``pong`` with the registered instances
+Replies echo the request's ``msg_id`` so asynchronous clients can match them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from halfmoon.conductor import (
+    BlockEvicted,
+    BlockStored,
+    Conductor,
+    Decision,
+    DecodeStarted,
+    LoadReport,
+    PrefillFinished,
+    PrefillStarted,
+    RequestFinished,
+)
+from halfmoon.core.request import Request
+from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_from_wire, hashes_to_wire
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "coupled")
+_LIFECYCLE = {
+    "prefill_started": PrefillStarted,
+    "prefill_finished": PrefillFinished,
+    "decode_started": DecodeStarted,
+    "request_finished": RequestFinished,
+}
+
+
+@dataclass(frozen=True)
+class InstanceEndpoints:
+    """Where to reach one worker."""
+
+    instance_id: str
+    role: str
+    command_endpoint: str
+    transfer_endpoint: str
+
+
+def events_from_wire(instance_id: str, items: list[dict[str, Any]]) -> list[Any]:
+    """Turn a worker's event batch into Conductor events."""
+    out: list[Any] = []
+    for item in items:
+        kind = item.get("kind")
+        if kind in ("stored", "evicted"):
+            cls = BlockStored if kind == "stored" else BlockEvicted
+            tier = str(item.get("tier", "dram"))
+            out += [cls(instance_id, h, tier) for h in hashes_from_wire(item["hashes"])]
+        elif kind in _LIFECYCLE:
+            out.append(_LIFECYCLE[kind](instance_id, str(item["request_id"])))
+        elif kind == "load":
+            fields = {
+                k: int(item.get(k, 0))
+                for k in (
+                    "num_running",
+                    "context_tokens",
+                    "kv_used_tokens",
+                    "kv_capacity_tokens",
+                    "queued_prefill_tokens",
+                )
+            }
+            out.append(LoadReport(instance_id, **fields))
+        else:
+            raise ProtocolError(f"unknown event kind {kind!r}")
+    return out
+
+
+class ConductorService:
+    """Serves one :class:`Conductor` on ``endpoint`` (e.g. ``tcp://127.0.0.1:5555``)."""
+
+    def __init__(self, conductor: Conductor, secret: bytes, endpoint: str) -> None:
+        self.conductor = conductor
+        self.secret = secret
+        self.instances: dict[str, InstanceEndpoints] = {}
+        self.num_auth_failures = 0
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close(0)
+
+    def serve_forever(self, poll_ms: int = 200, stop: Any = None) -> None:
+        """Handle messages until ``stop()`` returns true (or forever)."""
+        while stop is None or not stop():
+            if self._sock.poll(poll_ms):
+                self.handle_one()
+
+    def handle_one(self) -> None:
+        """Receive and handle one message (blocking)."""
+        frames = self._sock.recv_multipart(copy=True)
+        identity, rest = frames[0], frames[1:]
+        try:
+            message = decode(rest, self.secret)
+        except ProtocolError as exc:
+            self.num_auth_failures += 1
+            log.warning("dropped a control message: %s", exc)
+            return
+        try:
+            reply = self._dispatch(message)
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+            reply = {"type": "error", "error": f"{type(exc).__name__}: {exc}"}
+        if reply is not None:
+            reply["msg_id"] = message.get("msg_id")
+            self._sock.send_multipart([identity, *encode(reply, self.secret)])
+
+    def _dispatch(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        kind = message["type"]
+        if kind == "events":
+            for event in events_from_wire(str(message["instance_id"]), message["events"]):
+                self.conductor.handle(event)
+            return None
+        if kind == "schedule":
+            return self._schedule(message)
+        if kind == "register":
+            return self._register(message)
+        if kind == "ping":
+            return {"type": "pong", "instances": {i: e.role for i, e in self.instances.items()}}
+        raise ProtocolError(f"unknown message type {kind!r}")
+
+    def _register(self, message: dict[str, Any]) -> dict[str, Any]:
+        role = message["role"]
+        if role not in ROLES:
+            raise ProtocolError(f"unknown role {role!r}")
+        iid = str(message["instance_id"])
+        capacity = int(message.get("kv_capacity_tokens") or 0) or None
+        if role == "prefill":
+            self.conductor.add_prefill_instance(iid)
+        elif role == "decode":
+            self.conductor.add_decode_instance(iid, kv_capacity_tokens=capacity)
+        else:
+            self.conductor.add_coupled_instance(iid, kv_capacity_tokens=capacity)
+        self.instances[iid] = InstanceEndpoints(
+            iid, role, str(message["command_endpoint"]), str(message["transfer_endpoint"])
+        )
+        log.info("registered %s %s at %s", role, iid, message["command_endpoint"])
+        return {"type": "registered", "instance_id": iid}
+
+    def _schedule(self, message: dict[str, Any]) -> dict[str, Any]:
+        request = Request(
+            str(message["request_id"]),
+            self.conductor.clock.now(),
+            int(message["input_length"]),
+            int(message["output_length"]),
+            tuple(hashes_from_wire(message["hashes"])),
+            int(message["block_size"]),
+        )
+        if message.get("coupled"):
+            decision = self.conductor.route_coupled(request)
+        else:
+            decision = self.conductor.schedule(request)
+        return self.decision_to_wire(decision)
+
+    def decision_to_wire(self, decision: Decision) -> dict[str, Any]:
+        """The decision with the endpoints of every instance it names."""
+        reply: dict[str, Any] = {
+            "type": "decision",
+            "accepted": decision.accepted,
+            "reject_reason": decision.reject_reason,
+            "why": decision.why,
+        }
+        if not decision.accepted or decision.prefill is None or decision.decode is None:
+            return reply
+        chosen = decision.prefill
+        reply.update(
+            prefill=self._endpoints(chosen.instance_id),
+            decode=self._endpoints(decision.decode.instance_id),
+            cache_source=self._endpoints(chosen.cache_source),
+            cached_tokens=chosen.cached_tokens,
+            est_ttft_s=chosen.ttft_s,
+            replications=[
+                {
+                    "source": self._endpoints(p.source),
+                    "target": self._endpoints(p.target),
+                    "hashes": hashes_to_wire(p.block_hashes),
+                    "reason": p.reason,
+                }
+                for p in decision.replications
+            ],
+        )
+        return reply
+
+    def _endpoints(self, instance_id: str) -> dict[str, str]:
+        e = self.instances.get(instance_id)
+        if e is None:
+            return {"instance_id": instance_id, "command": "", "transfer": ""}
+        return {
+            "instance_id": instance_id,
+            "command": e.command_endpoint,
+            "transfer": e.transfer_endpoint,
+        }

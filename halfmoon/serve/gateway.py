@@ -1,0 +1,330 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI): validation, tokenization, streaming.
+
+The gateway is written against :class:`~halfmoon.serve.backend.Backend`; placement,
+prefill and decode happen behind it. Routes: ``/v1/completions``,
+``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``, ``/health``, ``/metrics``.
+A client that disconnects mid-stream aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from halfmoon.core.ids import IdGenerator
+from halfmoon.engine.sampling import EngineSamplingParams
+from halfmoon.engine.tokenizer import Tokenizer
+from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejected
+from halfmoon.serve.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    usage,
+)
+from halfmoon.serve.prom import GatewayMetrics
+from halfmoon.serve.text import OutputText
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What the gateway serves and its limits."""
+
+    model_name: str
+    max_model_len: int
+    default_max_tokens: int = 16
+    max_tokens_limit: int = 4096
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    params: EngineSamplingParams
+    stop: tuple[str, ...]
+    include_usage: bool
+    chat: bool
+
+
+class Gateway:
+    """Turns HTTP requests into backend generations (one instance per app)."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, config: GatewayConfig) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self._ids = IdGenerator("cmpl")
+
+    # -- request preparation ---------------------------------------------------------------
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
+        """Validate the model and lengths, tokenize, build sampling parameters."""
+        cfg = self.config
+        if body.model != cfg.model_name:
+            raise _HTTPError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
+                "NotFoundError",
+            )
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt_ids = self.tokenizer.apply_chat_template(messages)
+            max_tokens = body.output_limit(cfg.default_max_tokens)
+        else:
+            prompt_ids = self._completion_prompt(body)
+            max_tokens = body.max_tokens
+        if max_tokens > cfg.max_tokens_limit:
+            raise _HTTPError(
+                400,
+                f"max_tokens {max_tokens} exceeds this server's limit of {cfg.max_tokens_limit}",
+                "BadRequestError",
+            )
+        if len(prompt_ids) + max_tokens > cfg.max_model_len:
+            raise _HTTPError(
+                400,
+                f"this model's maximum context length is {cfg.max_model_len} tokens; the "
+                f"request has {len(prompt_ids)} prompt tokens and asks for {max_tokens} "
+                "output tokens",
+                "BadRequestError",
+            )
+        try:
+            params = EngineSamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                top_k=body.top_k,
+            )
+        except ValueError as exc:
+            raise _HTTPError(400, str(exc), "BadRequestError") from None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _Prepared(
+            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat
+        )
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
+            raise _HTTPError(
+                400, f"prompt token ids must be integers in [0, {vocab})", "BadRequestError"
+            )
+        return list(prompt)
+
+    # -- generation --------------------------------------------------------------------------
+    async def _chunks(self, p: _Prepared) -> AsyncIterator[GenerationChunk]:
+        self.metrics.running.inc()
+        try:
+            async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params):
+                yield chunk
+        finally:
+            self.metrics.running.dec()
+
+    def _observe_end(
+        self,
+        p: _Prepared,
+        arrival: float,
+        times: list[float],
+        out: OutputText,
+        finish: str,
+        cached: int | None,
+        est_ttft: float | None,
+    ) -> None:
+        m = self.metrics
+        if times:
+            m.ttft.observe(times[0] - arrival)
+            m.e2e.observe(times[-1] - arrival)
+            if est_ttft is not None:
+                m.ttft_estimate_error.observe(times[0] - arrival - est_ttft)
+            for a, b in zip(times, times[1:], strict=False):
+                m.itl.observe(b - a)
+        m.prompt_tokens.inc(len(p.prompt_ids))
+        m.generation_tokens.inc(out.num_tokens)
+        m.prefix_cache_queries.inc(len(p.prompt_ids))
+        m.prefix_cache_hits.inc(cached or 0)
+        m.requests.labels(finished_reason=finish).inc()
+
+    async def run(self, p: _Prepared) -> AsyncIterator[tuple[str, str | None, dict | None]]:
+        """Yield (text delta, None, None) as text arrives, then (tail, finish, usage)."""
+        arrival = time.monotonic()
+        out = OutputText(self.tokenizer, p.prompt_ids, p.stop)
+        times: list[float] = []
+        finish: str | None = None
+        cached = est = None
+        pending = ""
+        try:
+            async with aclosing(self._chunks(p)) as chunks:
+                async for chunk in chunks:
+                    if chunk.cached_tokens is not None:
+                        cached, est = chunk.cached_tokens, chunk.est_ttft_s
+                    times += [time.monotonic()] * len(chunk.token_ids)
+                    delta = out.add(chunk.token_ids)
+                    finish = "stop" if out.stopped else chunk.finish_reason
+                    if finish is not None:
+                        pending = delta
+                        if chunk.finish_reason is None:  # our stop string: end it upstream
+                            await self.backend.abort(p.request_id)
+                        break
+                    if delta:
+                        yield delta, None, None
+        except BaseException:
+            await self.backend.abort(p.request_id)
+            raise
+        finish = finish or "abort"
+        self._observe_end(p, arrival, times, out, finish, cached, est)
+        yield pending + out.flush(), finish, usage(len(p.prompt_ids), out.num_tokens, cached)
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
+
+
+def create_app(backend: Backend, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
+    """The FastAPI application serving ``backend``."""
+    gw = Gateway(backend, tokenizer, config)
+    app = FastAPI(title="halfmoon", description="KV-cache-centric disaggregated LLM serving")
+    app.state.gateway = gw
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+                return _error(401, "invalid or missing API key", "AuthenticationError")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            return _error(
+                413, f"request body over {config.max_body_bytes} bytes", "BadRequestError"
+            )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {err.get('msg')}")
+        return _error(400, "; ".join(parts) or "invalid request", "BadRequestError")
+
+    @app.exception_handler(_HTTPError)
+    async def _http_error(_: Request, exc: _HTTPError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.kind, exc.headers)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        try:
+            return {"status": "ok", **(await backend.health())}
+        except Exception as exc:  # any failure means "not healthy"; say why
+            raise _HTTPError(503, f"not ready: {exc}", "ServiceUnavailable") from None
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "halfmoon",
+                    "max_model_len": config.max_model_len,
+                }
+            ],
+        }
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
+        p = gw.prepare(body)
+        stream = gw.run(p)
+        try:
+            first = await anext(stream)
+        except Rejected as exc:
+            gw.metrics.rejections.inc()
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+            raise _HTTPError(
+                429, f"request rejected: {exc.reason}", "RateLimitError", headers
+            ) from None
+        except BackendError as exc:
+            gw.metrics.errors.inc()
+            raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+        if body.stream:
+            return StreamingResponse(
+                _sse(gw, p, body.model, first, stream), media_type="text/event-stream"
+            )
+        text, finish, use = first
+        parts = [text]
+        async for item in stream:
+            parts.append(item[0])
+            finish, use = item[1], item[2]
+        return JSONResponse(
+            completion_body(p.request_id, body.model, "".join(parts), finish, use, p.chat)
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        return await _serve(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await _serve(body)
+
+    return app
+
+
+async def _sse(
+    gw: Gateway, p: _Prepared, model: str, first: tuple, rest: AsyncIterator
+) -> AsyncIterator[bytes]:
+    """Server-sent events; errors after the first byte become an error event."""
+
+    def event(obj: dict) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    opening = True
+    item = first
+    try:
+        while True:
+            text, finish, use = item
+            if text or finish or (opening and p.chat):
+                yield event(chunk_body(p.request_id, model, text, finish, p.chat, opening))
+                opening = False
+            if finish is not None:
+                if p.include_usage:
+                    body = chunk_body(p.request_id, model, None, None, p.chat)
+                    body["choices"] = []
+                    body["usage"] = use
+                    yield event(body)
+                break
+            item = await anext(rest)
+    except BackendError as exc:
+        gw.metrics.errors.inc()
+        yield event(error_body(f"request failed: {exc}", "ServiceUnavailable", 503))
+    finally:
+        await rest.aclose()
+    yield b"data: [DONE]\n\n"

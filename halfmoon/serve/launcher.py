@@ -1,0 +1,244 @@
+"""``halfmoon serve``: start a whole cluster on this machine and serve the OpenAI API.
+
+Starts the Conductor and every worker as its own OS process (each command line names its
+role), waits until all have registered, then runs the gateway in this process. Ctrl-C or
+SIGTERM stops everything; children also die with the launcher (PR_SET_PDEATHSIG), so no
+orphan survives even a SIGKILL of the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.serve.conductor_main import add_conductor_options
+from halfmoon.serve.runtime import SECRET_ENV, free_port, new_secret, setup_logging, warn_if_public
+from halfmoon.serve.worker_main import add_engine_options
+
+_PR_SET_PDEATHSIG = 1
+ENGINE_FLAGS = (
+    "device", "dtype", "kv_cache_mb", "max_num_seqs", "max_model_len", "prefill_chunk_tokens",
+    "num_threads", "block_size", "seed",
+)  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the launcher's own cleanup still stops the children
+
+
+class ProcessGroup:
+    """The child processes of one cluster."""
+
+    def __init__(self, secret: str) -> None:
+        self.env = {**os.environ, SECRET_ENV: secret}
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, *argv: str) -> subprocess.Popen:
+        """Start ``halfmoon ARGV...`` as a child."""
+        cmd = [sys.executable, "-m", "halfmoon.cli", *argv]
+        proc = subprocess.Popen(cmd, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        """Raise if any child has exited."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise HalfmoonError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every child, then SIGKILL the ones still running after ``timeout_s``."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def prepare_model(model: str, seed: int) -> Path:
+    """A model directory: ``model`` itself, or a preset written once under the cache dir."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from halfmoon.engine.loader import PRESETS, create_preset_dir
+
+    if model not in PRESETS:
+        raise HalfmoonError(
+            f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})"
+        )
+    cache = Path(os.environ.get("HALFMOON_CACHE", Path.home() / ".cache" / "halfmoon"))
+    out = cache / "presets" / f"{model}-seed{seed}"
+    if not (out / "model.safetensors").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        create_preset_dir(model, tmp, seed)
+        tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def _engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
+    argv = ["--model", str(model_dir)]
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _conductor_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        "--policy", args.policy, "--coupled-router", args.coupled_router,
+        "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
+        "--tbt-metric", args.tbt_metric, "--early-reject", args.early_reject,
+        "--block-size", str(args.block_size),
+    ]  # fmt: skip
+
+
+def start_cluster(
+    args: argparse.Namespace, group: ProcessGroup, model_dir: Path
+) -> tuple[str, int]:
+    """Spawn the Conductor and the workers; returns (conductor endpoint, worker count)."""
+    conductor_port = free_port(args.internal_host)
+    endpoint = f"tcp://{args.internal_host}:{conductor_port}"
+    group.spawn("conductor", "conductor", "--host", args.internal_host,
+                "--port", str(conductor_port), *_conductor_argv(args))  # fmt: skip
+    if args.mode == "coupled":
+        roles = [("coupled", args.instances)]
+    else:
+        roles = [("prefill", args.prefill), ("decode", args.decode)]
+    engine_argv = _engine_argv(args, model_dir)
+    count = 0
+    for role, n in roles:
+        for i in range(n):
+            group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
+                        "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
+                        "--conductor", endpoint, *engine_argv)  # fmt: skip
+            count += 1
+    return endpoint, count
+
+
+async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_dir: Path,
+                         conductor: str, num_workers: int) -> None:  # fmt: skip
+    import uvicorn
+
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    _QuietServer = _make_quiet_server()  # noqa: N806
+    from halfmoon.serve.cluster import ClusterBackend
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    backend = ClusterBackend(conductor, group.env[SECRET_ENV].encode(), args.block_size,
+                             args.mode, expected_instances=num_workers)  # fmt: skip
+    deadline = time.monotonic() + args.startup_timeout
+    while True:
+        group.check_alive()
+        try:
+            await backend.health()
+            break
+        except HalfmoonError:
+            if time.monotonic() > deadline:
+                raise HalfmoonError(f"cluster not ready after {args.startup_timeout:g}s") from None
+            await asyncio.sleep(0.2)
+    max_len = args.max_model_len or _max_model_len(model_dir)
+    config = GatewayConfig(args.served_model_name or model_dir.name.split("-seed")[0], max_len,
+                           api_key=args.api_key or os.environ.get("HALFMOON_API_KEY"))  # fmt: skip
+    app = create_app(backend, tokenizer, config)
+    server = _QuietServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning", lifespan="off"))  # fmt: skip
+    print(f"halfmoon: serving {config.model_name!r} at http://{args.host}:{args.port}/v1 "
+          f"({args.mode}, {num_workers} workers)", flush=True)  # fmt: skip
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
+    try:
+        await server.serve()
+    finally:
+        await backend.close()
+
+
+def _make_quiet_server() -> type:
+    import contextlib
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn without its own signal capture: the launcher handles SIGINT/SIGTERM so
+        that it can stop its children before exiting (uvicorn would re-raise the signal)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return QuietServer
+
+
+def _max_model_len(model_dir: Path) -> int:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the cluster and serve until interrupted."""
+    log = setup_logging("serve", args.log_level)
+    warn_if_public(args.host, log)
+    if args.mode == "coupled" and args.instances < 1:
+        raise HalfmoonError("--instances must be >= 1")
+    if args.mode == "disaggregated" and (args.prefill < 1 or args.decode < 1):
+        raise HalfmoonError("--prefill and --decode must each be >= 1")
+    model_dir = prepare_model(args.model, args.seed)
+    group = ProcessGroup(new_secret())
+    try:
+        conductor, num_workers = start_cluster(args, group, model_dir)
+        asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        group.stop()
+        log.info("stopped %d processes", len(group.procs))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``halfmoon serve``."""
+    p = subparsers.add_parser(
+        "serve",
+        help="start a local cluster and serve the OpenAI-compatible API",
+        description="Start the Conductor and the workers as processes and serve "
+        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    p.add_argument("--mode", default="disaggregated", choices=("disaggregated", "coupled"))
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    p.add_argument("--instances", type=int, default=2, help="coupled workers (coupled)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--internal-host", default="127.0.0.1", help="address of internal channels")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--api-key", default=None, help="require this bearer token (or $HALFMOON_API_KEY)"
+    )
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--log-level", default="INFO")
+    add_engine_options(p)
+    add_conductor_options(p)
+    p.set_defaults(func=run_serve)

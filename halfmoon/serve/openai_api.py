@@ -1,0 +1,168 @@
+"""OpenAI-compatible request schemas (pydantic, at the edge only) and response builders.
+
+Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
+(``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
+``stream``, ``stream_options.include_usage``, ``n=1``, and vLLM's ``ignore_eos``,
+``min_tokens``, ``top_k``. Unknown fields are ignored, as OpenAI's own server does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` of a streaming request."""
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > 16 or any(not s for s in items):
+            raise ValueError("stop takes at most 16 non-empty strings")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_Common):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str]
+    max_tokens: int = Field(16, ge=1)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(v, str) for v in value) and len(value) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+        elif not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    """One chat message (text content, or a list of text parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The message's text; non-text parts are refused."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def output_limit(self, default: int) -> int:
+        """The requested output length, or ``default``."""
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """The ``usage`` object (with vLLM/OpenAI's cached-token detail)."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def completion_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict | None, chat: bool
+) -> dict[str, Any]:
+    """A complete (non-streaming) response object."""
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chunk_body(
+    rid: str, model: str, delta: str | None, finish: str | None, chat: bool, first: bool = False
+) -> dict[str, Any]:
+    """One streaming chunk; ``delta=None`` with ``finish=None`` makes a usage-only chunk."""
+    if chat:
+        d: dict[str, Any] = {}
+        if first:
+            d["role"] = "assistant"
+        if delta:
+            d["content"] = delta
+        choices = [{"index": 0, "delta": d, "finish_reason": finish}]
+        obj = "chat.completion.chunk"
+    else:
+        choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,96 @@
+"""Prometheus metrics of the gateway, with vLLM-style names under the ``halfmoon:`` prefix.
+
+Each gateway owns its registry (no global state), exposed at ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class GatewayMetrics:
+    """Counters, gauges and histograms the gateway updates per request."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "halfmoon:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "halfmoon:inter_token_latency_seconds",
+            "Gap between consecutive output tokens.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "halfmoon:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_estimate_error = Histogram(
+            "halfmoon:ttft_estimate_error_seconds",
+            "Actual minus the Conductor's estimated TTFT.",
+            buckets=(-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "halfmoon:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "halfmoon:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "halfmoon:prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "halfmoon:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.requests = Counter(
+            "halfmoon:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "halfmoon:request_rejections", "Requests rejected early (HTTP 429).", registry=r
+        )
+        self.errors = Counter(
+            "halfmoon:request_errors", "Requests that failed inside the cluster.", registry=r
+        )
+        self.running = Gauge(
+            "halfmoon:num_requests_running", "Requests being generated.", registry=r
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

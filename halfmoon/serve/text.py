@@ -1,0 +1,61 @@
+"""Turning output token ids into text for the client: incremental detokenization plus
+stop strings, with the hold-back streaming needs.
+
+A stop string may straddle two deltas, so the last ``len(longest stop) - 1`` characters
+are held back until more text arrives or the request ends; when a stop string appears,
+the text is cut just before it and the request finishes with ``stop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputText:
+    """Accumulates one request's output text and decides what may be sent."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""
+        self._sent = 0
+        self.stopped = False
+        self.num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        """All text so far (cut at a stop string once one appeared)."""
+        return self._text
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; returns the text that may be sent now."""
+        for tid in token_ids:
+            if self.stopped:
+                break
+            self.num_tokens += 1
+            delta = self._detok.add(tid)
+            if not delta:
+                continue
+            start = max(0, len(self._text) - self._hold)
+            self._text += delta
+            for s in self._stop:
+                pos = self._text.find(s, start)
+                if pos >= 0:
+                    self._text = self._text[:pos]
+                    self.stopped = True
+                    break
+        limit = len(self._text) if self.stopped else max(self._sent, len(self._text) - self._hold)
+        out = self._text[self._sent : limit]
+        self._sent = limit
+        return out
+
+    def flush(self) -> str:
+        """The held-back remainder, at the end of the request."""
+        out = self._text[self._sent :]
+        self._sent = len(self._text)
+        return out

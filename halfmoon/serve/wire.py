@@ -1,0 +1,34 @@
+"""Conversions between control-plane maps and the records they carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from halfmoon.core.request import SamplingParams
+
+_PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "min_tokens")
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """Sampling parameters as a plain map (stop strings stay with the gateway)."""
+    out = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    out["top_k"] = int(getattr(params, "top_k", 0))
+    out["stop_token_ids"] = list(getattr(params, "stop_token_ids", ()))
+    return out
+
+
+def params_from_wire(data: dict[str, Any]) -> SamplingParams:
+    """The engine's sampling parameters from :func:`params_to_wire`'s map."""
+    from halfmoon.engine.sampling import EngineSamplingParams
+
+    seed = data.get("seed")
+    return EngineSamplingParams(
+        max_tokens=int(data["max_tokens"]),
+        temperature=float(data["temperature"]),
+        top_p=float(data["top_p"]),
+        seed=None if seed is None else int(seed),
+        ignore_eos=bool(data.get("ignore_eos", False)),
+        min_tokens=int(data.get("min_tokens", 0)),
+        top_k=int(data.get("top_k", 0)),
+        stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
+    )

@@ -1,0 +1,82 @@
+"""``halfmoon worker``: one prefill, decode or coupled worker process.
+
+Started by ``halfmoon serve``, or by hand to join a running cluster (its command line
+names its role, so ``ps`` tells the workers apart)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from halfmoon.serve.runtime import load_secret, setup_logging, stop_event_on_signals, warn_if_public
+
+ROLES = ("prefill", "decode", "coupled")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``halfmoon worker`` and ``halfmoon serve``."""
+    parser.add_argument("--model", default="tiny", help="model directory or preset (tiny, small)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool per worker, MiB")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig the options describe."""
+    from halfmoon.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        seed=args.seed, num_threads=args.num_threads,
+    )  # fmt: skip
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Load the engine, register with the Conductor, serve until SIGTERM."""
+    from halfmoon.engine.engine import LLMEngine
+    from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
+
+    name = f"{args.role}-{args.index}"
+    log = setup_logging(name, args.log_level)
+    warn_if_public(args.host, log)
+    secret = load_secret()
+    stop = stop_event_on_signals()
+    engine = LLMEngine(engine_config(args))
+    endpoint = f"tcp://{args.host}:{args.port}"
+    me = WorkerIdentity(args.role, name, endpoint)
+    link = ConductorLink(args.conductor, secret, me)
+    worker = Worker(me, engine, secret, link, endpoint)
+    stats = engine.stats()
+    link.register(kv_capacity_tokens=stats.num_blocks * args.block_size)
+    log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
+    try:
+        worker.run(stop.is_set)
+    finally:
+        worker.close()
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``halfmoon worker``."""
+    p = subparsers.add_parser(
+        "worker",
+        help="run one prefill / decode / coupled worker process",
+        description="Run one worker; it registers with the Conductor at --conductor. "
+        "The shared secret comes from $HALFMOON_SECRET.",
+    )
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--index", type=int, default=0, help="worker number within its role")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="command port")
+    p.add_argument("--conductor", required=True, help="Conductor endpoint, tcp://HOST:PORT")
+    p.add_argument("--log-level", default="INFO")
+    add_engine_options(p)
+    p.set_defaults(func=run_worker)

@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from halfmoon.serve.runtime import SECRET_ENV, free_port
+
+SECRET = "test-secret"
+
+
+@pytest.fixture
+def spawn():
+    """Start real halfmoon processes; kill them all at the end, even on failure."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*argv: str, secret: str = SECRET) -> subprocess.Popen:
+        env = {**os.environ, SECRET_ENV: secret}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "halfmoon.cli", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def port():
+    return free_port()
