@@ -142,35 +142,55 @@ class ClusterBackend:
         self._queues[request_id] = queue
         try:
             await self._start(request_id, prompt_token_ids, params, decision)
-            first = True
-            while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), self.token_timeout_s)
-                except TimeoutError:
-                    raise BackendError(
-                        f"no progress for {self.token_timeout_s:g}s on request {request_id}"
-                    ) from None
-                if msg["type"] == "error":
-                    raise BackendError(str(msg.get("error")))
-                finish = msg.get("finish_reason")
-                chunk = GenerationChunk(
-                    tuple(msg.get("token_ids", ())),
-                    finish,
-                    decision.get("cached_tokens") if first else None,
-                    decision.get("est_ttft_s") if first else None,
-                )
-                first = False
+            async for chunk in self._in_order(request_id, queue, decision):
                 yield chunk
-                if finish is not None:
-                    self._routes.pop(request_id, None)
-                    return
         finally:
             self._queues.pop(request_id, None)
+
+    async def _in_order(
+        self, request_id: str, queue: asyncio.Queue, decision: dict[str, Any]
+    ) -> AsyncIterator[GenerationChunk]:
+        """Token messages in output order: the first token comes from the prefill
+        worker, the rest from the decode worker, over different sockets."""
+        held: dict[int, dict[str, Any]] = {}
+        next_index = 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), self.token_timeout_s)
+            except TimeoutError:
+                raise BackendError(
+                    f"no progress for {self.token_timeout_s:g}s on request {request_id}"
+                ) from None
+            if msg["type"] == "error":
+                raise BackendError(str(msg.get("error")))
+            held[int(msg.get("index", next_index))] = msg
+            while next_index in held:
+                msg = held.pop(next_index)
+                token_ids = tuple(msg.get("token_ids", ()))
+                finish = msg.get("finish_reason")
+                first = next_index == 0
+                next_index += len(token_ids)
+                yield GenerationChunk(
+                    token_ids,
+                    finish,
+                    msg.get("cached_tokens", decision.get("cached_tokens")) if first else None,
+                    decision.get("est_ttft_s") if first else None,
+                )
+                if finish is not None:
+                    await self._release(request_id)
+                    return
+
+    async def _release(self, request_id: str) -> None:
+        """The request ended: tell the workers that may still hold it (decode after a
+        first-token finish) and forget its route."""
+        routes = self._routes.pop(request_id, ())
+        for endpoint in routes[1:]:
+            await self._send(endpoint, {"type": "abort", "request_id": request_id})
 
     async def _place(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> dict[str, Any]:
-        hashes = hash_blocks(prompt_token_ids, self.block_size).full
+        hashes = hash_blocks(prompt_token_ids, self.block_size).hashes  # partial last too
         decision = await self._call(self._conductor_endpoint, {
             "type": "schedule", "request_id": request_id,
             "input_length": len(prompt_token_ids), "output_length": params.max_tokens,

@@ -137,7 +137,11 @@ class ConductorService:
         if kind == "register":
             return self._register(message)
         if kind == "ping":
-            return {"type": "pong", "instances": {i: e.role for i, e in self.instances.items()}}
+            return {
+                "type": "pong",
+                "instances": {i: e.role for i, e in self.instances.items()},
+                "endpoints": {i: e.command_endpoint for i, e in self.instances.items()},
+            }
         raise ProtocolError(f"unknown message type {kind!r}")
 
     def _register(self, message: dict[str, Any]) -> dict[str, Any]:

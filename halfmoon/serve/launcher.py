@@ -206,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.mode == "disaggregated" and (args.prefill < 1 or args.decode < 1):
         raise HalfmoonError("--prefill and --decode must each be >= 1")
     model_dir = prepare_model(args.model, args.seed)
-    group = ProcessGroup(new_secret())
+    group = ProcessGroup(os.environ.get(SECRET_ENV) or new_secret())
     try:
         conductor, num_workers = start_cluster(args, group, model_dir)
         asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers))

@@ -1,14 +1,15 @@
 """A worker process: one engine, a command socket, and a link to the Conductor.
 
-Single-threaded loop: drain commands, run one engine step, send what it produced::
+Single-threaded loop: drain commands, run one engine step, hand the outputs to the role::
 
     while not stopped:
         handle every command waiting on the ROUTER socket (no wait while the engine is busy)
         outputs = engine.step()
-        stream new tokens to the gateway that asked; report lifecycle events
+        role.on_outputs(outputs)      # stream tokens, hand KV over, report events
+        role.tick()                   # expire what waited too long
 
-Roles: ``coupled`` does prefill and decode (the vLLM-like baseline); ``prefill`` and
-``decode`` split the work and hand the KV over (see :mod:`halfmoon.serve.handoff`).
+Roles (:mod:`halfmoon.serve.roles`): ``coupled`` does prefill and decode (the vLLM-like
+baseline); ``prefill`` and ``decode`` split the work and hand the KV over layer by layer.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
-from halfmoon.core.hashing import hash_blocks
-from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wire
-from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.protocol import ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 0.5
+
+Handler = Callable[[bytes, dict[str, Any]], None]
 
 
 @dataclass
@@ -37,13 +38,6 @@ class WorkerIdentity:
     instance_id: str
     command_endpoint: str
     transfer_endpoint: str = ""
-
-
-@dataclass
-class _Client:
-    identity: bytes
-    prompt_token_ids: list[int]
-    first_sent: bool = False
 
 
 class ConductorLink:
@@ -92,6 +86,20 @@ class ConductorLink:
         self._sock.close(0)
 
 
+class Role(Protocol):
+    """What a worker does with commands and engine outputs."""
+
+    def handlers(self) -> dict[str, Handler]: ...
+
+    def on_outputs(self, outputs: list[Any]) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+    def tick(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Worker:
     """Runs an engine for the gateway and the Conductor."""
 
@@ -107,37 +115,45 @@ class Worker:
         self.engine = engine
         self.secret = secret
         self.conductor = conductor
-        self.block_size = engine.config.block_size
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(bind_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._clients: dict[str, _Client] = {}
-        self._handlers: dict[str, Callable[[bytes, dict[str, Any]], None]] = {
-            "generate": self._on_generate,
-            "abort": self._on_abort,
-            "ping": self._on_ping,
-        }
+        self._peers: dict[str, zmq.Socket] = {}
+        self._handlers: dict[str, Handler] = {"ping": self._on_ping, "abort": self._on_abort}
+        self.role: Role | None = None
         self._last_report_s = 0.0
         self.num_steps = 0
+
+    def set_role(self, role: Role) -> None:
+        """Install the role's command handlers."""
+        self.role = role
+        self._handlers.update(role.handlers())
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
         """Serve until ``stop()``."""
+        assert self.role is not None, "set_role() first"
         while not stop():
-            busy = self.engine.has_unfinished_requests()
-            timeout_ms = 0 if busy else 50
+            timeout_ms = 0 if self.engine.has_unfinished_requests() else 20
             while self._sock.poll(timeout_ms):
                 self._handle(self._sock.recv_multipart())
                 timeout_ms = 0
             if self.engine.has_unfinished_requests():
-                self._emit(self.engine.step())
+                outputs = self.engine.step()
                 self.num_steps += 1
+                self.role.on_outputs(outputs)
+            self.role.tick()
             self._maybe_report()
             self.conductor.flush()
 
     def close(self) -> None:
-        """Close sockets."""
+        """Close sockets and the role's resources."""
+        if self.role is not None:
+            self.role.close()
+        for sock in self._peers.values():
+            sock.close(0)
         self._sock.close(0)
         self.conductor.close()
 
@@ -156,62 +172,40 @@ class Worker:
         except Exception as exc:  # a bad command must not take the worker down
             log.warning("command %s failed: %s", msg.get("type"), exc)
             rid = msg.get("request_id")
-            if rid is not None:
-                self._clients.pop(str(rid), None)
+            if rid is not None and self.role is not None:
+                self.role.on_abort(str(rid))
             self.send(identity, {"type": "error", "request_id": rid, "error": str(exc)})
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         """Send one signed message to a peer of the ROUTER socket."""
         self._sock.send_multipart([identity, *encode(msg, self.secret)])
 
-    # -- commands ------------------------------------------------------------------------------
-    def _on_generate(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
-        token_ids = [int(t) for t in msg["token_ids"]]
-        self.engine.add_request(rid, token_ids, params_from_wire(msg["params"]))
-        self._clients[rid] = _Client(identity, token_ids)
-        self.conductor.event("prefill_started", request_id=rid)
-
-    def _on_abort(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
-        if self._clients.pop(rid, None) is not None or self.engine.abort_request(rid):
-            self.engine.abort_request(rid)
-            self.conductor.event("request_finished", request_id=rid)
+    def send_to(self, endpoint: str, msg: dict[str, Any]) -> None:
+        """Send one signed message to another worker's command socket."""
+        sock = self._peers.get(endpoint)
+        if sock is None:
+            sock = self._peers[endpoint] = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        sock.send_multipart(encode(msg, self.secret))
 
     def _on_ping(self, identity: bytes, msg: dict[str, Any]) -> None:
         stats = self.engine.stats()
+        try:
+            self.engine.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"broken: {exc}"
         self.send(identity, {
             "type": "pong", "msg_id": msg.get("msg_id"), "instance_id": self.me.instance_id,
             "role": self.me.role, "num_running": stats.num_running,
             "num_waiting": stats.num_waiting, "num_free_blocks": stats.num_free_blocks,
-            "num_steps": self.num_steps,
+            "num_steps": self.num_steps, "integrity": integrity,
         })  # fmt: skip
 
-    # -- outputs -------------------------------------------------------------------------------
-    def _emit(self, outputs: list[Any]) -> None:
-        for out in outputs:
-            client = self._clients.get(out.request_id)
-            if client is None:
-                continue
-            msg: dict[str, Any] = {
-                "type": "tokens", "request_id": out.request_id,
-                "token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
-            }  # fmt: skip
-            if not client.first_sent:
-                msg["cached_tokens"] = out.num_cached_tokens
-                client.first_sent = True
-                self._report_prefill_done(out.request_id, client.prompt_token_ids)
-            self.send(client.identity, msg)
-            if out.finished:
-                del self._clients[out.request_id]
-                self.conductor.event("request_finished", request_id=out.request_id)
-
-    def _report_prefill_done(self, rid: str, prompt_token_ids: list[int]) -> None:
-        self.conductor.event("prefill_finished", request_id=rid)
-        self.conductor.event("decode_started", request_id=rid)
-        full = hash_blocks(prompt_token_ids, self.block_size).full
-        if full:
-            self.conductor.event("stored", hashes=hashes_to_wire(full), tier="dram")
+    def _on_abort(self, identity: bytes, msg: dict[str, Any]) -> None:
+        assert self.role is not None
+        self.role.on_abort(str(msg["request_id"]))
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
@@ -219,9 +213,9 @@ class Worker:
             return
         self._last_report_s = now
         stats = self.engine.stats()
+        block = self.engine.config.block_size
         used_blocks = stats.num_blocks - stats.num_free_blocks
         self.conductor.event(
-            "load", num_running=stats.num_running, context_tokens=used_blocks * self.block_size,
-            kv_used_tokens=used_blocks * self.block_size,
-            kv_capacity_tokens=stats.num_blocks * self.block_size,
+            "load", num_running=stats.num_running, context_tokens=used_blocks * block,
+            kv_used_tokens=used_blocks * block, kv_capacity_tokens=stats.num_blocks * block,
         )  # fmt: skip

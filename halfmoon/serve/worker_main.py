@@ -42,18 +42,42 @@ def engine_config(args: argparse.Namespace) -> Any:
 def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.engine.engine import LLMEngine
+    from halfmoon.serve.roles import CoupledRole, DecodeRole, PrefillRole
     from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
+    from halfmoon.transfer import TransferEngine
 
     name = f"{args.role}-{args.index}"
     log = setup_logging(name, args.log_level)
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
-    engine = LLMEngine(engine_config(args))
+    hook_target: list = []  # the prefill role, once built: the engine needs the hook first
+
+    def on_layer(*hook_args: Any) -> None:
+        if hook_target:
+            hook_target[0].on_layer(*hook_args)
+
+    engine = LLMEngine(
+        engine_config(args), kv_layer_hook=on_layer if args.role == "prefill" else None
+    )
+    transfer = None
+    if args.role != "coupled":
+        transfer = TransferEngine(secret, host=args.host, transport=args.transport)
+        transfer.start()
     endpoint = f"tcp://{args.host}:{args.port}"
-    me = WorkerIdentity(args.role, name, endpoint)
+    me = WorkerIdentity(args.role, name, endpoint, transfer.endpoint if transfer else "")
     link = ConductorLink(args.conductor, secret, me)
     worker = Worker(me, engine, secret, link, endpoint)
+    if args.role == "coupled":
+        worker.set_role(CoupledRole(worker))
+    elif args.role == "prefill":
+        assert transfer is not None
+        role = PrefillRole(worker, transfer)
+        hook_target.append(role)
+        worker.set_role(role)
+    else:
+        assert transfer is not None
+        worker.set_role(DecodeRole(worker, transfer))
     stats = engine.stats()
     link.register(kv_capacity_tokens=stats.num_blocks * args.block_size)
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
@@ -78,5 +102,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, required=True, help="command port")
     p.add_argument("--conductor", required=True, help="Conductor endpoint, tcp://HOST:PORT")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--transport", default="tcp", choices=("tcp", "shm"), help="KV transfer transport to peers"
+    )
     add_engine_options(p)
     p.set_defaults(func=run_worker)

@@ -1,0 +1,376 @@
+"""What each kind of worker does: coupled, prefill and decode roles.
+
+Disaggregated handoff of one request (P = prefill worker, D = decode worker)::
+
+    gateway -> D  expect(rid, params, num_prompt_tokens)   D announces a KV stream session
+    gateway -> P  prefill(rid, tokens, params, D)          P prefills with max_tokens=1
+    P: per-layer hook -> LayerStreamer thread -> D          layer l's K and V, while P computes l+1
+    P -> gateway  tokens(index 0 = first token)             TTFT
+    P -> D        handoff(token ids, computed, seed)        after every layer is acknowledged
+    D: import the KV, join the batch -> tokens(index 1..) -> gateway
+
+The KV stream of a request with ``n`` blocks has ``2 * num_layers`` stream layers (K and V
+of each model layer) of ``n`` blocks each, laid out exactly as the engine's export layout
+(``[L, 2, n, B, H_kv, D]``), so the receiver imports the region as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.serve.protocol import hashes_to_wire
+from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.worker import Handler, Worker
+from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+HANDOFF_TIMEOUT_S = 60.0
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of a CPU tensor (zero copy when contiguous)."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _num_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class _Client:
+    """A gateway waiting for a request's tokens; ``index`` counts tokens already sent."""
+
+    identity: bytes
+    prompt_token_ids: list[int]
+    index: int = 0
+
+
+class _Streaming:
+    """Shared by the roles that stream tokens to the gateway."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.clients: dict[str, _Client] = {}
+
+    def send_tokens(self, rid: str, client: _Client, out: Any, finish: str | None) -> None:
+        msg: dict[str, Any] = {
+            "type": "tokens", "request_id": rid, "index": client.index,
+            "token_ids": list(out.new_token_ids), "finish_reason": finish,
+        }  # fmt: skip
+        if client.index == 0:
+            msg["cached_tokens"] = out.num_cached_tokens
+        client.index += len(out.new_token_ids)
+        self.worker.send(client.identity, msg)
+
+    def report_stored(self, prompt_token_ids: list[int]) -> None:
+        full = hash_blocks(prompt_token_ids, self.worker.engine.config.block_size).full
+        if full:
+            self.worker.conductor.event("stored", hashes=hashes_to_wire(full), tier="dram")
+
+
+class CoupledRole(_Streaming):
+    """Prefill and decode on the same engine (the vLLM-like baseline)."""
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"generate": self._on_generate}
+
+    def _on_generate(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        tokens = [int(t) for t in msg["token_ids"]]
+        self.worker.engine.add_request(rid, tokens, params_from_wire(msg["params"]))
+        self.clients[rid] = _Client(identity, tokens)
+        self.worker.conductor.event("prefill_started", request_id=rid)
+
+    def on_outputs(self, outputs: list[Any]) -> None:
+        events = self.worker.conductor
+        for out in outputs:
+            client = self.clients.get(out.request_id)
+            if client is None:
+                continue
+            if client.index == 0:
+                events.event("prefill_finished", request_id=out.request_id)
+                events.event("decode_started", request_id=out.request_id)
+                self.report_stored(client.prompt_token_ids)
+            self.send_tokens(out.request_id, client, out, out.finish_reason)
+            if out.finished:
+                del self.clients[out.request_id]
+                events.event("request_finished", request_id=out.request_id)
+
+    def on_abort(self, request_id: str) -> None:
+        self.clients.pop(request_id, None)
+        if self.worker.engine.abort_request(request_id):
+            self.worker.conductor.event("request_finished", request_id=request_id)
+
+    def tick(self) -> None:
+        """Nothing waits outside the engine."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class LayerStreamer:
+    """Sends queued layers on a background thread, so compute never waits for the wire."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-streamer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, job: Any) -> None:
+        """Run ``job()`` after everything queued before it."""
+        self._queue.put(job)
+
+    def barrier(self, timeout_s: float) -> bool:
+        """Wait until every job queued so far ran; False on timeout."""
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the queued jobs."""
+        self._queue.put(None)
+        self._thread.join(5)
+
+
+@dataclass
+class _Prefill:
+    identity: bytes
+    prompt_token_ids: list[int]
+    params: Any
+    decode: dict[str, str]
+    num_blocks: int
+    sender: Any = None
+    error: str = ""
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class PrefillRole(_Streaming):
+    """Prefill only: computes the prompt and the first token, streams the KV to decode."""
+
+    def __init__(self, worker: Worker, transfer: TransferEngine) -> None:
+        super().__init__(worker)
+        self.transfer = transfer
+        self.streamer = LayerStreamer()
+        self.prefills: dict[str, _Prefill] = {}
+        layout = worker.engine.kv_layout
+        self.num_layers = layout.num_layers
+        self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
+        self.kv_bytes_sent = 0
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"prefill": self._on_prefill}
+
+    def _on_prefill(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        tokens = [int(t) for t in msg["token_ids"]]
+        params = params_from_wire(msg["params"])
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
+        n = _num_blocks(len(tokens), self.worker.engine.config.block_size)
+        self.prefills[rid] = _Prefill(identity, tokens, params, dict(msg["decode"]), n)
+        self.worker.engine.add_request(rid, tokens, first_only, keep_kv=True)
+        self.worker.conductor.event("prefill_started", request_id=rid)
+
+    # -- the per-layer hook (engine thread) -------------------------------------------------------
+    def on_layer(self, rid: str, layer: int, block_ids: list[int], kv: Any) -> None:
+        """Queue layer ``layer`` of ``rid`` once its last prompt chunk is in the pool."""
+        p = self.prefills.get(rid)
+        if p is None or p.error or kv.end_token < len(p.prompt_token_ids):
+            return
+        table = self.worker.engine.block_manager.block_table(rid)[: p.num_blocks]
+        keys, values = self.worker.engine.kv_cache.layer_blocks(layer, table)
+        k_views = [_bytes(keys[i]) for i in range(p.num_blocks)]
+        v_views = [_bytes(values[i]) for i in range(p.num_blocks)]
+        self.streamer.submit(lambda: self._send_layer(rid, p, layer, k_views, v_views))
+
+    def _send_layer(self, rid: str, p: _Prefill, layer: int, keys: list, values: list) -> None:
+        if p.error:
+            return
+        try:
+            if p.sender is None:
+                client = self.transfer.connect(p.decode["transfer"])
+                p.sender = client.open_stream(
+                    rid, 2 * self.num_layers, p.num_blocks, self.half_block_bytes
+                )
+            p.sender.send_layer(2 * layer, keys)
+            p.sender.send_layer(2 * layer + 1, values)
+            self.kv_bytes_sent += 2 * p.num_blocks * self.half_block_bytes
+        except (TransferError, OSError, ValueError) as exc:
+            p.error = f"KV stream to {p.decode['instance_id']} failed: {exc}"
+
+    # -- first token: hand over ----------------------------------------------------------------------
+    def on_outputs(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            p = self.prefills.pop(out.request_id, None)
+            if p is not None:
+                self._hand_over(out.request_id, p, out)
+
+    def _hand_over(self, rid: str, p: _Prefill, out: Any) -> None:
+        events = self.worker.conductor
+        events.event("prefill_finished", request_id=rid)
+        self.report_stored(p.prompt_token_ids)
+        finish = (
+            out.finish_reason if out.finish_reason == "stop" or p.params.max_tokens == 1 else None
+        )
+        if finish is None:
+            # Every layer must be on the wire before the blocks go back to the pool.
+            ok = self.streamer.barrier(HANDOFF_TIMEOUT_S)
+            self.streamer.submit(lambda: self._finish_stream(p))
+            ok = self.streamer.barrier(HANDOFF_TIMEOUT_S) and ok
+        handoff = self.worker.engine.export_kv(rid, release=True)  # cached blocks stay cached
+        if finish is None:
+            if not ok or p.error:
+                self._fail(rid, p, p.error or "KV stream timed out")
+                return
+            self.worker.send_to(p.decode["command"], {
+                "type": "handoff", "request_id": rid, "token_ids": list(handoff.token_ids),
+                "num_prompt_tokens": handoff.num_prompt_tokens,
+                "num_computed_tokens": handoff.num_computed_tokens, "seed": handoff.seed,
+            })  # fmt: skip
+        else:
+            events.event("request_finished", request_id=rid)
+        self.send_tokens(rid, _Client(p.identity, p.prompt_token_ids), out, finish)
+
+    def _finish_stream(self, p: _Prefill) -> None:
+        if p.error or p.sender is None:
+            p.error = p.error or "no KV layer was streamed"
+            return
+        try:
+            p.sender.finish()
+        except (TransferError, OSError) as exc:
+            p.error = f"KV stream to {p.decode['instance_id']} failed: {exc}"
+
+    def _fail(self, rid: str, p: _Prefill, error: str) -> None:
+        log.warning("request %s: %s", rid, error)
+        if p.sender is not None:
+            p.sender.cancel()
+        self.worker.send(p.identity, {"type": "error", "request_id": rid, "error": error})
+        self.worker.conductor.event("request_finished", request_id=rid)
+
+    def on_abort(self, request_id: str) -> None:
+        p = self.prefills.pop(request_id, None)
+        if p is not None and p.sender is not None:
+            p.error = "aborted"
+            self.streamer.submit(p.sender.cancel)
+        if self.worker.engine.abort_request(request_id):
+            self.worker.conductor.event("request_finished", request_id=request_id)
+
+    def tick(self) -> None:
+        """Prefill work lives in the engine; nothing to expire here."""
+
+    def close(self) -> None:
+        self.streamer.close()
+        self.transfer.close()
+
+
+@dataclass
+class _Expected:
+    identity: bytes
+    params: Any
+    num_prompt_tokens: int
+    region: str
+    receiver: Any
+    since_s: float = field(default_factory=time.monotonic)
+
+
+class DecodeRole(_Streaming):
+    """Decode only: receives KV streams, continues requests, streams tokens."""
+
+    def __init__(self, worker: Worker, transfer: TransferEngine) -> None:
+        super().__init__(worker)
+        self.transfer = transfer
+        self.expected: dict[str, _Expected] = {}
+        layout = worker.engine.kv_layout
+        self.bytes_per_block = layout.bytes_per_block
+        self.num_layers = layout.num_layers
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"expect": self._on_expect, "handoff": self._on_handoff}
+
+    def _on_expect(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        num_prompt = int(msg["num_prompt_tokens"])
+        n = _num_blocks(num_prompt, self.worker.engine.config.block_size)
+        region = f"kv-{rid}"
+        self.transfer.register_region(region, n * self.bytes_per_block)
+        half = self.bytes_per_block // (2 * self.num_layers)
+        receiver = self.transfer.expect_stream(
+            rid, region, StreamLayout.contiguous(2 * self.num_layers, n, half)
+        )
+        self.expected[rid] = _Expected(
+            identity, params_from_wire(msg["params"]), num_prompt, region, receiver
+        )
+
+    def _on_handoff(self, identity: bytes, msg: dict[str, Any]) -> None:
+        from halfmoon.engine.engine import KVHandoff
+
+        rid = str(msg["request_id"])
+        e = self.expected.pop(rid, None)
+        if e is None:
+            return  # aborted meanwhile
+        try:
+            e.receiver.wait(10.0)
+            engine = self.worker.engine
+            handoff = KVHandoff(
+                request_id=rid, token_ids=tuple(int(t) for t in msg["token_ids"]),
+                num_prompt_tokens=int(msg["num_prompt_tokens"]),
+                num_computed_tokens=int(msg["num_computed_tokens"]), seed=int(msg["seed"]),
+                layout=engine.kv_layout, data=self.transfer.regions.get(e.region).view,
+            )  # fmt: skip
+            engine.import_request(handoff, e.params)
+        except Exception as exc:  # stream failed or no room: the client must hear of it
+            self.worker.send(e.identity, {"type": "error", "request_id": rid, "error": str(exc)})
+            self.worker.conductor.event("request_finished", request_id=rid)
+            return
+        finally:
+            self.transfer.unregister_region(e.region)
+        self.clients[rid] = _Client(e.identity, [], index=1)
+        self.worker.conductor.event("decode_started", request_id=rid)
+
+    def on_outputs(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            client = self.clients.get(out.request_id)
+            if client is None:
+                continue
+            self.send_tokens(out.request_id, client, out, out.finish_reason)
+            if out.finished:
+                del self.clients[out.request_id]
+                self.worker.conductor.event("request_finished", request_id=out.request_id)
+
+    def on_abort(self, request_id: str) -> None:
+        e = self.expected.pop(request_id, None)
+        if e is not None:
+            e.receiver.cancel()
+            self.transfer.unregister_region(e.region)
+        self.clients.pop(request_id, None)
+        if self.worker.engine.abort_request(request_id) or e is not None:
+            self.worker.conductor.event("request_finished", request_id=request_id)
+
+    def tick(self) -> None:
+        """Expire expectations whose handoff never came (the prefill side died)."""
+        now = time.monotonic()
+        for rid in [r for r, e in self.expected.items() if now - e.since_s > HANDOFF_TIMEOUT_S]:
+            e = self.expected[rid]
+            self.worker.send(e.identity, {
+                "type": "error", "request_id": rid,
+                "error": f"no KV handoff within {HANDOFF_TIMEOUT_S:g}s",
+            })  # fmt: skip
+            self.on_abort(rid)
+
+    def close(self) -> None:
+        self.transfer.close()
