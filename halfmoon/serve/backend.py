@@ -20,14 +20,16 @@ FINISH_REASONS = ("stop", "length", "abort")
 class GenerationChunk:
     """New output token ids of one request; the last chunk carries ``finish_reason``.
 
-    ``cached_tokens`` (prompt tokens served from a prefix cache) and ``est_ttft_s`` (the
-    Conductor's estimate) come with the first chunk when known.
+    ``cached_tokens`` (prompt tokens served from a prefix cache), ``est_ttft_s`` (the
+    Conductor's estimate) and ``kv_transfer_bytes`` (KV moved between workers for it)
+    come with the first chunk when known.
     """
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     cached_tokens: int | None = None
     est_ttft_s: float | None = None
+    kv_transfer_bytes: int = 0
 
 
 class Rejected(HalfmoonError):

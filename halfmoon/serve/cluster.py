@@ -175,6 +175,7 @@ class ClusterBackend:
                     finish,
                     msg.get("cached_tokens", decision.get("cached_tokens")) if first else None,
                     decision.get("est_ttft_s") if first else None,
+                    int(msg.get("kv_bytes", 0)),
                 )
                 if finish is not None:
                     await self._release(request_id)
@@ -225,6 +226,13 @@ class ClusterBackend:
             "type": "expect", "request_id": request_id, "params": wire_params,
             "num_prompt_tokens": len(prompt_token_ids),
         })  # fmt: skip
+        for plan in decision.get("replications", []):
+            target = plan["target"]
+            if target["instance_id"] != decision["prefill"]["instance_id"] and target["command"]:
+                await self._send(target["command"], {
+                    "type": "replicate", "hashes": plan["hashes"],
+                    "source": plan["source"]["transfer"],
+                })  # fmt: skip
         await self._send(prefill, {
             "type": "prefill", "request_id": request_id, "token_ids": list(prompt_token_ids),
             "params": wire_params, "decode": decode_ep, "cache_source": decision["cache_source"],

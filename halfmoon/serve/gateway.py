@@ -182,6 +182,7 @@ class Gateway:
                 async for chunk in chunks:
                     if chunk.cached_tokens is not None:
                         cached, est = chunk.cached_tokens, chunk.est_ttft_s
+                    self.metrics.kv_transfer_bytes.inc(chunk.kv_transfer_bytes)
                     times += [time.monotonic()] * len(chunk.token_ids)
                     delta = out.add(chunk.token_ids)
                     finish = "stop" if out.stopped else chunk.finish_reason

@@ -27,7 +27,7 @@ from halfmoon.serve.worker_main import add_engine_options
 _PR_SET_PDEATHSIG = 1
 ENGINE_FLAGS = (
     "device", "dtype", "kv_cache_mb", "max_num_seqs", "max_model_len", "prefill_chunk_tokens",
-    "num_threads", "block_size", "seed",
+    "num_threads", "block_size", "seed", "store_dram_mb", "store_ssd_dir", "store_ssd_mb",
 )  # fmt: skip
 
 

@@ -87,6 +87,11 @@ class GatewayMetrics:
         self.errors = Counter(
             "halfmoon:request_errors", "Requests that failed inside the cluster.", registry=r
         )
+        self.kv_transfer_bytes = Counter(
+            "halfmoon:kv_transfer_bytes",
+            "KV bytes moved between workers (streams, pulls).",
+            registry=r,
+        )
         self.running = Gauge(
             "halfmoon:num_requests_running", "Requests being generated.", registry=r
         )

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from halfmoon.core.hashing import hash_blocks
-from halfmoon.serve.protocol import hashes_to_wire
+from halfmoon.serve.prefix import ClusterPrefixCache
+from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
 from halfmoon.serve.wire import params_from_wire
 from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
@@ -61,13 +62,16 @@ class _Streaming:
         self.worker = worker
         self.clients: dict[str, _Client] = {}
 
-    def send_tokens(self, rid: str, client: _Client, out: Any, finish: str | None) -> None:
+    def send_tokens(
+        self, rid: str, client: _Client, out: Any, finish: str | None, kv_bytes: int = 0
+    ) -> None:
         msg: dict[str, Any] = {
             "type": "tokens", "request_id": rid, "index": client.index,
             "token_ids": list(out.new_token_ids), "finish_reason": finish,
         }  # fmt: skip
         if client.index == 0:
             msg["cached_tokens"] = out.num_cached_tokens
+            msg["kv_bytes"] = kv_bytes
         client.index += len(out.new_token_ids)
         self.worker.send(client.identity, msg)
 
@@ -113,6 +117,10 @@ class CoupledRole(_Streaming):
     def tick(self) -> None:
         """Nothing waits outside the engine."""
 
+    def stats(self) -> dict[str, Any]:
+        """Nothing beyond the engine's numbers."""
+        return {}
+
     def close(self) -> None:
         """Nothing to release."""
 
@@ -157,24 +165,32 @@ class _Prefill:
     num_blocks: int
     sender: Any = None
     error: str = ""
+    pulled_bytes: int = 0
     started_s: float = field(default_factory=time.monotonic)
 
 
 class PrefillRole(_Streaming):
     """Prefill only: computes the prompt and the first token, streams the KV to decode."""
 
-    def __init__(self, worker: Worker, transfer: TransferEngine) -> None:
+    def __init__(self, worker: Worker, transfer: TransferEngine, cache: ClusterPrefixCache) -> None:
         super().__init__(worker)
         self.transfer = transfer
+        self.cache = cache
         self.streamer = LayerStreamer()
         self.prefills: dict[str, _Prefill] = {}
         layout = worker.engine.kv_layout
         self.num_layers = layout.num_layers
+        self.bytes_per_block = layout.bytes_per_block
         self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
         self.kv_bytes_sent = 0
 
     def handlers(self) -> dict[str, Handler]:
-        return {"prefill": self._on_prefill}
+        return {"prefill": self._on_prefill, "replicate": self._on_replicate}
+
+    def _on_replicate(self, identity: bytes, msg: dict[str, Any]) -> None:
+        hashes = hashes_from_wire(msg["hashes"])
+        copied = self.cache.replicate(self.transfer, str(msg["source"]), hashes)
+        log.info("replicated %d of %d blocks from %s", copied, len(hashes), msg["source"])
 
     def _on_prefill(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
@@ -182,7 +198,17 @@ class PrefillRole(_Streaming):
         params = params_from_wire(msg["params"])
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         n = _num_blocks(len(tokens), self.worker.engine.config.block_size)
-        self.prefills[rid] = _Prefill(identity, tokens, params, dict(msg["decode"]), n)
+        source = msg.get("cache_source") or {}
+        remote = (
+            source.get("transfer", "")
+            if source.get("instance_id") != self.worker.me.instance_id
+            else ""
+        )
+        pulled_before = self.cache.num_blocks_pulled
+        self.cache.load(tokens, self.transfer, remote)
+        p = _Prefill(identity, tokens, params, dict(msg["decode"]), n)
+        p.pulled_bytes = (self.cache.num_blocks_pulled - pulled_before) * self.bytes_per_block
+        self.prefills[rid] = p
         self.worker.engine.add_request(rid, tokens, first_only, keep_kv=True)
         self.worker.conductor.event("prefill_started", request_id=rid)
 
@@ -223,7 +249,7 @@ class PrefillRole(_Streaming):
     def _hand_over(self, rid: str, p: _Prefill, out: Any) -> None:
         events = self.worker.conductor
         events.event("prefill_finished", request_id=rid)
-        self.report_stored(p.prompt_token_ids)
+        self.cache.save(rid, p.prompt_token_ids)  # the store reports BlockStored events
         finish = (
             out.finish_reason if out.finish_reason == "stop" or p.params.max_tokens == 1 else None
         )
@@ -244,7 +270,9 @@ class PrefillRole(_Streaming):
             })  # fmt: skip
         else:
             events.event("request_finished", request_id=rid)
-        self.send_tokens(rid, _Client(p.identity, p.prompt_token_ids), out, finish)
+        streamed = 0 if finish is not None else p.num_blocks * self.bytes_per_block
+        client = _Client(p.identity, p.prompt_token_ids)
+        self.send_tokens(rid, client, out, finish, streamed + p.pulled_bytes)
 
     def _finish_stream(self, p: _Prefill) -> None:
         if p.error or p.sender is None:
@@ -273,9 +301,20 @@ class PrefillRole(_Streaming):
     def tick(self) -> None:
         """Prefill work lives in the engine; nothing to expire here."""
 
+    def stats(self) -> dict[str, Any]:
+        """Cache traffic of this worker."""
+        store = self.cache.store.stats()
+        return {
+            "blocks_loaded": self.cache.num_blocks_loaded,
+            "blocks_pulled": self.cache.num_blocks_pulled,
+            "kv_bytes_streamed": self.kv_bytes_sent,
+            "store_blocks": store.dram.num_blocks + store.ssd.num_blocks,
+        }
+
     def close(self) -> None:
         self.streamer.close()
         self.transfer.close()
+        self.cache.store.close()
 
 
 @dataclass
@@ -371,6 +410,10 @@ class DecodeRole(_Streaming):
                 "error": f"no KV handoff within {HANDOFF_TIMEOUT_S:g}s",
             })  # fmt: skip
             self.on_abort(rid)
+
+    def stats(self) -> dict[str, Any]:
+        """Requests waiting for their KV."""
+        return {"num_expected": len(self.expected)}
 
     def close(self) -> None:
         self.transfer.close()

@@ -97,6 +97,8 @@ class Role(Protocol):
 
     def tick(self) -> None: ...
 
+    def stats(self) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
 
 
@@ -201,6 +203,7 @@ class Worker:
             "role": self.me.role, "num_running": stats.num_running,
             "num_waiting": stats.num_waiting, "num_free_blocks": stats.num_free_blocks,
             "num_steps": self.num_steps, "integrity": integrity,
+            **(self.role.stats() if self.role is not None else {}),
         })  # fmt: skip
 
     def _on_abort(self, identity: bytes, msg: dict[str, Any]) -> None:

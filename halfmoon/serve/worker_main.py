@@ -6,6 +6,7 @@ names its role, so ``ps`` tells the workers apart)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from halfmoon.serve.runtime import load_secret, setup_logging, stop_event_on_signals, warn_if_public
@@ -25,6 +26,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
+    parser.add_argument(
+        "--store-dram-mb", type=float, default=256.0, help="prefill workers' DRAM block store, MiB"
+    )
+    parser.add_argument(
+        "--store-ssd-dir",
+        default=None,
+        help="directory for the prefill workers' SSD tier (one subdirectory each)",
+    )
+    parser.add_argument("--store-ssd-mb", type=float, default=0.0, help="SSD tier size, MiB")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -42,6 +52,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.engine.engine import LLMEngine
+    from halfmoon.serve.prefix import ClusterPrefixCache
     from halfmoon.serve.roles import CoupledRole, DecodeRole, PrefillRole
     from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
     from halfmoon.transfer import TransferEngine
@@ -60,19 +71,27 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         engine_config(args), kv_layer_hook=on_layer if args.role == "prefill" else None
     )
+    endpoint = f"tcp://{args.host}:{args.port}"
+    me = WorkerIdentity(args.role, name, endpoint)
+    link = ConductorLink(args.conductor, secret, me)
+    store = None
+    if args.role == "prefill":
+        ssd_dir = str(Path(args.store_ssd_dir) / name) if args.store_ssd_dir else None
+        if ssd_dir:
+            Path(ssd_dir).mkdir(parents=True, exist_ok=True)
+        store = ClusterPrefixCache.make_store(
+            engine, args.store_dram_mb, ssd_dir, args.store_ssd_mb, link
+        )
     transfer = None
     if args.role != "coupled":
-        transfer = TransferEngine(secret, host=args.host, transport=args.transport)
-        transfer.start()
-    endpoint = f"tcp://{args.host}:{args.port}"
-    me = WorkerIdentity(args.role, name, endpoint, transfer.endpoint if transfer else "")
-    link = ConductorLink(args.conductor, secret, me)
+        transfer = TransferEngine(secret, host=args.host, transport=args.transport, store=store)
+        me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
     if args.role == "coupled":
         worker.set_role(CoupledRole(worker))
     elif args.role == "prefill":
-        assert transfer is not None
-        role = PrefillRole(worker, transfer)
+        assert transfer is not None and store is not None
+        role = PrefillRole(worker, transfer, ClusterPrefixCache(engine, store, link))
         hook_target.append(role)
         worker.set_role(role)
     else:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from halfmoon.serve.runtime import free_port
+from halfmoon.serve.protocol import decode, encode
+from halfmoon.serve.runtime import SECRET_ENV, free_port
+
+SECRET = "e2e-test-secret-0123456789abcdef"
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -59,7 +62,7 @@ class Cluster:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port = free_port()
         self.cache = tmp / "cache"
-        env = {**os.environ, "HALFMOON_CACHE": str(self.cache)}
+        env = {**os.environ, "HALFMOON_CACHE": str(self.cache), SECRET_ENV: SECRET}
         self.log = (tmp / "serve.log").open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "halfmoon.cli", "serve", "--port", str(self.port), *args],
@@ -81,6 +84,30 @@ class Cluster:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"cluster not ready: {self.log_path.read_text()[-3000:]}")
+
+    def worker_ports(self) -> list[int]:
+        """Command ports of the worker processes (read from their command lines)."""
+        ports = []
+        for pid in children_of(self.proc.pid):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if "worker" in argv:
+                ports.append(int(argv[argv.index("--port") + 1]))
+        return ports
+
+    def ping_workers(self) -> list[dict]:
+        """Each worker's pong (load, integrity), over the signed control plane."""
+        import zmq
+
+        pongs = []
+        for port in self.worker_ports():
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(encode({"type": "ping"}, SECRET.encode()))
+            assert sock.poll(10_000), f"worker on port {port} did not answer"
+            pongs.append(decode(sock.recv_multipart(), SECRET.encode()))
+            sock.close(0)
+        return pongs
 
     def stop(self) -> None:
         if self.proc.poll() is None:

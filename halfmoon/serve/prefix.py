@@ -1,0 +1,162 @@
+"""A prefill worker's cluster cache: its engine's prefix cache backed by a tiered store
+(DRAM -> SSD) that other prefill workers can pull from.
+
+- After a prefill, every full prompt block the store lacks is copied out of the engine's
+  pool into the store (one block = the engine's export layout of that block,
+  ``[L, 2, 1, B, H_kv, D]``); the store's BlockStored / BlockEvicted events go to the
+  Conductor, so its index follows the store.
+- Before a prefill, the longest prefix available — in the engine, then the local store,
+  then (when the Conductor names another source) that worker's store through the
+  transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
+  engine's own prefix matching picks it up and computes only the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from halfmoon.core.hashing import NONE_HASH, hash_blocks
+from halfmoon.serve.protocol import hashes_to_wire
+from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
+from halfmoon.store.events import BlockStored
+from halfmoon.transfer import TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+_SEED_REQUEST = "__prefix-seed__"
+
+
+class ClusterPrefixCache:
+    """Moves prompt blocks between one engine, its store and peers' stores."""
+
+    def __init__(self, engine: Any, store: TieredStore, events: Any) -> None:
+        self.engine = engine
+        self.store = store
+        self.events = events
+        layout = engine.kv_layout
+        self.block_size = layout.block_size
+        self._block_shape = layout.buffer_shape(1)
+        self._dtype = engine.kv_cache.pool.dtype
+        self.num_blocks_loaded = 0
+        self.num_blocks_pulled = 0
+
+    @staticmethod
+    def make_store(engine: Any, dram_mb: float, ssd_dir: str | None, ssd_mb: float,
+                   events: Any) -> TieredStore:  # fmt: skip
+        """A store sized in MiB whose events are forwarded to the Conductor."""
+
+        def forward(event: Any) -> None:
+            kind = "stored" if isinstance(event, BlockStored) else "evicted"
+            events.event(kind, hashes=hashes_to_wire([event.block_hash]), tier=event.tier)
+
+        config = StoreConfig(
+            block_bytes=engine.kv_bytes_per_block,
+            dram_capacity_bytes=int(dram_mb * 2**20),
+            ssd_dir=ssd_dir,
+            ssd_capacity_bytes=int(ssd_mb * 2**20) if ssd_dir else 0,
+        )
+        return TieredStore(config, listener=forward)
+
+    # -- after a prefill -------------------------------------------------------------------------
+    def save(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """Copy the request's full prompt blocks the store lacks into it; returns how many."""
+        hashes = hash_blocks(prompt_token_ids, self.block_size).full
+        table = self.engine.block_manager.block_table(request_id)
+        parent = NONE_HASH
+        saved = 0
+        for i, h in enumerate(hashes):
+            if not self.store.contains(h):
+                data = self.engine.kv_cache.export_blocks([table[i]])
+                payload = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+                try:
+                    self.store.put(h, payload, BlockMeta(self.block_size, parent), position=i)
+                    saved += 1
+                except StoreError as exc:  # full of pinned blocks: caching is best effort
+                    log.warning("store put failed: %s", exc)
+                    break
+            parent = h
+        return saved
+
+    # -- before a prefill --------------------------------------------------------------------------
+    def load(
+        self,
+        prompt_token_ids: Sequence[int],
+        source: TransferEngine | None = None,
+        source_endpoint: str = "",
+    ) -> int:
+        """Make the longest available prefix resident in the engine; returns its blocks."""
+        hashes = list(hash_blocks(prompt_token_ids, self.block_size).full)
+        # The block holding the prompt's last token is always recomputed by the engine.
+        usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
+        hashes = hashes[:usable]
+        in_engine = len(self.engine.block_manager.match_prefix(prompt_token_ids))
+        in_store = self.store.match_prefix(hashes)
+        payloads: list[bytearray] = []
+        for h in hashes[in_engine:in_store]:
+            buf = bytearray(self.engine.kv_bytes_per_block)
+            if self.store.get_into(h, buf) is None:
+                break  # evicted or corrupt meanwhile: stop at the gap
+            payloads.append(buf)
+        have = in_engine + len(payloads)
+        if source is not None and source_endpoint and have < len(hashes):
+            pulled = self._pull(source, source_endpoint, hashes[have:])
+            payloads += pulled
+            have += len(pulled)
+        if payloads:
+            self._seed(prompt_token_ids, have, in_engine, payloads)
+        return have
+
+    def _pull(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> list[bytearray]:
+        dests = [bytearray(self.engine.kv_bytes_per_block) for _ in hashes]
+        try:
+            metas = transfer.connect(endpoint).pull(hashes, dests)
+        except TransferError as exc:
+            log.warning("prefix pull from %s failed: %s", endpoint, exc)
+            return []
+        out = []
+        parent = NONE_HASH
+        for h, meta, buf in zip(hashes, metas, dests, strict=True):
+            if meta is None:
+                break
+            try:
+                self.store.put(h, buf, meta)
+            except StoreError:
+                pass  # still usable for this prefill
+            out.append(buf)
+            parent = h
+        del parent
+        self.num_blocks_pulled += len(out)
+        return out
+
+    def _seed(self, prompt: Sequence[int], have: int, skip: int, payloads: list) -> None:
+        """Put ``payloads`` (blocks ``skip..have-1``) into the pool as cached free blocks.
+
+        ``admit`` holds the engine's own cached prefix (blocks ``0..skip-1``) while the new
+        blocks are taken, so taking them cannot evict that prefix.
+        """
+        bm = self.engine.block_manager
+        size = self.block_size
+        cached = bm.admit(_SEED_REQUEST, list(prompt[: have * size + 1]), (have - skip) * size)
+        if cached is None:
+            return  # no room in the pool: the prefill recomputes instead
+        try:
+            if cached != skip * size:
+                return  # the engine's prefix changed under us: do not guess
+            table = bm.block_table(_SEED_REQUEST)
+            blocks = [
+                torch.frombuffer(p, dtype=self._dtype).view(self._block_shape) for p in payloads
+            ]
+            data = torch.cat(blocks, dim=2)  # [L, 2, n, B, H, D]: the export layout
+            self.engine.kv_cache.import_blocks(table[skip:have], data)
+            bm.commit(_SEED_REQUEST, list(prompt), have * size)
+            self.num_blocks_loaded += have - skip
+        finally:
+            bm.free(_SEED_REQUEST)
+
+    def replicate(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> int:
+        """Copy blocks from a peer's store into ours (hot-spot replication)."""
+        missing = [h for h in hashes if not self.store.contains(h)]
+        return len(self._pull(transfer, endpoint, missing)) if missing else 0

@@ -1,0 +1,142 @@
+"""``halfmoon serve`` (disaggregated, 1 prefill + 1 decode) end to end on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog " * 4, "1 2 3 4 5 6 7 8 9 10"]
+
+
+@pytest.fixture(scope="module")
+def disagg(cluster_factory):
+    return cluster_factory("--kv-cache-mb", "64")
+
+
+def _client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _greedy(cluster, prompt, n=8):
+    out = _client(cluster).completions.create(
+        model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return out.choices[0].text, out.usage
+
+
+def _metric(cluster, name):
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_greedy_identical_across_disaggregated_coupled_and_offline(disagg, cluster_factory):
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    coupled = cluster_factory("--mode", "coupled", "--instances", "1", "--kv-cache-mb", "32")
+    engine = LLMEngine(EngineConfig(model=str(disagg.cache / "presets" / "tiny-seed0")))
+    offline = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, ref in zip(PROMPTS, offline, strict=True):
+        assert _greedy(disagg, prompt)[0] == ref.text
+        assert _greedy(coupled, prompt)[0] == ref.text
+
+
+def test_chat_and_streaming(disagg):
+    client = _client(disagg)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert chat.usage.completion_tokens == 5
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        if c.choices
+    ]
+    assert "".join(pieces) == chat.choices[0].message.content
+
+
+def _ttft(cluster, prompt):
+    start = time.monotonic()
+    stream = _client(cluster).completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for _ in stream:
+        ttft = time.monotonic() - start
+        break
+    for _ in stream:
+        pass
+    return ttft
+
+
+def test_shared_prefix_hits_the_cache(disagg):
+    prefix = " ".join(f"word{i}" for i in range(700))  # well over a thousand tokens
+    hits_before = _metric(disagg, "halfmoon:prefix_cache_hits_total")
+    first = _ttft(disagg, prefix + " first question")
+    second = _ttft(disagg, prefix + " second question")
+    hits = _metric(disagg, "halfmoon:prefix_cache_hits_total") - hits_before
+    _, usage = _greedy(disagg, prefix + " third", n=1)
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 32
+    assert hits >= 1000  # the second request's prefill skipped the shared prefix
+    assert second < first
+
+
+def test_concurrent_requests_all_complete(disagg):
+    def one(i):
+        return _greedy(disagg, f"request number {i} " * (1 + i % 5), n=6)[1].completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        counts = list(pool.map(one, range(32)))
+    assert counts == [6] * 32
+    pongs = disagg.ping_workers()
+    assert {p["role"] for p in pongs} == {"prefill", "decode"}
+    assert all(p["integrity"] == "ok" for p in pongs)
+
+
+def test_client_disconnect_frees_kv(disagg):
+    body = {"model": "tiny", "prompt": "disconnect me", "max_tokens": 400, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with httpx.stream("POST", disagg.base_url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # got a token: hang up mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pongs = disagg.ping_workers()
+        if all(p["num_running"] == 0 and p["num_waiting"] == 0 for p in pongs):
+            break
+        time.sleep(0.2)
+    assert all(p["num_running"] == 0 for p in pongs), pongs
+    assert all(p["integrity"] == "ok" for p in pongs)
+
+
+def test_impossible_slo_is_rejected_with_429(cluster_factory):
+    strict = cluster_factory("--kv-cache-mb", "32", "--ttft-slo", "0.000001")
+    req = urllib.request.Request(
+        strict.base_url + "/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "hello " * 50, "max_tokens": 4}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 429
+    assert int(info.value.headers["Retry-After"]) >= 1
+    assert "TTFT" in json.loads(info.value.read())["error"]["message"]

@@ -1,0 +1,47 @@
+"""A prefix cached on prefill worker A is used by prefill worker B through a transfer."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from .test_serve_disaggregated import _metric
+
+
+@pytest.fixture(scope="module")
+def two_prefill(cluster_factory, tmp_path_factory):
+    ssd = tmp_path_factory.mktemp("ssd")
+    return cluster_factory(
+        "--prefill", "2", "--decode", "1", "--kv-cache-mb", "64",
+        "--store-ssd-dir", str(ssd), "--store-ssd-mb", "32",
+    )  # fmt: skip
+
+
+def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
+    client = openai.OpenAI(base_url=two_prefill.base_url + "/v1", api_key="none", max_retries=0)
+
+    def complete(prompt, n=2):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    prefix = " ".join(f"shared{i}" for i in range(500))
+    complete(prefix + " warm")  # the prefix now lives in one prefill worker's store
+    holder = [p for p in two_prefill.ping_workers() if p.get("store_blocks")]
+    assert len(holder) == 1
+    # Keep that worker busy with a long unrelated prompt, so the Conductor prefers the
+    # idle worker and has it fetch the prefix instead of waiting or recomputing.
+    busy = threading.Thread(target=complete, args=(" ".join(f"x{i}" for i in range(3000)), 1))
+    busy.start()
+    bytes_before = _metric(two_prefill, "halfmoon:kv_transfer_bytes_total")
+    out = complete(prefix + " then a question")
+    busy.join()
+    pongs = {p["instance_id"]: p for p in two_prefill.ping_workers()}
+    pulled = {i: p.get("blocks_pulled", 0) for i, p in pongs.items()}
+    assert max(pulled.values()) > 0, pongs
+    assert out.usage.prompt_tokens_details.cached_tokens >= 900
+    assert _metric(two_prefill, "halfmoon:kv_transfer_bytes_total") > bytes_before
+    assert all(p["integrity"] == "ok" for p in pongs.values())
