@@ -1,0 +1,250 @@
+"""``halfmoon simulate``: replay a trace or a synthetic dataset on a simulated cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from halfmoon.conductor.config import EARLY_REJECT_MODES, ConductorConfig
+from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
+from halfmoon.core.config import TBT_METRICS, SLOConfig
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.eviction import POLICY_NAMES
+from halfmoon.core.request import Request
+from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.models import get_model
+from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
+from halfmoon.costmodel.roofline import build_cost_model
+from halfmoon.sim.config import DECODE_GUARDS, ClusterSpec, SimConfig
+from halfmoon.sim.report import format_report
+from halfmoon.sim.simulator import SimResult, Simulator
+from halfmoon.workload.datasets import DATASETS, generate_dataset
+from halfmoon.workload.trace import count_lines, iter_trace
+
+_INFINITE = ("inf", "infinite", "none", "unbounded")
+
+
+def parse_tokens(text: str) -> int | None:
+    """A token capacity: an integer >= 0, or ``inf`` for unbounded (None)."""
+    if text.strip().lower() in _INFINITE:
+        return None
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"capacities take integers >= 0 or 'inf', got {text!r}")
+    return value
+
+
+def _check_choice(what: str, value: str, choices: Iterable[str]) -> str:
+    options = tuple(choices)
+    if value not in options:
+        raise HalfmoonError(f"unknown {what} {value!r}; choose from {', '.join(options)}")
+    return value
+
+
+def _check_positive(what: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise HalfmoonError(f"{what} must be a positive number, got {value}")
+    return value
+
+
+def make_cost_model(
+    model: str, gpu: str, gpus_per_instance: int, profile: str | None = None
+) -> CostModel:
+    """The roofline model of one instance, or a measured ``profile`` with the roofline's
+    KV size, link and capacity."""
+    roofline = build_cost_model(model, gpu, gpus_per_instance)
+    if profile is None:
+        return roofline
+    return ProfileCostModel.from_roofline(CostProfile.load(profile), roofline)
+
+
+def _workload(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
+    """The requests and, when cheap to know, how many (for the progress bar)."""
+    if args.trace is not None:
+        if args.rate is not None or args.num_requests is not None:
+            raise HalfmoonError("--rate and --num-requests go with --dataset, not --trace")
+        total = count_lines(args.trace) if sys.stderr.isatty() else None
+        return iter_trace(args.trace), total
+    if args.rate is None or args.num_requests is None:
+        raise HalfmoonError("--dataset needs --rate and --num-requests")
+    _check_choice("dataset", args.dataset, DATASETS)
+    requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
+    return requests, len(requests)
+
+
+def _configs(args: argparse.Namespace) -> tuple[SimConfig, ConductorConfig]:
+    _check_choice("policy", args.policy, POLICIES)
+    _check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS)
+    _check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES)
+    _check_choice("tbt metric", args.tbt_metric, TBT_METRICS)
+    _check_choice("cache policy", args.cache_policy, POLICY_NAMES)
+    _check_choice("decode guard", args.decode_guard, DECODE_GUARDS)
+    slo = SLOConfig(
+        _check_positive("--ttft-slo", args.ttft_slo),
+        _check_positive("--tbt-slo", args.tbt_slo),
+        args.tbt_metric,
+    )
+    sim = SimConfig(
+        cluster=ClusterSpec.parse(args.cluster),
+        slo=slo,
+        num_layers=get_model(args.model).num_layers,
+        prefill_chunk_tokens=args.chunk_tokens,
+        cache_capacity_tokens=parse_tokens(args.cache_capacity_tokens),
+        cache_policy=args.cache_policy,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        decode_tbt_guard=args.decode_guard,
+        coupled_prefix_caching=not args.no_coupled_prefix_caching,
+        coupled_chunked_prefill=args.coupled_chunked_prefill,
+        coupled_token_budget=args.coupled_token_budget,
+        time_scale=_check_positive("--time-scale", args.time_scale),
+        max_requests=args.max_requests,
+    )
+    conductor = ConductorConfig(
+        policy=args.policy,
+        slo=slo,
+        early_reject=args.early_reject,
+        coupled_router=args.coupled_router,
+    )
+    return sim, conductor
+
+
+def _progress(total: int | None) -> tuple[Callable[[], None] | None, Callable[[], None]]:
+    """A tqdm bar on stderr when it is a terminal: (per-arrival tick, close)."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm  # only for interactive runs
+
+    bar = tqdm(total=total, desc="simulate", unit="req", file=sys.stderr)
+    return bar.update, bar.close
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Build the cluster, replay the workload, print the summary, write JSON / plot."""
+    if args.gpus_per_instance < 1:
+        raise HalfmoonError(f"--gpus-per-instance must be >= 1, got {args.gpus_per_instance}")
+    sim_config, conductor_config = _configs(args)
+    cost_model = make_cost_model(args.model, args.gpu, args.gpus_per_instance, args.profile)
+    requests, total = _workload(args)
+    if total is not None and args.max_requests is not None:
+        total = min(total, args.max_requests)
+    simulator = Simulator(sim_config, conductor_config, cost_model, args.seed)
+    tick, close = _progress(total)
+    start = time.perf_counter()
+    try:
+        result = simulator.run(requests, on_arrival=tick)
+    finally:
+        close()
+    wall_s = time.perf_counter() - start
+    print(format_report(result.report))
+    print(f"simulated {result.report['num_events']:,} events in {wall_s:.1f} s")
+    _write_outputs(args, result)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, result: SimResult) -> None:
+    if args.json is not None:
+        try:
+            Path(args.json).write_text(json.dumps(result.report, indent=2) + "\n")
+        except OSError as exc:
+            raise HalfmoonError(f"cannot write {args.json}: {exc.strerror}") from None
+        print(f"report written to {args.json}")
+    if args.plot is not None:
+        from halfmoon.metrics.plots import plot_report
+
+        report = result.report
+        label = f"{report['cluster']} {report['policy']}"
+        slo = SLOConfig(
+            report["slo"]["ttft_s"], report["slo"]["tbt_s"], report["slo"]["tbt_metric"]
+        )
+        plot_report({label: result.records}, slo, args.plot)
+        print(f"plot written to {args.plot}")
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
+    source.add_argument("--dataset", metavar="NAME", help=f"synthetic: {', '.join(DATASETS)}")
+    parser.add_argument("--rate", type=float, help="dataset arrival rate, requests/s")
+    parser.add_argument("--num-requests", type=int, help="dataset size")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="divide arrival times by X (2 = twice as fast)",
+    )
+    parser.add_argument("--max-requests", type=int, help="stop after N requests")
+    parser.add_argument("--seed", type=int, default=0, help="dataset and random-policy seed")
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="8P8D", help="xPyD (e.g. 8P8D) or xM (e.g. 16M)")
+    parser.add_argument("--model", default="llama2-70b", help="model name (costmodel registry)")
+    parser.add_argument("--gpu", default="a800", help="accelerator name (costmodel registry)")
+    parser.add_argument("--gpus-per-instance", type=int, default=8, help="GPUs per instance")
+    parser.add_argument("--profile", metavar="FILE", help="measured cost profile (JSON)")
+    parser.add_argument(
+        "--cache-capacity-tokens",
+        default="3000000",
+        help="prefill DRAM cache per instance, tokens (or 'inf')",
+    )
+    parser.add_argument("--cache-policy", default="lru", help=f"one of {', '.join(POLICY_NAMES)}")
+    parser.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help="KV memory per decode/coupled instance (default: cost model)",
+    )
+    parser.add_argument("--chunk-tokens", type=int, help="prefill chunk size (default: one pass)")
+    parser.add_argument(
+        "--decode-guard",
+        default="reject",
+        help=f"decode admission over the TBT SLO: {', '.join(DECODE_GUARDS)}",
+    )
+    parser.add_argument(
+        "--coupled-chunked-prefill",
+        action="store_true",
+        help="coupled instances mix prompt chunks with decodes (Sarathi)",
+    )
+    parser.add_argument(
+        "--coupled-token-budget", type=int, default=2048, help="tokens per chunked coupled step"
+    )
+    parser.add_argument(
+        "--no-coupled-prefix-caching",
+        action="store_true",
+        help="turn off coupled instances' local prefix cache",
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add ``halfmoon simulate``."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay a trace or dataset on a simulated cluster driven by the Conductor",
+        description="Discrete-event simulation of a disaggregated (xPyD) or coupled (xM) "
+        "cluster; prints a summary and optionally writes the JSON report and a plot.",
+    )
+    _add_workload_args(parser)
+    _add_cluster_args(parser)
+    parser.add_argument("--policy", default="kvcache-centric", help=f"one of {', '.join(POLICIES)}")
+    parser.add_argument(
+        "--coupled-router", default="cache-aware", help=f"one of {', '.join(COUPLED_ROUTERS)}"
+    )
+    parser.add_argument(
+        "--early-reject", default="none", help=f"one of {', '.join(EARLY_REJECT_MODES)}"
+    )
+    parser.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT limit, seconds")
+    parser.add_argument("--tbt-slo", type=float, default=0.1, help="TBT limit, seconds")
+    parser.add_argument(
+        "--tbt-metric", default="top10mean", help=f"one of {', '.join(TBT_METRICS)}"
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the JSON report here")
+    parser.add_argument("--plot", metavar="OUT.png", help="write TTFT/TBT CDFs here")
+    parser.set_defaults(func=run_simulate)

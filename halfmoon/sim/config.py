@@ -1,0 +1,151 @@
+"""What a simulated cluster looks like: the cluster spec string and the simulator's knobs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from halfmoon.core.config import SLOConfig
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.eviction import POLICY_NAMES
+
+#: ``8P8D`` (8 prefill + 8 decode instances) or ``16M`` (16 coupled, vLLM-like instances).
+_CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*P\s*(\d+)\s*D|(\d+)\s*M)\s*$", re.IGNORECASE)
+
+#: What a decode instance does with a request whose admission would break the TBT SLO.
+DECODE_GUARDS = ("reject", "wait", "off")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Instance counts: disaggregated (``num_prefill`` P + ``num_decode`` D) or coupled."""
+
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_coupled: int = 0
+
+    def __post_init__(self) -> None:
+        counts = (self.num_prefill, self.num_decode, self.num_coupled)
+        if min(counts) < 0:
+            raise HalfmoonError(f"instance counts must be >= 0, got {counts}")
+        if self.num_coupled and (self.num_prefill or self.num_decode):
+            raise HalfmoonError("a cluster is either disaggregated (xPyD) or coupled (xM)")
+        if not self.num_coupled and (self.num_prefill < 1 or self.num_decode < 1):
+            raise HalfmoonError(
+                f"cluster {self} needs at least one prefill and one decode instance"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> ClusterSpec:
+        """Parse ``8P8D``, ``3P1D``, ``16M``...; anything else raises HalfmoonError."""
+        match = _CLUSTER_RE.match(text or "")
+        if match is None:
+            raise HalfmoonError(
+                f"bad cluster spec {text!r}: expected xPyD (e.g. 8P8D) or xM (e.g. 16M)"
+            )
+        prefill, decode, coupled = match.groups()
+        if coupled is not None:
+            if int(coupled) < 1:
+                raise HalfmoonError(f"bad cluster spec {text!r}: needs at least one instance")
+            return cls(num_coupled=int(coupled))
+        return cls(num_prefill=int(prefill), num_decode=int(decode))
+
+    @property
+    def coupled(self) -> bool:
+        """Whether the instances do both prefill and decode."""
+        return self.num_coupled > 0
+
+    @property
+    def num_instances(self) -> int:
+        """Instances in the cluster."""
+        return self.num_prefill + self.num_decode + self.num_coupled
+
+    def __str__(self) -> str:
+        if self.num_coupled:
+            return f"{self.num_coupled}M"
+        return f"{self.num_prefill}P{self.num_decode}D"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the simulated instances (the Conductor has its own ``ConductorConfig``).
+
+    Prefill instances:
+    - ``prefill_chunk_tokens``: compute a prompt in chunks of this many tokens (each chunk
+      attends to everything before it); None computes it in one pass, which is what the
+      Conductor's estimate assumes.
+    - ``cache_capacity_tokens`` / ``cache_policy``: the instance's local DRAM prefix cache
+      (None: unbounded). The default, 3M tokens, is ~1 TB of LLaMA2-70B KV (320 KiB/token),
+      the DRAM of one 8-GPU node.
+    - ``num_layers``: the model's layers; KV streams to decode layer by layer.
+
+    Decode instances:
+    - ``kv_capacity_tokens``: KV memory per decode or coupled instance (None: the cost
+      model's). A request reserves ``input + output`` tokens when it joins the batch.
+    - ``decode_tbt_guard``: a request whose admission would make the estimated decode step
+      exceed the TBT SLO is ``reject``-ed (the paper's "decoding instance rejects": its
+      prefill is wasted), made to ``wait`` until it fits, or admitted anyway (``off``).
+    - ``max_batch_size``: running sequences per batch (vLLM's ``max_num_seqs``).
+
+    Coupled (vLLM-like) instances:
+    - ``coupled_prefix_caching``: local prefix cache in HBM, ``coupled_cache_capacity_tokens``
+      (None: the instance's KV capacity; generous to the baseline: the cache does not
+      compete with running requests).
+    - ``coupled_chunked_prefill``: Sarathi-style mixed batches of at most
+      ``coupled_token_budget`` tokens (decodes first); otherwise vLLM v0's default, a
+      prefill step of waiting prompts (up to ``coupled_max_batched_tokens`` new tokens, at
+      least one prompt) runs before any decode step while prompts fit.
+
+    Workload: ``time_scale`` divides arrival times (2 replays twice as fast);
+    ``max_requests`` stops reading the workload after that many requests.
+    """
+
+    cluster: ClusterSpec
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    num_layers: int = 80
+    prefill_chunk_tokens: int | None = None
+    cache_capacity_tokens: int | None = 3_000_000
+    cache_policy: str = "lru"
+    kv_capacity_tokens: int | None = None
+    decode_tbt_guard: str = "reject"
+    max_batch_size: int = 256
+    coupled_prefix_caching: bool = True
+    coupled_cache_capacity_tokens: int | None = None
+    coupled_chunked_prefill: bool = False
+    coupled_token_budget: int = 2048
+    coupled_max_batched_tokens: int = 32768
+    time_scale: float = 1.0
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise HalfmoonError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise HalfmoonError(
+                f"prefill chunk size must be >= 1 token, got {self.prefill_chunk_tokens}"
+            )
+        for name in (
+            "cache_capacity_tokens",
+            "kv_capacity_tokens",
+            "coupled_cache_capacity_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise HalfmoonError(f"{name} must be >= 0, got {value}")
+        if self.cache_policy not in POLICY_NAMES:
+            raise HalfmoonError(
+                f"unknown cache policy {self.cache_policy!r}; choose from {', '.join(POLICY_NAMES)}"
+            )
+        if self.decode_tbt_guard not in DECODE_GUARDS:
+            raise HalfmoonError(
+                f"unknown decode TBT guard {self.decode_tbt_guard!r}; "
+                f"choose from {', '.join(DECODE_GUARDS)}"
+            )
+        if self.max_batch_size < 1:
+            raise HalfmoonError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.coupled_token_budget < 1 or self.coupled_max_batched_tokens < 1:
+            raise HalfmoonError("coupled token budgets must be >= 1")
+        if not self.time_scale > 0:
+            raise HalfmoonError(f"time scale must be > 0, got {self.time_scale}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise HalfmoonError(f"max_requests must be >= 1, got {self.max_requests}")

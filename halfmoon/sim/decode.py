@@ -1,0 +1,169 @@
+"""A simulated decode instance: continuous batching under a KV capacity limit.
+
+A request reaches it when its KV has arrived from the prefill instance. Then:
+
+- it is refused when it can never fit (prompt + output above the KV capacity), or, with
+  the ``reject`` guard, when joining the batch (running plus already waiting requests)
+  would make the estimated step exceed the TBT SLO (the paper's "decoding instance
+  rejects"; its prefill is wasted). With the ``wait`` guard it instead waits until
+  joining keeps the step within the SLO (or the batch is empty);
+- otherwise it waits FCFS until its KV reservation (prompt + all output tokens) fits,
+  and joins the batch at a step boundary. Joining emits its first token (the one the
+  prefill computed) and sends ``DecodeStarted``;
+- every step takes ``decode_step_time_s(batch, context)`` and emits one token for each
+  running request; a request with all its tokens leaves (``RequestFinished``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from halfmoon.conductor.messages import DecodeStarted, RequestFinished
+from halfmoon.core.clock import Clock
+from halfmoon.costmodel.base import CostModel
+from halfmoon.sim.cache import Notify
+from halfmoon.sim.events import NO_EVENTS, Event
+from halfmoon.sim.job import Job
+from halfmoon.sim.network import Nic
+
+
+class DecodeInstance:
+    """A decode-only instance; ``guard`` is ``reject`` | ``wait`` | ``off`` (SimConfig)."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        cost_model: CostModel,
+        kv_capacity_tokens: int,
+        clock: Clock,
+        notify: Notify,
+        tbt_slo_s: float,
+        guard: str = "reject",
+        max_batch_size: int = 256,
+    ) -> None:
+        self.instance_id = instance_id
+        self.cost_model = cost_model
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.clock = clock
+        self.nic = Nic()
+        self._notify = notify
+        self._tbt_slo_s = tbt_slo_s
+        self._guard = guard
+        self._max_batch_size = max_batch_size
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._context_tokens = 0
+        self.kv_used_tokens = 0
+        self._stepping = False
+        self.num_refused = 0
+        self.num_steps = 0
+        self.max_batch_seen = 0
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the batch."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose KV arrived, waiting for KV space."""
+        return len(self._waiting)
+
+    def step_estimate_s(self, joining: Sequence[Job] = ()) -> float:
+        """Estimated step time of the current batch with ``joining`` requests added."""
+        num = len(self._running) + len(joining)
+        ctx = self._context_tokens + sum(job.context_tokens + 1 for job in joining)
+        return self.cost_model.decode_step_time_s(num, ctx)
+
+    def kv_arrived(self, job: Job) -> Sequence[Event]:
+        """The request's KV is here: refuse it, or queue it for the batch."""
+        reason = self._refusal(job)
+        if reason:
+            self._refuse(job, reason)
+            return NO_EVENTS
+        self._waiting.append(job)
+        return NO_EVENTS if self._stepping else self._admit_and_step()
+
+    def _refusal(self, job: Job) -> str:
+        need = job.kv_reserved_tokens
+        if need > self.kv_capacity_tokens:
+            return (
+                f"decode {self.instance_id} refused: needs {need} KV tokens, "
+                f"capacity {self.kv_capacity_tokens}"
+            )
+        if self._guard == "reject" and (self._running or self._waiting):
+            # the requests already waiting will join first, so they count
+            step_s = self.step_estimate_s((*self._waiting, job))
+            if step_s > self._tbt_slo_s:
+                return (
+                    f"decode {self.instance_id} refused: step would take {step_s * 1e3:.1f}ms, "
+                    f"over the {self._tbt_slo_s * 1e3:g}ms TBT SLO"
+                )
+        return ""
+
+    def _refuse(self, job: Job, reason: str) -> None:
+        job.record.rejected = True
+        job.record.reject_reason = reason
+        self.num_refused += 1
+        self._notify(RequestFinished(self.instance_id, job.request_id))
+
+    def _fits(self, job: Job) -> bool:
+        if len(self._running) >= self._max_batch_size:
+            return False
+        if self.kv_used_tokens + job.kv_reserved_tokens > self.kv_capacity_tokens:
+            return False
+        if self._guard == "wait" and self._running:
+            return self.step_estimate_s((job,)) <= self._tbt_slo_s
+        return True
+
+    def _admit_and_step(self) -> Sequence[Event]:
+        now = self.clock.now()
+        while self._waiting and self._fits(self._waiting[0]):
+            job = self._waiting.popleft()
+            self.kv_used_tokens += job.kv_reserved_tokens
+            job.generated = 1
+            job.record.token_times_s.append(now)
+            self._notify(DecodeStarted(self.instance_id, job.request_id))
+            if job.done:
+                self._release(job, now)
+            else:
+                self._running.append(job)
+                self._context_tokens += job.context_tokens
+        if not self._running:
+            self._stepping = False
+            return NO_EVENTS
+        self._stepping = True
+        self.num_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(self._running))
+        step_s = self.cost_model.decode_step_time_s(len(self._running), self._context_tokens)
+        return (Event(now + step_s, self._step_done),)
+
+    def _step_done(self) -> Sequence[Event]:
+        now = self.clock.now()
+        still = []
+        for job in self._running:
+            job.record.token_times_s.append(now)
+            job.generated += 1
+            if job.done:
+                self._context_tokens -= job.context_tokens - 1
+                self._release(job, now)
+            else:
+                still.append(job)
+        self._context_tokens += len(still)
+        self._running = still
+        return self._admit_and_step()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the KV and context books disagree with the batch."""
+        reserved = sum(job.kv_reserved_tokens for job in self._running)
+        context = sum(job.context_tokens for job in self._running)
+        assert self.kv_used_tokens == reserved, (self.kv_used_tokens, reserved)
+        assert self._context_tokens == context, (self._context_tokens, context)
+        assert 0 <= self.kv_used_tokens <= self.kv_capacity_tokens
+        assert self._stepping or not self._running, "requests running but no step scheduled"
+
+    def _release(self, job: Job, now_s: float) -> None:
+        self.kv_used_tokens -= job.kv_reserved_tokens
+        job.record.finish_s = now_s
+        self._notify(RequestFinished(self.instance_id, job.request_id))

@@ -1,0 +1,185 @@
+"""A simulated prefill instance: FCFS queue, optional chunking, local DRAM prefix cache,
+remote prefix fetches, and layer-wise KV streaming to the decode instance.
+
+One request at a time, in arrival order::
+
+    start:    match the local cache; if the decision fetches a longer prefix from
+              another instance, move the missing blocks first (NIC reservation)
+    compute:  PrefillStarted; prefill the uncached tokens (in chunks if configured)
+    finish:   PrefillFinished; cache the prompt's full blocks (BlockStored/Evicted);
+              the KV tail reaches the decode instance after kv_stream_tail_s
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from halfmoon.conductor.messages import PrefillFinished, PrefillStarted
+from halfmoon.core.clock import Clock
+from halfmoon.costmodel.base import CostModel
+from halfmoon.sim.cache import InstanceCache, Notify
+from halfmoon.sim.events import NO_EVENTS, Event
+from halfmoon.sim.job import Job
+from halfmoon.sim.network import Nic, kv_stream_tail_s, reserve_transfer
+
+
+def chunk_sizes(num_tokens: int, chunk_tokens: int | None) -> list[int]:
+    """Split ``num_tokens`` into chunks of at most ``chunk_tokens`` (None: one chunk)."""
+    if chunk_tokens is None or num_tokens <= chunk_tokens:
+        return [num_tokens]
+    full, rest = divmod(num_tokens, chunk_tokens)
+    return [chunk_tokens] * full + ([rest] if rest else [])
+
+
+class PrefillInstance:
+    """A prefill-only instance; ``notify`` sends events to the Conductor."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        cost_model: CostModel,
+        cache: InstanceCache,
+        clock: Clock,
+        notify: Notify,
+        num_layers: int = 80,
+        chunk_tokens: int | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.cost_model = cost_model
+        self.cache = cache
+        self.clock = clock
+        self.nic = Nic()
+        self._notify = notify
+        self._num_layers = num_layers
+        self._chunk_tokens = chunk_tokens
+        self._queue: deque[Job] = deque()
+        self._busy = False
+        self.num_prefilled = 0
+        self.num_fetches = 0
+        self.busy_s = 0.0
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting (not counting the one in progress)."""
+        return len(self._queue)
+
+    def submit(self, job: Job) -> Sequence[Event]:
+        """Queue a placed request; starts it at once if the instance is idle."""
+        self._queue.append(job)
+        return NO_EVENTS if self._busy else self._start_next()
+
+    def _start_next(self) -> Sequence[Event]:
+        if not self._queue:
+            self._busy = False
+            return NO_EVENTS
+        self._busy = True
+        job = self._queue.popleft()
+        hashes = job.full_block_hashes
+        local = self.cache.match(hashes)
+        source = job.cache_source
+        if source is None or source is self or job.planned_cached_blocks <= local:
+            return self._compute(job, local)
+        # The source may have evicted part of the prefix since the decision: take what
+        # it still holds, up to what was planned.
+        held = source.cache.match(hashes[: job.planned_cached_blocks])
+        if held <= local:
+            return self._compute(job, local)
+        num_bytes = (
+            (held - local) * job.request.block_size_tokens * self.cost_model.kv_bytes_per_token
+        )
+        end_s = reserve_transfer(
+            self.clock.now(), self.cost_model.transfer_time_s(num_bytes), source.nic, self.nic
+        )
+        self.num_fetches += 1
+        return (Event(end_s, lambda: self._fetched(job, local, held)),)
+
+    def _fetched(self, job: Job, local: int, held: int) -> Sequence[Event]:
+        if job.keep_fetched:
+            hashes = job.full_block_hashes
+            self.cache.insert([(p, hashes[p]) for p in range(local, held)])
+        return self._compute(job, held)
+
+    def _compute(self, job: Job, num_cached_blocks: int) -> Sequence[Event]:
+        request = job.request
+        cached = min(num_cached_blocks * request.block_size_tokens, request.input_length - 1)
+        job.record.cached_tokens = cached
+        self._notify(PrefillStarted(self.instance_id, job.request_id))
+        start_s = self.clock.now()
+        done = cached
+        compute_s = last_s = 0.0
+        chunks = chunk_sizes(request.input_length - cached, self._chunk_tokens)
+        for size in chunks:
+            last_s = self.cost_model.prefill_time_s(size, done)
+            compute_s += last_s
+            done += size
+        stream_end_s = self._stream_end_s(request.input_length, chunks[-1], compute_s, last_s)
+        end_s = start_s + compute_s
+        self.busy_s += compute_s
+        return (Event(end_s, lambda: self._finish(job, start_s + stream_end_s)),)
+
+    def _stream_end_s(
+        self, input_tokens: int, last_chunk_tokens: int, compute_s: float, last_s: float
+    ) -> float:
+        """Seconds after the compute start when the decode instance holds all the KV.
+
+        KV of the prompt before the last chunk (cached prefix, earlier chunks) is counted
+        as ready when the last chunk starts; the last chunk streams layer by layer
+        (:func:`kv_stream_tail_s`); nothing ends before the whole prompt's KV has crossed
+        the link at full speed from the compute start.
+        """
+        xfer = self.cost_model.transfer_time_s
+        per_token = self.cost_model.kv_bytes_per_token
+        before_tokens = input_tokens - last_chunk_tokens
+        tail_s = kv_stream_tail_s(
+            last_s,
+            xfer(before_tokens * per_token),
+            xfer(last_chunk_tokens * per_token),
+            self._num_layers,
+        )
+        return max(xfer(input_tokens * per_token), compute_s + tail_s)
+
+    def _finish(self, job: Job, stream_end_s: float) -> Sequence[Event]:
+        now = self.clock.now()
+        job.record.prefill_done_s = now
+        self.num_prefilled += 1
+        self.cache.touch(job.full_block_hashes)
+        self._notify(PrefillFinished(self.instance_id, job.request_id))
+        decode = job.decode
+        if decode is None:
+            raise RuntimeError(f"request {job.request_id} has no decode instance")
+        arrive_s = reserve_transfer(now, stream_end_s - now, self.nic, decode.nic)
+        handoff = Event(arrive_s, lambda: decode.kv_arrived(job))
+        return (handoff, *self._start_next())
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if queued work is stranded or the cache books disagree."""
+        assert self._busy or not self._queue, "requests queued but nothing running"
+        self.cache.check_integrity()
+
+    def replicate_to(
+        self,
+        target: PrefillInstance,
+        block_hashes: Sequence[int],
+        block_size_tokens: int,
+        on_done: Callable[[int], None],
+    ) -> Sequence[Event]:
+        """Copy the blocks of ``block_hashes`` this instance holds and ``target`` lacks to
+        ``target``'s cache (position = index in ``block_hashes``); ``on_done`` gets the
+        number of blocks copied when they arrive."""
+        blocks = [
+            (p, h) for p, h in enumerate(block_hashes) if h in self.cache and h not in target.cache
+        ]
+        if not blocks:
+            return NO_EVENTS
+        num_bytes = len(blocks) * block_size_tokens * self.cost_model.kv_bytes_per_token
+        end_s = reserve_transfer(
+            self.clock.now(), self.cost_model.transfer_time_s(num_bytes), self.nic, target.nic
+        )
+
+        def arrive() -> Sequence[Event]:
+            target.cache.insert(blocks)
+            on_done(len(blocks))
+            return NO_EVENTS
+
+        return (Event(end_s, arrive),)

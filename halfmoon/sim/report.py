@@ -1,0 +1,70 @@
+"""Human-readable tables of simulation reports (one run, or several side by side)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from halfmoon.workload.report import format_table
+
+Report = Mapping[str, Any]
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}f}"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+#: Rows of the comparison table: label and how to read it from a report.
+_ROWS: tuple[tuple[str, Callable[[Report], str]], ...] = (
+    ("requests", lambda r: _num(r["num_requests"])),
+    ("completed", lambda r: _num(r["num_completed"])),
+    ("rejected early", lambda r: _num(r.get("num_rejected_early", r["num_rejected"]))),
+    ("refused after prefill", lambda r: _num(r.get("num_refused_after_prefill", 0))),
+    ("wasted prefill", lambda r: _num(r["num_wasted_prefill"])),
+    ("TTFT mean (s)", lambda r: _num(r["ttft_s"]["mean"], 2)),
+    ("TTFT p90 (s)", lambda r: _num(r["ttft_s"]["p90"], 2)),
+    ("TTFT p99 (s)", lambda r: _num(r["ttft_s"]["p99"], 2)),
+    ("TBT mean (ms)", lambda r: _ms(r["tbt_s"]["mean"])),
+    ("TBT p90 (ms)", lambda r: _ms(r["tbt_s"]["p90"])),
+    ("TBT p99 (ms)", lambda r: _ms(r["tbt_s"]["p99"])),
+    ("SLO attainment", lambda r: _num(r["slo_attainment"])),
+    ("goodput (req/s)", lambda r: _num(r["goodput_rps"], 2)),
+    ("cache hit ratio", lambda r: _num(r["cache_hit_ratio"])),
+    ("duration (s)", lambda r: _num(r["duration_s"], 1)),
+)
+
+
+def _slo_line(report: Report) -> str:
+    slo = report["slo"]
+    return (
+        f"SLO: TTFT <= {slo['ttft_s']:g} s, TBT ({slo['tbt_metric']}) <= {slo['tbt_s'] * 1e3:g} ms"
+    )
+
+
+def format_report(report: Report) -> str:
+    """One run: a title line, the metrics table and the SLO it was judged against."""
+    title = (
+        f"cluster {report.get('cluster', '?')}  policy {report.get('policy', '?')}  "
+        f"early-reject {report.get('early_reject', 'none')}  "
+        f"time-scale {report.get('time_scale', 1):g}"
+    )
+    rows = [[label, read(report)] for label, read in _ROWS]
+    return "\n".join((title, format_table(["metric", "value"], rows), _slo_line(report)))
+
+
+def format_comparison(reports: Mapping[str, Report]) -> str:
+    """Several runs side by side, one column per label (same SLO assumed, printed once)."""
+    if not reports:
+        raise ValueError("nothing to compare: no reports given")
+    labels = list(reports)
+    rows = [[label, *(read(reports[k]) for k in labels)] for label, read in _ROWS]
+    table = format_table(["metric", *labels], rows)
+    return "\n".join((table, _slo_line(reports[labels[0]])))

@@ -1,0 +1,277 @@
+"""The cluster simulator: simulated instances driven by the real Conductor.
+
+:class:`Simulator` builds the instances of a :class:`~halfmoon.sim.config.ClusterSpec`,
+registers them with a :class:`~halfmoon.conductor.Conductor` that reads the simulator's
+clock, and replays requests: each arrival asks the Conductor for a placement
+(``schedule`` for a disaggregated cluster, ``route_coupled`` for a coupled one) and hands
+the request to the chosen instances, which report back to the Conductor with the same
+events a live worker would send. Deterministic for a seed (the Conductor's random
+policy draws from ``random.Random(seed)``; same-time events fire in scheduling order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from halfmoon.conductor.conductor import Conductor
+from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.messages import Decision, ReplicationPlan
+from halfmoon.core.clock import ManualClock
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import Request
+from halfmoon.costmodel.base import CostModel
+from halfmoon.metrics.records import RequestRecord
+from halfmoon.metrics.report import summarize
+from halfmoon.sim.cache import InstanceCache
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.coupled import CoupledInstance
+from halfmoon.sim.decode import DecodeInstance
+from halfmoon.sim.events import NO_EVENTS, Event, EventLoop
+from halfmoon.sim.job import Job
+from halfmoon.sim.prefill import PrefillInstance
+
+
+@dataclass
+class SimResult:
+    """Per-request records and the run report (``halfmoon.metrics.summarize`` keys plus
+    the simulator's own, see :meth:`Simulator.run`)."""
+
+    records: list[RequestRecord]
+    report: dict[str, Any]
+
+
+def _capacity_blocks(tokens: int | None, block_size_tokens: int) -> int | None:
+    return None if tokens is None else tokens // block_size_tokens
+
+
+class Simulator:
+    """One simulated cluster and its Conductor; :meth:`run` replays a workload once."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        conductor_config: ConductorConfig,
+        cost_model: CostModel,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.clock = ManualClock()
+        self.loop = EventLoop(self.clock)
+        self.conductor = Conductor(conductor_config, cost_model, self.clock, random.Random(seed))
+        self.block_size_tokens = conductor_config.block_size_tokens
+        self.prefill: dict[str, PrefillInstance] = {}
+        self.decode: dict[str, DecodeInstance] = {}
+        self.coupled: dict[str, CoupledInstance] = {}
+        self.records: list[RequestRecord] = []
+        self.num_rejected_early = 0
+        self.num_replications = 0
+        self.num_replicated_blocks = 0
+        self._requests: Iterator[Request] = iter(())
+        self._on_arrival: Callable[[], None] | None = None
+        self._build()
+
+    def _kv_capacity_tokens(self) -> int:
+        capacity = self.config.kv_capacity_tokens
+        if capacity is None:
+            capacity = self.cost_model.kv_capacity_tokens()
+        if capacity <= 0:
+            raise HalfmoonError("no KV capacity: the model's weights fill the instance's memory")
+        return capacity
+
+    def _build(self) -> None:
+        spec = self.config.cluster
+        kv_capacity = self._kv_capacity_tokens()
+        for i in range(1, spec.num_prefill + 1):
+            self._add_prefill(f"P{i}")
+        for i in range(1, spec.num_decode + 1):
+            self._add_decode(f"D{i}", kv_capacity)
+        for i in range(1, spec.num_coupled + 1):
+            self._add_coupled(f"M{i}", kv_capacity)
+
+    def _add_prefill(self, iid: str) -> None:
+        cfg = self.config
+        notify = self.conductor.handle
+        capacity = _capacity_blocks(cfg.cache_capacity_tokens, self.block_size_tokens)
+        cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
+        self.prefill[iid] = PrefillInstance(
+            iid, self.cost_model, cache, self.clock, notify, cfg.num_layers,
+            cfg.prefill_chunk_tokens,
+        )
+        self.conductor.add_prefill_instance(iid)
+
+    def _add_decode(self, iid: str, kv_capacity: int) -> None:
+        cfg = self.config
+        self.decode[iid] = DecodeInstance(
+            iid, self.cost_model, kv_capacity, self.clock, self.conductor.handle,
+            cfg.slo.tbt_s, cfg.decode_tbt_guard, cfg.max_batch_size,
+        )
+        self.conductor.add_decode_instance(iid, kv_capacity_tokens=kv_capacity)
+
+    def _add_coupled(self, iid: str, kv_capacity: int) -> None:
+        cfg = self.config
+        notify = self.conductor.handle
+        cache = None
+        if cfg.coupled_prefix_caching:
+            tokens = cfg.coupled_cache_capacity_tokens
+            capacity = _capacity_blocks(
+                kv_capacity if tokens is None else tokens, self.block_size_tokens
+            )
+            cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
+        self.coupled[iid] = CoupledInstance(
+            iid, self.cost_model, kv_capacity, self.clock, notify, cache,
+            cfg.max_batch_size, cfg.coupled_chunked_prefill, cfg.coupled_token_budget,
+            cfg.coupled_max_batched_tokens,
+        )
+        self.conductor.add_coupled_instance(iid, kv_capacity_tokens=kv_capacity)
+
+    # -- arrivals and placement -----------------------------------------------------------
+    def _next_arrival(self) -> Sequence[Event]:
+        request = next(self._requests, None)
+        if request is None:
+            return NO_EVENTS
+        if request.block_size_tokens != self.block_size_tokens:
+            raise HalfmoonError(
+                f"request {request.request_id} uses {request.block_size_tokens}-token blocks; "
+                f"the Conductor is configured for {self.block_size_tokens}"
+            )
+        arrival_s = request.arrival_time_s / self.config.time_scale
+        if arrival_s < self.clock.now():
+            raise HalfmoonError(
+                f"request {request.request_id} arrives at {request.arrival_time_s}s, before "
+                "the previous one: the workload must be sorted by arrival time"
+            )
+        return (Event(arrival_s, lambda: self._arrive(request)),)
+
+    def _arrive(self, request: Request) -> list[Event]:
+        record = RequestRecord(
+            request.request_id, self.clock.now(), request.input_length, request.output_length
+        )
+        self.records.append(record)
+        if self._on_arrival is not None:
+            self._on_arrival()
+        job = Job(request, record)
+        events = list(self._place_coupled(job) if self.coupled else self._place(job))
+        events.extend(self._next_arrival())
+        return events
+
+    def _reject(self, job: Job, decision: Decision) -> None:
+        job.record.rejected = True
+        job.record.reject_reason = decision.reject_reason
+        self.num_rejected_early += 1
+
+    def _place(self, job: Job) -> list[Event]:
+        decision = self.conductor.schedule(job.request)
+        if not decision.accepted or decision.prefill is None or decision.decode is None:
+            self._reject(job, decision)
+            return []
+        chosen = decision.prefill
+        job.prefill = self.prefill[chosen.instance_id]
+        job.decode = self.decode[decision.decode.instance_id]
+        job.cache_source = self.prefill[chosen.cache_source]
+        job.planned_cached_blocks = -(-chosen.cached_tokens // self.block_size_tokens)
+        others = []
+        for plan in decision.replications:
+            if chosen.is_remote and (plan.source, plan.target) == (
+                chosen.cache_source,
+                chosen.instance_id,
+            ):
+                job.keep_fetched = True  # the fetch itself makes the copy
+            else:
+                others.append(plan)
+        events = list(job.prefill.submit(job))
+        for plan in others:
+            events.extend(self._replicate(plan))
+        return events
+
+    def _replicate(self, plan: ReplicationPlan) -> Sequence[Event]:
+        source = self.prefill.get(plan.source)
+        target = self.prefill.get(plan.target)
+        if source is None or target is None or source is target:
+            return NO_EVENTS
+
+        def done(num_blocks: int) -> None:
+            self.num_replications += 1
+            self.num_replicated_blocks += num_blocks
+
+        return source.replicate_to(target, plan.block_hashes, self.block_size_tokens, done)
+
+    def _place_coupled(self, job: Job) -> Sequence[Event]:
+        decision = self.conductor.route_coupled(job.request)
+        if not decision.accepted or decision.prefill is None:
+            self._reject(job, decision)
+            return NO_EVENTS
+        return self.coupled[decision.prefill.instance_id].submit(job)
+
+    # -- running --------------------------------------------------------------------------
+    def run(
+        self, requests: Iterable[Request], on_arrival: Callable[[], None] | None = None
+    ) -> SimResult:
+        """Replay ``requests`` (sorted by arrival) to the end; ``on_arrival`` is called once
+        per request (progress bars). Returns the records and the report: the
+        :func:`~halfmoon.metrics.summarize` keys, then ``policy``, ``cluster``,
+        ``early_reject``, ``time_scale``, ``num_rejected_early``,
+        ``num_refused_after_prefill``, ``effective_request_capacity``, ``num_remote_fetches``,
+        ``num_replications``, ``num_events``."""
+        if self.records:
+            raise HalfmoonError("a Simulator runs once; build a new one for another run")
+        limit = self.config.max_requests
+        self._requests = iter(requests) if limit is None else itertools.islice(requests, limit)
+        self._on_arrival = on_arrival
+        self.loop.schedule(self._next_arrival())
+        self.loop.run()
+        unfinished = [r.request_id for r in self.records if not r.rejected and r.finish_s is None]
+        if unfinished:
+            raise RuntimeError(f"simulation ended with {len(unfinished)} requests unfinished")
+        return SimResult(self.records, self._report())
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any instance's books are inconsistent (tests call it
+        after a run, when every instance must also be idle)."""
+        for instance in (*self.prefill.values(), *self.decode.values(), *self.coupled.values()):
+            instance.check_integrity()
+        for coupled in self.coupled.values():
+            if coupled.cache is not None:
+                coupled.cache.check_integrity()
+        if not self.loop:
+            assert all(d.num_running == 0 and d.num_waiting == 0 for d in self.decode.values())
+            assert all(m.kv_used_tokens == 0 for m in self.coupled.values())
+
+    def _report(self) -> dict[str, Any]:
+        cfg = self.config
+        conductor_cfg = self.conductor.config
+        refused = sum(d.num_refused for d in self.decode.values())
+        # A coupled instance refuses only requests that can never fit, before any prefill.
+        rejected_early = self.num_rejected_early + sum(m.num_refused for m in self.coupled.values())
+        report = summarize(
+            self.records,
+            cfg.slo,
+            extra={
+                "policy": conductor_cfg.coupled_router if self.coupled else conductor_cfg.policy,
+                "cluster": str(cfg.cluster),
+                "early_reject": "none" if self.coupled else conductor_cfg.early_reject,
+                "time_scale": cfg.time_scale,
+                "num_rejected_early": rejected_early,
+                "num_refused_after_prefill": refused,
+                "num_remote_fetches": sum(p.num_fetches for p in self.prefill.values()),
+                "num_replications": self.num_replications,
+                "num_events": self.loop.num_fired,
+            },
+        )
+        report["effective_request_capacity"] = report["slo_attainment"]
+        return report
+
+
+def simulate(
+    requests: Iterable[Request],
+    config: SimConfig,
+    conductor_config: ConductorConfig,
+    cost_model: CostModel,
+    seed: int = 0,
+) -> SimResult:
+    """Build a :class:`Simulator` and run ``requests`` through it once."""
+    return Simulator(config, conductor_config, cost_model, seed).run(requests)
