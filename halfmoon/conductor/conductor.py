@@ -56,6 +56,18 @@ Event = (
 _TD_SMOOTHING = 0.05  # weight of a new observation in the moving average of t_d
 
 
+def _prefill_s(
+    memo: dict[tuple[int, int, int], float], cost_model: CostModel, new: int, cached: int
+) -> float:
+    """``cost_model.prefill_time_s(new, cached)``, computed once per decision: most
+    instances share a cost model and a cached length (often zero)."""
+    key = (id(cost_model), new, cached)
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = cost_model.prefill_time_s(new, cached)
+    return value
+
+
 class Conductor:
     """Global scheduler shared by the live system and the simulator."""
 
@@ -197,7 +209,11 @@ class Conductor:
 
     # -- placement -------------------------------------------------------------------------
     def _local_candidates(
-        self, request: Request, instance_ids: Sequence[str], matched_blocks: dict[str, int]
+        self,
+        request: Request,
+        instance_ids: Sequence[str],
+        matched_blocks: dict[str, int],
+        memo: dict[tuple[int, int, int], float],
     ) -> list[PrefillCandidate]:
         now = self.clock.now()
         block = request.block_size_tokens
@@ -205,16 +221,8 @@ class Conductor:
         for iid in instance_ids:
             state = self._prefill[iid]
             cached = min(matched_blocks[iid] * block, request.input_length - 1)
-            out.append(
-                PrefillCandidate(
-                    iid,
-                    cached,
-                    iid,
-                    state.queue_s(now),
-                    state.cost_model.prefill_time_s(request.input_length - cached, cached),
-                    0.0,
-                )
-            )
+            prefill_s = _prefill_s(memo, state.cost_model, request.input_length - cached, cached)
+            out.append(PrefillCandidate(iid, cached, iid, state.queue_s(now), prefill_s, 0.0))
         return out
 
     def _remote_candidates(
@@ -222,6 +230,7 @@ class Conductor:
         request: Request,
         local: Sequence[PrefillCandidate],
         matched_blocks: dict[str, int],
+        memo: dict[tuple[int, int, int], float],
     ) -> list[PrefillCandidate]:
         """Candidates that first fetch the longest prefix held anywhere (paper, step 3c)."""
         block = request.block_size_tokens
@@ -241,7 +250,7 @@ class Conductor:
                     cached,
                     source,
                     cand.queue_s,
-                    cm.prefill_time_s(request.input_length - cached, cached),
+                    _prefill_s(memo, cm, request.input_length - cached, cached),
                     cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token),
                 )
             )
@@ -251,9 +260,10 @@ class Conductor:
         """Every placement the policy may choose from for ``request``."""
         ids = self.prefill_instances
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
-        local = self._local_candidates(request, ids, matched)
+        memo: dict[tuple[int, int, int], float] = {}
+        local = self._local_candidates(request, ids, matched, memo)
         if self.policy.uses_remote_prefixes and local:
-            return local + self._remote_candidates(request, local, matched)
+            return local + self._remote_candidates(request, local, matched, memo)
         return local
 
     def _t_d(self, request: Request, dstate: DecodeState) -> float:
@@ -383,7 +393,7 @@ class Conductor:
                 why="cluster has no capacity",
             )
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
-        cands = self._local_candidates(request, ids, matched)
+        cands = self._local_candidates(request, ids, matched, {})
 
         def load(c: PrefillCandidate) -> tuple[float, int]:
             return (c.queue_s, self._decode[c.instance_id].num_running)

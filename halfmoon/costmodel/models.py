@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 
 from halfmoon.core.errors import HalfmoonError
@@ -81,7 +82,7 @@ class ModelSpec:
         """Query heads per KV head (1 for plain multi-head attention)."""
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """Parameters of one decoder layer (see the module docstring)."""
         attention = 2 * self.hidden_size * self.attention_dim + 2 * self.hidden_size * self.kv_dim
@@ -90,28 +91,28 @@ class ModelSpec:
         mlp = 3 * self.hidden_size * self.intermediate_size
         return attention + mlp + 2 * self.hidden_size
 
-    @property
+    @cached_property
     def embedding_params(self) -> int:
         """Input embedding plus, when untied, the output projection (LM head)."""
         table = self.vocab_size * self.hidden_size
         return table if self.tie_embeddings else 2 * table
 
-    @property
+    @cached_property
     def num_non_embedding_params(self) -> int:
         """Decoder layers plus the final norm: the part whose FLOPs scale as 2 per token."""
         return self.num_layers * self.layer_params + self.hidden_size
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """All parameters, counting a tied embedding once."""
         return self.num_non_embedding_params + self.embedding_params
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         """Bytes the weights occupy in memory."""
         return self.num_params * self.dtype_bytes
 
-    @property
+    @cached_property
     def step_weight_read_bytes(self) -> int:
         """Weight bytes one forward pass streams from memory: every layer plus the full
         LM-head matrix (the input embedding is only gathered row by row)."""
@@ -119,7 +120,7 @@ class ModelSpec:
             self.num_non_embedding_params + self.vocab_size * self.hidden_size
         ) * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token: K and V, every layer, every KV head."""
         return 2 * self.num_layers * self.kv_dim * self.dtype_bytes
