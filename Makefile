@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # `torch` requirement would pull a multi-GB CUDA build. GPU users override TORCH_SPEC.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint serve demo bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check halfmoon tests benchmarks
+
+# The embedded default: tiny random-weight model, 1 prefill + 1 decode worker, port 8000.
+serve: $(STAMP)
+	$(VENV)/bin/halfmoon serve --model tiny --prefill 1 --decode 1 --port 8000
 
 demo: $(STAMP)
 	$(VENV)/bin/halfmoon demo
