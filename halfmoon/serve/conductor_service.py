@@ -33,7 +33,10 @@ from halfmoon.conductor import (
     PrefillStarted,
     RequestFinished,
 )
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import Request
+from halfmoon.costmodel import CostProfile, ProfileCostModel
+from halfmoon.costmodel.base import CostModel
 from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_from_wire, hashes_to_wire
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,8 @@ class ConductorService:
         self.conductor = conductor
         self.secret = secret
         self.instances: dict[str, InstanceEndpoints] = {}
+        #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
+        self.link_bytes_per_s = 1e9
         self.num_auth_failures = 0
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -120,7 +125,7 @@ class ConductorService:
             return
         try:
             reply = self._dispatch(message)
-        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+        except (HalfmoonError, KeyError, TypeError, ValueError) as exc:
             reply = {"type": "error", "error": f"{type(exc).__name__}: {exc}"}
         if reply is not None:
             reply["msg_id"] = message.get("msg_id")
@@ -150,17 +155,27 @@ class ConductorService:
             raise ProtocolError(f"unknown role {role!r}")
         iid = str(message["instance_id"])
         capacity = int(message.get("kv_capacity_tokens") or 0) or None
+        cost_model = self._cost_model(message, capacity)
         if role == "prefill":
-            self.conductor.add_prefill_instance(iid)
+            self.conductor.add_prefill_instance(iid, cost_model)
         elif role == "decode":
-            self.conductor.add_decode_instance(iid, kv_capacity_tokens=capacity)
+            self.conductor.add_decode_instance(iid, cost_model, kv_capacity_tokens=capacity)
         else:
-            self.conductor.add_coupled_instance(iid, kv_capacity_tokens=capacity)
+            self.conductor.add_coupled_instance(iid, cost_model, kv_capacity_tokens=capacity)
         self.instances[iid] = InstanceEndpoints(
             iid, role, str(message["command_endpoint"]), str(message["transfer_endpoint"])
         )
         log.info("registered %s %s at %s", role, iid, message["command_endpoint"])
         return {"type": "registered", "instance_id": iid}
+
+    def _cost_model(self, message: dict[str, Any], capacity: int | None) -> CostModel | None:
+        """The worker's measured profile as a cost model (None: the Conductor's default)."""
+        data = message.get("profile")
+        kv_bytes = int(message.get("kv_bytes_per_token") or 0)
+        if not data or kv_bytes <= 0:
+            return None
+        profile = CostProfile.from_dict(data, source=f"profile of {message['instance_id']}")
+        return ProfileCostModel(profile, kv_bytes, self.link_bytes_per_s, capacity or 1)
 
     def _schedule(self, message: dict[str, Any]) -> dict[str, Any]:
         request = Request(

@@ -51,14 +51,22 @@ class ConductorLink:
         self._me = me
         self._pending: list[dict[str, Any]] = []
 
-    def register(self, kv_capacity_tokens: int, timeout_s: float = 60.0) -> None:
-        """Announce this worker; retries until the Conductor answers."""
+    def register(
+        self,
+        kv_capacity_tokens: int,
+        kv_bytes_per_token: int = 0,
+        profile: dict[str, Any] | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Announce this worker (with its measured cost profile); retries until the
+        Conductor answers."""
         deadline = time.monotonic() + timeout_s
         msg = {
             "type": "register", "msg_id": 0, "instance_id": self._me.instance_id,
             "role": self._me.role, "command_endpoint": self._me.command_endpoint,
             "transfer_endpoint": self._me.transfer_endpoint,
-            "kv_capacity_tokens": kv_capacity_tokens,
+            "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
+            "profile": profile,
         }  # fmt: skip
         while time.monotonic() < deadline:
             self._sock.send_multipart(encode(msg, self._secret))

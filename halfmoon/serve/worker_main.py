@@ -6,6 +6,7 @@ names its role, so ``ps`` tells the workers apart)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,10 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
+    from halfmoon.costmodel import CostProfile
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.profiler import cached_profile
     from halfmoon.serve.roles import CoupledRole, DecodeRole, PrefillRole
     from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
     from halfmoon.transfer import TransferEngine
@@ -98,7 +101,16 @@ def run_worker(args: argparse.Namespace) -> int:
         assert transfer is not None
         worker.set_role(DecodeRole(worker, transfer))
     stats = engine.stats()
-    link.register(kv_capacity_tokens=stats.num_blocks * args.block_size)
+    if args.profile:
+        profile = CostProfile.load(args.profile)
+    else:
+        cache = Path(os.environ.get("HALFMOON_CACHE", Path.home() / ".cache" / "halfmoon"))
+        profile = cached_profile(engine, args.model, cache / "profiles")
+    link.register(
+        kv_capacity_tokens=stats.num_blocks * args.block_size,
+        kv_bytes_per_token=engine.kv_bytes_per_block // args.block_size,
+        profile=profile.to_dict(),
+    )
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
     try:
         worker.run(stop.is_set)
@@ -121,6 +133,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, required=True, help="command port")
     p.add_argument("--conductor", required=True, help="Conductor endpoint, tcp://HOST:PORT")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--profile", default=None, help="cost profile JSON to report instead of measuring"
+    )
     p.add_argument(
         "--transport", default="tcp", choices=("tcp", "shm"), help="KV transfer transport to peers"
     )
