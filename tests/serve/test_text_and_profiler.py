@@ -1,0 +1,51 @@
+import pytest
+
+from halfmoon.costmodel import CostProfile
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model="tiny", kv_cache_mb=32, num_threads=1))
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_stop_string_across_deltas_is_cut_and_never_sent(engine):
+    from halfmoon.serve.text import OutputText
+
+    tok = engine.tokenizer
+    ids = _ids(tok, "alpha beta STOP gamma")
+    out = OutputText(tok, [], stop=("STOP",))
+    sent = "".join(out.add([i]) for i in ids)
+    sent += out.flush()
+    assert out.stopped
+    assert sent == out.text == "alpha beta "
+    assert "STOP" not in sent
+
+
+def test_without_stop_everything_is_sent(engine):
+    from halfmoon.serve.text import OutputText
+
+    tok = engine.tokenizer
+    ids = _ids(tok, "one two three")
+    out = OutputText(tok, [], stop=("zzz-not-there",))
+    sent = "".join(out.add([i]) for i in ids) + out.flush()
+    assert sent == tok.decode(ids) and not out.stopped
+
+
+def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
+    from halfmoon.serve.profiler import cached_profile
+
+    profile = cached_profile(engine, "tiny", tmp_path)
+    files = list(tmp_path.glob("profile-*.json"))
+    assert len(files) == 1
+    assert CostProfile.load(files[0]) == profile
+    assert cached_profile(engine, "tiny", tmp_path) == profile  # read back, not re-measured
+    # longer prompts and bigger batches cost more; nothing is free
+    assert profile.prefill_s(1024, 0) > profile.prefill_s(64, 0) > 0
+    assert profile.decode_step_s(16, 4096) > 0
+    engine.check_integrity()
