@@ -81,7 +81,13 @@ class FitResult:
 
 
 def _fit(rows: list[list[float]], seconds: list[float], what: str) -> FitResult:
-    """Least squares on relative error, with columns scaled for conditioning."""
+    """Non-negative least squares on relative error, with columns scaled for conditioning.
+
+    Every feature is a cost (a fixed overhead, per token, per attention pair), so no
+    coefficient may be negative: a noisy measurement must not produce a curve that bends
+    down and predicts free prefills for long prompts. Negative coefficients are pinned to
+    zero one at a time (most negative first) and the rest refitted.
+    """
     num_features = len(rows[0]) if rows else 0
     if len(rows) < 3 or len(rows) < num_features:
         raise ValueError(f"need at least {max(3, num_features)} {what} points, got {len(rows)}")
@@ -90,8 +96,16 @@ def _fit(rows: list[list[float]], seconds: list[float], what: str) -> FitResult:
     weighted = x / y[:, None]
     scale = np.abs(weighted).max(axis=0)
     scale[scale == 0] = 1.0  # an all-zero column (e.g. c=0 and n fixed) stays zero
-    solution, *_ = np.linalg.lstsq(weighted / scale, np.ones_like(y), rcond=None)
-    coefficients = solution / scale
+    active = list(range(num_features))
+    coefficients = np.zeros(num_features)
+    while active:
+        cols = (weighted / scale)[:, active]
+        solution, *_ = np.linalg.lstsq(cols, np.ones_like(y), rcond=None)
+        coefficients = np.zeros(num_features)
+        coefficients[active] = solution / scale[active]
+        if (coefficients >= 0).all():
+            break
+        active.remove(int(np.argmin(coefficients)))
     predicted = np.maximum(x @ coefficients, 0.0)
     max_rel_error = float(np.max(np.abs(predicted - y) / y))
     return FitResult(tuple(float(v) for v in coefficients), len(rows), max_rel_error)

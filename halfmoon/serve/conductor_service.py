@@ -190,6 +190,7 @@ class ConductorService:
             decision = self.conductor.route_coupled(request)
         else:
             decision = self.conductor.schedule(request)
+        log.debug("%s", decision.explain())
         return self.decision_to_wire(decision)
 
     def decision_to_wire(self, decision: Decision) -> dict[str, Any]:

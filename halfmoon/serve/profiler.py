@@ -7,8 +7,10 @@ result is cached as JSON per model directory and engine shape, so restarts are i
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -80,11 +82,15 @@ def cached_profile(engine: Any, model: str, cache_dir: Path) -> CostProfile:
         sort_keys=True,
     )
     path = cache_dir / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.exists():
-        return CostProfile.load(path)
-    profile = measure_profile(engine, Path(model).name)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(profile)}")
-    profile.save(tmp)
-    tmp.replace(path)
+    # Workers of one cluster start together: one measures (alone, so the others' start-up
+    # does not disturb its timings) while the rest wait on the lock and read its result.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return CostProfile.load(path)
+        profile = measure_profile(engine, Path(model).name)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        profile.save(tmp)
+        tmp.replace(path)
     return profile

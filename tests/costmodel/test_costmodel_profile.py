@@ -144,3 +144,16 @@ def test_fit_input_errors() -> None:
         fit_profile([(1, 0, 0.1), (2, 0, 0.0), (3, 0, 0.3)], decode)
     with pytest.raises(ValueError, match="decode point 0 token/batch count must be >= 0"):
         fit_profile([(n, 0, 0.1 * n) for n in (1, 2, 3)], [(-1, 1, 0.1)] + decode)
+
+
+def test_noisy_points_never_give_negative_costs():
+    """A curve bent down by noise would call long prefills free; coefficients stay >= 0."""
+    from halfmoon.costmodel.profile import fit_profile
+
+    prefill = [(32, 0, 0.010), (128, 0, 0.011), (512, 0, 0.060), (1024, 0, 0.065),
+               (256, 512, 0.030), (128, 1024, 0.020)]  # fmt: skip
+    decode = [(1, 64, 0.004), (4, 1024, 0.003), (8, 4096, 0.009), (16, 4096, 0.008)]
+    profile = fit_profile(prefill, decode, created="2026-01-01T00:00:00+00:00")
+    assert all(c >= 0 for c in profile.prefill.coefficients)
+    assert all(c >= 0 for c in profile.decode.coefficients)
+    assert profile.prefill_s(8000, 0) > profile.prefill_s(1024, 0) > 0

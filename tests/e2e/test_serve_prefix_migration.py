@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -36,6 +37,7 @@ def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
     # idle worker and has it fetch the prefix instead of waiting or recomputing.
     busy = threading.Thread(target=complete, args=(" ".join(f"x{i}" for i in range(3000)), 1))
     busy.start()
+    time.sleep(0.3)  # let the long prompt reach the Conductor first
     bytes_before = _metric(two_prefill, "halfmoon:kv_transfer_bytes_total")
     out = complete(prefix + " then a question")
     busy.join()
@@ -45,3 +47,16 @@ def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
     assert out.usage.prompt_tokens_details.cached_tokens >= 900
     assert _metric(two_prefill, "halfmoon:kv_transfer_bytes_total") > bytes_before
     assert all(p["integrity"] == "ok" for p in pongs.values())
+
+
+def test_hot_prefix_is_replicated_to_another_prefill_worker(two_prefill):
+    """K=8 uses of one prefix within the window make the Conductor copy it (for real)."""
+    client = openai.OpenAI(base_url=two_prefill.base_url + "/v1", api_key="none", max_retries=0)
+    prefix = " ".join(f"hot{i}" for i in range(200))
+    before = {p["instance_id"]: p["blocks_pulled"] for p in two_prefill.ping_workers()
+              if p["role"] == "prefill"}  # fmt: skip
+    for k in range(10):
+        client.completions.create(model="tiny", prompt=f"{prefix} question {k}", max_tokens=1)
+    after = {p["instance_id"]: p for p in two_prefill.ping_workers() if p["role"] == "prefill"}
+    gained = {i: after[i]["blocks_pulled"] - before[i] for i in after}
+    assert max(gained.values()) >= 20, after  # ~25 blocks of the hot prefix were copied
