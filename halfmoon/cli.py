@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "halfmoon.serve.launcher",
     "halfmoon.serve.worker_main",
     "halfmoon.serve.conductor_main",
+    "halfmoon.transfer.cli",
 )
 
 

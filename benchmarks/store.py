@@ -1,0 +1,204 @@
+"""Store benchmark: halfmoon's TieredStore vs Mooncake's MooncakeDistributedStore.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/store.py [--sizes 4K,64K,1M,16M] [--batch 64M] [--reps 5]
+        [--no-mooncake] [--json out.json] [--markdown]
+
+Two settings, each side by side:
+
+- remote (over 127.0.0.1): ours is a store in a peer process reached with
+  ``put_blocks`` / ``pull`` over tcp and shm; Mooncake is ``mooncake_master`` plus a
+  storage process that contributes the memory, and a client without its own segment
+  (put/get, put_batch/get_batch, zero-copy batch_put_from/batch_get_into).
+- local (in one process): ours is ``TieredStore.put`` / ``get_into``; Mooncake is a
+  client that mounts its own segment (it then copies with memcpy).
+
+A batch is ``--batch`` bytes (at most 1024 blocks); ``put+get`` GiB/s is the batch size
+over the put time plus the get time. The one-block get median at 4 KiB is the latency
+figure. Mooncake runs from its own venv (benchmarks/mooncake_env.sh, created on first use).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before numpy loads: idle OpenBLAS threads busy-wait and would steal CPU from the runs.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import socket
+import sys
+import time
+
+from _common import (
+    HERE,
+    MOONCAKE_ENV,
+    MOONCAKE_VENV,
+    JsonProcess,
+    find,
+    free_port,
+    mooncake_python,
+    parse_size,
+    processes,
+    results_from,
+    write_json,
+)
+from transfer import markdown
+
+from halfmoon.transfer.microbench import (
+    BenchResult,
+    bench_store_local,
+    bench_store_remote,
+    format_table,
+)
+
+SEGMENT_BYTES = 1 << 30
+
+
+def wait_listening(port: int, timeout_s: float = 30.0) -> None:
+    """Block until something accepts on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+
+
+def run_mooncake(sizes: list[int], batch_bytes: int, reps: int) -> list[BenchResult]:
+    """Mooncake Store, remote (client without a segment) and local (client with one)."""
+    python = str(mooncake_python())
+    script = str(HERE / "mooncake_peer.py")
+    master_port, metadata_port, metrics_port = free_port(), free_port(), free_port()
+    master = [
+        str(MOONCAKE_VENV / "bin" / "mooncake_master"),
+        "-rpc_address=127.0.0.1",
+        f"-rpc_port={master_port}",
+        "-enable_http_metadata_server=true",
+        "-http_metadata_server_host=127.0.0.1",
+        f"-http_metadata_server_port={metadata_port}",
+        "-metrics_host=127.0.0.1",
+        f"-metrics_port={metrics_port}",
+    ]
+    common = ["--master-port", str(master_port), "--metadata-port", str(metadata_port)]
+    bench_args = [
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--batch-bytes",
+        str(batch_bytes),
+        "--reps",
+        str(reps),
+    ]
+    records: list[dict] = []
+    with processes() as procs:
+        procs.append(JsonProcess(master, MOONCAKE_ENV))
+        wait_listening(master_port)
+        wait_listening(metadata_port)
+        node = JsonProcess(
+            [python, script, "store-node", *common, "--segment-bytes", str(SEGMENT_BYTES)],
+            MOONCAKE_ENV,
+        )
+        procs.append(node)
+        node.first("ready")
+        for segment_bytes in (0, SEGMENT_BYTES):  # remote first, then local
+            argv = [
+                python,
+                script,
+                "store-bench",
+                *common,
+                "--segment-bytes",
+                str(segment_bytes),
+                *bench_args,
+            ]
+            bench = JsonProcess(argv, MOONCAKE_ENV)
+            procs.append(bench)
+            records += list(bench.records(timeout_s=900))
+    return results_from(records)
+
+
+def mooncake_best_put_get(results: list[BenchResult], transport: str, size: int) -> float | None:
+    """Mooncake's put+get GiB/s with its fastest put API and its fastest get API (mixed:
+    the most favourable reading for Mooncake)."""
+    rates = {}
+    for op in ("put", "get"):
+        candidates = [
+            r.gib_per_s
+            for r in results
+            if r.system == "mooncake"
+            and r.op.split()[-1] == op
+            and r.transport == transport
+            and r.block_bytes == size
+        ]
+        if not candidates:
+            return None
+        rates[op] = max(candidates)
+    return 1.0 / (1.0 / rates["put"] + 1.0 / rates["get"])
+
+
+def summary(results: list[BenchResult]) -> list[str]:
+    """The ratios the issue sets targets for (ours over Mooncake's fastest APIs)."""
+    lines = []
+    mib = 1 << 20
+    for transport, theirs in (("local", "local"), ("shm", "tcp"), ("tcp", "tcp")):
+        ours = find(results, "halfmoon", "put+get", transport, mib)
+        best = mooncake_best_put_get(results, theirs, mib)
+        if ours and best:
+            lines.append(
+                f"1M put+get: ours {transport} {ours.gib_per_s:.2f} GiB/s vs Mooncake {theirs} "
+                f"(fastest put + fastest get) {best:.2f} GiB/s = {ours.gib_per_s / best:.1f}x"
+            )
+    for transport, theirs in (("local", "local"), ("tcp", "tcp"), ("shm", "tcp")):
+        ours = find(results, "halfmoon", "get", transport, 4096)
+        # Mooncake's faster single-block read: get (returns bytes) or get_into (zero-copy).
+        mc = [find(results, "mooncake", op, theirs, 4096) for op in ("get", "zero-copy get")]
+        fastest = min((r for r in mc if r is not None), key=lambda r: r.op_us_p50, default=None)
+        if ours and fastest:
+            lines.append(
+                f"4K get p50: ours {transport} {ours.op_us_p50:.1f} us vs Mooncake {theirs} "
+                f"'{fastest.op}' {fastest.op_us_p50:.1f} us"
+            )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="4K,64K,1M,16M")
+    parser.add_argument(
+        "--batch", default="64M", help="bytes per measured batch (at most 1024 blocks)"
+    )
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument("--json", help="write raw results here")
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    batch_bytes = parse_size(args.batch)
+    started = time.monotonic()
+    results = bench_store_local(sizes, batch_bytes, args.reps)
+    results += bench_store_remote(sizes, batch_bytes, args.reps)
+    mooncake_error = ""
+    if not args.no_mooncake:
+        try:
+            results += run_mooncake(sizes, batch_bytes, args.reps)
+        except (RuntimeError, OSError) as exc:
+            mooncake_error = str(exc)
+            print(f"Mooncake could not run: {exc}", file=sys.stderr)
+    print(format_table(results))
+    print("\n".join(summary(results)))
+    print(f"({time.monotonic() - started:.0f} s)")
+    if args.markdown:
+        print(markdown(results))
+    if args.json:
+        write_json(
+            args.json, {"results": [r.to_dict() for r in results], "mooncake_error": mooncake_error}
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

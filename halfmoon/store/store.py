@@ -1,0 +1,325 @@
+"""The tiered KV block store: DRAM slab -> SSD file, keyed by chained block hash.
+
+``put`` writes to DRAM (demoting the eviction policy's victim to SSD when full, or going
+straight to SSD when every DRAM block is pinned); a read that hits only SSD promotes the
+block back to DRAM after verifying its checksum. Placement details are in
+:mod:`halfmoon.store.tiering`. Pinned blocks (``pin``, ``acquire``, leases) are never
+evicted; a put that needs room when every block is pinned raises
+:class:`~halfmoon.store.errors.StoreFullError` and evicts nothing.
+
+All methods are thread-safe (one lock). ``BlockStored`` / ``BlockEvicted`` events go to
+the listener after the lock is released, in the order they happened.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from halfmoon.core.clock import Clock, WallClock
+from halfmoon.store.errors import BlockPinnedError, StoreError, StoreFullError, UnknownBlockError
+from halfmoon.store.events import TIER_DRAM, TIER_SSD, EventListener, StoreEvent
+from halfmoon.store.handles import BlockRef, PendingPut
+from halfmoon.store.lease import Lease, LeaseTable
+from halfmoon.store.meta import BlockMeta, StoreConfig, StoreStats, check_block_hash
+from halfmoon.store.tiering import TierSet
+
+
+def as_block_view(buffer: object, what: str, block_bytes: int) -> memoryview:
+    """``buffer`` as a flat byte view of exactly ``block_bytes``, else ``ValueError``."""
+    try:
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ValueError(f"{what} must be a contiguous bytes-like object: {exc}") from exc
+    if view.nbytes != block_bytes:
+        raise ValueError(f"{what} has {view.nbytes} bytes; this store's blocks have {block_bytes}")
+    return view
+
+
+class TieredStore:
+    """Blocks of ``config.block_bytes`` in DRAM and (optionally) an SSD directory.
+
+    ``listener`` receives every :class:`BlockStored` / :class:`BlockEvicted`, including one
+    ``BlockStored(h, "ssd")`` per block recovered from the SSD journal at open. ``clock``
+    times leases.
+    """
+
+    def __init__(
+        self, config: StoreConfig, listener: EventListener | None = None, clock: Clock | None = None
+    ) -> None:
+        self.config = config
+        self._clock = clock if clock is not None else WallClock()
+        self._leases = LeaseTable()
+        self._tiers = TierSet(config)
+        self._guard = _Guard(self._tiers, self._leases, listener, self._clock)
+        with self._locked():
+            pass  # delivers the recovery events
+
+    def _locked(self) -> _Guard:
+        """``with self._locked() as tiers:`` holds the lock (see :class:`_Guard`)."""
+        return self._guard
+
+    # ---------------------------------------------------------------- writes
+    def begin_put(self, block_hash: int, meta: BlockMeta, position: int = 0) -> PendingPut | None:
+        """Reserve room for a block and return its writable slot; None if already stored.
+
+        Fill ``pending.view`` (e.g. ``recv_into`` it), then ``commit_put`` or ``abort_put``.
+        ``position`` is the block's index in its request (length-aware eviction).
+        Raises :class:`StoreFullError` when every block is pinned.
+        """
+        check_block_hash(block_hash)
+        with self._locked() as t:
+            if t.contains(block_hash):
+                for tier in t.tiers(block_hash):
+                    t.track(tier, block_hash)
+                return None
+            slot = t.reserve_dram()
+            if slot is not None:
+                return PendingPut(block_hash, meta, position, t.dram.arena.view(slot), slot)
+            if t.ssd_has_room():
+                staging = memoryview(bytearray(self.config.block_bytes))
+                return PendingPut(block_hash, meta, position, staging, None)
+            raise StoreFullError(
+                f"store is full: all {len(t.dram)} DRAM blocks"
+                + (f" and {len(t.ssd)} SSD blocks" if t.ssd is not None else "")
+                + " are pinned or being written"
+            )
+
+    def commit_put(self, pending: PendingPut) -> str:
+        """Publish a filled ``PendingPut``; returns the tier it landed in."""
+        with self._locked() as t:
+            h = pending.block_hash
+            if pending.dram_slot is not None:
+                if h in t.dram:  # a concurrent writer won; same hash, same contents
+                    t.dram.unreserve(pending.dram_slot)
+                else:
+                    t.commit_dram(pending.dram_slot, h, pending.meta, pending.position)
+                return TIER_DRAM
+            if not t.in_ssd(h) and not t.write_ssd(h, pending.view, pending.meta, pending.position):
+                raise StoreFullError("store is full: every SSD block is pinned")
+            return TIER_SSD
+
+    def abort_put(self, pending: PendingPut) -> None:
+        """Give back the slot of a put that will not be committed."""
+        with self._locked() as t:
+            if pending.dram_slot is not None:
+                t.dram.unreserve(pending.dram_slot)
+
+    def put(self, block_hash: int, payload: object, meta: BlockMeta, position: int = 0) -> str:
+        """Store one block (``payload``: ``block_bytes`` bytes-like); returns its tier.
+
+        Storing a hash already present only counts as an access (content is named by hash).
+        """
+        view = as_block_view(payload, "payload", self.config.block_bytes)
+        pending = self.begin_put(block_hash, meta, position)
+        if pending is None:
+            return self.tiers(block_hash)[0]
+        pending.view[:] = view
+        return self.commit_put(pending)
+
+    def delete(self, block_hash: int) -> bool:
+        """Remove a block from every tier; False if absent. A pinned block raises."""
+        with self._locked() as t:
+            if t.pins.get(block_hash):
+                raise BlockPinnedError(f"block {block_hash:#x} is pinned")
+            return t.remove(block_hash)
+
+    # ---------------------------------------------------------------- reads
+    def get_into(self, block_hash: int, out: object) -> BlockMeta | None:
+        """Copy the payload into ``out`` (``block_bytes``, writable); None on a miss."""
+        out_view = as_block_view(out, "output buffer", self.config.block_bytes)
+        with self._locked() as t:
+            found = t.lookup(block_hash)
+            if found is None:
+                return None
+            out_view[:] = found.view
+            return found.meta
+
+    def get(self, block_hash: int) -> tuple[BlockMeta, bytes] | None:
+        """The block's metadata and a copy of its payload, or None on a miss."""
+        out = bytearray(self.config.block_bytes)
+        meta = self.get_into(block_hash, out)
+        return None if meta is None else (meta, bytes(out))
+
+    def acquire(self, block_hash: int) -> BlockRef | None:
+        """Pin a block and return a zero-copy reference to its DRAM slot; None on a miss.
+
+        The caller must ``release()`` it (a ``with`` block does). If DRAM is full of
+        pinned blocks an SSD hit comes back as a private copy with nothing pinned.
+        """
+        with self._locked() as t:
+            found = t.lookup(block_hash)
+            if found is None:
+                return None
+            if found.dram_slot is None:
+                return BlockRef(block_hash, found.meta, found.view, None, None, lambda: None)
+            t.pin(block_hash)
+            released = False
+
+            def release() -> None:
+                nonlocal released
+                with self._guard as tiers:
+                    if not released:  # a second release must not drop someone else's pin
+                        released = True
+                        tiers.unpin(block_hash)
+
+            offset = t.dram.arena.offset(found.dram_slot)
+            return BlockRef(block_hash, found.meta, found.view, self.segment_name, offset, release)
+
+    # ---------------------------------------------------------------- pins and leases
+    def pin(self, block_hash: int) -> None:
+        """Keep a block from eviction until the matching ``unpin`` (pins nest)."""
+        with self._locked() as t:
+            if not t.contains(block_hash):
+                raise UnknownBlockError(f"cannot pin unknown block {block_hash:#x}")
+            t.pin(block_hash)
+
+    def unpin(self, block_hash: int) -> None:
+        """Undo one ``pin``; the block becomes evictable when no pin is left."""
+        with self._locked() as t:
+            t.unpin(block_hash)
+
+    def lease(self, block_hashes: Sequence[int], ttl_s: float | None = None) -> Lease:
+        """Pin ``block_hashes`` for a remote reader until ``release_lease`` or expiry.
+
+        Every block must be present (else :class:`UnknownBlockError`, nothing pinned).
+        """
+        with self._locked() as t:
+            missing = [h for h in block_hashes if not t.contains(h)]
+            if missing:
+                raise UnknownBlockError(
+                    f"cannot lease {len(missing)} unknown block(s), e.g. {missing[0]:#x}"
+                )
+            for h in block_hashes:
+                t.pin(h)
+            ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
+            return self._leases.add(tuple(block_hashes), self._clock.now() + ttl_s)
+
+    def release_lease(self, lease_id: int) -> bool:
+        """Unpin a lease's blocks; False if it already expired or was released."""
+        with self._locked() as t:
+            lease = self._leases.pop(lease_id)
+            if lease is None:
+                return False
+            for h in lease.block_hashes:
+                t.unpin(h)
+            return True
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def block_bytes(self) -> int:
+        """Payload size of every block."""
+        return self.config.block_bytes
+
+    @property
+    def segment_name(self) -> str | None:
+        """Shared-memory name of the DRAM arena (``shared_dram``), else None."""
+        return self._tiers.dram.arena.segment_name
+
+    def arena_offset(self, dram_slot: int) -> int:
+        """Byte offset of a DRAM slot in the arena (``segment_name``'s bytes for co-located
+        writers filling a ``PendingPut``)."""
+        return self._tiers.dram.arena.offset(dram_slot)
+
+    def contains(self, block_hash: int) -> bool:
+        """Whether the block is in any tier (no access recorded)."""
+        with self._locked() as t:
+            return t.contains(block_hash)
+
+    def tiers(self, block_hash: int) -> tuple[str, ...]:
+        """The tiers holding the block, DRAM first (empty when absent)."""
+        with self._locked() as t:
+            return t.tiers(block_hash)
+
+    def match_prefix(self, block_hashes: Sequence[int]) -> int:
+        """Number of leading ``block_hashes`` present in any tier (no access recorded)."""
+        with self._locked() as t:
+            for i, h in enumerate(block_hashes):
+                if not t.contains(h):
+                    return i
+            return len(block_hashes)
+
+    def is_pinned(self, block_hash: int) -> bool:
+        """Whether the block holds a pin or a lease."""
+        with self._locked() as t:
+            return block_hash in t.pins
+
+    def ssd_file_offset(self, block_hash: int) -> int:
+        """Byte offset of the block in the SSD data file (tools, corruption tests)."""
+        with self._locked() as t:
+            if not t.in_ssd(block_hash):
+                raise UnknownBlockError(f"block {block_hash:#x} is not on SSD")
+            assert t.ssd is not None
+            return t.ssd.file_offset(block_hash)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters (hits and misses per tier, bytes, evictions)."""
+        with self._locked() as t:
+            return t.stats()
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` if allocators, indexes, policies or pins disagree."""
+        with self._locked() as t:
+            t.check_integrity()
+
+    def close(self) -> None:
+        """Close the SSD files (blocks persist) and free DRAM; later calls raise."""
+        with self._guard.lock:
+            if not self._guard.closed:
+                self._guard.closed = True
+                self._tiers.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Guard:
+    """The store's lock as a reusable context manager (cheaper than ``@contextmanager``).
+
+    Entering expires due leases (outermost entry only); leaving delivers the events the
+    operation queued, in order, after the lock is released, so listeners may call back
+    into the store. Reentrant: public methods may call each other.
+    """
+
+    def __init__(
+        self, tiers: TierSet, leases: LeaseTable, listener: EventListener | None, clock: Clock
+    ) -> None:
+        self.lock = threading.RLock()
+        self.closed = False
+        self._tiers = tiers
+        self._leases = leases
+        self._listener = listener
+        self._clock = clock
+        self._depth = 0
+
+    def __enter__(self) -> TierSet:
+        self.lock.acquire()
+        if self.closed:
+            self.lock.release()
+            raise StoreError("the store is closed")
+        self._depth += 1
+        if self._depth == 1 and len(self._leases):
+            try:
+                for lease in self._leases.pop_expired(self._clock.now()):
+                    for h in lease.block_hashes:
+                        self._tiers.unpin(h)
+            except BaseException:
+                self.__exit__()
+                raise
+        return self._tiers
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        events: list[StoreEvent] = []
+        if self._depth == 0 and self._tiers.events:
+            events, self._tiers.events = self._tiers.events, []
+        self.lock.release()
+        if self._listener is not None:
+            for event in events:
+                self._listener(event)
+
+
+__all__ = ["TIER_DRAM", "TIER_SSD", "TieredStore", "as_block_view"]

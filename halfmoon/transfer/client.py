@@ -1,0 +1,358 @@
+"""The requesting side: one :class:`PeerClient` per remote engine.
+
+Transports (same operations, same frames):
+
+- ``tcp``: block bytes are frame payloads, sent zero-copy with ``sendmsg`` and received
+  with ``recv_into`` into the destination; a batch is split over several connections.
+- ``shm``: control frames over TCP, but block bytes are copied straight into the peer's
+  shared-memory region (push, streams) or straight out of its shared DRAM arena (pull);
+  a destination not in shared memory falls back to inline payloads.
+- ``inproc``: like ``shm`` within one process; connections are socket pairs found
+  through an :class:`~halfmoon.transfer.hub.InProcessHub`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from halfmoon.store.meta import BlockMeta
+from halfmoon.transfer.errors import ProtocolError, RemoteError
+from halfmoon.transfer.handles import TransferHandle, TransferResult
+from halfmoon.transfer.hub import InProcessHub
+from halfmoon.transfer.link import as_bytes_view, deadline_after
+from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
+from halfmoon.transfer.pool import (
+    TRANSPORTS,
+    LinkPool,
+    OutFrame,
+    default_num_connections,
+    split_batch,
+)
+from halfmoon.transfer.protocol import Kind, hash_to_wire
+from halfmoon.transfer.regions import SegmentCache
+from halfmoon.transfer.sender import StreamSender
+from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE
+
+__all__ = ["TRANSPORTS", "PeerClient"]
+
+
+class PeerClient:
+    """Operations on one peer: push, put, pull, streams (thread-safe)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        secret: bytes,
+        transport: str = "tcp",
+        num_connections: int | None = None,
+        timeout_s: float = 30.0,
+        hub: InProcessHub | None = None,
+        segments: SegmentCache | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        num_connections = default_num_connections() if num_connections is None else num_connections
+        self._links = LinkPool(endpoint, secret, transport, num_connections, hub)
+        self.endpoint = self._links.endpoint
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._hub = hub
+        self._owns_segments = segments is None
+        self._segments = segments if segments is not None else SegmentCache()
+        self._lock = threading.Lock()
+        self._ids = iter(range(1, 2**62))
+        self._region_views: dict[str, memoryview | None] = {}
+
+    def _next_id(self) -> str:
+        with self._lock:
+            return f"{self._links.client_id}-{next(self._ids)}"
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return deadline_after(self.timeout_s if timeout_s is None else timeout_s)
+
+    # ------------------------------------------------------------ direct placement
+    def _remote_region(self, region: str, deadline: float) -> memoryview | None:
+        """The peer's region mapped into this process, or None (send bytes inline)."""
+        if self.transport == "tcp":
+            return None
+        if self.transport == "inproc":
+            assert self._hub is not None
+            return self._hub.get(self.endpoint).regions.get(region).view
+        with self._lock:
+            if region in self._region_views:
+                return self._region_views[region]
+        info = self._links.request(Kind.REGION, {"region": region}, Kind.REGION_INFO, deadline).meta
+        segment = info.get("segment")
+        view = self._segments.view(segment)[: int(info["size"])] if segment else None
+        with self._lock:
+            self._region_views[region] = view
+        return view
+
+    # ------------------------------------------------------------ push
+    def _push_frames(
+        self, region: str, items: list[tuple[int, memoryview]], xfer: str, deadline: float
+    ) -> list[OutFrame]:
+        remote = self._remote_region(region, deadline)
+        groups = split_batch([v.nbytes for _, v in items], self._links.num_connections)
+        frames = []
+        for group in groups:
+            chunk = [items[i] for i in group]
+            meta = {
+                "xfer": xfer,
+                "region": region,
+                "segs": [[off, v.nbytes] for off, v in chunk],
+                "parts": len(groups),
+                "placed": remote is not None,
+            }
+            if remote is None:
+                frames.append(OutFrame(Kind.PUSH, meta, [v for _, v in chunk]))
+            else:
+                frames.append(OutFrame(Kind.PUSH, meta, [], _placer(remote, chunk, region)))
+        return frames
+
+    def _push(
+        self,
+        region: str,
+        items: list[tuple[int, memoryview]],
+        xfer: str,
+        deadline: float,
+        cancel: threading.Event,
+    ) -> TransferResult:
+        started = time.perf_counter()
+        frames = self._push_frames(region, items, xfer, deadline)
+        self._links.send_frames(frames, Kind.PUSH_ACK, deadline, cancel, xfer)
+        num_bytes = sum(v.nbytes for _, v in items)
+        return TransferResult(xfer, len(items), num_bytes, time.perf_counter() - started)
+
+    def push(
+        self, region: str, blocks: Sequence[tuple[int, object]], timeout_s: float | None = None
+    ) -> TransferResult:
+        """Write ``blocks`` (``(offset in the peer's region, buffer)``) and wait for the acks."""
+        items = [(int(off), as_bytes_view(buf)) for off, buf in blocks]
+        return self._push(
+            region, items, self._next_id(), self._deadline(timeout_s), threading.Event()
+        )
+
+    def push_async(
+        self, region: str, blocks: Sequence[tuple[int, object]], timeout_s: float | None = None
+    ) -> TransferHandle:
+        """Start a push; the handle waits, cancels, or calls back when done.
+
+        Source buffers must stay unchanged until the handle is done. The peer reports one
+        ``TransferCompleted("push")`` once every byte has landed.
+        """
+        xfer, cancel = self._next_id(), threading.Event()
+        items = [(int(off), as_bytes_view(buf)) for off, buf in blocks]
+        deadline = self._deadline(timeout_s)
+        future: Future[TransferResult] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._push(region, items, xfer, deadline, cancel))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"hm-push-{xfer}", daemon=True).start()
+        return TransferHandle(xfer, future, cancel)
+
+    # ------------------------------------------------------------ store put / pull
+    def put_blocks(self, blocks: Sequence[PutBlock], timeout_s: float | None = None) -> int:
+        """Store blocks in the peer's store, received straight into its slots.
+
+        Over ``shm`` / ``inproc`` the blocks are copied straight into the store's shared
+        DRAM arena (two small round trips per group, no bytes through the socket).
+        Returns how many were new there (hashes already present are skipped).
+        """
+        xfer = self._next_id()
+        deadline = self._deadline(timeout_s)
+        views = [as_bytes_view(b.payload) for b in blocks]
+        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
+        wire = [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
+        if self.transport != "tcp":
+            stored = [0] * len(groups)
+
+            def job(k: int) -> Callable[[], None]:
+                def run() -> None:
+                    group = groups[k]
+                    chunk = ([wire[i] for i in group], [views[i] for i in group])
+                    stored[k] = self._put_placed(f"{xfer}.{k}", *chunk, deadline)
+
+                return run
+
+            self._links.run_parallel([job(k) for k in range(len(groups))])
+            return sum(stored)
+        frames = [
+            OutFrame(
+                Kind.PUT, {"xfer": xfer, "blocks": [wire[i] for i in g]}, [views[i] for i in g]
+            )
+            for g in groups
+        ]
+        self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
+        return sum(int(f.acks[0]["stored"]) for f in frames)
+
+    def _put_placed(
+        self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
+    ) -> int:
+        """Reserve slots, copy into the shared arena, commit (inline for the rest)."""
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            link.send(Kind.PUT_RESERVE, {"xfer": xfer, "blocks": wire}, deadline=deadline)
+            items = self._links.expect(link, Kind.PUT_SLOTS, deadline).meta["items"]
+            if len(items) != len(views):
+                raise ProtocolError(
+                    f"peer {self.endpoint} reserved {len(items)} of {len(views)} slots"
+                )
+            inline = []
+            for item, view in zip(items, views, strict=True):
+                if item[0] == SLOT_PLACE:
+                    start = int(item[2])
+                    self._segments.view(item[1])[start : start + view.nbytes] = view
+                elif item[0] == SLOT_INLINE:
+                    inline.append(view)
+            link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
+            stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
+            ok = True
+            return stored
+        finally:
+            self._links.checkin(link, ok)
+
+    def pull(
+        self, block_hashes: Sequence[int], dests: Sequence[object], timeout_s: float | None = None
+    ) -> list[BlockMeta | None]:
+        """Read blocks of the peer's store into ``dests`` (one ``block_bytes`` buffer each).
+
+        Returns each block's metadata, None where the peer lacks it (that dest is left
+        untouched). Large batches are split over several connections.
+        """
+        if len(block_hashes) != len(dests):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
+        deadline = self._deadline(timeout_s)
+        views = [as_bytes_view(d) for d in dests]
+        if len({v.nbytes for v in views}) > 1:
+            raise ValueError("pull destinations must all have the store's block size")
+        results: list[BlockMeta | None] = [None] * len(views)
+
+        def job(group: list[int]) -> Callable[[], None]:
+            def run() -> None:
+                hashes = [block_hashes[i] for i in group]
+                metas = self._pull_group(hashes, [views[i] for i in group], deadline)
+                for i, meta in zip(group, metas, strict=True):
+                    results[i] = meta
+
+            return run
+
+        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
+        if len(groups) == 1:  # the common small pull: no thread hand-off
+            return self._pull_group(list(block_hashes), views, deadline)
+        self._links.run_parallel([job(g) for g in groups])
+        return results
+
+    def _pull_group(
+        self, block_hashes: list[int], views: list[memoryview], deadline: float
+    ) -> list[BlockMeta | None]:
+        xfer = self._next_id()
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            request = {
+                "xfer": xfer,
+                "hashes": [hash_to_wire(h) for h in block_hashes],
+                "direct": self.transport != "tcp",
+                "block_bytes": views[0].nbytes,
+            }
+            link.send(Kind.PULL, request, deadline=deadline)
+            reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
+            items: list[list[Any]] = reply.meta["items"]
+            if len(items) != len(views):
+                raise ProtocolError(
+                    f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls"
+                )
+            link.recv_payload_into(
+                reply,
+                [v for v, it in zip(views, items, strict=True) if it[0] and len(it) == 2],
+                deadline,
+            )
+            try:
+                for view, item in zip(views, items, strict=True):
+                    if len(item) == 4:  # in the peer's shared arena: copy it out ourselves
+                        view[:] = self._segments.view(item[2])[
+                            int(item[3]) : int(item[3]) + view.nbytes
+                        ]
+            finally:
+                if any(len(item) == 4 for item in items):
+                    link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
+            ok = True
+            return [meta_from_wire(item[1]) if item[0] else None for item in items]
+        finally:
+            self._links.checkin(link, ok)
+
+    # ------------------------------------------------------------ streams
+    def open_stream(
+        self,
+        session_id: str,
+        num_layers: int,
+        num_blocks: int,
+        block_bytes: int,
+        timeout_s: float | None = None,
+        wait_s: float = 5.0,
+    ) -> StreamSender:
+        """Open a layer-wise session the peer announced with ``expect_stream``.
+
+        Waits up to ``wait_s`` for the announcement (the sender may be a little early);
+        ``timeout_s`` bounds each later step (every layer send, the final ack).
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = deadline_after(timeout_s + wait_s)
+        request = {
+            "session": session_id,
+            "num_layers": num_layers,
+            "num_blocks": num_blocks,
+            "block_bytes": block_bytes,
+            "wait_s": wait_s,
+        }
+        link = self._links.checkout(deadline)
+        try:
+            link.send(Kind.STREAM_OPEN, request, deadline=deadline)
+            ready = self._links.expect(link, Kind.STREAM_READY, deadline).meta
+        except BaseException:
+            self._links.checkin(link, ok=not link.closed)  # an ERROR reply leaves it aligned
+            raise
+        remote = None
+        if self.transport == "inproc":
+            assert self._hub is not None
+            remote = self._hub.get(self.endpoint).regions.get(ready["region"]).view
+        elif self.transport == "shm" and ready.get("segment"):
+            remote = self._segments.view(ready["segment"])
+        layout = (num_layers, num_blocks, block_bytes)
+        return StreamSender(
+            link, session_id, layout, ready["offsets"], remote, timeout_s, self._links.checkin
+        )
+
+    def close(self) -> None:
+        """Close every connection; in-flight operations fail."""
+        self._links.close()
+        if self._owns_segments:
+            self._segments.close()
+
+
+def _placer(
+    remote: memoryview, chunk: list[tuple[int, memoryview]], region: str
+) -> Callable[[], None]:
+    """Copy ``chunk`` into the peer's mapped region (bounds-checked: slices never clip)."""
+    for offset, view in chunk:
+        if offset < 0 or offset + view.nbytes > remote.nbytes:
+            raise RemoteError(
+                f"range [{offset}, {offset + view.nbytes}) is outside region {region!r} "
+                f"of {remote.nbytes} bytes"
+            )
+
+    def place() -> None:
+        for offset, view in chunk:
+            remote[offset : offset + view.nbytes] = view
+
+    return place

@@ -1,0 +1,150 @@
+"""The transfer engine facade: one per worker process, serving and requesting.
+
+Receiving side: ``register_region`` (preallocated buffers peers push into),
+``expect_stream`` (a layer-wise session), an optional block store that peers pull from
+and put into, and ``on_complete`` notifications. Requesting side: ``connect(endpoint)``
+returns a :class:`PeerClient` with push / put / pull / open_stream.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from halfmoon.store import TieredStore
+from halfmoon.transfer.auth import check_secret
+from halfmoon.transfer.client import PeerClient
+from halfmoon.transfer.endpoint import DEFAULT_HOST
+from halfmoon.transfer.errors import TransferError
+from halfmoon.transfer.hub import InProcessHub
+from halfmoon.transfer.messages import CompletionListener
+from halfmoon.transfer.pool import TRANSPORTS
+from halfmoon.transfer.regions import MemoryRegion, RegionTable, SegmentCache
+from halfmoon.transfer.server import TransferServer
+from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceiver, StreamTable
+
+
+class TransferEngine:
+    """Serves this process's regions, streams and store; connects to peers.
+
+    ``transport`` is the default for ``connect`` (``tcp``, ``shm`` or ``inproc``; the last
+    needs ``hub``). Peers must share ``secret`` (>= 16 bytes). ``timeout_s`` bounds each
+    operation; ``num_connections`` is how many parallel connections a batch may use
+    (default: 4, or the number of cores if fewer).
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        transport: str = "tcp",
+        store: TieredStore | None = None,
+        hub: InProcessHub | None = None,
+        num_connections: int | None = None,
+        timeout_s: float = 30.0,
+        on_complete: CompletionListener | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}"
+            )
+        if transport == "inproc" and hub is None:
+            raise ValueError("the inproc transport needs an InProcessHub shared by the engines")
+        self._secret = check_secret(secret)
+        self.transport = transport
+        self.num_connections = num_connections
+        self.timeout_s = timeout_s
+        self._hub = hub
+        self.regions = RegionTable()
+        self._streams = StreamTable()
+        self._segments = SegmentCache()
+        self._server = TransferServer(
+            secret,
+            self.regions,
+            self._streams,
+            store=store,
+            host=host,
+            port=port,
+            on_complete=on_complete,
+            io_timeout_s=timeout_s,
+        )
+        self._clients: dict[tuple[str, str], PeerClient] = {}
+        self._lock = threading.Lock()
+        self.endpoint = ""
+
+    def start(self) -> str:
+        """Start listening; returns this engine's ``host:port``."""
+        self.endpoint = str(self._server.start())
+        if self._hub is not None:
+            self._hub.add(self.endpoint, self._server)
+        return self.endpoint
+
+    def __enter__(self) -> TransferEngine:
+        if not self.endpoint:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ receiving side
+    def register_region(self, name: str, size_bytes: int, shared: bool = False) -> MemoryRegion:
+        """Preallocate ``size_bytes`` that peers may push into (shared: for the shm transport)."""
+        return self.regions.add(MemoryRegion.allocate(name, size_bytes, shared))
+
+    def register_buffer(self, name: str, buffer: object) -> MemoryRegion:
+        """Expose an existing writable buffer as a region (tcp / in-process writes)."""
+        return self.regions.add(MemoryRegion.wrap(name, buffer))
+
+    def unregister_region(self, name: str) -> None:
+        """Remove a region; later pushes into it fail at the sender."""
+        self.regions.remove(name)
+
+    def expect_stream(
+        self,
+        session_id: str,
+        region: str,
+        layout: StreamLayout,
+        on_layer: LayerCallback | None = None,
+    ) -> StreamReceiver:
+        """Announce a layer-wise session whose blocks land in ``region`` per ``layout``.
+
+        ``on_layer(receiver, layer)`` runs on the connection thread as each layer lands.
+        """
+        receiver = StreamReceiver(session_id, self.regions.get(region), layout, on_layer)
+        self._streams.add(receiver)
+        return receiver
+
+    # ------------------------------------------------------------ requesting side
+    def connect(self, endpoint: str, transport: str | None = None) -> PeerClient:
+        """The (cached) client for ``endpoint`` over ``transport`` (default: the engine's)."""
+        transport = transport or self.transport
+        key = (endpoint, transport)
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = PeerClient(
+                    endpoint,
+                    self._secret,
+                    transport=transport,
+                    num_connections=self.num_connections,
+                    timeout_s=self.timeout_s,
+                    hub=self._hub,
+                    segments=self._segments,
+                )
+                self._clients[key] = client
+        return client
+
+    def close(self) -> None:
+        """Close clients, stop serving (open streams fail), free regions."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+        if self._hub is not None and self.endpoint:
+            self._hub.remove(self.endpoint)
+        self._server.close()
+        self._streams.fail_all(TransferError("the transfer engine closed"))
+        self.regions.close()
+        self._segments.close()

@@ -1,0 +1,195 @@
+"""Store requests of one connection: puts (inline, or placed through shared memory) and
+pulls (inline, or read in place from the store's shared DRAM arena).
+
+Placed puts take two round trips so the client can copy straight into reserved slots::
+
+    PUT_RESERVE {xfer, blocks}  ->  PUT_SLOTS {items}   item: [0] present, [1, seg, off] place it,
+                                                              [2] send it inline
+    (client copies the [1] blocks into the segment)
+    PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
+
+Reserved slots of an unfinished put are aborted when the connection ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from halfmoon.store import BlockRef, PendingPut, TieredStore
+from halfmoon.transfer.errors import RemoteError, TransferError
+from halfmoon.transfer.link import Link
+from halfmoon.transfer.messages import (
+    CompletionListener,
+    TransferCompleted,
+    meta_from_wire,
+    meta_to_wire,
+)
+from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
+
+#: PUT_SLOTS item codes.
+SLOT_PRESENT, SLOT_PLACE, SLOT_INLINE = 0, 1, 2
+
+
+class StoreSession:
+    """Executes one connection's store requests against ``store()``."""
+
+    def __init__(
+        self,
+        link: Link,
+        store: Callable[[], TieredStore],
+        deadline: Callable[[], float],
+        on_complete: CompletionListener | None,
+    ) -> None:
+        self._link = link
+        self._store = store
+        self._deadline = deadline
+        self._on_complete = on_complete
+        self._reserved: dict[str, list[PendingPut | None]] = {}
+        self._leases: dict[str, int] = {}
+
+    def _begin(self, store: TieredStore, blocks: list[list[Any]]) -> list[PendingPut | None]:
+        """Reserve a slot per block (None: already stored); all or nothing."""
+        pendings: list[PendingPut | None] = []
+        try:
+            for raw_hash, raw_meta, position in blocks:
+                h = hash_from_wire(raw_hash)
+                pendings.append(store.begin_put(h, meta_from_wire(raw_meta), int(position)))
+        except BaseException:
+            _abort(store, pendings)
+            raise
+        return pendings
+
+    def _finish(
+        self,
+        store: TieredStore,
+        xfer: str,
+        frame: Frame,
+        pendings: list[PendingPut | None],
+        inline: list[memoryview],
+    ) -> None:
+        """Receive the inline payloads, commit every reservation, ack and notify."""
+        try:
+            self._link.recv_payload_into(frame, inline, self._deadline())
+        except TransferError:
+            _abort(store, pendings)
+            if self._link.closed:
+                raise
+            raise RemoteError(f"put {xfer} failed its checksum; nothing stored") from None
+        stored = [p for p in pendings if p is not None]
+        for pending in stored:
+            store.commit_put(pending)
+        self._link.send(
+            Kind.PUT_ACK, {"xfer": xfer, "stored": len(stored)}, deadline=self._deadline()
+        )
+        if self._on_complete is not None:
+            num_bytes = len(pendings) * store.block_bytes
+            self._on_complete(
+                TransferCompleted("put", xfer, self._link.peer, len(pendings), num_bytes)
+            )
+
+    def on_put(self, frame: Frame) -> None:
+        """All block bytes inline in this frame; duplicates are received and dropped."""
+        store = self._store()
+        blocks = frame.meta["blocks"]
+        if frame.payload_len != len(blocks) * store.block_bytes:
+            raise RemoteError(
+                f"put carries {frame.payload_len} bytes for {len(blocks)} blocks; "
+                f"this store's blocks have {store.block_bytes} bytes"
+            )
+        pendings = self._begin(store, blocks)
+        scratch = memoryview(bytearray(store.block_bytes))
+        dests = [p.view if p is not None else scratch for p in pendings]
+        self._finish(store, frame.meta["xfer"], frame, pendings, dests)
+
+    def on_put_reserve(self, frame: Frame) -> None:
+        """Reserve slots and tell the client where to place each block."""
+        store = self._store()
+        xfer = frame.meta["xfer"]
+        pendings = self._begin(store, frame.meta["blocks"])
+        self._reserved[xfer] = pendings
+        segment = store.segment_name
+        items: list[list[Any]] = []
+        for p in pendings:
+            if p is None:
+                items.append([SLOT_PRESENT])
+            elif segment is not None and p.dram_slot is not None:
+                items.append([SLOT_PLACE, segment, store.arena_offset(p.dram_slot)])
+            else:
+                items.append([SLOT_INLINE])
+        self._link.send(Kind.PUT_SLOTS, {"xfer": xfer, "items": items}, deadline=self._deadline())
+
+    def on_put_commit(self, frame: Frame) -> None:
+        """The client placed its blocks: take the inline rest, commit, ack."""
+        store = self._store()
+        xfer = frame.meta["xfer"]
+        pendings = self._reserved.pop(xfer, None)
+        if pendings is None:
+            raise RemoteError(f"put {xfer} has no reserved slots")
+        segment = store.segment_name
+        inline = [
+            p.view for p in pendings if p is not None and (segment is None or p.dram_slot is None)
+        ]
+        self._finish(store, xfer, frame, pendings, inline)
+
+    def on_pull(self, frame: Frame) -> None:
+        """Serve blocks inline, or (co-located client) as places in our shared arena.
+
+        Blocks read in place are covered by a store lease until the client's RELEASE, the
+        connection's end or the lease's expiry, so a stuck client cannot pin them forever.
+        """
+        store = self._store()
+        xfer, direct = frame.meta["xfer"], bool(frame.meta.get("direct"))
+        if int(frame.meta.get("block_bytes", store.block_bytes)) != store.block_bytes:
+            raise RemoteError(
+                f"this store's blocks have {store.block_bytes} bytes, the destinations "
+                f"{frame.meta['block_bytes']}"
+            )
+        items: list[list[Any]] = []
+        inline: list[memoryview] = []
+        refs: list[BlockRef] = []
+        in_place: list[int] = []
+        try:
+            for raw_hash in frame.meta["hashes"]:
+                ref = store.acquire(hash_from_wire(raw_hash))
+                if ref is None:
+                    items.append([False])
+                    continue
+                refs.append(ref)
+                if direct and ref.segment_name is not None:
+                    in_place.append(ref.block_hash)
+                    items.append([True, meta_to_wire(ref.meta), ref.segment_name, ref.arena_offset])
+                else:
+                    inline.append(ref.view)
+                    items.append([True, meta_to_wire(ref.meta)])
+            if in_place:
+                self._leases[xfer] = store.lease(in_place).lease_id
+            self._link.send(
+                Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline()
+            )
+        finally:
+            for ref in refs:  # inline bytes are in the socket now; in-place ones hold the lease
+                ref.release()
+
+    def on_release(self, frame: Frame) -> None:
+        """The client finished reading in place: drop the pull's lease."""
+        lease_id = self._leases.pop(frame.meta["xfer"], None)
+        if lease_id is not None:
+            self._store().release_lease(lease_id)
+
+    def cleanup(self, store: TieredStore | None) -> None:
+        """The connection ended: abort unfinished puts, release pull leases."""
+        if store is None:
+            return
+        for pendings in self._reserved.values():
+            _abort(store, pendings)
+        for lease_id in self._leases.values():
+            store.release_lease(lease_id)
+        self._reserved.clear()
+        self._leases.clear()
+
+
+def _abort(store: TieredStore, pendings: list[PendingPut | None]) -> None:
+    for pending in pendings:
+        if pending is not None:
+            store.abort_put(pending)

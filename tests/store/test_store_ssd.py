@@ -1,0 +1,167 @@
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+from store_testing import BLOCK_BYTES, meta, payload
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.store import BlockEvicted, BlockStored, StoreConfig, TieredStore
+from halfmoon.store.journal import HEADER_BYTES, RECORD_BYTES
+
+H = hash_blocks(list(range(16 * 8)), 16).hashes
+
+
+def ssd_only(tmp_path, num_slots=4, **overrides):
+    fields = {
+        "block_bytes": BLOCK_BYTES,
+        "dram_capacity_bytes": 0,
+        "ssd_dir": str(tmp_path),
+        "ssd_capacity_bytes": num_slots * BLOCK_BYTES,
+        **overrides,
+    }
+    return fields
+
+
+def flip_bytes(path, offset, num_bytes=8):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(num_bytes))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_data_file_is_preallocated(make_store, tmp_path):
+    make_store(**ssd_only(tmp_path, num_slots=5))
+    assert os.path.getsize(tmp_path / "blocks.dat") == 5 * BLOCK_BYTES
+
+
+def test_corrupt_block_is_a_miss_never_garbage(make_store, events, tmp_path):
+    store = make_store(**ssd_only(tmp_path))
+    for i in (0, 1):
+        assert store.put(H[i], payload(i), meta(i)) == "ssd"
+    flip_bytes(tmp_path / "blocks.dat", store.ssd_file_offset(H[0]) + 100)
+    assert store.get(H[0]) is None
+    assert store.get(H[1]) == (meta(1), payload(1))
+    stats = store.stats()
+    assert (stats.num_corrupt, stats.num_misses, stats.ssd.num_blocks) == (1, 1, 1)
+    assert events.of(BlockEvicted, "ssd") == [H[0]]
+    assert not store.contains(H[0])
+
+
+def test_restart_recovers_the_ssd_index(make_store, events, tmp_path):
+    config = {
+        "dram_capacity_bytes": 2 * BLOCK_BYTES,
+        **{k: v for k, v in ssd_only(tmp_path, 8).items() if k != "dram_capacity_bytes"},
+    }
+    store = make_store(**config)
+    for i in range(6):
+        store.put(H[i], payload(i), meta(i), position=i)
+    on_ssd = [h for h in H[:6] if "ssd" in store.tiers(h)]
+    assert len(on_ssd) == 4  # the other two only ever lived in DRAM
+    store.close()
+    events.clear()
+    reopened = make_store(**config)
+    assert sorted(events.of(BlockStored, "ssd")) == sorted(on_ssd)
+    for i, h in enumerate(H[:6]):
+        expected = (meta(i), payload(i)) if h in on_ssd else None
+        assert reopened.get(h) == expected
+    reopened.check_integrity()
+
+
+def test_restart_after_kill_minus_9(make_store, tmp_path):
+    config = ssd_only(tmp_path, 8)
+    code = f"""
+import sys, time
+from halfmoon.store import StoreConfig, TieredStore, BlockMeta
+store = TieredStore(StoreConfig(**{config!r}))
+for i, h in enumerate({list(H[:5])!r}):
+    store.put(h, bytes([i % 251 + 1]) * {BLOCK_BYTES}, BlockMeta(16, max(i - 1, 0)))
+print("written", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    store = make_store(**config)
+    assert [store.get(h) for h in H[:5]] == [(meta(i), payload(i)) for i in range(5)]
+
+
+def test_torn_journal_tail_is_detected_and_dropped(make_store, tmp_path):
+    store = make_store(**ssd_only(tmp_path))
+    for i in range(3):
+        store.put(H[i], payload(i), meta(i))
+    store.close()
+    with open(tmp_path / "journal.log", "ab") as f:
+        f.write(b"\x01" + bytes(range(30)))  # half a record: the process died mid-append
+    store = make_store(**ssd_only(tmp_path))
+    assert store.stats().num_torn_records == 1
+    assert [store.get(h) for h in H[:3]] == [(meta(i), payload(i)) for i in range(3)]
+    assert os.path.getsize(tmp_path / "journal.log") == HEADER_BYTES + 3 * RECORD_BYTES
+
+
+def test_torn_data_write_is_not_served_after_restart(make_store, tmp_path):
+    store = make_store(**ssd_only(tmp_path))
+    store.put(H[0], payload(0), meta(0))
+    store.put(H[1], payload(1), meta(1))
+    offset = store.ssd_file_offset(H[0])
+    store.close()
+    with open(tmp_path / "blocks.dat", "r+b") as f:  # only the first half reached the disk
+        f.seek(offset + BLOCK_BYTES // 2)
+        f.write(bytes(BLOCK_BYTES // 2))
+    store = make_store(**ssd_only(tmp_path))
+    assert store.get(H[0]) is None
+    assert store.get(H[1]) == (meta(1), payload(1))
+    assert store.stats().num_corrupt == 1
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(HalfmoonError, match="does not exist"):
+        TieredStore(StoreConfig(**ssd_only(tmp_path / "nope")))
+
+
+def test_file_instead_of_directory(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(HalfmoonError, match="not a directory"):
+        TieredStore(StoreConfig(**ssd_only(tmp_path / "f")))
+
+
+def test_read_only_directory_is_a_clear_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(HalfmoonError, match="read-only"):
+            TieredStore(StoreConfig(**ssd_only(ro)))
+    finally:
+        ro.chmod(stat.S_IRWXU)
+
+
+def test_directory_in_use_and_geometry_mismatch(make_store, tmp_path):
+    make_store(**ssd_only(tmp_path))
+    with pytest.raises(HalfmoonError, match="in use by another store"):
+        TieredStore(StoreConfig(**ssd_only(tmp_path)))
+    other = tmp_path / "other"
+    other.mkdir()
+    TieredStore(StoreConfig(**ssd_only(other))).close()
+    with pytest.raises(HalfmoonError, match="configured for 6 slots"):
+        TieredStore(StoreConfig(**ssd_only(other, num_slots=6)))
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        StoreConfig(block_bytes=16, dram_capacity_bytes=64, policy="mru")
+    with pytest.raises(ValueError, match="holds no block"):
+        StoreConfig(block_bytes=16, dram_capacity_bytes=8)
+    with pytest.raises(ValueError, match="needs an ssd_dir"):
+        StoreConfig(block_bytes=16, dram_capacity_bytes=64, ssd_capacity_bytes=64)

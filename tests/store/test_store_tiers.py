@@ -1,0 +1,243 @@
+import threading
+
+import pytest
+from store_testing import BLOCK_BYTES, meta, payload
+
+from halfmoon.core.clock import ManualClock
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.store import (
+    BlockEvicted,
+    BlockPinnedError,
+    BlockStored,
+    StoreError,
+    StoreFullError,
+    UnknownBlockError,
+)
+
+# Real chained 128-bit block hashes of one 16-token-block prompt.
+H = hash_blocks(list(range(16 * 12)), 16).hashes
+
+
+def put_all(store, indices, positions=None):
+    for i in indices:
+        store.put(H[i], payload(i), meta(i), position=i if positions is None else positions[i])
+
+
+def test_put_get_round_trip_and_events(make_store, events):
+    store = make_store()
+    assert store.put(H[0], payload(0), meta(0)) == "dram"
+    got = store.get(H[0])
+    assert got == (meta(0), payload(0))
+    out = bytearray(BLOCK_BYTES)
+    assert store.get_into(H[0], out) == meta(0) and out == payload(0)
+    assert store.get(H[1]) is None
+    assert events == [BlockStored(H[0], "dram")]
+    stats = store.stats()
+    assert (stats.dram.num_hits, stats.num_misses, stats.dram.num_blocks) == (2, 1, 1)
+
+
+def test_storing_a_present_hash_is_only_an_access(make_store, events):
+    store = make_store()
+    put_all(store, [0, 1, 2, 3])
+    store.put(H[0], payload(99), meta(0))  # same hash: content is named by the hash
+    assert store.get(H[0])[1] == payload(0)
+    put_all(store, [4])
+    assert events.of(BlockEvicted, "dram") == [H[1]]
+
+
+@pytest.mark.parametrize(
+    ("policy", "accesses", "expected_victims"),
+    [
+        # LRU: 0 was touched last, so 1 then 2 go first.
+        ("lru", [0], [1, 2]),
+        # LFU: counts 0:3, 1:1, 2:2, 3:1 -> the count-1 blocks, older first: 1, then 3.
+        ("lfu", [0, 0, 2], [1, 3]),
+        # length-aware: equal counts -> the later position in the request goes first.
+        ("length-aware", [], [3, 2]),
+    ],
+)
+def test_eviction_order_per_policy(make_store, events, policy, accesses, expected_victims):
+    store = make_store(policy=policy)
+    put_all(store, [0, 1, 2, 3])
+    for i in accesses:
+        store.get(H[i])
+    put_all(store, [10, 11], positions={10: 0, 11: 0})
+    assert events.of(BlockEvicted, "dram") == [H[i] for i in expected_victims]
+    assert all(store.contains(H[i]) for i in (10, 11))
+
+
+def test_demotion_to_ssd_and_promotion_back(make_store, events, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=2 * BLOCK_BYTES,
+        ssd_dir=str(tmp_path),
+        ssd_capacity_bytes=4 * BLOCK_BYTES,
+    )
+    put_all(store, [0, 1, 2])
+    assert store.tiers(H[0]) == ("ssd",)
+    assert events[-3:] == [
+        BlockStored(H[0], "ssd"),
+        BlockEvicted(H[0], "dram"),
+        BlockStored(H[2], "dram"),
+    ]
+    assert store.get(H[0]) == (meta(0), payload(0))  # SSD hit: promoted, B demoted for room
+    assert store.tiers(H[0]) == ("dram", "ssd")
+    assert store.tiers(H[1]) == ("ssd",)
+    stats = store.stats()
+    assert (stats.num_promotions, stats.num_demotions, stats.ssd.num_hits) == (1, 2, 1)
+    assert events.of(BlockStored, "dram") == [H[0], H[1], H[2], H[0]]
+
+
+def test_ssd_eviction_drops_the_ssd_victim(make_store, events, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=BLOCK_BYTES, ssd_dir=str(tmp_path), ssd_capacity_bytes=2 * BLOCK_BYTES
+    )
+    put_all(store, [0, 1, 2, 3])
+    assert events.of(BlockEvicted, "ssd") == [H[0]]
+    assert not store.contains(H[0])
+    assert [store.tiers(H[i]) for i in (1, 2, 3)] == [("ssd",), ("ssd",), ("dram",)]
+    assert store.stats().ssd.num_evictions == 1
+
+
+def test_pinned_blocks_are_never_victims(make_store, events):
+    store = make_store(dram_capacity_bytes=2 * BLOCK_BYTES)
+    put_all(store, [0, 1])
+    store.pin(H[0])
+    put_all(store, [2])  # LRU victim would be 0, but it is pinned
+    assert events.of(BlockEvicted, "dram") == [H[1]]
+    store.pin(H[2])
+    with pytest.raises(StoreFullError, match="pinned"):
+        store.put(H[3], payload(3), meta(3))
+    # Nothing lost, nothing evicted by the failed put.
+    assert store.get(H[0])[1] == payload(0) and store.get(H[2])[1] == payload(2)
+    assert events.of(BlockEvicted, "dram") == [H[1]]
+    store.check_integrity()
+    store.unpin(H[0])
+    put_all(store, [3])
+    assert events.of(BlockEvicted, "dram") == [H[1], H[0]]
+    assert store.is_pinned(H[2]) and not store.is_pinned(H[3])
+
+
+def test_pins_nest_and_bad_pin_calls_fail(make_store):
+    store = make_store(dram_capacity_bytes=BLOCK_BYTES)
+    put_all(store, [0])
+    store.pin(H[0])
+    store.pin(H[0])
+    store.unpin(H[0])
+    with pytest.raises(StoreFullError):
+        store.put(H[1], payload(1), meta(1))
+    store.unpin(H[0])
+    with pytest.raises(StoreError, match="not pinned"):
+        store.unpin(H[0])
+    with pytest.raises(UnknownBlockError):
+        store.pin(H[5])
+
+
+def test_full_dram_of_pins_spills_new_blocks_to_ssd(make_store, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=BLOCK_BYTES, ssd_dir=str(tmp_path), ssd_capacity_bytes=2 * BLOCK_BYTES
+    )
+    put_all(store, [0])
+    store.pin(H[0])
+    assert store.put(H[1], payload(1), meta(1)) == "ssd"
+    assert store.get(H[1])[1] == payload(1)  # read from SSD into a private buffer
+    assert store.tiers(H[1]) == ("ssd",)
+
+
+def test_acquire_pins_a_zero_copy_view(make_store):
+    store = make_store(dram_capacity_bytes=BLOCK_BYTES)
+    put_all(store, [0])
+    with store.acquire(H[0]) as ref:
+        assert ref.meta == meta(0) and bytes(ref.view) == payload(0)
+        assert store.is_pinned(H[0])
+        with pytest.raises(BlockPinnedError):
+            store.delete(H[0])
+    ref.release()  # a second release is harmless
+    assert not store.is_pinned(H[0])
+    assert store.acquire(H[3]) is None
+    assert store.delete(H[0]) and not store.delete(H[0])
+
+
+def test_lease_expires_on_the_clock(make_store):
+    clock = ManualClock()
+    store = make_store(clock=clock, dram_capacity_bytes=BLOCK_BYTES)
+    put_all(store, [0])
+    lease = store.lease([H[0]], ttl_s=10.0)
+    assert store.is_pinned(H[0])
+    clock.advance(9.0)
+    assert store.is_pinned(H[0])
+    clock.advance(2.0)
+    assert not store.is_pinned(H[0])
+    assert not store.release_lease(lease.lease_id)
+    lease = store.lease([H[0]])
+    assert store.release_lease(lease.lease_id) and not store.is_pinned(H[0])
+    with pytest.raises(UnknownBlockError):
+        store.lease([H[0], H[1]])
+    assert not store.is_pinned(H[0])  # nothing pinned by the failed lease
+
+
+def test_bad_input_is_rejected_and_nothing_changes(make_store, events):
+    store = make_store()
+    with pytest.raises(ValueError, match="4095 bytes"):
+        store.put(H[0], bytes(BLOCK_BYTES - 1), meta(0))
+    with pytest.raises(ValueError, match="2\\*\\*128"):
+        store.put(2**128, payload(0), meta(0))
+    with pytest.raises(ValueError, match="must be an int"):
+        store.put("abc", payload(0), meta(0))
+    with pytest.raises(ValueError, match="output buffer"):
+        store.get_into(H[0], bytearray(10))
+    assert events == [] and store.stats().dram.num_blocks == 0
+
+
+def test_begin_put_then_abort_or_commit(make_store, events):
+    store = make_store(dram_capacity_bytes=BLOCK_BYTES)
+    pending = store.begin_put(H[0], meta(0))
+    pending.view[:] = payload(0)
+    store.check_integrity()  # a reserved slot is neither leaked nor free
+    store.abort_put(pending)
+    assert not store.contains(H[0]) and events == []
+    pending = store.begin_put(H[0], meta(0))
+    pending.view[:] = payload(0)
+    assert store.commit_put(pending) == "dram"
+    assert store.begin_put(H[0], meta(0)) is None
+    assert store.get(H[0])[1] == payload(0)
+
+
+def test_match_prefix_and_listener_may_reenter(make_store):
+    seen = []
+    holder = {}
+
+    def listener(event):
+        seen.append((event, holder["store"].contains(event.block_hash)))
+
+    store = make_store(listener=listener)
+    holder["store"] = store
+    put_all(store, [0, 1, 2])
+    assert store.match_prefix([H[0], H[1], H[5], H[2]]) == 2
+    assert seen == [(BlockStored(H[i], "dram"), True) for i in range(3)]
+
+
+def test_concurrent_puts_and_gets_stay_consistent(make_store, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=8 * BLOCK_BYTES,
+        ssd_dir=str(tmp_path),
+        ssd_capacity_bytes=16 * BLOCK_BYTES,
+    )
+    errors = []
+
+    def worker(offset):
+        try:
+            for r in range(30):
+                i = (offset * 3 + r) % 12
+                store.put(H[i], payload(i), meta(i), position=i)
+                got = store.get(H[(i + 5) % 12])
+                assert got is None or got[1] == payload((i + 5) % 12)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    store.check_integrity()

@@ -1,0 +1,261 @@
+import socket
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from transfer_testing import SECRET
+
+from halfmoon.store import BlockMeta, StoreConfig, TieredStore
+from halfmoon.transfer import (
+    AuthenticationError,
+    PeerClient,
+    PutBlock,
+    RemoteError,
+    TransferCancelled,
+    TransferCompleted,
+    TransferError,
+    TransferTimeout,
+)
+from halfmoon.transfer.auth import client_handshake
+from halfmoon.transfer.link import Link
+from halfmoon.transfer.messages import meta_to_wire
+from halfmoon.transfer.protocol import Kind, hash_to_wire
+
+TRANSPORTS = ("tcp", "shm", "inproc")
+BLOCK = 64 << 10
+
+
+def block(i: int, size: int = BLOCK) -> np.ndarray:
+    return np.full(size, i % 251, dtype=np.uint8)
+
+
+def eventually(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate``: receiver notifications run just after the sender's ack."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.fixture
+def pair(make_engine, hub):
+    """(sender engine, receiver engine, receiver notifications) for one transport."""
+
+    def make(transport, num_connections=3, **receiver_kwargs):
+        done: list[TransferCompleted] = []
+        receiver_kwargs.setdefault("on_complete", done.append)
+        receiver = make_engine(hub=hub, **receiver_kwargs)
+        sender = make_engine(hub=hub, transport=transport, num_connections=num_connections)
+        return sender, receiver, done
+
+    return make
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_batched_push_lands_in_the_receiver_region(pair, transport):
+    sender, receiver, done = pair(transport)
+    region = receiver.register_region("kv", 16 * BLOCK, shared=transport == "shm")
+    blocks = [((15 - i) * BLOCK, block(i)) for i in range(10)]
+    result = sender.connect(receiver.endpoint).push("kv", blocks)
+    assert (result.num_blocks, result.num_bytes) == (10, 10 * BLOCK)
+    for i in range(10):
+        start = (15 - i) * BLOCK
+        assert bytes(region.view[start : start + BLOCK]) == bytes(block(i))
+    assert eventually(lambda: done)
+    assert [(d.kind, d.num_blocks, d.num_bytes) for d in done] == [("push", 10, 10 * BLOCK)]
+    assert done[0].transfer_id == result.transfer_id
+
+
+def test_push_async_reports_through_its_handle(pair):
+    sender, receiver, _ = pair("tcp")
+    receiver.register_region("kv", 4 * BLOCK)
+    called = threading.Event()
+    handle = sender.connect(receiver.endpoint).push_async("kv", [(0, block(1)), (BLOCK, block(2))])
+    handle.add_done_callback(lambda h: called.set())
+    assert handle.wait(5).num_blocks == 2
+    assert handle.done() and called.wait(5)
+
+
+def test_bad_region_and_out_of_range_push_are_remote_errors(pair):
+    sender, receiver, done = pair("tcp")
+    receiver.register_region("kv", 2 * BLOCK)
+    client = sender.connect(receiver.endpoint)
+    with pytest.raises(RemoteError, match="no region named 'nope'"):
+        client.push("nope", [(0, block(1))])
+    with pytest.raises(RemoteError, match="outside region 'kv'"):
+        client.push("kv", [(BLOCK + 1, block(1))])
+    client.push("kv", [(0, block(3))])  # the connection pool recovered
+    assert eventually(lambda: done)
+    assert [d.num_blocks for d in done] == [1]
+
+
+def test_shm_push_checks_bounds_before_copying(pair):
+    sender, receiver, _ = pair("shm")
+    region = receiver.register_region("kv", 2 * BLOCK, shared=True)
+    with pytest.raises(RemoteError, match="outside region"):
+        sender.connect(receiver.endpoint).push("kv", [(BLOCK + 1, block(7))])
+    assert bytes(region.view) == bytes(2 * BLOCK)
+
+
+def test_wrong_secret_is_refused_with_a_clear_error(make_engine):
+    receiver = make_engine()
+    receiver.register_region("kv", BLOCK)
+    intruder = make_engine(secret=b"not-the-right-secret-at-all")
+    with pytest.raises(AuthenticationError, match="refused the connection: wrong shared secret"):
+        intruder.connect(receiver.endpoint).push("kv", [(0, block(1))])
+
+
+def test_short_secret_and_unknown_transport_are_rejected(make_engine):
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        make_engine(secret=b"short")
+    with pytest.raises(ValueError, match="unknown transport"):
+        make_engine(transport="carrier-pigeon")
+
+
+def test_connecting_to_nobody_fails_fast(make_engine):
+    sender = make_engine()
+    with pytest.raises(TransferError, match="cannot connect"):
+        sender.connect("127.0.0.1:1").push("kv", [(0, block(1))], timeout_s=2)
+
+
+def _stalled_receiver(pair, transport):
+    """A receiver whose connection thread blocks after the first push (it stops acking)."""
+    release = threading.Event()
+    sender, receiver, _ = pair(
+        transport, num_connections=1, on_complete=lambda _e: release.wait(10)
+    )
+    receiver.register_region("kv", 4 * BLOCK, shared=transport == "shm")
+    client = sender.connect(receiver.endpoint)
+    client.push("kv", [(0, block(1))])
+    return client, release
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+def test_silent_receiver_gives_a_timeout_not_a_hang(pair, transport):
+    client, release = _stalled_receiver(pair, transport)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransferTimeout):
+            client.push("kv", [(BLOCK, block(2))], timeout_s=0.5)
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
+
+
+def test_cancel_stops_a_push_waiting_on_a_slow_receiver(pair):
+    client, release = _stalled_receiver(pair, "tcp")
+    try:
+        handle = client.push_async("kv", [(BLOCK, block(2))], timeout_s=30)
+        time.sleep(0.1)
+        started = time.monotonic()
+        handle.cancel()
+        with pytest.raises(TransferCancelled):
+            handle.wait(5)
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+
+
+class StorePeer(NamedTuple):
+    client: PeerClient
+    store: TieredStore
+    done: list
+    endpoint: str
+
+
+@pytest.fixture
+def store_peer(pair, tmp_path):
+    """A receiver engine serving a store (4 DRAM + 8 SSD slots) and a client to it."""
+
+    def make(transport, shared_dram=None):
+        store = TieredStore(
+            StoreConfig(
+                block_bytes=BLOCK,
+                dram_capacity_bytes=4 * BLOCK,
+                ssd_dir=str(tmp_path),
+                ssd_capacity_bytes=8 * BLOCK,
+                shared_dram=transport != "tcp" if shared_dram is None else shared_dram,
+            )
+        )
+        stores.append(store)
+        sender, receiver, done = pair(transport, store=store)
+        return StorePeer(sender.connect(receiver.endpoint), store, done, receiver.endpoint)
+
+    stores: list[TieredStore] = []
+    yield make
+    for store in stores:
+        store.check_integrity()
+        store.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_put_then_pull_round_trip_through_a_remote_store(store_peer, transport):
+    client, store, done, _ = store_peer(transport)
+    blocks = [
+        PutBlock(2**127 + i, block(i), BlockMeta(16, 2**127 + i - 1), position=i) for i in range(6)
+    ]
+    assert client.put_blocks(blocks) == 6
+    assert client.put_blocks(blocks[:2]) == 0  # already there
+    # 4 DRAM slots: two blocks were demoted (which two depends on the frames' arrival order).
+    assert sorted(store.tiers(2**127 + i) for i in range(6)).count(("ssd",)) == 2
+    hashes = [2**127 + i for i in (5, 0, 3)] + [12345]
+    dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+    metas = client.pull(hashes, dests)
+    assert metas[:3] == [BlockMeta(16, 2**127 + i - 1) for i in (5, 0, 3)] and metas[3] is None
+    assert [int(d[0]) for d in dests] == [5, 0, 3, 0]
+    assert all((d == d[0]).all() for d in dests)
+    assert eventually(lambda: store.stats().num_pinned == 0)  # RELEASE is asynchronous
+    assert [d.kind for d in done].count("put") >= 1
+
+
+def test_store_errors_reach_the_client(store_peer, pair):
+    client, _, _, _ = store_peer("tcp")
+    with pytest.raises(RemoteError, match="blocks have 65536 bytes"):
+        client.put_blocks([PutBlock(1, bytes(100), BlockMeta(1, 0))])
+    with pytest.raises(RemoteError, match="blocks have 65536 bytes"):
+        client.pull([1], [bytearray(100)])
+    with pytest.raises(ValueError, match="2 hashes but 1"):
+        client.pull([1, 2], [bytearray(BLOCK)])
+    sender, receiver, _ = pair("tcp")
+    with pytest.raises(RemoteError, match="no block store"):
+        sender.connect(receiver.endpoint).pull([1], [bytearray(BLOCK)])
+
+
+@pytest.mark.parametrize("transport", ["shm", "inproc"])
+def test_co_located_put_falls_back_inline_without_a_shared_arena(store_peer, transport):
+    client, store, _, _ = store_peer(transport, shared_dram=False)
+    blocks = [PutBlock(77 + i, block(i), BlockMeta(16, 0)) for i in range(3)]
+    assert client.put_blocks(blocks) == 3
+    dests = [np.zeros(BLOCK, np.uint8) for _ in range(3)]
+    assert client.pull([77, 78, 79], dests) == [BlockMeta(16, 0)] * 3
+    assert [int(d[0]) for d in dests] == [0, 1, 2]
+
+
+def test_placed_put_sends_inline_what_must_go_to_ssd(store_peer):
+    client, store, _, _ = store_peer("shm")
+    for h in range(4):
+        store.put(1000 + h, block(h), BlockMeta(16, 0))
+        store.pin(1000 + h)  # DRAM full of pins: new blocks are staged for SSD, not placed
+    assert client.put_blocks([PutBlock(5, block(5), BlockMeta(16, 0))]) == 1
+    assert store.tiers(5) == ("ssd",)
+    assert store.get(5)[1] == bytes(block(5))
+    for h in range(4):
+        store.unpin(1000 + h)
+
+
+def test_a_client_that_vanishes_after_reserving_leaks_no_slot(store_peer):
+    _, store, _, endpoint = store_peer("shm")
+    host, port = endpoint.rsplit(":", 1)
+    link = Link(socket.create_connection((host, int(port))), endpoint)  # a hand-driven client
+    client_handshake(link, SECRET, "raw-client", time.monotonic() + 5)
+    wire = [[hash_to_wire(9), meta_to_wire(BlockMeta(16, 0)), 0]]
+    link.send(Kind.PUT_RESERVE, {"xfer": "x", "blocks": wire}, deadline=time.monotonic() + 5)
+    assert link.recv(time.monotonic() + 5).kind == Kind.PUT_SLOTS
+    assert store.stats().num_reserved == 1
+    link.close()  # gone without PUT_COMMIT
+    assert eventually(lambda: store.stats().num_reserved == 0)
+    assert not store.contains(9)

@@ -1,0 +1,141 @@
+import socket
+import threading
+import time
+
+import pytest
+import xxhash
+
+from halfmoon.transfer import (
+    ChecksumError,
+    PeerClosedError,
+    ProtocolError,
+    TransferCancelled,
+    TransferTimeout,
+)
+from halfmoon.transfer.endpoint import Endpoint
+from halfmoon.transfer.link import Link
+from halfmoon.transfer.protocol import (
+    HEADER_BYTES,
+    Kind,
+    decode_meta,
+    decode_prefix,
+    encode_header,
+    encode_trailer,
+    hash_from_wire,
+    hash_to_wire,
+)
+
+
+@pytest.fixture
+def link_pair():
+    a, b = socket.socketpair()
+    left, right = Link(a, "left"), Link(b, "right")
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_header_round_trip():
+    raw = encode_header(Kind.PUSH, {"xfer": "x1", "segs": [[0, 4]]}, 4)
+    kind, meta_len, payload_len, head_check = decode_prefix(raw)
+    assert (kind, payload_len) == (Kind.PUSH, 4)
+    meta = decode_meta(raw, raw[HEADER_BYTES : HEADER_BYTES + meta_len], head_check)
+    assert meta == {"xfer": "x1", "segs": [[0, 4]]}
+
+
+def test_corrupt_or_foreign_headers_are_rejected():
+    raw = bytearray(encode_header(Kind.PUSH, {"xfer": "x1"}, 0))
+    _, meta_len, _, head_check = decode_prefix(raw)
+    raw[-2] ^= 0x01
+    with pytest.raises(ProtocolError, match="header checksum"):
+        decode_meta(raw, bytes(raw[HEADER_BYTES:]), head_check)
+    with pytest.raises(ProtocolError, match="magic"):
+        decode_prefix(b"GET / HTTP/1.1\r\n" + bytes(HEADER_BYTES))
+    bad_kind = bytearray(encode_header(Kind.PUSH, {}, 0))
+    bad_kind[5] = 250
+    with pytest.raises(ProtocolError, match="unknown frame kind"):
+        decode_prefix(bad_kind)
+
+
+def test_128_bit_hashes_survive_the_wire():
+    for h in (0, 1, 2**64 + 5, 2**128 - 1):
+        assert hash_from_wire(hash_to_wire(h)) == h
+    with pytest.raises(ProtocolError):
+        hash_from_wire(b"short")
+
+
+def test_endpoint_parsing():
+    assert str(Endpoint.parse("127.0.0.1:8080")) == "127.0.0.1:8080"
+    assert Endpoint.parse("[::1]:9").host == "::1"
+    for bad in ("localhost", "host:", ":80", "h:99999", "h:abc"):
+        with pytest.raises(ValueError):
+            Endpoint.parse(bad)
+
+
+def test_scatter_gather_frame_lands_in_preallocated_buffers(link_pair):
+    left, right = link_pair
+    # Segments straddling the 256 KiB hashing chunks, plus tiny ones.
+    parts = [
+        memoryview(bytes([i]) * size) for i, size in enumerate((1000, 300 << 10, 7, 600 << 10))
+    ]
+    sender = threading.Thread(target=left.send, args=(Kind.PUSH, {"n": 3}, parts))
+    sender.start()
+    frame = right.recv(time.monotonic() + 5)
+    dests = [memoryview(bytearray(p.nbytes)) for p in parts]
+    right.recv_payload_into(frame, dests, time.monotonic() + 5)
+    sender.join()
+    assert frame.meta == {"n": 3} and [bytes(d) for d in dests] == [bytes(p) for p in parts]
+
+
+def test_payload_checksum_mismatch_is_detected_and_link_survives():
+    payload = b"k" * 64
+    header = encode_header(Kind.PUSH, {}, len(payload))
+    wrong_trailer = encode_trailer(xxhash.xxh3_64_intdigest(payload) ^ 1)
+    raw, other = socket.socketpair()  # a raw socket plays the corrupting sender
+    receiver = Link(other, "peer")
+    try:
+        raw.sendall(header + payload + wrong_trailer)
+        frame = receiver.recv(time.monotonic() + 5)
+        with pytest.raises(ChecksumError):
+            receiver.recv_payload_into(frame, [memoryview(bytearray(64))], time.monotonic() + 5)
+        raw.sendall(encode_header(Kind.RELEASE, {"xfer": "next"}, 0))
+        assert receiver.recv(time.monotonic() + 5).meta == {"xfer": "next"}
+    finally:
+        raw.close()
+        receiver.close()
+
+
+def test_silent_peer_times_out_and_closed_peer_is_reported(link_pair):
+    left, right = link_pair
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        right.recv(time.monotonic() + 0.2)
+    assert time.monotonic() - started < 2
+    assert right.closed  # a timed-out link is unusable: its frame position is unknown
+    with pytest.raises(PeerClosedError):
+        left.recv(time.monotonic() + 2)
+
+
+def test_wait_readable_honours_cancel(link_pair):
+    left, _ = link_pair
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(TransferCancelled):
+        left.wait_readable(time.monotonic() + 5, cancel)
+    assert time.monotonic() - started < 2
+
+
+def test_back_to_back_frames_split_correctly_from_one_read(link_pair):
+    left, right = link_pair
+    sizes = [0, 5, 4096, 70 << 10, 3, 200 << 10, 1]
+    for i, size in enumerate(sizes):  # all queued before the receiver reads anything
+        left.send(Kind.PUSH, {"i": i}, [memoryview(bytes([i + 1]) * size)] if size else [])
+    for i, size in enumerate(sizes):
+        frame = right.recv(time.monotonic() + 5)
+        assert frame.meta == {"i": i} and frame.payload_len == size
+        if size:
+            dest = memoryview(bytearray(size))
+            right.recv_payload_into(frame, [dest], time.monotonic() + 5)
+            assert bytes(dest) == bytes([i + 1]) * size
+    assert not right.readable()
