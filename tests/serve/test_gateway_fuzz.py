@@ -1,0 +1,133 @@
+"""The gateway never answers 5xx and never crashes, whatever the body (hypothesis).
+
+The HTTP layer runs in-process (ASGI) over a backend that generates tokens without a
+model, so thousands of inputs take seconds; the real cluster is covered in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.serve.backend import GenerationChunk, Rejected
+
+
+class EchoBackend:
+    """Emits the prompt's tokens back, one per chunk; a prompt starting with id 7 is
+    rejected, as the Conductor would."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        if prompt_token_ids and prompt_token_ids[0] == 7:
+            raise Rejected("queue full", 2.0)
+        out = list(prompt_token_ids)[: params.max_tokens] or [5]
+        for i, tok in enumerate(out):
+            last = i == len(out) - 1
+            yield GenerationChunk((tok,), "length" if last else None, 0 if i == 0 else None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def health(self) -> dict[str, Any]:
+        return {"mode": "echo"}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    app = create_app(
+        EchoBackend(), tok, GatewayConfig("echo", max_model_len=256, max_tokens_limit=64)
+    )
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+fields = {
+    "model": st.sampled_from(["echo", "other", ""]) | json_values,
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 600), max_size=20) | json_values,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "robot"]),
+                "content": st.text(max_size=20) | json_values,
+            }
+        ),
+        max_size=3,
+    )
+    | json_values,  # fmt: skip
+    "max_tokens": st.integers(-3, 300) | json_values,
+    "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
+    "top_p": st.floats(-1, 2, allow_nan=False) | json_values,
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | json_values,
+    "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+    "n": st.integers(-1, 3),
+    "min_tokens": st.integers(-2, 100),
+    "seed": st.integers(-(2**70), 2**70) | json_values,
+}
+bodies = st.fixed_dictionaries({}, optional=fields)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=bodies, chat=st.booleans())
+def test_no_5xx_on_any_body(client, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = client.post(path, content=json.dumps(body))
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(raw=st.binary(max_size=200))
+def test_no_5xx_on_any_bytes(client, raw):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code < 500
+
+
+def test_rejection_is_429_with_retry_after(client):
+    r = client.post("/v1/completions", json={"model": "echo", "prompt": [7, 8, 9]})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "2"
+    assert "queue full" in r.json()["error"]["message"]
+
+
+def test_api_key_and_body_limit():
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    config = GatewayConfig("echo", 256, api_key="sekrit", max_body_bytes=1000)
+    with TestClient(create_app(EchoBackend(), tok, config)) as c:
+        body = {"model": "echo", "prompt": "hi", "max_tokens": 2}
+        assert c.post("/v1/completions", json=body).status_code == 401
+        ok = c.post("/v1/completions", json=body, headers={"authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+        big = {"model": "echo", "prompt": "x" * 5000}
+        r = c.post("/v1/completions", json=big, headers={"authorization": "Bearer sekrit"})
+        assert r.status_code == 413
+        assert c.get("/health").status_code == 200  # health needs no key
