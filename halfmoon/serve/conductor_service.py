@@ -10,13 +10,19 @@ dropped and counted, never answered. Messages (``type``):
 - ``schedule``: request_id, input_length, output_length, block_size, hashes (packed) ->
   ``decision`` (the placement with every endpoint the gateway and workers need, or a
   rejection with its reason)
+- ``heartbeat``: instance_id (no reply; ``register_again`` when the instance is unknown,
+  e.g. after this process restarted — the worker then registers with a snapshot of the
+  blocks it holds, which rebuilds the index)
 - ``ping`` -> ``pong`` with the registered instances
+An instance silent for ``heartbeat_timeout_s`` is dropped from placement until it
+registers again.
 Replies echo the request's ``msg_id`` so asynchronous clients can match them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +100,9 @@ class ConductorService:
         self.conductor = conductor
         self.secret = secret
         self.instances: dict[str, InstanceEndpoints] = {}
+        self._last_seen_s: dict[str, float] = {}
+        #: An instance silent for this long is dropped from placement (workers beat ~4/s).
+        self.heartbeat_timeout_s = 3.0
         #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
         self.link_bytes_per_s = 1e9
         self.num_auth_failures = 0
@@ -107,11 +116,29 @@ class ConductorService:
         """Close the socket."""
         self._sock.close(0)
 
-    def serve_forever(self, poll_ms: int = 200, stop: Any = None) -> None:
+    def serve_forever(self, poll_ms: int = 100, stop: Any = None) -> None:
         """Handle messages until ``stop()`` returns true (or forever)."""
         while stop is None or not stop():
             if self._sock.poll(poll_ms):
                 self.handle_one()
+            self.expire_silent_instances()
+
+    def expire_silent_instances(self) -> list[str]:
+        """Drop instances not heard from within ``heartbeat_timeout_s`` from placement
+        (their blocks leave the index); they come back by registering again."""
+        now = time.monotonic()
+        dead = [
+            iid for iid, seen in self._last_seen_s.items()
+            if now - seen > self.heartbeat_timeout_s
+        ]  # fmt: skip
+        for iid in dead:
+            log.warning(
+                "%s silent for %.1fs: removed from placement", iid, now - self._last_seen_s[iid]
+            )
+            del self._last_seen_s[iid]
+            self.instances.pop(iid, None)
+            self.conductor.remove_instance(iid)
+        return dead
 
     def handle_one(self) -> None:
         """Receive and handle one message (blocking)."""
@@ -133,6 +160,14 @@ class ConductorService:
 
     def _dispatch(self, message: dict[str, Any]) -> dict[str, Any] | None:
         kind = message["type"]
+        iid = message.get("instance_id")
+        if kind in ("events", "heartbeat") and iid is not None:
+            if str(iid) not in self.instances:
+                # Unknown (restarted Conductor, or expired while stalled): ask it to register.
+                return {"type": "register_again"} if kind == "heartbeat" else None
+            self._last_seen_s[str(iid)] = time.monotonic()
+            if kind == "heartbeat":
+                return None
         if kind == "events":
             for event in events_from_wire(str(message["instance_id"]), message["events"]):
                 self.conductor.handle(event)
@@ -165,6 +200,10 @@ class ConductorService:
         self.instances[iid] = InstanceEndpoints(
             iid, role, str(message["command_endpoint"]), str(message["transfer_endpoint"])
         )
+        self._last_seen_s[iid] = time.monotonic()
+        for item in message.get("blocks", []):  # what it already holds (re-registration)
+            for h in hashes_from_wire(item["hashes"]):
+                self.conductor.handle(BlockStored(iid, h, str(item.get("tier", "dram"))))
         log.info("registered %s %s at %s", role, iid, message["command_endpoint"])
         return {"type": "registered", "instance_id": iid}
 

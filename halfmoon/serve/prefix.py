@@ -29,6 +29,37 @@ log = logging.getLogger(__name__)
 _SEED_REQUEST = "__prefix-seed__"
 
 
+class Holdings:
+    """Which blocks a store holds, per tier, kept from the store's own events, which it
+    also forwards to the Conductor; :meth:`snapshot` re-announces them all (after the
+    Conductor restarted)."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self.tiers: dict[int, set[str]] = {}
+
+    def __call__(self, event: Any) -> None:
+        h, tier = event.block_hash, event.tier
+        if isinstance(event, BlockStored):
+            self.tiers.setdefault(h, set()).add(tier)
+            kind = "stored"
+        else:
+            held = self.tiers.get(h, set())
+            held.discard(tier)
+            if not held:
+                self.tiers.pop(h, None)
+            kind = "evicted"
+        self.events.event(kind, hashes=hashes_to_wire([h]), tier=tier)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every held block as ``stored`` event batches, one per tier."""
+        by_tier: dict[str, list[int]] = {}
+        for h, tiers in self.tiers.items():
+            for tier in tiers:
+                by_tier.setdefault(tier, []).append(h)
+        return [{"tier": t, "hashes": hashes_to_wire(hs)} for t, hs in by_tier.items()]
+
+
 class ClusterPrefixCache:
     """Moves prompt blocks between one engine, its store and peers' stores."""
 
@@ -44,21 +75,17 @@ class ClusterPrefixCache:
         self.num_blocks_pulled = 0
 
     @staticmethod
-    def make_store(engine: Any, dram_mb: float, ssd_dir: str | None, ssd_mb: float,
-                   events: Any) -> TieredStore:  # fmt: skip
-        """A store sized in MiB whose events are forwarded to the Conductor."""
-
-        def forward(event: Any) -> None:
-            kind = "stored" if isinstance(event, BlockStored) else "evicted"
-            events.event(kind, hashes=hashes_to_wire([event.block_hash]), tier=event.tier)
-
+    def make_store(
+        engine: Any, dram_mb: float, ssd_dir: str | None, ssd_mb: float, holdings: Holdings
+    ) -> TieredStore:
+        """A store sized in MiB whose events go through ``holdings`` to the Conductor."""
         config = StoreConfig(
             block_bytes=engine.kv_bytes_per_block,
             dram_capacity_bytes=int(dram_mb * 2**20),
             ssd_dir=ssd_dir,
             ssd_capacity_bytes=int(ssd_mb * 2**20) if ssd_dir else 0,
         )
-        return TieredStore(config, listener=forward)
+        return TieredStore(config, listener=holdings)
 
     # -- after a prefill -------------------------------------------------------------------------
     def save(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from halfmoon.core.hashing import hash_blocks
-from halfmoon.serve.prefix import ClusterPrefixCache
+from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
 from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
 from halfmoon.serve.wire import params_from_wire
 from halfmoon.serve.worker import Handler, Worker
@@ -121,6 +121,10 @@ class CoupledRole(_Streaming):
         """Nothing beyond the engine's numbers."""
         return {}
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The engine's pool is not announced again; new prompts will be."""
+        return []
+
     def close(self) -> None:
         """Nothing to release."""
 
@@ -172,10 +176,17 @@ class _Prefill:
 class PrefillRole(_Streaming):
     """Prefill only: computes the prompt and the first token, streams the KV to decode."""
 
-    def __init__(self, worker: Worker, transfer: TransferEngine, cache: ClusterPrefixCache) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        transfer: TransferEngine,
+        cache: ClusterPrefixCache,
+        holdings: Holdings,
+    ) -> None:
         super().__init__(worker)
         self.transfer = transfer
         self.cache = cache
+        self.holdings = holdings
         self.streamer = LayerStreamer()
         self.prefills: dict[str, _Prefill] = {}
         layout = worker.engine.kv_layout
@@ -301,6 +312,10 @@ class PrefillRole(_Streaming):
     def tick(self) -> None:
         """Prefill work lives in the engine; nothing to expire here."""
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every block of the store, for a restarted Conductor's index."""
+        return self.holdings.snapshot()
+
     def stats(self) -> dict[str, Any]:
         """Cache traffic of this worker."""
         store = self.cache.store.stats()
@@ -414,6 +429,10 @@ class DecodeRole(_Streaming):
     def stats(self) -> dict[str, Any]:
         """Requests waiting for their KV."""
         return {"num_expected": len(self.expected)}
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """A decode worker caches nothing the Conductor indexes."""
+        return []
 
     def close(self) -> None:
         self.transfer.close()

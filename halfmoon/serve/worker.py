@@ -15,6 +15,7 @@ baseline); ``prefill`` and ``decode`` split the work and hand the KV over layer 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,44 @@ class WorkerIdentity:
     transfer_endpoint: str = ""
 
 
+class Heartbeat:
+    """Beats to the Conductor every ``interval_s`` from a thread and socket of its own,
+    so a long engine step never looks like a dead worker. When the Conductor does not
+    know this instance (it restarted), ``register_again`` is set for the main loop."""
+
+    def __init__(self, endpoint: str, secret: bytes, instance_id: str, interval_s: float = 0.25):
+        self.register_again = threading.Event()
+        self._stop = threading.Event()
+        self._args = (endpoint, secret, instance_id, interval_s)
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        endpoint, secret, instance_id, interval_s = self._args
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        beat = encode({"type": "heartbeat", "instance_id": instance_id}, secret)
+        try:
+            while not self._stop.is_set():
+                sock.send_multipart(beat)
+                if sock.poll(int(interval_s * 1000)):
+                    try:
+                        reply = decode(sock.recv_multipart(), secret)
+                    except ProtocolError:
+                        continue
+                    if reply.get("type") == "register_again":
+                        self.register_again.set()
+                        self._stop.wait(1.0)  # give the main loop time to register
+        finally:
+            sock.close(0)
+
+    def close(self) -> None:
+        """Stop beating."""
+        self._stop.set()
+        self._thread.join(2)
+
+
 class ConductorLink:
     """Registers with the Conductor and streams events to it (fire and forget)."""
 
@@ -50,6 +89,7 @@ class ConductorLink:
         self._secret = secret
         self._me = me
         self._pending: list[dict[str, Any]] = []
+        self._registration: dict[str, Any] = {}
 
     def register(
         self,
@@ -60,7 +100,6 @@ class ConductorLink:
     ) -> None:
         """Announce this worker (with its measured cost profile); retries until the
         Conductor answers."""
-        deadline = time.monotonic() + timeout_s
         msg = {
             "type": "register", "msg_id": 0, "instance_id": self._me.instance_id,
             "role": self._me.role, "command_endpoint": self._me.command_endpoint,
@@ -68,6 +107,15 @@ class ConductorLink:
             "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
             "profile": profile,
         }  # fmt: skip
+        self._registration = msg
+        self._send_registration(msg, timeout_s)
+
+    def register_again(self, blocks: list[dict[str, Any]], timeout_s: float = 60.0) -> None:
+        """Register anew (the Conductor restarted), announcing the blocks held."""
+        self._send_registration({**self._registration, "blocks": blocks}, timeout_s)
+
+    def _send_registration(self, msg: dict[str, Any], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._sock.send_multipart(encode(msg, self._secret))
             if self._sock.poll(1000):
@@ -107,6 +155,8 @@ class Role(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def snapshot(self) -> list[dict[str, Any]]: ...
+
     def close(self) -> None: ...
 
 
@@ -135,6 +185,7 @@ class Worker:
         self.role: Role | None = None
         self._last_report_s = 0.0
         self.num_steps = 0
+        self.heartbeat: Heartbeat | None = None
 
     def set_role(self, role: Role) -> None:
         """Install the role's command handlers."""
@@ -155,11 +206,17 @@ class Worker:
                 self.num_steps += 1
                 self.role.on_outputs(outputs)
             self.role.tick()
+            if self.heartbeat is not None and self.heartbeat.register_again.is_set():
+                self.heartbeat.register_again.clear()
+                log.info("the Conductor does not know this worker: registering again")
+                self.conductor.register_again(self.role.snapshot())
             self._maybe_report()
             self.conductor.flush()
 
     def close(self) -> None:
         """Close sockets and the role's resources."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.role is not None:
             self.role.close()
         for sock in self._peers.values():

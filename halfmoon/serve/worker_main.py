@@ -54,10 +54,10 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.costmodel import CostProfile
     from halfmoon.engine.engine import LLMEngine
-    from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
     from halfmoon.serve.profiler import cached_profile
     from halfmoon.serve.roles import CoupledRole, DecodeRole, PrefillRole
-    from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
+    from halfmoon.serve.worker import ConductorLink, Heartbeat, Worker, WorkerIdentity
     from halfmoon.transfer import TransferEngine
 
     name = f"{args.role}-{args.index}"
@@ -78,12 +78,13 @@ def run_worker(args: argparse.Namespace) -> int:
     me = WorkerIdentity(args.role, name, endpoint)
     link = ConductorLink(args.conductor, secret, me)
     store = None
+    holdings = Holdings(link)
     if args.role == "prefill":
         ssd_dir = str(Path(args.store_ssd_dir) / name) if args.store_ssd_dir else None
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
         store = ClusterPrefixCache.make_store(
-            engine, args.store_dram_mb, ssd_dir, args.store_ssd_mb, link
+            engine, args.store_dram_mb, ssd_dir, args.store_ssd_mb, holdings
         )
     transfer = None
     if args.role != "coupled":
@@ -94,7 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
         worker.set_role(CoupledRole(worker))
     elif args.role == "prefill":
         assert transfer is not None and store is not None
-        role = PrefillRole(worker, transfer, ClusterPrefixCache(engine, store, link))
+        role = PrefillRole(worker, transfer, ClusterPrefixCache(engine, store, link), holdings)
         hook_target.append(role)
         worker.set_role(role)
     else:
@@ -111,6 +112,7 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_bytes_per_token=engine.kv_bytes_per_block // args.block_size,
         profile=profile.to_dict(),
     )
+    worker.heartbeat = Heartbeat(args.conductor, secret, name)
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
     try:
         worker.run(stop.is_set)
