@@ -16,8 +16,10 @@ request's queue. A request that sees no progress for ``token_timeout_s`` fails w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -31,6 +33,15 @@ from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wir
 from halfmoon.serve.wire import params_to_wire
 
 log = logging.getLogger(__name__)
+
+
+def _incarnation(endpoints: dict[str, str]) -> tuple[str, str]:
+    """(instance id, incarnation) of a worker named in a decision."""
+    return endpoints["instance_id"], endpoints.get("incarnation", "")
+
+
+class WorkerLost(BackendError):
+    """A worker holding the request was declared dead by the Conductor."""
 
 
 class _Peer:
@@ -68,12 +79,20 @@ class ClusterBackend:
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._routes: dict[str, tuple[str, ...]] = {}
+        self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._attempts: dict[str, str] = {}
+        self._watcher: asyncio.Task | None = None
+        self.max_attempts = 3
+        self.conductor_wait_s = 20.0
+        self.watch_interval_s = 0.5
         self._ids = itertools.count(1)
 
     # -- sockets -------------------------------------------------------------------------------
     def _peer(self, endpoint: str) -> _Peer:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         peer = self._peers.get(endpoint)
         if peer is None:
             peer = self._peers[endpoint] = _Peer(self._ctx, endpoint)
@@ -115,6 +134,9 @@ class ClusterBackend:
 
     async def close(self) -> None:
         """Cancel receive tasks and close sockets."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         for peer in self._peers.values():
             if peer.task is not None:
                 peer.task.cancel()
@@ -136,16 +158,55 @@ class ClusterBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        """Place the request, start it, and stream its tokens."""
-        decision = await self._place(request_id, prompt_token_ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        try:
-            await self._start(request_id, prompt_token_ids, params, decision)
-            async for chunk in self._in_order(request_id, queue, decision):
-                yield chunk
-        finally:
-            self._queues.pop(request_id, None)
+        """Place the request, start it, and stream its tokens.
+
+        When a worker it runs on is declared dead, the request is placed again from its
+        prompt plus the tokens it already produced and continues (up to ``max_attempts``
+        placements); the client sees one uninterrupted stream.
+        """
+        produced: list[int] = []
+        for attempt in range(self.max_attempts):
+            attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            self._attempts[request_id] = attempt_id
+            ids = [*prompt_token_ids, *produced]
+            left = dataclasses.replace(
+                params,
+                max_tokens=params.max_tokens - len(produced),
+                min_tokens=max(0, params.min_tokens - len(produced)),
+            )
+            try:
+                decision = await self._place(attempt_id, ids, left)
+                queue: asyncio.Queue = asyncio.Queue()
+                self._queues[attempt_id] = queue
+                await self._start(attempt_id, ids, left, decision)
+                async for chunk in self._in_order(attempt_id, queue, decision):
+                    produced.extend(chunk.token_ids)
+                    if attempt and chunk.cached_tokens is not None:
+                        chunk = dataclasses.replace(chunk, cached_tokens=None, est_ttft_s=None)
+                    yield chunk
+                return
+            except WorkerLost as exc:
+                log.warning("request %s: %s; placing it again", request_id, exc)
+                await self._abort_attempt(attempt_id)
+            finally:
+                self._queues.pop(attempt_id, None)
+                self._attempts.pop(request_id, None)
+        raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
+
+    async def _watch(self) -> None:
+        """Follow the Conductor's live instances; a request on a vanished one is told."""
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            try:
+                pong = await self._call(self._conductor_endpoint, {"type": "ping"}, 2.0)
+            except BackendError:
+                continue  # the Conductor is restarting: keep the last view
+            alive = pong.get("incarnations", {})
+            for attempt_id, instances in list(self._route_ids.items()):
+                gone = [i for i, inc in instances if alive.get(i) != inc]
+                queue = self._queues.get(attempt_id)
+                if gone and queue is not None:
+                    queue.put_nowait({"type": "lost", "instance": gone[0]})
 
     async def _in_order(
         self, request_id: str, queue: asyncio.Queue, decision: dict[str, Any]
@@ -163,6 +224,8 @@ class ClusterBackend:
                 ) from None
             if msg["type"] == "error":
                 raise BackendError(str(msg.get("error")))
+            if msg["type"] == "lost":
+                raise WorkerLost(f"worker {msg['instance']} is gone")
             held[int(msg.get("index", next_index))] = msg
             while next_index in held:
                 msg = held.pop(next_index)
@@ -184,25 +247,46 @@ class ClusterBackend:
     async def _release(self, request_id: str) -> None:
         """The request ended: tell the workers that may still hold it (decode after a
         first-token finish) and forget its route."""
+        self._route_ids.pop(request_id, None)
         routes = self._routes.pop(request_id, ())
         for endpoint in routes[1:]:
             await self._send(endpoint, {"type": "abort", "request_id": request_id})
 
+    async def _abort_attempt(self, attempt_id: str) -> None:
+        self._route_ids.pop(attempt_id, None)
+        for endpoint in self._routes.pop(attempt_id, ()):
+            await self._send(endpoint, {"type": "abort", "request_id": attempt_id})
+
     async def _place(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> dict[str, Any]:
+        """Ask the Conductor; while it is away or has no worker (a restart in progress),
+        ask again for up to ``conductor_wait_s``."""
         hashes = hash_blocks(prompt_token_ids, self.block_size).hashes  # partial last too
-        decision = await self._call(self._conductor_endpoint, {
+        msg = {
             "type": "schedule", "request_id": request_id,
             "input_length": len(prompt_token_ids), "output_length": params.max_tokens,
             "block_size": self.block_size, "hashes": hashes_to_wire(hashes),
             "coupled": self.mode == "coupled",
-        }, 10.0)  # fmt: skip
-        if decision.get("type") != "decision":
-            raise BackendError(f"conductor error: {decision.get('error')}")
-        if not decision["accepted"]:
-            raise Rejected(decision["reject_reason"])
-        return decision
+        }  # fmt: skip
+        deadline = time.monotonic() + self.conductor_wait_s
+        while True:
+            try:
+                decision = await self._call(self._conductor_endpoint, msg, 2.0)
+            except BackendError:
+                if time.monotonic() > deadline:
+                    raise BackendError(
+                        f"the Conductor did not answer within {self.conductor_wait_s:g}s"
+                    ) from None
+                continue
+            if decision.get("type") != "decision":
+                raise BackendError(f"conductor error: {decision.get('error')}")
+            if decision["accepted"]:
+                return decision
+            reason = decision["reject_reason"]
+            if "available" not in reason or time.monotonic() > deadline:
+                raise Rejected(reason)
+            await asyncio.sleep(0.5)  # no worker registered (yet): they are restarting
 
     async def _start(
         self,
@@ -214,6 +298,7 @@ class ClusterBackend:
         wire_params = params_to_wire(params)
         prefill = decision["prefill"]["command"]
         if self.mode == "coupled":
+            self._route_ids[request_id] = (_incarnation(decision["prefill"]),)
             self._routes[request_id] = (prefill,)
             await self._send(prefill, {
                 "type": "generate", "request_id": request_id,
@@ -221,6 +306,7 @@ class ClusterBackend:
             })  # fmt: skip
             return
         decode_ep = decision["decode"]
+        self._route_ids[request_id] = (_incarnation(decision["prefill"]), _incarnation(decode_ep))
         self._routes[request_id] = (prefill, decode_ep["command"])
         await self._send(decode_ep["command"], {
             "type": "expect", "request_id": request_id, "params": wire_params,
@@ -242,5 +328,4 @@ class ClusterBackend:
 
     async def abort(self, request_id: str) -> None:
         """Tell every worker the request touched to drop it."""
-        for endpoint in self._routes.pop(request_id, ()):
-            await self._send(endpoint, {"type": "abort", "request_id": request_id})
+        await self._abort_attempt(self._attempts.get(request_id, request_id))

@@ -63,6 +63,7 @@ class InstanceEndpoints:
     role: str
     command_endpoint: str
     transfer_endpoint: str
+    incarnation: str = ""
 
 
 def events_from_wire(instance_id: str, items: list[dict[str, Any]]) -> list[Any]:
@@ -181,6 +182,7 @@ class ConductorService:
                 "type": "pong",
                 "instances": {i: e.role for i, e in self.instances.items()},
                 "endpoints": {i: e.command_endpoint for i, e in self.instances.items()},
+                "incarnations": {i: e.incarnation for i, e in self.instances.items()},
             }
         raise ProtocolError(f"unknown message type {kind!r}")
 
@@ -197,8 +199,18 @@ class ConductorService:
             self.conductor.add_decode_instance(iid, cost_model, kv_capacity_tokens=capacity)
         else:
             self.conductor.add_coupled_instance(iid, cost_model, kv_capacity_tokens=capacity)
+        incarnation = str(message.get("incarnation", ""))
+        old = self.instances.get(iid)
+        if old is not None and old.incarnation != incarnation:
+            # The worker restarted: what the old process held or ran is gone.
+            log.warning("%s restarted: forgetting its previous state", iid)
+            self.conductor.remove_instance(iid)
         self.instances[iid] = InstanceEndpoints(
-            iid, role, str(message["command_endpoint"]), str(message["transfer_endpoint"])
+            iid,
+            role,
+            str(message["command_endpoint"]),
+            str(message["transfer_endpoint"]),
+            incarnation,
         )
         self._last_seen_s[iid] = time.monotonic()
         for item in message.get("blocks", []):  # what it already holds (re-registration)
@@ -264,9 +276,10 @@ class ConductorService:
     def _endpoints(self, instance_id: str) -> dict[str, str]:
         e = self.instances.get(instance_id)
         if e is None:
-            return {"instance_id": instance_id, "command": "", "transfer": ""}
+            return {"instance_id": instance_id, "command": "", "transfer": "", "incarnation": ""}
         return {
             "instance_id": instance_id,
             "command": e.command_endpoint,
             "transfer": e.transfer_endpoint,
+            "incarnation": e.incarnation,
         }

@@ -1,8 +1,9 @@
 """``halfmoon serve``: start a whole cluster on this machine and serve the OpenAI API.
 
 Starts the Conductor and every worker as its own OS process (each command line names its
-role), waits until all have registered, then runs the gateway in this process. Ctrl-C or
-SIGTERM stops everything; children also die with the launcher (PR_SET_PDEATHSIG), so no
+role), waits until all have registered, then runs the gateway in this process. A child
+that crashes is restarted with exponential backoff (workers register again; the gateway
+re-places their in-flight requests). Ctrl-C or SIGTERM stops everything; children also die with the launcher (PR_SET_PDEATHSIG), so no
 orphan survives even a SIGKILL of the launcher.
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from halfmoon.serve.conductor_main import add_conductor_options
 from halfmoon.serve.runtime import SECRET_ENV, free_port, new_secret, setup_logging, warn_if_public
 from halfmoon.serve.worker_main import add_engine_options
 
+log = logging.getLogger("serve")
 _PR_SET_PDEATHSIG = 1
 ENGINE_FLAGS = (
     "device", "dtype", "kv_cache_mb", "max_num_seqs", "max_model_len", "prefill_chunk_tokens",
@@ -39,25 +43,72 @@ def _die_with_parent() -> None:
         pass  # not Linux: the launcher's own cleanup still stops the children
 
 
+@dataclass
+class Child:
+    """One supervised child process and its restart bookkeeping."""
+
+    name: str
+    argv: tuple[str, ...]
+    proc: subprocess.Popen
+    started_s: float = field(default_factory=time.monotonic)
+    num_restarts: int = 0
+    restart_at_s: float | None = None
+
+
 class ProcessGroup:
-    """The child processes of one cluster."""
+    """The child processes of one cluster, restarted with backoff when they crash."""
+
+    #: Restart delays double from this up to ``MAX_BACKOFF_S``; a child that stayed up
+    #: for ``STABLE_S`` starts over at the first delay.
+    FIRST_BACKOFF_S = 0.5
+    MAX_BACKOFF_S = 30.0
+    STABLE_S = 60.0
 
     def __init__(self, secret: str) -> None:
         self.env = {**os.environ, SECRET_ENV: secret}
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """(name, process) of every child."""
+        return [(c.name, c.proc) for c in self.children]
+
+    def _popen(self, argv: tuple[str, ...]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "halfmoon.cli", *argv]
+        return subprocess.Popen(cmd, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
     def spawn(self, name: str, *argv: str) -> subprocess.Popen:
         """Start ``halfmoon ARGV...`` as a child."""
-        cmd = [sys.executable, "-m", "halfmoon.cli", *argv]
-        proc = subprocess.Popen(cmd, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
-        self.procs.append((name, proc))
-        return proc
+        child = Child(name, tuple(argv), self._popen(tuple(argv)))
+        self.children.append(child)
+        return child.proc
 
     def check_alive(self) -> None:
-        """Raise if any child has exited."""
+        """Raise if any child has exited (used while the cluster starts)."""
         for name, proc in self.procs:
             if proc.poll() is not None:
                 raise HalfmoonError(f"{name} exited with code {proc.returncode}")
+
+    def supervise(self, now_s: float | None = None) -> list[str]:
+        """Restart children that died, each after its backoff; returns who restarted."""
+        now_s = time.monotonic() if now_s is None else now_s
+        restarted = []
+        for child in self.children:
+            if child.proc.poll() is None:
+                if now_s - child.started_s > self.STABLE_S:
+                    child.num_restarts = 0
+                continue
+            if child.restart_at_s is None:
+                delay = min(self.MAX_BACKOFF_S, self.FIRST_BACKOFF_S * 2**child.num_restarts)
+                child.restart_at_s = now_s + delay
+                log.warning("%s exited with code %s; restarting in %.1fs",
+                            child.name, child.proc.returncode, delay)  # fmt: skip
+            elif now_s >= child.restart_at_s:
+                child.proc = self._popen(child.argv)
+                child.started_s, child.restart_at_s = now_s, None
+                child.num_restarts += 1
+                restarted.append(child.name)
+        return restarted
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every child, then SIGKILL the ones still running after ``timeout_s``."""
@@ -168,10 +219,20 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
+    supervisor = loop.create_task(_supervise(group))
     try:
         await server.serve()
     finally:
+        supervisor.cancel()
         await backend.close()
+
+
+async def _supervise(group: ProcessGroup, interval_s: float = 0.5) -> None:
+    """Restart crashed children for as long as the gateway serves."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for name in group.supervise():
+            log.info("restarted %s", name)
 
 
 def _make_quiet_server() -> type:

@@ -15,6 +15,7 @@ baseline); ``prefill`` and ``decode`` split the work and hand the KV over layer 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -90,6 +91,8 @@ class ConductorLink:
         self._me = me
         self._pending: list[dict[str, Any]] = []
         self._registration: dict[str, Any] = {}
+        #: Tells this process apart from an earlier one with the same instance id.
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
 
     def register(
         self,
@@ -105,7 +108,7 @@ class ConductorLink:
             "role": self._me.role, "command_endpoint": self._me.command_endpoint,
             "transfer_endpoint": self._me.transfer_endpoint,
             "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
-            "profile": profile,
+            "profile": profile, "incarnation": self.incarnation,
         }  # fmt: skip
         self._registration = msg
         self._send_registration(msg, timeout_s)
