@@ -45,6 +45,8 @@ class GatewayConfig:
     max_tokens_limit: int = 4096
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    #: Requests in flight beyond this get 429 (back-pressure, never unbounded queues).
+    max_concurrent_requests: int = 512
 
 
 class _HTTPError(Exception):
@@ -72,6 +74,7 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self._ids = IdGenerator("cmpl")
+        self.in_flight = 0
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
@@ -139,10 +142,12 @@ class Gateway:
     # -- generation --------------------------------------------------------------------------
     async def _chunks(self, p: _Prepared) -> AsyncIterator[GenerationChunk]:
         self.metrics.running.inc()
+        self.in_flight += 1
         try:
             async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params):
                 yield chunk
         finally:
+            self.in_flight -= 1
             self.metrics.running.dec()
 
     def _observe_end(
@@ -262,6 +267,12 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: GatewayConfig) ->
         }
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
+        if gw.in_flight >= config.max_concurrent_requests:
+            gw.metrics.rejections.inc()
+            raise _HTTPError(
+                429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
+                {"Retry-After": "1"},
+            )  # fmt: skip
         p = gw.prepare(body)
         stream = gw.run(p)
         try:

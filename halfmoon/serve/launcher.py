@@ -209,8 +209,12 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
                 raise HalfmoonError(f"cluster not ready after {args.startup_timeout:g}s") from None
             await asyncio.sleep(0.2)
     max_len = args.max_model_len or _max_model_len(model_dir)
-    config = GatewayConfig(args.served_model_name or model_dir.name.split("-seed")[0], max_len,
-                           api_key=args.api_key or os.environ.get("HALFMOON_API_KEY"))  # fmt: skip
+    config = GatewayConfig(
+        args.served_model_name or model_dir.name.split("-seed")[0],
+        max_len,
+        api_key=args.api_key or os.environ.get("HALFMOON_API_KEY"),
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
     app = create_app(backend, tokenizer, config)
     server = _QuietServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning", lifespan="off"))  # fmt: skip
@@ -299,6 +303,16 @@ def register(subparsers: Any) -> None:
         "--api-key", default=None, help="require this bearer token (or $HALFMOON_API_KEY)"
     )
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--max-concurrent-requests", type=int, default=512,
+        help="requests in flight beyond this get HTTP 429",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        help="requests in flight beyond this get HTTP 429",
+    )
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
     add_conductor_options(p)

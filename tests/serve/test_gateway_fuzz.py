@@ -131,3 +131,31 @@ def test_api_key_and_body_limit():
         r = c.post("/v1/completions", json=big, headers={"authorization": "Bearer sekrit"})
         assert r.status_code == 413
         assert c.get("/health").status_code == 200  # health needs no key
+
+
+def test_overload_turns_into_429_not_a_queue():
+    import asyncio
+
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    class SlowBackend(EchoBackend):
+        async def generate(self, request_id, prompt_token_ids, params):
+            await asyncio.sleep(0.5)
+            yield GenerationChunk((5,), "length", 0)
+
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    config = GatewayConfig("echo", 256, max_concurrent_requests=2)
+    app = create_app(SlowBackend(), tok, config)
+
+    async def run():
+        import httpx
+
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            body = {"model": "echo", "prompt": "hi", "max_tokens": 1}
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(6)])
+
+    codes = sorted(r.status_code for r in asyncio.run(run()))
+    assert codes.count(200) >= 2 and 429 in codes
+    assert set(codes) <= {200, 429}
