@@ -304,10 +304,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument(
-        "--max-concurrent-requests", type=int, default=512,
-        help="requests in flight beyond this get HTTP 429",
-    )  # fmt: skip
-    p.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=512,
