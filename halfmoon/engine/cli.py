@@ -1,0 +1,96 @@
+"""``halfmoon model create`` and ``halfmoon generate``.
+
+Registering the commands imports nothing heavy; torch and the engine load inside the
+handlers, so other subcommands stay fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PRESET_NAMES = ("tiny", "small")
+
+
+def _cmd_model_create(args: argparse.Namespace) -> int:
+    from halfmoon.engine.loader import create_preset_dir
+
+    out = create_preset_dir(args.preset, Path(args.out), seed=args.seed)
+    print(f"wrote preset {args.preset!r} (seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.engine import LLMEngine
+    from halfmoon.engine.sampling import EngineSamplingParams
+
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_mb=args.kv_cache_mb,
+    )
+    params = EngineSamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(config)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        if engine.tokenizer is None:
+            raise ValueError("--chat needs a model directory with a tokenizer")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    (out,) = engine.generate([prompt], params)
+    engine.check_integrity()
+    if args.json:
+        payload = {
+            "text": out.text,
+            "token_ids": list(out.token_ids),
+            "finish_reason": out.finish_reason,
+        }
+        print(json.dumps(payload))
+    else:
+        print(out.text)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``model create`` and ``generate``."""
+    model = subparsers.add_parser("model", help="create model directories")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    create = model_sub.add_parser(
+        "create", help="write a preset with random weights as a complete HF directory"
+    )
+    create.add_argument("--preset", required=True, choices=PRESET_NAMES, help="model size")
+    create.add_argument("--out", required=True, help="output directory")
+    create.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    create.set_defaults(func=_cmd_model_create)
+
+    gen = subparsers.add_parser("generate", help="generate text with the halfmoon engine")
+    gen.add_argument("--model", required=True, help="HF model directory or preset (tiny, small)")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (presets always use weight seed 0, as `model create`)",
+    )
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    gen.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool size in MiB")
+    gen.set_defaults(func=_cmd_generate)

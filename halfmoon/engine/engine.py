@@ -1,0 +1,385 @@
+"""``LLMEngine``: requests in, tokens out, one ``step()`` at a time.
+
+A step is: schedule (which sequences compute which tokens), run the model, sample one
+token for every sequence that reached its end, check stop conditions, report. The KV
+of a request can leave the engine (``export_kv``) and enter another (``import_request``)
+between steps: that is the prefill -> decode handoff.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.attention import LayerHook
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.kv_cache import KVCache, KVLayout
+from halfmoon.engine.loader import LoadedModel, load_model
+from halfmoon.engine.prepack import prepack_linears
+from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
+from halfmoon.engine.sampling import row_for, sample
+from halfmoon.engine.scheduler import Scheduler, Sequence, Status
+from halfmoon.engine.tokenizer import IncrementalDetokenizer
+
+Prompt = str | SequenceABC[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's progress after a step: the tokens/text generated so far and, once
+    ``finished``, why (``stop``: EOS, stop id or stop string; ``length``: max_tokens or
+    the context limit). ``num_cached_tokens``: prompt tokens served by the prefix cache."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A request's state and KV leaving one engine for another.
+
+    ``data`` holds the KV of tokens ``0..num_computed_tokens-1`` in the export layout of
+    :mod:`halfmoon.engine.kv_cache` (``layout`` says which): the exporter's tensor, or its
+    raw bytes after a transfer (``export_to_bytes``). ``token_ids`` are prompt + generated
+    tokens, the last ones not yet computed. ``seed`` keeps seeded sampling identical.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    seed: int
+    layout: KVLayout
+    data: torch.Tensor | bytes | memoryview
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load snapshot (what a worker reports to the Conductor)."""
+
+    num_waiting: int
+    num_running: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (see docs/engine.md).
+
+    ``loaded`` lends an already loaded model (else ``config.model`` is loaded); with
+    ``config.prepack_weights`` its linear weights are packed in place for the CPU.
+    ``kv_layer_hook`` receives each prompt chunk's KV layer by layer (see
+    :data:`halfmoon.engine.attention.LayerHook`).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        kv_layer_hook: LayerHook | None = None,
+        loaded: LoadedModel | None = None,
+    ):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise HalfmoonError("--device cuda requested but torch sees no CUDA device")
+        self.config = config
+        loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_context_tokens,
+            loaded.config.max_context_tokens,
+        )
+        self.kv_layout = KVLayout(
+            num_layers=loaded.config.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=config.dtype,
+        )
+        self.kv_cache = KVCache.from_budget(self.kv_layout, config.kv_cache_mb, config.device)
+        self.block_manager = BlockManager(
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.chunk_tokens,
+        )  # fmt: skip
+        if config.prepack_weights:
+            prepack_linears(loaded.model)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook)
+        self._rng = random.Random(config.seed)
+        self._seqs: dict[str, Sequence] = {}
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        return self.kv_layout.bytes_per_block
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, block usage and preemptions so far."""
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def _new_sequence(
+        self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams,
+        seed: int | None, keep_kv: bool,
+    ) -> Sequence:  # fmt: skip
+        if request_id in self._seqs:
+            raise HalfmoonError(f"request id {request_id!r} is already in use")
+        if num_prompt < 1:
+            raise HalfmoonError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise HalfmoonError(f"request {request_id!r}: token ids must lie in [0, {vocab})")
+        if num_prompt >= self.max_model_len:
+            raise HalfmoonError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens does not fit the "
+                f"context of {self.max_model_len} tokens (at least one must be generated)"
+            )
+        needed = min(num_prompt + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_for(needed) > self.block_manager.num_blocks:
+            raise HalfmoonError(
+                f"request {request_id!r} needs {needed} tokens of KV, more than the whole "
+                f"pool ({self.block_manager.num_blocks} blocks of {self.config.block_size}); "
+                "raise --kv-cache-mb or lower max_tokens"
+            )
+        stop_ids = set(getattr(params, "stop_token_ids", ()))
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids[:num_prompt])
+            for token in token_ids[num_prompt:]:
+                detok.add(token)
+        seq = Sequence(request_id, list(token_ids), num_prompt, params, seed,
+                       frozenset(stop_ids), detok, keep_kv)  # fmt: skip
+        seq.text = detok.text if detok else ""
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        keep_kv: bool = False,
+    ) -> None:
+        """Queue a request (text is tokenized with the model's tokenizer).
+
+        ``keep_kv``: when it finishes, keep its blocks until :meth:`export_kv` takes them
+        (the prefill side of a handoff runs with ``max_tokens=1`` and this flag).
+        """
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        seq = self._new_sequence(request_id, token_ids, len(token_ids), params, None, keep_kv)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise HalfmoonError("this model directory has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; False if it is unknown or already gone."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that got a token."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        inputs = [
+            ChunkInput(
+                request_id=c.seq.request_id,
+                token_ids=c.seq.token_ids[c.start : c.end],
+                start=c.start,
+                block_table=self.block_manager.block_table(c.seq.request_id),
+                logits=LOGITS_LAST if c.samples else LOGITS_NONE,
+                hook=c.start < c.seq.num_prompt_tokens,
+            )
+            for c in plan.chunks
+        ]
+        logits = self.runner.execute(inputs)
+        sampling = [(c, lg) for c, lg in zip(plan.chunks, logits, strict=True) if lg is not None]
+        rows = [
+            row_for(c.seq.params, c.seq.seed, c.seq.num_output_tokens, tuple(c.seq.stop_token_ids))
+            for c, _ in sampling
+        ]
+        tokens = sample(torch.cat([lg for _, lg in sampling]), rows) if sampling else []
+        for chunk in plan.chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+            self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)
+        return [self._append(c.seq, t) for (c, _), t in zip(sampling, tokens, strict=True)]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        reason = None
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add(token)
+            seq.text = seq.detokenizer.text
+            reason = self._check_stop_strings(seq, len(delta))
+        if token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens:
+            reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if not seq.keep_kv:
+                self._seqs.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=(token,),
+            token_ids=tuple(seq.output_token_ids),
+            text=seq.text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, delta_len: int) -> str | None:
+        stops = seq.params.stop
+        if not stops or delta_len == 0 or seq.num_output_tokens < seq.params.min_tokens:
+            return None
+        # Only a stop string overlapping the new text can be new.
+        window_start = max(0, len(seq.text) - delta_len - max(len(s) for s in stops) + 1)
+        hits = [i for s in stops if (i := seq.text.find(s, window_start)) >= 0]
+        if not hits:
+            return None
+        seq.text = seq.text[: min(hits)]
+        return "stop"
+
+    def generate(
+        self,
+        prompts: SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; final outputs in prompt order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [f"generate-{self._rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
+                self.add_request(request_id, prompt, params)
+        except (HalfmoonError, ValueError):
+            for request_id in ids:  # leave no half-submitted batch behind
+                self.abort_request(request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # -- KV handoff ------------------------------------------------------------------------
+    def export_kv(self, request_id: str, release: bool = True) -> KVHandoff:
+        """Copy a request's computed KV out (one contiguous tensor, export layout).
+
+        With ``release`` a finished ``keep_kv`` request gives its blocks back; a running
+        request is left running either way.
+        """
+        seq = self._seqs.get(request_id)
+        if seq is None or not self.block_manager.has_request(request_id):
+            raise HalfmoonError(f"request {request_id!r} holds no KV in this engine")
+        num_blocks = self.block_manager.blocks_for(seq.num_computed_tokens)
+        table = self.block_manager.block_table(request_id)[:num_blocks]
+        handoff = KVHandoff(
+            request_id=request_id,
+            token_ids=tuple(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            seed=seq.seed,
+            layout=self.kv_layout,
+            data=self.kv_cache.export_blocks(table),
+        )
+        if release and seq.status is Status.FINISHED:
+            self.block_manager.free(request_id)
+            self._seqs.pop(request_id)
+        return handoff
+
+    def import_request(
+        self, handoff: KVHandoff, params: SamplingParams, request_id: str | None = None
+    ) -> None:
+        """Continue a request from another engine's :class:`KVHandoff`; it joins the
+        running batch at once (no prefill). ``params.max_tokens`` counts the tokens it
+        already generated."""
+        self.kv_layout.check_compatible(handoff.layout)
+        request_id = request_id or handoff.request_id
+        token_ids = list(handoff.token_ids)
+        if not 0 < handoff.num_computed_tokens < len(token_ids):
+            raise HalfmoonError("a handoff must leave at least one token to compute")
+        if len(token_ids) - handoff.num_prompt_tokens >= params.max_tokens:
+            raise HalfmoonError(
+                f"request {request_id!r} already generated max_tokens={params.max_tokens} tokens"
+            )
+        seq = self._new_sequence(request_id, token_ids, handoff.num_prompt_tokens, params,
+                                 handoff.seed, False)  # fmt: skip
+        table = self.block_manager.allocate(request_id, len(token_ids))
+        if table is None:
+            raise HalfmoonError(f"no free KV blocks to import request {request_id!r}")
+        num_blocks = self.block_manager.blocks_for(handoff.num_computed_tokens)
+        try:
+            self.kv_cache.import_blocks(table[:num_blocks], handoff.data)
+        except HalfmoonError:
+            self.block_manager.free(request_id)
+            raise
+        seq.num_computed_tokens = handoff.num_computed_tokens
+        self.block_manager.commit(request_id, token_ids, seq.num_computed_tokens)
+        self._seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+
+    def check_integrity(self) -> None:
+        """Assert the block pool is consistent with the live requests."""
+        self.block_manager.check_integrity()
+        holders = {s.request_id for s in self.scheduler.running}
+        holders |= {r for r, s in self._seqs.items() if s.status is Status.FINISHED}
+        for request_id in list(holders):
+            assert self.block_manager.has_request(request_id), f"{request_id} lost its blocks"
+        for seq in self.scheduler.waiting:
+            assert not self.block_manager.has_request(seq.request_id), "waiting seq holds blocks"

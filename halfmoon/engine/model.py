@@ -1,0 +1,136 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a flat token batch.
+
+Weights are stored fused (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows):
+one matmul instead of three (two) per layer. :mod:`halfmoon.engine.weights` maps the
+Hugging Face tensor names onto these slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halfmoon.engine.attention import (
+    AttentionBatch,
+    LayerHook,
+    LayerKV,
+    decode_attention,
+    prefill_attention,
+)
+from halfmoon.engine.config import ModelConfig
+from halfmoon.engine.kv_cache import KVCache
+from halfmoon.engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference implementations do."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with residuals."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_dim = config.num_heads * config.head_dim
+        self.kv_dim = config.num_kv_heads * config.head_dim
+        h, i = config.hidden_size, config.intermediate_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, q_dim + 2 * self.kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=config.o_bias)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+        kv_cache: KVCache,
+        hook: LayerHook | None,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q_dim = self.num_heads * self.head_dim
+        q = qkv[:, :q_dim].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_dim : q_dim + self.kv_dim].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_dim + self.kv_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = kv_cache.layer(self.layer_index)
+        keys.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+        values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+        if hook is not None:
+            self._call_hook(hook, batch, kv_cache)
+        out = torch.empty(num_tokens, q_dim, dtype=x.dtype, device=x.device)
+        if batch.decode is not None:
+            num_decode = batch.decode.num_seqs
+            out[:num_decode] = decode_attention(q[:num_decode], keys, values, batch, self.scale)
+        for seg in batch.prefills:
+            rows = slice(seg.row, seg.row + seg.end - seg.start)
+            out[rows] = prefill_attention(
+                q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
+            )
+        x = x + self.o_proj(out)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def _call_hook(self, hook: LayerHook, batch: AttentionBatch, kv_cache: KVCache) -> None:
+        for seg in batch.prefills:
+            if seg.hook:
+                key, value = kv_cache.layer_blocks(self.layer_index, seg.block_ids)
+                kv = LayerKV(key, value, seg.start, seg.end)
+                hook(seg.request_id, self.layer_index, list(seg.block_ids), kv)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
+        self.inv_freq = inverse_frequencies(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: KVCache,
+        hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the flat batch; writes K/V into the pool."""
+        x = self.embed_tokens(input_ids)
+        rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, batch, kv_cache, hook)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits ``[N, vocab]`` for the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

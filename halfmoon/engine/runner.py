@@ -1,0 +1,147 @@
+"""Turns a step's chunks into tensors, runs the model and returns the wanted logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.engine.attention import (
+    AttentionBatch,
+    LayerHook,
+    PrefillSegment,
+    build_decode_group,
+)
+from halfmoon.engine.kv_cache import KVCache
+from halfmoon.engine.model import LlamaForCausalLM
+
+#: What logits a chunk wants back: none, its last token's, or every token's.
+LOGITS_NONE, LOGITS_LAST, LOGITS_ALL = "none", "last", "all"
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """One sequence's slice of a step: ``token_ids`` at positions ``start..``, stored in
+    ``block_table`` (which covers at least ``start + len(token_ids)`` tokens).
+
+    ``hook``: call the per-layer KV hook for it (prompt chunks). A one-token chunk without
+    a hook runs in the batched decode path.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    logits: str = LOGITS_LAST
+    hook: bool = False
+
+    @property
+    def end(self) -> int:
+        """One past the last position."""
+        return self.start + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether it joins the batched decode group."""
+        return len(self.token_ids) == 1 and not self.hook
+
+
+class ModelRunner:
+    """Runs :class:`LlamaForCausalLM` on chunks over a :class:`KVCache`."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, hook: LayerHook | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.hook = hook
+        self.block_size = kv_cache.layout.block_size
+        self.device = kv_cache.pool.device
+        # Reused gather buffers [2, capacity_blocks, B, H_kv, D]; grown on demand, never shrunk.
+        self._workspace = torch.empty(0, device=self.device)
+
+    def _workspace_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if num_blocks == 0:
+            return None
+        if self._workspace.numel() == 0 or self._workspace.shape[1] < num_blocks:
+            shape = (2, num_blocks, *self.kv_cache.pool.shape[3:])
+            self._workspace = torch.empty(shape, dtype=self.kv_cache.pool.dtype, device=self.device)
+        return self._workspace[0], self._workspace[1]
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prepare(
+        self, ordered: list[ChunkInput], num_decode: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in ordered:
+            token_ids.extend(chunk.token_ids)
+            table = chunk.block_table
+            for p in range(chunk.start, chunk.end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        decode = None
+        if num_decode:
+            decodes = ordered[:num_decode]
+            decode = build_decode_group(
+                [list(c.block_table[: self._blocks(c.end)]) for c in decodes],
+                [c.end for c in decodes],
+                bs,
+                self.device,
+            )
+        segments = []
+        row = sum(len(c.token_ids) for c in ordered[:num_decode])
+        for c in ordered[num_decode:]:
+            table = list(c.block_table[: self._blocks(c.end)])
+            segments.append(
+                PrefillSegment(
+                    request_id=c.request_id,
+                    row=row,
+                    start=c.start,
+                    end=c.end,
+                    block_table=torch.tensor(table, dtype=torch.long, device=self.device),
+                    block_ids=table[c.start // bs :],
+                    hook=c.hook and self.hook is not None,
+                )
+            )
+            row += len(c.token_ids)
+        as_long = {"dtype": torch.long, "device": self.device}
+        gathered = [decode.block_index.numel()] if decode is not None else []
+        gathered += [s.block_table.numel() for s in segments if s.start > 0]
+        workspace = self._workspace_for(max(gathered, default=0))
+        batch = AttentionBatch(torch.tensor(slots, **as_long), decode, tuple(segments), workspace)
+        return torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long), batch
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ChunkInput]) -> list[torch.Tensor | None]:
+        """Compute ``chunks`` (writing their K/V) and return, per chunk in the given
+        order, its logits ``[1 or n, vocab]`` (or None when it asked for none)."""
+        if not chunks:
+            return []
+        decode_idx = [i for i, c in enumerate(chunks) if c.is_decode]
+        other_idx = [i for i, c in enumerate(chunks) if not c.is_decode]
+        order = decode_idx + other_idx
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, batch = self._prepare(ordered, len(decode_idx))
+        hidden = self.model(input_ids, positions, batch, self.kv_cache, self.hook)
+        rows: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        row = 0
+        for i, chunk in zip(order, ordered, strict=True):
+            n = len(chunk.token_ids)
+            first = len(rows)
+            if chunk.logits == LOGITS_LAST:
+                rows.append(row + n - 1)
+            elif chunk.logits == LOGITS_ALL:
+                rows.extend(range(row, row + n))
+            spans[i] = (first, len(rows))
+            row += n
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        out: list[torch.Tensor | None] = []
+        for i in range(len(chunks)):
+            first, last = spans[i]
+            out.append(logits[first:last] if logits is not None and last > first else None)
+        return out

@@ -1,0 +1,92 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Randomness never depends on the batch: the draw for a request's ``n``-th output token
+uses a generator seeded from ``(seed, n)``. A request therefore samples the same tokens
+whether it runs alone or batched, after a preemption, or continued in another engine
+after a KV handoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.core.request import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, n) over the seed space
+_MASK_63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class EngineSamplingParams(SamplingParams):
+    """:class:`SamplingParams` plus ``top_k`` (0 = off) and extra ``stop_token_ids``."""
+
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs about one request this step."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    num_output_tokens: int
+    banned_token_ids: tuple[int, ...] = ()
+
+
+def row_for(
+    params: SamplingParams, seed: int, num_output_tokens: int, stop_ids: tuple[int, ...]
+) -> SamplingRow:
+    """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``."""
+    banned = stop_ids if num_output_tokens < params.min_tokens else ()
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=getattr(params, "top_k", 0),
+        seed=seed,
+        num_output_tokens=num_output_tokens,
+        banned_token_ids=banned,
+    )
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first
+        # token is always kept.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """One token id per row of ``logits`` ``[N, vocab]``."""
+    logits = logits.to(torch.float32)
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, row in enumerate(rows):
+        if row.temperature == 0.0:
+            continue
+        filtered = _filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
+        probs = torch.softmax(filtered, dim=-1).cpu()
+        generator = torch.Generator().manual_seed(
+            (row.seed * _SEED_MIX + row.num_output_tokens) & _MASK_63
+        )
+        tokens[i] = int(torch.multinomial(probs, 1, generator=generator).item())
+    return tokens

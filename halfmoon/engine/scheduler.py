@@ -1,0 +1,192 @@
+"""Sequences and the step scheduler (no tensors here).
+
+Every step hands each scheduled sequence a chunk of its not-yet-computed tokens: a
+prompt is ``len(prompt)`` tokens behind (cut into ``chunk_tokens`` pieces), a decoding
+sequence exactly one (its last sampled token). Running sequences go first, oldest first,
+then waiting ones are admitted (taking their cached prefix) while the token budget,
+``max_num_seqs`` and free blocks allow. When a running sequence cannot get a block for
+its next token, the youngest running sequence is preempted: its blocks are freed (full
+ones stay in the prefix cache) and it returns to the head of the queue to be recomputed
+from its prompt plus the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable state of one request inside the engine."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None = None
+    keep_kv: bool = False
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    text: str = field(default="")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``[start, start + num_tokens)`` of ``seq`` this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        """One past the last token computed."""
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (so a token is sampled)."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work, and the sequences preempted to make room for it."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and recompute preemption."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_tokens: int,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose blocks are already allocated (KV import)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` (abort) from the queues and free any blocks it holds."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        if self.block_manager.has_request(seq.request_id):
+            self.block_manager.free(seq.request_id)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished; its blocks are freed unless it keeps its KV for export."""
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if not seq.keep_kv:
+            self.block_manager.free(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring)."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_tokens, budget)
+            while not self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+        if not preempted:
+            budget = self._admit(chunks, budget)
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            wanted = min(seq.num_tokens, self.chunk_tokens, budget)
+            num_cached = self.block_manager.admit(seq.request_id, seq.token_ids, wanted)
+            if num_cached is None:
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            num_new = min(wanted, seq.num_tokens - num_cached)
+            chunks.append(ScheduledChunk(seq, num_cached, num_new))
+            budget -= num_new
+        return budget

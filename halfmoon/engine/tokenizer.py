@@ -1,0 +1,207 @@
+"""Tokenizers: loading a model directory's ``tokenizer.json`` (+ chat template), building
+the presets' byte-level BPE locally, and incremental detokenization for streaming.
+
+The preset tokenizer is trained with ``tokenizers`` on a corpus generated from a seeded
+RNG (pseudo-words, numbers, punctuation, a little code), so it is the same on every
+machine and needs no download. Its vocabulary is exactly the preset's ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from halfmoon.core.errors import HalfmoonError
+
+BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
+#: Special tokens of the preset tokenizer, in id order (ids 0..4).
+PRESET_SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)
+#: ChatML-style template; the BOS comes from the template, so encode it without specials.
+PRESET_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS_SEED = 20240611
+
+
+def _corpus(num_lines: int, seed: int = _CORPUS_SEED) -> Iterator[str]:
+    """Deterministic training text: Zipf-distributed pseudo-words plus numbers and code."""
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v",
+              "w", "st", "tr", "ch", "sh", "th", "pl", "gr"]  # fmt: skip
+    vowels = ["a", "e", "i", "o", "u", "ai", "ou", "ea", "y"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "ck"]
+    words = []
+    for _ in range(30000):
+        syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
+        words.append("".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                             for _ in range(syllables)))  # fmt: skip
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(len(words))))
+    snippets = ["def f(x):", "return x + 1", "for i in range(10):", "{\"key\": [1, 2, 3]}",
+                "if (a < b) { c = d; }", "import numpy as np", "# comment", "x = y * 2"]  # fmt: skip
+    for _ in range(num_lines):
+        line = rng.choices(words, cum_weights=cum_weights, k=rng.randint(6, 18))
+        if rng.random() < 0.3:
+            line.insert(rng.randrange(len(line)), str(rng.randint(0, 99999)))
+        text = " ".join(line)
+        text = text[0].upper() + text[1:] + rng.choice((".", ".", "?", "!", ",", ";", ":"))
+        if rng.random() < 0.1:
+            text += "\n" + rng.choice(snippets)
+        yield text
+
+
+def build_preset_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE of exactly ``vocab_size`` tokens, trained deterministically."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=list(PRESET_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(max(4000, vocab_size * 3)), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise HalfmoonError(
+            f"preset tokenizer reached {tok.get_vocab_size()} tokens, expected {vocab_size}"
+        )
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    return tok
+
+
+def preset_tokenizer_config(max_length: int) -> dict[str, Any]:
+    """``tokenizer_config.json`` for the preset tokenizer (AutoTokenizer can load it)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": PRESET_CHAT_TEMPLATE,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json spells special tokens as strings or {"content": ...} objects.
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its chat template."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: Mapping[str, Any] | None = None):
+        config = config or {}
+        self._tok = tokenizer
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_id: int | None = eos_id
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (optional) from a model dir."""
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise HalfmoonError(f"no tokenizer.json in {model_dir}")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception on bad files
+            raise HalfmoonError(f"cannot load {path}: {exc}") from None
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        return cls(tok, config)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (added tokens included)."""
+        return self._tok.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string, or None."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with BOS etc. when the tokenizer's post-processor adds them)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result."""
+        if not self.chat_template:
+            raise HalfmoonError("this tokenizer has no chat template")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise HalfmoonError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise HalfmoonError(f"chat template failed: {exc}") from None
+        return self.encode(text, add_special_tokens=False)
+
+    def save(self, model_dir: Path, config: Mapping[str, Any]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``model_dir``."""
+        self._tok.save(str(model_dir / "tokenizer.json"))
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    Decodes a short window (``prefix_offset..``) and emits only what extends the text of
+    the already-emitted part; a window that ends inside a multi-byte character (U+FFFD)
+    waits for the next token. A few prompt tokens seed the window so tokenizers that
+    drop a leading space at the start of a decode (SentencePiece) stay right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], context: int = 4):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-context:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one id; returns the new text (possibly empty) and extends ``self.text``."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = decode(self._ids[self._prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

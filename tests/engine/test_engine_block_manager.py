@@ -1,0 +1,115 @@
+"""Block allocator, reference counts and prefix cache, with exact block ids (16-token blocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.engine.block_manager import BlockManager
+
+B = 16
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_allocate_grow_free_exact_ids() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B)
+    assert bm.admit("a", tokens(0, 40), 40) == 0
+    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.grow("a", 49)
+    assert bm.block_table("a") == [0, 1, 2, 3]
+    assert bm.num_free_blocks == 4
+    assert not bm.grow("a", 9 * B)  # needs 5 more, 4 free: nothing changes
+    assert bm.block_table("a") == [0, 1, 2, 3]
+    bm.free("a")
+    assert bm.num_free_blocks == 8
+    bm.check_integrity()
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B)
+    prompt = tokens(100, 50)
+    bm.admit("a", prompt, 50)
+    bm.commit("a", prompt, 50)  # blocks 0..2 full, block 3 partial
+    assert bm.num_cached_blocks == 3
+    # Same 48-token prefix, different tail: three blocks shared while "a" still runs.
+    other = prompt[:48] + [7, 8, 9]
+    assert bm.admit("b", other, len(other)) == 48
+    assert bm.block_table("b") == [0, 1, 2, 4]
+    bm.check_integrity()
+    bm.free("a")
+    assert bm.num_free_blocks == 8 - 4  # b holds 0, 1, 2, 4
+    bm.free("b")
+    bm.check_integrity()
+
+
+def test_last_prompt_block_is_never_matched() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B)
+    prompt = tokens(0, 32)
+    bm.admit("a", prompt, 32)
+    bm.commit("a", prompt, 32)
+    bm.free("a")
+    # All 32 tokens are cached, but the block of the last token must be recomputed.
+    assert bm.admit("b", prompt, 32) == 16
+    bm.free("b")
+    bm.check_integrity()
+
+
+def test_cached_free_blocks_evicted_lru_and_uncached_reused_first() -> None:
+    bm = BlockManager(num_blocks=4, block_size=B)
+    first = tokens(0, 40)  # blocks 0, 1 full + block 2 partial
+    bm.admit("a", first, 40)
+    bm.commit("a", first, 40)
+    bm.free("a")
+    # Reuse order: uncached 2 (partial), never-used 3, then cached tails before heads: 1, 0.
+    assert bm.admit("b", tokens(1000, 17), 17) == 0
+    assert bm.block_table("b") == [2, 3]
+    assert bm.num_cached_blocks == 2
+    assert bm.grow("b", 3 * B)
+    assert bm.block_table("b") == [2, 3, 1]  # evicts first's second block
+    assert bm.num_cached_blocks == 1
+    bm.free("b")
+    # The head block survived: a prompt sharing it hits 16 tokens.
+    assert bm.admit("c", first, 40) == 16
+    assert bm.block_table("c")[0] == 0
+    bm.free("c")
+    bm.check_integrity()
+
+
+def test_admit_counts_free_cached_hits_against_capacity() -> None:
+    bm = BlockManager(num_blocks=3, block_size=B)
+    prompt = tokens(0, 33)
+    bm.admit("a", prompt, 33)
+    bm.commit("a", prompt, 33)
+    bm.free("a")
+    # 2 cached blocks hit + 2 new blocks needed > 3 blocks: refused without side effects.
+    assert bm.admit("b", prompt[:32] + tokens(500, 20), 52) is None
+    assert bm.num_free_blocks == 3 and bm.num_cached_blocks == 2
+    bm.check_integrity()
+
+
+def test_prefix_caching_disabled_never_hits() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B, enable_prefix_caching=False)
+    prompt = tokens(0, 40)
+    bm.admit("a", prompt, 40)
+    bm.commit("a", prompt, 40)
+    bm.free("a")
+    assert bm.num_cached_blocks == 0
+    assert bm.admit("b", prompt, 40) == 0
+    bm.free("b")
+    bm.check_integrity()
+
+
+def test_integrity_catches_double_free_and_duplicate_admit() -> None:
+    bm = BlockManager(num_blocks=4, block_size=B)
+    bm.admit("a", tokens(0, 5), 5)
+    with pytest.raises(HalfmoonError):
+        bm.admit("a", tokens(0, 5), 5)
+    bm.free("a")
+    with pytest.raises(KeyError):
+        bm.free("a")
+    bm._ref_counts[0] = 1  # simulate a leak: a referenced block no table holds
+    with pytest.raises(AssertionError):
+        bm.check_integrity()

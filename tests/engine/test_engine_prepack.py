@@ -1,0 +1,54 @@
+"""CPU float32 weight prepacking: same logits as the plain model, only large weights packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.config import EngineConfig, ModelConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.loader import LoadedModel
+from halfmoon.engine.prepack import PackedLinear, can_prepack, prepack_linears
+from halfmoon.engine.weights import empty_model, init_random_weights
+
+pytestmark = pytest.mark.skipif(
+    not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN linear"
+)
+
+# gate|up is 3072 x 512 floats (6 MiB): packed; q|k|v and o (< 3 MiB) stay plain.
+CONFIG = ModelConfig(
+    model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=2,
+    num_heads=8, num_kv_heads=4, head_dim=64, max_position=256,
+)  # fmt: skip
+
+
+def loaded_model() -> LoadedModel:
+    model = empty_model(CONFIG, torch.float32, "cpu")
+    init_random_weights(model, seed=3, std=0.05)
+    return LoadedModel(CONFIG, model.eval(), None, ())
+
+
+def test_only_large_weights_are_packed() -> None:
+    loaded = loaded_model()
+    assert prepack_linears(loaded.model) == 2 * 2  # gate|up and down of both layers
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.gate_up_proj, PackedLinear)
+    assert isinstance(layer.down_proj, PackedLinear)
+    assert isinstance(layer.qkv_proj, torch.nn.Linear)
+    assert prepack_linears(loaded.model) == 0  # idempotent
+
+
+def test_packed_engine_generates_like_the_plain_one() -> None:
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for prepack in (False, True):
+        config = EngineConfig(model="unused", kv_cache_mb=8, prepack_weights=prepack)
+        engine = LLMEngine(config, loaded=loaded_model())
+        outputs.append([o.token_ids for o in engine.generate(prompts, params)])
+        engine.check_integrity()
+    assert outputs[0] == outputs[1]
+    x = torch.randn(8, 512)
+    plain = torch.nn.Linear(512, 3072)
+    torch.testing.assert_close(PackedLinear(plain)(x), plain(x), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,150 @@
+"""Logits and greedy tokens against transformers' own Llama and Qwen2 implementations."""
+
+from __future__ import annotations
+
+import torch
+from engine_testlib import BLOCK_SIZE, Reference, engine_config
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.kv_cache import export_to_bytes
+from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, ChunkInput
+
+
+def hf_logits(ref: Reference, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits for every position of ``token_ids``."""
+    with torch.no_grad():
+        return ref.hf_model(torch.tensor([token_ids])).logits[0]
+
+
+def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    # 1e-4 of the logit scale: fp32 reorderings stay ~1e-6; a position, mask or weight
+    # mix-up moves logits by O(1).
+    scale = theirs.abs().max().item()
+    assert scale > 1.0, "reference logits too flat to catch bugs"
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * scale)
+
+
+def prefill(engine: LLMEngine, rid: str, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
+    """Prefill ``tokens`` in chunks through the runner; all positions' logits."""
+    assert engine.block_manager.admit(rid, tokens, chunk_sizes[0]) == 0
+    outs, start = [], 0
+    for size in chunk_sizes:
+        assert engine.block_manager.grow(rid, start + size)
+        chunk = ChunkInput(rid, tokens[start : start + size], start,
+                           engine.block_manager.block_table(rid), LOGITS_ALL)  # fmt: skip
+        outs.append(engine.runner.execute([chunk])[0])
+        start += size
+        engine.block_manager.commit(rid, tokens, start)
+    assert start == len(tokens)
+    return torch.cat(outs)
+
+
+def test_full_prefill_matches(reference: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(reference.path))
+    (tokens,) = prompts(0, [45], reference.vocab_size)
+    assert_logits_close(prefill(engine, "a", tokens, [45]), hf_logits(reference, tokens))
+    engine.block_manager.free("a")
+    engine.check_integrity()
+
+
+def test_chunked_prefill_matches(reference: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(reference.path))
+    (tokens,) = prompts(1, [70], reference.vocab_size)
+    # Chunk edges off the 16-token block grid, one chunk of a single token.
+    ours = prefill(engine, "a", tokens, [16, 5, 1, 29, 19])
+    assert_logits_close(ours, hf_logits(reference, tokens))
+    engine.block_manager.free("a")
+    engine.check_integrity()
+
+
+def test_prefill_reusing_cached_prefix(reference: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(reference.path))
+    first, tail = prompts(2, [50, 20], reference.vocab_size)
+    prefill(engine, "a", first, [50])
+    table_a = engine.block_manager.block_table("a")
+    engine.block_manager.free("a")
+    second = first[:40] + tail
+    num_cached = engine.block_manager.admit("b", second, len(second))
+    assert num_cached == 2 * BLOCK_SIZE
+    table_b = engine.block_manager.block_table("b")
+    assert table_b[:2] == table_a[:2]
+    chunk = ChunkInput("b", second[num_cached:], num_cached, table_b, LOGITS_ALL)
+    ours = engine.runner.execute([chunk])[0]
+    assert_logits_close(ours, hf_logits(reference, second)[num_cached:])
+    engine.block_manager.free("b")
+    engine.check_integrity()
+
+
+def test_batched_decode_with_mixed_lengths(reference: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(reference.path))
+    bm = engine.block_manager
+    lengths = [5, 17, 33, 60]
+    seqs = prompts(3, lengths + [23], reference.vocab_size)
+    # One step prefills four prompts together.
+    for i, tokens in enumerate(seqs[:4]):
+        assert bm.admit(f"s{i}", tokens, len(tokens)) == 0
+    chunks = [ChunkInput(f"s{i}", t, 0, bm.block_table(f"s{i}"), LOGITS_LAST)
+              for i, t in enumerate(seqs[:4])]  # fmt: skip
+    for i, logits in enumerate(engine.runner.execute(chunks)):
+        assert_logits_close(logits, hf_logits(reference, seqs[i])[-1:])
+        seqs[i].append(int(logits.argmax()))
+    # Two decode steps for all four; the first also prefills a fifth prompt (mixed step).
+    assert bm.admit("s4", seqs[4], len(seqs[4])) == 0
+    for step in range(2):
+        chunks = []
+        for i, tokens in enumerate(seqs[:4]):
+            assert bm.grow(f"s{i}", len(tokens))
+            chunks.append(
+                ChunkInput(f"s{i}", tokens[-1:], len(tokens) - 1, bm.block_table(f"s{i}"))
+            )
+        if step == 0:
+            chunks.insert(2, ChunkInput("s4", seqs[4], 0, bm.block_table("s4"), LOGITS_ALL))
+        outs = engine.runner.execute(chunks)
+        if step == 0:
+            assert_logits_close(outs.pop(2), hf_logits(reference, seqs[4]))
+        for i, logits in enumerate(outs):
+            assert_logits_close(logits, hf_logits(reference, seqs[i])[-1:])
+            seqs[i].append(int(logits.argmax()))
+    for i in range(5):
+        bm.free(f"s{i}")
+    engine.check_integrity()
+
+
+def test_export_import_then_decode_matches(reference: Reference, prompts) -> None:
+    source = LLMEngine(engine_config(reference.path))
+    target = LLMEngine(engine_config(reference.path))
+    (tokens,) = prompts(4, [37], reference.vocab_size)
+    logits = prefill(source, "a", tokens, [37])
+    tokens.append(int(logits[-1].argmax()))
+    table = source.block_manager.block_table("a")
+    data = source.kv_cache.export_blocks(table)
+    # Occupy some blocks first so the import lands on different block ids.
+    target.block_manager.allocate("filler", 3 * BLOCK_SIZE)
+    new_table = target.block_manager.allocate("a", len(tokens))
+    assert new_table is not None and new_table[0] != table[0]
+    target.kv_cache.import_blocks(new_table[: len(table)], export_to_bytes(data))
+    chunk = ChunkInput("a", tokens[-1:], len(tokens) - 1, new_table, LOGITS_LAST)
+    assert_logits_close(target.runner.execute([chunk])[0], hf_logits(reference, tokens)[-1:])
+    source.block_manager.free("a")
+    for rid in ("a", "filler"):
+        target.block_manager.free(rid)
+    source.check_integrity()
+    target.check_integrity()
+
+
+def test_greedy_tokens_match_hf_generate(reference: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(reference.path, max_num_batched_tokens=64))
+    batch = prompts(5, [3, 29, 50], reference.vocab_size)
+    num_new = 12
+    # min_tokens == max_tokens on both sides: EOS is masked identically, never stops early.
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, min_tokens=num_new)
+    outputs = engine.generate(batch, params)
+    for tokens, out in zip(batch, outputs, strict=True):
+        expected = reference.hf_model.generate(
+            torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+            max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+        )[0, len(tokens) :].tolist()  # fmt: skip
+        assert list(out.token_ids) == expected
+        assert out.finish_reason == "length"
+    engine.check_integrity()
