@@ -41,7 +41,14 @@ def _incarnation(endpoints: dict[str, str]) -> tuple[str, str]:
 
 
 class WorkerLost(BackendError):
-    """A worker holding the request was declared dead by the Conductor."""
+    """A worker holding the request died (or could not be reached): place it again.
+
+    ``suspect`` names the worker to report to the Conductor, which drops it from placement
+    until it registers again (a live worker's next heartbeat does that at once)."""
+
+    def __init__(self, message: str, suspect: str = "") -> None:
+        super().__init__(message)
+        self.suspect = suspect
 
 
 class _Peer:
@@ -81,6 +88,7 @@ class ClusterBackend:
         self._routes: dict[str, tuple[str, ...]] = {}
         self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
         self._attempts: dict[str, str] = {}
+        self._incarnations: dict[str, str] = {}
         self._watcher: asyncio.Task | None = None
         self.max_attempts = 3
         self.conductor_wait_s = 20.0
@@ -188,10 +196,19 @@ class ClusterBackend:
             except WorkerLost as exc:
                 log.warning("request %s: %s; placing it again", request_id, exc)
                 await self._abort_attempt(attempt_id)
+                if exc.suspect:
+                    await self._report_failed(exc.suspect)
             finally:
                 self._queues.pop(attempt_id, None)
                 self._attempts.pop(request_id, None)
         raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
+
+    async def _report_failed(self, instance_id: str) -> None:
+        """Tell the Conductor a worker failed us (it re-checks through heartbeats)."""
+        incarnation = self._incarnations.get(instance_id, "")
+        await self._send(self._conductor_endpoint, {
+            "type": "instance_failed", "instance_id": instance_id, "incarnation": incarnation,
+        })  # fmt: skip
 
     async def _watch(self) -> None:
         """Follow the Conductor's live instances; a request on a vanished one is told."""
@@ -207,6 +224,7 @@ class ClusterBackend:
                 queue = self._queues.get(attempt_id)
                 if gone and queue is not None:
                     queue.put_nowait({"type": "lost", "instance": gone[0]})
+            self._incarnations = alive
 
     async def _in_order(
         self, request_id: str, queue: asyncio.Queue, decision: dict[str, Any]
@@ -223,6 +241,8 @@ class ClusterBackend:
                     f"no progress for {self.token_timeout_s:g}s on request {request_id}"
                 ) from None
             if msg["type"] == "error":
+                if msg.get("retryable"):
+                    raise WorkerLost(str(msg.get("error")), str(msg.get("suspect", "")))
                 raise BackendError(str(msg.get("error")))
             if msg["type"] == "lost":
                 raise WorkerLost(f"worker {msg['instance']} is gone")
@@ -311,6 +331,7 @@ class ClusterBackend:
         await self._send(decode_ep["command"], {
             "type": "expect", "request_id": request_id, "params": wire_params,
             "num_prompt_tokens": len(prompt_token_ids),
+            "prefill_instance": decision["prefill"]["instance_id"],
         })  # fmt: skip
         for plan in decision.get("replications", []):
             target = plan["target"]

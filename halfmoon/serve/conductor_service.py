@@ -173,6 +173,9 @@ class ConductorService:
             for event in events_from_wire(str(message["instance_id"]), message["events"]):
                 self.conductor.handle(event)
             return None
+        if kind == "instance_failed":
+            self._instance_failed(str(message["instance_id"]), str(message.get("incarnation", "")))
+            return None
         if kind == "schedule":
             return self._schedule(message)
         if kind == "register":
@@ -185,6 +188,17 @@ class ConductorService:
                 "incarnations": {i: e.incarnation for i, e in self.instances.items()},
             }
         raise ProtocolError(f"unknown message type {kind!r}")
+
+    def _instance_failed(self, iid: str, incarnation: str) -> None:
+        """A gateway could not use ``iid``: drop it from placement now rather than after
+        the heartbeat timeout. A live worker's next heartbeat gets ``register_again``."""
+        e = self.instances.get(iid)
+        if e is None or (incarnation and e.incarnation != incarnation):
+            return  # already gone, or already replaced by a new process
+        log.warning("%s reported failed: removed from placement", iid)
+        self._last_seen_s.pop(iid, None)
+        del self.instances[iid]
+        self.conductor.remove_instance(iid)
 
     def _register(self, message: dict[str, Any]) -> dict[str, Any]:
         role = message["role"]

@@ -298,7 +298,11 @@ class PrefillRole(_Streaming):
         log.warning("request %s: %s", rid, error)
         if p.sender is not None:
             p.sender.cancel()
-        self.worker.send(p.identity, {"type": "error", "request_id": rid, "error": error})
+        # The decode side failed, not the request: the gateway may place it again.
+        self.worker.send(p.identity, {
+            "type": "error", "request_id": rid, "error": error, "retryable": True,
+            "suspect": p.decode["instance_id"],
+        })  # fmt: skip
         self.worker.conductor.event("request_finished", request_id=rid)
 
     def on_abort(self, request_id: str) -> None:
@@ -339,6 +343,7 @@ class _Expected:
     num_prompt_tokens: int
     region: str
     receiver: Any
+    prefill_instance: str = ""
     since_s: float = field(default_factory=time.monotonic)
 
 
@@ -367,7 +372,12 @@ class DecodeRole(_Streaming):
             rid, region, StreamLayout.contiguous(2 * self.num_layers, n, half)
         )
         self.expected[rid] = _Expected(
-            identity, params_from_wire(msg["params"]), num_prompt, region, receiver
+            identity,
+            params_from_wire(msg["params"]),
+            num_prompt,
+            region,
+            receiver,
+            str(msg.get("prefill_instance", "")),
         )
 
     def _on_handoff(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -422,7 +432,8 @@ class DecodeRole(_Streaming):
             e = self.expected[rid]
             self.worker.send(e.identity, {
                 "type": "error", "request_id": rid,
-                "error": f"no KV handoff within {HANDOFF_TIMEOUT_S:g}s",
+                "error": f"no KV handoff within {HANDOFF_TIMEOUT_S:g}s", "retryable": True,
+                "suspect": e.prefill_instance,
             })  # fmt: skip
             self.on_abort(rid)
 
