@@ -1,0 +1,104 @@
+"""A prefill worker's cluster cache: blocks saved to the store and loaded into another
+engine give the same output as computing them; corrupt SSD blocks are recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from halfmoon.core.request import SamplingParams
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.kinds.append(kind)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model="tiny", kv_cache_mb=16, num_threads=1)
+    return LLMEngine(config), LLMEngine(config)
+
+
+def _run(engine, rid, prompt, n=6):
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    engine.add_request(rid, prompt, params, keep_kv=True)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid:
+                out = o
+    return out
+
+
+def _cache(engine, tmp_path: Path | None, events):
+    from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
+
+    holdings = Holdings(events)
+    ssd = str(tmp_path) if tmp_path else None
+    store = ClusterPrefixCache.make_store(engine, 0 if ssd else 8, ssd, 8 if ssd else 0, holdings)
+    return ClusterPrefixCache(engine, store, events), holdings
+
+
+def test_blocks_saved_by_one_engine_serve_another(engines):
+    a, b = engines
+    events = _Events()
+    cache_a, holdings = _cache(a, None, events)
+    prompt = [(i * 37) % 4000 + 10 for i in range(200)]
+    ref = _run(a, "a1", prompt)
+    assert cache_a.save("a1", prompt) == 12  # 200 tokens: 12 full 16-token blocks
+    a.export_kv("a1", release=True)
+    assert events.kinds.count("stored") == 12 and len(holdings.snapshot()[0]["hashes"]) == 12 * 16
+    # engine B shares the store (as a peer pulling from it would): load, then prefill
+    from halfmoon.serve.prefix import ClusterPrefixCache
+
+    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    assert cache_b.load(prompt) == 12
+    out = _run(b, "b1", prompt)
+    assert out.num_cached_tokens == 192
+    assert out.token_ids == ref.token_ids  # the loaded KV is exactly the computed KV
+    b.export_kv("b1", release=True)
+    a.check_integrity()
+    b.check_integrity()
+    cache_a.store.check_integrity()
+
+
+def test_corrupt_ssd_block_is_recomputed_not_served(engines, tmp_path):
+    a, b = engines
+    events = _Events()
+    cache_a, _ = _cache(a, tmp_path, events)
+    prompt = [(i * 53) % 4000 + 7 for i in range(100)]
+    ref = _run(a, "a2", prompt)
+    assert cache_a.save("a2", prompt) == 6
+    a.export_kv("a2", release=True)
+    data_files = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p.stat().st_size >= 6 * a.kv_bytes_per_block
+    ]
+    assert data_files
+    with open(data_files[0], "r+b") as f:  # flip bytes in the middle of the 4th block
+        f.seek(cache_a.store.ssd_file_offset(_hash(prompt, 3)) + 100)
+        f.write(b"\xff" * 64)
+    from halfmoon.serve.prefix import ClusterPrefixCache
+
+    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    loaded = cache_b.load(prompt)
+    assert loaded == 3  # stops at the corrupt block
+    out = _run(b, "b2", prompt)
+    assert out.token_ids == ref.token_ids
+    assert cache_a.store.stats().num_corrupt == 1
+    b.export_kv("b2", release=True)
+    b.check_integrity()
+
+
+def _hash(prompt, index):
+    from halfmoon.core.hashing import hash_blocks
+
+    return hash_blocks(prompt, 16).full[index]
