@@ -10,6 +10,8 @@ Per request (the paper's algorithm, see docs/conductor.md)::
            kvcache_balancing_threshold x prompt, also consider
         TTFT(p <- remote) = T_queue(p) + T_transfer(missing blocks) + T_prefill(rest)
     pick a candidate by the policy (kvcache-centric: minimum TTFT)
+    with CPP groups (cpp_stages > 1, long prompts): take the best group candidate
+        instead when its TTFT is lower (see halfmoon.conductor.cpp)
     pick the decode instance with the lowest estimated TBT after admission
     early rejection: TTFT > SLO, or TBT (now, or predicted at prefill end) > SLO -> reject
     plan replication of remote prefixes and of hot prefixes
@@ -23,6 +25,7 @@ import random
 from collections.abc import Sequence
 
 from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.cpp import PipelineEstimator, cpp_groups, group_candidates
 from halfmoon.conductor.index import PrefixIndex
 from halfmoon.conductor.messages import (
     BlockEvicted,
@@ -93,6 +96,8 @@ class Conductor:
         self._decode: dict[str, DecodeState] = {}
         self._coupled: set[str] = set()
         self._placements: dict[str, tuple[str, str]] = {}
+        self._group_of: dict[str, tuple[str, ...]] = {}
+        self._cpp = PipelineEstimator(config)
         self._decode_time_s = config.decode_time_estimate_s
         self._round_robin = 0
         self._hot = HotSpotPlanner(
@@ -185,8 +190,9 @@ class Conductor:
 
     def _finish(self, request_id: str, now_s: float) -> None:
         prefill_id, decode_id = self._placements.pop(request_id, ("", ""))
-        if (state := self._prefill.get(prefill_id)) is not None:
-            state.finish(request_id)
+        for member in self._group_of.pop(request_id, (prefill_id,)):
+            if (state := self._prefill.get(member)) is not None:
+                state.finish(request_id)
         if (dstate := self._decode.get(decode_id)) is not None:
             started = dstate.finish(request_id)
             if started is not None and self.config.decode_time_estimate_s is None:
@@ -257,14 +263,32 @@ class Conductor:
         return out
 
     def prefill_candidates(self, request: Request) -> list[PrefillCandidate]:
-        """Every placement the policy may choose from for ``request``."""
+        """Every placement considered for ``request``: single instances (the policy's
+        choice), then CPP groups (``group`` set) for long prompts when configured."""
         ids = self.prefill_instances
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
         memo: dict[tuple[int, int, int], float] = {}
         local = self._local_candidates(request, ids, matched, memo)
+        out = local
         if self.policy.uses_remote_prefixes and local:
-            return local + self._remote_candidates(request, local, matched, memo)
-        return local
+            out = local + self._remote_candidates(request, local, matched, memo)
+        cfg = self.config
+        groups = cpp_groups(ids, cfg.cpp_stages)
+        if groups and request.input_length >= cfg.cpp_min_tokens:
+            now = self.clock.now()
+            remote = self.policy.uses_remote_prefixes
+            out += group_candidates(request, groups, self._prefill, matched, now, self._cpp, remote)
+        return out
+
+    def _choose(self, candidates: Sequence[PrefillCandidate]) -> PrefillCandidate:
+        """The policy's single-instance choice, or a CPP group when it lowers TTFT."""
+        chosen = self.policy.choose([c for c in candidates if not c.group], self.rng)
+        groups = [c for c in candidates if c.group]
+        if groups:
+            best = min(groups, key=lambda c: c.ttft_s)
+            if best.ttft_s < chosen.ttft_s:
+                return best
+        return chosen
 
     def _t_d(self, request: Request, dstate: DecodeState) -> float:
         if self._decode_time_s is not None:
@@ -340,14 +364,14 @@ class Conductor:
                 candidates=tuple(candidates),
                 why="cluster has no capacity",
             )
-        chosen = self.policy.choose(candidates, self.rng)
+        chosen = self._choose(candidates)
         ready_s = self.clock.now() + chosen.ttft_s
         decodes = [
             self._decode_candidate(request, self._decode[d], ready_s) for d in self.decode_instances
         ]
         decode = min(decodes, key=lambda d: d.est_tbt_s)
         why = (
-            f"{policy}: {chosen.instance_id} (prefix from {chosen.cache_source}, "
+            f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
             f"est TTFT {chosen.ttft_s:.3f}s); decode {decode.instance_id} "
             f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
         )
@@ -426,14 +450,23 @@ class Conductor:
         """Book the placement and plan any replication it calls for."""
         rid = request.request_id
         new_tokens = request.input_length - chosen.cached_tokens
-        self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
+        if chosen.group:
+            # Member s is held from the pipeline's start until its last chunk is done.
+            cm = self._prefill[chosen.instance_id].cost_model
+            est = self._cpp.estimate(cm, new_tokens, chosen.cached_tokens)
+            for member, held_s in zip(chosen.group, est.stage_end_s, strict=True):
+                self._prefill[member].add(rid, held_s, new_tokens)
+            self._group_of[rid] = chosen.group
+        else:
+            self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
         self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
         self._placements[rid] = (chosen.instance_id, decode_id)
         block = request.block_size_tokens
         num_cached_blocks = chosen.cached_tokens // block
         prefix = request.block_hashes[:num_cached_blocks]
         plans = []
-        if chosen.is_remote and self.config.replicate_remote_prefixes:
+        # A group's members fetch only their layers' share: no full copy to plan.
+        if chosen.is_remote and self.config.replicate_remote_prefixes and not chosen.group:
             missing = [h for h in prefix if not self.index.holds(chosen.instance_id, h)]
             plans.append(
                 ReplicationPlan(

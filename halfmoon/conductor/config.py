@@ -28,6 +28,14 @@ class ConductorConfig:
       ``hot_min_requests`` requests within ``hot_window_s`` seconds is copied to more
       instances, up to ``hot_max_replicas`` holders; 0 disables it.
     - ``coupled_router``: how coupled (prefill+decode) instances are chosen.
+    - Chunked pipeline parallelism (CPP): with ``cpp_stages`` K > 1, the registered prefill
+      instances form disjoint groups of K consecutive ones (P1..PK, PK+1..P2K, ...; a
+      remainder forms no group). A prompt of at least ``cpp_min_tokens`` tokens also gets
+      one candidate per group: its new tokens cut into chunks of ``cpp_chunk_tokens``
+      flow through the K stages (``halfmoon.costmodel.pipeline``). The group is chosen
+      only when its TTFT is lower than that of the policy's single-instance choice.
+      ``cpp_hidden_bytes_per_token``: bytes handed between stages per token (None: the
+      cost model's hidden size x dtype bytes).
     """
 
     policy: str = "kvcache-centric"
@@ -41,6 +49,10 @@ class ConductorConfig:
     hot_window_s: float = 60.0
     hot_max_replicas: int = 2
     coupled_router: str = "cache-aware"
+    cpp_stages: int = 1
+    cpp_chunk_tokens: int = 1024
+    cpp_min_tokens: int = 2048
+    cpp_hidden_bytes_per_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.early_reject not in EARLY_REJECT_MODES:
@@ -54,3 +66,11 @@ class ConductorConfig:
             raise ValueError("kvcache_balancing_threshold must be in [0, 1]")
         if self.hot_min_requests < 0 or self.hot_window_s <= 0 or self.hot_max_replicas < 0:
             raise ValueError("hot-spot parameters must be non-negative (window positive)")
+        if self.cpp_stages < 1:
+            raise ValueError(f"cpp_stages must be >= 1, got {self.cpp_stages}")
+        if self.cpp_chunk_tokens < 1:
+            raise ValueError(f"cpp_chunk_tokens must be >= 1, got {self.cpp_chunk_tokens}")
+        if self.cpp_min_tokens < 0:
+            raise ValueError(f"cpp_min_tokens must be >= 0, got {self.cpp_min_tokens}")
+        if self.cpp_hidden_bytes_per_token is not None and self.cpp_hidden_bytes_per_token < 0:
+            raise ValueError("cpp_hidden_bytes_per_token must be >= 0")

@@ -86,7 +86,13 @@ class LoadReport:
 
 @dataclass(frozen=True)
 class PrefillCandidate:
-    """One way to run the prefill: on ``instance_id``, with its prefix from ``cache_source``."""
+    """One way to run the prefill: on ``instance_id``, with its prefix from ``cache_source``.
+
+    ``group``: for a chunked-pipeline (CPP) candidate, the stage instances in pipeline
+    order (``instance_id`` is the first); empty for a single instance. Then ``queue_s`` is
+    the longest member queue, ``prefill_s`` the pipelined prefill and ``transfer_s`` the
+    slowest member's fetch of its layers' share of a remote prefix.
+    """
 
     instance_id: str
     cached_tokens: int
@@ -94,6 +100,12 @@ class PrefillCandidate:
     queue_s: float
     prefill_s: float
     transfer_s: float
+    group: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``P1`` for one instance, ``P1+P2`` for a CPP group."""
+        return "+".join(self.group) if self.group else self.instance_id
 
     @property
     def ttft_s(self) -> float:
@@ -102,7 +114,10 @@ class PrefillCandidate:
 
     @property
     def is_remote(self) -> bool:
-        """Whether the prefix is fetched from another instance."""
+        """Whether the prefix is fetched from another instance (for a group: from outside
+        it, or by a member that lacks part of it)."""
+        if self.group:
+            return self.transfer_s > 0 or self.cache_source not in self.group
         return self.cache_source != self.instance_id
 
 
@@ -159,7 +174,7 @@ class Decision:
         for c in self.candidates:
             mark = "*" if c == self.prefill else " "
             lines.append(
-                f" {mark}{c.instance_id:<10} {c.cache_source:<10} {c.cached_tokens:>8} "
+                f" {mark}{c.label:<10} {c.cache_source:<10} {c.cached_tokens:>8} "
                 f"{c.queue_s:>8.3f} {c.transfer_s:>8.3f} {c.prefill_s:>9.3f} {c.ttft_s:>8.3f}"
             )
         for d in self.decode_candidates:

@@ -17,7 +17,8 @@ Bytes: the weights once (``ModelSpec.step_weight_read_bytes``), the KV of the co
 once, the KV of the new tokens written once. Activations stay on chip and are ignored.
 
 What is not modelled: tensor-parallel all-reduce (folded into the efficiencies), chunked
-prefill (a prefill is one pass), pipeline parallelism.
+prefill (a prefill is one pass), pipeline parallelism (``costmodel/pipeline.py``
+schedules a chunked pipeline over instances built on this model).
 """
 
 from __future__ import annotations

@@ -56,6 +56,12 @@ def _check_positive(what: str, value: float) -> float:
     return value
 
 
+def _check_at_least(what: str, value: int, least: int) -> int:
+    if value < least:
+        raise HalfmoonError(f"{what} must be >= {least}, got {value}")
+    return value
+
+
 def make_cost_model(
     model: str, gpu: str, gpus_per_instance: int, profile: str | None = None
 ) -> CostModel:
@@ -93,10 +99,11 @@ def _configs(args: argparse.Namespace) -> tuple[SimConfig, ConductorConfig]:
         _check_positive("--tbt-slo", args.tbt_slo),
         args.tbt_metric,
     )
+    spec = get_model(args.model)
     sim = SimConfig(
         cluster=ClusterSpec.parse(args.cluster),
         slo=slo,
-        num_layers=get_model(args.model).num_layers,
+        num_layers=spec.num_layers,
         prefill_chunk_tokens=args.chunk_tokens,
         cache_capacity_tokens=parse_tokens(args.cache_capacity_tokens),
         cache_policy=args.cache_policy,
@@ -113,6 +120,10 @@ def _configs(args: argparse.Namespace) -> tuple[SimConfig, ConductorConfig]:
         slo=slo,
         early_reject=args.early_reject,
         coupled_router=args.coupled_router,
+        cpp_stages=_check_at_least("--cpp-stages", args.cpp_stages, 1),
+        cpp_chunk_tokens=_check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
+        cpp_min_tokens=_check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
+        cpp_hidden_bytes_per_token=spec.hidden_size * spec.dtype_bytes,
     )
     return sim, conductor
 
@@ -203,6 +214,22 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="KV memory per decode/coupled instance (default: cost model)",
     )
     parser.add_argument("--chunk-tokens", type=int, help="prefill chunk size (default: one pass)")
+    parser.add_argument(
+        "--cpp-stages",
+        type=int,
+        default=1,
+        help="chunked pipeline parallelism: groups of K consecutive prefill instances "
+        "(1: off)",
+    )
+    parser.add_argument(
+        "--cpp-chunk-tokens", type=int, default=1024, help="CPP chunk size, tokens"
+    )
+    parser.add_argument(
+        "--cpp-min-tokens",
+        type=int,
+        default=2048,
+        help="prompts shorter than this never use a CPP group",
+    )
     parser.add_argument(
         "--decode-guard",
         default="reject",

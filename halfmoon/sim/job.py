@@ -9,6 +9,7 @@ from halfmoon.core.request import Request
 from halfmoon.metrics.records import RequestRecord
 
 if TYPE_CHECKING:
+    from halfmoon.sim.cpp import CPPRun
     from halfmoon.sim.decode import DecodeInstance
     from halfmoon.sim.prefill import PrefillInstance
 
@@ -21,7 +22,8 @@ class Job:
     ``cache_source`` (the prefill instance itself, or another one to fetch it from);
     ``keep_fetched`` says whether fetched blocks become cached copies on arrival (the
     decision planned that replication). ``generated`` counts output tokens emitted and
-    ``prefilled_tokens`` prompt tokens computed so far (chunked coupled prefill).
+    ``prefilled_tokens`` prompt tokens computed so far (chunked coupled prefill);
+    ``cpp`` is set when a chunked-pipeline group runs the prefill.
     """
 
     request: Request
@@ -33,6 +35,7 @@ class Job:
     keep_fetched: bool = False
     generated: int = 0
     prefilled_tokens: int = 0
+    cpp: CPPRun | None = None
 
     @property
     def request_id(self) -> str:

@@ -1,7 +1,8 @@
 """A simulated prefill instance: FCFS queue, optional chunking, local DRAM prefix cache,
 remote prefix fetches, and layer-wise KV streaming to the decode instance.
 
-One request at a time, in arrival order::
+One request at a time, in arrival order (a request run by a CPP group holds every
+member instance, see :mod:`halfmoon.sim.cpp`)::
 
     start:    match the local cache; if the decision fetches a longer prefix from
               another instance, move the missing blocks first (NIC reservation)
@@ -69,12 +70,22 @@ class PrefillInstance:
         self._queue.append(job)
         return NO_EVENTS if self._busy else self._start_next()
 
+    def notify(self, event: object) -> None:
+        """Send an event to the Conductor (used by a CPP group run)."""
+        self._notify(event)
+
+    def release(self) -> Sequence[Event]:
+        """A CPP group run is done with this instance: start the next request."""
+        return self._start_next()
+
     def _start_next(self) -> Sequence[Event]:
         if not self._queue:
             self._busy = False
             return NO_EVENTS
         self._busy = True
         job = self._queue.popleft()
+        if job.cpp is not None:  # a pipeline stage: hold until every member is ready
+            return job.cpp.member_ready(self)
         hashes = job.full_block_hashes
         local = self.cache.match(hashes)
         source = job.cache_source

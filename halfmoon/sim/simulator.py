@@ -24,11 +24,13 @@ from halfmoon.core.clock import ManualClock
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.pipeline import hidden_bytes_per_token
 from halfmoon.metrics.records import RequestRecord
 from halfmoon.metrics.report import summarize
 from halfmoon.sim.cache import InstanceCache
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.coupled import CoupledInstance
+from halfmoon.sim.cpp import CPPRun
 from halfmoon.sim.decode import DecodeInstance
 from halfmoon.sim.events import NO_EVENTS, Event, EventLoop
 from halfmoon.sim.job import Job
@@ -71,6 +73,7 @@ class Simulator:
         self.num_rejected_early = 0
         self.num_replications = 0
         self.num_replicated_blocks = 0
+        self.num_cpp_prefills = 0
         self._requests: Iterator[Request] = iter(())
         self._on_arrival: Callable[[], None] | None = None
         self._build()
@@ -85,6 +88,20 @@ class Simulator:
 
     def _build(self) -> None:
         spec = self.config.cluster
+        stages = self.conductor.config.cpp_stages
+        if stages > 1 and (spec.coupled or spec.num_prefill < stages):
+            raise HalfmoonError(
+                f"{stages} CPP stages need at least {stages} prefill instances in a "
+                f"disaggregated cluster, got {spec}"
+            )
+        self._cpp_hidden_bytes = 0
+        if stages > 1:
+            try:
+                self._cpp_hidden_bytes = hidden_bytes_per_token(
+                    self.cost_model, self.conductor.config.cpp_hidden_bytes_per_token
+                )
+            except ValueError as exc:
+                raise HalfmoonError(str(exc)) from None
         kv_capacity = self._kv_capacity_tokens()
         for i in range(1, spec.num_prefill + 1):
             self._add_prefill(f"P{i}")
@@ -174,6 +191,8 @@ class Simulator:
         job.decode = self.decode[decision.decode.instance_id]
         job.cache_source = self.prefill[chosen.cache_source]
         job.planned_cached_blocks = -(-chosen.cached_tokens // self.block_size_tokens)
+        if chosen.group:
+            return self._place_group(job, chosen.group, decision.replications)
         others = []
         for plan in decision.replications:
             if chosen.is_remote and (plan.source, plan.target) == (
@@ -185,6 +204,26 @@ class Simulator:
                 others.append(plan)
         events = list(job.prefill.submit(job))
         for plan in others:
+            events.extend(self._replicate(plan))
+        return events
+
+    def _place_group(
+        self, job: Job, group: Sequence[str], plans: Sequence[ReplicationPlan]
+    ) -> list[Event]:
+        """Queue a CPP request on every member of its group (see ``sim/cpp.py``)."""
+        members = [self.prefill[m] for m in group]
+        self.num_cpp_prefills += 1
+        job.cpp = CPPRun(
+            job,
+            members,
+            self.conductor.config.cpp_chunk_tokens,
+            self._cpp_hidden_bytes,
+            self.config.num_layers,
+        )
+        events: list[Event] = []
+        for member in members:
+            events.extend(member.submit(job))
+        for plan in plans:
             events.extend(self._replicate(plan))
         return events
 
@@ -216,7 +255,8 @@ class Simulator:
         :func:`~halfmoon.metrics.summarize` keys, then ``policy``, ``cluster``,
         ``early_reject``, ``time_scale``, ``num_rejected_early``,
         ``num_refused_after_prefill``, ``effective_request_capacity``, ``num_remote_fetches``,
-        ``num_replications``, ``num_events``."""
+        ``num_replications``, ``num_cpp_prefills`` (requests prefilled by a CPP group),
+        ``num_events``."""
         if self.records:
             raise HalfmoonError("a Simulator runs once; build a new one for another run")
         limit = self.config.max_requests
@@ -259,6 +299,7 @@ class Simulator:
                 "num_refused_after_prefill": refused,
                 "num_remote_fetches": sum(p.num_fetches for p in self.prefill.values()),
                 "num_replications": self.num_replications,
+                "num_cpp_prefills": self.num_cpp_prefills,
                 "num_events": self.loop.num_fired,
             },
         )

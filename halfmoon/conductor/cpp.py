@@ -1,0 +1,99 @@
+"""Chunked pipeline parallelism (CPP) in the Conductor: groups and their candidates.
+
+With ``ConductorConfig.cpp_stages`` K > 1 the prefill instances, in registration order,
+form disjoint groups of K consecutive instances (``P1..PK``, ``PK+1..P2K``, ...; the
+remainder forms none). A group runs a prompt as a K-stage pipeline
+(:func:`halfmoon.costmodel.pipeline.cpp_prefill_estimate`): it starts when every member
+is free, so its queue is the longest member queue, and member ``s`` is held until its
+stage ends. Each stage uses only its layers' KV, so the prefix a group reuses is the one
+every member holds; a longer prefix held elsewhere is fetched by each member for its
+layers only (1/K of the bytes each, in parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.messages import PrefillCandidate
+from halfmoon.conductor.state import PrefillState
+from halfmoon.core.request import Request
+from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.pipeline import (
+    PipelineEstimate,
+    cpp_prefill_estimate,
+    hidden_bytes_per_token,
+)
+
+EstimateFn = Callable[[CostModel, int, int], PipelineEstimate]
+
+
+def cpp_groups(instance_ids: Sequence[str], num_stages: int) -> list[tuple[str, ...]]:
+    """Disjoint groups of ``num_stages`` consecutive instances (none when K <= 1)."""
+    if num_stages <= 1:
+        return []
+    full = len(instance_ids) // num_stages * num_stages
+    return [tuple(instance_ids[i : i + num_stages]) for i in range(0, full, num_stages)]
+
+
+class PipelineEstimator:
+    """Memoised pipelined-prefill estimates for one Conductor's configuration."""
+
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self._memo: dict[tuple[int, int, int], PipelineEstimate] = {}
+
+    def estimate(self, cost_model: CostModel, new: int, cached: int) -> PipelineEstimate:
+        """The schedule of ``new`` tokens after ``cached`` over ``cpp_stages`` stages."""
+        key = (id(cost_model), new, cached)
+        value = self._memo.get(key)
+        if value is None:
+            if len(self._memo) > 4096:  # bounded: keys are mostly distinct prompt lengths
+                self._memo.clear()
+            cfg = self.config
+            hidden = hidden_bytes_per_token(cost_model, cfg.cpp_hidden_bytes_per_token)
+            value = self._memo[key] = cpp_prefill_estimate(
+                cost_model, cfg.cpp_stages, new, cached, cfg.cpp_chunk_tokens, hidden
+            )
+        return value
+
+
+def group_candidates(
+    request: Request,
+    groups: Sequence[tuple[str, ...]],
+    states: dict[str, PrefillState],
+    matched_blocks: dict[str, int],
+    now_s: float,
+    estimator: PipelineEstimator,
+    use_remote: bool,
+) -> list[PrefillCandidate]:
+    """One candidate per group with the prefix all members hold, and (``use_remote``)
+    one that first fetches the longest prefix held anywhere, when it is longer by more
+    than the balancing threshold."""
+    block = request.block_size_tokens
+    k = estimator.config.cpp_stages
+    source = max(matched_blocks, key=matched_blocks.__getitem__) if matched_blocks else ""
+    best_blocks = matched_blocks.get(source, 0)
+    threshold_tokens = estimator.config.kvcache_balancing_threshold * request.input_length
+    out = []
+    for group in groups:
+        cm = states[group[0]].cost_model
+        queue_s = max(states[m].queue_s(now_s) for m in group)
+        common = min(matched_blocks[m] for m in group)
+        options = [(common, group[0], 0.0)]
+        if use_remote and (best_blocks - common) * block > threshold_tokens:
+            # Each member fetches its layers' share of the blocks it lacks, in parallel.
+            transfer_s = max(
+                cm.transfer_time_s(
+                    (best_blocks - matched_blocks[m]) * block * cm.kv_bytes_per_token / k
+                )
+                for m in group
+            )
+            options.append((best_blocks, source, transfer_s))
+        for num_blocks, src, transfer_s in options:
+            cached = min(num_blocks * block, request.input_length - 1)
+            est = estimator.estimate(cm, request.input_length - cached, cached)
+            out.append(
+                PrefillCandidate(group[0], cached, src, queue_s, est.ttft_s, transfer_s, group)
+            )
+    return out
