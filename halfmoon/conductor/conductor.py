@@ -24,6 +24,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from halfmoon.conductor.admission import decode_candidate, rejection_reason, uniform_decode_time_s
+from halfmoon.conductor.candidates import Memo, local_candidates, remote_candidates
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.cpp import PipelineEstimator, cpp_groups, group_candidates
 from halfmoon.conductor.index import PrefixIndex
@@ -57,18 +59,6 @@ Event = (
     | LoadReport
 )
 _TD_SMOOTHING = 0.05  # weight of a new observation in the moving average of t_d
-
-
-def _prefill_s(
-    memo: dict[tuple[int, int, int], float], cost_model: CostModel, new: int, cached: int
-) -> float:
-    """``cost_model.prefill_time_s(new, cached)``, computed once per decision: most
-    instances share a cost model and a cached length (often zero)."""
-    key = (id(cost_model), new, cached)
-    value = memo.get(key)
-    if value is None:
-        value = memo[key] = cost_model.prefill_time_s(new, cached)
-    return value
 
 
 class Conductor:
@@ -214,64 +204,18 @@ class Conductor:
             dstate.kv_capacity_tokens = report.kv_capacity_tokens
 
     # -- placement -------------------------------------------------------------------------
-    def _local_candidates(
-        self,
-        request: Request,
-        instance_ids: Sequence[str],
-        matched_blocks: dict[str, int],
-        memo: dict[tuple[int, int, int], float],
-    ) -> list[PrefillCandidate]:
-        now = self.clock.now()
-        block = request.block_size_tokens
-        out = []
-        for iid in instance_ids:
-            state = self._prefill[iid]
-            cached = min(matched_blocks[iid] * block, request.input_length - 1)
-            prefill_s = _prefill_s(memo, state.cost_model, request.input_length - cached, cached)
-            out.append(PrefillCandidate(iid, cached, iid, state.queue_s(now), prefill_s, 0.0))
-        return out
-
-    def _remote_candidates(
-        self,
-        request: Request,
-        local: Sequence[PrefillCandidate],
-        matched_blocks: dict[str, int],
-        memo: dict[tuple[int, int, int], float],
-    ) -> list[PrefillCandidate]:
-        """Candidates that first fetch the longest prefix held anywhere (paper, step 3c)."""
-        block = request.block_size_tokens
-        source = max(matched_blocks, key=matched_blocks.__getitem__)  # first on ties
-        best_blocks = matched_blocks[source]
-        threshold_tokens = self.config.kvcache_balancing_threshold * request.input_length
-        out = []
-        for cand in local:
-            missing_blocks = best_blocks - matched_blocks[cand.instance_id]
-            if missing_blocks <= 0 or missing_blocks * block <= threshold_tokens:
-                continue
-            cm = self._prefill[cand.instance_id].cost_model
-            cached = min(best_blocks * block, request.input_length - 1)
-            out.append(
-                PrefillCandidate(
-                    cand.instance_id,
-                    cached,
-                    source,
-                    cand.queue_s,
-                    _prefill_s(memo, cm, request.input_length - cached, cached),
-                    cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token),
-                )
-            )
-        return out
-
     def prefill_candidates(self, request: Request) -> list[PrefillCandidate]:
         """Every placement considered for ``request``: single instances (the policy's
         choice), then CPP groups (``group`` set) for long prompts when configured."""
         ids = self.prefill_instances
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
-        memo: dict[tuple[int, int, int], float] = {}
-        local = self._local_candidates(request, ids, matched, memo)
+        memo: Memo = {}
+        now = self.clock.now()
+        local = local_candidates(request, self._prefill, ids, matched, now, memo)
         out = local
         if self.policy.uses_remote_prefixes and local:
-            out = local + self._remote_candidates(request, local, matched, memo)
+            threshold = self.config.kvcache_balancing_threshold
+            out = local + remote_candidates(request, self._prefill, local, matched, threshold, memo)
         cfg = self.config
         groups = cpp_groups(ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
@@ -290,64 +234,18 @@ class Conductor:
                 return best
         return chosen
 
-    def _t_d(self, request: Request, dstate: DecodeState) -> float:
-        if self._decode_time_s is not None:
-            return self._decode_time_s
-        step = dstate.step_time_s(dstate.num_running + 1, dstate.context_tokens)
-        return request.output_length * step  # before any observation: this request's own
-
     def _decode_candidate(
         self, request: Request, dstate: DecodeState, ready_s: float
     ) -> DecodeCandidate:
-        """Estimated TBT on ``dstate`` once the request joins.
-
-        ``predict``: the batch at ``ready_s`` (the request's expected prefill end) is the
-        running requests that will not have finished by then (uniform decode time t_d)
-        plus every placed request whose prefill ends by then. Otherwise the batch counts
-        running and incoming requests as they are now.
-        """
-        if self.config.early_reject == "predict":
-            t_d = self._t_d(request, dstate)
-            members = [c for start, c in dstate.running.values() if start + t_d > ready_s]
-            members += [c for done, c in dstate.incoming.values() if done <= ready_s]
-            num, ctx = len(members), sum(members)
-        else:
-            num = dstate.num_running + len(dstate.incoming)
-            ctx = dstate.committed_tokens
-        num += 1
-        ctx += request.input_length
-        return DecodeCandidate(dstate.instance_id, num, ctx, dstate.step_time_s(num, ctx))
+        predict = self.config.early_reject == "predict"
+        t_d = uniform_decode_time_s(request, dstate, self._decode_time_s) if predict else 0.0
+        return decode_candidate(request, dstate, ready_s, predict, t_d)
 
     def _rejection(
         self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate
     ) -> str:
-        mode = self.config.early_reject
-        if mode == "none":
-            return ""
-        slo = self.config.slo
-        if chosen.ttft_s > slo.ttft_s:
-            return (
-                f"estimated TTFT {chosen.ttft_s:.2f}s on {chosen.instance_id} exceeds "
-                f"the {slo.ttft_s:g}s SLO"
-            )
         dstate = self._decode[decode.instance_id]
-        if mode == "snapshot":
-            num = dstate.num_running + 1
-            tbt_s = dstate.step_time_s(num, dstate.context_tokens + request.input_length)
-        else:
-            tbt_s = decode.est_tbt_s
-        if tbt_s > slo.tbt_s:
-            return (
-                f"estimated TBT {tbt_s * 1e3:.1f}ms on {decode.instance_id} ({mode}) "
-                f"exceeds the {slo.tbt_s * 1e3:g}ms SLO"
-            )
-        need = request.input_length + request.output_length
-        if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
-            return (
-                f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "
-                f"tokens > capacity {dstate.kv_capacity_tokens}"
-            )
-        return ""
+        return rejection_reason(self.config, request, chosen, decode, dstate)
 
     def schedule(self, request: Request) -> Decision:
         """Place ``request`` on a prefill and a decode instance, or reject it."""
@@ -417,7 +315,7 @@ class Conductor:
                 why="cluster has no capacity",
             )
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
-        cands = self._local_candidates(request, ids, matched, {})
+        cands = local_candidates(request, self._prefill, ids, matched, self.clock.now(), {})
 
         def load(c: PrefillCandidate) -> tuple[float, int]:
             return (c.queue_s, self._decode[c.instance_id].num_running)
