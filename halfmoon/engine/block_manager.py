@@ -18,7 +18,7 @@ logits must be computed, and recomputing into a shared block would write into it
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import NONE_HASH, hash_blocks
@@ -43,6 +43,9 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         # Hash chain of each request's full computed blocks (also unregistered duplicates).
         self._chains: dict[str, list[int]] = {}
+        #: Called as ``listener("stored" | "evicted", block_hash)`` when a hash enters or
+        #: leaves the prefix cache (a worker forwards these to the Conductor).
+        self.listener: Callable[[str, int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -146,6 +149,8 @@ class BlockManager:
             if h not in self._block_by_hash and block not in self._hash_by_block:
                 self._block_by_hash[h] = block
                 self._hash_by_block[block] = h
+                if self.listener is not None:
+                    self.listener("stored", h)
 
     def free(self, request_id: str) -> None:
         """Release ``request_id``'s blocks; cached ones stay reusable until evicted.
@@ -173,6 +178,8 @@ class BlockManager:
         h = self._hash_by_block.pop(block, None)
         if h is not None:
             del self._block_by_hash[h]
+            if self.listener is not None:
+                self.listener("evicted", h)
         self._ref_counts[block] = 1
         return block
 

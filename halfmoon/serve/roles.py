@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from halfmoon.core.hashing import hash_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
 from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
 from halfmoon.serve.wire import params_from_wire
@@ -75,14 +74,25 @@ class _Streaming:
         client.index += len(out.new_token_ids)
         self.worker.send(client.identity, msg)
 
-    def report_stored(self, prompt_token_ids: list[int]) -> None:
-        full = hash_blocks(prompt_token_ids, self.worker.engine.config.block_size).full
-        if full:
-            self.worker.conductor.event("stored", hashes=hashes_to_wire(full), tier="dram")
-
 
 class CoupledRole(_Streaming):
-    """Prefill and decode on the same engine (the vLLM-like baseline)."""
+    """Prefill and decode on the same engine (the vLLM-like baseline).
+
+    Its prefix cache is the engine's own pool: the block manager's cache events go to the
+    Conductor as they happen, so cache-aware routing sees evictions too.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        self.cached: set[int] = set()
+        worker.engine.block_manager.listener = self._on_cache_event
+
+    def _on_cache_event(self, kind: str, block_hash: int) -> None:
+        if kind == "stored":
+            self.cached.add(block_hash)
+        else:
+            self.cached.discard(block_hash)
+        self.worker.conductor.event(kind, hashes=hashes_to_wire([block_hash]), tier="dram")
 
     def handlers(self) -> dict[str, Handler]:
         return {"generate": self._on_generate}
@@ -103,7 +113,6 @@ class CoupledRole(_Streaming):
             if client.index == 0:
                 events.event("prefill_finished", request_id=out.request_id)
                 events.event("decode_started", request_id=out.request_id)
-                self.report_stored(client.prompt_token_ids)
             self.send_tokens(out.request_id, client, out, out.finish_reason)
             if out.finished:
                 del self.clients[out.request_id]
@@ -122,8 +131,8 @@ class CoupledRole(_Streaming):
         return {}
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The engine's pool is not announced again; new prompts will be."""
-        return []
+        """Every block in the engine's prefix cache, for a restarted Conductor's index."""
+        return [{"tier": "dram", "hashes": hashes_to_wire(sorted(self.cached))}]
 
     def close(self) -> None:
         """Nothing to release."""

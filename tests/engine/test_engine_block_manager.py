@@ -113,3 +113,22 @@ def test_integrity_catches_double_free_and_duplicate_admit() -> None:
     bm._ref_counts[0] = 1  # simulate a leak: a referenced block no table holds
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+def test_listener_hears_cached_and_evicted_hashes():
+    from halfmoon.core.hashing import hash_blocks
+    from halfmoon.engine.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=4, block_size=2)
+    heard: list[tuple[str, int]] = []
+    bm.listener = lambda kind, h: heard.append((kind, h))
+    tokens = [1, 2, 3, 4, 5]
+    assert bm.admit("a", tokens, 5) == 0
+    bm.commit("a", tokens, 5)
+    chain = hash_blocks(tokens, 2).full
+    assert heard == [("stored", chain[0]), ("stored", chain[1])]
+    bm.free("a")
+    assert bm.admit("b", [9] * 8, 8) == 0  # needs all 4 blocks: both cached ones evicted
+    assert sorted(heard[2:]) == sorted([("evicted", chain[0]), ("evicted", chain[1])])
+    bm.free("b")
+    bm.check_integrity()
