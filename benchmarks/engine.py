@@ -17,8 +17,9 @@ Usage::
     .venv/bin/python benchmarks/engine.py [--presets tiny,small] [--dtypes float32,bfloat16]
         [--device cpu|cuda] [--repeats 3] [--threads 2] [--json out.json]
 
-Prints one table; ratios > 1 mean the engine is faster (prefill: transformers time /
-engine time; decode: baseline step time / engine step time).
+Prints one table of medians; ratios > 1 mean the engine is faster (prefill: transformers
+time / engine time; decode: baseline step time / engine step time). ``best hf/eng`` is
+the same ratio over the fastest run of each, a check against bursts of background load.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Row:
     hf_ms: float
     hf_padded_ms: float | None
     tokens_per_s: float | None
+    best_ratio: float
 
 
 def context_lengths(batch: int) -> list[int]:
@@ -99,7 +101,7 @@ def check_same_model(engine: LLMEngine, hf: torch.nn.Module, device: str) -> Non
 
 def bench_prefill(
     engine: LLMEngine, hf: torch.nn.Module, num_tokens: int, repeats: int, device: str
-):
+) -> list[list[float]]:
     generator = torch.Generator().manual_seed(num_tokens)
     prompt = torch.randint(5, engine.model_config.vocab_size, (num_tokens,), generator=generator)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -112,13 +114,12 @@ def bench_prefill(
         with torch.no_grad():
             hf(ids, use_cache=True, logits_to_keep=1)
 
-    ours_ms, theirs_ms = interleaved([ours, theirs], repeats, device)
-    return ours_ms, theirs_ms
+    return interleaved([ours, theirs], repeats, device)
 
 
-def interleaved(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
-    """Median ms of each of ``fns``, timed in rounds (one run of each per round, after a
-    warm-up each) so bursts of background load hit all contenders alike."""
+def interleaved(fns: list[Callable[[], object]], repeats: int, device: str) -> list[list[float]]:
+    """Run times (ms) of each of ``fns``, timed in rounds (one run of each per round, after
+    a warm-up each) so bursts of background load hit all contenders alike."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -129,7 +130,7 @@ def interleaved(fns: list[Callable[[], object]], repeats: int, device: str) -> l
             fn()
             sync(device)
             out.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def random_handoff(engine: LLMEngine, request_id: str, context: int, seed: int) -> KVHandoff:
@@ -171,8 +172,8 @@ def hf_caches(hf: torch.nn.Module, lengths: list[int], dtype: str, device: str):
 
 def bench_decode(
     engine: LLMEngine, hf: torch.nn.Module, batch: int, repeats: int, dtype: str, device: str
-) -> tuple[float, float, float]:
-    """Median step ms of the engine, transformers' per-sequence loop and its padded batch."""
+) -> list[list[float]]:
+    """Step times (ms) of the engine, transformers' per-sequence loop and its padded batch."""
     lengths = context_lengths(batch)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i, length in enumerate(lengths):
@@ -197,11 +198,11 @@ def bench_decode(
             padded.crop(-1)
 
     # Decode steps are cheap: three times the prefill repeats.
-    ours, loop_ms, padded_ms = interleaved([engine.step, loop, padded_step], 3 * repeats, device)
+    times = interleaved([engine.step, loop, padded_step], 3 * repeats, device)
     for i in range(batch):
         engine.abort_request(f"d{batch}-{i}")
     engine.check_integrity()
-    return ours, loop_ms, padded_ms
+    return times
 
 
 def run_preset(preset: str, dtype: str, args: argparse.Namespace) -> list[Row]:
@@ -214,19 +215,21 @@ def run_preset(preset: str, dtype: str, args: argparse.Namespace) -> list[Row]:
     rows = []
     for num_tokens in PREFILL_TOKENS:
         ours, theirs = bench_prefill(engine, hf, num_tokens, args.repeats, args.device)
-        rows.append(Row(preset, dtype, f"prefill {num_tokens}", ours, theirs, None,
-                        num_tokens / (ours / 1e3)))  # fmt: skip
+        med = statistics.median(ours)
+        rows.append(Row(preset, dtype, f"prefill {num_tokens}", med, statistics.median(theirs),
+                        None, num_tokens / (med / 1e3), min(theirs) / min(ours)))  # fmt: skip
         print_row(rows[-1])
     for batch in DECODE_BATCHES:
-        ours, loop_ms, padded_ms = bench_decode(engine, hf, batch, args.repeats, dtype, args.device)
-        rows.append(Row(preset, dtype, f"decode b={batch}", ours, loop_ms, padded_ms, None))
+        ours, loop, padded = bench_decode(engine, hf, batch, args.repeats, dtype, args.device)
+        medians = [statistics.median(t) for t in (ours, loop, padded)]
+        rows.append(Row(preset, dtype, f"decode b={batch}", *medians, None, min(loop) / min(ours)))
         print_row(rows[-1])
     return rows
 
 
 HEADER = (
     f"{'preset':6} {'dtype':8} {'case':14} {'engine ms':>10} {'hf ms':>10} {'hf pad ms':>10} "
-    f"{'hf/eng':>7} {'pad/eng':>7} {'eng tok/s':>10}"
+    f"{'hf/eng':>7} {'pad/eng':>7} {'eng tok/s':>10} {'best hf/eng':>11}"
 )
 
 
@@ -236,7 +239,7 @@ def print_row(row: Row) -> None:
     rate = f"{row.tokens_per_s:10.0f}" if row.tokens_per_s else f"{'-':>10}"
     print(
         f"{row.preset:6} {row.dtype:8} {row.case:14} {row.engine_ms:10.2f} {row.hf_ms:10.2f} "
-        f"{padded} {row.hf_ms / row.engine_ms:7.2f} {pad_ratio} {rate}",
+        f"{padded} {row.hf_ms / row.engine_ms:7.2f} {pad_ratio} {rate} {row.best_ratio:11.2f}",
         flush=True,
     )
 
