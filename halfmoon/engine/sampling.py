@@ -18,17 +18,9 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, n) over th
 _MASK_63 = (1 << 63) - 1
 
 
-@dataclass(frozen=True)
-class EngineSamplingParams(SamplingParams):
-    """:class:`SamplingParams` plus ``top_k`` (0 = off) and extra ``stop_token_ids``."""
-
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+#: Kept for callers of the engine's earlier name: ``top_k`` and ``stop_token_ids`` now
+#: live in :class:`halfmoon.core.request.SamplingParams` itself.
+EngineSamplingParams = SamplingParams
 
 
 @dataclass(frozen=True)
@@ -51,7 +43,7 @@ def row_for(
     return SamplingRow(
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=getattr(params, "top_k", 0),
+        top_k=params.top_k,
         seed=seed,
         num_output_tokens=num_output_tokens,
         banned_token_ids=banned,

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halfmoon.core.ids import IdGenerator
-from halfmoon.engine.sampling import EngineSamplingParams
+from halfmoon.core.request import SamplingParams
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejected
 from halfmoon.serve.openai_api import (
@@ -59,7 +59,7 @@ class _HTTPError(Exception):
 class _Prepared:
     request_id: str
     prompt_ids: list[int]
-    params: EngineSamplingParams
+    params: SamplingParams
     stop: tuple[str, ...]
     include_usage: bool
     chat: bool
@@ -109,7 +109,7 @@ class Gateway:
                 "BadRequestError",
             )
         try:
-            params = EngineSamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,

@@ -12,17 +12,16 @@ _PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "mi
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     """Sampling parameters as a plain map (stop strings stay with the gateway)."""
     out = {name: getattr(params, name) for name in _PARAM_FIELDS}
-    out["top_k"] = int(getattr(params, "top_k", 0))
-    out["stop_token_ids"] = list(getattr(params, "stop_token_ids", ()))
+    out["top_k"] = params.top_k
+    out["stop_token_ids"] = list(params.stop_token_ids)
     return out
 
 
 def params_from_wire(data: dict[str, Any]) -> SamplingParams:
     """The engine's sampling parameters from :func:`params_to_wire`'s map."""
-    from halfmoon.engine.sampling import EngineSamplingParams
 
     seed = data.get("seed")
-    return EngineSamplingParams(
+    return SamplingParams(
         max_tokens=int(data["max_tokens"]),
         temperature=float(data["temperature"]),
         top_p=float(data["top_p"]),
