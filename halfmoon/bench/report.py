@@ -12,6 +12,7 @@ from typing import Any
 
 from halfmoon.bench.runner import BenchRun
 from halfmoon.core.config import SLOConfig
+from halfmoon.metrics.format import fmt_ms, fmt_num
 from halfmoon.metrics.latency import percentiles
 from halfmoon.metrics.report import summarize
 from halfmoon.workload.report import format_table
@@ -49,33 +50,21 @@ def bench_report(run: BenchRun, slo: SLOConfig, extra: Mapping[str, Any]) -> dic
     return summarize(run.records, slo, extra={**live, **extra})
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return f"{value:.{digits}f}"
-
-
-def _ms(value: Any) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
 _ROWS: tuple[tuple[str, Callable[[Report], str]], ...] = (
-    ("requests", lambda r: _num(r["num_requests"])),
-    ("completed", lambda r: _num(r["num_completed"])),
-    ("rejected (429)", lambda r: _num(r["num_rejected"])),
-    ("errors", lambda r: _num(r["num_errors"])),
-    ("TTFT p50 / p90 / p99 (s)", lambda r: " / ".join(_num(r["ttft_s"][k]) for k in _P)),
-    ("TBT p50 / p90 / p99 (ms)", lambda r: " / ".join(_ms(r["tbt_s"][k]) for k in _P)),
-    ("ITL p50 / p90 / p99 (ms)", lambda r: " / ".join(_ms(r["itl_s"][k]) for k in _P)),
-    ("E2E p50 / p90 (s)", lambda r: " / ".join(_num(r["e2e_s"][k]) for k in _P[:2])),
-    ("SLO attainment", lambda r: _num(r["slo_attainment"])),
-    ("goodput (req/s)", lambda r: _num(r["goodput_rps"])),
-    ("output tokens/s", lambda r: _num(r.get("output_tokens_per_s"), 1)),
-    ("cache hit ratio", lambda r: _num(r["cache_hit_ratio"])),
-    ("duration (s)", lambda r: _num(r["duration_s"], 1)),
-    ("max send lag (s)", lambda r: _num(r.get("send_lag_s", {}).get("max"))),
+    ("requests", lambda r: fmt_num(r["num_requests"])),
+    ("completed", lambda r: fmt_num(r["num_completed"])),
+    ("rejected (429)", lambda r: fmt_num(r["num_rejected"])),
+    ("errors", lambda r: fmt_num(r["num_errors"])),
+    ("TTFT p50 / p90 / p99 (s)", lambda r: " / ".join(fmt_num(r["ttft_s"][k]) for k in _P)),
+    ("TBT p50 / p90 / p99 (ms)", lambda r: " / ".join(fmt_ms(r["tbt_s"][k]) for k in _P)),
+    ("ITL p50 / p90 / p99 (ms)", lambda r: " / ".join(fmt_ms(r["itl_s"][k]) for k in _P)),
+    ("E2E p50 / p90 (s)", lambda r: " / ".join(fmt_num(r["e2e_s"][k]) for k in _P[:2])),
+    ("SLO attainment", lambda r: fmt_num(r["slo_attainment"])),
+    ("goodput (req/s)", lambda r: fmt_num(r["goodput_rps"])),
+    ("output tokens/s", lambda r: fmt_num(r.get("output_tokens_per_s"), 1)),
+    ("cache hit ratio", lambda r: fmt_num(r["cache_hit_ratio"])),
+    ("duration (s)", lambda r: fmt_num(r["duration_s"], 1)),
+    ("max send lag (s)", lambda r: fmt_num(r.get("send_lag_s", {}).get("max"))),
 )
 _P = ("p50", "p90", "p99")
 

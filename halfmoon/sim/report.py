@@ -5,40 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from halfmoon.metrics.format import fmt_ms, fmt_num
 from halfmoon.workload.report import format_table
 
 Report = Mapping[str, Any]
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return f"{value:.{digits}f}"
-
-
-def _ms(value: Any) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
 #: Rows of the comparison table: label and how to read it from a report.
 _ROWS: tuple[tuple[str, Callable[[Report], str]], ...] = (
-    ("requests", lambda r: _num(r["num_requests"])),
-    ("completed", lambda r: _num(r["num_completed"])),
-    ("rejected early", lambda r: _num(r.get("num_rejected_early", r["num_rejected"]))),
-    ("refused after prefill", lambda r: _num(r.get("num_refused_after_prefill", 0))),
-    ("wasted prefill", lambda r: _num(r["num_wasted_prefill"])),
-    ("TTFT mean (s)", lambda r: _num(r["ttft_s"]["mean"], 2)),
-    ("TTFT p90 (s)", lambda r: _num(r["ttft_s"]["p90"], 2)),
-    ("TTFT p99 (s)", lambda r: _num(r["ttft_s"]["p99"], 2)),
-    ("TBT mean (ms)", lambda r: _ms(r["tbt_s"]["mean"])),
-    ("TBT p90 (ms)", lambda r: _ms(r["tbt_s"]["p90"])),
-    ("TBT p99 (ms)", lambda r: _ms(r["tbt_s"]["p99"])),
-    ("SLO attainment", lambda r: _num(r["slo_attainment"])),
-    ("goodput (req/s)", lambda r: _num(r["goodput_rps"], 2)),
-    ("cache hit ratio", lambda r: _num(r["cache_hit_ratio"])),
-    ("duration (s)", lambda r: _num(r["duration_s"], 1)),
+    ("requests", lambda r: fmt_num(r["num_requests"])),
+    ("completed", lambda r: fmt_num(r["num_completed"])),
+    ("rejected early", lambda r: fmt_num(r.get("num_rejected_early", r["num_rejected"]))),
+    ("refused after prefill", lambda r: fmt_num(r.get("num_refused_after_prefill", 0))),
+    ("wasted prefill", lambda r: fmt_num(r["num_wasted_prefill"])),
+    ("TTFT mean (s)", lambda r: fmt_num(r["ttft_s"]["mean"], 2)),
+    ("TTFT p90 (s)", lambda r: fmt_num(r["ttft_s"]["p90"], 2)),
+    ("TTFT p99 (s)", lambda r: fmt_num(r["ttft_s"]["p99"], 2)),
+    ("TBT mean (ms)", lambda r: fmt_ms(r["tbt_s"]["mean"])),
+    ("TBT p90 (ms)", lambda r: fmt_ms(r["tbt_s"]["p90"])),
+    ("TBT p99 (ms)", lambda r: fmt_ms(r["tbt_s"]["p99"])),
+    ("SLO attainment", lambda r: fmt_num(r["slo_attainment"])),
+    ("goodput (req/s)", lambda r: fmt_num(r["goodput_rps"], 2)),
+    ("cache hit ratio", lambda r: fmt_num(r["cache_hit_ratio"])),
+    ("duration (s)", lambda r: fmt_num(r["duration_s"], 1)),
 )
 
 
