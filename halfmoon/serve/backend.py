@@ -21,8 +21,8 @@ class GenerationChunk:
     """New output token ids of one request; the last chunk carries ``finish_reason``.
 
     ``cached_tokens`` (prompt tokens served from a prefix cache), ``est_ttft_s`` (the
-    Conductor's estimate) and ``kv_transfer_bytes`` (KV moved between workers for it)
-    come with the first chunk when known.
+    Conductor's estimate), ``kv_transfer_bytes`` (KV moved between workers for it) and
+    the Conductor's decision time and round trip come with the first chunk when known.
     """
 
     token_ids: tuple[int, ...]
@@ -30,6 +30,8 @@ class GenerationChunk:
     cached_tokens: int | None = None
     est_ttft_s: float | None = None
     kv_transfer_bytes: int = 0
+    conductor_decision_s: float | None = None
+    conductor_rtt_s: float | None = None
 
 
 class Rejected(HalfmoonError):

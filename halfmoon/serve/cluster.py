@@ -259,6 +259,8 @@ class ClusterBackend:
                     msg.get("cached_tokens", decision.get("cached_tokens")) if first else None,
                     decision.get("est_ttft_s") if first else None,
                     int(msg.get("kv_bytes", 0)),
+                    decision.get("decision_s") if first else None,
+                    decision.get("rtt_s") if first else None,
                 )
                 if finish is not None:
                     await self._release(request_id)
@@ -292,7 +294,9 @@ class ClusterBackend:
         deadline = time.monotonic() + self.conductor_wait_s
         while True:
             try:
+                sent_s = time.perf_counter()
                 decision = await self._call(self._conductor_endpoint, msg, 2.0)
+                decision["rtt_s"] = time.perf_counter() - sent_s
             except BackendError:
                 if time.monotonic() > deadline:
                     raise BackendError(

@@ -251,12 +251,16 @@ class ConductorService:
             tuple(hashes_from_wire(message["hashes"])),
             int(message["block_size"]),
         )
+        start = time.perf_counter()
         if message.get("coupled"):
             decision = self.conductor.route_coupled(request)
         else:
             decision = self.conductor.schedule(request)
+        elapsed_s = time.perf_counter() - start
         log.debug("%s", decision.explain())
-        return self.decision_to_wire(decision)
+        reply = self.decision_to_wire(decision)
+        reply["decision_s"] = elapsed_s
+        return reply
 
     def decision_to_wire(self, decision: Decision) -> dict[str, Any]:
         """The decision with the endpoints of every instance it names."""

@@ -188,6 +188,10 @@ class Gateway:
                     if chunk.cached_tokens is not None:
                         cached, est = chunk.cached_tokens, chunk.est_ttft_s
                     self.metrics.kv_transfer_bytes.inc(chunk.kv_transfer_bytes)
+                    if chunk.conductor_decision_s is not None:
+                        self.metrics.conductor_decision.observe(chunk.conductor_decision_s)
+                    if chunk.conductor_rtt_s is not None:
+                        self.metrics.conductor_rtt.observe(chunk.conductor_rtt_s)
                     times += [time.monotonic()] * len(chunk.token_ids)
                     delta = out.add(chunk.token_ids)
                     finish = "stop" if out.stopped else chunk.finish_reason

@@ -146,6 +146,8 @@ def prepare_model(model: str, seed: int) -> Path:
 
 def _engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
     argv = ["--model", str(model_dir)]
+    if not args.prefix_caching:
+        argv.append("--no-prefix-caching")
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
         if value is not None:

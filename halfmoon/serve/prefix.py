@@ -89,7 +89,10 @@ class ClusterPrefixCache:
 
     # -- after a prefill -------------------------------------------------------------------------
     def save(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """Copy the request's full prompt blocks the store lacks into it; returns how many."""
+        """Copy the request's full prompt blocks the store lacks into it; returns how many
+        (none when the engine runs without prefix caching)."""
+        if not self.engine.config.enable_prefix_caching:
+            return 0
         hashes = hash_blocks(prompt_token_ids, self.block_size).full
         table = self.engine.block_manager.block_table(request_id)
         parent = NONE_HASH
@@ -115,6 +118,8 @@ class ClusterPrefixCache:
         source_endpoint: str = "",
     ) -> int:
         """Make the longest available prefix resident in the engine; returns its blocks."""
+        if not self.engine.config.enable_prefix_caching:
+            return 0
         hashes = list(hash_blocks(prompt_token_ids, self.block_size).full)
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)

@@ -92,6 +92,18 @@ class GatewayMetrics:
             "KV bytes moved between workers (streams, pulls).",
             registry=r,
         )
+        self.conductor_decision = Histogram(
+            "halfmoon:conductor_decision_seconds",
+            "Time the Conductor spent placing a request.",
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            registry=r,
+        )
+        self.conductor_rtt = Histogram(
+            "halfmoon:conductor_rtt_seconds",
+            "Gateway-side round trip of a placement.",
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+            registry=r,
+        )
         self.running = Gauge(
             "halfmoon:num_requests_running", "Requests being generated.", registry=r
         )

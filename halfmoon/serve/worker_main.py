@@ -28,6 +28,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
     parser.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="turn off prefix reuse (engine pools and block stores) to measure its effect",
+    )  # fmt: skip
+    parser.add_argument(
         "--store-dram-mb", type=float, default=256.0, help="prefill workers' DRAM block store, MiB"
     )
     parser.add_argument(
@@ -47,6 +51,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
         seed=args.seed, num_threads=args.num_threads,
+        enable_prefix_caching=args.prefix_caching,
     )  # fmt: skip
 
 

@@ -140,3 +140,13 @@ def test_impossible_slo_is_rejected_with_429(cluster_factory):
     assert info.value.code == 429
     assert int(info.value.headers["Retry-After"]) >= 1
     assert "TTFT" in json.loads(info.value.read())["error"]["message"]
+
+
+def test_prefix_caching_can_be_switched_off(cluster_factory):
+    off = cluster_factory("--kv-cache-mb", "32", "--no-prefix-caching")
+    prompt = " ".join(f"again{i}" for i in range(200))
+    first = _greedy(off, prompt, n=2)[1]
+    second = _greedy(off, prompt, n=2)[1]
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == 0
+    assert all(p.get("store_blocks", 0) == 0 for p in off.ping_workers())
