@@ -123,7 +123,15 @@ class Conductor:
         self._coupled.add(instance_id)
 
     def remove_instance(self, instance_id: str) -> None:
-        """Stop placing on ``instance_id`` and forget its blocks."""
+        """Stop placing on ``instance_id``, forget its blocks, and drop what its requests
+        had booked on other instances (they will be placed again, or fail)."""
+        for rid, (prefill_id, decode_id) in list(self._placements.items()):
+            if instance_id in (prefill_id, decode_id):
+                del self._placements[rid]
+                if (state := self._prefill.get(prefill_id)) is not None:
+                    state.finish(rid)
+                if (dstate := self._decode.get(decode_id)) is not None:
+                    dstate.finish(rid)
         self._prefill.pop(instance_id, None)
         self._decode.pop(instance_id, None)
         self._coupled.discard(instance_id)

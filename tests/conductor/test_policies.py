@@ -214,3 +214,14 @@ def test_explain_lists_every_candidate(make_conductor):
     text = d.explain()
     for iid in ("P1", "P2", "P3", "D1"):
         assert iid in text
+
+
+def test_removing_an_instance_drops_its_requests_bookings_elsewhere(make_conductor):
+    c = make_conductor(num_prefill=2, num_decode=1)
+    d = c.schedule(_req("r", 125))  # 2,000 tokens booked on a prefill and on D1
+    assert d.accepted
+    c.remove_instance(d.prefill.instance_id)
+    other = "P2" if d.prefill.instance_id == "P1" else "P1"
+    assert c.queue_s(other) == 0.0
+    again = c.schedule(_req("r~1", 125))  # the retry sees an empty decode instance
+    assert again.decode.num_running == 1 and again.decode.context_tokens == 2000

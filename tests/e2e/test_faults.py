@@ -17,7 +17,7 @@ from .conftest import alive, children_of
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    return cluster_factory("--prefill", "2", "--decode", "2", "--kv-cache-mb", "64")
+    return cluster_factory("--prefill", "2", "--decode", "2", "--kv-cache-mb", "128")
 
 
 def _client(cluster):
