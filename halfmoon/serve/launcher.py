@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -242,8 +243,6 @@ async def _supervise(group: ProcessGroup, interval_s: float = 0.5) -> None:
 
 
 def _make_quiet_server() -> type:
-    import contextlib
-
     import uvicorn
 
     class QuietServer(uvicorn.Server):
@@ -275,10 +274,9 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = prepare_model(args.model, args.seed)
     group = ProcessGroup(os.environ.get(SECRET_ENV) or new_secret())
     try:
-        conductor, num_workers = start_cluster(args, group, model_dir)
-        asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers))
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the normal way to stop
+            conductor, num_workers = start_cluster(args, group, model_dir)
+            asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers))
     finally:
         group.stop()
         log.info("stopped %d processes", len(group.procs))

@@ -10,6 +10,7 @@ segment they do not own.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -44,10 +45,8 @@ class Segment:
     def close(self, unlink: bool = False) -> None:
         """Unmap (once no view is left; later otherwise) and, for the owner, remove the name."""
         if unlink and self._owner is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # already unlinked
                 self._owner.unlink()
-            except FileNotFoundError:
-                pass
             self._owner = None
         try:
             self.buf.release()

@@ -10,6 +10,7 @@ takes a deadline (``time.monotonic()`` seconds), so a silent or dead peer produc
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -307,8 +308,6 @@ class Link:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):  # the peer may already be gone
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()

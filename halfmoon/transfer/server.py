@@ -8,6 +8,7 @@ connecting through TCP.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -108,10 +109,8 @@ class TransferServer:
             self._closed = True
             connections = list(self._connections)
         if self._listener is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-            except OSError:
-                pass
             self._listener.close()
         for connection in connections:
             connection.link.close()
