@@ -124,11 +124,35 @@ class LlamaForCausalLM(nn.Module):
         hook: LayerHook | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the flat batch; writes K/V into the pool."""
-        x = self.embed_tokens(input_ids)
+        return self.run_layers(input_ids, positions, batch, kv_cache, hook)
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: KVCache,
+        hook: LayerHook | None = None,
+        layers: tuple[int, int] | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layers ``first..last-1`` only (one pipeline stage; all layers by default).
+
+        The first stage embeds ``input_ids``; a later one continues from ``hidden``, the
+        previous stage's output ``[T, hidden]``. The last stage returns the final-normed
+        hidden states, any other stage the raw residual stream for the next one.
+        """
+        first, last = layers if layers is not None else (0, len(self.layers))
+        if first == 0:
+            x = self.embed_tokens(input_ids)
+        elif hidden is None:
+            raise ValueError(f"a stage starting at layer {first} needs the hidden states")
+        else:
+            x = hidden
         rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
+        for layer in self.layers[first:last]:
             x = layer(x, rope, batch, kv_cache, hook)
-        return self.norm(x)
+        return self.norm(x) if last == len(self.layers) else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[N, vocab]`` for the given hidden rows."""

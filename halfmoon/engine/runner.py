@@ -116,6 +116,17 @@ class ModelRunner:
         return torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long), batch
 
     @torch.inference_mode()
+    def execute_layers(
+        self, chunk: ChunkInput, layers: tuple[int, int], hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One prompt chunk through layers ``first..last-1`` (a pipeline stage); returns
+        its hidden states ``[n, hidden]`` (see :meth:`LlamaForCausalLM.run_layers`)."""
+        input_ids, positions, batch = self._prepare([chunk], 0)
+        return self.model.run_layers(
+            input_ids, positions, batch, self.kv_cache, self.hook, layers, hidden
+        )
+
+    @torch.inference_mode()
     def execute(self, chunks: Sequence[ChunkInput]) -> list[torch.Tensor | None]:
         """Compute ``chunks`` (writing their K/V) and return, per chunk in the given
         order, its logits ``[1 or n, vocab]`` (or None when it asked for none)."""

@@ -1,0 +1,196 @@
+"""One stage of chunked pipeline parallelism (CPP): a slice of the layers over a prompt.
+
+A CPP group of K workers cuts the model into K contiguous layer slices
+(:meth:`LayerSlice.split`) and the prompt into chunks. Stage ``s`` runs its layers on
+chunk ``c`` while stage ``s+1`` runs chunk ``c-1``; only hidden states ``[T, hidden]``
+cross a stage boundary. Each stage keeps the KV of *its* layers in a pool of its own
+(:class:`StageKVCache`), so the next chunk's attention finds the earlier chunks' keys::
+
+    stage 0: embed -> layers [0, a)          chunk c  -> hidden -> stage 1
+    stage 1: layers [a, b)                   chunk c  -> hidden -> ...
+    last:    layers [z, L) -> norm           chunk c  (last chunk: logits of its last token)
+
+The model's weights are shared with the worker's engine (a worker of the group can still
+prefill whole prompts on its own); only the stage's pool is extra, sized like the
+engine's in blocks but holding ``1/K`` of the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.engine.attention import LayerHook
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.kv_cache import KVCache, KVLayout
+from halfmoon.engine.model import LlamaForCausalLM
+from halfmoon.engine.runner import LOGITS_NONE, ChunkInput, ModelRunner
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """Layers ``first..last-1`` of a ``num_layers``-layer model."""
+
+    first: int
+    last: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first < self.last <= self.num_layers:
+            raise ValueError(
+                f"layer slice [{self.first}, {self.last}) is not inside [0, {self.num_layers})"
+            )
+
+    @property
+    def is_first(self) -> bool:
+        """Whether the stage embeds the tokens."""
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether the stage produces the final hidden states (and the logits)."""
+        return self.last == self.num_layers
+
+    @property
+    def size(self) -> int:
+        """Number of layers in the slice."""
+        return self.last - self.first
+
+    @staticmethod
+    def split(num_layers: int, num_stages: int) -> list[LayerSlice]:
+        """``num_stages`` contiguous slices whose sizes differ by at most one (earlier
+        stages take the extra layers: they also embed, later ones also sample)."""
+        if not 1 <= num_stages <= num_layers:
+            raise HalfmoonError(
+                f"cannot split {num_layers} layers into {num_stages} pipeline stages"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        out, first = [], 0
+        for s in range(num_stages):
+            last = first + base + (1 if s < extra else 0)
+            out.append(LayerSlice(first, last, num_layers))
+            first = last
+        return out
+
+
+class StageKVCache(KVCache):
+    """A KV pool for the layers of one slice, addressed by *global* layer index."""
+
+    def __init__(
+        self, layout: KVLayout, layers: LayerSlice, num_blocks: int, device: str = "cpu"
+    ) -> None:
+        if layout.num_layers != layers.num_layers:
+            raise HalfmoonError(
+                f"the slice is of a {layers.num_layers}-layer model, the layout has "
+                f"{layout.num_layers}"
+            )
+        super().__init__(dataclasses.replace(layout, num_layers=layers.size), num_blocks, device)
+        self.layers = layers
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(K, V)`` of global layer ``layer`` (which must be in the slice)."""
+        if not self.layers.first <= layer < self.layers.last:
+            raise HalfmoonError(
+                f"layer {layer} is outside this stage's [{self.layers.first}, {self.layers.last})"
+            )
+        local = layer - self.layers.first
+        return self.pool[local, 0], self.pool[local, 1]
+
+
+class StageExecutor:
+    """Runs one layer slice of a loaded model over prompt chunks (a CPP stage).
+
+    ``full_layout`` is the engine's KV layout (all layers); the stage keeps
+    ``num_blocks`` blocks of its own layers. ``hook`` is the per-layer KV hook of
+    :mod:`halfmoon.engine.attention`, called for every chunk with global layer indices.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        full_layout: KVLayout,
+        layers: LayerSlice,
+        num_blocks: int,
+        hook: LayerHook | None = None,
+    ) -> None:
+        device = str(next(model.parameters()).device)
+        self.model = model
+        self.layers = layers
+        self.block_size = full_layout.block_size
+        self.kv_cache = StageKVCache(full_layout, layers, num_blocks, device)
+        self.blocks = BlockManager(num_blocks, full_layout.block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.kv_cache, hook)
+        self._full_block_shape = full_layout.buffer_shape(1)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states that cross stage boundaries."""
+        return self.model.config.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the hidden states and the pool."""
+        return self.kv_cache.pool.dtype
+
+    def start(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for a ``num_tokens``-token prompt; raises when the pool is too small."""
+        table = self.blocks.allocate(request_id, num_tokens)
+        if table is None:
+            raise HalfmoonError(
+                f"stage pool has {self.blocks.num_free_blocks} free blocks; request "
+                f"{request_id!r} needs {self.blocks.blocks_for(num_tokens)}"
+            )
+        return table
+
+    def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray]) -> None:
+        """Write cached prefix blocks into the request's first blocks: each payload is one
+        whole-model block in the export layout; only this stage's layers are kept."""
+        table = self.blocks.block_table(request_id)
+        if len(payloads) > len(table):
+            raise HalfmoonError(f"{len(payloads)} prefix blocks for a {len(table)}-block table")
+        first, last = self.layers.first, self.layers.last
+        with warnings.catch_warnings():  # read-only payloads are fine: they are only read
+            warnings.simplefilter("ignore", UserWarning)
+            for block, payload in zip(table, payloads, strict=False):
+                full = torch.frombuffer(payload, dtype=self.dtype).view(self._full_block_shape)
+                self.kv_cache.pool[:, :, block] = full[first:last, :, 0]
+
+    def run(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        start: int,
+        hidden: torch.Tensor | None = None,
+        hook: bool = True,
+    ) -> torch.Tensor:
+        """Run the slice on the chunk ``token_ids`` at positions ``start..``, writing its
+        KV; returns the hidden states ``[len(token_ids), hidden]`` for the next stage (the
+        final-normed ones on the last stage)."""
+        if not self.layers.is_first and (hidden is None or hidden.shape[0] != len(token_ids)):
+            raise HalfmoonError(f"stage {self.layers} needs hidden states for every chunk token")
+        chunk = ChunkInput(
+            request_id=request_id,
+            token_ids=token_ids,
+            start=start,
+            block_table=self.blocks.block_table(request_id),
+            logits=LOGITS_NONE,
+            hook=hook,
+        )
+        return self.runner.execute_layers(chunk, (self.layers.first, self.layers.last), hidden)
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """LM-head logits of final hidden rows (last stage only)."""
+        if not self.layers.is_last:
+            raise HalfmoonError("only the last stage computes logits")
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden_rows)
+
+    def release(self, request_id: str) -> None:
+        """Give the request's blocks back (no-op when it holds none)."""
+        if self.blocks.has_request(request_id):
+            self.blocks.free(request_id)
