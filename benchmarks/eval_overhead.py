@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -151,4 +152,57 @@ def gaps_at_joins(runs: Sequence[Sequence[RequestRecord]]) -> dict[str, float | 
         "num_join_gaps": len(joined), "join_p50_s": _quantile(joined, 0.5),
         "join_p90_s": _quantile(joined, 0.9), "num_other_gaps": len(other),
         "other_p50_s": _quantile(other, 0.5), "other_p90_s": _quantile(other, 0.9),
+    }  # fmt: skip
+
+
+def steady_batch_gaps(
+    records: Sequence[RequestRecord],
+    profile: CostProfile,
+    num_instances: int,
+    host_cores: float | None = None,
+    other_cores: float = 0.0,
+) -> dict[str, Any]:
+    """A burst of requests sent together: the gaps while every request is in a decode
+    batch (after the last one's second token, before the first one's last token), the
+    batch and context split evenly over ``num_instances``, against the profile's step.
+
+    ``per_seq_excess_p50_s`` = median over those gaps of (gap - step) / batch: the cost
+    per sequence per step outside the engine's forward (token messages, bookkeeping).
+    ``jitter_sigma`` = ln(p90 / p50) / 1.2816 of gap / step: how unequal steps of the same
+    batch are (a lognormal's log-space deviation with that p90 / p50).
+
+    With ``host_cores``, the CPU share the simulator's host model would give the busy
+    instances in that window (``num_instances`` workers plus ``other_cores`` of other
+    processes: gateway, client, other jobs) is divided out of the gaps first, so the
+    per-sequence term does not count that contention a second time.
+    """
+    done = [r for r in records if r.completed and len(r.token_times_s) > 2]
+    if len(done) < num_instances:
+        return {"num_gaps": 0, "per_seq_excess_p50_s": None}
+    start_s = max(r.token_times_s[1] for r in done)
+    end_s = min(r.token_times_s[-1] for r in done)
+    batch = len(done) / num_instances
+    slowdown = 1.0
+    if host_cores:
+        slowdown = max(1.0, (num_instances + other_cores) / host_cores)
+    excess, gaps, steps = [], [], []
+    for record in done:
+        times = record.token_times_s
+        for earlier, later in zip(times, times[1:], strict=False):
+            if earlier < start_s or later > end_s:
+                continue
+            context = _context(done, earlier) / num_instances
+            step = profile.decode_step_s(round(batch), round(context))
+            gaps.append(later - earlier)
+            steps.append(step)
+            excess.append(((later - earlier) / slowdown - step) / batch)
+    ratios = [gap / step for gap, step in zip(gaps, steps, strict=True) if step > 0]
+    jitter = None
+    if ratios:
+        jitter = math.log(_quantile(ratios, 0.9) / _quantile(ratios, 0.5)) / 1.2816
+    return {
+        "num_gaps": len(gaps), "batch": batch, "gap_p50_s": _quantile(gaps, 0.5),
+        "gap_p90_s": _quantile(gaps, 0.9), "model_p50_s": _quantile(steps, 0.5),
+        "per_seq_excess_p50_s": _quantile(excess, 0.5), "jitter_sigma": jitter,
+        "host_slowdown": slowdown,
     }  # fmt: skip

@@ -69,9 +69,13 @@ def sim_values(
     results: dict, key: str = "sims"
 ) -> dict[tuple[str, str, float], dict[str, float | None]]:
     """(shape, workload, speed) -> metric -> the simulator's value (``key``: ``sims``,
-    or ``sims_adjusted`` for the path-adjusted profiles; those have no loose SLO)."""
+    or ``ablation/<variant>`` for one subset of the serving terms; no loose SLO there)."""
     out = {}
-    for s in results.get(key, ()):
+    if key.startswith("ablation/"):
+        entries = results.get("ablation", {}).get(key.split("/", 1)[1], ())
+    else:
+        entries = results.get(key, ())
+    for s in entries:
         values = {}
         for name, read in METRICS.items():
             try:
@@ -197,6 +201,45 @@ def table_fidelity_summary(results: dict, key: str = "sims") -> str:
     return _table(["metric", "cluster", "median abs error", "points within 25%"], rows)
 
 
+def table_ablation(results: dict) -> str:
+    """Median |error| per metric and cluster as the serving terms are added one by one."""
+    variants = list(results.get("ablation", {}))
+    rows = []
+    for name in FIDELITY:
+        for shape in SHAPES:
+            cells = []
+            for variant in variants:
+                errs = [abs(sim / live - 1)
+                        for s, _, _, metric, live, sim in fidelity_rows(results, f"ablation/{variant}")
+                        if s == shape and metric == name and live]  # fmt: skip
+                within = sum(e <= 0.25 for e in errs)
+                cells.append(f"{statistics.median(errs):.0%} ({within}/{len(errs)})" if errs else "-")
+            rows.append([name, shape, *cells])
+    return _table(["metric", "cluster", *variants], rows)
+
+
+def table_serving_terms(results: dict) -> str:
+    """The serving terms each cluster's simulation used, and the burst measurements."""
+    rows = []
+    for shape, terms in results.get("serving_terms", {}).items():
+        burst = results.get("bursts", {}).get(shape, {})
+        rows.append([
+            shape, f"{terms['request_overhead_s'] * 1e3:.2f}",
+            f"{terms['prefill_handoff_s_per_token'] * 1e6:.2f}",
+            f"{terms['decode_per_seq_overhead_s'] * 1e3:.3f}",
+            f"{terms['kv_import_s_per_token'] * 1e6:.3f}",
+            f"{terms.get('step_jitter_sigma', 0.0):.3f}",
+            f"{burst.get('batch', 0):g}", str(burst.get("num_gaps", 0)),
+            _fmt(_ms(burst.get("gap_p50_s"))), _fmt(_ms(burst.get("model_p50_s"))),
+            f"{terms.get('background_cpu_s_per_token', 0.0) * 1e3:.3f}",
+            _fmt(burst.get("foreign_cores")),
+        ])  # fmt: skip
+    return _table(["cluster", "request overhead ms", "prefill hand-over us/token",
+                   "decode per-seq ms", "KV import us/token", "step jitter sigma", "burst batch/instance",
+                   "burst gaps", "burst gap p50 ms", "profile step p50 ms",
+                   "path CPU ms/token", "other jobs' cores in burst"], rows)  # fmt: skip
+
+
 def table_decisions(results: dict) -> str:
     """Probe round trips in the live Conductor, and in-process decision times."""
     rows = []
@@ -302,6 +345,8 @@ def write_markdown(results: dict, path: Path, runs_dir: Path) -> None:
     parts = [
         f"# Evaluation results ({cfg['date']}, {cfg['repeats']} repeats, "
         f"{cfg['num_requests']} requests per run, {cfg['wall_s'] / 60:.0f} min)",
+        f"Load average (1/5/15 min) before the live runs {' '.join(cfg.get('loadavg_before', '?'))}"
+        f", after {' '.join(cfg.get('loadavg_after', '?'))}.",
         f"SLO: TTFT <= {cfg['slo']['ttft_s']:g} s, TBT ({cfg['slo']['tbt_metric']}) <= "
         f"{cfg['slo']['tbt_s'] * 1e3:g} ms; loose: TBT <= {cfg['loose_slo']['tbt_s'] * 1e3:g} ms.",
     ]
@@ -310,11 +355,12 @@ def write_markdown(results: dict, path: Path, runs_dir: Path) -> None:
     parts += ["## 1P1D vs 2M", table_goodput_ratio(results)]
     parts += ["## Prefix cache on / off", table_cache(results)]
     parts += ["## Simulator vs live", table_fidelity(results), table_fidelity_summary(results)]
-    if results.get("sims_adjusted"):
+    if results.get("serving_terms"):
+        parts += ["## Serving-path terms (calibration runs)", table_serving_terms(results)]
+    if results.get("ablation"):
         parts += [
-            "## Simulator with the path-adjusted profiles vs live",
-            table_fidelity(results, "sims_adjusted"),
-            table_fidelity_summary(results, "sims_adjusted"),
+            "## What each serving term contributes (median abs error, points within 25%)",
+            table_ablation(results),
         ]
     parts += ["## One request at a time (serving path vs engine profile)", table_isolated(results)]
     parts += ["## CPU cores used during the runs", table_cpu(results)]

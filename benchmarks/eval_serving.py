@@ -3,6 +3,7 @@ simulator against the live numbers, Conductor decision latency. See docs/evaluat
 
 Run: .venv/bin/python benchmarks/eval_serving.py [--repeats 3] [--num-requests 64]
          [--out out/eval] [--results benchmarks/eval_results.json] [--quick]
+         [--max-quiet-wait-s 900] [--max-attempts 3]
 then: .venv/bin/python benchmarks/eval_report.py   (tables + plots from the results)
 
 Two clusters of two tiny-model workers each run side by side (idle between runs):
@@ -11,8 +12,10 @@ thread per worker. For each repeat and each (workload, replay speed), both clust
 the same trace back to back, in alternating order, each with a fresh ``--salt`` (its
 prompts share nothing with earlier runs, so every run starts with a cold cache, as a
 simulated run does). A probe measures the Conductor's decisions meanwhile
-(``eval_probe.py``). Then ``halfmoon simulate`` replays every point with the profile the
-workers measured (``eval_sim.py``).
+(``eval_probe.py``). Before the runs, two calibration runs per cluster measure the
+serving path's terms (``eval_calibrate.py``). Then ``halfmoon simulate`` replays every
+point with the profile the workers measured plus those terms, and once per cumulative
+subset of the terms (which fix contributed what, ``eval_sim.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eval_calibrate import serving_terms, write_burst_trace
 from eval_cluster import ServeCluster
-from eval_overhead import busy_cpu_seconds, cpu_seconds, isolated_overheads
+from eval_overhead import busy_cpu_seconds, cpu_seconds, isolated_overheads, steady_batch_gaps
 from eval_probe import ConductorProbe, set_workload
-from eval_sim import decision_times, rounded, run_simulation, sim_command
+from eval_sim import (
+    HOST_CORES,
+    decision_times,
+    rounded,
+    run_ablation,
+    run_simulation,
+    sim_command,
+)
 from eval_workloads import write_all
 
 from halfmoon.bench.workload import PromptMaker, PromptSpec
@@ -107,7 +118,7 @@ def run_live(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
     secret = os.urandom(16).hex()
     cache = args.out / "cache"
     runs, probes, salts = [], {}, itertools.count(1000)
-    _wait_for_quiet()  # the workers measure their engine profile as they start
+    _wait_for_quiet(args.max_quiet_wait_s)  # the workers measure their profile as they start
     with ServeCluster(SHAPES["2M"], cache, secret, args.out / "serve-2M.log") as coupled, \
             ServeCluster(SHAPES["1P1D"], cache, secret, args.out / "serve-1P1D.log") as disagg:  # fmt: skip
         clusters = {"2M": coupled, "1P1D": disagg}
@@ -118,6 +129,9 @@ def run_live(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
         isolated = {
             shape: _isolated(args, cluster, shape, traces["docqa"], next(salts))
             for shape, cluster in clusters.items()
+        }
+        bursts = {
+            shape: _burst(args, cluster, shape, next(salts)) for shape, cluster in clusters.items()
         }
         with probe_of["2M"], probe_of["1P1D"]:
             turn = itertools.count()
@@ -132,7 +146,7 @@ def run_live(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
                             )
         for name, probe in probe_of.items():
             probes[name] = _probe_stats(probe)
-    return {"runs": runs, "probe": probes, "isolated": isolated}
+    return {"runs": runs, "probe": probes, "isolated": isolated, "bursts": bursts}
 
 
 def _profile(args: argparse.Namespace) -> Path:
@@ -142,23 +156,59 @@ def _profile(args: argparse.Namespace) -> Path:
     return profiles[0]
 
 
+def _burst(args, cluster, shape: str, salt: int) -> dict[str, Any]:
+    """16 short prompts at once: the decode steps' cost per sequence beyond the profile."""
+    _wait_for_quiet(args.max_quiet_wait_s)
+    stem = args.out / "runs" / f"{shape}-burst"
+    trace = write_burst_trace(args.out / "traces" / "burst.jsonl")
+    cpu_before, busy_before = cpu_seconds(cluster.proc.pid), busy_cpu_seconds()
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    report, records = _bench(bench_command(cluster.url, trace, 1000, salt, stem))
+    wall_s = time.monotonic() - start
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_seconds(cluster.proc.pid).items()}
+    client_s = (client_after.ru_utime + client_after.ru_stime
+                - client_before.ru_utime - client_before.ru_stime)  # fmt: skip
+    # Everything but the workers: the load the serving path puts on the shared cores.
+    path_s = client_s + sum(v for k, v in cpu.items() if k in ("gateway", "conductor"))
+    foreign_s = max(0.0, busy_cpu_seconds() - busy_before - sum(cpu.values()) - client_s)
+    num_instances = 2 if shape == "2M" else 1
+    out = steady_batch_gaps(records, CostProfile.load(_profile(args)), num_instances,
+                            HOST_CORES, (path_s + foreign_s) / wall_s)  # fmt: skip
+    out["path_cpu_s"], out["num_output_tokens"] = path_s, report["num_output_tokens"]
+    out["path_cpu_s_per_token"] = path_s / max(1, report["num_output_tokens"])
+    out["foreign_cores"], out["wall_s"] = foreign_s / wall_s, wall_s
+    return out
+
+
 def _isolated(args, cluster, shape: str, trace: Path, salt: int) -> dict[str, Any]:
     """16 docqa requests one at a time: what the path adds to the profile's times."""
-    _wait_for_quiet()
+    _wait_for_quiet(args.max_quiet_wait_s)
     stem = args.out / "runs" / f"{shape}-isolated"
     stem.parent.mkdir(parents=True, exist_ok=True)
     argv = bench_command(cluster.url, trace, 1000, salt, stem,
                          "--max-concurrency", "1", "--max-requests", "16")  # fmt: skip
+    cpu_before = cpu_seconds(cluster.proc.pid)
     report, records = _bench(argv)
-    out = isolated_overheads(records, CostProfile.load(_profile(args)))
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_seconds(cluster.proc.pid).items()}
+    profile = CostProfile.load(_profile(args))
+    out = isolated_overheads(records, profile)
     out["ttft_p50_s"], out["itl_p50_s"] = report["ttft_s"]["p50"], report["itl_s"]["p50"]
+    out["worker_cpu_s"] = {k: v for k, v in cpu.items() if "-" in k}
+    if "prefill-0" in cpu:  # CPU time is work done, whatever else the machine ran
+        done = [r for r in records if r.completed]
+        engine_s = sum(profile.prefill_s(r.input_length - r.cached_tokens, r.cached_tokens)
+                       for r in done)  # fmt: skip
+        out["prefill_cpu_extra_s"] = (cpu["prefill-0"] - engine_s) / max(1, len(done))
+        out["input_tokens_mean"] = sum(r.input_length for r in done) / max(1, len(done))
     return out
 
 
 def _clean_run(args, cluster, probe, shape, workload, trace, speed, salts, repeat) -> dict:
     """One run, done again (up to twice) when other jobs took more than
     ``FOREIGN_LIMIT_CORES`` of the machine meanwhile."""
-    for attempt in range(3):
+    for attempt in range(args.max_attempts):
         run = _one_run(args, cluster, probe, shape, workload, trace, speed, next(salts), repeat)
         run["attempt"] = attempt
         if run["cpu_s"]["foreign"] / run["wall_s"] <= FOREIGN_LIMIT_CORES:
@@ -191,7 +241,7 @@ def _one_run(args, cluster, probe, shape, workload, trace, speed, salt, repeat) 
     maker = PromptMaker(PromptSpec(salt=salt), 512)
     requests = read_trace(trace)
     set_workload(probe, f"{workload} x{speed:g}", [maker.prompt_ids(r) for r in requests[:16]])
-    idle_busy = _wait_for_quiet()
+    idle_busy = _wait_for_quiet(args.max_quiet_wait_s)
     load = os.getloadavg()[0]
     stem = args.out / "runs" / f"{shape}-{workload}-x{speed:g}-r{repeat}"
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -222,8 +272,35 @@ def _one_run(args, cluster, probe, shape, workload, trace, speed, salt, repeat) 
     }  # fmt: skip
 
 
-def run_sims(args: argparse.Namespace, traces: dict[str, Path], points: dict) -> dict:
-    """``halfmoon simulate`` for every (workload, speed, shape), strict and loose SLO."""
+def calibrated_profiles(args: argparse.Namespace, live: dict) -> dict[str, Path]:
+    """The measured profile with each cluster's serving terms, one file per cluster."""
+    measured = CostProfile.load(_profile(args))
+    terms = serving_terms(measured, live["isolated"], live["bursts"])
+    paths = {}
+    for shape, shape_terms in terms.items():
+        paths[shape] = args.out / "sim" / f"profile-{shape}.json"
+        paths[shape].parent.mkdir(parents=True, exist_ok=True)
+        measured.with_serving(shape_terms).save(paths[shape])
+    return paths
+
+
+def host_cores(runs: list[dict], shape: str, workload: str, speed: float) -> float:
+    """The cores the point's live runs had for themselves: the machine's, less the median
+    of what other jobs took meanwhile (at least a quarter of a core)."""
+    foreign = [run["cpu_s"]["foreign"] / run["wall_s"] for run in runs
+               if (run["shape"], run["workload"], run["speed"]) == (shape, workload, speed)]  # fmt: skip
+    return max(0.25, HOST_CORES - (statistics.median(foreign) if foreign else 0.0))
+
+
+def run_sims(
+    args: argparse.Namespace,
+    traces: dict[str, Path],
+    points: dict,
+    profiles: dict[str, Path],
+    live_runs: list[dict],
+) -> dict:
+    """``halfmoon simulate`` for every (workload, speed, shape), strict and loose SLO, with
+    the cluster's calibrated profile; then the ablation over the serving terms."""
     profile = _profile(args)
     sims = []
     for workload, speeds in points.items():
@@ -233,14 +310,26 @@ def run_sims(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
                 for key, slo in (("report", SLO), ("loose", LOOSE_SLO)):
                     out = args.out / "sim" / f"{shape}-{workload}-x{speed:g}-{key}.json"
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    argv = sim_command(traces[workload], speed, shape, profile, slo, out)
+                    cores = host_cores(live_runs, shape, workload, speed)
+                    argv = sim_command(traces[workload], speed, shape, profiles[shape], slo,
+                                       out, "--host-cores", f"{cores:.3g}")  # fmt: skip
                     entry[key] = run_simulation(argv)
                     entry.setdefault("command", " ".join(argv))
                 sims.append(entry)
     decisions = {
         shape: decision_times(traces["docqa"], 16, shape, profile, SLO) for shape in SHAPES
     }
-    return {"profile": json.loads(profile.read_text()), "sims": sims, "decisions": decisions}
+    return {
+        "profile": json.loads(profile.read_text()),
+        "serving_terms": {s: json.loads(p.read_text())["serving"] for s, p in profiles.items()},
+        "sims": sims,
+        "ablation": run_ablation(
+            sims, profiles, SLO, args.out / "sim-ablation",
+            {(e["shape"], e["workload"], e["speed"]):
+             host_cores(live_runs, e["shape"], e["workload"], e["speed"]) for e in sims},
+        ),  # fmt: skip
+        "decisions": decisions,
+    }
 
 
 def main() -> None:
@@ -251,6 +340,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "eval")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "eval_results.json")
     parser.add_argument("--quick", action="store_true", help="two speeds, one repeat")
+    parser.add_argument("--max-quiet-wait-s", type=float, default=900.0,
+                        help="wait at most this long for other jobs to finish before a run")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="runs of a point while other jobs take over 0.3 cores")
     args = parser.parse_args()
     # Started in the background, SIGINT may be ignored and SIGTERM would skip cleanup:
     # make both unwind, so the clusters are always stopped.
@@ -261,13 +354,16 @@ def main() -> None:
     points = QUICK_POINTS if args.quick else POINTS
     traces = write_all(args.out / "traces", args.num_requests)
     started = time.monotonic()
+    uptime_before = Path("/proc/loadavg").read_text().split()[:3]
     live = run_live(args, traces, points)
-    sim = run_sims(args, traces, points)
+    uptime_after = Path("/proc/loadavg").read_text().split()[:3]
+    sim = run_sims(args, traces, points, calibrated_profiles(args, live), live["runs"])
     results = {
         "config": {
             "shapes": SHAPES, "points": points, "repeats": args.repeats,
             "num_requests": args.num_requests, "slo": SLO.__dict__, "loose_slo": LOOSE_SLO.__dict__,
             "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+            "loadavg_before": uptime_before, "loadavg_after": uptime_after,
             "wall_s": time.monotonic() - started,
         },
         "traces": {name: str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

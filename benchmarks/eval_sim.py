@@ -9,20 +9,24 @@ prefill worker's engine pool (its 256 MiB block store doubles it; the workloads'
 documents fit either way); ``--chunk-tokens 2048`` and ``--coupled-chunked-prefill
 --coupled-token-budget 2048`` are the engine's scheduler (mixed batches of at most 2048
 tokens); ``--decode-guard off --early-reject none`` as the live runs admit everything.
+The serving path's terms come with the profile (``eval_calibrate.py``); the ablation
+(:func:`run_ablation`) sets them one by one with ``halfmoon simulate``'s flags.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from halfmoon.bench.workload import PromptMaker, PromptSpec
+from halfmoon.cli import main as halfmoon_main
 from halfmoon.conductor import ConductorConfig
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.hashing import hash_blocks
@@ -30,16 +34,38 @@ from halfmoon.core.request import Request
 from halfmoon.costmodel import CostProfile
 from halfmoon.costmodel.profile import ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
+from halfmoon.costmodel.serving import SERVING_TERM_NAMES
 from halfmoon.sim import ClusterSpec, SimConfig, Simulator
 from halfmoon.workload.trace import read_trace
 
 KV_CAPACITY_TOKENS = 65536
+#: Cumulative subsets of the serving terms: what each one adds to the engine-only model.
+ABLATION = (
+    ("engine only", ()),
+    ("+ request overhead", ("request_overhead_s",)),
+    ("+ prefill hand-over", ("request_overhead_s", "prefill_handoff_s_per_token")),
+    ("+ decode per-seq", ("request_overhead_s", "prefill_handoff_s_per_token", "decode_per_seq_overhead_s")),
+    ("+ KV import", ("request_overhead_s", "prefill_handoff_s_per_token", "decode_per_seq_overhead_s",
+                     "kv_import_s_per_token")),
+    ("+ step jitter", ("request_overhead_s", "prefill_handoff_s_per_token", "decode_per_seq_overhead_s",
+                       "kv_import_s_per_token", "step_jitter_sigma")),
+    ("+ shared CPUs", SERVING_TERM_NAMES),
+    ("+ other jobs' load (all)", SERVING_TERM_NAMES),
+)  # fmt: skip
+#: The live machine's cores: the host every simulated instance shares (last variant).
+HOST_CORES = os.cpu_count() or 1
 
 
 def sim_command(
-    trace: Path, time_scale: float, cluster: str, profile: Path, slo: SLOConfig, out: Path
+    trace: Path,
+    time_scale: float,
+    cluster: str,
+    profile: Path,
+    slo: SLOConfig,
+    out: Path,
+    *extra: str,
 ) -> list[str]:
-    """The ``halfmoon simulate`` command line of one point."""
+    """The ``halfmoon simulate`` command line of one point (``extra`` flags appended)."""
     return [
         "halfmoon", "simulate", "--trace", str(trace), "--time-scale", f"{time_scale:g}",
         "--cluster", cluster, "--model", "tiny", "--gpus-per-instance", "1",
@@ -48,18 +74,52 @@ def sim_command(
         "--coupled-chunked-prefill", "--coupled-token-budget", "2048",
         "--decode-guard", "off", "--early-reject", "none",
         "--ttft-slo", f"{slo.ttft_s:g}", "--tbt-slo", f"{slo.tbt_s:g}",
-        "--tbt-metric", slo.tbt_metric, "--json", str(out),
+        "--tbt-metric", slo.tbt_metric, "--json", str(out), *extra,
     ]  # fmt: skip
 
 
 def run_simulation(argv: Sequence[str]) -> dict[str, Any]:
-    """Run one ``halfmoon simulate`` command (this interpreter) and return its report."""
+    """Run one ``halfmoon simulate`` command (in this process, through the CLI's entry
+    point: hundreds of runs without an interpreter start each) and return its report."""
     out = Path(argv[argv.index("--json") + 1])
-    cmd = [sys.executable, "-m", "halfmoon.cli", *argv[1:]]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"simulate failed: {done.stderr.strip()}")
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = halfmoon_main(list(argv[1:]))
+    if code != 0:
+        raise RuntimeError(f"simulate failed: {errors.getvalue().strip()}")
     return json.loads(out.read_text())
+
+
+def run_ablation(
+    sims: Sequence[dict[str, Any]],
+    profiles: dict[str, Path],
+    slo: SLOConfig,
+    out_dir: Path,
+    point_cores: dict[tuple[str, str, float], float],
+) -> dict[str, list[dict[str, Any]]]:
+    """Every simulated point again for each :data:`ABLATION` subset of the serving terms
+    (the others set to 0 by flag); variant -> entries like ``sims``' (strict SLO only).
+    From "+ shared CPUs" on, the instances share the machine's cores; the last variant
+    gives each point only the cores other jobs left it (``point_cores``, measured)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    variants: dict[str, list[dict[str, Any]]] = {}
+    for name, kept in ABLATION:
+        flags = [f for term in SERVING_TERM_NAMES if term not in kept
+                 for f in ("--" + term.replace("_", "-"), "0")]  # fmt: skip
+        sharing = "background_cpu_s_per_token" in kept
+        entries = []
+        for entry in sims:
+            shape, workload, speed = entry["shape"], entry["workload"], entry["speed"]
+            trace = Path(entry["command"].split(" --trace ")[1].split()[0])
+            tag = name.strip("+ ").split()[0]
+            out = out_dir / f"{shape}-{workload}-x{speed:g}-{tag}.json"
+            cores = point_cores[(shape, workload, speed)] if "other" in name else HOST_CORES
+            host = ["--host-cores", f"{cores:.3g}"] if sharing else []
+            argv = sim_command(trace, speed, shape, profiles[shape], slo, out, *flags, *host)
+            entries.append({"shape": shape, "workload": workload, "speed": speed,
+                            "report": run_simulation(argv), "command": " ".join(argv)})  # fmt: skip
+        variants[name] = entries
+    return variants
 
 
 def _fine_grained(trace: Path, time_scale: float, salt: int) -> list[Request]:
@@ -129,54 +189,3 @@ def rounded(value: Any) -> Any:
     if isinstance(value, list):
         return [rounded(v) for v in value]
     return value
-
-
-def path_adjusted_profile(profile: dict[str, Any], isolated: dict[str, Any]) -> dict[str, Any]:
-    """``profile`` (JSON) with what one request at a time measured on top of it added to
-    the constant terms: the median TTFT excess to the prefill's, the median per-gap
-    excess to the decode step's. A what-if: the simulator then books the serving path's
-    time on the instances, which it should rather add to each request's latency."""
-    adjusted = json.loads(json.dumps(profile))
-    for part, key in (("prefill", "ttft_extra_p50_s"), ("decode", "gap_extra_p50_s")):
-        features = adjusted[part]["features"]
-        constant = features.index("1")
-        adjusted[part]["coefficients"][constant] += max(0.0, isolated[key])
-    return adjusted
-
-
-def run_adjusted(results: dict[str, Any], out_dir: Path) -> list[dict[str, Any]]:
-    """Every simulated point again, each cluster with its own path-adjusted profile."""
-    slo = SLOConfig(**results["config"]["slo"])
-    sims = []
-    for shape, isolated in results["isolated"].items():
-        path = out_dir / f"profile-adjusted-{shape}.json"
-        path.write_text(json.dumps(path_adjusted_profile(results["profile"], isolated)))
-        for entry in results["sims"]:
-            if entry["shape"] != shape:
-                continue
-            trace = Path(entry["command"].split(" --trace ")[1].split()[0])
-            out = out_dir / f"{shape}-{entry['workload']}-x{entry['speed']:g}-adjusted.json"
-            argv = sim_command(trace, entry["speed"], shape, path, slo, out)
-            sims.append({**{k: entry[k] for k in ("shape", "workload", "speed")},
-                         "report": run_simulation(argv), "command": " ".join(argv)})  # fmt: skip
-    return sims
-
-
-def main() -> None:
-    """Add the path-adjusted simulations to a results file of ``eval_serving.py``."""
-    import argparse
-
-    root = Path(__file__).resolve().parents[1]
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--results", type=Path, default=root / "benchmarks" / "eval_results.json")
-    parser.add_argument("--out", type=Path, default=root / "out" / "eval" / "sim-adjusted")
-    args = parser.parse_args()
-    results = json.loads(args.results.read_text())
-    args.out.mkdir(parents=True, exist_ok=True)
-    results["sims_adjusted"] = run_adjusted(results, args.out)
-    args.results.write_text(json.dumps(rounded(results)) + "\n")
-    print(f"{len(results['sims_adjusted'])} adjusted simulations added to {args.results}")
-
-
-if __name__ == "__main__":
-    main()

@@ -19,15 +19,21 @@ File format (``version`` 1)::
      "model_name": "tiny", "device": "cpu", "created": "2025-01-01T00:00:00+00:00",
      "prefill": {"features": ["1", "n", "n*(n+2c)"], "coefficients": [..3 floats..],
                  "num_points": 12, "max_rel_error": 0.01},
-     "decode": {"features": ["1", "batch", "context"], ...same keys...}}
+     "decode": {"features": ["1", "batch", "context"], ...same keys...},
+     "serving": {"request_overhead_s": 0.005, ...}}   # optional: ServingTerms
+
+The optional ``serving`` section holds :class:`ServingTerms`: time the serving path adds
+around the engine's forward passes (messages, hand-over, KV import), measured by the
+worker profiler (``kv_import_s_per_token``) or by a calibration run through the live
+path (``benchmarks/eval_serving.py``); a file without it means all zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,12 +43,14 @@ import numpy as np
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.costmodel.base import check_amount, check_count, check_positive
 from halfmoon.costmodel.roofline import RooflineCostModel
+from halfmoon.costmodel.serving import ServingTerms, is_number
 
 PROFILE_FORMAT = "halfmoon-cost-profile"
 PROFILE_VERSION = 1
 PREFILL_FEATURES = ("1", "n", "n*(n+2c)")
 DECODE_FEATURES = ("1", "batch", "context")
 _TOP_KEYS = frozenset({"format", "version", "model_name", "device", "created", "prefill", "decode"})
+_OPTIONAL_TOP_KEYS = frozenset({"serving"})
 _FIT_KEYS = frozenset({"features", "coefficients", "num_points", "max_rel_error"})
 
 
@@ -113,13 +121,15 @@ def _fit(rows: list[list[float]], seconds: list[float], what: str) -> FitResult:
 
 @dataclass(frozen=True)
 class CostProfile:
-    """A fitted prefill model and decode-step model plus where they were measured."""
+    """A fitted prefill model and decode-step model plus where they were measured, and
+    the serving path's own terms (:class:`ServingTerms`, zero unless measured)."""
 
     model_name: str
     device: str
     created: str
     prefill: FitResult
     decode: FitResult
+    serving: ServingTerms = field(default_factory=lambda: ServingTerms())
 
     def prefill_s(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """Predicted prefill seconds (0 for no new tokens)."""
@@ -160,13 +170,18 @@ class CostProfile:
             "created": self.created,
             "prefill": fit_dict(self.prefill, PREFILL_FEATURES),
             "decode": fit_dict(self.decode, DECODE_FEATURES),
+            "serving": self.serving.to_dict(),
         }
+
+    def with_serving(self, serving: ServingTerms) -> CostProfile:
+        """This profile with other serving-path terms."""
+        return dataclasses.replace(self, serving=serving)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "cost profile") -> CostProfile:
         """Parse :meth:`to_dict` output; any problem is a :class:`HalfmoonError` naming
         ``source`` and the offending key."""
-        _check_keys(data, _TOP_KEYS, source)
+        _check_keys(data, _TOP_KEYS, source, _OPTIONAL_TOP_KEYS)
         if data["format"] != PROFILE_FORMAT:
             raise HalfmoonError(
                 f"{source}: format is {data['format']!r}, expected {PROFILE_FORMAT!r}"
@@ -184,6 +199,7 @@ class CostProfile:
             created=data["created"],
             prefill=_parse_fit(data["prefill"], PREFILL_FEATURES, f"{source}: 'prefill'"),
             decode=_parse_fit(data["decode"], DECODE_FEATURES, f"{source}: 'decode'"),
+            serving=ServingTerms.from_dict(data.get("serving", {}), f"{source}: 'serving'"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -213,19 +229,17 @@ class CostProfile:
         return cls.from_dict(data, source)
 
 
-def _check_keys(data: Any, expected: frozenset[str], source: str) -> None:
+def _check_keys(
+    data: Any, expected: frozenset[str], source: str, optional: frozenset[str] = frozenset()
+) -> None:
     if not isinstance(data, Mapping):
         raise HalfmoonError(f"{source}: expected a JSON object, got {type(data).__name__}")
     missing = sorted(expected - set(data))
-    unexpected = sorted(set(data) - expected)
+    unexpected = sorted(set(data) - expected - optional)
     if missing:
         raise HalfmoonError(f"{source}: missing key(s) {', '.join(missing)}")
     if unexpected:
         raise HalfmoonError(f"{source}: unexpected key(s) {', '.join(unexpected)}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _parse_fit(data: Any, features: Sequence[str], source: str) -> FitResult:
@@ -238,7 +252,7 @@ def _parse_fit(data: Any, features: Sequence[str], source: str) -> FitResult:
     if (
         not isinstance(coefficients, list)
         or len(coefficients) != len(features)
-        or not all(_is_number(v) for v in coefficients)
+        or not all(is_number(v) for v in coefficients)
     ):
         raise HalfmoonError(
             f"{source}: coefficients must be {len(features)} finite numbers, got {coefficients!r}"
@@ -246,7 +260,7 @@ def _parse_fit(data: Any, features: Sequence[str], source: str) -> FitResult:
     num_points = data["num_points"]
     if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 0:
         raise HalfmoonError(f"{source}: num_points must be an integer >= 0, got {num_points!r}")
-    if not _is_number(data["max_rel_error"]) or data["max_rel_error"] < 0:
+    if not is_number(data["max_rel_error"]) or data["max_rel_error"] < 0:
         raise HalfmoonError(
             f"{source}: max_rel_error must be a number >= 0, got {data['max_rel_error']!r}"
         )
@@ -261,11 +275,13 @@ def fit_profile(
     model_name: str = "",
     device: str = "",
     created: str | None = None,
+    serving: ServingTerms | None = None,
 ) -> CostProfile:
     """Fit a :class:`CostProfile` to measured ``(new, cached, seconds)`` prefill points and
     ``(batch, context, seconds)`` decode points (at least 3 of each, times > 0).
 
     ``created`` defaults to the current UTC time (ISO 8601); pass it for reproducible files.
+    ``serving``: the serving path's terms measured alongside (default: all zero).
     """
     prefill_rows: list[list[float]] = []
     prefill_s: list[float] = []
@@ -285,6 +301,7 @@ def fit_profile(
         created=created,
         prefill=_fit(prefill_rows, prefill_s, "prefill"),
         decode=_fit(decode_rows, decode_s, "decode"),
+        serving=serving or ServingTerms(),
     )
 
 
@@ -307,8 +324,11 @@ class ProfileCostModel:
         link_bytes_per_s: float,
         kv_capacity_tokens: int,
         link_latency_s: float = 0.0,
+        hidden_bytes_per_token: int | None = None,
     ) -> None:
         self.profile = profile
+        #: Bytes of hidden state per token between pipeline stages (CPP); None: unknown.
+        self.hidden_bytes_per_token = hidden_bytes_per_token
         self.kv_bytes_per_token = check_count("kv_bytes_per_token", kv_bytes_per_token)
         check_positive("kv_bytes_per_token", self.kv_bytes_per_token)
         self.link_bytes_per_s = check_positive("link_bytes_per_s", link_bytes_per_s)

@@ -15,8 +15,11 @@ Which requests each entry covers:
 - ``ttft_s``, ``tbt_s``, ``e2e_s``: over completed requests; ``tbt_s`` is each request's
   TBT by the SLO's metric (0 for single-token requests). ``itl_s`` pools every
   inter-token gap of the completed requests.
-- ``slo_attainment`` over all submitted requests; ``goodput_rps`` over ``duration_s``
-  (the observation window unless given); ``cache_hit_ratio`` = cached prompt tokens /
+- ``slo_attainment`` over all submitted requests; ``goodput_rps`` over the offered
+  window (the arrivals' span, :func:`~halfmoon.metrics.slo.goodput_window_s`; the drain
+  after the last arrival is not in it) unless ``duration_s`` is given;
+  ``offered_rps`` the arrival rate; ``duration_s`` is the observation window (first
+  arrival to last finish) unless given; ``cache_hit_ratio`` = cached prompt tokens /
   prompt tokens of the non-rejected requests.
 
 Undefined values are None (JSON ``null``); the report never holds NaN or infinity.
@@ -31,7 +34,14 @@ from typing import Any
 from halfmoon.core.config import SLOConfig
 from halfmoon.metrics.latency import percentiles, tbt_from_gaps_s
 from halfmoon.metrics.records import RequestRecord
-from halfmoon.metrics.slo import observation_window_s, rate_meeting, share_meeting, within_slo
+from halfmoon.metrics.slo import (
+    goodput_window_s,
+    observation_window_s,
+    offered_rps,
+    rate_meeting,
+    share_meeting,
+    within_slo,
+)
 
 REPORT_KEYS = (
     "num_requests",
@@ -45,6 +55,7 @@ REPORT_KEYS = (
     "e2e_s",
     "slo_attainment",
     "goodput_rps",
+    "offered_rps",
     "cache_hit_ratio",
     "duration_s",
     "slo",
@@ -70,6 +81,7 @@ def summarize(
     verdicts = _slo_verdicts(records, tbts_s, slo)
     num_meeting = sum(verdicts)
     window_s = observation_window_s(records) if duration_s is None else float(duration_s)
+    goodput_s = goodput_window_s(records) if duration_s is None else float(duration_s)
     report: dict[str, Any] = {
         "num_requests": len(records),
         "num_completed": len(completed),
@@ -85,7 +97,8 @@ def summarize(
         "itl_s": percentiles(gap for gaps in gaps_by_request for gap in gaps),
         "e2e_s": percentiles(record.e2e_s for record in completed),
         "slo_attainment": share_meeting(num_meeting, len(records)),
-        "goodput_rps": rate_meeting(num_meeting, window_s, given=duration_s is not None),
+        "goodput_rps": rate_meeting(num_meeting, goodput_s, given=duration_s is not None),
+        "offered_rps": offered_rps(records),
         "cache_hit_ratio": cache_hit_ratio(records),
         "duration_s": window_s,
         "slo": {

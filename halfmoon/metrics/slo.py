@@ -7,7 +7,13 @@ Denominators are chosen so that a system cannot look better by refusing work:
 - :func:`effective_request_capacity` is the same number under the name the FAST'25 paper
   uses ("share of requests meeting both limits"); it exists so comparisons between two
   clusters read like the paper's (a ratio of this value on one workload).
-- :func:`goodput_rps` counts the same requests per second of the observation window.
+- :func:`goodput_rps` counts the same requests per second of the *offered* window
+  (:func:`offered_window_s`): the time over which the requests arrived, not the drain
+  after the last arrival. A cluster that meets the SLO for every request has goodput
+  equal to the offered rate however long its queue takes to empty; a slow drain costs
+  goodput only through the requests that miss their SLO. (Dividing by first arrival to
+  last finish made a short run's goodput depend on its tail: two clusters with the same
+  attainment differed by their drain time, and live and simulated runs by theirs.)
 
 An undefined quantity (no records, a window of zero length) is None, never NaN.
 """
@@ -86,16 +92,41 @@ def _last_observed_s(record: RequestRecord) -> float:
     return max(candidates)
 
 
+def offered_window_s(records: Sequence[RequestRecord]) -> float | None:
+    """The arrivals' span as ``N`` mean inter-arrival times: (last - first arrival) *
+    N / (N - 1), so ``N / window`` is the offered rate. None for fewer than two records
+    or when all arrive at once."""
+    if len(records) < 2:
+        return None
+    arrivals = [record.arrival_s for record in records]
+    span_s = max(arrivals) - min(arrivals)
+    if span_s <= 0:
+        return None
+    return span_s * len(records) / (len(records) - 1)
+
+
+def goodput_window_s(records: Sequence[RequestRecord]) -> float | None:
+    """The window goodput divides by: :func:`offered_window_s`, or for a run without an
+    arrival span (one request, a burst) :func:`observation_window_s`."""
+    return offered_window_s(records) or observation_window_s(records)
+
+
+def offered_rps(records: Sequence[RequestRecord]) -> float | None:
+    """Requests per second offered (see :func:`offered_window_s`); None if undefined."""
+    window_s = offered_window_s(records)
+    return len(records) / window_s if window_s else None
+
+
 def goodput_rps(
     records: Sequence[RequestRecord], slo: SLOConfig, duration_s: float | None = None
 ) -> float | None:
     """Requests that completed within both SLOs, per second of ``duration_s``.
 
-    ``duration_s`` defaults to :func:`observation_window_s`. Returns None when the window
-    is undefined or zero (no records, or one instant); raises ValueError for a given
-    duration that is not positive.
+    ``duration_s`` defaults to :func:`goodput_window_s` (the offered window). Returns
+    None when the window is undefined or zero (no records, or one instant); raises
+    ValueError for a given duration that is not positive.
     """
-    window_s = observation_window_s(records) if duration_s is None else duration_s
+    window_s = goodput_window_s(records) if duration_s is None else duration_s
     return rate_meeting(num_meeting_slo(records, slo), window_s, given=duration_s is not None)
 
 

@@ -1,8 +1,11 @@
 """Measure a worker's engine so the Conductor's estimates are in real seconds here.
 
 A few prefills (with and without a cached prefix) and decode steps (several batch sizes and
-context lengths) are timed and fitted with :func:`halfmoon.costmodel.fit_profile`. The
-result is cached as JSON per model directory and engine shape, so restarts are instant.
+context lengths, up to ~1.5k tokens per sequence so long-prompt serving is inside the
+measured range) are timed and fitted with :func:`halfmoon.costmodel.fit_profile`. The
+engine-side serving term ``kv_import_s_per_token`` (a decode worker copying a handed-off
+request's KV into its pool) is timed too. The result is cached as JSON per model
+directory, engine shape and :data:`PROFILER_VERSION`, so restarts are instant.
 """
 
 from __future__ import annotations
@@ -11,16 +14,21 @@ import fcntl
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel import CostProfile, fit_profile
+from halfmoon.costmodel.serving import ServingTerms
 
+#: Bumped when what is measured changes, so cached profiles of older code are not reused.
+PROFILER_VERSION = 2
 PREFILL_POINTS = ((32, 0), (128, 0), (512, 0), (1024, 0), (256, 512), (128, 1024))
-DECODE_POINTS = ((1, 64), (4, 256), (8, 512), (16, 256))
-_DECODE_STEPS = 4
+DECODE_POINTS = ((1, 64), (4, 256), (8, 512), (16, 256), (4, 1536), (16, 1024))
+IMPORT_POINTS = (256, 1024)
+_DECODE_STEPS = 8
 
 
 def _tokens(engine: Any, n: int, salt: int) -> list[int]:
@@ -46,14 +54,32 @@ def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
     engine.step()  # prefills (and first tokens)
     while engine.stats().num_waiting:
         engine.step()
-    start = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished_requests() and steps < _DECODE_STEPS:
+    # The median step: one step slowed by another process on a shared machine must not
+    # move the profile (the mean of 4 did, by up to 2x on a busy 2-core box).
+    times = []
+    while engine.has_unfinished_requests() and len(times) < _DECODE_STEPS:
+        start = time.perf_counter()
         engine.step()
-        steps += 1
-    elapsed = (time.perf_counter() - start) / max(steps, 1)
+        times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
+    return statistics.median(times) if times else 0.0
+
+
+def _time_kv_import(engine: Any, num_tokens: int, salt: int) -> float:
+    """Seconds to import the KV of a ``num_tokens`` prompt handed off by a prefill (the
+    decode worker's ``import_request``), exported from this same engine."""
+    rid = f"profile-import-{salt}"
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(rid, _tokens(engine, num_tokens, salt), once, keep_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    handoff = engine.export_kv(rid, release=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.import_request(handoff, params, request_id=f"{rid}-in")
+    elapsed = time.perf_counter() - start
+    engine.abort_request(f"{rid}-in")
     return elapsed
 
 
@@ -66,19 +92,33 @@ def measure_profile(engine: Any, model_name: str) -> CostProfile:
         for k, (n, c) in enumerate(PREFILL_POINTS)
         if n + c + 16 <= limit
     ]
+    # A batch must fit in the KV pool at once, or it would be timed smaller than asked.
+    pool_tokens = engine.stats().num_blocks * engine.config.block_size
     decode = [
         (b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k))
         for k, (b, ctx) in enumerate(DECODE_POINTS)
-        if ctx + 8 <= limit
+        if ctx + 8 <= limit and b * (ctx + 2 * engine.config.block_size) <= pool_tokens
     ]
-    return fit_profile(prefill, decode, model_name=model_name, device=engine.config.device)
+    sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
+    import_s = sum(_time_kv_import(engine, n, 5000 + k) for k, n in enumerate(sizes))
+    serving = ServingTerms(kv_import_s_per_token=import_s / max(1, sum(sizes)))
+    return fit_profile(
+        prefill, decode, model_name=model_name, device=engine.config.device, serving=serving
+    )
 
 
 def cached_profile(engine: Any, model: str, cache_dir: Path) -> CostProfile:
     """The profile of this engine shape, measured once and then read from ``cache_dir``."""
     cfg = engine.config
     key = json.dumps(
-        [str(Path(model).resolve()), cfg.device, cfg.dtype, cfg.block_size, cfg.num_threads],
+        [
+            str(Path(model).resolve()),
+            cfg.device,
+            cfg.dtype,
+            cfg.block_size,
+            cfg.num_threads,
+            PROFILER_VERSION,
+        ],  # fmt: skip
         sort_keys=True,
     )
     path = cache_dir / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

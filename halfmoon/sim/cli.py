@@ -21,11 +21,13 @@ from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.models import get_model
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
+from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
 from halfmoon.sim.config import DECODE_GUARDS, ClusterSpec, SimConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
 from halfmoon.workload.datasets import DATASETS, generate_dataset
-from halfmoon.workload.trace import count_lines, iter_trace
+from halfmoon.workload.tokens import scale_request
+from halfmoon.workload.trace import TRACE_BLOCK_SIZE_TOKENS, count_lines, iter_trace
 
 _INFINITE = ("inf", "infinite", "none", "unbounded")
 
@@ -73,21 +75,49 @@ def make_cost_model(
     return ProfileCostModel.from_roofline(CostProfile.load(profile), roofline)
 
 
+def block_tokens_for_scale(length_scale: float) -> int:
+    """Tokens per 512-token trace block at ``--length-scale`` (a whole number, as
+    ``halfmoon bench`` requires, so both replay the same shrunken workload)."""
+    if not (math.isfinite(length_scale) and 0 < length_scale <= 1):
+        raise HalfmoonError(f"--length-scale must be in (0, 1], got {length_scale}")
+    tokens = TRACE_BLOCK_SIZE_TOKENS * length_scale
+    if abs(tokens - round(tokens)) > 1e-9 or round(tokens) < 1:
+        raise HalfmoonError(
+            f"--length-scale {length_scale:g} gives {tokens:g} tokens per 512-token block; "
+            "pick a scale that gives a whole number (e.g. 0.5, 0.25, 0.0625)"
+        )
+    return int(round(tokens))
+
+
 def _workload(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
-    """The requests and, when cheap to know, how many (for the progress bar)."""
+    """The requests (length-scaled) and, when cheap to know, how many (progress bar)."""
+    block_tokens = block_tokens_for_scale(args.length_scale)
     if args.trace is not None:
         if args.rate is not None or args.num_requests is not None:
             raise HalfmoonError("--rate and --num-requests go with --dataset, not --trace")
         total = count_lines(args.trace) if sys.stderr.isatty() else None
-        return iter_trace(args.trace), total
+        return (scale_request(r, block_tokens) for r in iter_trace(args.trace)), total
     if args.rate is None or args.num_requests is None:
         raise HalfmoonError("--dataset needs --rate and --num-requests")
     _check_choice("dataset", args.dataset, DATASETS)
     requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
-    return requests, len(requests)
+    return [scale_request(r, block_tokens) for r in requests], len(requests)
 
 
-def _configs(args: argparse.Namespace) -> tuple[SimConfig, ConductorConfig]:
+def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTerms:
+    """The serving-path terms: the profile's (if any), each overridden by its flag."""
+    base = cost_model.profile.serving if isinstance(cost_model, ProfileCostModel) else None
+    given = {name: getattr(args, name, None) for name in SERVING_TERM_NAMES}
+    for name, value in given.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            flag = "--" + name.replace("_", "-")
+            raise HalfmoonError(f"{flag} must be a finite number >= 0, got {value}")
+    return (base or ServingTerms()).replace(**given)
+
+
+def _configs(
+    args: argparse.Namespace, serving: ServingTerms | None = None
+) -> tuple[SimConfig, ConductorConfig]:
     _check_choice("policy", args.policy, POLICIES)
     _check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS)
     _check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES)
@@ -114,8 +144,11 @@ def _configs(args: argparse.Namespace) -> tuple[SimConfig, ConductorConfig]:
         coupled_token_budget=args.coupled_token_budget,
         time_scale=_check_positive("--time-scale", args.time_scale),
         max_requests=args.max_requests,
+        serving=serving or ServingTerms(),
+        host_cores=args.host_cores,
     )
     conductor = ConductorConfig(
+        block_size_tokens=block_tokens_for_scale(args.length_scale),
         policy=args.policy,
         slo=slo,
         early_reject=args.early_reject,
@@ -142,8 +175,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     """Build the cluster, replay the workload, print the summary, write JSON / plot."""
     if args.gpus_per_instance < 1:
         raise HalfmoonError(f"--gpus-per-instance must be >= 1, got {args.gpus_per_instance}")
-    sim_config, conductor_config = _configs(args)
     cost_model = make_cost_model(args.model, args.gpu, args.gpus_per_instance, args.profile)
+    sim_config, conductor_config = _configs(args, serving_terms(args, cost_model))
     requests, total = _workload(args)
     if total is not None and args.max_requests is not None:
         total = min(total, args.max_requests)
@@ -192,6 +225,13 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="divide arrival times by X (2 = twice as fast)",
     )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="shrink prompt and output lengths by Y (512*Y tokens per trace block), "
+        "as halfmoon bench does",
+    )
     parser.add_argument("--max-requests", type=int, help="stop after N requests")
     parser.add_argument("--seed", type=int, default=0, help="dataset and random-policy seed")
 
@@ -218,12 +258,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--cpp-stages",
         type=int,
         default=1,
-        help="chunked pipeline parallelism: groups of K consecutive prefill instances "
-        "(1: off)",
+        help="chunked pipeline parallelism: groups of K consecutive prefill instances (1: off)",
     )
-    parser.add_argument(
-        "--cpp-chunk-tokens", type=int, default=1024, help="CPP chunk size, tokens"
-    )
+    parser.add_argument("--cpp-chunk-tokens", type=int, default=1024, help="CPP chunk size, tokens")
     parser.add_argument(
         "--cpp-min-tokens",
         type=int,
@@ -250,6 +287,33 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_SERVING_HELP = {
+    "request_overhead_s": "seconds per request before placement (HTTP, Conductor round trip)",
+    "prefill_handoff_s_per_token": "prefill-instance seconds per prompt token after the "
+    "forward (store save, KV streaming, hand-over)",
+    "decode_per_seq_overhead_s": "seconds per sequence per decode step outside the forward",
+    "kv_import_s_per_token": "seconds per prompt token to import a handed-off request's KV",
+    "step_jitter_sigma": "log-space std. dev. of a decode step's time (lognormal, median 1)",
+    "background_cpu_s_per_token": "CPU seconds of gateway/client per output token (with "
+    "--host-cores)",
+}
+
+
+def _add_serving_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "serving path", "time outside the engine's forward (default: the profile's terms, else 0)"
+    )
+    for name in SERVING_TERM_NAMES:
+        flag = "--" + name.replace("_", "-")
+        group.add_argument(flag, type=float, dest=name, metavar="S", help=_SERVING_HELP[name])
+    group.add_argument(
+        "--host-cores",
+        type=float,
+        help="all instances are single-threaded processes sharing this many CPUs "
+        "(one small machine); default: each instance has its own hardware",
+    )
+
+
 def register(subparsers: Any) -> None:
     """Add ``halfmoon simulate``."""
     parser = subparsers.add_parser(
@@ -260,6 +324,7 @@ def register(subparsers: Any) -> None:
     )
     _add_workload_args(parser)
     _add_cluster_args(parser)
+    _add_serving_args(parser)
     parser.add_argument("--policy", default="kvcache-centric", help=f"one of {', '.join(POLICIES)}")
     parser.add_argument(
         "--coupled-router", default="cache-aware", help=f"one of {', '.join(COUPLED_ROUTERS)}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
+from halfmoon.costmodel.serving import ServingTerms
 
 #: ``8P8D`` (8 prefill + 8 decode instances) or ``16M`` (16 coupled, vLLM-like instances).
 _CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*P\s*(\d+)\s*D|(\d+)\s*M)\s*$", re.IGNORECASE)
@@ -96,6 +97,17 @@ class SimConfig:
       prefill step of waiting prompts (up to ``coupled_max_batched_tokens`` new tokens, at
       least one prompt) runs before any decode step while prompts fit.
 
+    Serving path: ``serving`` holds the time a live deployment spends outside the
+    engine's forward passes (:class:`~halfmoon.costmodel.profile.ServingTerms`: a delay
+    per request before placement, hand-over time on the prefill instance, a per-sequence
+    cost in every decode step, the KV import of a joining request); all zero by default,
+    which is the engine-only model.
+
+    ``host_cores``: the instances are single-threaded processes sharing this many CPUs
+    with the serving path (``serving.background_cpu_s_per_token`` per emitted token); a
+    busy instance slows down when demand exceeds the cores (:mod:`halfmoon.sim.host`).
+    None (the default): every instance has its own hardware.
+
     Workload: ``time_scale`` divides arrival times (2 replays twice as fast);
     ``max_requests`` stops reading the workload after that many requests.
     """
@@ -116,6 +128,8 @@ class SimConfig:
     coupled_max_batched_tokens: int = 32768
     time_scale: float = 1.0
     max_requests: int | None = None
+    serving: ServingTerms = field(default_factory=lambda: ServingTerms())
+    host_cores: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -147,5 +161,7 @@ class SimConfig:
             raise HalfmoonError("coupled token budgets must be >= 1")
         if not self.time_scale > 0:
             raise HalfmoonError(f"time scale must be > 0, got {self.time_scale}")
+        if self.host_cores is not None and not self.host_cores > 0:
+            raise HalfmoonError(f"host_cores must be > 0, got {self.host_cores}")
         if self.max_requests is not None and self.max_requests < 1:
             raise HalfmoonError(f"max_requests must be >= 1, got {self.max_requests}")

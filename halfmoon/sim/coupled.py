@@ -14,6 +14,11 @@ prompt + output tokens when admitted). Two schedulers:
 
       mixed_s = sum(prefill_time_s(chunk, done)) + max(0, decode_step(b, ctx) - decode_step(1, 0))
 
+Every step with ``b`` decodes also pays ``b * decode_per_seq_overhead_s``, the serving
+path's cost per sequence outside the forward (a message per token to the gateway), and
+every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``, see
+:class:`~halfmoon.costmodel.profile.ServingTerms`).
+
 A prompt's first token is emitted when its prefill completes (``PrefillFinished`` and
 ``DecodeStarted`` at that moment). With prefix caching, the prompt's full blocks are
 cached locally (reported to the Conductor, whose cache-aware router reads them).
@@ -21,6 +26,7 @@ cached locally (reported to the Conductor, whose cache-aware router reads them).
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Sequence
 
@@ -32,8 +38,10 @@ from halfmoon.conductor.messages import (
 )
 from halfmoon.core.clock import Clock
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.events import NO_EVENTS, Event
+from halfmoon.sim.host import Host, host_slowdown, jitter_factor
 from halfmoon.sim.job import Job
 
 Chunk = tuple[Job, int]
@@ -54,6 +62,9 @@ class CoupledInstance:
         chunked: bool = False,
         token_budget: int = 2048,
         max_batched_tokens: int = 32768,
+        serving: ServingTerms | None = None,
+        rng: random.Random | None = None,
+        host: Host | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -65,6 +76,11 @@ class CoupledInstance:
         self._chunked = chunked
         self._token_budget = token_budget
         self._max_batched_tokens = max_batched_tokens
+        serving = serving or ServingTerms()
+        self._per_seq_s = serving.decode_per_seq_overhead_s
+        self._jitter_sigma = serving.step_jitter_sigma
+        self._rng = rng or random.Random(0)
+        self._host = host
         self._waiting: deque[Job] = deque()
         self._prefilling: list[Job] = []
         self._running: list[Job] = []
@@ -118,8 +134,13 @@ class CoupledInstance:
         plan = self._plan_chunked() if self._chunked else self._plan_prefill_first()
         if plan is None:
             self._busy = False
+            if self._host is not None:
+                self._host.stop(self.instance_id)
             return NO_EVENTS
         duration_s, decodes, chunks = plan
+        duration_s += len(decodes) * self._per_seq_s
+        duration_s *= jitter_factor(self._rng, self._jitter_sigma)
+        duration_s = host_slowdown(self._host, self.instance_id, duration_s, len(decodes))
         self._busy = True
         if chunks:
             self.num_prefill_steps += 1

@@ -10,20 +10,27 @@ A request reaches it when its KV has arrived from the prefill instance. Then:
 - otherwise it waits FCFS until its KV reservation (prompt + all output tokens) fits,
   and joins the batch at a step boundary. Joining emits its first token (the one the
   prefill computed) and sends ``DecodeStarted``;
-- every step takes ``decode_step_time_s(batch, context)`` and emits one token for each
-  running request; a request with all its tokens leaves (``RequestFinished``).
+- every step takes ``decode_step_time_s(batch, context)`` plus the serving path's
+  ``batch * decode_per_seq_overhead_s`` (token messages) and, for the requests joining
+  at that step, ``prompt tokens * kv_import_s_per_token`` (their KV is copied into the
+  engine before the step runs), times a lognormal jitter factor (``step_jitter_sigma``,
+  drawn from ``rng``; none when the sigma is 0); it emits one token for each running
+  request; a request with all its tokens leaves (``RequestFinished``).
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.conductor.messages import DecodeStarted, RequestFinished
 from halfmoon.core.clock import Clock
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import Notify
 from halfmoon.sim.events import NO_EVENTS, Event
+from halfmoon.sim.host import Host, host_slowdown, jitter_factor
 from halfmoon.sim.job import Job
 from halfmoon.sim.network import Nic
 
@@ -41,6 +48,9 @@ class DecodeInstance:
         tbt_slo_s: float,
         guard: str = "reject",
         max_batch_size: int = 256,
+        serving: ServingTerms | None = None,
+        rng: random.Random | None = None,
+        host: Host | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -51,6 +61,9 @@ class DecodeInstance:
         self._tbt_slo_s = tbt_slo_s
         self._guard = guard
         self._max_batch_size = max_batch_size
+        self._serving = serving or ServingTerms()
+        self._rng = rng or random.Random(0)
+        self._host = host
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._context_tokens = 0
@@ -74,7 +87,18 @@ class DecodeInstance:
         """Estimated step time of the current batch with ``joining`` requests added."""
         num = len(self._running) + len(joining)
         ctx = self._context_tokens + sum(job.context_tokens + 1 for job in joining)
-        return self.cost_model.decode_step_time_s(num, ctx)
+        return self._step_s(num, ctx)
+
+    def _step_s(self, batch_size: int, context_tokens: int, imported_tokens: int = 0) -> float:
+        """A step of the engine plus the serving path's per-sequence and import terms."""
+        if batch_size == 0:
+            return 0.0
+        terms = self._serving
+        return (
+            self.cost_model.decode_step_time_s(batch_size, context_tokens)
+            + batch_size * terms.decode_per_seq_overhead_s
+            + imported_tokens * terms.kv_import_s_per_token
+        )
 
     def kv_arrived(self, job: Job) -> Sequence[Event]:
         """The request's KV is here: refuse it, or queue it for the batch."""
@@ -119,8 +143,10 @@ class DecodeInstance:
 
     def _admit_and_step(self) -> Sequence[Event]:
         now = self.clock.now()
+        imported_tokens = 0
         while self._waiting and self._fits(self._waiting[0]):
             job = self._waiting.popleft()
+            imported_tokens += job.request.input_length
             self.kv_used_tokens += job.kv_reserved_tokens
             job.generated = 1
             job.record.token_times_s.append(now)
@@ -132,11 +158,15 @@ class DecodeInstance:
                 self._context_tokens += job.context_tokens
         if not self._running:
             self._stepping = False
+            if self._host is not None:
+                self._host.stop(self.instance_id)
             return NO_EVENTS
         self._stepping = True
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(self._running))
-        step_s = self.cost_model.decode_step_time_s(len(self._running), self._context_tokens)
+        step_s = self._step_s(len(self._running), self._context_tokens, imported_tokens)
+        step_s *= jitter_factor(self._rng, self._serving.step_jitter_sigma)
+        step_s = host_slowdown(self._host, self.instance_id, step_s, len(self._running))
         return (Event(now + step_s, self._step_done),)
 
     def _step_done(self) -> Sequence[Event]:

@@ -6,7 +6,9 @@ member instance, see :mod:`halfmoon.sim.cpp`)::
 
     start:    match the local cache; if the decision fetches a longer prefix from
               another instance, move the missing blocks first (NIC reservation)
-    compute:  PrefillStarted; prefill the uncached tokens (in chunks if configured)
+    compute:  PrefillStarted; prefill the uncached tokens (in chunks if configured),
+              then ``handoff_s_per_token`` x prompt tokens of serving-path work (store
+              save, KV streaming, export and hand-over)
     finish:   PrefillFinished; cache the prompt's full blocks (BlockStored/Evicted);
               the KV tail reaches the decode instance after kv_stream_tail_s
 """
@@ -21,6 +23,7 @@ from halfmoon.core.clock import Clock
 from halfmoon.costmodel.base import CostModel
 from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.events import NO_EVENTS, Event
+from halfmoon.sim.host import Host
 from halfmoon.sim.job import Job
 from halfmoon.sim.network import Nic, kv_stream_tail_s, reserve_transfer
 
@@ -45,6 +48,8 @@ class PrefillInstance:
         notify: Notify,
         num_layers: int = 80,
         chunk_tokens: int | None = None,
+        handoff_s_per_token: float = 0.0,
+        host: Host | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.cost_model = cost_model
@@ -54,6 +59,8 @@ class PrefillInstance:
         self._notify = notify
         self._num_layers = num_layers
         self._chunk_tokens = chunk_tokens
+        self._handoff_s_per_token = handoff_s_per_token
+        self._host = host
         self._queue: deque[Job] = deque()
         self._busy = False
         self.num_prefilled = 0
@@ -79,6 +86,8 @@ class PrefillInstance:
         return self._start_next()
 
     def _start_next(self) -> Sequence[Event]:
+        if self._host is not None:
+            self._host.stop(self.instance_id)
         if not self._queue:
             self._busy = False
             return NO_EVENTS
@@ -124,9 +133,16 @@ class PrefillInstance:
             last_s = self.cost_model.prefill_time_s(size, done)
             compute_s += last_s
             done += size
+        # The hand-over (store save, last layers on the wire, export) keeps the instance
+        # busy after the forward, and the decode side starts only once it is done.
+        busy_s = compute_s + self._handoff_s_per_token * request.input_length
+        if self._host is not None:  # the whole run at the CPU share it starts with
+            factor = self._host.start(self.instance_id)
+            compute_s, last_s, busy_s = compute_s * factor, last_s * factor, busy_s * factor
         stream_end_s = self._stream_end_s(request.input_length, chunks[-1], compute_s, last_s)
-        end_s = start_s + compute_s
-        self.busy_s += compute_s
+        stream_end_s = max(stream_end_s, busy_s)
+        end_s = start_s + busy_s
+        self.busy_s += busy_s
         return (Event(end_s, lambda: self._finish(job, start_s + stream_end_s)),)
 
     def _stream_end_s(

@@ -6,7 +6,8 @@ clock, and replays requests: each arrival asks the Conductor for a placement
 (``schedule`` for a disaggregated cluster, ``route_coupled`` for a coupled one) and hands
 the request to the chosen instances, which report back to the Conductor with the same
 events a live worker would send. Deterministic for a seed (the Conductor's random
-policy draws from ``random.Random(seed)``; same-time events fire in scheduling order).
+policy draws from ``random.Random(seed)``, step jitter from a generator of its own
+seeded from it; same-time events fire in scheduling order).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from halfmoon.sim.coupled import CoupledInstance
 from halfmoon.sim.cpp import CPPRun
 from halfmoon.sim.decode import DecodeInstance
 from halfmoon.sim.events import NO_EVENTS, Event, EventLoop
+from halfmoon.sim.host import Host
 from halfmoon.sim.job import Job
 from halfmoon.sim.prefill import PrefillInstance
 
@@ -65,6 +67,11 @@ class Simulator:
         self.clock = ManualClock()
         self.loop = EventLoop(self.clock)
         self.conductor = Conductor(conductor_config, cost_model, self.clock, random.Random(seed))
+        # Step jitter has its own stream: turning it on leaves the Conductor's draws alone.
+        self._step_rng = random.Random(f"step-jitter-{seed}")
+        self.host = None
+        if config.host_cores is not None:
+            self.host = Host(config.host_cores, config.serving.background_cpu_s_per_token)
         self.block_size_tokens = conductor_config.block_size_tokens
         self.prefill: dict[str, PrefillInstance] = {}
         self.decode: dict[str, DecodeInstance] = {}
@@ -117,7 +124,7 @@ class Simulator:
         cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
         self.prefill[iid] = PrefillInstance(
             iid, self.cost_model, cache, self.clock, notify, cfg.num_layers,
-            cfg.prefill_chunk_tokens,
+            cfg.prefill_chunk_tokens, cfg.serving.prefill_handoff_s_per_token, self.host,
         )
         self.conductor.add_prefill_instance(iid)
 
@@ -125,7 +132,8 @@ class Simulator:
         cfg = self.config
         self.decode[iid] = DecodeInstance(
             iid, self.cost_model, kv_capacity, self.clock, self.conductor.handle,
-            cfg.slo.tbt_s, cfg.decode_tbt_guard, cfg.max_batch_size,
+            cfg.slo.tbt_s, cfg.decode_tbt_guard, cfg.max_batch_size, cfg.serving,
+            self._step_rng, self.host,
         )
         self.conductor.add_decode_instance(iid, kv_capacity_tokens=kv_capacity)
 
@@ -142,7 +150,7 @@ class Simulator:
         self.coupled[iid] = CoupledInstance(
             iid, self.cost_model, kv_capacity, self.clock, notify, cache,
             cfg.max_batch_size, cfg.coupled_chunked_prefill, cfg.coupled_token_budget,
-            cfg.coupled_max_batched_tokens,
+            cfg.coupled_max_batched_tokens, cfg.serving, self._step_rng, self.host,
         )
         self.conductor.add_coupled_instance(iid, kv_capacity_tokens=kv_capacity)
 
@@ -172,9 +180,16 @@ class Simulator:
         if self._on_arrival is not None:
             self._on_arrival()
         job = Job(request, record)
-        events = list(self._place_coupled(job) if self.coupled else self._place(job))
+        delay_s = self.config.serving.request_overhead_s
+        if delay_s > 0:  # the serving path before placement delays only this request
+            events = [Event(self.clock.now() + delay_s, lambda: self._place_any(job))]
+        else:
+            events = self._place_any(job)
         events.extend(self._next_arrival())
         return events
+
+    def _place_any(self, job: Job) -> list[Event]:
+        return list(self._place_coupled(job) if self.coupled else self._place(job))
 
     def _reject(self, job: Job, decision: Decision) -> None:
         job.record.rejected = True

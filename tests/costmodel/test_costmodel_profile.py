@@ -157,3 +157,47 @@ def test_noisy_points_never_give_negative_costs():
     assert all(c >= 0 for c in profile.prefill.coefficients)
     assert all(c >= 0 for c in profile.decode.coefficients)
     assert profile.prefill_s(8000, 0) > profile.prefill_s(1024, 0) > 0
+
+
+def _small_profile(**serving: float) -> CostProfile:
+    from halfmoon.costmodel.serving import ServingTerms
+
+    prefill = [(n, 0, 1e-4 * n + 0.003) for n in (64, 256, 1024)]
+    decode = [(b, b * 256, 0.002 + 1e-4 * b) for b in (1, 4, 16)]
+    return fit_profile(prefill, decode, "tiny", "cpu", "2026-01-01", ServingTerms(**serving))
+
+
+def test_serving_terms_round_trip_and_default_to_zero(tmp_path: Path) -> None:
+    from halfmoon.costmodel.serving import ServingTerms
+
+    profile = _small_profile(request_overhead_s=0.005, kv_import_s_per_token=2e-7)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    loaded = CostProfile.load(path)
+    assert loaded == profile
+    assert loaded.serving.request_overhead_s == 0.005
+    assert loaded.serving.decode_per_seq_overhead_s == 0.0
+    # a file written before the serving section existed still loads, with zero terms
+    data = json.loads(path.read_text())
+    del data["serving"]
+    assert CostProfile.from_dict(data).serving == ServingTerms()
+    assert loaded.with_serving(ServingTerms()).serving == ServingTerms()
+    assert ServingTerms(prefill_handoff_s_per_token=1.0).replace(
+        prefill_handoff_s_per_token=None, request_overhead_s=2.0
+    ) == ServingTerms(request_overhead_s=2.0, prefill_handoff_s_per_token=1.0)
+
+
+@pytest.mark.parametrize(
+    ("serving", "message"),
+    [
+        ({"request_overhead_s": -1.0}, "request_overhead_s"),
+        ({"kv_import_s_per_token": "fast"}, "kv_import_s_per_token"),
+        ({"cpu_share": 0.5}, "unknown term"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_bad_serving_terms_are_named(serving, message: str) -> None:
+    data = _small_profile().to_dict()
+    data["serving"] = serving
+    with pytest.raises(HalfmoonError, match=message):
+        CostProfile.from_dict(data, "p.json")

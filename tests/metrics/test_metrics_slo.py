@@ -95,3 +95,31 @@ def test_count_arithmetic_helpers(slo):
     with pytest.raises(ValueError, match="duration_s must be > 0, got -1"):
         rate_meeting(5, -1.0)
     assert within_slo(2.0, 0.1, slo) and not within_slo(2.0, 0.11, slo)
+
+
+def test_goodput_window_is_the_offered_window_not_the_drain(slo):
+    """Four requests one second apart, all within the SLO, the last finishing 20 s
+    after it arrived: goodput is the offered rate (1 req/s), not 4 / 23 s."""
+    from halfmoon.metrics import goodput_window_s, offered_rps, offered_window_s
+
+    records = [RequestRecord(f"r{i}", float(i), 1, 2, [i + 0.5, i + 0.55], i + 0.55)
+               for i in range(3)]  # fmt: skip
+    records.append(RequestRecord("slow", 3.0, 1, 2, [4.0, 4.05], 23.0))
+    assert observation_window_s(records) == pytest.approx(23.0)
+    assert offered_window_s(records) == pytest.approx(4.0)  # 3 s span = 3 of 4 gaps
+    assert goodput_window_s(records) == pytest.approx(4.0)
+    assert offered_rps(records) == pytest.approx(1.0)
+    assert goodput_rps(records, slo) == pytest.approx(1.0)
+    late = [*records[:3], RequestRecord("late", 3.0, 1, 2, [9.0, 9.05], 9.05)]  # TTFT 6 s
+    assert goodput_rps(late, slo) == pytest.approx(0.75)  # attainment x offered rate
+
+
+def test_goodput_window_without_an_arrival_span(slo):
+    """One request, or a burst arriving at once: the observation window."""
+    from halfmoon.metrics import goodput_window_s, offered_rps, offered_window_s
+
+    burst = [RequestRecord(f"r{i}", 0.0, 1, 1, [1.0 + i], 1.0 + i) for i in range(3)]
+    assert offered_window_s(burst) is None and offered_rps(burst) is None
+    assert goodput_window_s(burst) == pytest.approx(3.0)
+    assert goodput_rps(burst, slo) == pytest.approx(2 / 3.0)  # r2: TTFT 3 s misses
+    assert offered_window_s(burst[:1]) is None

@@ -1,0 +1,149 @@
+"""The serving path's terms (:class:`halfmoon.costmodel.profile.ServingTerms`), measured
+through the live clusters before the evaluation runs, for ``halfmoon simulate``.
+
+Two calibration runs per cluster, neither of them one of the evaluated points:
+
+- **isolated**: 16 docqa requests one at a time (``--max-concurrency 1``). TTFT minus the
+  profile's prefill of the same new and cached tokens is the path's per-request time.
+  The part of it that occupies the 1P1D prefill worker is its CPU time per request
+  beyond the profile's prefill (block store load and save, the layer-streaming thread,
+  hand-over), per prompt token: ``prefill_handoff_s_per_token``. The rest only delays
+  the request (HTTP, tokenizing,
+  hashing, the Conductor round trip, the ``expect`` message, waiting for the last layers
+  on the wire): ``request_overhead_s``, per cluster.
+- **burst**: 16 short prompts sent at once with 256 output tokens each; while all of
+  them decode, (gap - the profile's step) / batch is ``decode_per_seq_overhead_s``, and
+  the spread of gap / step (p90 over p50) gives ``step_jitter_sigma``; the CPU time
+  of the gateway, the Conductor and the benchmark client during the burst, per output
+  token, gives ``background_cpu_s_per_token`` (the simulations then run on a host of
+  ``os.cpu_count()`` cores shared by the instances: ``--host-cores``).
+
+``kv_import_s_per_token`` comes from the worker profiler (the engine's import of a
+handed-off request, timed at start-up); the evaluation does not re-measure it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from halfmoon.core.request import Request
+from halfmoon.costmodel.profile import CostProfile
+from halfmoon.costmodel.serving import ServingTerms
+from halfmoon.workload.trace import write_trace
+
+BURST_REQUESTS = 16
+BURST_PROMPT_TOKENS = 256
+BURST_OUTPUT_TOKENS = 256
+
+
+def write_burst_trace(path: Path) -> Path:
+    """16 unshared 256-token prompts, all at t=0, 256 output tokens each."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(
+        [
+            Request(f"burst-{i}", 0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, (i,), 512)
+            for i in range(BURST_REQUESTS)
+        ],
+        path,
+    )
+    return path
+
+
+def serving_terms(
+    profile: CostProfile, isolated: dict[str, dict[str, Any]], bursts: dict[str, dict[str, Any]]
+) -> dict[str, ServingTerms]:
+    """Each cluster's terms from its isolated and burst measurements (see the module
+    docstring); negative medians (the path faster than the profile) count as zero."""
+    request_s = max(0.0, isolated["2M"]["ttft_extra_p50_s"] or 0.0)
+    disagg_s = max(0.0, isolated["1P1D"]["ttft_extra_p50_s"] or 0.0)
+    handoff_s = min(disagg_s, max(0.0, isolated["1P1D"].get("prefill_cpu_extra_s") or 0.0))
+    prompt_tokens = isolated["1P1D"].get("input_tokens_mean") or 1.0
+
+    def burst(shape: str, key: str) -> float:
+        return max(0.0, bursts[shape].get(key) or 0.0)
+
+    engine = profile.serving
+    return {
+        "2M": ServingTerms(
+            request_overhead_s=request_s,
+            decode_per_seq_overhead_s=burst("2M", "per_seq_excess_p50_s"),
+            step_jitter_sigma=burst("2M", "jitter_sigma"),
+            background_cpu_s_per_token=burst("2M", "path_cpu_s_per_token"),
+        ),
+        "1P1D": ServingTerms(
+            request_overhead_s=disagg_s - handoff_s,
+            prefill_handoff_s_per_token=handoff_s / prompt_tokens,
+            decode_per_seq_overhead_s=burst("1P1D", "per_seq_excess_p50_s"),
+            kv_import_s_per_token=engine.kv_import_s_per_token,
+            step_jitter_sigma=burst("1P1D", "jitter_sigma"),
+            background_cpu_s_per_token=burst("1P1D", "path_cpu_s_per_token"),
+        ),
+    }
+
+
+def recalibrate(
+    results_path: Path, out: Path, max_quiet_wait_s: float, measure: bool = True
+) -> None:
+    """Measure the calibration runs again on fresh clusters (the profile the workers
+    find cached under ``out``) and redo every simulation of ``results_path`` with the new
+    terms; the live runs stay as they are. For a calibration that was disturbed, or a
+    change to how the terms are derived (``measure=False``: derive them again from the
+    calibration already in the results and its records under ``out/runs``)."""
+    import argparse
+    import json
+    import os
+    import time
+
+    import eval_serving as ev
+
+    from halfmoon.metrics.records import records_from_json
+
+    results = json.loads(results_path.read_text())
+    args = argparse.Namespace(out=out, max_quiet_wait_s=max_quiet_wait_s)
+    traces = {name: ev.ROOT / path for name, path in results["traces"].items()}
+    secret, cache, salts = os.urandom(16).hex(), out / "cache", iter(range(900_000, 901_000))
+    isolated, bursts = results["isolated"], results["bursts"]
+    if measure:
+        load_before = Path("/proc/loadavg").read_text().split()[:3]
+        for shape, argv in ev.SHAPES.items():
+            log = out / f"recalibrate-{shape}.log"
+            with ev.ServeCluster(argv, cache, secret, log) as cluster:
+                isolated[shape] = ev._isolated(args, cluster, shape, traces["docqa"], next(salts))
+                bursts[shape] = ev._burst(args, cluster, shape, next(salts))
+        results["config"]["recalibrated"] = {
+            "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_before": load_before,
+            "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+        }  # fmt: skip
+    for shape, entry in isolated.items():  # results written before this key existed
+        if "input_tokens_mean" not in entry:
+            saved = json.loads((out / "runs" / f"{shape}-isolated.records.json").read_text())
+            done = [r for r in records_from_json(saved) if r.completed]
+            entry["input_tokens_mean"] = sum(r.input_length for r in done) / max(1, len(done))
+    live = {"isolated": isolated, "bursts": bursts}
+    sim = ev.run_sims(args, traces, results["config"]["points"],
+                      ev.calibrated_profiles(args, live), results["runs"])  # fmt: skip
+    results.update(sim)
+    results_path.write_text(json.dumps(ev.rounded(results)) + "\n")
+    print(f"recalibrated and re-simulated: {results_path}")
+
+
+def main() -> None:
+    """``--results R --out DIR``: :func:`recalibrate`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-quiet-wait-s", type=float, default=900.0)
+    parser.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="derive the terms from the calibration already in the results",
+    )
+    args = parser.parse_args()
+    recalibrate(args.results, args.out, args.max_quiet_wait_s, not args.no_measure)
+
+
+if __name__ == "__main__":
+    main()
