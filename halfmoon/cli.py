@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "halfmoon.serve.worker_main",
     "halfmoon.serve.conductor_main",
     "halfmoon.transfer.cli",
+    "halfmoon.deploy.cli",
 )
 
 

@@ -126,12 +126,15 @@ class Conductor:
         """Stop placing on ``instance_id``, forget its blocks, and drop what its requests
         had booked on other instances (they will be placed again, or fail)."""
         for rid, (prefill_id, decode_id) in list(self._placements.items()):
-            if instance_id in (prefill_id, decode_id):
+            members = self._group_of.get(rid, (prefill_id,))  # a CPP group: every stage
+            if instance_id in (*members, decode_id):
                 del self._placements[rid]
-                if (state := self._prefill.get(prefill_id)) is not None:
-                    state.finish(rid)
+                self._group_of.pop(rid, None)
+                for member in members:
+                    if (state := self._prefill.get(member)) is not None:
+                        state.finish(rid)
                 if (dstate := self._decode.get(decode_id)) is not None:
-                    dstate.finish(rid)
+                    dstate.finish(rid)  # no decode-time sample: it did not finish
         self._prefill.pop(instance_id, None)
         self._decode.pop(instance_id, None)
         self._coupled.discard(instance_id)

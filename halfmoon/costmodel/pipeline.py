@@ -130,10 +130,14 @@ def cpp_prefill_time_s(
 
 def hidden_bytes_per_token(cost_model: CostModel, override: int | None = None) -> int:
     """Bytes of hidden state per token crossing a stage boundary: ``override`` if given,
-    else ``hidden_size x dtype_bytes`` of the cost model's ``model`` (roofline models).
+    else the cost model's own ``hidden_bytes_per_token`` (a worker's profile), else
+    ``hidden_size x dtype_bytes`` of its ``model`` (roofline models).
     A cost model without a model spec needs the override (``ValueError`` otherwise)."""
     if override is not None:
         return check_count("hidden_bytes_per_token", override)
+    measured = getattr(cost_model, "hidden_bytes_per_token", None)
+    if isinstance(measured, int) and measured > 0:  # a worker's profile says it
+        return measured
     spec = getattr(cost_model, "model", None)
     hidden_size = getattr(spec, "hidden_size", None)
     dtype_bytes = getattr(spec, "dtype_bytes", None)

@@ -117,13 +117,15 @@ class StageExecutor:
         layers: LayerSlice,
         num_blocks: int,
         hook: LayerHook | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         device = str(next(model.parameters()).device)
         self.model = model
         self.layers = layers
         self.block_size = full_layout.block_size
         self.kv_cache = StageKVCache(full_layout, layers, num_blocks, device)
-        self.blocks = BlockManager(num_blocks, full_layout.block_size, enable_prefix_caching=False)
+        # The stage's own prefix cache: its blocks hold only this slice's layers.
+        self.blocks = BlockManager(num_blocks, full_layout.block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv_cache, hook)
         self._full_block_shape = full_layout.buffer_shape(1)
 
@@ -137,28 +139,45 @@ class StageExecutor:
         """dtype of the hidden states and the pool."""
         return self.kv_cache.pool.dtype
 
-    def start(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for a ``num_tokens``-token prompt; raises when the pool is too small."""
-        table = self.blocks.allocate(request_id, num_tokens)
-        if table is None:
+    def match_blocks(self, token_ids: Sequence[int]) -> int:
+        """Leading blocks of ``token_ids`` this stage's pool holds (no side effects)."""
+        return len(self.blocks.match_prefix(token_ids))
+
+    def start(
+        self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int = 0
+    ) -> int:
+        """Blocks for the prompt ``token_ids``, reusing at most ``max_cached_tokens`` of
+        its cached prefix (every stage of a group must start at the same token); returns
+        the prefix tokens reused. Raises when the pool is too small."""
+        capped = list(token_ids[: max(0, max_cached_tokens) + 1])
+        cached = self.blocks.admit(request_id, capped, 1)
+        if cached is None or not self.blocks.grow(request_id, len(token_ids)):
+            self.release(request_id)
             raise HalfmoonError(
                 f"stage pool has {self.blocks.num_free_blocks} free blocks; request "
-                f"{request_id!r} needs {self.blocks.blocks_for(num_tokens)}"
+                f"{request_id!r} needs {self.blocks.blocks_for(len(token_ids))}"
             )
-        return table
+        return cached
 
-    def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray]) -> None:
-        """Write cached prefix blocks into the request's first blocks: each payload is one
-        whole-model block in the export layout; only this stage's layers are kept."""
+    def load_prefix(
+        self, request_id: str, payloads: Sequence[bytes | bytearray], first_block: int = 0
+    ) -> None:
+        """Write cached prefix blocks into the request's blocks ``first_block..``: each
+        payload is one whole-model block in the export layout (what the store holds); only
+        this stage's layers are kept."""
         table = self.blocks.block_table(request_id)
-        if len(payloads) > len(table):
+        if first_block + len(payloads) > len(table):
             raise HalfmoonError(f"{len(payloads)} prefix blocks for a {len(table)}-block table")
         first, last = self.layers.first, self.layers.last
         with warnings.catch_warnings():  # read-only payloads are fine: they are only read
             warnings.simplefilter("ignore", UserWarning)
-            for block, payload in zip(table, payloads, strict=False):
+            for block, payload in zip(table[first_block:], payloads, strict=False):
                 full = torch.frombuffer(payload, dtype=self.dtype).view(self._full_block_shape)
                 self.kv_cache.pool[:, :, block] = full[first:last, :, 0]
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Offer the full blocks of the first ``num_tokens`` tokens to the stage cache."""
+        self.blocks.commit(request_id, token_ids, num_tokens)
 
     def run(
         self,
@@ -191,6 +210,7 @@ class StageExecutor:
             return self.model.compute_logits(hidden_rows)
 
     def release(self, request_id: str) -> None:
-        """Give the request's blocks back (no-op when it holds none)."""
+        """Give the request's blocks back (no-op when it holds none); committed ones stay
+        cached for later prompts."""
         if self.blocks.has_request(request_id):
             self.blocks.free(request_id)

@@ -330,13 +330,25 @@ class ClusterBackend:
             })  # fmt: skip
             return
         decode_ep = decision["decode"]
-        self._route_ids[request_id] = (_incarnation(decision["prefill"]), _incarnation(decode_ep))
-        self._routes[request_id] = (prefill, decode_ep["command"])
+        group = decision.get("group") or []
+        self._route_ids[request_id] = (
+            *(_incarnation(m) for m in group or [decision["prefill"]]),
+            _incarnation(decode_ep),
+        )
+        # The first token comes from the last stage; the rest hear of an abort after it.
+        stages = [m["command"] for m in group]
+        self._routes[request_id] = (
+            (stages[-1], *stages[:-1], decode_ep["command"]) if group
+            else (prefill, decode_ep["command"])
+        )  # fmt: skip
         await self._send(decode_ep["command"], {
             "type": "expect", "request_id": request_id, "params": wire_params,
-            "num_prompt_tokens": len(prompt_token_ids),
-            "prefill_instance": decision["prefill"]["instance_id"],
+            "num_prompt_tokens": len(prompt_token_ids), "num_stages": max(1, len(group)),
+            "prefill_instance": (group[-1] if group else decision["prefill"])["instance_id"],
         })  # fmt: skip
+        if group:
+            await self._start_group(request_id, prompt_token_ids, wire_params, decision)
+            return
         for plan in decision.get("replications", []):
             target = plan["target"]
             if target["instance_id"] != decision["prefill"]["instance_id"] and target["command"]:
@@ -350,6 +362,29 @@ class ClusterBackend:
             "cached_tokens": decision["cached_tokens"],
             "replications": decision.get("replications", []),
         })  # fmt: skip
+
+    async def _start_group(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        wire_params: dict[str, Any],
+        decision: dict[str, Any],
+    ) -> None:
+        """A chunked-pipeline prefill: every stage gets the prompt, its place in the
+        pipeline and its successor's transfer endpoint (see halfmoon.serve.cpp)."""
+        group = decision["group"]
+        for stage, member in enumerate(group):
+            await self._send(member["command"], {
+                "type": "cpp_prefill", "request_id": request_id,
+                "token_ids": list(prompt_token_ids), "params": wire_params,
+                "stage": stage, "num_stages": len(group),
+                "chunk_tokens": decision["cpp_chunk_tokens"],
+                "next_transfer": group[stage + 1]["transfer"] if stage + 1 < len(group) else "",
+                "group": [m["instance_id"] for m in group],
+                "commands": [m["command"] for m in group], "decode": decision["decode"],
+                "cached_tokens": decision["cached_tokens"],
+                "cache_source": decision["cache_source"],
+            })  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         """Tell every worker the request touched to drop it."""

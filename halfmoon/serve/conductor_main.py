@@ -24,6 +24,22 @@ def add_conductor_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbt-slo", type=float, default=1.0, help="TBT SLO, seconds")
     parser.add_argument("--tbt-metric", default="top10mean", choices=TBT_METRICS)
     parser.add_argument("--early-reject", default="snapshot", choices=EARLY_REJECT_MODES)
+    parser.add_argument(
+        "--cpp-stages", type=int, default=1,
+        help="chunked pipeline parallelism: prefill workers form groups of K consecutive "
+        "ones that run long prompts as a K-stage pipeline (1: off)",
+    )  # fmt: skip
+    parser.add_argument("--cpp-chunk-tokens", type=int, default=1024, help="CPP chunk size, tokens")
+    parser.add_argument(
+        "--cpp-min-tokens", type=int, default=512,
+        help="prompts shorter than this never use a CPP group; longer ones do when the "
+        "Conductor estimates a lower TTFT",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpp-hidden-bytes-per-token", type=int, default=None,
+        help="hidden-state bytes per token between CPP stages (default: what the workers "
+        "report when they register)",
+    )  # fmt: skip
 
 
 def conductor_config(args: argparse.Namespace) -> ConductorConfig:
@@ -34,6 +50,10 @@ def conductor_config(args: argparse.Namespace) -> ConductorConfig:
         slo=SLOConfig(args.ttft_slo, args.tbt_slo, args.tbt_metric),
         early_reject=args.early_reject,
         coupled_router=args.coupled_router,
+        cpp_stages=args.cpp_stages,
+        cpp_chunk_tokens=args.cpp_chunk_tokens,
+        cpp_min_tokens=args.cpp_min_tokens,
+        cpp_hidden_bytes_per_token=getattr(args, "cpp_hidden_bytes_per_token", None),
     )
 
 

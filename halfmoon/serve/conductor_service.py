@@ -13,7 +13,10 @@ dropped and counted, never answered. Messages (``type``):
 - ``heartbeat``: instance_id (no reply; ``register_again`` when the instance is unknown,
   e.g. after this process restarted — the worker then registers with a snapshot of the
   blocks it holds, which rebuilds the index)
-- ``ping`` -> ``pong`` with the registered instances
+- ``ping`` -> ``pong`` with the registered instances (and the draining ones)
+- ``drain``: instance_id -> ``draining``; the instance leaves placement but stays alive
+  and known (its requests finish); its heartbeats are answered ``drain``, so the worker
+  exits once it has no unfinished request (scale-down, :mod:`halfmoon.deploy`)
 An instance silent for ``heartbeat_timeout_s`` is dropped from placement until it
 registers again.
 Replies echo the request's ``msg_id`` so asynchronous clients can match them.
@@ -102,6 +105,8 @@ class ConductorService:
         self.secret = secret
         self.instances: dict[str, InstanceEndpoints] = {}
         self._last_seen_s: dict[str, float] = {}
+        #: Instances excluded from placement until they exit (scale-down).
+        self.draining: set[str] = set()
         #: An instance silent for this long is dropped from placement (workers beat ~4/s).
         self.heartbeat_timeout_s = 3.0
         #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
@@ -138,6 +143,7 @@ class ConductorService:
             )
             del self._last_seen_s[iid]
             self.instances.pop(iid, None)
+            self.draining.discard(iid)
             self.conductor.remove_instance(iid)
         return dead
 
@@ -168,7 +174,7 @@ class ConductorService:
                 return {"type": "register_again"} if kind == "heartbeat" else None
             self._last_seen_s[str(iid)] = time.monotonic()
             if kind == "heartbeat":
-                return None
+                return {"type": "drain"} if str(iid) in self.draining else None
         if kind == "events":
             for event in events_from_wire(str(message["instance_id"]), message["events"]):
                 self.conductor.handle(event)
@@ -180,12 +186,15 @@ class ConductorService:
             return self._schedule(message)
         if kind == "register":
             return self._register(message)
+        if kind == "drain":
+            return self._drain(str(message["instance_id"]))
         if kind == "ping":
             return {
                 "type": "pong",
                 "instances": {i: e.role for i, e in self.instances.items()},
                 "endpoints": {i: e.command_endpoint for i, e in self.instances.items()},
                 "incarnations": {i: e.incarnation for i, e in self.instances.items()},
+                "draining": sorted(self.draining),
             }
         raise ProtocolError(f"unknown message type {kind!r}")
 
@@ -198,7 +207,19 @@ class ConductorService:
         log.warning("%s reported failed: removed from placement", iid)
         self._last_seen_s.pop(iid, None)
         del self.instances[iid]
+        self.draining.discard(iid)
         self.conductor.remove_instance(iid)
+
+    def _drain(self, iid: str) -> dict[str, Any]:
+        """Stop placing on ``iid`` but keep it known: the requests it holds finish (the
+        gateway still sees its incarnation), and its heartbeats tell it to exit when idle."""
+        if iid not in self.instances:
+            raise HalfmoonError(f"unknown instance {iid!r}")
+        if iid not in self.draining:
+            log.info("%s draining: removed from placement", iid)
+            self.draining.add(iid)
+            self.conductor.remove_instance(iid)
+        return {"type": "draining", "instance_id": iid}
 
     def _register(self, message: dict[str, Any]) -> dict[str, Any]:
         role = message["role"]
@@ -207,18 +228,22 @@ class ConductorService:
         iid = str(message["instance_id"])
         capacity = int(message.get("kv_capacity_tokens") or 0) or None
         cost_model = self._cost_model(message, capacity)
-        if role == "prefill":
+        incarnation = str(message.get("incarnation", ""))
+        old = self.instances.get(iid)
+        if old is not None and old.incarnation != incarnation:
+            # The worker restarted: what the old process held or ran is gone. (Forgotten
+            # before the new process is added, which removing would undo.)
+            log.warning("%s restarted: forgetting its previous state", iid)
+            self.conductor.remove_instance(iid)
+            self.draining.discard(iid)
+        if message.get("draining"):
+            self.draining.add(iid)  # a draining worker re-registering: keep it out
+        elif role == "prefill":
             self.conductor.add_prefill_instance(iid, cost_model)
         elif role == "decode":
             self.conductor.add_decode_instance(iid, cost_model, kv_capacity_tokens=capacity)
         else:
             self.conductor.add_coupled_instance(iid, cost_model, kv_capacity_tokens=capacity)
-        incarnation = str(message.get("incarnation", ""))
-        old = self.instances.get(iid)
-        if old is not None and old.incarnation != incarnation:
-            # The worker restarted: what the old process held or ran is gone.
-            log.warning("%s restarted: forgetting its previous state", iid)
-            self.conductor.remove_instance(iid)
         self.instances[iid] = InstanceEndpoints(
             iid,
             role,
@@ -240,7 +265,11 @@ class ConductorService:
         if not data or kv_bytes <= 0:
             return None
         profile = CostProfile.from_dict(data, source=f"profile of {message['instance_id']}")
-        return ProfileCostModel(profile, kv_bytes, self.link_bytes_per_s, capacity or 1)
+        hidden_bytes = int(message.get("hidden_bytes_per_token") or 0) or None
+        return ProfileCostModel(
+            profile, kv_bytes, self.link_bytes_per_s, capacity or 1,
+            hidden_bytes_per_token=hidden_bytes,
+        )  # fmt: skip
 
     def _schedule(self, message: dict[str, Any]) -> dict[str, Any]:
         request = Request(
@@ -289,6 +318,9 @@ class ConductorService:
                 for p in decision.replications
             ],
         )
+        if chosen.group:  # a CPP group: the stages in pipeline order
+            reply["group"] = [self._endpoints(m) for m in chosen.group]
+            reply["cpp_chunk_tokens"] = self.conductor.config.cpp_chunk_tokens
         return reply
 
     def _endpoints(self, instance_id: str) -> dict[str, str]:

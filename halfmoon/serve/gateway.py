@@ -2,7 +2,8 @@
 
 The gateway is written against :class:`~halfmoon.serve.backend.Backend`; placement,
 prefill and decode happen behind it. Routes: ``/v1/completions``,
-``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``, ``/health``, ``/metrics``.
+``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``, ``/health``, ``/metrics``;
+extra routers under ``/admin/`` (e.g. scaling, :mod:`halfmoon.deploy.admin`) need the API key.
 A client that disconnects mid-stream aborts its request, which frees its KV blocks.
 """
 
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -63,6 +64,8 @@ class _Prepared:
     stop: tuple[str, ...]
     include_usage: bool
     chat: bool
+    #: Usage on every chunk, and a chunk for every token batch even without text.
+    continuous_usage: bool = False
 
 
 class Gateway:
@@ -122,9 +125,13 @@ class Gateway:
         except ValueError as exc:
             raise _HTTPError(400, str(exc), "BadRequestError") from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _Prepared(
-            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat
+        continuous = bool(
+            body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
+        return _Prepared(
+            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
+            continuous,
+        )  # fmt: skip
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -200,7 +207,9 @@ class Gateway:
                         if chunk.finish_reason is None:  # our stop string: end it upstream
                             await self.backend.abort(p.request_id)
                         break
-                    if delta:
+                    if p.continuous_usage:  # every token batch, text or not
+                        yield delta, None, usage(len(p.prompt_ids), out.num_tokens, cached)
+                    elif delta:
                         yield delta, None, None
         except BaseException:
             await self.backend.abort(p.request_id)
@@ -214,15 +223,25 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None) ->
     return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
 
 
-def create_app(backend: Backend, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
-    """The FastAPI application serving ``backend``."""
+def create_app(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    config: GatewayConfig,
+    admin_routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """The FastAPI application serving ``backend``; ``admin_routers`` are mounted under
+    ``/admin`` and answer only with the API key (403 when the server has none)."""
     gw = Gateway(backend, tokenizer, config)
     app = FastAPI(title="halfmoon", description="KV-cache-centric disaggregated LLM serving")
     app.state.gateway = gw
+    for router in admin_routers:
+        app.include_router(router, prefix="/admin")
 
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/admin/") and not config.api_key:
+            return _error(403, "admin endpoints need an API key (--api-key)", "PermissionDenied")
+        if config.api_key and request.url.path.startswith(("/v1/", "/admin/")):
             if request.headers.get("authorization") != f"Bearer {config.api_key}":
                 return _error(401, "invalid or missing API key", "AuthenticationError")
         length = request.headers.get("content-length")
@@ -327,8 +346,11 @@ async def _sse(
     try:
         while True:
             text, finish, use = item
-            if text or finish or (opening and p.chat):
-                yield event(chunk_body(p.request_id, model, text, finish, p.chat, opening))
+            if text or finish or (opening and p.chat) or p.continuous_usage:
+                chunk = chunk_body(p.request_id, model, text, finish, p.chat, opening)
+                if p.continuous_usage:
+                    chunk["usage"] = use
+                yield event(chunk)
                 opening = False
             if finish is not None:
                 if p.include_usage:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.deploy.options import add_ray_options
 from halfmoon.serve.conductor_main import add_conductor_options
 from halfmoon.serve.runtime import SECRET_ENV, free_port, new_secret, setup_logging, warn_if_public
 from halfmoon.serve.worker_main import add_engine_options
@@ -145,7 +146,7 @@ def prepare_model(model: str, seed: int) -> Path:
     return out
 
 
-def _engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
+def engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
     argv = ["--model", str(model_dir)]
     if not args.prefix_caching:
         argv.append("--no-prefix-caching")
@@ -156,12 +157,14 @@ def _engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
     return argv
 
 
-def _conductor_argv(args: argparse.Namespace) -> list[str]:
+def conductor_argv(args: argparse.Namespace) -> list[str]:
     return [
         "--policy", args.policy, "--coupled-router", args.coupled_router,
         "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
         "--tbt-metric", args.tbt_metric, "--early-reject", args.early_reject,
-        "--block-size", str(args.block_size),
+        "--block-size", str(args.block_size), "--cpp-stages", str(args.cpp_stages),
+        "--cpp-chunk-tokens", str(args.cpp_chunk_tokens),
+        "--cpp-min-tokens", str(args.cpp_min_tokens),
     ]  # fmt: skip
 
 
@@ -172,18 +175,20 @@ def start_cluster(
     conductor_port = free_port(args.internal_host)
     endpoint = f"tcp://{args.internal_host}:{conductor_port}"
     group.spawn("conductor", "conductor", "--host", args.internal_host,
-                "--port", str(conductor_port), *_conductor_argv(args))  # fmt: skip
+                "--port", str(conductor_port), "--log-level", args.log_level,
+                *conductor_argv(args))  # fmt: skip
     if args.mode == "coupled":
         roles = [("coupled", args.instances)]
     else:
         roles = [("prefill", args.prefill), ("decode", args.decode)]
-    engine_argv = _engine_argv(args, model_dir)
+    worker_argv = engine_argv(args, model_dir)
     count = 0
     for role, n in roles:
         for i in range(n):
             group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
                         "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
-                        "--conductor", endpoint, *engine_argv)  # fmt: skip
+                        "--conductor", endpoint, "--log-level", args.log_level,
+                        *worker_argv)  # fmt: skip
             count += 1
     return endpoint, count
 
@@ -263,14 +268,33 @@ def _max_model_len(model_dir: Path) -> int:
     return int(config.get("max_position_embeddings", 2048))
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Start the cluster and serve until interrupted."""
-    log = setup_logging("serve", args.log_level)
-    warn_if_public(args.host, log)
+def check_shape(args: argparse.Namespace) -> None:
+    """Refuse contradictory pool and pipeline options before anything starts."""
     if args.mode == "coupled" and args.instances < 1:
         raise HalfmoonError("--instances must be >= 1")
     if args.mode == "disaggregated" and (args.prefill < 1 or args.decode < 1):
         raise HalfmoonError("--prefill and --decode must each be >= 1")
+    if args.cpp_stages < 1 or args.cpp_chunk_tokens < 1 or args.cpp_min_tokens < 0:
+        raise HalfmoonError(
+            "--cpp-stages and --cpp-chunk-tokens must be >= 1, --cpp-min-tokens >= 0"
+        )
+    if args.cpp_stages > 1 and (args.mode != "disaggregated" or args.prefill < args.cpp_stages):
+        raise HalfmoonError(
+            f"--cpp-stages {args.cpp_stages} needs --mode disaggregated and at least "
+            f"{args.cpp_stages} prefill workers (--prefill {args.prefill})"
+        )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the cluster and serve until interrupted."""
+    check_shape(args)
+    if getattr(args, "ray", None) is not None:  # Ray places the processes instead
+        from halfmoon.deploy.ray_serve import run_serve_ray
+
+        return run_serve_ray(args)
+    args.host = args.host or "127.0.0.1"
+    log = setup_logging("serve", args.log_level)
+    warn_if_public(args.host, log)
     model_dir = prepare_model(args.model, args.seed)
     group = ProcessGroup(os.environ.get(SECRET_ENV) or new_secret())
     try:
@@ -295,7 +319,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--instances", type=int, default=2, help="coupled workers (coupled)")
-    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument(
+        "--host", default=None, help="gateway address (127.0.0.1; with --ray, the gateway's node)"
+    )
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--internal-host", default="127.0.0.1", help="address of internal channels")
     p.add_argument("--served-model-name", default=None)
@@ -312,4 +338,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
     add_conductor_options(p)
+    add_ray_options(p)
     p.set_defaults(func=run_serve)

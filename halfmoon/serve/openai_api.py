@@ -2,7 +2,7 @@
 
 Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream``, ``stream_options.include_usage``, ``n=1``, and vLLM's ``ignore_eos``,
+``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``), ``n=1``, and vLLM's ``ignore_eos``,
 ``min_tokens``, ``top_k``. Unknown fields are ignored, as OpenAI's own server does.
 """
 
@@ -15,9 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` of a streaming request."""
+    """``stream_options`` of a streaming request. ``continuous_usage_stats`` (vLLM's
+    extension, with ``include_usage``): every chunk carries the running ``usage``, and a
+    chunk is sent for every generated token batch even when its text is empty, so a
+    client can time every token."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):

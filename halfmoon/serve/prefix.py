@@ -125,21 +125,30 @@ class ClusterPrefixCache:
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
         hashes = hashes[:usable]
         in_engine = len(self.engine.block_manager.match_prefix(prompt_token_ids))
+        payloads = self.fetch(hashes[in_engine:], source, source_endpoint)
+        have = in_engine + len(payloads)
+        if payloads:
+            self._seed(prompt_token_ids, have, in_engine, payloads)
+        return have
+
+    def fetch(
+        self,
+        hashes: Sequence[int],
+        source: TransferEngine | None = None,
+        source_endpoint: str = "",
+    ) -> list[bytearray]:
+        """Whole-block payloads of a leading run of ``hashes`` (a chain's continuation):
+        from this store first, the rest pulled from ``source_endpoint``'s store."""
         in_store = self.store.match_prefix(hashes)
         payloads: list[bytearray] = []
-        for h in hashes[in_engine:in_store]:
+        for h in hashes[:in_store]:
             buf = bytearray(self.engine.kv_bytes_per_block)
             if self.store.get_into(h, buf) is None:
                 break  # evicted or corrupt meanwhile: stop at the gap
             payloads.append(buf)
-        have = in_engine + len(payloads)
-        if source is not None and source_endpoint and have < len(hashes):
-            pulled = self._pull(source, source_endpoint, hashes[have:])
-            payloads += pulled
-            have += len(pulled)
-        if payloads:
-            self._seed(prompt_token_ids, have, in_engine, payloads)
-        return have
+        if source is not None and source_endpoint and len(payloads) < len(hashes):
+            payloads += self._pull(source, source_endpoint, list(hashes[len(payloads) :]))
+        return payloads
 
     def _pull(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> list[bytearray]:
         dests = [bytearray(self.engine.kv_bytes_per_block) for _ in hashes]

@@ -18,31 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from halfmoon.engine.stage import LayerSlice
+from halfmoon.serve.cpp import PipelineStage
+from halfmoon.serve.cpp_job import kv_session
+from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
 from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
 from halfmoon.serve.wire import params_from_wire
 from halfmoon.serve.worker import Handler, Worker
-from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
+from halfmoon.transfer import StreamLayout, TransferEngine
 
 log = logging.getLogger(__name__)
 HANDOFF_TIMEOUT_S = 60.0
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of a CPU tensor (zero copy when contiguous)."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _num_blocks(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass
@@ -126,6 +117,14 @@ class CoupledRole(_Streaming):
     def tick(self) -> None:
         """Nothing waits outside the engine."""
 
+    def has_work(self) -> bool:
+        """All its work is in the engine."""
+        return False
+
+    def num_pending(self) -> int:
+        """Its requests all live in the engine."""
+        return 0
+
     def stats(self) -> dict[str, Any]:
         """Nothing beyond the engine's numbers."""
         return {}
@@ -138,37 +137,6 @@ class CoupledRole(_Streaming):
         """Nothing to release."""
 
 
-class LayerStreamer:
-    """Sends queued layers on a background thread, so compute never waits for the wire."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kv-streamer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job()
-
-    def submit(self, job: Any) -> None:
-        """Run ``job()`` after everything queued before it."""
-        self._queue.put(job)
-
-    def barrier(self, timeout_s: float) -> bool:
-        """Wait until every job queued so far ran; False on timeout."""
-        done = threading.Event()
-        self._queue.put(done.set)
-        return done.wait(timeout_s)
-
-    def close(self) -> None:
-        """Stop the thread after the queued jobs."""
-        self._queue.put(None)
-        self._thread.join(5)
-
-
 @dataclass
 class _Prefill:
     identity: bytes
@@ -176,7 +144,7 @@ class _Prefill:
     params: Any
     decode: dict[str, str]
     num_blocks: int
-    sender: Any = None
+    stream: OutStream
     error: str = ""
     pulled_bytes: int = 0
     started_s: float = field(default_factory=time.monotonic)
@@ -203,9 +171,23 @@ class PrefillRole(_Streaming):
         self.bytes_per_block = layout.bytes_per_block
         self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
         self.kv_bytes_sent = 0
+        #: Its stage of chunked-pipeline (CPP) group requests.
+        self.stage = PipelineStage(worker, transfer, cache)
 
     def handlers(self) -> dict[str, Handler]:
-        return {"prefill": self._on_prefill, "replicate": self._on_replicate}
+        return {
+            "prefill": self._on_prefill,
+            "replicate": self._on_replicate,
+            **self.stage.handlers(),
+        }
+
+    def has_work(self) -> bool:
+        """Whether pipeline-stage work waits outside the engine."""
+        return self.stage.has_work()
+
+    def num_pending(self) -> int:
+        """Requests held outside the engine: pipeline stages."""
+        return len(self.stage.jobs)
 
     def _on_replicate(self, identity: bytes, msg: dict[str, Any]) -> None:
         hashes = hashes_from_wire(msg["hashes"])
@@ -217,7 +199,7 @@ class PrefillRole(_Streaming):
         tokens = [int(t) for t in msg["token_ids"]]
         params = params_from_wire(msg["params"])
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
-        n = _num_blocks(len(tokens), self.worker.engine.config.block_size)
+        n = num_blocks(len(tokens), self.worker.engine.config.block_size)
         source = msg.get("cache_source") or {}
         remote = (
             source.get("transfer", "")
@@ -226,7 +208,12 @@ class PrefillRole(_Streaming):
         )
         pulled_before = self.cache.num_blocks_pulled
         self.cache.load(tokens, self.transfer, remote)
-        p = _Prefill(identity, tokens, params, dict(msg["decode"]), n)
+        decode = dict(msg["decode"])
+        layout = (2 * self.num_layers, n, self.half_block_bytes)
+        stream = OutStream(
+            self.transfer, decode["transfer"], rid, layout, f"decode {decode['instance_id']}"
+        )
+        p = _Prefill(identity, tokens, params, decode, n, stream)
         p.pulled_bytes = (self.cache.num_blocks_pulled - pulled_before) * self.bytes_per_block
         self.prefills[rid] = p
         self.worker.engine.add_request(rid, tokens, first_only, keep_kv=True)
@@ -239,25 +226,8 @@ class PrefillRole(_Streaming):
         if p is None or p.error or kv.end_token < len(p.prompt_token_ids):
             return
         table = self.worker.engine.block_manager.block_table(rid)[: p.num_blocks]
-        keys, values = self.worker.engine.kv_cache.layer_blocks(layer, table)
-        k_views = [_bytes(keys[i]) for i in range(p.num_blocks)]
-        v_views = [_bytes(values[i]) for i in range(p.num_blocks)]
-        self.streamer.submit(lambda: self._send_layer(rid, p, layer, k_views, v_views))
-
-    def _send_layer(self, rid: str, p: _Prefill, layer: int, keys: list, values: list) -> None:
-        if p.error:
-            return
-        try:
-            if p.sender is None:
-                client = self.transfer.connect(p.decode["transfer"])
-                p.sender = client.open_stream(
-                    rid, 2 * self.num_layers, p.num_blocks, self.half_block_bytes
-                )
-            p.sender.send_layer(2 * layer, keys)
-            p.sender.send_layer(2 * layer + 1, values)
-            self.kv_bytes_sent += 2 * p.num_blocks * self.half_block_bytes
-        except (TransferError, OSError, ValueError) as exc:
-            p.error = f"KV stream to {p.decode['instance_id']} failed: {exc}"
+        keys, values = layer_views(self.worker.engine.kv_cache, layer, table)
+        self.streamer.submit(lambda: p.stream.send_kv(layer, keys, values))
 
     # -- first token: hand over ----------------------------------------------------------------------
     def on_outputs(self, outputs: list[Any]) -> None:
@@ -276,12 +246,13 @@ class PrefillRole(_Streaming):
         if finish is None:
             # Every layer must be on the wire before the blocks go back to the pool.
             ok = self.streamer.barrier(HANDOFF_TIMEOUT_S)
-            self.streamer.submit(lambda: self._finish_stream(p))
+            self.streamer.submit(p.stream.finish)
             ok = self.streamer.barrier(HANDOFF_TIMEOUT_S) and ok
+            self.kv_bytes_sent += p.stream.bytes_sent
         handoff = self.worker.engine.export_kv(rid, release=True)  # cached blocks stay cached
         if finish is None:
-            if not ok or p.error:
-                self._fail(rid, p, p.error or "KV stream timed out")
+            if not ok or p.stream.error:
+                self._fail(rid, p, p.stream.error or "KV stream timed out")
                 return
             self.worker.send_to(p.decode["command"], {
                 "type": "handoff", "request_id": rid, "token_ids": list(handoff.token_ids),
@@ -294,19 +265,9 @@ class PrefillRole(_Streaming):
         client = _Client(p.identity, p.prompt_token_ids)
         self.send_tokens(rid, client, out, finish, streamed + p.pulled_bytes)
 
-    def _finish_stream(self, p: _Prefill) -> None:
-        if p.error or p.sender is None:
-            p.error = p.error or "no KV layer was streamed"
-            return
-        try:
-            p.sender.finish()
-        except (TransferError, OSError) as exc:
-            p.error = f"KV stream to {p.decode['instance_id']} failed: {exc}"
-
     def _fail(self, rid: str, p: _Prefill, error: str) -> None:
         log.warning("request %s: %s", rid, error)
-        if p.sender is not None:
-            p.sender.cancel()
+        p.stream.cancel()
         # The decode side failed, not the request: the gateway may place it again.
         self.worker.send(p.identity, {
             "type": "error", "request_id": rid, "error": error, "retryable": True,
@@ -316,14 +277,16 @@ class PrefillRole(_Streaming):
 
     def on_abort(self, request_id: str) -> None:
         p = self.prefills.pop(request_id, None)
-        if p is not None and p.sender is not None:
+        if p is not None:
             p.error = "aborted"
-            self.streamer.submit(p.sender.cancel)
-        if self.worker.engine.abort_request(request_id):
+            self.streamer.submit(p.stream.cancel)
+        staged = self.stage.on_abort(request_id)
+        if self.worker.engine.abort_request(request_id) or staged:
             self.worker.conductor.event("request_finished", request_id=request_id)
 
     def tick(self) -> None:
-        """Prefill work lives in the engine; nothing to expire here."""
+        """Advance pipeline-stage work (whole prompts live in the engine)."""
+        self.stage.tick()
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every block of the store, for a restarted Conductor's index."""
@@ -337,10 +300,12 @@ class PrefillRole(_Streaming):
             "blocks_pulled": self.cache.num_blocks_pulled,
             "kv_bytes_streamed": self.kv_bytes_sent,
             "store_blocks": store.dram.num_blocks + store.ssd.num_blocks,
+            **self.stage.stats(),
         }
 
     def close(self) -> None:
         self.streamer.close()
+        self.stage.close()
         self.transfer.close()
         self.cache.store.close()
 
@@ -351,7 +316,7 @@ class _Expected:
     params: Any
     num_prompt_tokens: int
     region: str
-    receiver: Any
+    receivers: list[Any]
     prefill_instance: str = ""
     since_s: float = field(default_factory=time.monotonic)
 
@@ -373,19 +338,31 @@ class DecodeRole(_Streaming):
     def _on_expect(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
         num_prompt = int(msg["num_prompt_tokens"])
-        n = _num_blocks(num_prompt, self.worker.engine.config.block_size)
+        n = num_blocks(num_prompt, self.worker.engine.config.block_size)
+        num_stages = int(msg.get("num_stages", 1))
+        slices = LayerSlice.split(self.num_layers, num_stages)  # one KV stream per stage
         region = f"kv-{rid}"
         self.transfer.register_region(region, n * self.bytes_per_block)
         half = self.bytes_per_block // (2 * self.num_layers)
-        receiver = self.transfer.expect_stream(
-            rid, region, StreamLayout.contiguous(2 * self.num_layers, n, half)
-        )
+        receivers = []
+        try:
+            for s, layers in enumerate(slices):
+                layout = StreamLayout.contiguous(
+                    2 * layers.size, n, half, base_offset=2 * layers.first * n * half
+                )
+                session = kv_session(rid, s, num_stages)
+                receivers.append(self.transfer.expect_stream(session, region, layout))
+        except Exception:
+            for receiver in receivers:
+                receiver.cancel()
+            self.transfer.unregister_region(region)
+            raise
         self.expected[rid] = _Expected(
             identity,
             params_from_wire(msg["params"]),
             num_prompt,
             region,
-            receiver,
+            receivers,
             str(msg.get("prefill_instance", "")),
         )
 
@@ -397,7 +374,8 @@ class DecodeRole(_Streaming):
         if e is None:
             return  # aborted meanwhile
         try:
-            e.receiver.wait(10.0)
+            for receiver in e.receivers:
+                receiver.wait(10.0)
             engine = self.worker.engine
             handoff = KVHandoff(
                 request_id=rid, token_ids=tuple(int(t) for t in msg["token_ids"]),
@@ -428,11 +406,20 @@ class DecodeRole(_Streaming):
     def on_abort(self, request_id: str) -> None:
         e = self.expected.pop(request_id, None)
         if e is not None:
-            e.receiver.cancel()
+            for receiver in e.receivers:
+                receiver.cancel()
             self.transfer.unregister_region(e.region)
         self.clients.pop(request_id, None)
         if self.worker.engine.abort_request(request_id) or e is not None:
             self.worker.conductor.event("request_finished", request_id=request_id)
+
+    def has_work(self) -> bool:
+        """Waiting KV streams need no loop turns: the handoff message wakes the loop."""
+        return False
+
+    def num_pending(self) -> int:
+        """Requests whose KV is still on its way."""
+        return len(self.expected)
 
     def tick(self) -> None:
         """Expire expectations whose handoff never came (the prefill side died)."""

@@ -28,6 +28,9 @@ from halfmoon.serve.protocol import ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 0.5
+#: A draining worker exits after this long with nothing to do: a request the Conductor
+#: placed just before the drain may still be on its way from the gateway.
+DRAIN_QUIET_S = 1.0
 
 Handler = Callable[[bytes, dict[str, Any]], None]
 
@@ -45,10 +48,12 @@ class WorkerIdentity:
 class Heartbeat:
     """Beats to the Conductor every ``interval_s`` from a thread and socket of its own,
     so a long engine step never looks like a dead worker. When the Conductor does not
-    know this instance (it restarted), ``register_again`` is set for the main loop."""
+    know this instance (it restarted), ``register_again`` is set for the main loop; when
+    it drains this instance (scale-down), ``drain`` is."""
 
     def __init__(self, endpoint: str, secret: bytes, instance_id: str, interval_s: float = 0.25):
         self.register_again = threading.Event()
+        self.drain = threading.Event()
         self._stop = threading.Event()
         self._args = (endpoint, secret, instance_id, interval_s)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -71,6 +76,8 @@ class Heartbeat:
                     if reply.get("type") == "register_again":
                         self.register_again.set()
                         self._stop.wait(1.0)  # give the main loop time to register
+                    elif reply.get("type") == "drain":
+                        self.drain.set()
         finally:
             sock.close(0)
 
@@ -100,6 +107,7 @@ class ConductorLink:
         kv_bytes_per_token: int = 0,
         profile: dict[str, Any] | None = None,
         timeout_s: float = 60.0,
+        hidden_bytes_per_token: int = 0,
     ) -> None:
         """Announce this worker (with its measured cost profile); retries until the
         Conductor answers."""
@@ -109,9 +117,14 @@ class ConductorLink:
             "transfer_endpoint": self._me.transfer_endpoint,
             "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
             "profile": profile, "incarnation": self.incarnation,
+            "hidden_bytes_per_token": hidden_bytes_per_token,
         }  # fmt: skip
         self._registration = msg
         self._send_registration(msg, timeout_s)
+
+    def mark_draining(self) -> None:
+        """From now on, registering again says this worker drains (stays out of placement)."""
+        self._registration["draining"] = True
 
     def register_again(self, blocks: list[dict[str, Any]], timeout_s: float = 60.0) -> None:
         """Register anew (the Conductor restarted), announcing the blocks held."""
@@ -156,6 +169,10 @@ class Role(Protocol):
 
     def tick(self) -> None: ...
 
+    def has_work(self) -> bool: ...
+
+    def num_pending(self) -> int: ...
+
     def stats(self) -> dict[str, Any]: ...
 
     def snapshot(self) -> list[dict[str, Any]]: ...
@@ -189,6 +206,9 @@ class Worker:
         self._last_report_s = 0.0
         self.num_steps = 0
         self.heartbeat: Heartbeat | None = None
+        #: When the Conductor told this worker to drain, and since when it has been idle.
+        self.draining_since_s: float | None = None
+        self._idle_since_s: float | None = None
 
     def set_role(self, role: Role) -> None:
         """Install the role's command handlers."""
@@ -197,10 +217,11 @@ class Worker:
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
-        """Serve until ``stop()``."""
+        """Serve until ``stop()``, or until drained (told to drain, then idle)."""
         assert self.role is not None, "set_role() first"
-        while not stop():
-            timeout_ms = 0 if self.engine.has_unfinished_requests() else 20
+        while not stop() and not self.drained():
+            busy = self.engine.has_unfinished_requests() or self.role.has_work()
+            timeout_ms = 0 if busy else 20
             while self._sock.poll(timeout_ms):
                 self._handle(self._sock.recv_multipart())
                 timeout_ms = 0
@@ -215,6 +236,27 @@ class Worker:
                 self.conductor.register_again(self.role.snapshot())
             self._maybe_report()
             self.conductor.flush()
+
+    def drained(self, now_s: float | None = None) -> bool:
+        """Whether a drain was asked for and nothing has been left to do for
+        ``DRAIN_QUIET_S``: no request in the engine or held by the role (a decode worker's
+        awaited KV, a prefill worker's handoffs and pipeline stages)."""
+        if self.heartbeat is None or not self.heartbeat.drain.is_set():
+            return False
+        now_s = time.monotonic() if now_s is None else now_s
+        if self.draining_since_s is None:
+            log.info("draining: finishing %d requests, then exiting",
+                     self.engine.stats().num_running)  # fmt: skip
+            self.draining_since_s = now_s
+            self.conductor.mark_draining()
+        assert self.role is not None
+        busy = self.engine.has_unfinished_requests() or self.role.num_pending() > 0
+        if busy:
+            self._idle_since_s = None
+            return False
+        if self._idle_since_s is None:
+            self._idle_since_s = now_s
+        return now_s - self._idle_since_s >= DRAIN_QUIET_S
 
     def close(self) -> None:
         """Close sockets and the role's resources."""
@@ -233,6 +275,9 @@ class Worker:
             msg = decode(rest, self.secret)
         except ProtocolError as exc:
             log.warning("dropped a command: %s", exc)
+            return
+        if msg.get("type") == "error":  # a peer worker's complaint: never answer it
+            log.warning("peer reported: %s", msg.get("error"))
             return
         handler = self._handlers.get(msg["type"])
         try:

@@ -116,11 +116,15 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_capacity_tokens=stats.num_blocks * args.block_size,
         kv_bytes_per_token=engine.kv_bytes_per_block // args.block_size,
         profile=profile.to_dict(),
+        hidden_bytes_per_token=engine.model_config.hidden_size
+        * engine.kv_cache.pool.element_size(),
     )
     worker.heartbeat = Heartbeat(args.conductor, secret, name)
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
     try:
         worker.run(stop.is_set)
+        if worker.draining_since_s is not None and not stop.is_set():
+            log.info("%s drained: exiting", name)
     finally:
         worker.close()
     return 0

@@ -88,3 +88,14 @@ def test_group_fetches_its_layers_share_of_a_remote_prefix(make_conductor, paper
 def test_config_is_checked(field, value):
     with pytest.raises(ValueError, match=field):
         ConductorConfig(**{field: value})
+
+
+def test_removing_a_stage_drops_the_group_requests_bookings(make_conductor):
+    c = make_conductor(num_prefill=2, num_decode=1, **CPP)
+    d = c.schedule(_req("r", 1000))
+    assert d.prefill.group == ("P1", "P2")
+    c.remove_instance("P2")  # the second stage died: the retry must not see r's bookings
+    assert c.queue_s("P1") == 0.0
+    again = c.schedule(_req("r~1", 1000))
+    assert again.accepted and again.decode.num_running == 1
+    assert again.prefill.instance_id == "P1" and not again.prefill.group

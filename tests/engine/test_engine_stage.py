@@ -33,21 +33,26 @@ def pipeline(engine: LLMEngine, stages: int, tokens: list[int], chunk: int,
         StageExecutor(model, engine.kv_layout, s, 64)
         for s in LayerSlice.split(engine.model_config.num_layers, stages)
     ]
-    start = 0
     for ex in execs:
-        ex.start("r", len(tokens))
+        assert ex.start("r", tokens) == 0
         if cached:
             ex.load_prefix("r", cached)
     start = len(cached or []) * engine.kv_layout.block_size
+    return run_chunks(execs, "r", tokens, start, chunk), execs
+
+
+def run_chunks(execs: list[StageExecutor], rid: str, tokens: list[int], start: int,
+               chunk: int) -> torch.Tensor:  # fmt: skip
     finals = []
     while start < len(tokens):
         piece = tokens[start : start + chunk]
         hidden = None
         for ex in execs:
-            hidden = ex.run("r", piece, start, hidden)
+            hidden = ex.run(rid, piece, start, hidden)
+            ex.commit(rid, tokens, start + len(piece))
         finals.append(hidden)
         start += len(piece)
-    return torch.cat(finals), execs
+    return torch.cat(finals)
 
 
 def test_stages_match_transformers(reference: Reference, prompts) -> None:
@@ -102,8 +107,9 @@ def test_stage_errors_are_clear(llama_ref: Reference) -> None:
     second = LayerSlice.split(engine.model_config.num_layers, 2)[1]
     ex = StageExecutor(engine.runner.model, engine.kv_layout, second, 4)
     with pytest.raises(HalfmoonError, match="free blocks"):
-        ex.start("big", 10_000)
-    ex.start("r", 8)
+        ex.start("big", list(range(10_000)))
+    assert ex.blocks.num_free_blocks == 4
+    ex.start("r", list(range(8)))
     with pytest.raises(HalfmoonError, match="hidden states"):
         ex.run("r", [1, 2, 3], 0)
     first = LayerSlice.split(engine.model_config.num_layers, 2)[0]
@@ -111,3 +117,23 @@ def test_stage_errors_are_clear(llama_ref: Reference) -> None:
         StageExecutor(engine.runner.model, engine.kv_layout, first, 4).logits(torch.zeros(1, 8))
     with pytest.raises(HalfmoonError, match="outside this stage"):
         ex.kv_cache.layer(0)
+
+
+def test_stage_cache_reuses_a_prefix_up_to_the_agreed_token(llama_ref: Reference, prompts) -> None:
+    """A stage's own pool caches its slice of earlier prompts; a group agrees on a start
+    token, and a stage never reuses past it."""
+    engine = LLMEngine(engine_config(llama_ref.path))
+    (tokens,) = prompts(7, [75], llama_ref.vocab_size)
+    _, execs = pipeline(engine, 2, tokens[:50], chunk=16)
+    for ex in execs:
+        ex.release("r")
+        assert ex.match_blocks(tokens) == 3  # 48 of the 50 tokens sit in full blocks
+    assert execs[0].start("s", tokens, max_cached_tokens=32) == 32  # capped by agreement
+    assert execs[1].start("s", tokens, max_cached_tokens=48) == 48
+    execs[1].release("s")
+    assert execs[1].start("s", tokens, max_cached_tokens=32) == 32
+    hidden = run_chunks(execs, "s", tokens, 32, 16)
+    assert_logits_close(execs[-1].logits(hidden), hf_logits(llama_ref, tokens)[32:])
+    for ex in execs:
+        ex.release("s")
+        ex.blocks.check_integrity()

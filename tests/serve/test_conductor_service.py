@@ -114,3 +114,22 @@ def test_missing_secret_is_a_clear_error(spawn, port):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert b"HALFMOON_SECRET is not set" in out
+
+
+def test_cpp_group_decision_names_every_stage(spawn, port):
+    spawn("conductor", "--port", str(port), "--cpp-stages", "2", "--cpp-chunk-tokens", "64",
+          "--cpp-min-tokens", "100", "--cpp-hidden-bytes-per-token", "1024")  # fmt: skip
+    client = Client(port)
+    assert client.call({"type": "ping"}, timeout_ms=20_000)["type"] == "pong"
+    for iid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        _register(client, iid, role)
+    msg = {"type": "schedule", "output_length": 4, "block_size": 16}
+    long = client.call({**msg, "request_id": "long", "input_length": 20_000,
+                        "hashes": hashes_to_wire(list(range(1250)))})  # fmt: skip
+    assert long["accepted"], long
+    assert [m["instance_id"] for m in long["group"]] == ["p0", "p1"]
+    assert long["group"][1]["transfer"] == "127.0.0.1:2/p1"
+    assert long["cpp_chunk_tokens"] == 64 and long["prefill"]["instance_id"] == "p0"
+    short = client.call({**msg, "request_id": "short", "input_length": 64,
+                         "hashes": hashes_to_wire([7, 8, 9, 10])})  # fmt: skip
+    assert short["accepted"] and "group" not in short

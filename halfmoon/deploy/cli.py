@@ -1,0 +1,87 @@
+"""``halfmoon cluster scale|status|stop``: talk to a running Ray deployment's controller."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.deploy.options import NAMESPACE
+
+
+def _controller(args: argparse.Namespace) -> Any:
+    from halfmoon.deploy.ray_serve import connect
+
+    ray = connect(args.address)
+    try:
+        return ray.get_actor(args.name, namespace=NAMESPACE)
+    except ValueError:
+        raise HalfmoonError(f"no deployment named {args.name!r} on this Ray cluster") from None
+
+
+def scale_targets(args: argparse.Namespace) -> dict[str, int]:
+    """{role: size} from ``--prefill`` / ``--decode`` / ``--instances``."""
+    named = {"prefill": args.prefill, "decode": args.decode, "coupled": args.instances}
+    targets = {role: n for role, n in named.items() if n is not None}
+    if not targets:
+        raise HalfmoonError("name at least one pool size: --prefill, --decode or --instances")
+    return targets
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """Resize pools; with ``--wait``, until the new workers joined and the removed left."""
+    import ray
+
+    from halfmoon.deploy.ray_serve import wait_settled
+
+    targets = scale_targets(args)
+    controller = _controller(args)
+    reply = ray.get(controller.scale.remote(targets), timeout=120)
+    if "error" in reply:
+        raise HalfmoonError(reply["error"])
+    if args.wait:
+        reply["status"] = wait_settled(controller, args.wait)
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the controller's view of the deployment as JSON."""
+    import ray
+
+    print(json.dumps(ray.get(_controller(args).status.remote(), timeout=120), indent=2))
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    """Stop every process of the deployment and its controller."""
+    from halfmoon.deploy.ray_serve import stop_deployment
+
+    stop_deployment(_controller(args))
+    print(f"halfmoon: stopped deployment {args.name!r}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``halfmoon cluster``."""
+    p = subparsers.add_parser(
+        "cluster", help="scale, inspect or stop a running Ray deployment (serve --ray)",
+        description="Talk to the controller of a deployment started by `halfmoon serve --ray`.",
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+    for action, func, text in (
+        ("scale", run_scale, "resize pools: new workers join, removed ones drain first"),
+        ("status", run_status, "print the deployment's workers, nodes and states (JSON)"),
+        ("stop", run_stop, "stop the deployment"),
+    ):
+        q = sub.add_parser(action, help=text, description=text)
+        q.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
+        q.add_argument("--name", default="halfmoon", help="deployment name (--deployment-name)")
+        q.set_defaults(func=func)
+        if action == "scale":
+            q.add_argument("--prefill", type=int, default=None, help="prefill workers")
+            q.add_argument("--decode", type=int, default=None, help="decode workers")
+            q.add_argument("--instances", type=int, default=None, help="coupled workers")
+            q.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                           help="wait up to SECONDS for joins and drains to finish")  # fmt: skip

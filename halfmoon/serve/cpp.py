@@ -1,0 +1,429 @@
+"""Chunked pipeline parallelism (CPP) in a prefill worker: one stage of a CPP group.
+
+The gateway sends ``cpp_prefill`` to each of the group's K workers (stage ``s`` of K); the
+decode worker was told to expect K KV streams, one per stage. Per chunk ``c``::
+
+    stage 0       embed + layers [0, a)  --hidden c-->  stage 1 (transfer stream "<rid>@h1")
+    stage s       layers [.., ..)        --hidden c-->  stage s+1
+    last stage    layers [z, L) + norm;  after the last chunk: logits -> first token
+
+On its last chunk every stage streams its layers' K and V, layer by layer as they
+complete, into its slice of the decode worker's region (stream "<rid>@kv<s>"); the last
+stage then sends the first token to the gateway and the handoff to the decode worker.
+Stages overlap: while stage ``s+1`` computes chunk ``c``, stage ``s`` computes ``c+1``.
+
+Prefix reuse per stage: the Conductor picks a group with the prefix its members hold (or
+names a source to pull it from); each stage loads those whole-model blocks from its store
+and keeps its layers' share. A stage that cannot (the blocks went meanwhile), or that
+loses a neighbour, fails the request as retryable and the gateway places it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.engine.sampling import row_for, sample
+from halfmoon.engine.stage import LayerSlice, StageExecutor
+from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
+from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks, tensor_bytes
+from halfmoon.serve.prefix import ClusterPrefixCache
+from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.worker import Handler, Worker
+from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+#: How long a stage waits for its next chunk's hidden states before failing the request.
+STAGE_WAIT_S = 60.0
+#: Longest the worker loop blocks on a stage's input while it has nothing else to do.
+IDLE_WAIT_S = 0.005
+
+
+class PipelineStage:
+    """The CPP side of a prefill worker: runs its layer slice of group requests, chunk by
+    chunk, between the worker's engine steps (see the module docstring)."""
+
+    def __init__(self, worker: Worker, transfer: TransferEngine, cache: ClusterPrefixCache):
+        self.worker = worker
+        self.transfer = transfer
+        self.cache = cache
+        self.engine = worker.engine
+        self.streamer = LayerStreamer()
+        self.jobs: dict[str, StageJob] = {}
+        self._early: dict[str, dict[int, int]] = {}  # offers that beat their cpp_prefill
+        self._executors: dict[tuple[int, int], StageExecutor] = {}
+        self._rng = random.Random(self.engine.config.seed)
+        layout = self.engine.kv_layout
+        self.block_size = layout.block_size
+        self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
+        self.num_chunks_run = 0
+        self.num_requests = 0
+        self.num_prefix_tokens_reused = 0
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "cpp_prefill": self._on_cpp_prefill,
+            "cpp_offer": self._on_cpp_offer,
+            "cpp_start": self._on_cpp_start,
+        }
+
+    def has_work(self) -> bool:
+        """Whether a job can advance right now (compute a chunk, finish or fail)."""
+        return any(self._can_advance(job) for job in self.jobs.values())
+
+    @staticmethod
+    def _can_advance(job: StageJob) -> bool:
+        if job.error:
+            return True
+        if not job.began:
+            return False  # a command (cpp_offer / cpp_start) wakes the loop
+        if job.computed:
+            return job.sent.is_set()
+        return job.receiver is None or job.receiver.is_layer_done(job.next_chunk)
+
+    def _executor(self, layers: LayerSlice) -> StageExecutor:
+        key = (layers.first, layers.last)
+        if key not in self._executors:
+            self._executors[key] = StageExecutor(
+                self.engine.runner.model, self.engine.kv_layout, layers,
+                self.engine.kv_cache.num_blocks, hook=self._on_layer,
+                enable_prefix_caching=self.engine.config.enable_prefix_caching,
+            )  # fmt: skip
+        return self._executors[key]
+
+    # -- a new request: agree on the prefix, then begin ---------------------------------------------
+    def _on_cpp_prefill(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        tokens = [int(t) for t in msg["token_ids"]]
+        stage, num_stages = int(msg["stage"]), int(msg["num_stages"])
+        chunk_tokens = int(msg["chunk_tokens"])
+        commands = [str(c) for c in msg["commands"]]
+        if not 0 <= stage < num_stages == len(commands) or chunk_tokens < 1 or not tokens:
+            raise HalfmoonError(
+                f"bad cpp_prefill: stage {stage} of {num_stages} ({len(commands)} commands), "
+                f"chunk {chunk_tokens}, {len(tokens)} tokens"
+            )
+        if len(tokens) >= self.engine.max_model_len:
+            raise HalfmoonError(f"prompt of {len(tokens)} tokens exceeds the context")
+        layers = LayerSlice.split(self.engine.model_config.num_layers, num_stages)[stage]
+        executor = self._executor(layers)
+        group = [str(i) for i in msg.get("group", [])]
+        job = StageJob(
+            rid, identity, tokens, params_from_wire(msg["params"]), executor, stage, num_stages,
+            chunk_tokens, str(msg.get("next_transfer", "")), dict(msg["decode"]), commands,
+            (group[stage - 1] if 0 < stage <= len(group) else "",
+             group[stage + 1] if stage + 1 < len(group) else ""),
+            self._offer(executor, tokens, int(msg.get("cached_tokens", 0))),
+            dict(msg.get("cache_source") or {}),
+        )  # fmt: skip
+        self.jobs[rid] = job
+        if stage == 0:
+            job.matches = {0: job.offered_blocks, **self._early.pop(rid, {})}
+            self._maybe_agree(job)
+        else:
+            self.worker.send_to(commands[0], {
+                "type": "cpp_offer", "request_id": rid, "stage": stage,
+                "blocks": job.offered_blocks,
+            })  # fmt: skip
+
+    def _offer(self, executor: StageExecutor, tokens: list[int], conductor_tokens: int) -> int:
+        """Prefix blocks this stage can provide: its own cache's, or the store prefix the
+        Conductor counted on (loaded from the store, or pulled, at the start)."""
+        if not self.engine.config.enable_prefix_caching:
+            return 0
+        usable = (len(tokens) - 1) // self.block_size
+        return min(max(executor.match_blocks(tokens), conductor_tokens // self.block_size), usable)
+
+    def _on_cpp_offer(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = str(msg["request_id"])
+        job = self.jobs.get(rid)
+        if job is None:
+            early = self._early.setdefault(rid, {})
+            early[int(msg["stage"])] = int(msg["blocks"])
+            while len(self._early) > 1024:  # offers of requests aborted before they came
+                self._early.pop(next(iter(self._early)))
+            return
+        job.matches[int(msg["stage"])] = int(msg["blocks"])
+        self._maybe_agree(job)
+
+    def _maybe_agree(self, job: StageJob) -> None:
+        """Stage 0, once every stage offered: all start after the prefix all can provide."""
+        if job.began or len(job.matches) < job.num_stages:
+            return
+        start_blocks = min(job.matches.values())
+        for command in job.commands[1:]:
+            self.worker.send_to(command, {
+                "type": "cpp_start", "request_id": job.rid, "start_blocks": start_blocks,
+            })  # fmt: skip
+        self._begin(job, start_blocks)
+
+    def _on_cpp_start(self, identity: bytes, msg: dict[str, Any]) -> None:
+        job = self.jobs.get(str(msg["request_id"]))
+        if job is not None and not job.began:  # else aborted meanwhile
+            self._begin(job, int(msg["start_blocks"]))
+
+    def _begin(self, job: StageJob, start_blocks: int) -> None:
+        """Take blocks (reusing the agreed prefix), announce the hidden-state stream."""
+        job.began = True
+        job.progress_s = job.began_s = time.monotonic()
+        start = start_blocks * self.block_size
+        try:
+            cached = job.executor.start(job.rid, job.tokens, start)
+            if cached < start:
+                self._load_from_store(job, cached // self.block_size, start_blocks)
+        except HalfmoonError as exc:
+            job.error = str(exc)  # the next tick fails it as retryable
+            return
+        job.start = start
+        self.num_prefix_tokens_reused += start
+        n = num_blocks(len(job.tokens), self.block_size)
+        job.kv_out = OutStream(
+            self.transfer, job.decode["transfer"], kv_session(job.rid, job.stage, job.num_stages),
+            (2 * job.executor.layers.size, n, self.half_block_bytes),
+            f"decode {job.decode.get('instance_id')}",
+        )  # fmt: skip
+        chunk_bytes = job.chunk_tokens * self._row_bytes(job.executor)
+        if job.stage + 1 < job.num_stages:
+            job.hidden_out = OutStream(
+                self.transfer, job.next_transfer, hidden_session(job.rid, job.stage + 1),
+                (job.num_chunks, 1, chunk_bytes), f"stage {job.stage + 1}",
+            )  # fmt: skip
+        if job.stage > 0:
+            job.region = f"cpp-{job.rid}"
+            self.transfer.register_region(job.region, job.num_chunks * chunk_bytes)
+            job.receiver = self.transfer.expect_stream(
+                hidden_session(job.rid, job.stage), job.region,
+                StreamLayout.contiguous(job.num_chunks, 1, chunk_bytes),
+            )  # fmt: skip
+        self.num_requests += 1
+        self.worker.conductor.event("prefill_started", request_id=job.rid)
+
+    @staticmethod
+    def _row_bytes(executor: StageExecutor) -> int:
+        return executor.hidden_size * executor.dtype.itemsize
+
+    def _load_from_store(self, job: StageJob, have_blocks: int, want_blocks: int) -> None:
+        """Blocks ``have..want-1`` from the worker's store (or pulled from the Conductor's
+        source) into the stage's pool; raises when they are gone (the group agreed on them)."""
+        hashes = hash_blocks(job.tokens[: want_blocks * self.block_size], self.block_size).full
+        endpoint = job.cache_source.get("transfer", "")
+        if job.cache_source.get("instance_id") == self.worker.me.instance_id:
+            endpoint = ""
+        payloads = self.cache.fetch(hashes[have_blocks:], self.transfer, endpoint)
+        if len(payloads) < want_blocks - have_blocks:
+            raise HalfmoonError(
+                f"stage {job.stage} found {have_blocks + len(payloads)} of the "
+                f"{want_blocks} agreed prefix blocks"
+            )
+        job.executor.load_prefix(job.rid, payloads, first_block=have_blocks)
+        job.executor.commit(job.rid, job.tokens, want_blocks * self.block_size)
+
+    # -- the per-layer hook (engine thread) -------------------------------------------------------
+    def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: Any) -> None:
+        """On the last chunk, queue this layer's K and V of the whole prompt for decode."""
+        job = self.jobs.get(rid)
+        if job is None or job.error or kv.end_token < len(job.tokens):
+            return
+        n = num_blocks(len(job.tokens), self.block_size)
+        table = job.executor.blocks.block_table(rid)[:n]
+        keys, values = layer_views(job.executor.kv_cache, layer, table)
+        local = layer - job.executor.layers.first
+        out = job.kv_out
+        assert out is not None
+        self.streamer.submit(lambda: out.send_kv(local, keys, values))
+
+    # -- the stream thread ---------------------------------------------------------------------------
+    def _finish_streams(self, job: StageJob) -> None:
+        for out in (job.hidden_out, job.kv_out):
+            if out is not None:
+                out.finish()
+        job.sent.set()
+
+    # -- the worker loop ---------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Finish jobs whose streams ended; run one chunk of the oldest runnable job."""
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            self._check_streams(job)
+            if not job.began and not job.error and now - job.progress_s > STAGE_WAIT_S:
+                job.error = f"the group did not agree on a start within {STAGE_WAIT_S:g}s"
+            if job.error:
+                self._fail(job)
+            elif job.computed and job.sent.is_set():
+                self._complete(job)
+        for job in list(self.jobs.values()):
+            if job.began and not job.computed and not job.error and self._input_ready(job):
+                self._run_chunk(job)
+                return
+        if self.jobs and not self.engine.has_unfinished_requests():
+            self._idle_wait(IDLE_WAIT_S)
+
+    def _idle_wait(self, timeout_s: float) -> None:
+        """Nothing to compute: block briefly on what the oldest job awaits, so the loop
+        wakes the moment it arrives instead of spinning or sleeping a whole poll."""
+        job = next(iter(self.jobs.values()))
+        if job.error or not job.began:
+            return
+        if job.computed:
+            job.sent.wait(timeout_s)
+        elif job.receiver is not None:
+            with contextlib.suppress(TransferError):  # _input_ready reports it next tick
+                job.receiver.wait_layer(job.next_chunk, timeout_s)
+
+    @staticmethod
+    def _check_streams(job: StageJob) -> None:
+        """A failed outgoing stream fails the job, suspecting its peer."""
+        if job.error:
+            return
+        if job.kv_out is not None and job.kv_out.error:
+            job.error, job.suspect = job.kv_out.error, job.decode.get("instance_id", "")
+        elif job.hidden_out is not None and job.hidden_out.error:
+            job.error, job.suspect = job.hidden_out.error, job.suspects[1]
+
+    def _input_ready(self, job: StageJob) -> bool:
+        if job.receiver is None:
+            return True
+        if job.receiver.is_layer_done(job.next_chunk):
+            return True
+        if job.receiver.error is not None:
+            job.error = f"hidden states from stage {job.stage - 1}: {job.receiver.error}"
+            job.suspect = job.suspects[0]
+        elif time.monotonic() - job.progress_s > STAGE_WAIT_S:
+            job.error = f"no hidden states from stage {job.stage - 1} for {STAGE_WAIT_S:g}s"
+            job.suspect = job.suspects[0]
+        return False
+
+    def _run_chunk(self, job: StageJob) -> None:
+        c = job.next_chunk
+        lo = job.start + c * job.chunk_tokens
+        hi = min(lo + job.chunk_tokens, len(job.tokens))
+        row_bytes = self._row_bytes(job.executor)
+        hidden_in = None
+        if job.receiver is not None:
+            view = self.transfer.regions.get(job.region).view
+            offset = c * job.chunk_tokens * row_bytes
+            with warnings.catch_warnings():  # read-only views are fine: nothing writes them
+                warnings.simplefilter("ignore", UserWarning)
+                hidden_in = torch.frombuffer(
+                    view[offset : offset + (hi - lo) * row_bytes], dtype=job.executor.dtype
+                ).view(hi - lo, -1)
+        t0 = time.monotonic()
+        out = job.executor.run(job.rid, job.tokens[lo:hi], lo, hidden_in)
+        job.compute_s += time.monotonic() - t0
+        job.executor.commit(job.rid, job.tokens, hi)  # later prompts reuse this slice
+        job.next_chunk += 1
+        job.progress_s = time.monotonic()
+        self.num_chunks_run += 1
+        if job.stage + 1 < job.num_stages:
+            padded = torch.zeros(job.chunk_tokens, out.shape[1], dtype=out.dtype)
+            padded[: hi - lo] = out
+            data, out = tensor_bytes(padded), job.hidden_out
+            assert out is not None
+            self.streamer.submit(lambda: out.send(c, [data]))
+        if job.computed:
+            job.computed_s = time.monotonic()
+            if job.stage + 1 == job.num_stages:
+                job.first_token = self._sample(job, job.executor.logits(out[-1:]))
+            self.streamer.submit(lambda: self._finish_streams(job))
+
+    def _sample(self, job: StageJob, logits: torch.Tensor) -> int:
+        params = job.params
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        job.seed = seed
+        stop_ids = tuple(sorted(self._stop_ids(params)))
+        return sample(logits, [row_for(params, seed, 0, stop_ids)])[0]
+
+    def _stop_ids(self, params: Any) -> set[int]:
+        stop = set(getattr(params, "stop_token_ids", ()))
+        if not params.ignore_eos:
+            stop.update(self.engine.eos_token_ids)
+        return stop
+
+    # -- endings -----------------------------------------------------------------------------------
+    def _release(self, job: StageJob) -> None:
+        self.jobs.pop(job.rid, None)
+        job.executor.release(job.rid)
+        receiver = job.receiver
+        if receiver is not None and receiver.num_layers_done < receiver.layout.num_layers:
+            receiver.cancel()  # (a complete one may still await its sender's finish)
+        if job.region:
+            self.transfer.unregister_region(job.region)
+            job.region = ""
+
+    def _complete(self, job: StageJob) -> None:
+        self._release(job)
+        now = time.monotonic()
+        log.debug(
+            "request %s stage %d/%d: agreed in %.3fs, %d chunks from token %d in %.3fs "
+            "(%.3fs computing), streams done %.3fs later",
+            job.rid, job.stage, job.num_stages, job.began_s - job.created_s, job.num_chunks,
+            job.start, job.computed_s - job.began_s, job.compute_s, now - job.computed_s,
+        )  # fmt: skip
+        events = self.worker.conductor
+        events.event("prefill_finished", request_id=job.rid)
+        if job.first_token is None:
+            return  # not the last stage: it only computed and streamed
+        token = job.first_token
+        finish = None
+        if token in self._stop_ids(job.params) and job.params.min_tokens <= 1:
+            finish = "stop"
+        elif job.params.max_tokens <= 1 or len(job.tokens) + 1 >= self.engine.max_model_len:
+            finish = "length"
+        if finish is None:
+            self.worker.send_to(job.decode["command"], {
+                "type": "handoff", "request_id": job.rid, "token_ids": [*job.tokens, token],
+                "num_prompt_tokens": len(job.tokens), "num_computed_tokens": len(job.tokens),
+                "seed": job.seed,
+            })  # fmt: skip
+        else:
+            events.event("request_finished", request_id=job.rid)
+        n = num_blocks(len(job.tokens), self.engine.config.block_size)
+        kv_bytes = 0 if finish else n * self.engine.kv_bytes_per_block
+        self.worker.send(job.identity, {
+            "type": "tokens", "request_id": job.rid, "index": 0, "token_ids": [token],
+            "finish_reason": finish, "cached_tokens": job.start, "kv_bytes": kv_bytes,
+        })  # fmt: skip
+
+    def _fail(self, job: StageJob) -> None:
+        log.warning("request %s, stage %d: %s", job.rid, job.stage, job.error)
+        self._cancel_streams(job)
+        self._release(job)
+        self.worker.send(job.identity, {
+            "type": "error", "request_id": job.rid, "error": job.error, "retryable": True,
+            "suspect": job.suspect,
+        })  # fmt: skip
+        self.worker.conductor.event("request_finished", request_id=job.rid)
+
+    def _cancel_streams(self, job: StageJob) -> None:
+        for out in (job.hidden_out, job.kv_out):
+            if out is not None:
+                self.streamer.submit(out.cancel)
+
+    def on_abort(self, request_id: str) -> bool:
+        """Drop the request's job; True if there was one."""
+        self._early.pop(request_id, None)
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        job.error = job.error or "aborted"
+        self._cancel_streams(job)
+        self._release(job)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """CPP traffic of this worker."""
+        return {"cpp_requests": self.num_requests, "cpp_chunks": self.num_chunks_run,
+                "cpp_jobs": len(self.jobs),
+                "cpp_prefix_tokens_reused": self.num_prefix_tokens_reused}  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the stream thread."""
+        self.streamer.close()

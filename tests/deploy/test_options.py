@@ -1,0 +1,79 @@
+"""``--ray`` options, ``halfmoon cluster`` arguments, and Ray staying optional."""
+
+import subprocess
+import sys
+
+import pytest
+
+from halfmoon.cli import build_parser, main
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.deploy.cli import scale_targets
+from halfmoon.deploy.options import deploy_config, deploy_spec, parse_resource
+
+
+def _serve(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_without_ray_nothing_ray_is_imported():
+    code = (
+        "import sys, halfmoon.serve.launcher, halfmoon.cli, halfmoon.deploy.cli; "
+        "halfmoon.cli.build_parser().parse_args(['serve', '--ray']); "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_ray_address_flag():
+    assert _serve().ray is None
+    assert _serve("--ray").ray == "auto"
+    assert _serve("--ray", "10.0.0.1:6379").ray == "10.0.0.1:6379"
+    assert _serve().host is None  # 127.0.0.1 locally, the gateway's node with --ray
+
+
+def test_resources_and_placement():
+    args = _serve("--ray", "--prefill-resource", "prefill", "--decode-resource", "decode:0.5",
+                  "--cpus-per-worker", "2", "--gpus-per-worker", "1", "--max-worker-restarts",
+                  "5", "--placement-strategy", "SPREAD", "--control-resource", "head")  # fmt: skip
+    cfg = deploy_config(args)
+    assert cfg.max_worker_restarts == 5 and cfg.placement_strategy == "SPREAD"
+    assert cfg.worker_request("prefill").as_options() == {
+        "num_cpus": 2.0, "num_gpus": 1.0, "resources": {"prefill": 1.0}}  # fmt: skip
+    assert cfg.worker_request("decode").as_bundle() == {"CPU": 2.0, "GPU": 1.0, "decode": 0.5}
+    assert cfg.control_request().as_options() == {
+        "num_cpus": 0.0, "num_gpus": 0.0, "resources": {"head": 1.0}}  # fmt: skip
+    assert cfg.actor_name("decode-1") == "halfmoon:decode-1"
+
+
+def test_spec_sizes_follow_the_mode():
+    spec = deploy_spec(_serve("--ray", "--prefill", "2", "--decode", "3"), ["--seed", "0"], [])
+    assert spec.sizes == (("prefill", 2), ("decode", 3)) and spec.num_workers == 5
+    coupled = deploy_spec(_serve("--ray", "--mode", "coupled", "--instances", "4"), [], [])
+    assert coupled.sizes == (("coupled", 4),)
+    with pytest.raises(HalfmoonError, match="at least 1"):
+        deploy_spec(_serve("--ray", "--decode", "0"), [], [])
+
+
+@pytest.mark.parametrize("text", ["", ":2", "CPU", "x:0", "x:-1", "x:lots"])
+def test_bad_resources_are_clear_errors(text):
+    with pytest.raises(HalfmoonError):
+        parse_resource(text)
+
+
+def test_bad_options_are_one_line_errors(capsys):
+    assert main(["serve", "--ray", "--max-worker-restarts", "-2"]) == 2
+    assert "max-worker-restarts" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--prefill-resource", "p:0"]) == 2
+    assert "amount must be > 0" in capsys.readouterr().err
+
+
+def test_cluster_scale_arguments():
+    args = build_parser().parse_args(
+        ["cluster", "scale", "--prefill", "2", "--decode", "1", "--address", "h:1", "--wait", "9"]
+    )
+    assert scale_targets(args) == {"prefill": 2, "decode": 1}
+    assert (args.address, args.name, args.wait) == ("h:1", "halfmoon", 9.0)
+    with pytest.raises(HalfmoonError, match="at least one pool"):
+        scale_targets(build_parser().parse_args(["cluster", "scale"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cluster"])  # an action is required

@@ -1,0 +1,107 @@
+"""Chunked pipeline parallelism (CPP) live: ``halfmoon serve --cpp-stages 2`` on 127.0.0.1.
+
+Two prefill workers form one group; long prompts run through it as a 2-stage pipeline
+(hidden states between the stages over the transfer engine, each stage streaming its
+layers' KV to the decode worker). Greedy and seeded outputs must equal an offline
+engine's; a stage killed mid-prompt must not hang the request.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from .test_faults import _pids, _stream, _wait_registered
+
+
+@pytest.fixture(scope="module")
+def cpp(cluster_factory):
+    return cluster_factory(
+        "--prefill", "2", "--decode", "1", "--cpp-stages", "2", "--cpp-chunk-tokens", "512",
+        "--cpp-min-tokens", "1024", "--kv-cache-mb", "128",
+    )  # fmt: skip
+
+
+def _client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)  # fmt: skip
+
+
+def _prompt(tag: str, words: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+def _stage_stats(cluster) -> list[dict]:
+    return sorted(
+        (p for p in cluster.ping_workers() if p["role"] == "prefill"),
+        key=lambda p: p["instance_id"],
+    )
+
+
+def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    prompts = [_prompt("a", 1500), _prompt("b", 2200)]  # ~4,300 and ~6,700 tokens
+    before = [p["cpp_requests"] for p in _stage_stats(cpp)]
+    engine = LLMEngine(EngineConfig(model=str(cpp.cache / "presets" / "tiny-seed0")))
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
+    client = _client(cpp)
+    for prompt in prompts:
+        for params in (greedy, seeded):
+            (ref,) = engine.generate([prompt], params)
+            out = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=params.temperature,
+                seed=params.seed, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert out.choices[0].text == ref.text
+            assert out.usage.prompt_tokens == ref.num_prompt_tokens
+    after = [p["cpp_requests"] for p in _stage_stats(cpp)]
+    # Both stages ran every request (the Conductor chose the group: it lowers TTFT).
+    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
+    assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
+
+
+def test_each_stage_reuses_its_cached_prefix(cpp):
+    client = _client(cpp)
+    base = _prompt("c", 1800)
+    first = client.completions.create(model="tiny", prompt=base, max_tokens=2, temperature=0)
+    reused_before = [p["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
+    second = client.completions.create(
+        model="tiny", prompt=base + " and then some more words", max_tokens=2, temperature=0
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 16  # all but the last partial block
+    reused = [p["cpp_prefix_tokens_reused"] - r for p, r in
+              zip(_stage_stats(cpp), reused_before, strict=True)]  # fmt: skip
+    assert reused == [cached, cached]  # every stage started after the same prefix
+
+
+def test_stage_killed_mid_prompt_fails_over_without_hanging(cpp):
+    out: dict = {}
+    t = threading.Thread(target=_stream, args=(cpp, _prompt("d", 5000), 4, out))
+    t.start()
+    victim = None
+    end = time.monotonic() + 60
+    ports = {}
+    for pid in _pids(cpp, "prefill"):
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        ports[argv[argv.index("--index") + 1]] = pid
+    while victim is None and time.monotonic() < end:
+        for pong in _stage_stats(cpp):
+            if pong["cpp_jobs"] and pong["instance_id"] == "prefill-1":
+                victim = ports["1"]  # one of the two stages, mid-pipeline
+        time.sleep(0.02)
+    assert victim is not None, "the group never started the prompt"
+    os.kill(victim, signal.SIGKILL)
+    t.join(180)
+    assert not t.is_alive(), "the request hung"
+    assert out["usage"].completion_tokens == 4  # placed again, completed
+    _wait_registered(cpp, 3)
+    assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
