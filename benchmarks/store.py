@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/store.py [--sizes 4K,64K,1M,16M] [--batch 64M] [--reps 5]
-        [--no-mooncake] [--json out.json] [--markdown]
+        [--rounds 1] [--no-mooncake] [--json out.json] [--markdown]
 
 Two settings, each side by side:
 
@@ -16,7 +16,10 @@ Two settings, each side by side:
 
 A batch is ``--batch`` bytes (at most 1024 blocks); ``put+get`` GiB/s is the batch size
 over the put time plus the get time. The one-block get median at 4 KiB is the latency
-figure. Mooncake runs from its own venv (benchmarks/mooncake_env.sh, created on first use).
+figure. With ``--rounds N`` ours and Mooncake alternate N times (machine load shifts hit
+both) and every figure is the median over the rounds; the per-round 4 KiB latency ratios
+are printed too. Mooncake runs from its own venv (benchmarks/mooncake_env.sh, created on
+first use).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import socket
+import statistics
 import sys
 import time
 
@@ -48,6 +52,7 @@ from transfer import markdown
 
 from halfmoon.transfer.microbench import (
     BenchResult,
+    aggregate,
     bench_store_local,
     bench_store_remote,
     format_table,
@@ -138,6 +143,31 @@ def mooncake_best_put_get(results: list[BenchResult], transport: str, size: int)
     return 1.0 / (1.0 / rates["put"] + 1.0 / rates["get"])
 
 
+def fastest_mooncake_get(results: list[BenchResult], transport: str) -> BenchResult | None:
+    """Mooncake's faster one-block 4 KiB read: get (returns bytes) or get_into (zero-copy)."""
+    mc = [find(results, "mooncake", op, transport, 4096) for op in ("get", "zero-copy get")]
+    return min((r for r in mc if r is not None), key=lambda r: r.op_us_p50, default=None)
+
+
+def latency_ratios(rounds: list[list[BenchResult]]) -> list[str]:
+    """Per round: our remote 4 KiB get p50 over Mooncake's fastest remote one."""
+    lines = []
+    for transport in ("tcp", "shm"):
+        ratios = []
+        for one_round in rounds:
+            ours = find(one_round, "halfmoon", "get", transport, 4096)
+            theirs = fastest_mooncake_get(one_round, "tcp")
+            if ours and theirs:
+                ratios.append(ours.op_us_p50 / theirs.op_us_p50)
+        if ratios:
+            listed = ", ".join(f"{r:.2f}" for r in ratios)
+            lines.append(
+                f"4K get p50, ours {transport} / Mooncake tcp per round: {listed} "
+                f"(median {statistics.median(ratios):.2f})"
+            )
+    return lines
+
+
 def summary(results: list[BenchResult]) -> list[str]:
     """The ratios the issue sets targets for (ours over Mooncake's fastest APIs)."""
     lines = []
@@ -152,9 +182,7 @@ def summary(results: list[BenchResult]) -> list[str]:
             )
     for transport, theirs in (("local", "local"), ("tcp", "tcp"), ("shm", "tcp")):
         ours = find(results, "halfmoon", "get", transport, 4096)
-        # Mooncake's faster single-block read: get (returns bytes) or get_into (zero-copy).
-        mc = [find(results, "mooncake", op, theirs, 4096) for op in ("get", "zero-copy get")]
-        fastest = min((r for r in mc if r is not None), key=lambda r: r.op_us_p50, default=None)
+        fastest = fastest_mooncake_get(results, theirs)
         if ours and fastest:
             lines.append(
                 f"4K get p50: ours {transport} {ours.op_us_p50:.1f} us vs Mooncake {theirs} "
@@ -172,6 +200,9 @@ def main() -> int:
         "--batch", default="64M", help="bytes per measured batch (at most 1024 blocks)"
     )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternating rounds of ours and Mooncake"
+    )
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--json", help="write raw results here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -179,17 +210,23 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batch_bytes = parse_size(args.batch)
     started = time.monotonic()
-    results = bench_store_local(sizes, batch_bytes, args.reps)
-    results += bench_store_remote(sizes, batch_bytes, args.reps)
+    rounds: list[list[BenchResult]] = []
     mooncake_error = ""
-    if not args.no_mooncake:
-        try:
-            results += run_mooncake(sizes, batch_bytes, args.reps)
-        except (RuntimeError, OSError) as exc:
-            mooncake_error = str(exc)
-            print(f"Mooncake could not run: {exc}", file=sys.stderr)
+    for _ in range(args.rounds):
+        one_round = bench_store_local(sizes, batch_bytes, args.reps)
+        one_round += bench_store_remote(sizes, batch_bytes, args.reps)
+        if not args.no_mooncake and not mooncake_error:
+            try:
+                one_round += run_mooncake(sizes, batch_bytes, args.reps)
+            except (RuntimeError, OSError) as exc:
+                mooncake_error = str(exc)
+                print(f"Mooncake could not run: {exc}", file=sys.stderr)
+        rounds.append(one_round)
+    results = aggregate(rounds)
     print(format_table(results))
     print("\n".join(summary(results)))
+    if len(rounds) > 1:
+        print("\n".join(latency_ratios(rounds)))
     print(f"({time.monotonic() - started:.0f} s)")
     if args.markdown:
         print(markdown(results))

@@ -135,6 +135,20 @@ class TieredStore:
             out_view[:] = found.view
             return found.meta
 
+    def read_into(self, block_hash: int, out: memoryview) -> BlockMeta | None:
+        """:meth:`get_into` for a caller that already holds a flat byte view of exactly
+        ``block_bytes`` (no conversion; the transfer server's per-read fast path)."""
+        if out.nbytes != self.config.block_bytes or out.format != "B" or out.readonly:
+            raise ValueError(
+                f"output buffer must be a writable byte view of {self.config.block_bytes} bytes"
+            )
+        with self._guard as t:
+            found = t.lookup(block_hash)
+            if found is None:
+                return None
+            out[:] = found.view
+            return found.meta
+
     def get(self, block_hash: int) -> tuple[BlockMeta, bytes] | None:
         """The block's metadata and a copy of its payload, or None on a miss."""
         out = bytearray(self.config.block_bytes)

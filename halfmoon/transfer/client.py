@@ -13,6 +13,7 @@ Transports (same operations, same frames):
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,10 +21,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from halfmoon.store.meta import BlockMeta
+from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.errors import ProtocolError, RemoteError
 from halfmoon.transfer.handles import TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
-from halfmoon.transfer.link import as_bytes_view, deadline_after
+from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
 from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
 from halfmoon.transfer.pool import (
     TRANSPORTS,
@@ -52,24 +54,25 @@ class PeerClient:
         timeout_s: float = 30.0,
         hub: InProcessHub | None = None,
         segments: SegmentCache | None = None,
+        busy_poll_s: float = DEFAULT_BUSY_POLL_S,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         num_connections = default_num_connections() if num_connections is None else num_connections
-        self._links = LinkPool(endpoint, secret, transport, num_connections, hub)
+        self._links = LinkPool(endpoint, secret, transport, num_connections, hub, busy_poll_s)
         self.endpoint = self._links.endpoint
         self.transport = transport
+        self._direct = transport != "tcp"  # blocks may be read in place (shared memory)
         self.timeout_s = timeout_s
         self._hub = hub
         self._owns_segments = segments is None
         self._segments = segments if segments is not None else SegmentCache()
         self._lock = threading.Lock()
-        self._ids = iter(range(1, 2**62))
+        self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
         self._region_views: dict[str, memoryview | None] = {}
 
     def _next_id(self) -> str:
-        with self._lock:
-            return f"{self._links.client_id}-{next(self._ids)}"
+        return f"{self._links.client_id}-{next(self._ids)}"
 
     def _deadline(self, timeout_s: float | None) -> float:
         return deadline_after(self.timeout_s if timeout_s is None else timeout_s)
@@ -232,6 +235,8 @@ class PeerClient:
         if len(block_hashes) != len(dests):
             raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
         deadline = self._deadline(timeout_s)
+        if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
+            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline)
         views = [as_bytes_view(d) for d in dests]
         if len({v.nbytes for v in views}) > 1:
             raise ValueError("pull destinations must all have the store's block size")
@@ -262,7 +267,7 @@ class PeerClient:
             request = {
                 "xfer": xfer,
                 "hashes": [hash_to_wire(h) for h in block_hashes],
-                "direct": self.transport != "tcp",
+                "direct": self._direct,
                 "block_bytes": views[0].nbytes,
             }
             link.send(Kind.PULL, request, deadline=deadline)
@@ -272,24 +277,42 @@ class PeerClient:
                 raise ProtocolError(
                     f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls"
                 )
-            link.recv_payload_into(
-                reply,
-                [v for v, it in zip(views, items, strict=True) if it[0] and len(it) == 2],
-                deadline,
-            )
-            try:
-                for view, item in zip(views, items, strict=True):
-                    if len(item) == 4:  # in the peer's shared arena: copy it out ourselves
-                        view[:] = self._segments.view(item[2])[
-                            int(item[3]) : int(item[3]) + view.nbytes
-                        ]
-            finally:
-                if any(len(item) == 4 for item in items):
-                    link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
+            metas: list[BlockMeta | None] = []
+            inline: list[memoryview] = []
+            in_place: list[int] = []
+            for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, seg, off]
+                if not item[0]:
+                    metas.append(None)
+                    continue
+                metas.append(meta_from_wire(item[1]))
+                if len(item) == 4:  # in the peer's shared arena: copied out below
+                    in_place.append(i)
+                else:
+                    inline.append(views[i])
+            link.recv_payload_into(reply, inline, deadline)
+            if in_place:
+                self._copy_in_place(link, xfer, views, items, in_place, deadline)
             ok = True
-            return [meta_from_wire(item[1]) if item[0] else None for item in items]
+            return metas
         finally:
             self._links.checkin(link, ok)
+
+    def _copy_in_place(
+        self,
+        link: Link,
+        xfer: str,
+        views: list[memoryview],
+        items: list[list[Any]],
+        in_place: list[int],
+        deadline: float,
+    ) -> None:
+        """Copy blocks out of the peer's shared arena, then let the peer drop their lease."""
+        try:
+            for i in in_place:
+                start = int(items[i][3])
+                views[i][:] = self._segments.view(items[i][2])[start : start + views[i].nbytes]
+        finally:
+            link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
 
     # ------------------------------------------------------------ streams
     def open_stream(

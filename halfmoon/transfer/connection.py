@@ -128,7 +128,8 @@ class PeerConnection:
             raise ProtocolError(f"unexpected frame {frame.kind.name} from {self.link.peer}")
         try:
             handler(self, frame)
-            self.link.discard_pending(self.deadline())  # a payload the request did not need
+            if self.link.unread_bytes:  # a payload the request did not need
+                self.link.discard_pending(self.deadline())
         except KeyError as exc:
             error = RemoteError(f"malformed {frame.kind.name} request: no {exc}")
             self.reply_error(error, xfer=frame.meta.get("xfer"), session=frame.meta.get("session"))
@@ -162,8 +163,12 @@ class PeerConnection:
             )
 
     def store_request(self, frame: Frame) -> None:
-        """PUT / PUT_RESERVE / PUT_COMMIT / PULL / RELEASE go to the store session."""
+        """PUT / PUT_RESERVE / PUT_COMMIT / RELEASE go to the store session."""
         _STORE_HANDLERS[frame.kind](self.store_session, frame)
+
+    def on_pull(self, frame: Frame) -> None:
+        """PULL goes straight to the store session (the latency-critical request)."""
+        self.store_session.on_pull(frame)
 
     def on_region(self, frame: Frame) -> None:
         """Describe a region (its shared-memory name) to a co-located sender."""
@@ -271,7 +276,6 @@ _STORE_HANDLERS = {
     Kind.PUT: StoreSession.on_put,
     Kind.PUT_RESERVE: StoreSession.on_put_reserve,
     Kind.PUT_COMMIT: StoreSession.on_put_commit,
-    Kind.PULL: StoreSession.on_pull,
     Kind.RELEASE: StoreSession.on_release,
 }
 
@@ -280,7 +284,7 @@ _HANDLERS = {
     Kind.PUT: PeerConnection.store_request,
     Kind.PUT_RESERVE: PeerConnection.store_request,
     Kind.PUT_COMMIT: PeerConnection.store_request,
-    Kind.PULL: PeerConnection.store_request,
+    Kind.PULL: PeerConnection.on_pull,
     Kind.RELEASE: PeerConnection.store_request,
     Kind.REGION: PeerConnection.on_region,
     Kind.CANCEL: PeerConnection.on_cancel,

@@ -12,6 +12,7 @@ import threading
 
 from halfmoon.store import TieredStore
 from halfmoon.transfer.auth import check_secret
+from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.client import PeerClient
 from halfmoon.transfer.endpoint import DEFAULT_HOST
 from halfmoon.transfer.errors import TransferError
@@ -29,7 +30,9 @@ class TransferEngine:
     ``transport`` is the default for ``connect`` (``tcp``, ``shm`` or ``inproc``; the last
     needs ``hub``). Peers must share ``secret`` (>= 16 bytes). ``timeout_s`` bounds each
     operation; ``num_connections`` is how many parallel connections a batch may use
-    (default: 4, or the number of cores if fewer).
+    (default: 4, or the number of cores if fewer). ``busy_poll_s`` is how long a
+    connection polls for an awaited frame before sleeping (0 turns polling off; it backs
+    off by itself when polling finds nothing, see :class:`~halfmoon.transfer.link.Link`).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class TransferEngine:
         num_connections: int | None = None,
         timeout_s: float = 30.0,
         on_complete: CompletionListener | None = None,
+        busy_poll_s: float = DEFAULT_BUSY_POLL_S,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -68,7 +72,9 @@ class TransferEngine:
             port=port,
             on_complete=on_complete,
             io_timeout_s=timeout_s,
+            busy_poll_s=busy_poll_s,
         )
+        self.busy_poll_s = busy_poll_s
         self._clients: dict[tuple[str, str], PeerClient] = {}
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -132,6 +138,7 @@ class TransferEngine:
                     timeout_s=self.timeout_s,
                     hub=self._hub,
                     segments=self._segments,
+                    busy_poll_s=self.busy_poll_s,
                 )
                 self._clients[key] = client
         return client

@@ -3,9 +3,10 @@
 Sends are zero-copy scatter-gather (``sendmsg`` of the header plus the caller's
 memoryviews); payloads are received with ``recv_into`` straight into the caller's
 preallocated buffers and verified against the frame's xxh3 checksum (hashed chunk by
-chunk while the data is in cache). Every blocking call
-takes a deadline (``time.monotonic()`` seconds), so a silent or dead peer produces
-:class:`TransferTimeout` or :class:`PeerClosedError`, never a hang.
+chunk while the data is in cache). Small frames (the latency-critical requests and
+replies) go out in one ``sendmsg`` and come in whole through one ``recv`` into a receive
+buffer. Every blocking call takes a deadline (``time.monotonic()`` seconds), so a silent
+or dead peer produces :class:`TransferTimeout` or :class:`PeerClosedError`, never a hang.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import xxhash
 
+from halfmoon.transfer.busypoll import BusyPoller
 from halfmoon.transfer.errors import (
     ChecksumError,
     PeerClosedError,
@@ -66,11 +69,14 @@ def deadline_after(timeout_s: float) -> float:
 class Link:
     """One authenticated-or-not connection; safe for one sender and one receiver thread."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, busy_poll_s: float = 0.0) -> None:
+        """``busy_poll_s``: poll this long for an awaited frame before sleeping (0: never;
+        see :mod:`halfmoon.transfer.busypoll`)."""
         self.peer = peer
+        self._poller = BusyPoller(sock, busy_poll_s)
         self._sock = sock
         self._send_lock = threading.Lock()
-        self._header = bytearray(HEADER_BYTES)
+        self._packer = msgpack.Packer(use_bin_type=True)
         self._unread_bytes = 0  # payload of the last received frame not consumed yet
         # Receive buffer for small reads (headers, metas, small payloads): [_rstart, _rend).
         self._rbuf = memoryview(bytearray(_RBUF_BYTES))
@@ -90,6 +96,11 @@ class Link:
         """Whether ``close`` was called (or a failure closed the link)."""
         return self._closed
 
+    @property
+    def unread_bytes(self) -> int:
+        """Payload bytes of the last received frame that nobody has consumed yet."""
+        return self._unread_bytes
+
     # ------------------------------------------------------------ helpers
     def _arm(self, deadline: float | None, option: int) -> None:
         """Make the next blocking call give up by ``deadline`` (plus a little slack).
@@ -98,21 +109,21 @@ class Link:
         than ``max(50 ms, 10%)`` of the time left, so a transfer costs a few setsockopt
         calls, not one per recv. A timeout shorter than needed just wakes the loop early.
         """
-        want_s = 0.0
-        if deadline is not None:
+        armed_s = self._armed_s[option]
+        if deadline is None:
+            if armed_s == 0.0:
+                return
+            want_s = 0.0
+        else:
             want_s = deadline - time.monotonic()
             if want_s <= 0:
                 raise TransferTimeout(f"timed out waiting for peer {self.peer}")
-        armed_s = self._armed_s[option]
-        if want_s == 0.0:
-            stale = armed_s != 0.0
-        else:
-            stale = armed_s == 0.0 or armed_s > want_s + max(0.05, 0.1 * want_s)
-        if stale:
-            sec = int(want_s)
-            usec = max(1000, int((want_s - sec) * 1e6)) if want_s else 0
-            self._sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
-            self._armed_s[option] = want_s
+            if armed_s != 0.0 and armed_s <= want_s + max(0.05, 0.1 * want_s):
+                return  # the armed timeout fires close enough to the deadline
+        sec = int(want_s)
+        usec = max(1000, int((want_s - sec) * 1e6)) if want_s else 0
+        self._sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
+        self._armed_s[option] = want_s
 
     @staticmethod
     def _expired(deadline: float | None) -> bool:
@@ -138,18 +149,39 @@ class Link:
         deadline: float | None = None,
     ) -> None:
         """Send one frame whose payload is the concatenation of ``payloads`` (no copy)."""
-        total = sum(v.nbytes for v in payloads)
-        header = memoryview(encode_header(kind, meta, total))
+        if not payloads:
+            total = 0
+        elif len(payloads) == 1:
+            total = payloads[0].nbytes
+        else:
+            total = sum(v.nbytes for v in payloads)
         with self._send_lock:
             if self._closed:
                 raise PeerClosedError(f"connection to peer {self.peer} is closed")
+            # The packer is reused (it is not thread-safe: only under the send lock).
+            header = memoryview(encode_header(kind, meta, total, self._packer.pack))
             try:
-                if total:
-                    self._send_payload(header, payloads, deadline)
-                else:
+                if not total:
                     self._send_all([header], deadline)
+                elif total <= _CHUNK_BYTES:
+                    self._send_small(header, payloads, deadline)
+                else:
+                    self._send_payload(header, payloads, deadline)
             except (OSError, TransferError) as exc:
                 raise self._fail(exc, "sending to") from exc
+
+    def _send_small(
+        self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
+    ) -> None:
+        """A payload of at most one chunk: hash it, then one ``sendmsg`` for the whole frame."""
+        if len(payloads) == 1:
+            checksum = xxhash.xxh3_64_intdigest(payloads[0])
+        else:
+            hasher = xxhash.xxh3_64()
+            for view in payloads:
+                hasher.update(view)
+            checksum = hasher.intdigest()
+        self._send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
 
     def _send_payload(
         self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
@@ -173,8 +205,11 @@ class Link:
         index = 0
         while index < len(views):
             self._arm(deadline, socket.SO_SNDTIMEO)
+            # A small frame goes whole in the first call, without slicing the list.
+            small = not index and len(views) <= _IOV_BATCH
+            batch = views if small else views[index : index + _IOV_BATCH]
             try:
-                sent = self._sock.sendmsg(views[index : index + _IOV_BATCH])
+                sent = self._sock.sendmsg(batch)
             except BlockingIOError:  # the kernel timeout fired
                 if self._expired(deadline):
                     raise TimeoutError from None
@@ -218,19 +253,66 @@ class Link:
             self._rstart = take
             got += take
 
+    def _buffer_at_least(self, num_bytes: int, deadline: float | None) -> None:
+        """Read until ``num_bytes`` (at most ``_RBUF_BYTES``) are buffered: a small frame
+        usually arrives whole, so header, meta and payload cost one ``recv``."""
+        rbuf, start, end = self._rbuf, self._rstart, self._rend
+        if start == end:  # empty: read from the front, with the whole buffer's room
+            start = end = self._rstart = 0
+        elif start + num_bytes > _RBUF_BYTES:  # move the buffered bytes to the front
+            rbuf[: end - start] = rbuf[start:end]
+            start, end = 0, end - start
+            self._rstart = 0
+        if end - start < num_bytes:  # nothing buffered yet: poll briefly before sleeping
+            end += self._poller.poll_into(rbuf[end:])
+        while end - start < num_bytes:
+            self._rend = end
+            end += self._recv_into(rbuf[end:], deadline)
+        self._rend = end
+
     def recv(self, deadline: float | None = None) -> Frame:
         """Receive the next frame's header and meta (its payload is read separately)."""
         try:
-            header = memoryview(self._header)
-            self._recv_exact(header, deadline)
+            if self._rend - self._rstart < HEADER_BYTES:
+                self._buffer_at_least(HEADER_BYTES, deadline)
+            start = self._rstart
+            header = bytes(self._rbuf[start : start + HEADER_BYTES])
             kind, meta_len, payload_len, head_check = decode_prefix(header)
-            packed = bytearray(meta_len)
-            self._recv_exact(memoryview(packed), deadline)
-            meta = decode_meta(header, bytes(packed), head_check)
+            self._rstart = start + HEADER_BYTES
+            if meta_len <= _RBUF_BYTES - HEADER_BYTES:  # the meta comes from the buffer
+                if self._rend - self._rstart < meta_len:
+                    self._buffer_at_least(meta_len, deadline)
+                start = self._rstart
+                packed = bytes(self._rbuf[start : start + meta_len])
+                self._rstart = start + meta_len
+            else:
+                big = bytearray(meta_len)
+                self._recv_exact(memoryview(big), deadline)
+                packed = bytes(big)
+            meta = decode_meta(header, packed, head_check)
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
         self._unread_bytes = payload_len
         return Frame(kind, meta, payload_len)
+
+    def _take_buffered_payload(self, dests: Sequence[memoryview], total: int) -> int:
+        """Copy a payload that is entirely buffered (with its trailer) into ``dests``;
+        returns its checksum as computed over the destinations."""
+        rbuf, start = self._rbuf, self._rstart
+        if len(dests) == 1:
+            dest = dests[0]
+            dest[:] = rbuf[start : start + total]
+            checksum = xxhash.xxh3_64_intdigest(dest)
+        else:
+            hasher = xxhash.xxh3_64()
+            offset = start
+            for dest in dests:
+                dest[:] = rbuf[offset : offset + dest.nbytes]
+                hasher.update(dest)
+                offset += dest.nbytes
+            checksum = hasher.intdigest()
+        self._rstart = start + total
+        return checksum
 
     def recv_payload_into(
         self, frame: Frame, dests: Sequence[memoryview], deadline: float | None = None
@@ -241,13 +323,27 @@ class Link:
         the stream position would be lost). A checksum mismatch raises
         :class:`ChecksumError` after the whole payload is consumed, so the link survives.
         """
-        total = sum(d.nbytes for d in dests)
+        total = dests[0].nbytes if len(dests) == 1 else sum(d.nbytes for d in dests)
         self._unread_bytes = 0
         if total != frame.payload_len:
             self.close()
             raise TransferError(
                 f"payload from {self.peer} has {frame.payload_len} bytes, destinations {total}"
             )
+        if not total:
+            return
+        if total + TRAILER_BYTES <= _RBUF_BYTES // 2:  # small: one recv, one hash, no chunks
+            try:
+                if self._rend - self._rstart < total + TRAILER_BYTES:
+                    self._buffer_at_least(total + TRAILER_BYTES, deadline)
+            except (OSError, EOFError, TransferError) as exc:
+                raise self._fail(exc, "receiving from") from exc
+            checksum = self._take_buffered_payload(dests, total)
+            expected = decode_trailer(self._rbuf[self._rstart : self._rstart + TRAILER_BYTES])
+            self._rstart += TRAILER_BYTES
+            if checksum != expected:
+                raise ChecksumError(f"payload from {self.peer} failed its xxh3 checksum")
+            return
         hasher = xxhash.xxh3_64()
         trailer = memoryview(bytearray(TRAILER_BYTES))
         try:
@@ -256,11 +352,10 @@ class Link:
                     chunk = dest[start : start + _CHUNK_BYTES]
                     self._recv_exact(chunk, deadline)
                     hasher.update(chunk)  # still in cache from the kernel's copy
-            if total:
-                self._recv_exact(trailer, deadline)
+            self._recv_exact(trailer, deadline)
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
-        if total and hasher.intdigest() != decode_trailer(trailer):
+        if hasher.intdigest() != decode_trailer(trailer):
             raise ChecksumError(f"payload from {self.peer} failed its xxh3 checksum")
 
     def discard_pending(self, deadline: float | None = None) -> None:

@@ -75,6 +75,7 @@ class LinkPool:
         transport: str,
         num_connections: int,
         hub: InProcessHub | None,
+        busy_poll_s: float = 0.0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -87,6 +88,7 @@ class LinkPool:
         self.endpoint = str(Endpoint.parse(endpoint))
         self.transport = transport
         self.num_connections = num_connections
+        self.busy_poll_s = busy_poll_s  # for replies, before sleeping (see Link)
         self.client_id = secrets.token_hex(8)
         self._secret = check_secret(secret)
         self._hub = hub
@@ -103,7 +105,7 @@ class LinkPool:
             assert self._hub is not None
             mine, theirs = socket.socketpair()
             self._hub.get(self.endpoint).serve_socket(theirs, f"inproc:{self.client_id}")
-            link = Link(mine, self.endpoint)
+            link = Link(mine, self.endpoint, self.busy_poll_s)
         else:
             address = Endpoint.parse(self.endpoint)
             timeout_s = max(0.01, deadline - time.monotonic())
@@ -112,7 +114,7 @@ class LinkPool:
             except OSError as exc:
                 reason = exc.strerror or str(exc) or type(exc).__name__
                 raise TransferError(f"cannot connect to peer {self.endpoint}: {reason}") from exc
-            link = Link(sock, self.endpoint)
+            link = Link(sock, self.endpoint, self.busy_poll_s)
         client_handshake(link, self._secret, self.client_id, deadline)
         return link
 

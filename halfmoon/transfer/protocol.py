@@ -20,6 +20,7 @@ little-endian ``bin`` values (:func:`hash_to_wire`).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -98,9 +99,18 @@ def decode_trailer(raw: bytes | bytearray | memoryview) -> int:
     return int(_CHECK.unpack_from(raw)[0])
 
 
-def encode_header(kind: Kind, meta: dict[str, Any], payload_len: int) -> bytes:
-    """Prefix, head check and meta of a frame (the payload follows separately)."""
-    packed = msgpack.packb(meta, use_bin_type=True)
+def encode_header(
+    kind: Kind,
+    meta: dict[str, Any],
+    payload_len: int,
+    pack: Callable[[Any], bytes] | None = None,
+) -> bytes:
+    """Prefix, head check and meta of a frame (the payload follows separately).
+
+    ``pack`` is a reusable ``msgpack.Packer(use_bin_type=True).pack`` (cheaper than a new
+    packer per frame); by default a fresh one is used.
+    """
+    packed = msgpack.packb(meta, use_bin_type=True) if pack is None else pack(meta)
     if len(packed) > MAX_META_BYTES:
         raise ProtocolError(f"frame meta of {len(packed)} bytes exceeds {MAX_META_BYTES}")
     prefix = _PREFIX.pack(MAGIC, VERSION, int(kind), 0, len(packed), payload_len)

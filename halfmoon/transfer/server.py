@@ -15,6 +15,7 @@ import threading
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.store import TieredStore
 from halfmoon.transfer.auth import check_secret
+from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.connection import PeerConnection, PushTracker
 from halfmoon.transfer.endpoint import DEFAULT_HOST, Endpoint
 from halfmoon.transfer.errors import RemoteError
@@ -38,6 +39,7 @@ class TransferServer:
         on_complete: CompletionListener | None = None,
         handshake_timeout_s: float = 5.0,
         io_timeout_s: float = 30.0,
+        busy_poll_s: float = DEFAULT_BUSY_POLL_S,
     ) -> None:
         self.secret = check_secret(secret)
         self.regions = regions
@@ -47,6 +49,7 @@ class TransferServer:
         self.pushes = PushTracker(on_complete)
         self.handshake_timeout_s = handshake_timeout_s
         self.io_timeout_s = io_timeout_s
+        self.busy_poll_s = busy_poll_s  # for the next request, before sleeping (see Link)
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -86,7 +89,7 @@ class TransferServer:
 
     def serve_socket(self, sock: socket.socket, peer: str) -> None:
         """Serve one connected socket on a new thread (TCP accept or in-process pair)."""
-        connection = PeerConnection(self, Link(sock, peer))
+        connection = PeerConnection(self, Link(sock, peer, self.busy_poll_s))
         with self._lock:
             if self._closed:
                 connection.link.close()

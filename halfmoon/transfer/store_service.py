@@ -29,6 +29,11 @@ from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
 
 #: PUT_SLOTS item codes.
 SLOT_PRESENT, SLOT_PLACE, SLOT_INLINE = 0, 1, 2
+#: Inline pulls up to this size are copied out under the store lock instead of pinned.
+_COPY_PULL_MAX_BYTES = 256 << 10
+#: A co-located client's pull up to this size comes inline too: for a few small blocks the
+#: extra RELEASE message and the lease cost more than copying through the socket.
+_DIRECT_INLINE_MAX_BYTES = 64 << 10
 
 
 class StoreSession:
@@ -47,6 +52,7 @@ class StoreSession:
         self._on_complete = on_complete
         self._reserved: dict[str, list[PendingPut | None]] = {}
         self._leases: dict[str, int] = {}
+        self._scratch = memoryview(bytearray(0))  # reused by small inline pulls
 
     def _begin(self, store: TieredStore, blocks: list[list[Any]]) -> list[PendingPut | None]:
         """Reserve a slot per block (None: already stored); all or nothing."""
@@ -135,22 +141,32 @@ class StoreSession:
     def on_pull(self, frame: Frame) -> None:
         """Serve blocks inline, or (co-located client) as places in our shared arena.
 
+        Small pulls (the latency-critical reads) are copied out of the store into a reused
+        buffer and sent inline, also to a co-located client (below 64 KiB in all).
+
         Blocks read in place are covered by a store lease until the client's RELEASE, the
         connection's end or the lease's expiry, so a stuck client cannot pin them forever.
         """
         store = self._store()
-        xfer, direct = frame.meta["xfer"], bool(frame.meta.get("direct"))
-        if int(frame.meta.get("block_bytes", store.block_bytes)) != store.block_bytes:
+        meta = frame.meta
+        xfer, direct = meta["xfer"], bool(meta.get("direct"))
+        block_bytes = store.block_bytes
+        if int(meta.get("block_bytes", block_bytes)) != block_bytes:
             raise RemoteError(
-                f"this store's blocks have {store.block_bytes} bytes, the destinations "
-                f"{frame.meta['block_bytes']}"
+                f"this store's blocks have {block_bytes} bytes, the destinations "
+                f"{meta['block_bytes']}"
             )
+        hashes = meta["hashes"]
+        num_bytes = len(hashes) * block_bytes
+        if num_bytes <= (_DIRECT_INLINE_MAX_BYTES if direct else _COPY_PULL_MAX_BYTES):
+            self._pull_copied(store, xfer, hashes)
+            return
         items: list[list[Any]] = []
         inline: list[memoryview] = []
         refs: list[BlockRef] = []
         in_place: list[int] = []
         try:
-            for raw_hash in frame.meta["hashes"]:
+            for raw_hash in hashes:
                 ref = store.acquire(hash_from_wire(raw_hash))
                 if ref is None:
                     items.append([False])
@@ -170,6 +186,27 @@ class StoreSession:
         finally:
             for ref in refs:  # inline bytes are in the socket now; in-place ones hold the lease
                 ref.release()
+
+    def _pull_copied(self, store: TieredStore, xfer: str, hashes: list[bytes]) -> None:
+        """Small inline pulls: copy the hits into a reused buffer under one store lock each
+        (cheaper than pinning and unpinning: this is the latency-critical remote read)."""
+        block_bytes = store.block_bytes
+        needed = len(hashes) * block_bytes
+        if self._scratch.nbytes < needed:
+            self._scratch = memoryview(bytearray(needed))
+        items: list[list[Any]] = []
+        inline: list[memoryview] = []
+        offset = 0
+        for raw_hash in hashes:
+            dest = self._scratch[offset : offset + block_bytes]
+            block_meta = store.read_into(hash_from_wire(raw_hash), dest)
+            if block_meta is None:
+                items.append([False])
+                continue
+            items.append([True, meta_to_wire(block_meta)])
+            inline.append(dest)
+            offset += block_bytes
+        self._link.send(Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline())
 
     def on_release(self, frame: Frame) -> None:
         """The client finished reading in place: drop the pull's lease."""

@@ -36,6 +36,23 @@ def test_put_get_round_trip_and_events(make_store, events):
     assert (stats.dram.num_hits, stats.num_misses, stats.dram.num_blocks) == (2, 1, 1)
 
 
+def test_read_into_a_byte_view_counts_like_get_into(make_store, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=BLOCK_BYTES, ssd_dir=str(tmp_path), ssd_capacity_bytes=2 * BLOCK_BYTES
+    )
+    put_all(store, [0, 1])  # block 0 is demoted to SSD
+    out = memoryview(bytearray(BLOCK_BYTES))
+    assert store.read_into(H[1], out) == meta(1) and out == payload(1)
+    assert store.read_into(H[0], out) == meta(0) and out == payload(0)  # SSD hit, promoted
+    assert store.tiers(H[0]) == ("dram", "ssd")
+    assert store.read_into(H[2], out) is None and out == payload(0)  # a miss leaves it alone
+    stats = store.stats()
+    assert (stats.dram.num_hits, stats.ssd.num_hits, stats.num_misses) == (1, 1, 1)
+    for bad in (memoryview(bytearray(BLOCK_BYTES - 1)), memoryview(bytes(BLOCK_BYTES))):
+        with pytest.raises(ValueError, match="writable byte view"):
+            store.read_into(H[1], bad)
+
+
 def test_storing_a_present_hash_is_only_an_access(make_store, events):
     store = make_store()
     put_all(store, [0, 1, 2, 3])

@@ -212,6 +212,19 @@ def test_put_then_pull_round_trip_through_a_remote_store(store_peer, transport):
     assert [d.kind for d in done].count("put") >= 1
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_single_small_pull_comes_inline_without_a_lease(store_peer, transport):
+    client, store, _, _ = store_peer(transport)
+    store.put(41, block(41), BlockMeta(16, 40))
+    dest = np.zeros(BLOCK, np.uint8)
+    assert client.pull([41], [dest]) == [BlockMeta(16, 40)]
+    assert (dest == 41).all()
+    stats = store.stats()
+    assert stats.num_pinned == 0 and stats.dram.num_hits == 1  # no lease, nothing to release
+    untouched = np.full(BLOCK, 7, np.uint8)
+    assert client.pull([42], [untouched]) == [None] and (untouched == 7).all()
+
+
 def test_store_errors_reach_the_client(store_peer, pair):
     client, _, _, _ = store_peer("tcp")
     with pytest.raises(RemoteError, match="blocks have 65536 bytes"):

@@ -139,3 +139,51 @@ def test_back_to_back_frames_split_correctly_from_one_read(link_pair):
             right.recv_payload_into(frame, [dest], time.monotonic() + 5)
             assert bytes(dest) == bytes([i + 1]) * size
     assert not right.readable()
+
+
+def test_many_small_frames_across_the_receive_buffer_end(link_pair):
+    left, right = link_pair
+    # ~100 KiB of small frames: some straddle the end of the 64 KiB receive buffer.
+    sizes = [(i * 977) % 3001 for i in range(70)]
+    sender = threading.Thread(
+        target=lambda: [
+            left.send(Kind.PUSH, {"i": i}, [memoryview(bytes([i % 250 + 1]) * n)] if n else [])
+            for i, n in enumerate(sizes)
+        ]
+    )
+    sender.start()
+    for i, size in enumerate(sizes):
+        frame = right.recv(time.monotonic() + 5)
+        assert frame.meta == {"i": i} and frame.payload_len == size
+        if size:
+            halves = [memoryview(bytearray(size // 2)), memoryview(bytearray(size - size // 2))]
+            right.recv_payload_into(frame, halves, time.monotonic() + 5)
+            assert bytes(halves[0]) + bytes(halves[1]) == bytes([i % 250 + 1]) * size
+    sender.join()
+
+
+def test_a_meta_larger_than_the_receive_buffer_arrives_whole(link_pair):
+    left, right = link_pair
+    hashes = [hash_to_wire(i) for i in range(6000)]  # ~110 KiB of meta
+    sender = threading.Thread(target=left.send, args=(Kind.PULL, {"hashes": hashes}))
+    sender.start()
+    frame = right.recv(time.monotonic() + 5)
+    sender.join()
+    assert frame.kind == Kind.PULL and frame.meta["hashes"] == hashes
+
+
+def test_small_payload_corruption_is_detected_from_the_buffer():
+    raw, other = socket.socketpair()
+    receiver = Link(other, "peer")
+    try:
+        payload = bytes(range(256)) * 16
+        good = encode_trailer(xxhash.xxh3_64_intdigest(payload))
+        flipped = bytearray(payload)
+        flipped[1000] ^= 0x04  # one flipped bit in flight
+        raw.sendall(encode_header(Kind.PULL_REPLY, {}, 4096) + bytes(flipped) + good)
+        frame = receiver.recv(time.monotonic() + 5)
+        with pytest.raises(ChecksumError):
+            receiver.recv_payload_into(frame, [memoryview(bytearray(4096))], time.monotonic() + 5)
+    finally:
+        raw.close()
+        receiver.close()

@@ -1,0 +1,46 @@
+import socket
+
+import pytest
+
+from halfmoon.transfer.busypoll import BusyPoller
+
+
+@pytest.fixture
+def sock_pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_poll_takes_waiting_bytes_and_reports_none_after_its_budget(sock_pair):
+    a, b = sock_pair
+    poller = BusyPoller(b, 200e-6)
+    view = memoryview(bytearray(64))
+    a.sendall(b"hello")
+    assert poller.poll_into(view) == 5 and bytes(view[:5]) == b"hello"
+    assert poller.poll_into(view) == 0  # nothing came within 200 us
+
+
+def test_fruitless_polls_pause_polling_for_a_while(sock_pair):
+    a, b = sock_pair
+    poller = BusyPoller(b, 100e-6)
+    view = memoryview(bytearray(64))
+    for _ in range(3):
+        assert poller.poll_into(view) == 0
+    a.sendall(b"late")
+    assert poller.poll_into(view) == 0  # paused: the caller sleeps in recv instead
+    assert b.recv(64) == b"late"
+
+
+def test_polling_off_eof_and_bad_budget(sock_pair):
+    a, b = sock_pair
+    view = memoryview(bytearray(64))
+    a.sendall(b"x")
+    assert BusyPoller(b, 0.0).poll_into(view) == 0  # off: leaves the byte for recv
+    assert b.recv(1) == b"x"
+    a.close()
+    with pytest.raises(EOFError):
+        BusyPoller(b, 1e-3).poll_into(view)
+    with pytest.raises(ValueError, match="busy_poll_s"):
+        BusyPoller(b, -1.0)
