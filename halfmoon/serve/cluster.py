@@ -121,9 +121,11 @@ class ClusterBackend:
                 if not fut.done():
                     fut.set_result(msg)
                 continue
-            queue = self._queues.get(str(msg.get("request_id")))
-            if queue is not None:
-                queue.put_nowait(msg)
+            # A decode step's tokens for several requests come as one "batch" message.
+            for item in msg.get("messages", ()) if msg.get("type") == "batch" else (msg,):
+                queue = self._queues.get(str(item.get("request_id")))
+                if queue is not None:
+                    queue.put_nowait(item)
 
     async def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
         await self._peer(endpoint).sock.send_multipart(encode(msg, self.secret))
@@ -233,12 +235,15 @@ class ClusterBackend:
         worker, the rest from the decode worker, over different sockets."""
         held: dict[int, dict[str, Any]] = {}
         next_index = 0
+        # A long prompt's prefill may take minutes: the first token gets its estimate too.
+        first_timeout_s = self.token_timeout_s + 4.0 * float(decision.get("est_ttft_s") or 0)
         while True:
+            timeout_s = first_timeout_s if next_index == 0 else self.token_timeout_s
             try:
-                msg = await asyncio.wait_for(queue.get(), self.token_timeout_s)
+                msg = await asyncio.wait_for(queue.get(), timeout_s)
             except TimeoutError:
                 raise BackendError(
-                    f"no progress for {self.token_timeout_s:g}s on request {request_id}"
+                    f"no progress for {timeout_s:g}s on request {request_id}"
                 ) from None
             if msg["type"] == "error":
                 if msg.get("retryable"):
@@ -344,6 +349,7 @@ class ClusterBackend:
         await self._send(decode_ep["command"], {
             "type": "expect", "request_id": request_id, "params": wire_params,
             "num_prompt_tokens": len(prompt_token_ids), "num_stages": max(1, len(group)),
+            "est_ttft_s": decision.get("est_ttft_s") or 0.0,
             "prefill_instance": (group[-1] if group else decision["prefill"])["instance_id"],
         })  # fmt: skip
         if group:

@@ -34,6 +34,9 @@ from halfmoon.transfer import StreamLayout, TransferEngine
 
 log = logging.getLogger(__name__)
 HANDOFF_TIMEOUT_S = 60.0
+#: A decode worker waits for a handoff this many times the Conductor's TTFT estimate on
+#: top of HANDOFF_TIMEOUT_S (a long prompt's prefill may take minutes on a CPU).
+HANDOFF_TTFT_FACTOR = 4.0
 
 
 @dataclass
@@ -51,10 +54,19 @@ class _Streaming:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.clients: dict[str, _Client] = {}
+        self._outbox: dict[bytes, list[dict[str, Any]]] = {}
 
     def send_tokens(
-        self, rid: str, client: _Client, out: Any, finish: str | None, kv_bytes: int = 0
+        self,
+        rid: str,
+        client: _Client,
+        out: Any,
+        finish: str | None,
+        kv_bytes: int = 0,
+        batch: bool = False,
     ) -> None:
+        """Send a request's new tokens; with ``batch`` they wait for :meth:`flush_tokens`,
+        which sends a step's tokens for one gateway as one message."""
         msg: dict[str, Any] = {
             "type": "tokens", "request_id": rid, "index": client.index,
             "token_ids": list(out.new_token_ids), "finish_reason": finish,
@@ -63,7 +75,19 @@ class _Streaming:
             msg["cached_tokens"] = out.num_cached_tokens
             msg["kv_bytes"] = kv_bytes
         client.index += len(out.new_token_ids)
-        self.worker.send(client.identity, msg)
+        if batch:
+            self._outbox.setdefault(client.identity, []).append(msg)
+        else:
+            self.worker.send(client.identity, msg)
+
+    def flush_tokens(self) -> None:
+        """One message per gateway for the tokens batched since the last flush (one
+        signed message per step instead of one per running request)."""
+        for identity, msgs in self._outbox.items():
+            self.worker.send(
+                identity, msgs[0] if len(msgs) == 1 else {"type": "batch", "messages": msgs}
+            )
+        self._outbox.clear()
 
 
 class CoupledRole(_Streaming):
@@ -104,10 +128,11 @@ class CoupledRole(_Streaming):
             if client.index == 0:
                 events.event("prefill_finished", request_id=out.request_id)
                 events.event("decode_started", request_id=out.request_id)
-            self.send_tokens(out.request_id, client, out, out.finish_reason)
+            self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True)
             if out.finished:
                 del self.clients[out.request_id]
                 events.event("request_finished", request_id=out.request_id)
+        self.flush_tokens()
 
     def on_abort(self, request_id: str) -> None:
         self.clients.pop(request_id, None)
@@ -319,6 +344,7 @@ class _Expected:
     receivers: list[Any]
     prefill_instance: str = ""
     since_s: float = field(default_factory=time.monotonic)
+    timeout_s: float = HANDOFF_TIMEOUT_S
 
 
 class DecodeRole(_Streaming):
@@ -364,6 +390,7 @@ class DecodeRole(_Streaming):
             region,
             receivers,
             str(msg.get("prefill_instance", "")),
+            timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * float(msg.get("est_ttft_s") or 0),
         )
 
     def _on_handoff(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -398,10 +425,11 @@ class DecodeRole(_Streaming):
             client = self.clients.get(out.request_id)
             if client is None:
                 continue
-            self.send_tokens(out.request_id, client, out, out.finish_reason)
+            self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True)
             if out.finished:
                 del self.clients[out.request_id]
                 self.worker.conductor.event("request_finished", request_id=out.request_id)
+        self.flush_tokens()
 
     def on_abort(self, request_id: str) -> None:
         e = self.expected.pop(request_id, None)
@@ -424,11 +452,11 @@ class DecodeRole(_Streaming):
     def tick(self) -> None:
         """Expire expectations whose handoff never came (the prefill side died)."""
         now = time.monotonic()
-        for rid in [r for r, e in self.expected.items() if now - e.since_s > HANDOFF_TIMEOUT_S]:
+        for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected[rid]
             self.worker.send(e.identity, {
                 "type": "error", "request_id": rid,
-                "error": f"no KV handoff within {HANDOFF_TIMEOUT_S:g}s", "retryable": True,
+                "error": f"no KV handoff within {e.timeout_s:.0f}s", "retryable": True,
                 "suspect": e.prefill_instance,
             })  # fmt: skip
             self.on_abort(rid)

@@ -98,7 +98,7 @@ class SimConfig:
       least one prompt) runs before any decode step while prompts fit.
 
     Serving path: ``serving`` holds the time a live deployment spends outside the
-    engine's forward passes (:class:`~halfmoon.costmodel.profile.ServingTerms`: a delay
+    engine's forward passes (:class:`~halfmoon.costmodel.serving.ServingTerms`: a delay
     per request before placement, hand-over time on the prefill instance, a per-sequence
     cost in every decode step, the KV import of a joining request); all zero by default,
     which is the engine-only model.

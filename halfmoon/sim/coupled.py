@@ -17,7 +17,7 @@ prompt + output tokens when admitted). Two schedulers:
 Every step with ``b`` decodes also pays ``b * decode_per_seq_overhead_s``, the serving
 path's cost per sequence outside the forward (a message per token to the gateway), and
 every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``, see
-:class:`~halfmoon.costmodel.profile.ServingTerms`).
+:class:`~halfmoon.costmodel.serving.ServingTerms`).
 
 A prompt's first token is emitted when its prefill completes (``PrefillFinished`` and
 ``DecodeStarted`` at that moment). With prefix caching, the prompt's full blocks are
