@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from halfmoon.core.request import Request
 from halfmoon.workload.tokens import TokenSynthesizer, scale_request
-from halfmoon.workload.trace import TRACE_BLOCK_SIZE_TOKENS
+from halfmoon.workload.trace import block_tokens_for_scale
 
 
 @dataclass(frozen=True)
@@ -58,19 +58,6 @@ class BenchRequest:
     def request_id(self) -> str:
         """The trace's request id."""
         return self.request.request_id
-
-
-def block_tokens_for_scale(length_scale: float) -> int:
-    """Tokens per trace block at ``length_scale`` (``512 * length_scale``, an integer)."""
-    if not (math.isfinite(length_scale) and 0 < length_scale <= 1):
-        raise ValueError(f"--length-scale must be in (0, 1], got {length_scale}")
-    tokens = TRACE_BLOCK_SIZE_TOKENS * length_scale
-    if abs(tokens - round(tokens)) > 1e-9 or round(tokens) < 1:
-        raise ValueError(
-            f"--length-scale {length_scale:g} gives {tokens:g} tokens per 512-token block; "
-            "pick a scale that gives a whole number (e.g. 0.5, 0.25, 0.0625)"
-        )
-    return int(round(tokens))
 
 
 def plan_requests(

@@ -27,7 +27,11 @@ from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
 from halfmoon.workload.datasets import DATASETS, generate_dataset
 from halfmoon.workload.tokens import scale_request
-from halfmoon.workload.trace import TRACE_BLOCK_SIZE_TOKENS, count_lines, iter_trace
+from halfmoon.workload.trace import (
+    block_tokens_for_scale,
+    count_lines,
+    iter_trace,
+)
 
 _INFINITE = ("inf", "infinite", "none", "unbounded")
 
@@ -73,20 +77,6 @@ def make_cost_model(
     if profile is None:
         return roofline
     return ProfileCostModel.from_roofline(CostProfile.load(profile), roofline)
-
-
-def block_tokens_for_scale(length_scale: float) -> int:
-    """Tokens per 512-token trace block at ``--length-scale`` (a whole number, as
-    ``halfmoon bench`` requires, so both replay the same shrunken workload)."""
-    if not (math.isfinite(length_scale) and 0 < length_scale <= 1):
-        raise HalfmoonError(f"--length-scale must be in (0, 1], got {length_scale}")
-    tokens = TRACE_BLOCK_SIZE_TOKENS * length_scale
-    if abs(tokens - round(tokens)) > 1e-9 or round(tokens) < 1:
-        raise HalfmoonError(
-            f"--length-scale {length_scale:g} gives {tokens:g} tokens per 512-token block; "
-            "pick a scale that gives a whole number (e.g. 0.5, 0.25, 0.0625)"
-        )
-    return int(round(tokens))
 
 
 def _workload(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:

@@ -233,3 +233,17 @@ def write_trace(requests: Iterable[Request], path: str | Path) -> int:
             handle.write(format_line(request) + "\n")
             num_written += 1
     return num_written
+
+
+def block_tokens_for_scale(length_scale: float) -> int:
+    """Tokens per 512-token trace block at ``length_scale`` (a whole number, so ``halfmoon
+    bench`` and ``halfmoon simulate`` replay the same shrunken workload)."""
+    if not (math.isfinite(length_scale) and 0 < length_scale <= 1):
+        raise ValueError(f"--length-scale must be in (0, 1], got {length_scale}")
+    tokens = TRACE_BLOCK_SIZE_TOKENS * length_scale
+    if abs(tokens - round(tokens)) > 1e-9 or round(tokens) < 1:
+        raise ValueError(
+            f"--length-scale {length_scale:g} gives {tokens:g} tokens per 512-token block; "
+            "pick a scale that gives a whole number (e.g. 0.5, 0.25, 0.0625)"
+        )
+    return int(round(tokens))
