@@ -383,6 +383,7 @@ def main() -> None:
     results = json.loads(args.results.read_text())
     write_markdown(results, args.md, args.runs_dir)
     print(f"tables written to {args.md}")
+    args.img_dir.mkdir(parents=True, exist_ok=True)
     for written in (
         plot_rates(results, args.img_dir / "eval_rates.png"),
         plot_cache(results, args.img_dir / "eval_cache.png"),
