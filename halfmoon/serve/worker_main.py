@@ -59,9 +59,10 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.costmodel import CostProfile
     from halfmoon.engine.engine import LLMEngine
+    from halfmoon.serve.decode_role import DecodeRole
     from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
     from halfmoon.serve.profiler import cached_profile
-    from halfmoon.serve.roles import CoupledRole, DecodeRole, PrefillRole
+    from halfmoon.serve.roles import CoupledRole, PrefillRole
     from halfmoon.serve.worker import ConductorLink, Heartbeat, Worker, WorkerIdentity
     from halfmoon.transfer import TransferEngine
 
