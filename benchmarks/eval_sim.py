@@ -74,7 +74,7 @@ def sim_command(
         "--coupled-chunked-prefill", "--coupled-token-budget", "2048",
         "--decode-guard", "off", "--early-reject", "none",
         "--ttft-slo", f"{slo.ttft_s:g}", "--tbt-slo", f"{slo.tbt_s:g}",
-        "--tbt-metric", slo.tbt_metric, "--json", str(out), *extra,
+        "--tbt-metric", slo.tbt_metric, "--first-token-at", "kv", "--json", str(out), *extra,
     ]  # fmt: skip
 
 

@@ -65,7 +65,9 @@ class InstanceCache:
         """Raise AssertionError unless the events sent account for every block held
         (what the Conductor was told adds up to what is here) and capacity holds."""
         assert self.num_stored - self.num_evicted == len(self._cache), (
-            self.num_stored, self.num_evicted, len(self._cache),
+            self.num_stored,
+            self.num_evicted,
+            len(self._cache),
         )
         capacity = self._cache.capacity_blocks
         assert capacity is None or len(self._cache) <= capacity

@@ -22,7 +22,7 @@ from halfmoon.costmodel.models import get_model
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
 from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
-from halfmoon.sim.config import DECODE_GUARDS, ClusterSpec, SimConfig
+from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
 from halfmoon.workload.datasets import DATASETS, generate_dataset
@@ -136,6 +136,7 @@ def _configs(
         max_requests=args.max_requests,
         serving=serving or ServingTerms(),
         host_cores=args.host_cores,
+        first_token_at=args.first_token_at,
     )
     conductor = ConductorConfig(
         block_size_tokens=block_tokens_for_scale(args.length_scale),
@@ -301,6 +302,14 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="all instances are single-threaded processes sharing this many CPUs "
         "(one small machine); default: each instance has its own hardware",
+    )
+    group.add_argument(
+        "--first-token-at",
+        choices=FIRST_TOKEN_AT,
+        default="join",
+        help="disaggregated first token: when the decode instance takes the request into "
+        "its batch (join, default) or when its KV arrives there (kv: what a live "
+        "prefill worker does)",
     )
 
 

@@ -14,6 +14,7 @@ from halfmoon.costmodel.serving import ServingTerms
 _CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*P\s*(\d+)\s*D|(\d+)\s*M)\s*$", re.IGNORECASE)
 
 #: What a decode instance does with a request whose admission would break the TBT SLO.
+FIRST_TOKEN_AT = ("join", "kv")
 DECODE_GUARDS = ("reject", "wait", "off")
 
 
@@ -108,6 +109,12 @@ class SimConfig:
     busy instance slows down when demand exceeds the cores (:mod:`halfmoon.sim.host`).
     None (the default): every instance has its own hardware.
 
+    ``first_token_at``: when a disaggregated request's first token (the one its prefill
+    computed) counts as delivered: ``join`` (default), when the decode instance takes it
+    into its batch at a step boundary; ``kv``, when its KV has arrived there, as a live
+    prefill worker sends it once its KV stream is across (waiting for room and for the
+    running step then shows as the gap to the second token, as a live client sees it).
+
     Workload: ``time_scale`` divides arrival times (2 replays twice as fast);
     ``max_requests`` stops reading the workload after that many requests.
     """
@@ -130,8 +137,14 @@ class SimConfig:
     max_requests: int | None = None
     serving: ServingTerms = field(default_factory=lambda: ServingTerms())
     host_cores: float | None = None
+    first_token_at: str = "join"
 
     def __post_init__(self) -> None:
+        if self.first_token_at not in FIRST_TOKEN_AT:
+            raise HalfmoonError(
+                f"first_token_at must be one of {', '.join(FIRST_TOKEN_AT)}, "
+                f"got {self.first_token_at!r}"
+            )
         if self.num_layers < 1:
             raise HalfmoonError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:

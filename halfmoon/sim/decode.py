@@ -51,8 +51,10 @@ class DecodeInstance:
         serving: ServingTerms | None = None,
         rng: random.Random | None = None,
         host: Host | None = None,
+        first_token_at: str = "join",
     ) -> None:
         self.instance_id = instance_id
+        self._first_token_on_arrival = first_token_at == "kv"
         self.cost_model = cost_model
         self.kv_capacity_tokens = kv_capacity_tokens
         self.clock = clock
@@ -106,6 +108,8 @@ class DecodeInstance:
         if reason:
             self._refuse(job, reason)
             return NO_EVENTS
+        if self._first_token_on_arrival:  # sent by the prefill worker (SimConfig)
+            job.record.token_times_s.append(self.clock.now())
         self._waiting.append(job)
         return NO_EVENTS if self._stepping else self._admit_and_step()
 
@@ -149,7 +153,8 @@ class DecodeInstance:
             imported_tokens += job.request.input_length
             self.kv_used_tokens += job.kv_reserved_tokens
             job.generated = 1
-            job.record.token_times_s.append(now)
+            if not self._first_token_on_arrival:
+                job.record.token_times_s.append(now)
             self._notify(DecodeStarted(self.instance_id, job.request_id))
             if job.done:
                 self._release(job, now)

@@ -123,17 +123,33 @@ class Simulator:
         capacity = _capacity_blocks(cfg.cache_capacity_tokens, self.block_size_tokens)
         cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
         self.prefill[iid] = PrefillInstance(
-            iid, self.cost_model, cache, self.clock, notify, cfg.num_layers,
-            cfg.prefill_chunk_tokens, cfg.serving.prefill_handoff_s_per_token, self.host,
+            iid,
+            self.cost_model,
+            cache,
+            self.clock,
+            notify,
+            cfg.num_layers,
+            cfg.prefill_chunk_tokens,
+            cfg.serving.prefill_handoff_s_per_token,
+            self.host,
         )
         self.conductor.add_prefill_instance(iid)
 
     def _add_decode(self, iid: str, kv_capacity: int) -> None:
         cfg = self.config
         self.decode[iid] = DecodeInstance(
-            iid, self.cost_model, kv_capacity, self.clock, self.conductor.handle,
-            cfg.slo.tbt_s, cfg.decode_tbt_guard, cfg.max_batch_size, cfg.serving,
-            self._step_rng, self.host,
+            iid,
+            self.cost_model,
+            kv_capacity,
+            self.clock,
+            self.conductor.handle,
+            cfg.slo.tbt_s,
+            cfg.decode_tbt_guard,
+            cfg.max_batch_size,
+            cfg.serving,
+            self._step_rng,
+            self.host,
+            cfg.first_token_at,
         )
         self.conductor.add_decode_instance(iid, kv_capacity_tokens=kv_capacity)
 
@@ -148,9 +164,19 @@ class Simulator:
             )
             cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
         self.coupled[iid] = CoupledInstance(
-            iid, self.cost_model, kv_capacity, self.clock, notify, cache,
-            cfg.max_batch_size, cfg.coupled_chunked_prefill, cfg.coupled_token_budget,
-            cfg.coupled_max_batched_tokens, cfg.serving, self._step_rng, self.host,
+            iid,
+            self.cost_model,
+            kv_capacity,
+            self.clock,
+            notify,
+            cache,
+            cfg.max_batch_size,
+            cfg.coupled_chunked_prefill,
+            cfg.coupled_token_budget,
+            cfg.coupled_max_batched_tokens,
+            cfg.serving,
+            self._step_rng,
+            self.host,
         )
         self.conductor.add_coupled_instance(iid, kv_capacity_tokens=kv_capacity)
 

@@ -3,7 +3,9 @@
 import pytest
 
 from halfmoon.core.config import SLOConfig
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.costmodel.throughput import ThroughputCostModel
+from halfmoon.sim.config import ClusterSpec, SimConfig
 from halfmoon.workload.datasets import generate_dataset
 
 
@@ -133,3 +135,24 @@ def test_time_scale_and_max_requests(run_sim) -> None:
     fast, _ = run_sim("2P1D", requests, time_scale=2.0, max_requests=10)
     assert fast.report["num_requests"] == 10
     assert fast.records[9].arrival_s == pytest.approx(requests[9].arrival_time_s / 2.0)
+
+
+def test_first_token_at_kv_arrival_moves_the_wait_into_the_first_gap(run_sim, make_request):
+    """Live, the prefill worker sends the first token once its KV is across; a request
+    that then waits for the running decode step shows it in its first gap."""
+    requests = [make_request(f"r{i}", 0.0, 4000, 3) for i in range(2)]
+    slo = SLOConfig(ttft_s=30.0, tbt_s=10.0)
+    runs = {
+        at: _records(run_sim("2P1D", requests, slo=slo, model=_decode_bound(),
+                             first_token_at=at)[0])  # fmt: skip
+        for at in ("join", "kv")
+    }
+    join, kv = runs["join"], runs["kv"]
+    # Both prefills end together; r0 joins an idle decode at once, r1 after r0's step.
+    assert kv["r0"].token_times_s == join["r0"].token_times_s
+    assert kv["r1"].token_times_s[0] == pytest.approx(kv["r0"].token_times_s[0], abs=1e-3)
+    assert join["r1"].token_times_s[0] > kv["r1"].token_times_s[0] + 0.04  # waited a step
+    assert kv["r1"].token_times_s[1:] == join["r1"].token_times_s[1:]
+    assert kv["r1"].tbt_gaps_s[0] > join["r1"].tbt_gaps_s[0] + 0.04
+    with pytest.raises(HalfmoonError, match="first_token_at"):
+        SimConfig(ClusterSpec.parse("1P1D"), first_token_at="prefill")
