@@ -11,9 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from halfmoon.transfer.microbench import KIB, MIB, BenchResult, stop_process
 
@@ -161,3 +162,37 @@ def find(
 def write_json(path: str, payload: dict) -> None:
     """Save raw results."""
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def alternate_rounds(
+    num_rounds: int,
+    ours: Callable[[], list[BenchResult]],
+    mooncake: Callable[[], list[BenchResult]] | None,
+) -> tuple[list[list[BenchResult]], str]:
+    """``num_rounds`` rounds of ours then Mooncake's (alternating, so shifts in machine
+    load hit both); after Mooncake's first failure, said once on stderr, only ours run.
+    Returns the rounds and that failure ("" if none)."""
+    rounds: list[list[BenchResult]] = []
+    mooncake_error = ""
+    for _ in range(num_rounds):
+        one_round = ours()
+        if mooncake is not None and not mooncake_error:
+            try:
+                one_round += mooncake()
+            except (RuntimeError, OSError) as exc:
+                mooncake_error = str(exc)
+                print(f"Mooncake could not run: {exc}", file=sys.stderr)
+        rounds.append(one_round)
+    return rounds, mooncake_error
+
+
+def finish(args: Any, results: list[BenchResult], mooncake_error: str, started_s: float,
+           markdown: Callable[[list[BenchResult]], str]) -> None:  # fmt: skip
+    """The common tail: elapsed time, ``--markdown`` table, ``--json`` raw results."""
+    print(f"({time.monotonic() - started_s:.0f} s)")
+    if args.markdown:
+        print(markdown(results))
+    if args.json:
+        write_json(
+            args.json, {"results": [r.to_dict() for r in results], "mooncake_error": mooncake_error}
+        )

@@ -40,13 +40,14 @@ from _common import (
     MOONCAKE_ENV,
     MOONCAKE_VENV,
     JsonProcess,
+    alternate_rounds,
     find,
+    finish,
     free_port,
     mooncake_python,
     parse_size,
     processes,
     results_from,
-    write_json,
 )
 from transfer import markdown
 
@@ -210,30 +211,20 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batch_bytes = parse_size(args.batch)
     started = time.monotonic()
-    rounds: list[list[BenchResult]] = []
-    mooncake_error = ""
-    for _ in range(args.rounds):
-        one_round = bench_store_local(sizes, batch_bytes, args.reps)
-        one_round += bench_store_remote(sizes, batch_bytes, args.reps)
-        if not args.no_mooncake and not mooncake_error:
-            try:
-                one_round += run_mooncake(sizes, batch_bytes, args.reps)
-            except (RuntimeError, OSError) as exc:
-                mooncake_error = str(exc)
-                print(f"Mooncake could not run: {exc}", file=sys.stderr)
-        rounds.append(one_round)
+    rounds, mooncake_error = alternate_rounds(
+        args.rounds,
+        lambda: (
+            bench_store_local(sizes, batch_bytes, args.reps)
+            + bench_store_remote(sizes, batch_bytes, args.reps)
+        ),
+        None if args.no_mooncake else lambda: run_mooncake(sizes, batch_bytes, args.reps),
+    )
     results = aggregate(rounds)
     print(format_table(results))
     print("\n".join(summary(results)))
     if len(rounds) > 1:
         print("\n".join(latency_ratios(rounds)))
-    print(f"({time.monotonic() - started:.0f} s)")
-    if args.markdown:
-        print(markdown(results))
-    if args.json:
-        write_json(
-            args.json, {"results": [r.to_dict() for r in results], "mooncake_error": mooncake_error}
-        )
+    finish(args, results, mooncake_error, started, markdown)
     return 0
 
 

@@ -29,13 +29,14 @@ from _common import (
     HERE,
     MOONCAKE_ENV,
     JsonProcess,
+    alternate_rounds,
     find,
+    finish,
     mooncake_python,
     parse_size,
     processes,
     results_from,
     size_label,
-    write_json,
 )
 
 from halfmoon.transfer.microbench import BenchResult, aggregate, bench_transfer, format_table
@@ -135,28 +136,15 @@ def main() -> int:
     if any(batch_bytes % s for s in sizes):
         parser.error("--batch must be a multiple of every block size")
     started = time.monotonic()
-    rounds: list[list[BenchResult]] = []
-    mooncake_error = ""
-    for _ in range(args.rounds):
-        # Ours and Mooncake alternate, so shifts in machine load hit both.
-        one_round = bench_transfer(sizes, batch_bytes, args.reps, num_connections=args.connections)
-        if not args.no_mooncake and not mooncake_error:
-            try:
-                one_round += run_mooncake(sizes, batch_bytes, args.reps)
-            except (RuntimeError, OSError) as exc:
-                mooncake_error = str(exc)
-                print(f"Mooncake could not run: {exc}", file=sys.stderr)
-        rounds.append(one_round)
+    rounds, mooncake_error = alternate_rounds(
+        args.rounds,
+        lambda: bench_transfer(sizes, batch_bytes, args.reps, num_connections=args.connections),
+        None if args.no_mooncake else lambda: run_mooncake(sizes, batch_bytes, args.reps),
+    )
     results = aggregate(rounds)
     print(format_table(results))
     print("\n".join(summary(results, sizes)))
-    print(f"({time.monotonic() - started:.0f} s)")
-    if args.markdown:
-        print(markdown(results))
-    if args.json:
-        write_json(
-            args.json, {"results": [r.to_dict() for r in results], "mooncake_error": mooncake_error}
-        )
+    finish(args, results, mooncake_error, started, markdown)
     return 0
 
 

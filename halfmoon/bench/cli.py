@@ -25,6 +25,7 @@ from halfmoon.bench.workload import (
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.metrics.records import records_to_json
+from halfmoon.workload.cli import add_workload_args
 from halfmoon.workload.datasets import DATASETS, generate_dataset
 from halfmoon.workload.trace import iter_trace
 
@@ -154,29 +155,6 @@ def _write_outputs(
         print(f"plot written to {args.plot}")
 
 
-def _add_workload_args(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
-    source.add_argument("--dataset", metavar="NAME", help=f"synthetic: {', '.join(DATASETS)}")
-    parser.add_argument("--rate", type=float, help="dataset arrival rate, requests/s")
-    parser.add_argument("--num-requests", type=int, help="dataset size")
-    parser.add_argument("--seed", type=int, default=0, help="dataset seed")
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="divide arrival times by X (2 = twice as fast)",
-    )
-    parser.add_argument(
-        "--length-scale", type=float, default=1.0,
-        help="shrink prompt and output lengths by Y (512*Y tokens per trace block)",
-    )  # fmt: skip
-    parser.add_argument("--max-requests", type=int, help="send only the first N requests")
-    parser.add_argument("--salt", type=int, default=0, help="token universe (new salt: cold cache)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="token ids are < this")
-    parser.add_argument("--min-token-id", type=int, default=16, help="token ids are >= this")
-
-
 def register(subparsers: Any) -> None:
     """Add ``halfmoon bench``."""
     parser = subparsers.add_parser(
@@ -188,7 +166,10 @@ def register(subparsers: Any) -> None:
         "halfmoon simulate.",
     )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    _add_workload_args(parser)
+    add_workload_args(parser)
+    parser.add_argument("--salt", type=int, default=0, help="token universe (new salt: cold cache)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="token ids are < this")
+    parser.add_argument("--min-token-id", type=int, default=16, help="token ids are >= this")
     parser.add_argument("--model", help="model name (default: the server's first /v1/models)")
     parser.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"),

@@ -25,6 +25,7 @@ from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
 from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
+from halfmoon.workload.cli import add_workload_args
 from halfmoon.workload.datasets import DATASETS, generate_dataset
 from halfmoon.workload.tokens import scale_request
 from halfmoon.workload.trace import (
@@ -204,29 +205,6 @@ def _write_outputs(args: argparse.Namespace, result: SimResult) -> None:
         print(f"plot written to {args.plot}")
 
 
-def _add_workload_args(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
-    source.add_argument("--dataset", metavar="NAME", help=f"synthetic: {', '.join(DATASETS)}")
-    parser.add_argument("--rate", type=float, help="dataset arrival rate, requests/s")
-    parser.add_argument("--num-requests", type=int, help="dataset size")
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="divide arrival times by X (2 = twice as fast)",
-    )
-    parser.add_argument(
-        "--length-scale",
-        type=float,
-        default=1.0,
-        help="shrink prompt and output lengths by Y (512*Y tokens per trace block), "
-        "as halfmoon bench does",
-    )
-    parser.add_argument("--max-requests", type=int, help="stop after N requests")
-    parser.add_argument("--seed", type=int, default=0, help="dataset and random-policy seed")
-
-
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="8P8D", help="xPyD (e.g. 8P8D) or xM (e.g. 16M)")
     parser.add_argument("--model", default="llama2-70b", help="model name (costmodel registry)")
@@ -321,7 +299,7 @@ def register(subparsers: Any) -> None:
         description="Discrete-event simulation of a disaggregated (xPyD) or coupled (xM) "
         "cluster; prints a summary and optionally writes the JSON report and a plot.",
     )
-    _add_workload_args(parser)
+    add_workload_args(parser, "dataset and random-policy seed")
     _add_cluster_args(parser)
     _add_serving_args(parser)
     parser.add_argument("--policy", default="kvcache-centric", help=f"one of {', '.join(POLICIES)}")

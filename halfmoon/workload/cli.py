@@ -32,6 +32,28 @@ def parse_capacity(text: str) -> int | None:
     return value
 
 
+def add_workload_args(parser: argparse.ArgumentParser, seed_help: str = "dataset seed") -> None:
+    """The workload options ``halfmoon bench`` and ``halfmoon simulate`` share, so both
+    replay the same requests from the same flags: a trace or a dataset, its rate and
+    size, time and length scaling, a request cap and the seed."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
+    source.add_argument("--dataset", metavar="NAME", help=f"synthetic: {', '.join(DATASETS)}")
+    parser.add_argument("--rate", type=float, help="dataset arrival rate, requests/s")
+    parser.add_argument("--num-requests", type=int, help="dataset size")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="divide arrival times by X (2 = twice as fast)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--length-scale", type=float, default=1.0,
+        help="shrink prompt and output lengths by Y (512*Y tokens per trace block; "
+        "halfmoon bench and halfmoon simulate shrink alike)",
+    )  # fmt: skip
+    parser.add_argument("--max-requests", type=int, help="use only the first N requests")
+
+
 def _with_progress(requests: Iterator[Request], path: Path, desc: str) -> Iterable[Request]:
     """Wrap ``requests`` in a tqdm bar on stderr, only when stderr is a terminal."""
     if not sys.stderr.isatty():
