@@ -29,7 +29,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
 from halfmoon.serve.launcher import ProcessGroup, prepare_model
-from halfmoon.serve.runtime import free_port, load_secret
+from halfmoon.serve.runtime import free_port, load_secret, settle_gc
 
 log = logging.getLogger("deploy")
 
@@ -192,6 +192,7 @@ class GatewayHost:
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=self.host, port=spec.port, log_level="warning", lifespan="off"))  # fmt: skip
+        settle_gc()
         serving = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started and not serving.done():
             await asyncio.sleep(0.05)

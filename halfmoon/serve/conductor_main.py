@@ -13,7 +13,13 @@ from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.costmodel import CostProfile, ProfileCostModel, ThroughputCostModel
 from halfmoon.costmodel.base import CostModel
 from halfmoon.serve.conductor_service import ConductorService
-from halfmoon.serve.runtime import load_secret, setup_logging, stop_event_on_signals, warn_if_public
+from halfmoon.serve.runtime import (
+    load_secret,
+    settle_gc,
+    setup_logging,
+    stop_event_on_signals,
+    warn_if_public,
+)
 
 
 def add_conductor_options(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +80,7 @@ def run_conductor(args: argparse.Namespace) -> int:
     service = ConductorService(conductor, load_secret(), f"tcp://{args.host}:{args.port}")
     log.info("conductor listening on %s (policy %s)", service.endpoint, args.policy)
     stop = stop_event_on_signals()
+    settle_gc()
     try:
         service.serve_forever(stop=stop.is_set)
     finally:

@@ -26,13 +26,21 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import add_ray_options
 from halfmoon.serve.conductor_main import add_conductor_options
-from halfmoon.serve.runtime import SECRET_ENV, free_port, new_secret, setup_logging, warn_if_public
-from halfmoon.serve.worker_main import add_engine_options
+from halfmoon.serve.runtime import (
+    SECRET_ENV,
+    free_port,
+    new_secret,
+    settle_gc,
+    setup_logging,
+    warn_if_public,
+)
+from halfmoon.serve.worker_main import add_engine_options, engine_config
 
 log = logging.getLogger("serve")
 _PR_SET_PDEATHSIG = 1
 ENGINE_FLAGS = (
-    "device", "dtype", "kv_cache_mb", "max_num_seqs", "max_model_len", "prefill_chunk_tokens",
+    "device", "dtype", "kv_cache_mb", "max_num_seqs", "prefill_max_num_seqs", "max_model_len",
+    "prefill_chunk_tokens",
     "num_threads", "block_size", "seed", "store_dram_mb", "store_ssd_dir", "store_ssd_mb",
 )  # fmt: skip
 
@@ -232,6 +240,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
     supervisor = loop.create_task(_supervise(group))
+    settle_gc()
     try:
         await server.serve()
     finally:
@@ -283,6 +292,12 @@ def check_shape(args: argparse.Namespace) -> None:
             f"--cpp-stages {args.cpp_stages} needs --mode disaggregated and at least "
             f"{args.cpp_stages} prefill workers (--prefill {args.prefill})"
         )
+    roles = ("prefill", "decode") if args.mode == "disaggregated" else ("coupled",)
+    for role in roles:  # the workers' engine options, checked before any process starts
+        try:
+            engine_config(argparse.Namespace(**{**vars(args), "role": role}))
+        except HalfmoonError as exc:
+            raise HalfmoonError(f"{role} workers: {exc}") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -10,7 +10,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from halfmoon.serve.runtime import load_secret, setup_logging, stop_event_on_signals, warn_if_public
+from halfmoon.serve.runtime import (
+    load_secret,
+    settle_gc,
+    setup_logging,
+    stop_event_on_signals,
+    warn_if_public,
+)
 
 ROLES = ("prefill", "decode", "coupled")
 
@@ -21,7 +27,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool per worker, MiB")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
+    )
+    parser.add_argument(
+        "--prefill-max-num-seqs", type=int, default=1,
+        help="prompts a prefill worker computes per step; 1 (default): one at a time in "
+        "arrival order, the queue the Conductor's TTFT estimate assumes",
+    )  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
@@ -46,9 +59,11 @@ def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the options describe."""
     from halfmoon.engine.config import EngineConfig
 
+    prefill = getattr(args, "role", None) == "prefill"
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        kv_cache_mb=args.kv_cache_mb,
+        max_num_seqs=args.prefill_max_num_seqs if prefill else args.max_num_seqs,
         max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
         seed=args.seed, num_threads=args.num_threads,
         enable_prefix_caching=args.prefix_caching,
@@ -122,6 +137,7 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     worker.heartbeat = Heartbeat(args.conductor, secret, name)
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
+    settle_gc()
     try:
         worker.run(stop.is_set)
         if worker.draining_since_s is not None and not stop.is_set():

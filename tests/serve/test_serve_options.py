@@ -13,6 +13,10 @@ from halfmoon.cli import main
         (["--cpp-stages", "0"], "--cpp-stages and --cpp-chunk-tokens must be >= 1"),
         (["--cpp-chunk-tokens", "0"], "--cpp-stages and --cpp-chunk-tokens must be >= 1"),
         (["--cpp-min-tokens", "-1"], "--cpp-min-tokens >= 0"),
+        (["--prefill-max-num-seqs", "0"], "prefill workers: max_num_seqs must be >= 1"),
+        (["--mode", "coupled", "--max-num-seqs", "0"], "coupled workers: max_num_seqs"),
+        (["--dtype", "float8"], "unknown dtype 'float8'"),
+        (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):
@@ -21,3 +25,32 @@ def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch)
     err = capsys.readouterr().err
     assert err.startswith("halfmoon: error:") and message in err
     assert not any(tmp_path.iterdir())  # nothing was prepared or started
+
+
+def test_prefill_workers_take_one_prompt_per_step_by_default():
+    """A prefill worker computes prompts one at a time, in arrival order (the queue the
+    Conductor's TTFT estimate and the simulator assume); decode workers batch."""
+    import argparse
+
+    from halfmoon.serve.worker_main import add_engine_options, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args([])
+    assert engine_config(argparse.Namespace(**vars(args), role="prefill")).max_num_seqs == 1
+    assert engine_config(argparse.Namespace(**vars(args), role="decode")).max_num_seqs == 64
+    args = parser.parse_args(["--prefill-max-num-seqs", "4"])
+    assert engine_config(argparse.Namespace(**vars(args), role="prefill")).max_num_seqs == 4
+
+
+def test_settle_gc_takes_start_up_objects_out_of_the_collector():
+    import gc
+
+    from halfmoon.serve.runtime import settle_gc
+
+    survivor = [[i] for i in range(1000)]  # tracked containers made "at start-up"
+    try:
+        settle_gc()
+        assert gc.get_freeze_count() >= len(survivor)
+    finally:
+        gc.unfreeze()
