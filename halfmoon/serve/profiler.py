@@ -1,7 +1,7 @@
 """Measure a worker's engine so the Conductor's estimates are in real seconds here.
 
 A few prefills (with and without a cached prefix) and decode steps (several batch sizes and
-context lengths, up to ~1.5k tokens per sequence so long-prompt serving is inside the
+context lengths, up to 2k tokens per sequence so long-prompt serving is inside the
 measured range) are timed and fitted with :func:`halfmoon.costmodel.fit_profile`. The
 engine-side serving term ``kv_import_s_per_token`` (a decode worker copying a handed-off
 request's KV into its pool) is timed too. The result is cached as JSON per model
@@ -24,9 +24,16 @@ from halfmoon.costmodel import CostProfile, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
 
 #: Bumped when what is measured changes, so cached profiles of older code are not reused.
-PROFILER_VERSION = 2
-PREFILL_POINTS = ((32, 0), (128, 0), (512, 0), (1024, 0), (256, 512), (128, 1024))
-DECODE_POINTS = ((1, 64), (4, 256), (8, 512), (16, 256), (4, 1536), (16, 1024))
+PROFILER_VERSION = 3
+#: (new, cached) prompt tokens; up to 2k-token prompts and 1.5k-token cached prefixes (a
+#: fit extrapolated beyond its points was 10-20% short there).
+PREFILL_POINTS = (
+    (32, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (128, 1024), (384, 1536)
+)  # fmt: skip
+#: (batch, context per sequence); the batch's total context reaches 24k tokens.
+DECODE_POINTS = (
+    (1, 64), (4, 256), (8, 512), (16, 256), (4, 1536), (16, 1024), (8, 2048), (16, 1536)
+)  # fmt: skip
 IMPORT_POINTS = (256, 1024)
 _DECODE_STEPS = 8
 
@@ -49,11 +56,14 @@ def _time_prefill(engine: Any, new: int, cached: int, salt: int) -> float:
 
 def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
     params = SamplingParams(max_tokens=2 + _DECODE_STEPS, temperature=0, ignore_eos=True)
+    ids = {f"profile-{salt}-{i}" for i in range(batch)}
     for i in range(batch):
         engine.add_request(f"profile-{salt}-{i}", _tokens(engine, context, salt + i), params)
-    engine.step()  # prefills (and first tokens)
-    while engine.stats().num_waiting:
-        engine.step()
+    # Every prompt must be through (its first token out) before a step is timed: a step
+    # that still carries a prompt chunk is a mixed step, up to 2x a decode step here.
+    started: set[str] = set()
+    while started != ids and engine.has_unfinished_requests():
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
     # The median step: one step slowed by another process on a shared machine must not
     # move the profile (the mean of 4 did, by up to 2x on a busy 2-core box).
     times = []

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 
 from halfmoon.costmodel import CostProfile
@@ -48,4 +50,37 @@ def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
     # longer prompts and bigger batches cost more; nothing is free
     assert profile.prefill_s(1024, 0) > profile.prefill_s(64, 0) > 0
     assert profile.decode_step_s(16, 4096) > 0
+    engine.check_integrity()
+
+
+def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
+    """A decode point is timed only once every prompt of its batch is through: a step
+    that still computes a prompt chunk (a mixed step) must not be in the median."""
+    from halfmoon.serve import profiler
+
+    events: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        prompt = any(c.start < c.seq.num_prompt_tokens for c in out.chunks)
+        events.append("prompt-step" if prompt else "decode-step")
+        return out
+
+    clock = profiler.time.perf_counter
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            events.append("clock")
+            return clock()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(profiler, "time", Clock)
+    # 3 prompts of 1,000 tokens in 2,048-token steps: the third is admitted in the first
+    # step with 48 tokens and still prefills in the second, beside two decodes.
+    assert profiler._time_decode(engine, 3, 1000, 4242) > 0
+    timed = [b for a, b in itertools.pairwise(events) if a == "clock" and b != "clock"]
+    assert timed and set(timed) == {"decode-step"}
+    assert "prompt-step" in events  # the prompts did run, before the clock started
     engine.check_integrity()
