@@ -22,6 +22,7 @@ from halfmoon.costmodel.models import get_model
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
 from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
+from halfmoon.metrics.records import records_to_json
 from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
@@ -193,6 +194,12 @@ def _write_outputs(args: argparse.Namespace, result: SimResult) -> None:
         except OSError as exc:
             raise HalfmoonError(f"cannot write {args.json}: {exc.strerror}") from None
         print(f"report written to {args.json}")
+    if args.records is not None:
+        try:
+            Path(args.records).write_text(json.dumps(records_to_json(result.records)) + "\n")
+        except OSError as exc:
+            raise HalfmoonError(f"cannot write {args.records}: {exc.strerror}") from None
+        print(f"records written to {args.records}")
     if args.plot is not None:
         from halfmoon.metrics.plots import plot_report
 
@@ -315,5 +322,8 @@ def register(subparsers: Any) -> None:
         "--tbt-metric", default="top10mean", help=f"one of {', '.join(TBT_METRICS)}"
     )
     parser.add_argument("--json", metavar="OUT", help="write the JSON report here")
+    parser.add_argument(
+        "--records", metavar="OUT", help="write every request's record (JSON, as halfmoon bench)"
+    )
     parser.add_argument("--plot", metavar="OUT.png", help="write TTFT/TBT CDFs here")
     parser.set_defaults(func=run_simulate)

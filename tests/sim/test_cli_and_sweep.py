@@ -11,8 +11,18 @@ from halfmoon.sim import max_rate_within_slo
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
 DATASET = ["--dataset", "leval", "--rate", "3", "--num-requests", "40"]
 REQUIRED_KEYS = {
-    "num_requests", "num_completed", "num_rejected", "num_wasted_prefill", "ttft_s", "tbt_s",
-    "slo_attainment", "goodput_rps", "cache_hit_ratio", "duration_s", "policy", "cluster",
+    "num_requests",
+    "num_completed",
+    "num_rejected",
+    "num_wasted_prefill",
+    "ttft_s",
+    "tbt_s",
+    "slo_attainment",
+    "goodput_rps",
+    "cache_hit_ratio",
+    "duration_s",
+    "policy",
+    "cluster",
 }
 
 
@@ -23,13 +33,32 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_simulate_dataset_writes_json_and_plot(capsys, tmp_path: Path) -> None:
-    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out_json, out_png, out_records = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "rec"
     code, out, _ = _run(
-        capsys, *DATASET, "--cluster", "2P1D", "--policy", "cache-aware",
-        "--json", str(out_json), "--plot", str(out_png),
+        capsys,
+        *DATASET,
+        "--cluster",
+        "2P1D",
+        "--policy",
+        "cache-aware",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        "--records",
+        str(out_records),
     )
     assert code == 0
     report = json.loads(out_json.read_text())
+    # every request's record, in halfmoon bench's format: the report comes from them
+    from halfmoon.core.config import SLOConfig
+    from halfmoon.metrics.records import records_from_json
+    from halfmoon.metrics.report import summarize
+
+    records = records_from_json(json.loads(out_records.read_text()))
+    assert len(records) == 40
+    slo = SLOConfig(report["slo"]["ttft_s"], report["slo"]["tbt_s"], report["slo"]["tbt_metric"])
+    assert summarize(records, slo)["ttft_s"] == report["ttft_s"]
     assert REQUIRED_KEYS <= set(report)
     for key in ("ttft_s", "tbt_s"):
         assert set(report[key]) == {"mean", "p50", "p90", "p99"}
@@ -42,8 +71,17 @@ def test_simulate_dataset_writes_json_and_plot(capsys, tmp_path: Path) -> None:
 def test_simulate_coupled_with_options(capsys, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     code, _, _ = _run(
-        capsys, *DATASET, "--cluster", "2M", "--coupled-router", "least-load",
-        "--coupled-chunked-prefill", "--tbt-metric", "p90", "--json", str(out_json),
+        capsys,
+        *DATASET,
+        "--cluster",
+        "2M",
+        "--coupled-router",
+        "least-load",
+        "--coupled-chunked-prefill",
+        "--tbt-metric",
+        "p90",
+        "--json",
+        str(out_json),
     )
     assert code == 0
     report = json.loads(out_json.read_text())
@@ -55,9 +93,21 @@ def test_simulate_coupled_with_options(capsys, tmp_path: Path) -> None:
 def test_simulate_trace_with_time_scale(capsys, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     code, _, _ = _run(
-        capsys, "--trace", str(TRACE), "--max-requests", "60", "--time-scale", "2",
-        "--cluster", "2P2D", "--early-reject", "predict", "--cache-capacity-tokens", "inf",
-        "--json", str(out_json),
+        capsys,
+        "--trace",
+        str(TRACE),
+        "--max-requests",
+        "60",
+        "--time-scale",
+        "2",
+        "--cluster",
+        "2P2D",
+        "--early-reject",
+        "predict",
+        "--cache-capacity-tokens",
+        "inf",
+        "--json",
+        str(out_json),
     )
     assert code == 0
     report = json.loads(out_json.read_text())
@@ -138,8 +188,19 @@ def test_simulate_with_measured_profile(capsys, tmp_path: Path) -> None:
     fit_profile(prefill, decode, "llama2-70b", "test", created="2026-01-01").save(profile)
     out_json = tmp_path / "r.json"
     code, _, _ = _run(
-        capsys, "--dataset", "arxiv", "--rate", "0.05", "--num-requests", "5",
-        "--cluster", "1P1D", "--profile", str(profile), "--json", str(out_json),
+        capsys,
+        "--dataset",
+        "arxiv",
+        "--rate",
+        "0.05",
+        "--num-requests",
+        "5",
+        "--cluster",
+        "1P1D",
+        "--profile",
+        str(profile),
+        "--json",
+        str(out_json),
     )
     assert code == 0
     report = json.loads(out_json.read_text())
