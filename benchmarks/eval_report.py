@@ -213,7 +213,9 @@ def table_ablation(results: dict) -> str:
                         for s, _, _, metric, live, sim in fidelity_rows(results, f"ablation/{variant}")
                         if s == shape and metric == name and live]  # fmt: skip
                 within = sum(e <= 0.25 for e in errs)
-                cells.append(f"{statistics.median(errs):.0%} ({within}/{len(errs)})" if errs else "-")
+                cells.append(
+                    f"{statistics.median(errs):.0%} ({within}/{len(errs)})" if errs else "-"
+                )
             rows.append([name, shape, *cells])
     return _table(["metric", "cluster", *variants], rows)
 

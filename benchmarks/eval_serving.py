@@ -324,9 +324,16 @@ def run_sims(
         "serving_terms": {s: json.loads(p.read_text())["serving"] for s, p in profiles.items()},
         "sims": sims,
         "ablation": run_ablation(
-            sims, profiles, SLO, args.out / "sim-ablation",
-            {(e["shape"], e["workload"], e["speed"]):
-             host_cores(live_runs, e["shape"], e["workload"], e["speed"]) for e in sims},
+            sims,
+            profiles,
+            SLO,
+            args.out / "sim-ablation",
+            {
+                (e["shape"], e["workload"], e["speed"]): host_cores(
+                    live_runs, e["shape"], e["workload"], e["speed"]
+                )
+                for e in sims
+            },
         ),  # fmt: skip
         "decisions": decisions,
     }
@@ -340,10 +347,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "eval")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "eval_results.json")
     parser.add_argument("--quick", action="store_true", help="two speeds, one repeat")
-    parser.add_argument("--max-quiet-wait-s", type=float, default=900.0,
-                        help="wait at most this long for other jobs to finish before a run")
-    parser.add_argument("--max-attempts", type=int, default=3,
-                        help="runs of a point while other jobs take over 0.3 cores")
+    parser.add_argument(
+        "--max-quiet-wait-s",
+        type=float,
+        default=900.0,
+        help="wait at most this long for other jobs to finish before a run",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="runs of a point while other jobs take over 0.3 cores",
+    )
     args = parser.parse_args()
     # Started in the background, SIGINT may be ignored and SIGTERM would skip cleanup:
     # make both unwind, so the clusters are always stopped.

@@ -42,7 +42,9 @@ def simulate_clusters(
     cost_model = build_cost_model("llama2-70b", "a800", 8)
     results = {
         name: simulate(
-            requests, SimConfig(ClusterSpec.parse(name), slo=slo), ConductorConfig(slo=slo),
+            requests,
+            SimConfig(ClusterSpec.parse(name), slo=slo),
+            ConductorConfig(slo=slo),
             cost_model,
         )
         for name in clusters
@@ -92,7 +94,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="arrival rate, requests/s")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
-        "--clusters", default="3P1D,4M",
+        "--clusters",
+        default="3P1D,4M",
         help="comma-separated clusters to simulate side by side ('' skips the simulation)",
     )
     parser.add_argument(

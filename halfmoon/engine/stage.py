@@ -143,9 +143,7 @@ class StageExecutor:
         """Leading blocks of ``token_ids`` this stage's pool holds (no side effects)."""
         return len(self.blocks.match_prefix(token_ids))
 
-    def start(
-        self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int = 0
-    ) -> int:
+    def start(self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int = 0) -> int:
         """Blocks for the prompt ``token_ids``, reusing at most ``max_cached_tokens`` of
         its cached prefix (every stage of a group must start at the same token); returns
         the prefix tokens reused. Raises when the pool is too small."""

@@ -96,8 +96,14 @@ def test_500_requests_at_concurrency_32_with_workers_killed(cluster_factory):
     rss["launcher+gateway"] = round(_peak_rss_mib(cluster.proc.pid), 1)
     if os.environ.get("HALFMOON_RSS_OUT"):
         Path(os.environ["HALFMOON_RSS_OUT"]).write_text(
-            json.dumps({"elapsed_s": round(elapsed, 1), "outcomes": {r: results.count(r)
-                        for r in set(results)}, "peak_rss_mib": rss}, indent=2)  # fmt: skip
+            json.dumps(
+                {
+                    "elapsed_s": round(elapsed, 1),
+                    "outcomes": {r: results.count(r) for r in set(results)},
+                    "peak_rss_mib": rss,
+                },
+                indent=2,
+            )  # fmt: skip
         )
     cluster.proc.terminate()
     cluster.proc.wait(30)

@@ -96,9 +96,14 @@ def test_percentiles_return_plain_floats():
     assert all(type(value) is float for value in result.values())
 
 
-@pytest.mark.parametrize("values,qs,msg", [([1.0, math.nan], (50,), "not finite"),
-                                           ([math.inf], (50,), "not finite"),
-                                           ([1.0], (101,), "outside")])
+@pytest.mark.parametrize(
+    "values,qs,msg",
+    [
+        ([1.0, math.nan], (50,), "not finite"),
+        ([math.inf], (50,), "not finite"),
+        ([1.0], (101,), "outside"),
+    ],
+)
 def test_percentiles_bad_input(values, qs, msg):
     with pytest.raises(ValueError, match=msg):
         percentiles(values, qs=qs)

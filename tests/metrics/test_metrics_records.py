@@ -64,7 +64,10 @@ def test_from_json_optional_fields_default():
     "item,msg",
     [
         ([1, 2], "record 1: expected an object, got list"),
-        ({"request_id": "r", "arrival_s": 0.0}, "record 1: missing field.*input_length, output_length"),
+        (
+            {"request_id": "r", "arrival_s": 0.0},
+            "record 1: missing field.*input_length, output_length",
+        ),
         (
             {"request_id": "r", "arrival_s": 0, "input_length": 1, "output_length": 1, "ttft": 1},
             "record 1: unknown field.*ttft",
@@ -74,8 +77,13 @@ def test_from_json_optional_fields_default():
             "record 1:",
         ),
         (
-            {"request_id": "r", "arrival_s": 5, "input_length": 1, "output_length": 1,
-             "token_times_s": [4.0]},
+            {
+                "request_id": "r",
+                "arrival_s": 5,
+                "input_length": 1,
+                "output_length": 1,
+                "token_times_s": [4.0],
+            },
             "record 1: .*before arrival",
         ),
     ],

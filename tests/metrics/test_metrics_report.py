@@ -18,9 +18,21 @@ from halfmoon.metrics import (
 )
 
 EXPECTED_KEYS = [
-    "num_requests", "num_completed", "num_rejected", "num_errors", "num_wasted_prefill",
-    "ttft_s", "tbt_s", "itl_s", "e2e_s", "slo_attainment", "goodput_rps", "offered_rps", "cache_hit_ratio",
-    "duration_s", "slo",
+    "num_requests",
+    "num_completed",
+    "num_rejected",
+    "num_errors",
+    "num_wasted_prefill",
+    "ttft_s",
+    "tbt_s",
+    "itl_s",
+    "e2e_s",
+    "slo_attainment",
+    "goodput_rps",
+    "offered_rps",
+    "cache_hit_ratio",
+    "duration_s",
+    "slo",
 ]
 STAT_KEYS = ["mean", "p50", "p90", "p99"]
 

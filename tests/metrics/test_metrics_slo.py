@@ -19,7 +19,16 @@ from halfmoon.metrics.slo import within_slo
 
 def test_meets_slo_per_request(run, slo):
     # A and H meet both; B misses TTFT; C misses TBT (top10mean 0.4); D..G did not complete.
-    assert [meets_slo(r, slo) for r in run] == [True, False, False, False, False, False, False, True]
+    assert [meets_slo(r, slo) for r in run] == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]
 
 
 def test_tbt_metric_changes_the_verdict(run):

@@ -30,7 +30,10 @@ def make_request() -> Callable[..., Request]:
     fresh = itertools.count(10_000_000)
 
     def make(
-        rid: str, arrival_s: float, input_length: int, output_length: int,
+        rid: str,
+        arrival_s: float,
+        input_length: int,
+        output_length: int,
         prefix: Sequence[int] = (),
     ) -> Request:
         num_blocks = -(-input_length // BLOCK)
@@ -48,8 +51,12 @@ def run_sim(cost_model: ThroughputCostModel) -> Callable[..., tuple[SimResult, S
     conductor_keys = set(ConductorConfig.__dataclass_fields__)
 
     def run(
-        cluster: str, requests: Sequence[Request], slo: SLOConfig | None = None,
-        model=None, seed: int = 0, **options,
+        cluster: str,
+        requests: Sequence[Request],
+        slo: SLOConfig | None = None,
+        model=None,
+        seed: int = 0,
+        **options,
     ) -> tuple[SimResult, Simulator]:
         slo = slo or SLOConfig(ttft_s=30.0, tbt_s=0.1, tbt_metric="top10mean")
         conductor_options = {k: v for k, v in options.items() if k in conductor_keys}
@@ -62,4 +69,3 @@ def run_sim(cost_model: ThroughputCostModel) -> Callable[..., tuple[SimResult, S
         return result, simulator
 
     return run
-

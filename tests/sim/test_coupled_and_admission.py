@@ -143,8 +143,9 @@ def test_first_token_at_kv_arrival_moves_the_wait_into_the_first_gap(run_sim, ma
     requests = [make_request(f"r{i}", 0.0, 4000, 3) for i in range(2)]
     slo = SLOConfig(ttft_s=30.0, tbt_s=10.0)
     runs = {
-        at: _records(run_sim("2P1D", requests, slo=slo, model=_decode_bound(),
-                             first_token_at=at)[0])  # fmt: skip
+        at: _records(
+            run_sim("2P1D", requests, slo=slo, model=_decode_bound(), first_token_at=at)[0]
+        )  # fmt: skip
         for at in ("join", "kv")
     }
     join, kv = runs["join"], runs["kv"]

@@ -52,7 +52,9 @@ def test_prefix_cache_hit_reduces_ttft(run_sim, make_request) -> None:
 
 def test_cache_capacity_evictions_reach_the_conductor(run_sim, make_request) -> None:
     requests = [
-        make_request(f"r{i}", 2.0 * i, 3 * BLOCK + 100, 2, prefix=[100 + 10 * (i % 3) + j for j in range(3)])
+        make_request(
+            f"r{i}", 2.0 * i, 3 * BLOCK + 100, 2, prefix=[100 + 10 * (i % 3) + j for j in range(3)]
+        )
         for i in range(9)
     ]
     result, sim = run_sim("2P1D", requests, cache_capacity_tokens=4 * BLOCK, cache_policy="lru")

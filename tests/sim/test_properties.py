@@ -25,7 +25,9 @@ def workloads(draw) -> list[Request]:
     return requests
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     requests=workloads(),
     cluster=st.sampled_from(["1P1D", "2P1D", "2P2D", "1M", "2M"]),
@@ -39,10 +41,16 @@ def test_every_request_is_accounted_for(
 ) -> None:
     capacity = None if capacity_blocks is None else capacity_blocks * BLOCK
     result, sim = run_sim(
-        cluster, requests, policy=policy, early_reject=early_reject,
-        cache_capacity_tokens=capacity, coupled_cache_capacity_tokens=capacity,
-        coupled_chunked_prefill=chunked, coupled_token_budget=700,
-        prefill_chunk_tokens=1000 if chunked else None, kv_capacity_tokens=8 * BLOCK,
+        cluster,
+        requests,
+        policy=policy,
+        early_reject=early_reject,
+        cache_capacity_tokens=capacity,
+        coupled_cache_capacity_tokens=capacity,
+        coupled_chunked_prefill=chunked,
+        coupled_token_budget=700,
+        prefill_chunk_tokens=1000 if chunked else None,
+        kv_capacity_tokens=8 * BLOCK,
     )
     assert len(result.records) == len(requests)
     for request, record in zip(requests, result.records, strict=True):

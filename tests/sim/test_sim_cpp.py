@@ -66,9 +66,23 @@ def test_too_few_prefill_instances_is_an_error(run_sim, make_request) -> None:
 def test_cli_cpp_flags(capsys, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     argv = [
-        "simulate", "--dataset", "longctx-16k", "--rate", "0.2", "--num-requests", "6",
-        "--cluster", "4P1D", "--cpp-stages", "2", "--cpp-chunk-tokens", "2048",
-        "--cpp-min-tokens", "4096", "--json", str(out),
+        "simulate",
+        "--dataset",
+        "longctx-16k",
+        "--rate",
+        "0.2",
+        "--num-requests",
+        "6",
+        "--cluster",
+        "4P1D",
+        "--cpp-stages",
+        "2",
+        "--cpp-chunk-tokens",
+        "2048",
+        "--cpp-min-tokens",
+        "4096",
+        "--json",
+        str(out),
     ]
     assert main(argv) == 0
     assert json.loads(out.read_text())["num_cpp_prefills"] == 6
