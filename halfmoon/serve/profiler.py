@@ -55,24 +55,37 @@ def _time_prefill(engine: Any, new: int, cached: int, salt: int) -> float:
 
 
 def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
-    params = SamplingParams(max_tokens=2 + _DECODE_STEPS, temperature=0, ignore_eos=True)
+    """Median seconds of a decode step of ``batch`` sequences of ``context`` tokens each.
+
+    The prompts go in one after another (a step computes at most its token budget), so
+    the first ones decode while later ones are still prefilling. Timing starts once every
+    prompt is through (a step that still carries a prompt chunk is a mixed step, up to 2x
+    a decode step), and no sequence may finish before the timed steps are over: with a
+    short ``max_tokens`` the early ones did, and the "batch of 16" timed was a batch of a
+    few (its steps came out at half the real ones)."""
     ids = {f"profile-{salt}-{i}" for i in range(batch)}
+    # Steps until the last prompt is through: at most one per budget's worth of prompt
+    # tokens, plus one per prompt (a prompt cut at the end of a step).
+    setup_steps = batch - (-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(
+        max_tokens=setup_steps + _DECODE_STEPS + 2, temperature=0, ignore_eos=True
+    )
     for i in range(batch):
         engine.add_request(f"profile-{salt}-{i}", _tokens(engine, context, salt + i), params)
-    # Every prompt must be through (its first token out) before a step is timed: a step
-    # that still carries a prompt chunk is a mixed step, up to 2x a decode step here.
     started: set[str] = set()
     while started != ids and engine.has_unfinished_requests():
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
     # The median step: one step slowed by another process on a shared machine must not
     # move the profile (the mean of 4 did, by up to 2x on a busy 2-core box).
     times = []
-    while engine.has_unfinished_requests() and len(times) < _DECODE_STEPS:
+    while len(times) < _DECODE_STEPS:
         start = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
+        if len(outputs) != batch:  # a sequence ended (context limit) or was preempted
+            break
+    for request_id in ids:
+        engine.abort_request(request_id)
     return statistics.median(times) if times else 0.0
 
 
@@ -107,7 +120,7 @@ def measure_profile(engine: Any, model_name: str) -> CostProfile:
     decode = [
         (b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k))
         for k, (b, ctx) in enumerate(DECODE_POINTS)
-        if ctx + 8 <= limit and b * (ctx + 2 * engine.config.block_size) <= pool_tokens
+        if ctx + 64 <= limit and b * (ctx + 4 * engine.config.block_size) <= pool_tokens
     ]
     sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
     import_s = sum(_time_kv_import(engine, n, 5000 + k) for k, n in enumerate(sizes))

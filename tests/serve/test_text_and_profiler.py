@@ -64,7 +64,7 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
     def recording_schedule():
         out = schedule()
         prompt = any(c.start < c.seq.num_prompt_tokens for c in out.chunks)
-        events.append("prompt-step" if prompt else "decode-step")
+        events.append("prompt-step" if prompt else f"decode-step-{len(out.chunks)}")
         return out
 
     clock = profiler.time.perf_counter
@@ -81,6 +81,6 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
     # step with 48 tokens and still prefills in the second, beside two decodes.
     assert profiler._time_decode(engine, 3, 1000, 4242) > 0
     timed = [b for a, b in itertools.pairwise(events) if a == "clock" and b != "clock"]
-    assert timed and set(timed) == {"decode-step"}
+    assert len(timed) == profiler._DECODE_STEPS and set(timed) == {"decode-step-3"}
     assert "prompt-step" in events  # the prompts did run, before the clock started
     engine.check_integrity()
