@@ -13,7 +13,11 @@ Two calibration runs per cluster, neither of them one of the evaluated points:
   on the wire): ``request_overhead_s``, per cluster.
 - **burst**: 16 short prompts sent at once with 256 output tokens each; while all of
   them decode, (gap - the profile's step) / batch is ``decode_per_seq_overhead_s``, and
-  the spread of gap / step (p90 over p50) gives ``step_jitter_sigma``; the CPU time
+  the spread of gap / step (p90 over p50) gives ``step_jitter_sigma`` (2M: both
+  instances decode, each shares the cores with the other; 1P1D: from a **loaded burst**,
+  the same burst while 1,024-token prompts keep the prefill worker busy, as in serving:
+  with the prefill worker idle the decode steps were far more regular than under load,
+  sigma 0.05 against 0.2-0.5 in the live runs); the CPU time
   of the gateway, the Conductor and the benchmark client during the burst, per output
   token, gives ``background_cpu_s_per_token`` (the simulations then run on a host of
   ``os.cpu_count()`` cores shared by the instances: ``--host-cores``).
@@ -35,18 +39,31 @@ from halfmoon.workload.trace import write_trace
 BURST_REQUESTS = 16
 BURST_PROMPT_TOKENS = 256
 BURST_OUTPUT_TOKENS = 256
+#: The loaded burst's prefill load: 1,024-token prompts (one output token, so the prefill
+#: worker answers them itself), from when the burst's prompts are through until after
+#: its decodes end, a little more than one prefill worker computes.
+LOAD_PROMPT_TOKENS = 1024
+LOAD_START_S = 0.8
+LOAD_INTERVAL_S = 0.1
+LOAD_REQUESTS = 40
 
 
-def write_burst_trace(path: Path) -> Path:
-    """16 unshared 256-token prompts, all at t=0, 256 output tokens each."""
+def write_burst_trace(path: Path, loaded: bool = False) -> Path:
+    """16 unshared 256-token prompts, all at t=0, 256 output tokens each; ``loaded``
+    adds the prefill load (unshared 1,024-token prompts, one output token each)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_trace(
-        [
-            Request(f"burst-{i}", 0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, (i,), 512)
-            for i in range(BURST_REQUESTS)
-        ],
-        path,
-    )
+    requests = [
+        Request(f"burst-{i}", 0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, (i,), 512)
+        for i in range(BURST_REQUESTS)
+    ]
+    if loaded:
+        blocks = LOAD_PROMPT_TOKENS // 512
+        requests += [
+            Request(f"load-{k}", LOAD_START_S + k * LOAD_INTERVAL_S, LOAD_PROMPT_TOKENS, 1,
+                    tuple(range(1000 + blocks * k, 1000 + blocks * (k + 1))), 512)
+            for k in range(LOAD_REQUESTS)
+        ]  # fmt: skip
+    write_trace(requests, path)
     return path
 
 
@@ -63,6 +80,8 @@ def serving_terms(
     def burst(shape: str, key: str) -> float:
         return max(0.0, bursts[shape].get(key) or 0.0)
 
+    loaded = "1P1D-loaded" if "1P1D-loaded" in bursts else "1P1D"  # older results: none
+
     engine = profile.serving
     return {
         "2M": ServingTerms(
@@ -74,9 +93,9 @@ def serving_terms(
         "1P1D": ServingTerms(
             request_overhead_s=disagg_s - handoff_s,
             prefill_handoff_s_per_token=handoff_s / prompt_tokens,
-            decode_per_seq_overhead_s=burst("1P1D", "per_seq_excess_p50_s"),
+            decode_per_seq_overhead_s=burst(loaded, "per_seq_excess_p50_s"),
             kv_import_s_per_token=engine.kv_import_s_per_token,
-            step_jitter_sigma=burst("1P1D", "jitter_sigma"),
+            step_jitter_sigma=burst(loaded, "jitter_sigma"),
             background_cpu_s_per_token=burst("1P1D", "path_cpu_s_per_token"),
         ),
     }
@@ -111,6 +130,8 @@ def recalibrate(
             with ev.ServeCluster(argv, cache, secret, log) as cluster:
                 isolated[shape] = ev._isolated(args, cluster, shape, traces["docqa"], next(salts))
                 bursts[shape] = ev._burst(args, cluster, shape, next(salts))
+                if shape == "1P1D":
+                    bursts["1P1D-loaded"] = ev._burst(args, cluster, shape, next(salts), True)
         results["config"]["recalibrated"] = {
             "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_before": load_before,
             "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],

@@ -161,6 +161,7 @@ def steady_batch_gaps(
     num_instances: int,
     host_cores: float | None = None,
     other_cores: float = 0.0,
+    busy_instances: int | None = None,
 ) -> dict[str, Any]:
     """A burst of requests sent together: the gaps while every request is in a decode
     batch (after the last one's second token, before the first one's last token), the
@@ -172,9 +173,10 @@ def steady_batch_gaps(
     batch are (a lognormal's log-space deviation with that p90 / p50).
 
     With ``host_cores``, the CPU share the simulator's host model would give the busy
-    instances in that window (``num_instances`` workers plus ``other_cores`` of other
-    processes: gateway, client, other jobs) is divided out of the gaps first, so the
-    per-sequence term does not count that contention a second time.
+    instances in that window (``busy_instances`` workers, default ``num_instances``, plus
+    ``other_cores`` of other processes: gateway, client, other jobs) is divided out of
+    the gaps first, so the per-sequence term does not count that contention a second
+    time. Requests with fewer than 3 tokens (a loaded burst's prefill load) are ignored.
     """
     done = [r for r in records if r.completed and len(r.token_times_s) > 2]
     if len(done) < num_instances:
@@ -184,7 +186,8 @@ def steady_batch_gaps(
     batch = len(done) / num_instances
     slowdown = 1.0
     if host_cores:
-        slowdown = max(1.0, (num_instances + other_cores) / host_cores)
+        busy = num_instances if busy_instances is None else busy_instances
+        slowdown = max(1.0, (busy + other_cores) / host_cores)
     excess, gaps, steps = [], [], []
     for record in done:
         times = record.token_times_s

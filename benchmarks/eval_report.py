@@ -236,10 +236,23 @@ def table_serving_terms(results: dict) -> str:
             f"{terms.get('background_cpu_s_per_token', 0.0) * 1e3:.3f}",
             _fmt(burst.get("foreign_cores")),
         ])  # fmt: skip
-    return _table(["cluster", "request overhead ms", "prefill hand-over us/token",
+    table = _table(["cluster", "request overhead ms", "prefill hand-over us/token",
                    "decode per-seq ms", "KV import us/token", "step jitter sigma", "burst batch/instance",
                    "burst gaps", "burst gap p50 ms", "profile step p50 ms",
                    "path CPU ms/token", "other jobs' cores in burst"], rows)  # fmt: skip
+    bursts = results.get("bursts", {})
+    lines = [
+        f"- {name}: gap p50 / p90 {_fmt(_ms(b.get('gap_p50_s')))} / "
+        f"{_fmt(_ms(b.get('gap_p90_s')))} ms at batch {b.get('batch', 0):g}, jitter sigma "
+        f"{b.get('jitter_sigma') or 0:.3f}, per-seq excess "
+        f"{(b.get('per_seq_excess_p50_s') or 0) * 1e3:.3f} ms"
+        for name, b in bursts.items()
+    ]
+    return (
+        table
+        + "\n\nEvery burst (1P1D-loaded: the prefill worker busy meanwhile):\n\n"
+        + "\n".join(lines)
+    )
 
 
 def table_decisions(results: dict) -> str:

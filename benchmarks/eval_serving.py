@@ -133,6 +133,7 @@ def run_live(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
         bursts = {
             shape: _burst(args, cluster, shape, next(salts)) for shape, cluster in clusters.items()
         }
+        bursts["1P1D-loaded"] = _burst(args, clusters["1P1D"], "1P1D", next(salts), True)
         with probe_of["2M"], probe_of["1P1D"]:
             turn = itertools.count()
             for repeat in range(args.repeats):
@@ -156,11 +157,13 @@ def _profile(args: argparse.Namespace) -> Path:
     return profiles[0]
 
 
-def _burst(args, cluster, shape: str, salt: int) -> dict[str, Any]:
-    """16 short prompts at once: the decode steps' cost per sequence beyond the profile."""
+def _burst(args, cluster, shape: str, salt: int, loaded: bool = False) -> dict[str, Any]:
+    """16 short prompts at once: the decode steps' cost per sequence beyond the profile
+    (``loaded``: while a stream of long prompts keeps the prefill worker busy)."""
     _wait_for_quiet(args.max_quiet_wait_s)
-    stem = args.out / "runs" / f"{shape}-burst"
-    trace = write_burst_trace(args.out / "traces" / "burst.jsonl")
+    name = "burst-loaded" if loaded else "burst"
+    stem = args.out / "runs" / f"{shape}-{name}"
+    trace = write_burst_trace(args.out / "traces" / f"{name}.jsonl", loaded)
     cpu_before, busy_before = cpu_seconds(cluster.proc.pid), busy_cpu_seconds()
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
@@ -174,8 +177,9 @@ def _burst(args, cluster, shape: str, salt: int) -> dict[str, Any]:
     path_s = client_s + sum(v for k, v in cpu.items() if k in ("gateway", "conductor"))
     foreign_s = max(0.0, busy_cpu_seconds() - busy_before - sum(cpu.values()) - client_s)
     num_instances = 2 if shape == "2M" else 1
+    busy = 2 if shape == "2M" or loaded else 1  # instances computing during the window
     out = steady_batch_gaps(records, CostProfile.load(_profile(args)), num_instances,
-                            HOST_CORES, (path_s + foreign_s) / wall_s)  # fmt: skip
+                            HOST_CORES, (path_s + foreign_s) / wall_s, busy)  # fmt: skip
     out["path_cpu_s"], out["num_output_tokens"] = path_s, report["num_output_tokens"]
     out["path_cpu_s_per_token"] = path_s / max(1, report["num_output_tokens"])
     out["foreign_cores"], out["wall_s"] = foreign_s / wall_s, wall_s
