@@ -29,8 +29,13 @@ class ServingTerms:
       streaming the prompt's KV, exporting it and handing over. It occupies the
       instance (the next prompt waits) and grows with the prompt's KV.
     - ``decode_per_seq_overhead_s``: per sequence per decode step, outside the forward
-      (a message per token to the gateway, the KV receive thread); decode and coupled
-      instances pay it.
+      (sampling, its share of the step's token message, bookkeeping); decode and
+      coupled instances pay it.
+    - ``decode_step_overhead_s``: per decode step whatever its batch, outside the
+      forward (the step's message to the gateway and its wait for the CPU, the commands
+      handled between steps); decode and coupled instances pay it. With only the
+      per-sequence term, measured at one batch size, a small batch's steps came out too
+      short.
     - ``kv_import_s_per_token``: importing a handed-off request's KV into the decode
       engine, charged to the step it joins (so every running request's gap grows).
     - ``step_jitter_sigma``: steps of the same batch are not equally long when the
@@ -47,6 +52,7 @@ class ServingTerms:
     request_overhead_s: float = 0.0
     prefill_handoff_s_per_token: float = 0.0
     decode_per_seq_overhead_s: float = 0.0
+    decode_step_overhead_s: float = 0.0
     kv_import_s_per_token: float = 0.0
     step_jitter_sigma: float = 0.0
     background_cpu_s_per_token: float = 0.0
@@ -86,6 +92,7 @@ SERVING_TERM_NAMES = (
     "request_overhead_s",
     "prefill_handoff_s_per_token",
     "decode_per_seq_overhead_s",
+    "decode_step_overhead_s",
     "kv_import_s_per_token",
     "step_jitter_sigma",
     "background_cpu_s_per_token",

@@ -268,6 +268,7 @@ _SERVING_HELP = {
     "prefill_handoff_s_per_token": "prefill-instance seconds per prompt token after the "
     "forward (store save, KV streaming, hand-over)",
     "decode_per_seq_overhead_s": "seconds per sequence per decode step outside the forward",
+    "decode_step_overhead_s": "seconds per decode step (any batch) outside the forward",
     "kv_import_s_per_token": "seconds per prompt token to import a handed-off request's KV",
     "step_jitter_sigma": "log-space std. dev. of a decode step's time (lognormal, median 1)",
     "background_cpu_s_per_token": "CPU seconds of gateway/client per output token (with "

@@ -14,8 +14,8 @@ prompt + output tokens when admitted). Two schedulers:
 
       mixed_s = sum(prefill_time_s(chunk, done)) + max(0, decode_step(b, ctx) - decode_step(1, 0))
 
-Every step with ``b`` decodes also pays ``b * decode_per_seq_overhead_s``, the serving
-path's cost per sequence outside the forward (a message per token to the gateway), and
+Every step with ``b > 0`` decodes also pays ``decode_step_overhead_s + b *
+decode_per_seq_overhead_s``, the serving path's cost outside the forward, and
 every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``, see
 :class:`~halfmoon.costmodel.serving.ServingTerms`).
 
@@ -78,6 +78,7 @@ class CoupledInstance:
         self._max_batched_tokens = max_batched_tokens
         serving = serving or ServingTerms()
         self._per_seq_s = serving.decode_per_seq_overhead_s
+        self._per_step_s = serving.decode_step_overhead_s
         self._jitter_sigma = serving.step_jitter_sigma
         self._rng = rng or random.Random(0)
         self._host = host
@@ -138,7 +139,8 @@ class CoupledInstance:
                 self._host.stop(self.instance_id)
             return NO_EVENTS
         duration_s, decodes, chunks = plan
-        duration_s += len(decodes) * self._per_seq_s
+        if decodes:
+            duration_s += len(decodes) * self._per_seq_s + self._per_step_s
         duration_s *= jitter_factor(self._rng, self._jitter_sigma)
         duration_s = host_slowdown(self._host, self.instance_id, duration_s, len(decodes))
         self._busy = True

@@ -11,7 +11,7 @@ A request reaches it when its KV has arrived from the prefill instance. Then:
   and joins the batch at a step boundary. Joining emits its first token (the one the
   prefill computed) and sends ``DecodeStarted``;
 - every step takes ``decode_step_time_s(batch, context)`` plus the serving path's
-  ``batch * decode_per_seq_overhead_s`` (token messages) and, for the requests joining
+  ``decode_step_overhead_s + batch * decode_per_seq_overhead_s`` and, for the requests joining
   at that step, ``prompt tokens * kv_import_s_per_token`` (their KV is copied into the
   engine before the step runs), times a lognormal jitter factor (``step_jitter_sigma``,
   drawn from ``rng``; none when the sigma is 0); it emits one token for each running
@@ -92,13 +92,15 @@ class DecodeInstance:
         return self._step_s(num, ctx)
 
     def _step_s(self, batch_size: int, context_tokens: int, imported_tokens: int = 0) -> float:
-        """A step of the engine plus the serving path's per-sequence and import terms."""
+        """A step of the engine plus the serving path's per-step, per-sequence and import
+        terms."""
         if batch_size == 0:
             return 0.0
         terms = self._serving
         return (
             self.cost_model.decode_step_time_s(batch_size, context_tokens)
             + batch_size * terms.decode_per_seq_overhead_s
+            + terms.decode_step_overhead_s
             + imported_tokens * terms.kv_import_s_per_token
         )
 

@@ -65,6 +65,26 @@ def test_decode_per_sequence_overhead_and_kv_import(run_sim, make_request) -> No
     assert gaps == pytest.approx(expected, abs=1e-12)
 
 
+def test_decode_per_step_overhead_whatever_the_batch(run_sim, make_request) -> None:
+    """The per-step term is paid once per step: two sequences' gaps grow by it, not by
+    twice it (the per-sequence term grows with the batch)."""
+    terms = ServingTerms(decode_step_overhead_s=0.003)
+    requests = [make_request("a", 0.0, 4000, 6), make_request("b", 0.0, 4000, 6)]
+    plain, _ = run_sim("1P1D", requests)
+    slow, _ = run_sim("1P1D", requests, serving=terms)
+    for rid in ("a", "b"):
+        extra = [
+            s - p
+            for s, p in zip(
+                _records(slow)[rid].tbt_gaps_s, _records(plain)[rid].tbt_gaps_s, strict=True
+            )
+        ]
+        assert extra == pytest.approx([0.003] * 5, abs=1e-9)
+    result, _ = run_sim("1M", [make_request("c", 0.0, 2100, 3)], serving=terms)
+    gaps = _records(result)["c"].tbt_gaps_s
+    assert gaps == pytest.approx([_step_s(2100 + k) + 0.003 for k in (1, 2)])
+
+
 def test_joining_request_slows_the_running_ones(run_sim, make_request) -> None:
     """While "b" joins, "a"'s gap includes b's KV import."""
     terms = ServingTerms(kv_import_s_per_token=1e-5)
