@@ -11,13 +11,17 @@ Two calibration runs per cluster, neither of them one of the evaluated points:
   the request (HTTP, tokenizing,
   hashing, the Conductor round trip, the ``expect`` message, waiting for the last layers
   on the wire): ``request_overhead_s``, per cluster.
-- **burst**: 16 short prompts sent at once with 256 output tokens each; while all of
-  them decode, (gap - the profile's step) / batch is ``decode_per_seq_overhead_s``, and
-  the spread of gap / step (p90 over p50) gives ``step_jitter_sigma`` (2M: both
+- **burst**: 16 short prompts sent at once with 256, 244, ... 76 output tokens, so the
+  batch drains from 16 to 1; once all of them decode, gap - the profile's step at each
+  batch size is fitted as ``decode_step_overhead_s + batch * decode_per_seq_overhead_s``
+  (a per-sequence term alone, measured at batch 16, left small batches' steps too
+  short), and the spread of gap / modelled step (p90 over p50) gives
+  ``step_jitter_sigma`` (2M: both
   instances decode, each shares the cores with the other; 1P1D: from a **loaded burst**,
-  the same burst while 1,024-token prompts keep the prefill worker busy, as in serving:
-  with the prefill worker idle the decode steps were far more regular than under load,
-  sigma 0.05 against 0.2-0.5 in the live runs); the CPU time
+  the same burst while 1,024-token prompts with 32 output tokens keep the prefill worker
+  busy and join the decoding batch, as in serving: with the prefill worker idle the
+  decode steps were far more regular than under load, sigma 0.05 against 0.2-0.5 in the
+  live runs); the CPU time
   of the gateway, the Conductor and the benchmark client during the burst, per output
   token, gives ``background_cpu_s_per_token`` (the simulations then run on a host of
   ``os.cpu_count()`` cores shared by the instances: ``--host-cores``).
@@ -39,32 +43,58 @@ from halfmoon.workload.trace import write_trace
 BURST_REQUESTS = 16
 BURST_PROMPT_TOKENS = 256
 BURST_OUTPUT_TOKENS = 256
-#: The loaded burst's prefill load: 1,024-token prompts (one output token, so the prefill
-#: worker answers them itself), from when the burst's prompts are through until after
-#: its decodes end, a little more than one prefill worker computes.
+#: Output lengths step down by this from request to request (256, 244, ... 76): the
+#: batch drains from 16 to 1, so the excess is measured at every batch size.
+BURST_OUTPUT_STEP = 12
+#: The loaded burst's load: 1,024-token prompts from when the burst's prompts are through
+#: until after its decodes end, a little more than one prefill worker computes.
 LOAD_PROMPT_TOKENS = 1024
 LOAD_START_S = 0.8
 LOAD_INTERVAL_S = 0.1
 LOAD_REQUESTS = 40
+#: They decode too: each joins the burst's batch (KV import, hand-over messages) and
+#: leaves it 32 tokens later, as requests do while serving.
+LOAD_OUTPUT_TOKENS = 32
 
 
 def write_burst_trace(path: Path, loaded: bool = False) -> Path:
-    """16 unshared 256-token prompts, all at t=0, 256 output tokens each; ``loaded``
-    adds the prefill load (unshared 1,024-token prompts, one output token each)."""
+    """16 unshared 256-token prompts, all at t=0, 256, 244, ... 76 output tokens;
+    ``loaded`` adds the load (unshared 1,024-token prompts, 32 output tokens each)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     requests = [
-        Request(f"burst-{i}", 0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, (i,), 512)
+        Request(f"burst-{i}", 0.0, BURST_PROMPT_TOKENS,
+                BURST_OUTPUT_TOKENS - BURST_OUTPUT_STEP * i, (i,), 512)
         for i in range(BURST_REQUESTS)
-    ]
+    ]  # fmt: skip
     if loaded:
         blocks = LOAD_PROMPT_TOKENS // 512
         requests += [
-            Request(f"load-{k}", LOAD_START_S + k * LOAD_INTERVAL_S, LOAD_PROMPT_TOKENS, 1,
+            Request(f"load-{k}", LOAD_START_S + k * LOAD_INTERVAL_S, LOAD_PROMPT_TOKENS,
+                    LOAD_OUTPUT_TOKENS,
                     tuple(range(1000 + blocks * k, 1000 + blocks * (k + 1))), 512)
             for k in range(LOAD_REQUESTS)
         ]  # fmt: skip
     write_trace(requests, path)
     return path
+
+
+#: Each calibration run is done this many times and its figures' medians kept: one
+#: isolated run's hand-over term moved between 4.7 and 13 us per token from one
+#: calibration to the next, enough to move TTFT errors near saturation by tens of points.
+CALIBRATION_ROUNDS = 3
+
+
+def median_entries(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key by key, the median of the numbers of ``entries`` (other values: the first's);
+    ``rounds`` says how many entries there were."""
+    import statistics
+
+    out: dict[str, Any] = {"rounds": len(entries)}
+    for key, value in entries[0].items():
+        values = [e.get(key) for e in entries]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        out[key] = statistics.median(numbers) if len(numbers) == len(values) else value
+    return out
 
 
 def serving_terms(
@@ -87,6 +117,7 @@ def serving_terms(
         "2M": ServingTerms(
             request_overhead_s=request_s,
             decode_per_seq_overhead_s=burst("2M", "per_seq_excess_p50_s"),
+            decode_step_overhead_s=burst("2M", "per_step_excess_s"),
             step_jitter_sigma=burst("2M", "jitter_sigma"),
             background_cpu_s_per_token=burst("2M", "path_cpu_s_per_token"),
         ),
@@ -94,6 +125,7 @@ def serving_terms(
             request_overhead_s=disagg_s - handoff_s,
             prefill_handoff_s_per_token=handoff_s / prompt_tokens,
             decode_per_seq_overhead_s=burst(loaded, "per_seq_excess_p50_s"),
+            decode_step_overhead_s=burst(loaded, "per_step_excess_s"),
             kv_import_s_per_token=engine.kv_import_s_per_token,
             step_jitter_sigma=burst(loaded, "jitter_sigma"),
             background_cpu_s_per_token=burst("1P1D", "path_cpu_s_per_token"),
@@ -128,10 +160,8 @@ def recalibrate(
         for shape, argv in ev.SHAPES.items():
             log = out / f"recalibrate-{shape}.log"
             with ev.ServeCluster(argv, cache, secret, log) as cluster:
-                isolated[shape] = ev._isolated(args, cluster, shape, traces["docqa"], next(salts))
-                bursts[shape] = ev._burst(args, cluster, shape, next(salts))
-                if shape == "1P1D":
-                    bursts["1P1D-loaded"] = ev._burst(args, cluster, shape, next(salts), True)
+                isolated[shape], measured = ev.calibrate(args, cluster, shape, traces, salts)
+                bursts.update(measured)
         results["config"]["recalibrated"] = {
             "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_before": load_before,
             "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],

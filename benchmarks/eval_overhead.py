@@ -163,49 +163,80 @@ def steady_batch_gaps(
     other_cores: float = 0.0,
     busy_instances: int | None = None,
 ) -> dict[str, Any]:
-    """A burst of requests sent together: the gaps while every request is in a decode
-    batch (after the last one's second token, before the first one's last token), the
-    batch and context split evenly over ``num_instances``, against the profile's step.
+    """A burst of requests sent together (with different output lengths, so the batch
+    drains from all of them to one): every gap after the last request's second token,
+    against the profile's step for the batch decoding at that moment (split evenly over
+    ``num_instances``) and its context.
 
-    ``per_seq_excess_p50_s`` = median over those gaps of (gap - step) / batch: the cost
-    per sequence per step outside the engine's forward (token messages, bookkeeping).
-    ``jitter_sigma`` = ln(p90 / p50) / 1.2816 of gap / step: how unequal steps of the same
-    batch are (a lognormal's log-space deviation with that p90 / p50).
+    The excess (gap - step) is fitted as ``per_step_excess_s + batch *
+    per_seq_excess_p50_s`` (least squares over the median excess of each batch size,
+    weighted by its number of gaps; neither term below 0): the cost per step and per
+    sequence outside the engine's forward (token messages, sampling, commands between
+    steps). ``jitter_sigma`` = ln(p90 / p50) / 1.2816 of gap / (step + fitted excess):
+    how unequal steps of the same batch are (a lognormal's log-space deviation).
 
     With ``host_cores``, the CPU share the simulator's host model would give the busy
     instances in that window (``busy_instances`` workers, default ``num_instances``, plus
     ``other_cores`` of other processes: gateway, client, other jobs) is divided out of
-    the gaps first, so the per-sequence term does not count that contention a second
-    time. Requests with fewer than 3 tokens (a loaded burst's prefill load) are ignored.
+    the gaps first, so the excess does not count that contention a second time.
+    Requests with fewer than 3 tokens are ignored; requests sent after the first ones (a
+    loaded burst's prefill load) count in the batch while they decode.
     """
     done = [r for r in records if r.completed and len(r.token_times_s) > 2]
     if len(done) < num_instances:
-        return {"num_gaps": 0, "per_seq_excess_p50_s": None}
-    start_s = max(r.token_times_s[1] for r in done)
-    end_s = min(r.token_times_s[-1] for r in done)
-    batch = len(done) / num_instances
+        return {"num_gaps": 0, "per_seq_excess_p50_s": None, "per_step_excess_s": None}
+    # The burst proper: the requests sent first (a loaded burst's later ones join it).
+    first_s = min(r.arrival_s for r in done)
+    start_s = max(r.token_times_s[1] for r in done if r.arrival_s <= first_s + 1e-3)
     slowdown = 1.0
     if host_cores:
         busy = num_instances if busy_instances is None else busy_instances
         slowdown = max(1.0, (busy + other_cores) / host_cores)
-    excess, gaps, steps = [], [], []
+    decoding = [(r.token_times_s[1], r.token_times_s[-1], r) for r in done]
+    samples: list[tuple[int, float, float]] = []  # (batch per instance, gap, step)
     for record in done:
         times = record.token_times_s
         for earlier, later in zip(times, times[1:], strict=False):
-            if earlier < start_s or later > end_s:
+            if earlier < start_s:
                 continue
-            context = _context(done, earlier) / num_instances
-            step = profile.decode_step_s(round(batch), round(context))
-            gaps.append(later - earlier)
-            steps.append(step)
-            excess.append(((later - earlier) / slowdown - step) / batch)
-    ratios = [gap / step for gap, step in zip(gaps, steps, strict=True) if step > 0]
-    jitter = None
-    if ratios:
-        jitter = math.log(_quantile(ratios, 0.9) / _quantile(ratios, 0.5)) / 1.2816
+            mid = (earlier + later) / 2
+            active = [r for first, last, r in decoding if first <= mid <= last]
+            batch = max(1, round(len(active) / num_instances))
+            step = profile.decode_step_s(batch, round(_context(active, earlier) / num_instances))
+            samples.append((batch, later - earlier, step))
+    if not samples:
+        return {"num_gaps": 0, "per_seq_excess_p50_s": None, "per_step_excess_s": None}
+    by_batch: dict[int, list[float]] = {}
+    for batch, gap, step in samples:
+        by_batch.setdefault(batch, []).append(gap / slowdown - step)
+    per_step, per_seq = _fit_line([(b, statistics.median(v), len(v)) for b, v in by_batch.items()])
+    ratios = [
+        gap / slowdown / (step + per_step + per_seq * batch)
+        for batch, gap, step in samples
+        if step + per_step + per_seq * batch > 0
+    ]
+    gaps, steps = [g for _, g, _ in samples], [s for _, _, s in samples]
     return {
-        "num_gaps": len(gaps), "batch": batch, "gap_p50_s": _quantile(gaps, 0.5),
+        "num_gaps": len(samples), "batch": max(by_batch),
+        "batches": sorted(by_batch), "gap_p50_s": _quantile(gaps, 0.5),
         "gap_p90_s": _quantile(gaps, 0.9), "model_p50_s": _quantile(steps, 0.5),
-        "per_seq_excess_p50_s": _quantile(excess, 0.5), "jitter_sigma": jitter,
+        "per_seq_excess_p50_s": per_seq, "per_step_excess_s": per_step,
+        "jitter_sigma": math.log(_quantile(ratios, 0.9) / _quantile(ratios, 0.5)) / 1.2816,
         "host_slowdown": slowdown,
     }  # fmt: skip
+
+
+def _fit_line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
+    """Weighted least squares ``y = a + b x`` over ``(x, y, weight)``, with a, b >= 0."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    var_x = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var_x if var_x else 0.0
+    if slope <= 0:
+        return max(0.0, mean_y), 0.0
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:  # through the origin
+        xx = sum(w * x * x for x, _, w in points)
+        return 0.0, max(0.0, sum(w * x * y for x, y, w in points) / xx)
+    return intercept, slope

@@ -228,6 +228,7 @@ def table_serving_terms(results: dict) -> str:
         rows.append([
             shape, f"{terms['request_overhead_s'] * 1e3:.2f}",
             f"{terms['prefill_handoff_s_per_token'] * 1e6:.2f}",
+            f"{terms.get('decode_step_overhead_s', 0.0) * 1e3:.3f}",
             f"{terms['decode_per_seq_overhead_s'] * 1e3:.3f}",
             f"{terms['kv_import_s_per_token'] * 1e6:.3f}",
             f"{terms.get('step_jitter_sigma', 0.0):.3f}",
@@ -237,7 +238,7 @@ def table_serving_terms(results: dict) -> str:
             _fmt(burst.get("foreign_cores")),
         ])  # fmt: skip
     table = _table(["cluster", "request overhead ms", "prefill hand-over us/token",
-                   "decode per-seq ms", "KV import us/token", "step jitter sigma", "burst batch/instance",
+                   "decode per-step ms", "decode per-seq ms", "KV import us/token", "step jitter sigma", "burst batch/instance",
                    "burst gaps", "burst gap p50 ms", "profile step p50 ms",
                    "path CPU ms/token", "other jobs' cores in burst"], rows)  # fmt: skip
     bursts = results.get("bursts", {})
@@ -245,7 +246,8 @@ def table_serving_terms(results: dict) -> str:
         f"- {name}: gap p50 / p90 {_fmt(_ms(b.get('gap_p50_s')))} / "
         f"{_fmt(_ms(b.get('gap_p90_s')))} ms at batch {b.get('batch', 0):g}, jitter sigma "
         f"{b.get('jitter_sigma') or 0:.3f}, per-seq excess "
-        f"{(b.get('per_seq_excess_p50_s') or 0) * 1e3:.3f} ms"
+        f"{(b.get('per_seq_excess_p50_s') or 0) * 1e3:.3f} ms, per-step excess "
+        f"{(b.get('per_step_excess_s') or 0) * 1e3:.3f} ms"
         for name, b in bursts.items()
     ]
     return (

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eval_calibrate import serving_terms, write_burst_trace
+from eval_calibrate import CALIBRATION_ROUNDS, median_entries, serving_terms, write_burst_trace
 from eval_cluster import ServeCluster
 from eval_overhead import busy_cpu_seconds, cpu_seconds, isolated_overheads, steady_batch_gaps
 from eval_probe import ConductorProbe, set_workload
@@ -126,14 +126,10 @@ def run_live(args: argparse.Namespace, traces: dict[str, Path], points: dict) ->
             name: ConductorProbe(c.conductor_endpoint(), secret.encode(), name == "2M")
             for name, c in clusters.items()
         }
-        isolated = {
-            shape: _isolated(args, cluster, shape, traces["docqa"], next(salts))
-            for shape, cluster in clusters.items()
-        }
-        bursts = {
-            shape: _burst(args, cluster, shape, next(salts)) for shape, cluster in clusters.items()
-        }
-        bursts["1P1D-loaded"] = _burst(args, clusters["1P1D"], "1P1D", next(salts), True)
+        isolated, bursts = {}, {}
+        for shape, cluster in clusters.items():
+            isolated[shape], measured = calibrate(args, cluster, shape, traces, salts)
+            bursts.update(measured)
         with probe_of["2M"], probe_of["1P1D"]:
             turn = itertools.count()
             for repeat in range(args.repeats):
@@ -184,6 +180,20 @@ def _burst(args, cluster, shape: str, salt: int, loaded: bool = False) -> dict[s
     out["path_cpu_s_per_token"] = path_s / max(1, report["num_output_tokens"])
     out["foreign_cores"], out["wall_s"] = foreign_s / wall_s, wall_s
     return out
+
+
+def calibrate(args, cluster, shape: str, traces: dict[str, Path], salts) -> tuple[dict, dict]:
+    """The calibration runs of ``shape`` (``CALIBRATION_ROUNDS`` of each, medians): the
+    isolated run's figures, and ``{burst name: figures}`` (1P1D: also the loaded burst)."""
+    names = {"": False, "-loaded": True} if shape == "1P1D" else {"": False}
+    isolated, bursts = [], {name: [] for name in names}
+    for _ in range(CALIBRATION_ROUNDS):
+        isolated.append(_isolated(args, cluster, shape, traces["docqa"], next(salts)))
+        for name, loaded in names.items():
+            bursts[name].append(_burst(args, cluster, shape, next(salts), loaded))
+    return median_entries(isolated), {
+        shape + name: median_entries(entries) for name, entries in bursts.items()
+    }
 
 
 def _isolated(args, cluster, shape: str, trace: Path, salt: int) -> dict[str, Any]:
