@@ -271,6 +271,7 @@ _SERVING_HELP = {
     "decode_step_overhead_s": "seconds per decode step (any batch) outside the forward",
     "kv_import_s_per_token": "seconds per prompt token to import a handed-off request's KV",
     "step_jitter_sigma": "log-space std. dev. of a decode step's time (lognormal, median 1)",
+    "step_wait_mean_s": "mean of an exponential wait added to every step (lost time slices)",
     "background_cpu_s_per_token": "CPU seconds of gateway/client per output token (with "
     "--host-cores)",
 }

@@ -16,7 +16,8 @@ prompt + output tokens when admitted). Two schedulers:
 
 Every step with ``b > 0`` decodes also pays ``decode_step_overhead_s + b *
 decode_per_seq_overhead_s``, the serving path's cost outside the forward, and
-every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``, see
+every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``) and waits
+an exponential time (``step_wait_mean_s``, see
 :class:`~halfmoon.costmodel.serving.ServingTerms`).
 
 A prompt's first token is emitted when its prefill completes (``PrefillFinished`` and
@@ -41,7 +42,7 @@ from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.events import NO_EVENTS, Event
-from halfmoon.sim.host import Host, host_slowdown, jitter_factor
+from halfmoon.sim.host import Host, host_slowdown, jitter_factor, wait_s
 from halfmoon.sim.job import Job
 
 Chunk = tuple[Job, int]
@@ -80,6 +81,7 @@ class CoupledInstance:
         self._per_seq_s = serving.decode_per_seq_overhead_s
         self._per_step_s = serving.decode_step_overhead_s
         self._jitter_sigma = serving.step_jitter_sigma
+        self._wait_mean_s = serving.step_wait_mean_s
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()
@@ -143,6 +145,7 @@ class CoupledInstance:
             duration_s += len(decodes) * self._per_seq_s + self._per_step_s
         duration_s *= jitter_factor(self._rng, self._jitter_sigma)
         duration_s = host_slowdown(self._host, self.instance_id, duration_s, len(decodes))
+        duration_s += wait_s(self._rng, self._wait_mean_s)
         self._busy = True
         if chunks:
             self.num_prefill_steps += 1

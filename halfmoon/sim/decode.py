@@ -14,7 +14,8 @@ A request reaches it when its KV has arrived from the prefill instance. Then:
   ``decode_step_overhead_s + batch * decode_per_seq_overhead_s`` and, for the requests joining
   at that step, ``prompt tokens * kv_import_s_per_token`` (their KV is copied into the
   engine before the step runs), times a lognormal jitter factor (``step_jitter_sigma``,
-  drawn from ``rng``; none when the sigma is 0); it emits one token for each running
+  drawn from ``rng``; none when the sigma is 0), plus an exponential wait
+  (``step_wait_mean_s``); it emits one token for each running
   request; a request with all its tokens leaves (``RequestFinished``).
 """
 
@@ -30,7 +31,7 @@ from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import Notify
 from halfmoon.sim.events import NO_EVENTS, Event
-from halfmoon.sim.host import Host, host_slowdown, jitter_factor
+from halfmoon.sim.host import Host, host_slowdown, jitter_factor, wait_s
 from halfmoon.sim.job import Job
 from halfmoon.sim.network import Nic
 
@@ -174,6 +175,7 @@ class DecodeInstance:
         step_s = self._step_s(len(self._running), self._context_tokens, imported_tokens)
         step_s *= jitter_factor(self._rng, self._serving.step_jitter_sigma)
         step_s = host_slowdown(self._host, self.instance_id, step_s, len(self._running))
+        step_s += wait_s(self._rng, self._serving.step_wait_mean_s)
         return (Event(now + step_s, self._step_done),)
 
     def _step_done(self) -> Sequence[Event]:

@@ -65,6 +65,12 @@ def host_slowdown(host: Host | None, instance_id: str, step_s: float, num_tokens
     return step_s * host.start(instance_id, num_tokens / step_s)
 
 
+def wait_s(rng: random.Random, mean_s: float) -> float:
+    """A step's additive wait: exponential with mean ``mean_s``
+    (``ServingTerms.step_wait_mean_s``; exactly 0, drawing nothing, when it is 0)."""
+    return rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
+
+
 def jitter_factor(rng: random.Random, sigma: float) -> float:
     """A step's time multiplier: lognormal with median 1 and log-space deviation
     ``sigma`` (``ServingTerms.step_jitter_sigma``; exactly 1, drawing nothing, when

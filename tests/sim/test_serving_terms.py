@@ -3,6 +3,7 @@ against the conftest's cost model (2,000 tok/s prefill, 12.5 ms + 27 ns/context-
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,26 @@ def test_decode_per_step_overhead_whatever_the_batch(run_sim, make_request) -> N
     result, _ = run_sim("1M", [make_request("c", 0.0, 2100, 3)], serving=terms)
     gaps = _records(result)["c"].tbt_gaps_s
     assert gaps == pytest.approx([_step_s(2100 + k) + 0.003 for k in (1, 2)])
+
+
+def test_step_wait_adds_an_exponential_wait_to_every_step(run_sim, make_request) -> None:
+    """Each step waits an exponential time with the given mean, whatever its length:
+    the gaps' extra over the plain run averages the mean and is never negative."""
+    requests = [make_request("a", 0.0, 2000, 400)]
+    plain, _ = run_sim("1P1D", requests)
+    slow, _ = run_sim("1P1D", requests, serving=ServingTerms(step_wait_mean_s=0.004))
+    extra = [
+        s - p
+        for s, p in zip(
+            _records(slow)["a"].tbt_gaps_s, _records(plain)["a"].tbt_gaps_s, strict=True
+        )
+    ]
+    assert min(extra) >= 0
+    assert sum(extra) / len(extra) == pytest.approx(0.004, rel=0.15)
+    assert statistics.median(extra) == pytest.approx(0.004 * math.log(2), rel=0.2)
+    coupled, _ = run_sim("1M", requests, serving=ServingTerms(step_wait_mean_s=0.004))
+    base, _ = run_sim("1M", requests)
+    assert sum(_records(coupled)["a"].tbt_gaps_s) > sum(_records(base)["a"].tbt_gaps_s) + 1.0
 
 
 def test_joining_request_slows_the_running_ones(run_sim, make_request) -> None:
