@@ -118,7 +118,8 @@ def serving_terms(
             request_overhead_s=request_s,
             decode_per_seq_overhead_s=burst("2M", "per_seq_excess_p50_s"),
             decode_step_overhead_s=burst("2M", "per_step_excess_s"),
-            step_jitter_sigma=burst("2M", "jitter_sigma"),
+            step_jitter_sigma=burst("2M", "split_jitter_sigma"),
+            step_wait_mean_s=burst("2M", "wait_mean_s"),
             background_cpu_s_per_token=burst("2M", "path_cpu_s_per_token"),
         ),
         "1P1D": ServingTerms(
@@ -127,7 +128,8 @@ def serving_terms(
             decode_per_seq_overhead_s=burst(loaded, "per_seq_excess_p50_s"),
             decode_step_overhead_s=burst(loaded, "per_step_excess_s"),
             kv_import_s_per_token=engine.kv_import_s_per_token,
-            step_jitter_sigma=burst(loaded, "jitter_sigma"),
+            step_jitter_sigma=burst(loaded, "split_jitter_sigma"),
+            step_wait_mean_s=burst(loaded, "wait_mean_s"),
             background_cpu_s_per_token=burst("1P1D", "path_cpu_s_per_token"),
         ),
     }

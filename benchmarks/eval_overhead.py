@@ -173,7 +173,10 @@ def steady_batch_gaps(
     weighted by its number of gaps; neither term below 0): the cost per step and per
     sequence outside the engine's forward (token messages, sampling, commands between
     steps). ``jitter_sigma`` = ln(p90 / p50) / 1.2816 of gap / (step + fitted excess):
-    how unequal steps of the same batch are (a lognormal's log-space deviation).
+    how unequal steps of the same batch are (a lognormal's log-space deviation). The same
+    spread split in two: p90 - p50 of each batch's gaps fitted as ``wait + growth x
+    modelled step``, giving ``split_jitter_sigma`` = ln(1 + growth) / 1.2816 and
+    ``wait_mean_s`` = wait / ln 5 (an exponential's p90 - p50 is its mean x ln 5).
 
     With ``host_cores``, the CPU share the simulator's host model would give the busy
     instances in that window (``busy_instances`` workers, default ``num_instances``, plus
@@ -215,6 +218,18 @@ def steady_batch_gaps(
         for batch, gap, step in samples
         if step + per_step + per_seq * batch > 0
     ]
+    # The spread (p90 - p50) of each batch's gaps against its modelled step: a part that
+    # grows with the step (lognormal: p90 / p50 = exp(1.2816 sigma)) and a part that does
+    # not (an exponential wait: p90 - p50 = mean * ln 5).
+    spread_points = []
+    for batch in by_batch:
+        gaps_b = [g / slowdown for b, g, _ in samples if b == batch]
+        steps_b = [s for b, _, s in samples if b == batch]
+        if len(gaps_b) >= 20:
+            modelled = statistics.median(steps_b) + per_step + per_seq * batch
+            spread = _quantile(gaps_b, 0.9) - _quantile(gaps_b, 0.5)
+            spread_points.append((modelled, spread, len(gaps_b)))
+    wait_spread, growth = _fit_line(spread_points) if len(spread_points) > 1 else (0.0, 0.0)
     gaps, steps = [g for _, g, _ in samples], [s for _, _, s in samples]
     return {
         "num_gaps": len(samples), "batch": max(by_batch),
@@ -222,6 +237,8 @@ def steady_batch_gaps(
         "gap_p90_s": _quantile(gaps, 0.9), "model_p50_s": _quantile(steps, 0.5),
         "per_seq_excess_p50_s": per_seq, "per_step_excess_s": per_step,
         "jitter_sigma": math.log(_quantile(ratios, 0.9) / _quantile(ratios, 0.5)) / 1.2816,
+        "split_jitter_sigma": math.log1p(growth) / 1.2816,
+        "wait_mean_s": wait_spread / math.log(5.0),
         "host_slowdown": slowdown,
     }  # fmt: skip
 

@@ -247,7 +247,8 @@ def table_serving_terms(results: dict) -> str:
         f"{_fmt(_ms(b.get('gap_p90_s')))} ms at batch {b.get('batch', 0):g}, jitter sigma "
         f"{b.get('jitter_sigma') or 0:.3f}, per-seq excess "
         f"{(b.get('per_seq_excess_p50_s') or 0) * 1e3:.3f} ms, per-step excess "
-        f"{(b.get('per_step_excess_s') or 0) * 1e3:.3f} ms"
+        f"{(b.get('per_step_excess_s') or 0) * 1e3:.3f} ms, split: sigma "
+        f"{b.get('split_jitter_sigma') or 0:.3f} + wait {(b.get('wait_mean_s') or 0) * 1e3:.2f} ms"
         for name, b in bursts.items()
     ]
     return (

@@ -49,7 +49,8 @@ ABLATION = (
     ("+ KV import", ("request_overhead_s", "prefill_handoff_s_per_token", "decode_per_seq_overhead_s",
                      "decode_step_overhead_s", "kv_import_s_per_token")),
     ("+ step jitter", ("request_overhead_s", "prefill_handoff_s_per_token", "decode_per_seq_overhead_s",
-                       "decode_step_overhead_s", "kv_import_s_per_token", "step_jitter_sigma")),
+                       "decode_step_overhead_s", "kv_import_s_per_token", "step_jitter_sigma",
+                       "step_wait_mean_s")),
     ("+ shared CPUs", SERVING_TERM_NAMES),
     ("+ other jobs' load (all)", SERVING_TERM_NAMES),
 )  # fmt: skip
