@@ -5,7 +5,10 @@ the other). When the two run on different cores, every wake-up is an inter-proce
 interrupt; in our VM measurements (benchmarks/store.py, 4 KiB remote read) that made a
 round trip ~120 us, against ~35 us when both sides poll briefly instead. When the peer
 shares our core, polling only delays it, and an idle peer makes polling pure waste: so a
-few polls in a row that find nothing pause polling for a while.
+few polls in a row that find nothing pause polling for a while. The pause is a time, not
+a number of frames: counted in frames (256), the misses at the end of a burst of large
+transfers kept the small round trips that followed from polling at all, and a remote
+4 KiB read took ~130 us instead of ~60 us for the whole next phase.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from __future__ import annotations
 import socket
 import time
 
-#: Default poll before sleeping on an awaited frame.
-DEFAULT_BUSY_POLL_S = 50e-6
+#: Default poll before sleeping on an awaited frame: longer than a sleeping peer takes to
+#: wake up and answer (~60-100 us here), or one side's miss makes the other's miss too and
+#: both end up sleeping on every frame (with 50 us, a 4 KiB read took 60 or 130 us from one
+#: run to the next; with 150 us, 32-60 us).
+DEFAULT_BUSY_POLL_S = 150e-6
 _MISSES_TO_PAUSE = 3
-_PAUSE_FRAMES = 256
+_PAUSE_S = 5e-3
 
 
 class BusyPoller:
@@ -28,7 +34,7 @@ class BusyPoller:
         self._sock = sock
         self.poll_s = poll_s
         self._misses = 0
-        self._pause = 0  # frames to wait before polling again
+        self._paused_until = 0.0  # perf_counter time before which nothing is polled
 
     def poll_into(self, view: memoryview) -> int:
         """Bytes received into ``view`` while polling; 0 if none came (or polling is off).
@@ -37,10 +43,10 @@ class BusyPoller:
         """
         if not self.poll_s:
             return 0
-        if self._pause:
-            self._pause -= 1
+        now = time.perf_counter()
+        if now < self._paused_until:
             return 0
-        until = time.perf_counter() + self.poll_s
+        until = now + self.poll_s
         while True:
             try:
                 n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
@@ -49,7 +55,7 @@ class BusyPoller:
                     continue
                 self._misses += 1
                 if self._misses >= _MISSES_TO_PAUSE:
-                    self._misses, self._pause = 0, _PAUSE_FRAMES
+                    self._misses, self._paused_until = 0, time.perf_counter() + _PAUSE_S
                 return 0
             if n == 0:
                 raise EOFError

@@ -1,4 +1,5 @@
 import socket
+import time
 
 import pytest
 
@@ -31,6 +32,23 @@ def test_fruitless_polls_pause_polling_for_a_while(sock_pair):
     a.sendall(b"late")
     assert poller.poll_into(view) == 0  # paused: the caller sleeps in recv instead
     assert b.recv(64) == b"late"
+
+
+def test_the_pause_is_a_time_not_a_number_of_frames(sock_pair, monkeypatch):
+    """However few frames pass while paused, polling resumes once the pause is over
+    (counted in frames, a burst's misses kept the next phase's round trips from polling)."""
+    from halfmoon.transfer import busypoll
+
+    monkeypatch.setattr(busypoll, "_PAUSE_S", 0.05)
+    a, b = sock_pair
+    poller = BusyPoller(b, 100e-6)
+    view = memoryview(bytearray(64))
+    for _ in range(3):
+        assert poller.poll_into(view) == 0
+    a.sendall(b"x")
+    assert poller.poll_into(view) == 0  # within the pause: nothing is polled
+    time.sleep(0.1)
+    assert poller.poll_into(view) == 1 and bytes(view[:1]) == b"x"  # the pause is over
 
 
 def test_polling_off_eof_and_bad_budget(sock_pair):
