@@ -209,10 +209,12 @@ def steady_batch_gaps(
             samples.append((batch, later - earlier, step))
     if not samples:
         return {"num_gaps": 0, "per_seq_excess_p50_s": None, "per_step_excess_s": None}
-    by_batch: dict[int, list[float]] = {}
+    by_batch: dict[int, list[tuple[float, float]]] = {}  # batch -> (gap / slowdown, step)
     for batch, gap, step in samples:
-        by_batch.setdefault(batch, []).append(gap / slowdown - step)
-    per_step, per_seq = _fit_line([(b, statistics.median(v), len(v)) for b, v in by_batch.items()])
+        by_batch.setdefault(batch, []).append((gap / slowdown, step))
+    per_step, per_seq = _fit_line(
+        [(b, statistics.median(g - s for g, s in v), len(v)) for b, v in by_batch.items()]
+    )
     ratios = [
         gap / slowdown / (step + per_step + per_seq * batch)
         for batch, gap, step in samples
@@ -222,13 +224,12 @@ def steady_batch_gaps(
     # grows with the step (lognormal: p90 / p50 = exp(1.2816 sigma)) and a part that does
     # not (an exponential wait: p90 - p50 = mean * ln 5).
     spread_points = []
-    for batch in by_batch:
-        gaps_b = [g / slowdown for b, g, _ in samples if b == batch]
-        steps_b = [s for b, _, s in samples if b == batch]
-        if len(gaps_b) >= 20:
-            modelled = statistics.median(steps_b) + per_step + per_seq * batch
+    for batch, pairs in by_batch.items():
+        if len(pairs) >= 20:
+            gaps_b = [g for g, _ in pairs]
+            modelled = statistics.median(s for _, s in pairs) + per_step + per_seq * batch
             spread = _quantile(gaps_b, 0.9) - _quantile(gaps_b, 0.5)
-            spread_points.append((modelled, spread, len(gaps_b)))
+            spread_points.append((modelled, spread, len(pairs)))
     wait_spread, growth = _fit_line(spread_points) if len(spread_points) > 1 else (0.0, 0.0)
     gaps, steps = [g for _, g, _ in samples], [s for _, _, s in samples]
     return {

@@ -68,6 +68,13 @@ class ServingTerms:
             if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
+    def decode_overhead_s(self, batch: int) -> float:
+        """What a step with ``batch`` decoding sequences pays outside the forward: the
+        per-step term plus ``batch`` per-sequence terms (0 without decodes)."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_step_overhead_s + batch * self.decode_per_seq_overhead_s
+
     def to_dict(self) -> dict[str, float]:
         """``{term name: seconds}`` for every term."""
         return {name: float(getattr(self, name)) for name in SERVING_TERM_NAMES}

@@ -42,7 +42,7 @@ from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.events import NO_EVENTS, Event
-from halfmoon.sim.host import Host, host_slowdown, jitter_factor, wait_s
+from halfmoon.sim.host import Host, shared_step_s
 from halfmoon.sim.job import Job
 
 Chunk = tuple[Job, int]
@@ -77,11 +77,7 @@ class CoupledInstance:
         self._chunked = chunked
         self._token_budget = token_budget
         self._max_batched_tokens = max_batched_tokens
-        serving = serving or ServingTerms()
-        self._per_seq_s = serving.decode_per_seq_overhead_s
-        self._per_step_s = serving.decode_step_overhead_s
-        self._jitter_sigma = serving.step_jitter_sigma
-        self._wait_mean_s = serving.step_wait_mean_s
+        self._serving = serving or ServingTerms()
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()
@@ -141,11 +137,10 @@ class CoupledInstance:
                 self._host.stop(self.instance_id)
             return NO_EVENTS
         duration_s, decodes, chunks = plan
-        if decodes:
-            duration_s += len(decodes) * self._per_seq_s + self._per_step_s
-        duration_s *= jitter_factor(self._rng, self._jitter_sigma)
-        duration_s = host_slowdown(self._host, self.instance_id, duration_s, len(decodes))
-        duration_s += wait_s(self._rng, self._wait_mean_s)
+        duration_s += self._serving.decode_overhead_s(len(decodes))
+        duration_s = shared_step_s(
+            duration_s, self._serving, self._rng, self._host, self.instance_id, len(decodes)
+        )
         self._busy = True
         if chunks:
             self.num_prefill_steps += 1

@@ -31,7 +31,7 @@ from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import Notify
 from halfmoon.sim.events import NO_EVENTS, Event
-from halfmoon.sim.host import Host, host_slowdown, jitter_factor, wait_s
+from halfmoon.sim.host import Host, shared_step_s
 from halfmoon.sim.job import Job
 from halfmoon.sim.network import Nic
 
@@ -100,8 +100,7 @@ class DecodeInstance:
         terms = self._serving
         return (
             self.cost_model.decode_step_time_s(batch_size, context_tokens)
-            + batch_size * terms.decode_per_seq_overhead_s
-            + terms.decode_step_overhead_s
+            + terms.decode_overhead_s(batch_size)
             + imported_tokens * terms.kv_import_s_per_token
         )
 
@@ -173,9 +172,9 @@ class DecodeInstance:
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(self._running))
         step_s = self._step_s(len(self._running), self._context_tokens, imported_tokens)
-        step_s *= jitter_factor(self._rng, self._serving.step_jitter_sigma)
-        step_s = host_slowdown(self._host, self.instance_id, step_s, len(self._running))
-        step_s += wait_s(self._rng, self._serving.step_wait_mean_s)
+        step_s = shared_step_s(
+            step_s, self._serving, self._rng, self._host, self.instance_id, len(self._running)
+        )
         return (Event(now + step_s, self._step_done),)
 
     def _step_done(self) -> Sequence[Event]:

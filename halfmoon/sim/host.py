@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import random
 
+from halfmoon.costmodel.serving import ServingTerms
+
 
 class Host:
     """The CPUs shared by a deployment's processes (see the module docstring)."""
@@ -65,14 +67,22 @@ def host_slowdown(host: Host | None, instance_id: str, step_s: float, num_tokens
     return step_s * host.start(instance_id, num_tokens / step_s)
 
 
-def wait_s(rng: random.Random, mean_s: float) -> float:
-    """A step's additive wait: exponential with mean ``mean_s``
-    (``ServingTerms.step_wait_mean_s``; exactly 0, drawing nothing, when it is 0)."""
-    return rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
-
-
-def jitter_factor(rng: random.Random, sigma: float) -> float:
-    """A step's time multiplier: lognormal with median 1 and log-space deviation
-    ``sigma`` (``ServingTerms.step_jitter_sigma``; exactly 1, drawing nothing, when
-    ``sigma`` is 0)."""
-    return rng.lognormvariate(0.0, sigma) if sigma > 0 else 1.0
+def shared_step_s(
+    step_s: float,
+    terms: ServingTerms,
+    rng: random.Random,
+    host: Host | None,
+    instance_id: str,
+    num_tokens: int,
+) -> float:
+    """How long a step of ``step_s`` takes as one of several processes on ``host``:
+    times a lognormal jitter factor (median 1, log-space deviation
+    ``terms.step_jitter_sigma``), slowed by the host's CPU sharing (:func:`host_slowdown`;
+    the step emits ``num_tokens``), plus an exponential wait with mean
+    ``terms.step_wait_mean_s``. A term that is 0 draws nothing from ``rng``."""
+    if terms.step_jitter_sigma > 0:
+        step_s *= rng.lognormvariate(0.0, terms.step_jitter_sigma)
+    step_s = host_slowdown(host, instance_id, step_s, num_tokens)
+    if terms.step_wait_mean_s > 0:
+        step_s += rng.expovariate(1.0 / terms.step_wait_mean_s)
+    return step_s
