@@ -165,7 +165,10 @@ def register(subparsers: Any) -> None:
         "--profile", default=None, help="cost profile JSON to report instead of measuring"
     )
     p.add_argument(
-        "--transport", default="tcp", choices=("tcp", "shm"), help="KV transfer transport to peers"
+        "--transport",
+        default="auto",
+        choices=("auto", "tcp", "shm"),
+        help="KV transfer transport to peers (auto: shared memory with co-located peers, else tcp)",
     )
     add_engine_options(p)
     p.set_defaults(func=run_worker)

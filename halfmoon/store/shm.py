@@ -11,6 +11,7 @@ segment they do not own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import secrets
@@ -89,6 +90,21 @@ def _reserve(path: str, size_bytes: int) -> None:
         ) from exc
     finally:
         os.close(fd)
+
+
+@functools.cache
+def shm_namespace() -> str:
+    """Which shared memory this process sees: the kernel's boot id with the device and
+    inode of /dev/shm ("" where there is none). Two processes with the same value can
+    attach each other's segments (same kernel, same /dev/shm mount); a container with its
+    own /dev/shm, or another machine, has a different one."""
+    try:
+        status = os.stat(SHM_DIR)
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        return ""
+    return f"{boot_id}:{status.st_dev}:{status.st_ino}" if boot_id else ""
 
 
 def attach_segment(name: str) -> Segment:

@@ -4,10 +4,13 @@
 
     server -> CHALLENGE {nonce: Ns}
     client -> AUTH      {nonce: Nc, mac: HMAC(secret, "hm-client" | Ns | Nc), client_id}
-    server -> AUTH_OK   {mac: HMAC(secret, "hm-server" | Nc | Ns)}     or ERROR + close
+    server -> AUTH_OK   {mac: HMAC(secret, "hm-server" | Nc | Ns), shm: namespace}
+                                                                   or ERROR + close
 
 The secret never crosses the wire; fresh nonces on both sides defeat replay; the
-server's proof keeps a client from talking to an impostor.
+server's proof keeps a client from talking to an impostor. ``shm`` names the shared
+memory the server sees (:func:`~halfmoon.store.shm.shm_namespace`), so a client with the
+``auto`` transport knows whether it can copy blocks through shared memory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from halfmoon.store.shm import shm_namespace
 from halfmoon.transfer.errors import (
     AuthenticationError,
     PeerClosedError,
@@ -50,6 +54,17 @@ class PeerHello:
     client_id: str
 
 
+@dataclass(frozen=True)
+class ServerHello:
+    """What the client learned about an authenticated server."""
+
+    shm_namespace: str  # "" when unknown (no /dev/shm there, or an older peer)
+
+    def shares_memory(self) -> bool:
+        """Whether this process can attach the server's shared-memory segments."""
+        return bool(self.shm_namespace) and self.shm_namespace == shm_namespace()
+
+
 def server_handshake(link: Link, secret: bytes, deadline: float) -> PeerHello:
     """Challenge a new client; raise :class:`AuthenticationError` (and close) on failure."""
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
@@ -75,13 +90,13 @@ def server_handshake(link: Link, secret: bytes, deadline: float) -> PeerHello:
         raise AuthenticationError(f"client {link.peer} failed authentication")
     link.send(
         Kind.AUTH_OK,
-        {"mac": _mac(secret, b"hm-server", client_nonce, server_nonce)},
+        {"mac": _mac(secret, b"hm-server", client_nonce, server_nonce), "shm": shm_namespace()},
         deadline=deadline,
     )
     return PeerHello(str(meta.get("client_id", "")))
 
 
-def client_handshake(link: Link, secret: bytes, client_id: str, deadline: float) -> None:
+def client_handshake(link: Link, secret: bytes, client_id: str, deadline: float) -> ServerHello:
     """Answer the server's challenge and check its proof; raise on any mismatch."""
     try:
         frame = link.recv(deadline)
@@ -118,3 +133,5 @@ def client_handshake(link: Link, secret: bytes, client_id: str, deadline: float)
     ):
         link.close()
         raise AuthenticationError(f"peer {link.peer} could not prove it knows the shared secret")
+    namespace = reply.meta.get("shm")
+    return ServerHello(namespace if isinstance(namespace, str) else "")

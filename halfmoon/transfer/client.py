@@ -9,6 +9,8 @@ Transports (same operations, same frames):
   a destination not in shared memory falls back to inline payloads.
 - ``inproc``: like ``shm`` within one process; connections are socket pairs found
   through an :class:`~halfmoon.transfer.hub.InProcessHub`.
+- ``auto`` (the engine's default): ``shm`` when the peer sees the same shared memory as
+  this process (same kernel, same /dev/shm; the handshake says), else ``tcp``.
 """
 
 from __future__ import annotations
@@ -61,8 +63,7 @@ class PeerClient:
         num_connections = default_num_connections() if num_connections is None else num_connections
         self._links = LinkPool(endpoint, secret, transport, num_connections, hub, busy_poll_s)
         self.endpoint = self._links.endpoint
-        self.transport = transport
-        self._direct = transport != "tcp"  # blocks may be read in place (shared memory)
+        self.requested_transport = transport
         self.timeout_s = timeout_s
         self._hub = hub
         self._owns_segments = segments is None
@@ -70,6 +71,13 @@ class PeerClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
         self._region_views: dict[str, memoryview | None] = {}
+
+    @property
+    def transport(self) -> str:
+        """``tcp``, ``shm`` or ``inproc``; ``auto`` is resolved by the first connection
+        (made here if there is none yet)."""
+        resolved = self._links.resolved_transport
+        return resolved or self._links.resolve_transport(self._deadline(None))
 
     def _next_id(self) -> str:
         return f"{self._links.client_id}-{next(self._ids)}"
@@ -267,7 +275,7 @@ class PeerClient:
             request = {
                 "xfer": xfer,
                 "hashes": [hash_to_wire(h) for h in block_hashes],
-                "direct": self._direct,
+                "direct": self.transport != "tcp",  # blocks may be read in place
                 "block_bytes": views[0].nbytes,
             }
             link.send(Kind.PULL, request, deadline=deadline)

@@ -27,8 +27,8 @@ from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceive
 class TransferEngine:
     """Serves this process's regions, streams and store; connects to peers.
 
-    ``transport`` is the default for ``connect`` (``tcp``, ``shm`` or ``inproc``; the last
-    needs ``hub``). Peers must share ``secret`` (>= 16 bytes). ``timeout_s`` bounds each
+    ``transport`` is the default for ``connect``: ``auto`` (shared memory with a peer on
+    this host's /dev/shm, else tcp), ``tcp``, ``shm`` or ``inproc`` (needs ``hub``). Peers must share ``secret`` (>= 16 bytes). ``timeout_s`` bounds each
     operation; ``num_connections`` is how many parallel connections a batch may use
     (default: 4, or the number of cores if fewer). ``busy_poll_s`` is how long a
     connection polls for an awaited frame before sleeping (0 turns polling off; it backs
@@ -41,7 +41,7 @@ class TransferEngine:
         *,
         host: str = DEFAULT_HOST,
         port: int = 0,
-        transport: str = "tcp",
+        transport: str = "auto",
         store: TieredStore | None = None,
         hub: InProcessHub | None = None,
         num_connections: int | None = None,

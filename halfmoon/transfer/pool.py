@@ -26,7 +26,9 @@ from halfmoon.transfer.hub import InProcessHub
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.protocol import Frame, Kind
 
-TRANSPORTS = ("tcp", "shm", "inproc")
+#: ``auto`` is ``shm`` when the peer sees the same shared memory as this process (it says
+#: so in the handshake), else ``tcp``.
+TRANSPORTS = ("auto", "tcp", "shm", "inproc")
 
 
 def default_num_connections() -> int:
@@ -87,6 +89,7 @@ class LinkPool:
             raise ValueError(f"num_connections must be >= 1, got {num_connections}")
         self.endpoint = str(Endpoint.parse(endpoint))
         self.transport = transport
+        self._resolved: str | None = None if transport == "auto" else transport
         self.num_connections = num_connections
         self.busy_poll_s = busy_poll_s  # for replies, before sleeping (see Link)
         self.client_id = secrets.token_hex(8)
@@ -115,8 +118,23 @@ class LinkPool:
                 reason = exc.strerror or str(exc) or type(exc).__name__
                 raise TransferError(f"cannot connect to peer {self.endpoint}: {reason}") from exc
             link = Link(sock, self.endpoint, self.busy_poll_s)
-        client_handshake(link, self._secret, self.client_id, deadline)
+        hello = client_handshake(link, self._secret, self.client_id, deadline)
+        if self._resolved is None:
+            self._resolved = "shm" if hello.shares_memory() else "tcp"
         return link
+
+    @property
+    def resolved_transport(self) -> str | None:
+        """The transport in use; None while ``auto`` has not connected yet."""
+        return self._resolved
+
+    def resolve_transport(self, deadline: float) -> str:
+        """The transport in use: the one asked for or, for ``auto``, what the first
+        connection's handshake showed (connects once if no link is open yet)."""
+        if self._resolved is None:
+            self.checkin(self.checkout(deadline), ok=True)
+        assert self._resolved is not None
+        return self._resolved
 
     def checkout(self, deadline: float) -> Link:
         """An idle link, or a new one (connect + handshake)."""

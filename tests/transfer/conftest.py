@@ -27,10 +27,11 @@ from halfmoon.transfer.peer import SECRET_ENV
 class PeerProcess:
     """A running peer process and the JSON lines it printed."""
 
-    def __init__(self, args: list[str], secret: bytes = SECRET) -> None:
+    def __init__(self, args: list[str], secret: bytes = SECRET, prefix: list[str] = ()) -> None:
+        """``prefix``: a command that ends by exec-ing its arguments (it keeps the pid)."""
         env = {**os.environ, SECRET_ENV: secret.hex(), "OPENBLAS_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "halfmoon.transfer.peer", *args],
+            [*prefix, sys.executable, "-m", "halfmoon.transfer.peer", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -99,8 +100,8 @@ def spawn_peer() -> Iterator[Callable[..., PeerProcess]]:
     """Start peer processes; every one is killed at the end, whatever happened."""
     started: list[PeerProcess] = []
 
-    def spawn(*args: str, secret: bytes = SECRET) -> PeerProcess:
-        peer = PeerProcess(list(args), secret)
+    def spawn(*args: str, secret: bytes = SECRET, prefix: list[str] = ()) -> PeerProcess:
+        peer = PeerProcess(list(args), secret, list(prefix))
         started.append(peer)
         return peer
 

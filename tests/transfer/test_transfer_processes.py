@@ -1,6 +1,7 @@
 """Round trips and failures across real processes on 127.0.0.1."""
 
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -36,12 +37,42 @@ def serve_args(*extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "auto"])
 def test_push_put_pull_round_trip_with_a_peer_process(spawn_peer, make_engine, transport):
     peer = spawn_peer(*serve_args("--digests"))
     endpoint = peer.next_line("endpoint")["endpoint"]
     client = make_engine(transport=transport, num_connections=2).connect(endpoint)
+    # auto: the peer shares our /dev/shm, so blocks go through shared memory
+    assert client.transport == ("shm" if transport == "auto" else transport)
+    _round_trip(client, peer)
 
+
+def _private_shm_prefix() -> list[str]:
+    """A command prefix giving the peer its own /dev/shm (a mount namespace), or skip."""
+    prefix = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs hm-test /dev/shm && exec "$@"', "-"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip("unshare is not available")
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    return prefix
+
+
+def test_auto_transport_falls_back_to_tcp_when_the_peer_has_other_shared_memory(
+    spawn_peer, make_engine
+):
+    # The peer's shared DRAM arena lives in a /dev/shm this process cannot see: shm would
+    # fail to attach it; auto must notice in the handshake and send bytes over tcp.
+    peer = spawn_peer(*serve_args("--digests"), prefix=_private_shm_prefix())
+    endpoint = peer.next_line("endpoint")["endpoint"]
+    client = make_engine(num_connections=2).connect(endpoint)
+    assert client.transport == "tcp"
+    _round_trip(client, peer)
+
+
+def _round_trip(client, peer) -> None:
+    """Push into the peer's region, put blocks into its store and pull them back."""
     rng = np.random.default_rng(5)
     blocks = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(8)]
     client.push("kv", [(i * BLOCK, b) for i, b in enumerate(reversed(blocks))])
