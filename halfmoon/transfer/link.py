@@ -45,12 +45,13 @@ from halfmoon.transfer.protocol import (
 
 #: sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 _IOV_BATCH = 512
-#: Moderate socket buffers keep bytes in cache between the sender's and the receiver's
-#: kernel copies; 8 MiB buffers measured ~30% slower on loopback (benchmarks/transfer.py).
+#: Buffers of local (socket-pair) links; TCP's are left to the kernel's autotuning, which
+#: with 1 MiB chunks measured 6% faster on loopback than fixed 1 MiB buffers with 256 KiB
+#: chunks (and 80% faster over one connection; benchmarks/transfer.py, docs/benchmarks.md).
 _SOCKET_BUFFER_BYTES = 1 << 20
 _DISCARD_CHUNK_BYTES = 1 << 20
-#: Payloads are hashed and sent / received and hashed in chunks that stay in cache.
-_CHUNK_BYTES = 256 << 10
+#: Payloads are hashed and sent / received and hashed in chunks that stay in cache (L2).
+_CHUNK_BYTES = 1 << 20
 _CANCEL_POLL_S = 0.02
 _RBUF_BYTES = 64 << 10
 
@@ -86,10 +87,11 @@ class Link:
         # socket timeouts poll() before every call, which measurably costs throughput.
         sock.settimeout(None)
         self._armed_s = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}  # 0: no timeout
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:  # no autotuning: the default (~200 KiB) would cut a payload into many calls
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
 
     @property
     def closed(self) -> bool:
