@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/store.py [--sizes 4K,64K,1M,16M] [--batch 64M] [--reps 5]
-        [--rounds 1] [--no-mooncake] [--json out.json] [--markdown]
+        [--rounds 1] [--no-mooncake] [--ceiling] [--json out.json] [--markdown]
 
 Two settings, each side by side:
 
@@ -18,7 +18,9 @@ A batch is ``--batch`` bytes (at most 1024 blocks); ``put+get`` GiB/s is the bat
 over the put time plus the get time. The one-block get median at 4 KiB is the latency
 figure. With ``--rounds N`` ours and Mooncake alternate N times (machine load shifts hit
 both) and every figure is the median over the rounds; the per-round 4 KiB latency ratios
-are printed too. Mooncake runs from its own venv (benchmarks/mooncake_env.sh, created on
+are printed too. ``--ceiling`` also measures, in every round, how fast one direction of
+loopback TCP goes without our code (benchmarks/loopback_ceiling.py): half of it bounds any
+put+get over tcp. Mooncake runs from its own venv (benchmarks/mooncake_env.sh, created on
 first use).
 """
 
@@ -49,9 +51,11 @@ from _common import (
     processes,
     results_from,
 )
+from loopback_ceiling import pairs_gib_s
 from transfer import markdown
 
 from halfmoon.transfer.microbench import (
+    GIB,
     BenchResult,
     aggregate,
     bench_store_local,
@@ -169,16 +173,42 @@ def latency_ratios(rounds: list[list[BenchResult]]) -> list[str]:
     return lines
 
 
+def ceiling_rows(seconds: float) -> list[BenchResult]:
+    """One-way loopback tcp of a cold 64 MiB batch without our code (two bare sender /
+    receiver process pairs, 1 MiB writes; benchmarks/loopback_ceiling.py), with and
+    without xxh3 on both sides; ``gib_per_s`` is the one-way figure."""
+    return [
+        ceiling_row("bare", pairs_gib_s(seconds, checksum=False)),
+        ceiling_row("bare+xxh3", pairs_gib_s(seconds, checksum=True)),
+    ]
+
+
+def ceiling_row(sender: str, gib_s: float) -> BenchResult:
+    return BenchResult(
+        "ceiling", "one-way", sender, 1 << 20, 1, gib_s, (1 << 20) / gib_s / GIB, 0.0
+    )
+
+
 def summary(results: list[BenchResult]) -> list[str]:
     """The ratios the issue sets targets for (ours over Mooncake's fastest APIs)."""
     lines = []
     mib = 1 << 20
+    mooncake_tcp = mooncake_best_put_get(results, "tcp", mib)
+    for sender in ("bare", "bare+xxh3"):
+        ceiling = find(results, "ceiling", "one-way", sender, mib)
+        if ceiling and mooncake_tcp:
+            bound = ceiling.gib_per_s / 2
+            lines.append(
+                f"loopback tcp ceiling ({sender}): one way {ceiling.gib_per_s:.2f} GiB/s, so "
+                f"put+get over tcp <= {bound:.2f} GiB/s = {bound / mooncake_tcp:.1f}x Mooncake tcp"
+            )
     for transport, theirs in (("local", "local"), ("shm", "tcp"), ("tcp", "tcp")):
         ours = find(results, "halfmoon", "put+get", transport, mib)
         best = mooncake_best_put_get(results, theirs, mib)
         if ours and best:
+            label = "shm (auto's pick on one host)" if transport == "shm" else transport
             lines.append(
-                f"1M put+get: ours {transport} {ours.gib_per_s:.2f} GiB/s vs Mooncake {theirs} "
+                f"1M put+get: ours {label} {ours.gib_per_s:.2f} GiB/s vs Mooncake {theirs} "
                 f"(fastest put + fastest get) {best:.2f} GiB/s = {ours.gib_per_s / best:.1f}x"
             )
     for transport, theirs in (("local", "local"), ("tcp", "tcp"), ("shm", "tcp")):
@@ -205,6 +235,9 @@ def main() -> int:
         "--rounds", type=int, default=1, help="alternating rounds of ours and Mooncake"
     )
     parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument(
+        "--ceiling", action="store_true", help="also measure one-way loopback tcp each round"
+    )
     parser.add_argument("--json", help="write raw results here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = parser.parse_args()
@@ -216,6 +249,7 @@ def main() -> int:
         lambda: (
             bench_store_local(sizes, batch_bytes, args.reps)
             + bench_store_remote(sizes, batch_bytes, args.reps)
+            + (ceiling_rows(3.0) if args.ceiling else [])
         ),
         None if args.no_mooncake else lambda: run_mooncake(sizes, batch_bytes, args.reps),
     )
