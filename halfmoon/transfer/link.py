@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ import msgpack
 import xxhash
 
 from halfmoon.transfer.busypoll import BusyPoller
+from halfmoon.transfer.deadline_socket import IOV_BATCH, DeadlineSocket
 from halfmoon.transfer.errors import (
     ChecksumError,
     PeerClosedError,
@@ -43,12 +43,6 @@ from halfmoon.transfer.protocol import (
     encode_trailer,
 )
 
-#: sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
-_IOV_BATCH = 512
-#: Buffers of local (socket-pair) links; TCP's are left to the kernel's autotuning, which
-#: with 1 MiB chunks measured 6% faster on loopback than fixed 1 MiB buffers with 256 KiB
-#: chunks (and 80% faster over one connection; benchmarks/transfer.py, docs/benchmarks.md).
-_SOCKET_BUFFER_BYTES = 1 << 20
 _DISCARD_CHUNK_BYTES = 1 << 20
 #: Payloads are hashed and sent / received and hashed in chunks that stay in cache (L2).
 _CHUNK_BYTES = 1 << 20
@@ -83,15 +77,7 @@ class Link:
         self._rbuf = memoryview(bytearray(_RBUF_BYTES))
         self._rstart = self._rend = 0
         self._closed = False
-        # Blocking mode with kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO): Python's own
-        # socket timeouts poll() before every call, which measurably costs throughput.
-        sock.settimeout(None)
-        self._armed_s = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}  # 0: no timeout
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        else:  # no autotuning: the default (~200 KiB) would cut a payload into many calls
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+        self._io = DeadlineSocket(sock, peer)
 
     @property
     def closed(self) -> bool:
@@ -102,34 +88,6 @@ class Link:
     def unread_bytes(self) -> int:
         """Payload bytes of the last received frame that nobody has consumed yet."""
         return self._unread_bytes
-
-    # ------------------------------------------------------------ helpers
-    def _arm(self, deadline: float | None, option: int) -> None:
-        """Make the next blocking call give up by ``deadline`` (plus a little slack).
-
-        The kernel timeout is only rewritten when it would overshoot the deadline by more
-        than ``max(50 ms, 10%)`` of the time left, so a transfer costs a few setsockopt
-        calls, not one per recv. A timeout shorter than needed just wakes the loop early.
-        """
-        armed_s = self._armed_s[option]
-        if deadline is None:
-            if armed_s == 0.0:
-                return
-            want_s = 0.0
-        else:
-            want_s = deadline - time.monotonic()
-            if want_s <= 0:
-                raise TransferTimeout(f"timed out waiting for peer {self.peer}")
-            if armed_s != 0.0 and armed_s <= want_s + max(0.05, 0.1 * want_s):
-                return  # the armed timeout fires close enough to the deadline
-        sec = int(want_s)
-        usec = max(1000, int((want_s - sec) * 1e6)) if want_s else 0
-        self._sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
-        self._armed_s[option] = want_s
-
-    @staticmethod
-    def _expired(deadline: float | None) -> bool:
-        return deadline is not None and time.monotonic() >= deadline
 
     def _fail(self, exc: BaseException, doing: str) -> TransferError:
         """Close the link (its stream position is unknown now) and describe the failure."""
@@ -164,7 +122,7 @@ class Link:
             header = memoryview(encode_header(kind, meta, total, self._packer.pack))
             try:
                 if not total:
-                    self._send_all([header], deadline)
+                    self._io.send_all([header], deadline)
                 elif total <= _CHUNK_BYTES:
                     self._send_small(header, payloads, deadline)
                 else:
@@ -183,7 +141,7 @@ class Link:
             for view in payloads:
                 hasher.update(view)
             checksum = hasher.intdigest()
-        self._send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
+        self._io.send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
 
     def _send_payload(
         self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
@@ -197,47 +155,13 @@ class Link:
                 hasher.update(chunk)
                 batch.append(chunk)
                 batch_bytes += chunk.nbytes
-                if batch_bytes >= _CHUNK_BYTES or len(batch) >= _IOV_BATCH:
-                    self._send_all(batch, deadline)
+                if batch_bytes >= _CHUNK_BYTES or len(batch) >= IOV_BATCH:
+                    self._io.send_all(batch, deadline)
                     batch, batch_bytes = [], 0
         batch.append(memoryview(encode_trailer(hasher.intdigest())))
-        self._send_all(batch, deadline)
-
-    def _send_all(self, views: list[memoryview], deadline: float | None) -> None:
-        index = 0
-        while index < len(views):
-            self._arm(deadline, socket.SO_SNDTIMEO)
-            # A small frame goes whole in the first call, without slicing the list.
-            small = not index and len(views) <= _IOV_BATCH
-            batch = views if small else views[index : index + _IOV_BATCH]
-            try:
-                sent = self._sock.sendmsg(batch)
-            except BlockingIOError:  # the kernel timeout fired
-                if self._expired(deadline):
-                    raise TimeoutError from None
-                continue
-            # Skip fully sent buffers; keep the unsent tail of a partially sent one.
-            while index < len(views) and sent >= views[index].nbytes:
-                sent -= views[index].nbytes
-                index += 1
-            if sent:
-                views[index] = views[index][sent:]
+        self._io.send_all(batch, deadline)
 
     # ------------------------------------------------------------ receiving
-    def _recv_into(self, view: memoryview, deadline: float | None) -> int:
-        """One ``recv_into`` honouring the deadline; EOF raises."""
-        while True:
-            self._arm(deadline, socket.SO_RCVTIMEO)
-            try:
-                n = self._sock.recv_into(view)
-            except BlockingIOError:  # the kernel timeout fired
-                if self._expired(deadline):
-                    raise TimeoutError from None
-                continue
-            if n == 0:
-                raise EOFError
-            return n
-
     def _recv_exact(self, view: memoryview, deadline: float | None) -> None:
         """Fill ``view``: buffered bytes first; big remainders straight from the socket
         (no copy), small ones through the buffer (one syscall for a whole small frame)."""
@@ -247,9 +171,9 @@ class Link:
             self._rstart += got
         while got < view.nbytes:
             if view.nbytes - got >= _RBUF_BYTES // 2:
-                got += self._recv_into(view[got:], deadline)
+                got += self._io.recv_into(view[got:], deadline)
                 continue
-            self._rstart, self._rend = 0, self._recv_into(self._rbuf, deadline)
+            self._rstart, self._rend = 0, self._io.recv_into(self._rbuf, deadline)
             take = min(self._rend, view.nbytes - got)
             view[got : got + take] = self._rbuf[:take]
             self._rstart = take
@@ -269,7 +193,7 @@ class Link:
             end += self._poller.poll_into(rbuf[end:])
         while end - start < num_bytes:
             self._rend = end
-            end += self._recv_into(rbuf[end:], deadline)
+            end += self._io.recv_into(rbuf[end:], deadline)
         self._rend = end
 
     def recv(self, deadline: float | None = None) -> Frame:
