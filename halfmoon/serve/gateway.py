@@ -10,6 +10,7 @@ A client that disconnects mid-stream aborts its request, which frees its KV bloc
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -76,7 +77,9 @@ class Gateway:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = GatewayMetrics()
-        self._ids = IdGenerator("cmpl")
+        # Request ids are unique across gateways and restarts (a random prefix per
+        # gateway); the OpenAI responses show them as cmpl-<id> / chatcmpl-<id>.
+        self._ids = IdGenerator(secrets.token_hex(4))
         self.in_flight = 0
 
     # -- request preparation ---------------------------------------------------------------

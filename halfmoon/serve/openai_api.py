@@ -119,6 +119,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
     return out
 
 
+def response_id(rid: str, chat: bool) -> str:
+    """The OpenAI-facing id of request ``rid``: ``chatcmpl-...`` or ``cmpl-...``."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+
+
 def completion_body(
     rid: str, model: str, text: str, finish: str | None, use: dict | None, chat: bool
 ) -> dict[str, Any]:
@@ -134,7 +139,7 @@ def completion_body(
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {
-        "id": rid,
+        "id": response_id(rid, chat),
         "object": obj,
         "created": int(time.time()),
         "model": model,
@@ -159,7 +164,7 @@ def chunk_body(
         choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
         obj = "text_completion"
     return {
-        "id": rid,
+        "id": response_id(rid, chat),
         "object": obj,
         "created": int(time.time()),
         "model": model,

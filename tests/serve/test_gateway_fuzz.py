@@ -159,3 +159,27 @@ def test_overload_turns_into_429_not_a_queue():
     codes = sorted(r.status_code for r in asyncio.run(run()))
     assert codes.count(200) >= 2 and 429 in codes
     assert set(codes) <= {200, 429}
+
+
+def test_response_ids_are_openai_shaped_and_unique_per_gateway(client):
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    completion = client.post("/v1/completions", json={"model": "echo", "prompt": "ab"}).json()
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"model": "echo", "messages": [{"role": "user", "content": "a"}]},
+    ).json()
+    assert completion["id"].startswith("cmpl-") and chat["id"].startswith("chatcmpl-")
+    assert completion["id"].removeprefix("cmpl-") != chat["id"].removeprefix("chatcmpl-")
+    # A second gateway (a restart, or another replica) never repeats the first one's ids.
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    other = create_app(EchoBackend(), tok, GatewayConfig("echo", max_model_len=256))
+    with TestClient(other) as c:
+        again = c.post("/v1/completions", json={"model": "echo", "prompt": "ab"}).json()
+    assert again["id"] != completion["id"]
+    stream = client.post(
+        "/v1/completions", json={"model": "echo", "prompt": "ab", "stream": True}
+    ).text
+    ids = {json.loads(line[6:])["id"] for line in stream.splitlines() if line.startswith("data: {")}
+    assert len(ids) == 1 and ids.pop().startswith("cmpl-")
