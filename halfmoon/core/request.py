@@ -4,11 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Most alternatives a request may ask log-probabilities for, per token (as vLLM and
+#: OpenAI's chat API).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the ``top`` most likely
+    tokens at that position as ``(token_id, logprob)``, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling options plus vLLM's ``ignore_eos`` / ``min_tokens`` /
-    ``top_k`` (0 = off) and extra ``stop_token_ids``."""
+    ``top_k`` (0 = off) and extra ``stop_token_ids``. ``logprobs``: None, or return each
+    generated token's log-probability with that many top alternatives (0..20)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -19,6 +33,7 @@ class SamplingParams:
     min_tokens: int = 0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

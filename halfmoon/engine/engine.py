@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
@@ -23,7 +23,7 @@ from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.prepack import prepack_linears
 from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
-from halfmoon.engine.sampling import row_for, sample
+from halfmoon.engine.sampling import row_for, sample, token_logprobs
 from halfmoon.engine.scheduler import Scheduler, Sequence, Status
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -44,6 +44,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    #: Log-probabilities of ``new_token_ids`` when the request asked for them.
+    new_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,13 +245,23 @@ class LLMEngine:
             row_for(c.seq.params, c.seq.seed, c.seq.num_output_tokens, tuple(c.seq.stop_token_ids))
             for c, _ in sampling
         ]
-        tokens = sample(torch.cat([lg for _, lg in sampling]), rows) if sampling else []
+        logprobs: list[TokenLogprob | None] = []
+        tokens: list[int] = []
+        if sampling:
+            batch = torch.cat([lg for _, lg in sampling])
+            num_top = [c.seq.params.logprobs for c, _ in sampling]
+            raw = batch.clone() if any(k is not None for k in num_top) else batch
+            tokens = sample(batch, rows)  # (may mask banned tokens in place)
+            logprobs = token_logprobs(raw, tokens, num_top)
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)
-        return [self._append(c.seq, t) for (c, _), t in zip(sampling, tokens, strict=True)]
+        return [
+            self._append(c.seq, t, lp)
+            for (c, _), t, lp in zip(sampling, tokens, logprobs, strict=True)
+        ]
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
         reason = None
         if seq.detokenizer is not None:
@@ -275,6 +287,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=() if logprob is None else (logprob,),
         )
 
     @staticmethod

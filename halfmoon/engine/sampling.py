@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, n) over the seed space
 _MASK_63 = (1 << 63) - 1
@@ -82,3 +82,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         )
         tokens[i] = int(torch.multinomial(probs, 1, generator=generator).item())
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], num_top: list[int | None]
+) -> list[TokenLogprob | None]:
+    """Per row of ``logits`` ``[N, vocab]``: the log-probability of ``tokens[i]`` under
+    the model's distribution (the raw logits: before temperature, top-k/top-p and banned
+    tokens, as vLLM reports them) and the ``num_top[i]`` most likely tokens; None where
+    ``num_top[i]`` is None."""
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if not wanted:
+        return [None] * len(tokens)
+    rows = torch.log_softmax(logits[wanted].to(torch.float32), dim=-1)
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    for row, i in zip(rows, wanted, strict=True):
+        k = int(num_top[i] or 0)
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            values, ids = torch.topk(row, min(k, row.shape[-1]))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        out[i] = TokenLogprob(float(row[tokens[i]]), top)
+    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -32,6 +32,8 @@ class GenerationChunk:
     kv_transfer_bytes: int = 0
     conductor_decision_s: float | None = None
     conductor_rtt_s: float | None = None
+    #: Log-probabilities of ``token_ids`` when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Rejected(HalfmoonError):

@@ -30,7 +30,7 @@ from halfmoon.core.hashing import hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.backend import BackendError, GenerationChunk, Rejected
 from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wire
-from halfmoon.serve.wire import params_to_wire
+from halfmoon.serve.wire import logprobs_from_wire, params_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,7 @@ class ClusterBackend:
                     int(msg.get("kv_bytes", 0)),
                     decision.get("decision_s") if first else None,
                     decision.get("rtt_s") if first else None,
+                    logprobs_from_wire(msg.get("logprobs") or ()),
                 )
                 if finish is not None:
                     await self._release(request_id)

@@ -31,12 +31,12 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import hash_blocks
-from halfmoon.engine.sampling import row_for, sample
+from halfmoon.engine.sampling import row_for, sample, token_logprobs
 from halfmoon.engine.stage import LayerSlice, StageExecutor
 from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
 from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks, tensor_bytes
 from halfmoon.serve.prefix import ClusterPrefixCache
-from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.wire import logprobs_to_wire, params_from_wire
 from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
 
@@ -339,7 +339,11 @@ class PipelineStage:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         job.seed = seed
         stop_ids = tuple(sorted(self._stop_ids(params)))
-        return sample(logits, [row_for(params, seed, 0, stop_ids)])[0]
+        raw = logits.clone() if params.logprobs is not None else logits
+        token = sample(logits, [row_for(params, seed, 0, stop_ids)])[0]
+        (entry,) = token_logprobs(raw, [token], [params.logprobs])
+        job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
+        return token
 
     def _stop_ids(self, params: Any) -> set[int]:
         stop = set(getattr(params, "stop_token_ids", ()))
@@ -390,6 +394,7 @@ class PipelineStage:
         self.worker.send(job.identity, {
             "type": "tokens", "request_id": job.rid, "index": 0, "token_ids": [token],
             "finish_reason": finish, "cached_tokens": job.start, "kv_bytes": kv_bytes,
+            **({"logprobs": job.first_logprob} if job.first_logprob else {}),
         })  # fmt: skip
 
     def _fail(self, job: StageJob) -> None:

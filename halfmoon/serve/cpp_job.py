@@ -51,6 +51,7 @@ class StageJob:
     kv_out: OutStream | None = None  # this stage's layers' KV to the decode worker
     next_chunk: int = 0
     first_token: int | None = None
+    first_logprob: list[Any] | None = None  # its log-probability, wire form (if asked)
     error: str = ""
     suspect: str = ""
     seed: int = 0

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halfmoon.core.ids import IdGenerator
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejected
 from halfmoon.serve.openai_api import (
@@ -31,6 +31,7 @@ from halfmoon.serve.openai_api import (
     chunk_body,
     completion_body,
     error_body,
+    logprobs_body,
     usage,
 )
 from halfmoon.serve.prom import GatewayMetrics
@@ -57,6 +58,11 @@ class _HTTPError(Exception):
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
+#: What :meth:`Gateway.run` yields: text delta, finish reason, usage, and the
+#: ``(token id, TokenLogprob)`` entries of the tokens since the previous item.
+_Delta = tuple[str, str | None, dict | None, list[tuple[int, TokenLogprob]]]
+
+
 @dataclass
 class _Prepared:
     request_id: str
@@ -67,6 +73,10 @@ class _Prepared:
     chat: bool
     #: Usage on every chunk, and a chunk for every token batch even without text.
     continuous_usage: bool = False
+    #: Log-probabilities asked for (top alternatives per token), or None.
+    logprobs: int | None = None
+    #: The prompt's text, sent before the output (completions' ``echo``).
+    echo: str = ""
 
 
 class Gateway:
@@ -91,6 +101,11 @@ class Gateway:
                 404,
                 f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
                 "NotFoundError",
+            )
+        unsupported = body.unsupported()
+        if unsupported:
+            raise _HTTPError(
+                400, f"not supported by this server: {', '.join(unsupported)}", "BadRequestError"
             )
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
@@ -124,6 +139,7 @@ class Gateway:
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
                 top_k=body.top_k,
+                logprobs=body.num_logprobs(),
             )
         except ValueError as exc:
             raise _HTTPError(400, str(exc), "BadRequestError") from None
@@ -131,9 +147,15 @@ class Gateway:
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
+        echo = ""
+        if isinstance(body, CompletionRequest) and body.echo:
+            prompt = body.prompt
+            if isinstance(prompt, list) and isinstance(prompt[0], str):
+                prompt = prompt[0]  # (one prompt in a list)
+            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         return _Prepared(
             self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
-            continuous,
+            continuous, params.logprobs, echo,
         )  # fmt: skip
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -184,10 +206,16 @@ class Gateway:
         m.prefix_cache_hits.inc(cached or 0)
         m.requests.labels(finished_reason=finish).inc()
 
-    async def run(self, p: _Prepared) -> AsyncIterator[tuple[str, str | None, dict | None]]:
-        """Yield (text delta, None, None) as text arrives, then (tail, finish, usage)."""
+    def token_text(self, token_id: int) -> str:
+        """One token's text (for log-probabilities)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def run(self, p: _Prepared) -> AsyncIterator[_Delta]:
+        """Yield (text delta, None, None, logprobs) as text arrives, then (tail, finish,
+        usage, logprobs); ``logprobs`` are the entries of the tokens since the last yield."""
         arrival = time.monotonic()
         out = OutputText(self.tokenizer, p.prompt_ids, p.stop)
+        entries: list[tuple[int, TokenLogprob]] = []
         times: list[float] = []
         finish: str | None = None
         cached = est = None
@@ -203,7 +231,11 @@ class Gateway:
                     if chunk.conductor_rtt_s is not None:
                         self.metrics.conductor_rtt.observe(chunk.conductor_rtt_s)
                     times += [time.monotonic()] * len(chunk.token_ids)
+                    counted = out.num_tokens
                     delta = out.add(chunk.token_ids)
+                    if chunk.logprobs:  # of the tokens the text kept (none past a stop)
+                        kept = out.num_tokens - counted
+                        entries += zip(chunk.token_ids[:kept], chunk.logprobs[:kept], strict=True)
                     finish = "stop" if out.stopped else chunk.finish_reason
                     if finish is not None:
                         pending = delta
@@ -211,15 +243,19 @@ class Gateway:
                             await self.backend.abort(p.request_id)
                         break
                     if p.continuous_usage:  # every token batch, text or not
-                        yield delta, None, usage(len(p.prompt_ids), out.num_tokens, cached)
+                        use = usage(len(p.prompt_ids), out.num_tokens, cached)
+                        yield delta, None, use, entries
+                        entries = []
                     elif delta:
-                        yield delta, None, None
+                        yield delta, None, None, entries
+                        entries = []
         except BaseException:
             await self.backend.abort(p.request_id)
             raise
         finish = finish or "abort"
         self._observe_end(p, arrival, times, out, finish, cached, est)
-        yield pending + out.flush(), finish, usage(len(p.prompt_ids), out.num_tokens, cached)
+        use = usage(len(p.prompt_ids), out.num_tokens, cached)
+        yield pending + out.flush(), finish, use, entries
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
@@ -316,13 +352,17 @@ def create_app(
             return StreamingResponse(
                 _sse(gw, p, body.model, first, stream), media_type="text/event-stream"
             )
-        text, finish, use = first
-        parts = [text]
+        text, finish, use, entries = first
+        parts, entries = [p.echo, text], list(entries)
         async for item in stream:
             parts.append(item[0])
             finish, use = item[1], item[2]
+            entries += item[3]
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = logprobs_body(entries, gw.token_text, p.chat, len(p.echo))
         return JSONResponse(
-            completion_body(p.request_id, body.model, "".join(parts), finish, use, p.chat)
+            completion_body(p.request_id, body.model, "".join(parts), finish, use, p.chat, logprobs)
         )
 
     @app.post("/v1/completions")
@@ -346,11 +386,18 @@ async def _sse(
 
     opening = True
     item = first
+    offset = 0  # of the next token's text (completions' text_offset)
     try:
         while True:
-            text, finish, use = item
-            if text or finish or (opening and p.chat) or p.continuous_usage:
-                chunk = chunk_body(p.request_id, model, text, finish, p.chat, opening)
+            text, finish, use, entries = item
+            if opening and p.echo:
+                text, offset = p.echo + text, len(p.echo)
+            if text or finish or (opening and p.chat) or p.continuous_usage or entries:
+                logprobs = None
+                if p.logprobs is not None:
+                    logprobs = logprobs_body(entries, gw.token_text, p.chat, offset)
+                    offset += sum(len(t) for t in logprobs.get("tokens", ()))
+                chunk = chunk_body(p.request_id, model, text, finish, p.chat, opening, logprobs)
                 if p.continuous_usage:
                     chunk["usage"] = use
                 yield event(chunk)

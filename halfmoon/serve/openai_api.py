@@ -2,8 +2,13 @@
 
 Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``), ``n=1``, and vLLM's ``ignore_eos``,
-``min_tokens``, ``top_k``. Unknown fields are ignored, as OpenAI's own server does.
+``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``),
+``n=1``, log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
+``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs), and
+vLLM's ``ignore_eos``, ``min_tokens``, ``top_k``. Known options this server does not
+implement (penalties, ``logit_bias``, ``best_of``, ``suffix``, tools, JSON response
+formats, prompt log-probabilities) are refused with a 400 naming them, never silently
+ignored; unknown fields are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +46,28 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # Known options that are not implemented: refused unless left at their defaults.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        """The options set to something this server cannot do (empty: all fine)."""
+        out = [
+            name
+            for name, value, default in (
+                ("presence_penalty", self.presence_penalty, 0.0),
+                ("frequency_penalty", self.frequency_penalty, 0.0),
+                ("repetition_penalty", self.repetition_penalty, 1.0),
+                ("prompt_logprobs", self.prompt_logprobs, None),
+            )
+            if value != default
+        ]
+        if self.logit_bias:
+            out.append("logit_bias")
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -61,6 +90,23 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token, or None (no log-probabilities)."""
+        return self.logprobs
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.best_of not in (None, 1):
+            out.append("best_of")
+        if self.suffix:
+            out.append("suffix")
+        if self.echo and self.logprobs is not None:
+            out.append("echo with logprobs (prompt log-probabilities)")
+        return out
 
     @field_validator("prompt")
     @classmethod
@@ -101,6 +147,29 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token, or None (no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.tools:
+            out.append("tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(f"response_format {self.response_format.get('type')!r}")
+        return out
 
     def output_limit(self, default: int) -> int:
         """The requested output length, or ``default``."""
@@ -125,18 +194,25 @@ def response_id(rid: str, chat: bool) -> str:
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict | None, chat: bool
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict | None,
+    chat: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A complete (non-streaming) response object."""
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {
         "id": response_id(rid, chat),
@@ -149,7 +225,13 @@ def completion_body(
 
 
 def chunk_body(
-    rid: str, model: str, delta: str | None, finish: str | None, chat: bool, first: bool = False
+    rid: str,
+    model: str,
+    delta: str | None,
+    finish: str | None,
+    chat: bool,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk; ``delta=None`` with ``finish=None`` makes a usage-only chunk."""
     if chat:
@@ -158,10 +240,10 @@ def chunk_body(
             d["role"] = "assistant"
         if delta:
             d["content"] = delta
-        choices = [{"index": 0, "delta": d, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]
         obj = "chat.completion.chunk"
     else:
-        choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}]
         obj = "text_completion"
     return {
         "id": response_id(rid, chat),
@@ -175,3 +257,46 @@ def chunk_body(
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def logprobs_body(
+    entries: list[tuple[int, TokenLogprob]], token_text: Any, chat: bool, text_offset: int
+) -> dict[str, Any]:
+    """The ``logprobs`` object of a choice for ``(token id, TokenLogprob)`` entries.
+
+    ``token_text(id)`` is a token's text. Completions get the legacy shape (``tokens``,
+    ``token_logprobs``, ``top_logprobs`` with the sampled token among the alternatives,
+    as vLLM returns it, and ``text_offset`` counted from ``text_offset``); chat gets
+    ``content`` items with ``bytes``.
+    """
+    if chat:
+        content = []
+        for tid, entry in entries:
+            text = token_text(tid)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": entry.logprob,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": (t := token_text(i)), "logprob": lp, "bytes": list(t.encode())}
+                        for i, lp in entry.top
+                    ],
+                }
+            )
+        return {"content": content}
+    tokens, offsets, tops = [], [], []
+    for tid, entry in entries:
+        text = token_text(tid)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        tokens.append(text)
+        top = {token_text(i): lp for i, lp in entry.top}
+        top.setdefault(text, entry.logprob)
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for _, entry in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

@@ -26,7 +26,7 @@ from halfmoon.serve.cpp import PipelineStage
 from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
 from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
-from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.wire import logprobs_to_wire, params_from_wire
 from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import TransferEngine
 
@@ -69,6 +69,8 @@ class TokenStreaming:
             "type": "tokens", "request_id": rid, "index": client.index,
             "token_ids": list(out.new_token_ids), "finish_reason": finish,
         }  # fmt: skip
+        if out.new_logprobs:
+            msg["logprobs"] = logprobs_to_wire(out.new_logprobs)
         if client.index == 0:
             msg["cached_tokens"] = out.num_cached_tokens
             msg["kv_bytes"] = kv_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "min_tokens")
 
@@ -14,6 +14,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out = {name: getattr(params, name) for name in _PARAM_FIELDS}
     out["top_k"] = params.top_k
     out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logprobs is not None:
+        out["logprobs"] = params.logprobs
     return out
 
 
@@ -30,4 +32,17 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         min_tokens=int(data.get("min_tokens", 0)),
         top_k=int(data.get("top_k", 0)),
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
+        logprobs=None if data.get("logprobs") is None else int(data["logprobs"]),
+    )
+
+
+def logprobs_to_wire(entries: tuple[TokenLogprob, ...]) -> list[list[Any]]:
+    """Token log-probabilities as ``[[logprob, [[token, logprob], ...]], ...]``."""
+    return [[e.logprob, [[t, lp] for t, lp in e.top]] for e in entries]
+
+
+def logprobs_from_wire(data: list[list[Any]]) -> tuple[TokenLogprob, ...]:
+    """The records of :func:`logprobs_to_wire`'s lists."""
+    return tuple(
+        TokenLogprob(float(lp), tuple((int(t), float(v)) for t, v in top)) for lp, top in data
     )

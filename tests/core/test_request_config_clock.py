@@ -48,3 +48,22 @@ def test_manual_clock_and_ids():
         clock.advance_to(1.0)
     gen = IdGenerator("p")
     assert [gen.next(), gen.next()] == ["p-0", "p-1"]
+
+
+def test_logprobs_option_is_bounded_and_survives_the_wire():
+    from halfmoon.core.request import TokenLogprob
+    from halfmoon.serve.wire import (
+        logprobs_from_wire,
+        logprobs_to_wire,
+        params_from_wire,
+        params_to_wire,
+    )
+
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="logprobs must be in"):
+            SamplingParams(logprobs=bad)
+    for value in (None, 0, 20):
+        params = SamplingParams(max_tokens=3, logprobs=value, seed=4)
+        assert params_from_wire(params_to_wire(params)) == params
+    entries = (TokenLogprob(-0.5, ((3, -0.5), (9, -1.25))), TokenLogprob(-2.0))
+    assert logprobs_from_wire(logprobs_to_wire(entries)) == entries

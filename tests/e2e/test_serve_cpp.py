@@ -62,9 +62,21 @@ def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
             )  # fmt: skip
             assert out.choices[0].text == ref.text
             assert out.usage.prompt_tokens == ref.num_prompt_tokens
+    # Log-probabilities: the first token's is sampled by the pipeline's last stage.
+    from .test_serve_disaggregated import offline_logprobs
+
+    lp_params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    ref = offline_logprobs(engine, prompts[0], lp_params)
+    out = client.completions.create(
+        model="tiny", prompt=prompts[0], max_tokens=3, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ours = out.choices[0].logprobs.token_logprobs
+    assert len(ours) == len(ref) == 3
+    assert all(abs(x - e.logprob) < 1e-3 for x, (_, e) in zip(ours, ref, strict=True))
     after = [p["cpp_requests"] for p in _stage_stats(cpp)]
     # Both stages ran every request (the Conductor chose the group: it lowers TTFT).
-    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]
     assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
 
 

@@ -150,3 +150,39 @@ def test_prefix_caching_can_be_switched_off(cluster_factory):
     assert first.prompt_tokens_details.cached_tokens == 0
     assert second.prompt_tokens_details.cached_tokens == 0
     assert all(p.get("store_blocks", 0) == 0 for p in off.ping_workers())
+
+
+def offline_logprobs(engine, prompt, params):
+    """Per generated token, the offline engine's (token id, TokenLogprob)."""
+    engine.add_request("offline-logprobs", prompt, params)
+    out = []
+    while engine.has_unfinished_requests():
+        for step in engine.step():
+            out += zip(step.new_token_ids, step.new_logprobs, strict=True)
+    return out
+
+
+def test_logprobs_equal_an_offline_engine(disagg):
+    # The first token's log-probability comes from the prefill worker, the rest from the
+    # decode worker after the KV handoff: both must be the model's own.
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(disagg.cache / "presets" / "tiny-seed0")))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    ref = offline_logprobs(engine, PROMPTS[1], params)
+    out = _client(disagg).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ref) == 5
+    for ours, (_, theirs), top in zip(lp.token_logprobs, ref, lp.top_logprobs, strict=True):
+        assert abs(ours - theirs.logprob) < 1e-3
+        assert max(top.values()) == pytest.approx(ours, abs=1e-6)  # greedy: the top token
+    chat = _client(disagg).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)

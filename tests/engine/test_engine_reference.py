@@ -148,3 +148,30 @@ def test_greedy_tokens_match_hf_generate(reference: Reference, prompts) -> None:
         assert list(out.token_ids) == expected
         assert out.finish_reason == "length"
     engine.check_integrity()
+
+
+def test_logprobs_match_the_reference_distribution(llama_ref: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(llama_ref.path))
+    (tokens,) = prompts(11, [30], llama_ref.vocab_size)
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=3)
+    engine.add_request("lp", tokens, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    generated = [t for out in outs for t in out.new_token_ids]
+    entries = [lp for out in outs for lp in out.new_logprobs]
+    assert len(entries) == len(generated) == 5
+    for i, (token, entry) in enumerate(zip(generated, entries, strict=True)):
+        # the model's own distribution at that position (not the temperature-scaled one)
+        theirs = torch.log_softmax(hf_logits(llama_ref, tokens + generated[:i])[-1], dim=-1)
+        assert abs(entry.logprob - theirs[token].item()) < 1e-3
+        top_values, top_ids = torch.topk(theirs, 3)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        for (_, ours), ref in zip(entry.top, top_values.tolist(), strict=True):
+            assert abs(ours - ref) < 1e-3
+    # Without the option nothing is computed or returned.
+    engine.add_request("plain", tokens, SamplingParams(max_tokens=2, temperature=0))
+    plain = []
+    while engine.has_unfinished_requests():
+        plain += engine.step()
+    assert all(out.new_logprobs == () for out in plain)

@@ -1,0 +1,175 @@
+"""OpenAI response details of the gateway: log-probabilities, echo, refused options.
+
+In-process (ASGI) over a backend that emits fixed tokens with log-probabilities; the
+real cluster path is covered in tests/e2e."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.serve.backend import GenerationChunk
+
+OUTPUT = (65, 66, 67, 68)  # token ids the backend "generates", two per chunk
+
+
+class LogprobBackend:
+    """Generates ``OUTPUT``; when asked, token t has logprob -t/100 and alternatives
+    t, t+1, ... (as many as requested)."""
+
+    def __init__(self) -> None:
+        self.params: list[SamplingParams] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self.params.append(params)
+        out = OUTPUT[: params.max_tokens]
+        for i in range(0, len(out), 2):
+            tokens = out[i : i + 2]
+            entries = ()
+            if params.logprobs is not None:
+                entries = tuple(
+                    TokenLogprob(
+                        -t / 100, tuple((t + j, -(t + j) / 100) for j in range(params.logprobs))
+                    )
+                    for t in tokens
+                )
+            last = i + 2 >= len(out)
+            yield GenerationChunk(
+                tokens, "length" if last else None, 0 if i == 0 else None, logprobs=entries
+            )
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    async def health(self) -> dict[str, Any]:
+        return {"mode": "logprobs"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    backend = LogprobBackend()
+    app = create_app(backend, tok, GatewayConfig("m", max_model_len=256, max_tokens_limit=64))
+    with TestClient(app) as client:
+        yield client, backend, tok
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_completion_logprobs(served):
+    client, backend, tok = served
+    body = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "logprobs": 2}).json()
+    assert backend.params[-1].logprobs == 2
+    lp = body["choices"][0]["logprobs"]
+    texts = [tok.decode([t], skip_special_tokens=False) for t in OUTPUT]
+    assert lp["tokens"] == texts and "".join(texts) == body["choices"][0]["text"]
+    assert lp["token_logprobs"] == [-t / 100 for t in OUTPUT]
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    first_top = lp["top_logprobs"][0]
+    assert first_top == {texts[0]: -0.65, tok.decode([66], skip_special_tokens=False): -0.66}
+    # Not asked: no log-probabilities computed or returned.
+    plain = client.post("/v1/completions", json={"model": "m", "prompt": "hi"}).json()
+    assert backend.params[-1].logprobs is None and plain["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_streamed_and_whole(served):
+    client, backend, tok = served
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    whole = client.post("/v1/chat/completions", json=request).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-t / 100 for t in OUTPUT]
+    first = content[0]
+    assert first["bytes"] == list(first["token"].encode()) and len(first["top_logprobs"]) == 1
+    assert first["top_logprobs"][0]["logprob"] == -0.65
+    streamed = _events(client.post("/v1/chat/completions", json={**request, "stream": True}).text)
+    items = [c for e in streamed for c in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert [c["logprob"] for c in items] == [c["logprob"] for c in content]
+    # top_logprobs alone is a client error, as on OpenAI's API
+    bad = client.post("/v1/chat/completions", json={**request, "logprobs": False})
+    assert bad.status_code == 400 and "top_logprobs needs logprobs" in bad.text
+
+
+def test_streamed_completion_logprobs_keep_offsets(served):
+    client, _, tok = served
+    events = _events(
+        client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hi", "logprobs": 0, "stream": True}
+        ).text
+    )
+    tokens, offsets = [], []
+    for event in events:
+        lp = event["choices"][0]["logprobs"]
+        if lp:
+            tokens += lp["tokens"]
+            offsets += lp["text_offset"]
+    texts = [tok.decode([t], skip_special_tokens=False) for t in OUTPUT]
+    assert tokens == texts
+    assert offsets == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+
+
+def test_echo_puts_the_prompt_before_the_output(served):
+    client, _, tok = served
+    out_text = tok.decode(list(OUTPUT))
+    whole = client.post("/v1/completions", json={"model": "m", "prompt": "hello", "echo": True})
+    assert whole.json()["choices"][0]["text"] == "hello" + out_text
+    events = _events(
+        client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hello", "echo": True, "stream": True}
+        ).text
+    )
+    assert "".join(e["choices"][0]["text"] for e in events) == "hello" + out_text
+    assert events[0]["choices"][0]["text"].startswith("hello")
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "named"),
+    [
+        ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "json_object"),
+    ],
+)
+def test_unimplemented_options_are_refused_by_name(served, path, extra, named):
+    client, _, _ = served
+    base = {"model": "m", "prompt": "hi"} if "chat" not in path else {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]
+    }  # fmt: skip
+    response = client.post(path, json={**base, **extra})
+    assert response.status_code == 400
+    assert "not supported by this server" in response.text and named in response.text
+    # the defaults of the same options are fine
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1}
+    assert client.post(path, json={**base, **defaults}).status_code == 200
+
+
+def test_echo_of_a_token_prompt_and_of_a_one_item_list(served):
+    client, _, tok = served
+    out_text = tok.decode(list(OUTPUT))
+    ids = tok.encode("abc", add_special_tokens=False)
+    by_ids = client.post("/v1/completions", json={"model": "m", "prompt": ids, "echo": True})
+    assert by_ids.json()["choices"][0]["text"] == tok.decode(ids) + out_text
+    listed = client.post("/v1/completions", json={"model": "m", "prompt": ["xy"], "echo": True})
+    assert listed.json()["choices"][0]["text"] == "xy" + out_text
