@@ -22,7 +22,11 @@ class TokenLogprob:
 class SamplingParams:
     """OpenAI-style sampling options plus vLLM's ``ignore_eos`` / ``min_tokens`` /
     ``top_k`` (0 = off) and extra ``stop_token_ids``. ``logprobs``: None, or return each
-    generated token's log-probability with that many top alternatives (0..20)."""
+    generated token's log-probability with that many top alternatives (0..20).
+    Penalties as OpenAI's (``presence_penalty``, ``frequency_penalty``: subtracted from
+    the logits of tokens already generated, once / per occurrence) and vLLM's
+    ``repetition_penalty`` (logits of tokens in the prompt or output divided by it when
+    positive, multiplied when negative)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,6 +38,16 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition penalty applies (the sampler then needs the tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,6 +58,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:

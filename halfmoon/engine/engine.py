@@ -242,7 +242,13 @@ class LLMEngine:
         logits = self.runner.execute(inputs)
         sampling = [(c, lg) for c, lg in zip(plan.chunks, logits, strict=True) if lg is not None]
         rows = [
-            row_for(c.seq.params, c.seq.seed, c.seq.num_output_tokens, tuple(c.seq.stop_token_ids))
+            row_for(
+                c.seq.params,
+                c.seq.seed,
+                c.seq.num_output_tokens,
+                tuple(c.seq.stop_token_ids),
+                c.seq.token_ids,
+            )
             for c, _ in sampling
         ]
         logprobs: list[TokenLogprob | None] = []

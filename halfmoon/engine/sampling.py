@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, repetition penalties, with
+per-request seeds.
 
 Randomness never depends on the batch: the draw for a request's ``n``-th output token
 uses a generator seeded from ``(seed, n)``. A request therefore samples the same tokens
@@ -8,6 +9,7 @@ after a KV handoff.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +35,23 @@ class SamplingRow:
     seed: int
     num_output_tokens: int
     banned_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: Prompt + output so far (only when a penalty applies); the output is its tail of
+    #: ``num_output_tokens``.
+    token_ids: tuple[int, ...] = ()
 
 
 def row_for(
-    params: SamplingParams, seed: int, num_output_tokens: int, stop_ids: tuple[int, ...]
+    params: SamplingParams,
+    seed: int,
+    num_output_tokens: int,
+    stop_ids: tuple[int, ...],
+    token_ids: SequenceABC[int] = (),
 ) -> SamplingRow:
-    """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``."""
+    """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``.
+    ``token_ids`` (prompt + output so far) matter only to penalties."""
     banned = stop_ids if num_output_tokens < params.min_tokens else ()
     return SamplingRow(
         temperature=params.temperature,
@@ -47,7 +60,27 @@ def row_for(
         seed=seed,
         num_output_tokens=num_output_tokens,
         banned_token_ids=banned,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        token_ids=tuple(token_ids) if params.has_penalties else (),
     )
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Penalise, in place, the logits ``[vocab]`` of tokens the request already has."""
+    vocab = logits.shape[-1]
+    if row.presence_penalty or row.frequency_penalty:
+        output = row.token_ids[len(row.token_ids) - row.num_output_tokens :]
+        if output:
+            counts = torch.bincount(torch.tensor(output), minlength=vocab)[:vocab].float()
+            logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0)
+    if row.repetition_penalty != 1.0 and row.token_ids:
+        seen = torch.tensor(sorted(set(row.token_ids)))
+        seen = seen[seen < vocab]
+        values = logits[seen]
+        penalty = row.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -69,6 +102,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """One token id per row of ``logits`` ``[N, vocab]``."""
     logits = logits.to(torch.float32)
     for i, row in enumerate(rows):
+        if row.token_ids:
+            _apply_penalties(logits[i], row)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     tokens = torch.argmax(logits, dim=-1).tolist()

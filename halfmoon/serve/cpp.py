@@ -340,7 +340,7 @@ class PipelineStage:
         job.seed = seed
         stop_ids = tuple(sorted(self._stop_ids(params)))
         raw = logits.clone() if params.logprobs is not None else logits
-        token = sample(logits, [row_for(params, seed, 0, stop_ids)])[0]
+        token = sample(logits, [row_for(params, seed, 0, stop_ids, job.tokens)])[0]
         (entry,) = token_logprobs(raw, [token], [params.logprobs])
         job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
         return token

@@ -140,6 +140,9 @@ class Gateway:
                 min_tokens=body.min_tokens,
                 top_k=body.top_k,
                 logprobs=body.num_logprobs(),
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
             )
         except ValueError as exc:
             raise _HTTPError(400, str(exc), "BadRequestError") from None

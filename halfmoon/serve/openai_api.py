@@ -4,11 +4,12 @@ Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``),
 ``n=1``, log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
-``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs), and
-vLLM's ``ignore_eos``, ``min_tokens``, ``top_k``. Known options this server does not
-implement (penalties, ``logit_bias``, ``best_of``, ``suffix``, tools, JSON response
-formats, prompt log-probabilities) are refused with a 400 naming them, never silently
-ignored; unknown fields are ignored, as OpenAI's own server does.
+``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
+``presence_penalty`` / ``frequency_penalty``, and vLLM's ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``top_k``. Known options this server does not implement
+(``logit_bias``, ``best_of``, ``suffix``, tools, JSON response formats, prompt
+log-probabilities) are refused with a 400 naming them, never silently ignored; unknown
+fields are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
@@ -46,25 +47,16 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     # Known options that are not implemented: refused unless left at their defaults.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this server cannot do (empty: all fine)."""
-        out = [
-            name
-            for name, value, default in (
-                ("presence_penalty", self.presence_penalty, 0.0),
-                ("frequency_penalty", self.frequency_penalty, 0.0),
-                ("repetition_penalty", self.repetition_penalty, 1.0),
-                ("prompt_logprobs", self.prompt_logprobs, None),
-            )
-            if value != default
-        ]
+        out = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
         if self.logit_bias:
             out.append("logit_bias")
         return out

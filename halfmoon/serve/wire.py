@@ -16,6 +16,10 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out["stop_token_ids"] = list(params.stop_token_ids)
     if params.logprobs is not None:
         out["logprobs"] = params.logprobs
+    if params.has_penalties:
+        out["penalties"] = [
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+        ]  # fmt: skip
     return out
 
 
@@ -33,6 +37,13 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         top_k=int(data.get("top_k", 0)),
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         logprobs=None if data.get("logprobs") is None else int(data["logprobs"]),
+        **dict(
+            zip(
+                ("presence_penalty", "frequency_penalty", "repetition_penalty"),
+                (float(x) for x in data.get("penalties", (0.0, 0.0, 1.0))),
+                strict=True,
+            )
+        ),
     )
 
 

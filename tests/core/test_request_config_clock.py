@@ -65,5 +65,11 @@ def test_logprobs_option_is_bounded_and_survives_the_wire():
     for value in (None, 0, 20):
         params = SamplingParams(max_tokens=3, logprobs=value, seed=4)
         assert params_from_wire(params_to_wire(params)) == params
+    penalised = SamplingParams(presence_penalty=-0.5, frequency_penalty=2, repetition_penalty=1.2)
+    assert penalised.has_penalties and not SamplingParams().has_penalties
+    assert params_from_wire(params_to_wire(penalised)) == penalised
+    for bad in ({"presence_penalty": 2.1}, {"frequency_penalty": -2.5}, {"repetition_penalty": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
     entries = (TokenLogprob(-0.5, ((3, -0.5), (9, -1.25))), TokenLogprob(-2.0))
     assert logprobs_from_wire(logprobs_to_wire(entries)) == entries

@@ -162,7 +162,7 @@ def offline_logprobs(engine, prompt, params):
     return out
 
 
-def test_logprobs_equal_an_offline_engine(disagg):
+def test_logprobs_and_penalties_equal_an_offline_engine(disagg):
     # The first token's log-probability comes from the prefill worker, the rest from the
     # decode worker after the KV handoff: both must be the model's own.
     from halfmoon.core.request import SamplingParams
@@ -186,3 +186,14 @@ def test_logprobs_equal_an_offline_engine(disagg):
     )  # fmt: skip
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    # Penalties: prefill worker (first token) and decode worker (the rest) apply them alike.
+    penalised = SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+        repetition_penalty=1.4,
+    )  # fmt: skip
+    (ref_text,) = engine.generate([PROMPTS[1]], penalised)
+    out = _client(disagg).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0, frequency_penalty=1.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.4},
+    )  # fmt: skip
+    assert out.choices[0].text == ref_text.text

@@ -175,3 +175,29 @@ def test_logprobs_match_the_reference_distribution(llama_ref: Reference, prompts
     while engine.has_unfinished_requests():
         plain += engine.step()
     assert all(out.new_logprobs == () for out in plain)
+
+
+def test_penalties_match_a_manual_greedy_loop(llama_ref: Reference, prompts) -> None:
+    # OpenAI's presence/frequency penalties on the output, vLLM's repetition penalty on
+    # prompt + output, applied to the model's logits before the greedy choice.
+    presence, frequency, repetition = 0.7, 0.4, 1.6
+    (tokens,) = prompts(12, [25], llama_ref.vocab_size)
+    engine = LLMEngine(engine_config(llama_ref.path))
+    params = SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, presence_penalty=presence,
+        frequency_penalty=frequency, repetition_penalty=repetition,
+    )  # fmt: skip
+    ours = list(engine.generate([tokens], params)[0].token_ids)
+    expected: list[int] = []
+    for _ in range(8):
+        logits = hf_logits(llama_ref, tokens + expected)[-1].clone()
+        counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=len(logits))
+        logits -= frequency * counts + presence * (counts > 0)
+        seen = torch.tensor(sorted(set(tokens + expected)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition,
+                                   logits[seen] * repetition)  # fmt: skip
+        expected.append(int(torch.argmax(logits)))
+    assert ours == expected
+    plain = list(engine.generate([tokens], SamplingParams(max_tokens=8, temperature=0,
+                                                          ignore_eos=True))[0].token_ids)  # fmt: skip
+    assert plain != ours  # the penalties changed the choice somewhere

@@ -141,8 +141,6 @@ def test_echo_puts_the_prompt_before_the_output(served):
 @pytest.mark.parametrize(
     ("path", "extra", "named"),
     [
-        ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
@@ -161,7 +159,7 @@ def test_unimplemented_options_are_refused_by_name(served, path, extra, named):
     assert response.status_code == 400
     assert "not supported by this server" in response.text and named in response.text
     # the defaults of the same options are fine
-    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1}
+    defaults = {"logit_bias": {}, "best_of": 1, "prompt_logprobs": None}
     assert client.post(path, json={**base, **defaults}).status_code == 200
 
 
@@ -173,3 +171,17 @@ def test_echo_of_a_token_prompt_and_of_a_one_item_list(served):
     assert by_ids.json()["choices"][0]["text"] == tok.decode(ids) + out_text
     listed = client.post("/v1/completions", json={"model": "m", "prompt": ["xy"], "echo": True})
     assert listed.json()["choices"][0]["text"] == "xy" + out_text
+
+
+def test_penalties_reach_the_backend_and_are_bounded(served):
+    client, backend, _ = served
+    body = {"model": "m", "prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.3}  # fmt: skip
+    assert client.post("/v1/completions", json=body).status_code == 200
+    params = backend.params[-1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5, -1.0, 1.3
+    )  # fmt: skip
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
+        response = client.post("/v1/completions", json={"model": "m", "prompt": "hi", **bad})
+        assert response.status_code == 400 and next(iter(bad)) in response.text
