@@ -9,12 +9,14 @@ A client that disconnects mid-stream aborts its request, which frees its KV bloc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,10 +30,12 @@ from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejec
 from halfmoon.serve.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    choice_body,
     chunk_body,
     completion_body,
     error_body,
     logprobs_body,
+    merged_usage,
     usage,
 )
 from halfmoon.serve.prom import GatewayMetrics
@@ -77,6 +81,23 @@ class _Prepared:
     logprobs: int | None = None
     #: The prompt's text, sent before the output (completions' ``echo``).
     echo: str = ""
+    #: Choices asked for; each is its own request to the backend (see :meth:`choices`).
+    n: int = 1
+
+    def choices(self) -> list[_Prepared]:
+        """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""
+        if self.n == 1:
+            return [self]
+        seed = self.params.seed
+        return [
+            replace(
+                self,
+                request_id=f"{self.request_id}.{i}",
+                params=replace(self.params, seed=None if seed is None else seed + i),
+                n=1,
+            )
+            for i in range(self.n)
+        ]
 
 
 class Gateway:
@@ -158,7 +179,7 @@ class Gateway:
             echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         return _Prepared(
             self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
-            continuous, params.logprobs, echo,
+            continuous, params.logprobs, echo, body.n,
         )  # fmt: skip
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -332,41 +353,59 @@ def create_app(
         }
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
-        if gw.in_flight >= config.max_concurrent_requests:
+        if gw.in_flight + body.n > config.max_concurrent_requests:
             gw.metrics.rejections.inc()
             raise _HTTPError(
                 429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
                 {"Retry-After": "1"},
             )  # fmt: skip
         p = gw.prepare(body)
-        stream = gw.run(p)
+        stream = _merge([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
         except Rejected as exc:
+            await stream.aclose()
             gw.metrics.rejections.inc()
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
             raise _HTTPError(
                 429, f"request rejected: {exc.reason}", "RateLimitError", headers
             ) from None
         except BackendError as exc:
+            await stream.aclose()
             gw.metrics.errors.inc()
             raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
         if body.stream:
             return StreamingResponse(
                 _sse(gw, p, body.model, first, stream), media_type="text/event-stream"
             )
-        text, finish, use, entries = first
-        parts, entries = [p.echo, text], list(entries)
-        async for item in stream:
-            parts.append(item[0])
-            finish, use = item[1], item[2]
-            entries += item[3]
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = logprobs_body(entries, gw.token_text, p.chat, len(p.echo))
-        return JSONResponse(
-            completion_body(p.request_id, body.model, "".join(parts), finish, use, p.chat, logprobs)
-        )
+        parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
+        entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
+        finishes: list[str | None] = [None] * p.n
+        uses: list[dict] = [{}] * p.n
+        try:
+            item: tuple[int, _Delta] | None = first
+            while item is not None:
+                index, (text, finish, use, new) = item
+                parts[index].append(text)
+                entries[index] += new
+                if finish is not None:
+                    finishes[index], uses[index] = finish, use
+                item = await anext(stream, None)
+        except Rejected as exc:  # a later choice was turned away
+            gw.metrics.rejections.inc()
+            raise _HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
+        except BackendError as exc:
+            gw.metrics.errors.inc()
+            raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+        choices = []
+        for index in range(p.n):
+            logprobs = None
+            if p.logprobs is not None:
+                logprobs = logprobs_body(entries[index], gw.token_text, p.chat, len(p.echo))
+            text = "".join(parts[index])
+            choices.append(choice_body(index, text, finishes[index], p.chat, logprobs))
+        body_out = completion_body(p.request_id, body.model, choices, merged_usage(uses), p.chat)
+        return JSONResponse(body_out)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -379,41 +418,77 @@ def create_app(
     return app
 
 
+async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
+    """The items of every choice's stream as they come, tagged with the choice's index.
+    A stream ends after its item with a finish reason; closing this closes them all."""
+    if len(streams) == 1:  # the common case: no tasks
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                item = future.result()  # (a Rejected or BackendError ends the whole request)
+                yield index, item
+                if item[1] is None:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:  # stop the other choices (each aborts its backend request as it ends)
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
 async def _sse(
-    gw: Gateway, p: _Prepared, model: str, first: tuple, rest: AsyncIterator
+    gw: Gateway, p: _Prepared, model: str, first: tuple[int, _Delta], rest: AsyncIterator
 ) -> AsyncIterator[bytes]:
     """Server-sent events; errors after the first byte become an error event."""
 
     def event(obj: dict) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
-    opening = True
-    item = first
-    offset = 0  # of the next token's text (completions' text_offset)
+    opening = [True] * p.n
+    offsets = [0] * p.n  # of each choice's next token text (completions' text_offset)
+    uses: list[dict] = [{}] * p.n
+    running = p.n
+    item: tuple[int, _Delta] | None = first
     try:
-        while True:
-            text, finish, use, entries = item
-            if opening and p.echo:
-                text, offset = p.echo + text, len(p.echo)
-            if text or finish or (opening and p.chat) or p.continuous_usage or entries:
+        while item is not None:
+            index, (text, finish, use, entries) = item
+            if opening[index] and p.echo:
+                text, offsets[index] = p.echo + text, len(p.echo)
+            if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
                 logprobs = None
                 if p.logprobs is not None:
-                    logprobs = logprobs_body(entries, gw.token_text, p.chat, offset)
-                    offset += sum(len(t) for t in logprobs.get("tokens", ()))
-                chunk = chunk_body(p.request_id, model, text, finish, p.chat, opening, logprobs)
+                    logprobs = logprobs_body(entries, gw.token_text, p.chat, offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs.get("tokens", ()))
+                chunk = chunk_body(
+                    p.request_id, model, text, finish, p.chat, opening[index], logprobs, index
+                )
                 if p.continuous_usage:
                     chunk["usage"] = use
                 yield event(chunk)
-                opening = False
+                opening[index] = False
             if finish is not None:
-                if p.include_usage:
-                    body = chunk_body(p.request_id, model, None, None, p.chat)
-                    body["choices"] = []
-                    body["usage"] = use
-                    yield event(body)
-                break
-            item = await anext(rest)
-    except BackendError as exc:
+                uses[index] = use
+                running -= 1
+                if not running:
+                    if p.include_usage:
+                        body = chunk_body(p.request_id, model, None, None, p.chat)
+                        body["choices"] = []
+                        body["usage"] = merged_usage(uses)
+                        yield event(body)
+                    break
+            item = await anext(rest, None)
+    except (BackendError, Rejected) as exc:
         gw.metrics.errors.inc()
         yield event(error_body(f"request failed: {exc}", "ServiceUnavailable", 503))
     finally:

@@ -3,7 +3,7 @@
 Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``),
-``n=1``, log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
+``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``), log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty`` / ``frequency_penalty``, and vLLM's ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``top_k``. Known options this server does not implement
@@ -20,6 +20,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
+
+#: Most choices (``n``) one request may ask for; each is a request to the cluster.
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +46,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
@@ -185,33 +188,26 @@ def response_id(rid: str, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
 
 
+def choice_body(
+    index: int, text: str, finish: str | None, chat: bool, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One choice of a complete (non-streaming) response."""
+    if chat:
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
 def completion_body(
-    rid: str,
-    model: str,
-    text: str,
-    finish: str | None,
-    use: dict | None,
-    chat: bool,
-    logprobs: dict[str, Any] | None = None,
+    rid: str, model: str, choices: list[dict[str, Any]], use: dict | None, chat: bool
 ) -> dict[str, Any]:
     """A complete (non-streaming) response object."""
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
     return {
         "id": response_id(rid, chat),
-        "object": obj,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": use,
     }
 
@@ -224,26 +220,39 @@ def chunk_body(
     chat: bool,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streaming chunk; ``delta=None`` with ``finish=None`` makes a usage-only chunk."""
+    """One streaming chunk of choice ``index``; ``delta=None`` with ``finish=None`` makes
+    a usage-only chunk."""
     if chat:
         d: dict[str, Any] = {}
         if first:
             d["role"] = "assistant"
         if delta:
             d["content"] = delta
-        choices = [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]
+        choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choices = [{"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}]
+        choice = {
+            "index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish
+        }  # fmt: skip
         obj = "text_completion"
     return {
         "id": response_id(rid, chat),
         "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [choice],
     }
+
+
+def merged_usage(uses: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``usage`` of ``n`` choices of one prompt: the prompt counted once."""
+    first = uses[0]
+    completion = sum(u["completion_tokens"] for u in uses)
+    out = {**first, "completion_tokens": completion}
+    out["total_tokens"] = first["prompt_tokens"] + completion
+    return out
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:

@@ -162,7 +162,7 @@ def offline_logprobs(engine, prompt, params):
     return out
 
 
-def test_logprobs_and_penalties_equal_an_offline_engine(disagg):
+def test_logprobs_penalties_and_n_equal_an_offline_engine(disagg):
     # The first token's log-probability comes from the prefill worker, the rest from the
     # decode worker after the KV handoff: both must be the model's own.
     from halfmoon.core.request import SamplingParams
@@ -197,3 +197,12 @@ def test_logprobs_and_penalties_equal_an_offline_engine(disagg):
         extra_body={"ignore_eos": True, "repetition_penalty": 1.4},
     )  # fmt: skip
     assert out.choices[0].text == ref_text.text
+    # n = 2: two requests in the cluster, seeds 5 and 6, each as an offline engine samples it
+    out = _client(disagg).completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=5, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, choice in enumerate(sorted(out.choices, key=lambda c: c.index)):
+        seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i, ignore_eos=True)
+        assert choice.text == engine.generate([PROMPTS[0]], seeded)[0].text
+    assert out.usage.completion_tokens == 12

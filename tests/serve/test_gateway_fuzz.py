@@ -109,8 +109,9 @@ def test_no_5xx_on_any_bytes(client, raw):
     assert r.status_code < 500
 
 
-def test_rejection_is_429_with_retry_after(client):
-    r = client.post("/v1/completions", json={"model": "echo", "prompt": [7, 8, 9]})
+@pytest.mark.parametrize("n", [1, 3])
+def test_rejection_is_429_with_retry_after(client, n):
+    r = client.post("/v1/completions", json={"model": "echo", "prompt": [7, 8, 9], "n": n})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "2"
     assert "queue full" in r.json()["error"]["message"]

@@ -185,3 +185,33 @@ def test_penalties_reach_the_backend_and_are_bounded(served):
     for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
         response = client.post("/v1/completions", json={"model": "m", "prompt": "hi", **bad})
         assert response.status_code == 400 and next(iter(bad)) in response.text
+
+
+def test_n_choices_are_separate_requests_with_consecutive_seeds(served):
+    client, backend, tok = served
+    body = {"model": "m", "prompt": "hi", "n": 3, "seed": 40, "logprobs": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert sorted(p.seed for p in backend.params[-3:]) == [40, 41, 42]
+    assert all(c["text"] == tok.decode(list(OUTPUT)) for c in whole["choices"])
+    assert all(len(c["logprobs"]["tokens"]) == len(OUTPUT) for c in whole["choices"])
+    usage = whole["usage"]
+    assert usage["completion_tokens"] == 3 * len(OUTPUT)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 3 * len(OUTPUT)
+    events = _events(
+        client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                  "stream": True, "stream_options": {"include_usage": True}},
+        ).text
+    )  # fmt: skip
+    texts = {0: "", 1: ""}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == {0: tok.decode(list(OUTPUT)), 1: tok.decode(list(OUTPUT))}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    finished = [e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+    too_many = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 17})
+    assert too_many.status_code == 400
