@@ -378,34 +378,7 @@ def create_app(
             return StreamingResponse(
                 _sse(gw, p, body.model, first, stream), media_type="text/event-stream"
             )
-        parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
-        entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
-        finishes: list[str | None] = [None] * p.n
-        uses: list[dict] = [{}] * p.n
-        try:
-            item: tuple[int, _Delta] | None = first
-            while item is not None:
-                index, (text, finish, use, new) = item
-                parts[index].append(text)
-                entries[index] += new
-                if finish is not None:
-                    finishes[index], uses[index] = finish, use
-                item = await anext(stream, None)
-        except Rejected as exc:  # a later choice was turned away
-            gw.metrics.rejections.inc()
-            raise _HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
-        except BackendError as exc:
-            gw.metrics.errors.inc()
-            raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
-        choices = []
-        for index in range(p.n):
-            logprobs = None
-            if p.logprobs is not None:
-                logprobs = logprobs_body(entries[index], gw.token_text, p.chat, len(p.echo))
-            text = "".join(parts[index])
-            choices.append(choice_body(index, text, finishes[index], p.chat, logprobs))
-        body_out = completion_body(p.request_id, body.model, choices, merged_usage(uses), p.chat)
-        return JSONResponse(body_out)
+        return await _collect(gw, p, body.model, first, stream)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -416,6 +389,38 @@ def create_app(
         return await _serve(body)
 
     return app
+
+
+async def _collect(
+    gw: Gateway, p: _Prepared, model: str, first: tuple[int, _Delta], rest: AsyncIterator
+) -> JSONResponse:
+    """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
+    parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
+    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
+    finishes: list[str | None] = [None] * p.n
+    uses: list[dict] = [{}] * p.n
+    try:
+        item: tuple[int, _Delta] | None = first
+        while item is not None:
+            index, (text, finish, use, new) = item
+            parts[index].append(text)
+            entries[index] += new
+            if finish is not None:
+                finishes[index], uses[index] = finish, use
+            item = await anext(rest, None)
+    except Rejected as exc:  # a later choice was turned away
+        gw.metrics.rejections.inc()
+        raise _HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
+    except BackendError as exc:
+        gw.metrics.errors.inc()
+        raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+    choices = []
+    for index in range(p.n):
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = logprobs_body(entries[index], gw.token_text, p.chat, len(p.echo))
+        choices.append(choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs))
+    return JSONResponse(completion_body(p.request_id, model, choices, merged_usage(uses), p.chat))
 
 
 async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
