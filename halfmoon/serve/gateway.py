@@ -30,6 +30,8 @@ from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejec
 from halfmoon.serve.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     choice_body,
     chunk_body,
     completion_body,
@@ -83,6 +85,8 @@ class _Prepared:
     echo: str = ""
     #: Choices asked for; each is its own request to the backend (see :meth:`choices`).
     n: int = 1
+    #: Keep a stop string that ends the output in the text.
+    include_stop: bool = False
 
     def choices(self) -> list[_Prepared]:
         """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""
@@ -117,12 +121,7 @@ class Gateway:
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
         """Validate the model and lengths, tokenize, build sampling parameters."""
         cfg = self.config
-        if body.model != cfg.model_name:
-            raise _HTTPError(
-                404,
-                f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
-                "NotFoundError",
-            )
+        self.check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
             raise _HTTPError(
@@ -161,6 +160,9 @@ class Gateway:
                 min_tokens=body.min_tokens,
                 top_k=body.top_k,
                 logprobs=body.num_logprobs(),
+                stop_token_ids=tuple(
+                    self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
+                ),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
@@ -179,7 +181,7 @@ class Gateway:
             echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         return _Prepared(
             self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
-            continuous, params.logprobs, echo, body.n,
+            continuous, params.logprobs, echo, body.n, body.include_stop_str_in_output,
         )  # fmt: skip
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -188,12 +190,23 @@ class Gateway:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
+        return self.checked_token_ids(prompt, "prompt token ids")
+
+    def checked_token_ids(self, ids: Sequence[Any], what: str) -> list[int]:
+        """``ids`` if they are all token ids of this vocabulary, else a 400 naming ``what``."""
         vocab = self.tokenizer.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise _HTTPError(400, f"{what} must be integers in [0, {vocab})", "BadRequestError")
+        return list(ids)
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless ``model`` is None or the one this server serves."""
+        if model is not None and model != self.config.model_name:
             raise _HTTPError(
-                400, f"prompt token ids must be integers in [0, {vocab})", "BadRequestError"
+                404,
+                f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                "NotFoundError",
             )
-        return list(prompt)
 
     # -- generation --------------------------------------------------------------------------
     async def _chunks(self, p: _Prepared) -> AsyncIterator[GenerationChunk]:
@@ -238,7 +251,7 @@ class Gateway:
         """Yield (text delta, None, None, logprobs) as text arrives, then (tail, finish,
         usage, logprobs); ``logprobs`` are the entries of the tokens since the last yield."""
         arrival = time.monotonic()
-        out = OutputText(self.tokenizer, p.prompt_ids, p.stop)
+        out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop)
         entries: list[tuple[int, TokenLogprob]] = []
         times: list[float] = []
         finish: str | None = None
@@ -304,7 +317,8 @@ def create_app(
     async def _guard(request: Request, call_next: Any) -> Response:
         if request.url.path.startswith("/admin/") and not config.api_key:
             return _error(403, "admin endpoints need an API key (--api-key)", "PermissionDenied")
-        if config.api_key and request.url.path.startswith(("/v1/", "/admin/")):
+        guarded = ("/v1/", "/admin/", "/tokenize", "/detokenize")
+        if config.api_key and request.url.path.startswith(guarded):
             if request.headers.get("authorization") != f"Bearer {config.api_key}":
                 return _error(401, "invalid or missing API key", "AuthenticationError")
         length = request.headers.get("content-length")
@@ -383,6 +397,24 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         return await _serve(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        gw.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise _HTTPError(400, "give either prompt or messages", "BadRequestError")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = tokenizer.apply_chat_template(messages)
+        else:
+            tokens = tokenizer.encode(body.prompt or "")
+        return {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        gw.check_model(body.model)
+        ids = gw.checked_token_ids(body.tokens, "tokens")
+        return {"prompt": tokenizer.decode(ids)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:

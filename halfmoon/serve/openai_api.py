@@ -6,7 +6,8 @@ Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 ``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``), log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty`` / ``frequency_penalty``, and vLLM's ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, ``top_k``. Known options this server does not implement
+``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
+``include_stop_str_in_output``; vLLM's ``/tokenize`` and ``/detokenize``. Known options this server does not implement
 (``logit_bias``, ``best_of``, ``suffix``, tools, JSON response formats, prompt
 log-probabilities) are refused with a 400 naming them, never silently ignored; unknown
 fields are ignored, as OpenAI's own server does.
@@ -50,6 +51,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    include_stop_str_in_output: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
@@ -169,6 +172,33 @@ class ChatCompletionRequest(_Common):
     def output_limit(self, default: int) -> int:
         """The requested output length, or ``default``."""
         return self.max_completion_tokens or self.max_tokens or default
+
+
+class TokenizeRequest(BaseModel):
+    """Body of ``POST /tokenize`` (vLLM's): a prompt, or chat messages (with the chat
+    template applied, as ``/v1/chat/completions`` would)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if value is not None and not value:
+            raise ValueError("messages must not be empty")
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of ``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:

@@ -17,10 +17,17 @@ class OutputText:
     """Accumulates one request's output text and decides what may be sent."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
+        """``include_stop``: keep the stop string that ended the text (vLLM's
+        ``include_stop_str_in_output``)."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""
         self._sent = 0
@@ -46,7 +53,7 @@ class OutputText:
             for s in self._stop:
                 pos = self._text.find(s, start)
                 if pos >= 0:
-                    self._text = self._text[:pos]
+                    self._text = self._text[: pos + (len(s) if self._include_stop else 0)]
                     self.stopped = True
                     break
         limit = len(self._text) if self.stopped else max(self._sent, len(self._text) - self._hold)

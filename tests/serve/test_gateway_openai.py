@@ -215,3 +215,51 @@ def test_n_choices_are_separate_requests_with_consecutive_seeds(served):
     assert sorted(finished) == [0, 1]
     too_many = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 17})
     assert too_many.status_code == 400
+
+
+def test_stop_token_ids_and_including_the_stop_string(served):
+    client, backend, tok = served
+    assert (
+        client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hi", "stop_token_ids": [3, 9]}
+        ).status_code
+        == 200
+    )
+    assert backend.params[-1].stop_token_ids == (3, 9)
+    bad = client.post(
+        "/v1/completions", json={"model": "m", "prompt": "hi", "stop_token_ids": [-1]}
+    )
+    assert bad.status_code == 400 and "stop_token_ids must be integers" in bad.text
+    full = tok.decode(list(OUTPUT))
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = full.find(stop)
+    for include, expected in ((False, full[:cut]), (True, full[: cut + len(stop)])):
+        body = {"model": "m", "prompt": "hi", "stop": stop, "include_stop_str_in_output": include}
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
+
+
+def test_tokenize_and_detokenize(served):
+    client, _, tok = served
+    out = client.post("/tokenize", json={"model": "m", "prompt": "hello there"}).json()
+    assert out["tokens"] == tok.encode("hello there") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 256
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    back = client.post("/detokenize", json={"model": "m", "tokens": out["tokens"]}).json()
+    assert back["prompt"] == tok.decode(out["tokens"])
+    assert client.post("/tokenize", json={"model": "m"}).status_code == 400
+    assert client.post("/tokenize", json={"model": "x", "prompt": "a"}).status_code == 404
+    assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_tokenize_needs_the_api_key_when_the_server_has_one():
+    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
+    from halfmoon.serve.gateway import GatewayConfig, create_app
+
+    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+    app = create_app(LogprobBackend(), tok, GatewayConfig("m", max_model_len=256, api_key="k"))
+    with TestClient(app) as client:
+        assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
+        ok = client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200
