@@ -81,9 +81,21 @@ fields = {
     "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
-    "n": st.integers(-1, 3),
+    "n": st.integers(-1, 3) | json_values,
     "min_tokens": st.integers(-2, 100),
     "seed": st.integers(-(2**70), 2**70) | json_values,
+    "logprobs": st.integers(-1, 22) | st.booleans() | json_values,
+    "top_logprobs": st.integers(-1, 22) | json_values,
+    "echo": st.booleans() | json_values,
+    "presence_penalty": st.floats(-3, 3, allow_nan=False) | json_values,
+    "frequency_penalty": st.floats(-3, 3, allow_nan=False) | json_values,
+    "repetition_penalty": st.floats(-1, 3, allow_nan=False) | json_values,
+    "stop_token_ids": st.lists(st.integers(-5, 600), max_size=5) | json_values,
+    "include_stop_str_in_output": st.booleans() | json_values,
+    "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2) | json_values,
+    "best_of": st.integers(-1, 3) | json_values,
+    "tools": json_values,
+    "response_format": json_values,
 }
 bodies = st.fixed_dictionaries({}, optional=fields)
 
@@ -107,6 +119,28 @@ def test_no_5xx_on_any_body(client, body, chat):
 def test_no_5xx_on_any_bytes(client, raw):
     r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code < 500
+
+
+token_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["echo", "other"]) | json_values,
+        "prompt": st.text(max_size=30) | json_values,
+        "messages": fields["messages"],
+        "tokens": st.lists(st.integers(-5, 600), max_size=10) | json_values,
+    },
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=token_bodies, path=st.sampled_from(["/tokenize", "/detokenize"]))
+def test_no_5xx_from_tokenize_endpoints(client, body, path):
+    r = client.post(path, content=json.dumps(body))
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("n", [1, 3])
