@@ -111,9 +111,11 @@ def test_concurrent_requests_all_complete(disagg):
     assert all(p["integrity"] == "ok" for p in pongs)
 
 
-def test_client_disconnect_frees_kv(disagg):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_frees_kv(disagg, n):
+    # with n > 1 every choice is its own request in the cluster: all of them must end
     body = {"model": "tiny", "prompt": "disconnect me", "max_tokens": 400, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+            "ignore_eos": True, "temperature": 0, "n": n}  # fmt: skip
     with httpx.stream("POST", disagg.base_url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
