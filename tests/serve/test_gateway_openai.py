@@ -24,6 +24,7 @@ class LogprobBackend:
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
+        self.aborted: list[str] = []
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -46,7 +47,7 @@ class LogprobBackend:
             )
 
     async def abort(self, request_id: str) -> None:
-        pass
+        self.aborted.append(request_id)
 
     async def health(self) -> dict[str, Any]:
         return {"mode": "logprobs"}
@@ -231,12 +232,16 @@ def test_stop_token_ids_and_including_the_stop_string(served):
     )
     assert bad.status_code == 400 and "stop_token_ids must be integers" in bad.text
     full = tok.decode(list(OUTPUT))
-    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    first_chunk = tok.decode(list(OUTPUT[:2]))  # the backend sends two tokens a chunk
+    stop = first_chunk[-1]  # ends in the first chunk, so the request is cut upstream too
     cut = full.find(stop)
+    assert 0 < cut < len(first_chunk)
     for include, expected in ((False, full[:cut]), (True, full[: cut + len(stop)])):
         body = {"model": "m", "prompt": "hi", "stop": stop, "include_stop_str_in_output": include}
-        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        response = client.post("/v1/completions", json=body).json()
+        choice = response["choices"][0]
         assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
+        assert response["id"].removeprefix("cmpl-") in backend.aborted
 
 
 def test_tokenize_and_detokenize(served):
