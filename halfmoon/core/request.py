@@ -41,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    #: ``(token id, bias)`` pairs added to the logits before the choice (OpenAI's
+    #: ``logit_bias``; -100 bans a token, +100 all but forces it).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -63,6 +66,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(token < 0 for token, _ in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:

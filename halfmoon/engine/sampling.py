@@ -1,5 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, repetition penalties, with
-per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, repetition penalties, logit bias,
+with per-request seeds.
 
 Randomness never depends on the batch: the draw for a request's ``n``-th output token
 uses a generator seeded from ``(seed, n)``. A request therefore samples the same tokens
@@ -41,6 +41,7 @@ class SamplingRow:
     #: Prompt + output so far (only when a penalty applies); the output is its tail of
     #: ``num_output_tokens``.
     token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def row_for(
@@ -64,6 +65,7 @@ def row_for(
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         token_ids=tuple(token_ids) if params.has_penalties else (),
+        logit_bias=params.logit_bias,
     )
 
 
@@ -104,6 +106,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         if row.token_ids:
             _apply_penalties(logits[i], row)
+        if row.logit_bias:
+            ids, biases = zip(*row.logit_bias, strict=True)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     tokens = torch.argmax(logits, dim=-1).tolist()

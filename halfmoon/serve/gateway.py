@@ -163,6 +163,7 @@ class Gateway:
                 stop_token_ids=tuple(
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
                 ),
+                logit_bias=self._logit_bias(body.logit_bias_pairs()),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
@@ -198,6 +199,18 @@ class Gateway:
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise _HTTPError(400, f"{what} must be integers in [0, {vocab})", "BadRequestError")
         return list(ids)
+
+    def _logit_bias(self, pairs: list[tuple[str, float]]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``{"token id": bias}`` as checked ``(id, bias)`` pairs, or a 400."""
+        ids = []
+        for key, _ in pairs:
+            if not key.strip().isdigit():
+                raise _HTTPError(
+                    400, f"logit_bias key {key!r} is not a token id", "BadRequestError"
+                )
+            ids.append(int(key))
+        self.checked_token_ids(ids, "logit_bias keys")
+        return tuple((token, float(bias)) for token, (_, bias) in zip(ids, pairs, strict=True))
 
     def check_model(self, model: str | None) -> None:
         """A 404 unless ``model`` is None or the one this server serves."""

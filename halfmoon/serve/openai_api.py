@@ -3,14 +3,15 @@
 Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``),
-``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``), log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
+``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``),
+log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
-``presence_penalty`` / ``frequency_penalty``, and vLLM's ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
-``include_stop_str_in_output``; vLLM's ``/tokenize`` and ``/detokenize``. Known options this server does not implement
-(``logit_bias``, ``best_of``, ``suffix``, tools, JSON response formats, prompt
-log-probabilities) are refused with a 400 naming them, never silently ignored; unknown
-fields are ignored, as OpenAI's own server does.
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
+``include_stop_str_in_output``; vLLM's ``/tokenize`` and ``/detokenize``. Known options
+this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
+prompt log-probabilities) are refused with a 400 naming them, never silently ignored;
+unknown fields are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
@@ -56,16 +57,17 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
     # Known options that are not implemented: refused unless left at their defaults.
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this server cannot do (empty: all fine)."""
-        out = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
-        if self.logit_bias:
-            out.append("logit_bias")
-        return out
+        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+
+    def logit_bias_pairs(self) -> list[tuple[str, float]]:
+        """``logit_bias`` as (key, bias) pairs; keys are checked as token ids later."""
+        return list((self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod

@@ -16,6 +16,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     out["stop_token_ids"] = list(params.stop_token_ids)
     if params.logprobs is not None:
         out["logprobs"] = params.logprobs
+    if params.logit_bias:
+        out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
     if params.has_penalties:
         out["penalties"] = [
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty
@@ -37,6 +39,7 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         top_k=int(data.get("top_k", 0)),
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         logprobs=None if data.get("logprobs") is None else int(data["logprobs"]),
+        logit_bias=tuple((int(t), float(b)) for t, b in data.get("logit_bias", ())),
         **dict(
             zip(
                 ("presence_penalty", "frequency_penalty", "repetition_penalty"),

@@ -68,6 +68,10 @@ def test_logprobs_option_is_bounded_and_survives_the_wire():
     penalised = SamplingParams(presence_penalty=-0.5, frequency_penalty=2, repetition_penalty=1.2)
     assert penalised.has_penalties and not SamplingParams().has_penalties
     assert params_from_wire(params_to_wire(penalised)) == penalised
+    biased = SamplingParams(logit_bias=((5, 100.0), (9, -2.5)))
+    assert params_from_wire(params_to_wire(biased)) == biased
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias=((5, 100.5),))
     for bad in ({"presence_penalty": 2.1}, {"frequency_penalty": -2.5}, {"repetition_penalty": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

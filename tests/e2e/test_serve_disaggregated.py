@@ -199,6 +199,16 @@ def test_logprobs_penalties_and_n_equal_an_offline_engine(disagg):
         extra_body={"ignore_eos": True, "repetition_penalty": 1.4},
     )  # fmt: skip
     assert out.choices[0].text == ref_text.text
+    # logit_bias: both workers force the biased token
+    biased = _client(disagg).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0, logit_bias={"300": 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    forced = SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True, logit_bias=((300, 100.0),)
+    )
+    assert biased.choices[0].text == engine.generate([PROMPTS[1]], forced)[0].text
+    assert list(engine.generate([PROMPTS[1]], forced)[0].token_ids) == [300] * 4
     # n = 2: two requests in the cluster, seeds 5 and 6, each as an offline engine samples it
     out = _client(disagg).completions.create(
         model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=5, n=2,

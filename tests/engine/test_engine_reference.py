@@ -201,3 +201,20 @@ def test_penalties_match_a_manual_greedy_loop(llama_ref: Reference, prompts) -> 
     plain = list(engine.generate([tokens], SamplingParams(max_tokens=8, temperature=0,
                                                           ignore_eos=True))[0].token_ids)  # fmt: skip
     assert plain != ours  # the penalties changed the choice somewhere
+
+
+def test_logit_bias_forces_and_bans_tokens(llama_ref: Reference, prompts) -> None:
+    (tokens,) = prompts(13, [20], llama_ref.vocab_size)
+    engine = LLMEngine(engine_config(llama_ref.path))
+
+    def greedy(bias=()):
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias=bias)
+        return list(engine.generate([tokens], params)[0].token_ids)
+
+    plain = greedy()
+    assert greedy(((7, 100.0),)) == [7, 7, 7, 7]
+    banned = greedy(((plain[0], -100.0),))
+    assert banned[0] != plain[0] and plain[0] not in banned
+    expected = torch.log_softmax(hf_logits(llama_ref, tokens)[-1], dim=-1)
+    expected[plain[0]] = float("-inf")
+    assert banned[0] == int(torch.argmax(expected))

@@ -142,7 +142,6 @@ def test_echo_puts_the_prompt_before_the_output(served):
 @pytest.mark.parametrize(
     ("path", "extra", "named"),
     [
-        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
@@ -268,3 +267,14 @@ def test_tokenize_needs_the_api_key_when_the_server_has_one():
         assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
         ok = client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_logit_bias_reaches_the_backend_as_token_ids(served):
+    client, backend, _ = served
+    body = {"model": "m", "prompt": "hi", "logit_bias": {"7": 100, "12": -100}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.params[-1].logit_bias == ((7, 100.0), (12, -100.0))
+    for bad, says in (({"x": 1}, "not a token id"), ({"100000": 1}, "logit_bias keys"),
+                      ({"7": 101}, "[-100, 100]")):  # fmt: skip
+        response = client.post("/v1/completions", json={**body, "logit_bias": bad})
+        assert response.status_code == 400 and says in response.text
