@@ -42,3 +42,30 @@ def spawn():
 @pytest.fixture
 def port():
     return free_port()
+
+
+class GatewayFactory:
+    """Gateway apps over test backends, with the preset byte-level tokenizer (no files)
+    and, unless given, a 256-token context."""
+
+    def __init__(self) -> None:
+        from halfmoon.engine.tokenizer import (
+            Tokenizer,
+            build_preset_tokenizer,
+            preset_tokenizer_config,
+        )
+
+        self.tokenizer = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+
+    def app(self, backend, model: str = "echo", **config):
+        """``create_app(backend, ...)`` serving ``model`` with ``GatewayConfig(**config)``."""
+        from halfmoon.serve.gateway import GatewayConfig, create_app
+
+        config.setdefault("max_model_len", 256)
+        return create_app(backend, self.tokenizer, GatewayConfig(model, **config))
+
+
+@pytest.fixture(scope="session")
+def gateways() -> GatewayFactory:
+    """Builds in-process gateway apps (see :class:`GatewayFactory`)."""
+    return GatewayFactory()

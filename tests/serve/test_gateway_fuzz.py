@@ -44,14 +44,8 @@ class EchoBackend:
 
 
 @pytest.fixture(scope="module")
-def client():
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
-    app = create_app(
-        EchoBackend(), tok, GatewayConfig("echo", max_model_len=256, max_tokens_limit=64)
-    )
+def client(gateways):
+    app = gateways.app(EchoBackend(), max_tokens_limit=64)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 
@@ -151,13 +145,9 @@ def test_rejection_is_429_with_retry_after(client, n):
     assert "queue full" in r.json()["error"]["message"]
 
 
-def test_api_key_and_body_limit():
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
-    config = GatewayConfig("echo", 256, api_key="sekrit", max_body_bytes=1000)
-    with TestClient(create_app(EchoBackend(), tok, config)) as c:
+def test_api_key_and_body_limit(gateways):
+    app = gateways.app(EchoBackend(), api_key="sekrit", max_body_bytes=1000)
+    with TestClient(app) as c:
         body = {"model": "echo", "prompt": "hi", "max_tokens": 2}
         assert c.post("/v1/completions", json=body).status_code == 401
         ok = c.post("/v1/completions", json=body, headers={"authorization": "Bearer sekrit"})
@@ -168,20 +158,15 @@ def test_api_key_and_body_limit():
         assert c.get("/health").status_code == 200  # health needs no key
 
 
-def test_overload_turns_into_429_not_a_queue():
+def test_overload_turns_into_429_not_a_queue(gateways):
     import asyncio
-
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
 
     class SlowBackend(EchoBackend):
         async def generate(self, request_id, prompt_token_ids, params):
             await asyncio.sleep(0.5)
             yield GenerationChunk((5,), "length", 0)
 
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
-    config = GatewayConfig("echo", 256, max_concurrent_requests=2)
-    app = create_app(SlowBackend(), tok, config)
+    app = gateways.app(SlowBackend(), max_concurrent_requests=2)
 
     async def run():
         import httpx
@@ -196,10 +181,7 @@ def test_overload_turns_into_429_not_a_queue():
     assert set(codes) <= {200, 429}
 
 
-def test_response_ids_are_openai_shaped_and_unique_per_gateway(client):
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-
+def test_response_ids_are_openai_shaped_and_unique_per_gateway(client, gateways):
     completion = client.post("/v1/completions", json={"model": "echo", "prompt": "ab"}).json()
     chat = client.post(
         "/v1/chat/completions",
@@ -208,9 +190,7 @@ def test_response_ids_are_openai_shaped_and_unique_per_gateway(client):
     assert completion["id"].startswith("cmpl-") and chat["id"].startswith("chatcmpl-")
     assert completion["id"].removeprefix("cmpl-") != chat["id"].removeprefix("chatcmpl-")
     # A second gateway (a restart, or another replica) never repeats the first one's ids.
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
-    other = create_app(EchoBackend(), tok, GatewayConfig("echo", max_model_len=256))
-    with TestClient(other) as c:
+    with TestClient(gateways.app(EchoBackend())) as c:
         again = c.post("/v1/completions", json={"model": "echo", "prompt": "ab"}).json()
     assert again["id"] != completion["id"]
     stream = client.post(

@@ -54,15 +54,10 @@ class LogprobBackend:
 
 
 @pytest.fixture(scope="module")
-def served():
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
+def served(gateways):
     backend = LogprobBackend()
-    app = create_app(backend, tok, GatewayConfig("m", max_model_len=256, max_tokens_limit=64))
-    with TestClient(app) as client:
-        yield client, backend, tok
+    with TestClient(gateways.app(backend, "m", max_tokens_limit=64)) as client:
+        yield client, backend, gateways.tokenizer
 
 
 def _events(text: str) -> list[dict]:
@@ -257,13 +252,8 @@ def test_tokenize_and_detokenize(served):
     assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
 
 
-def test_tokenize_needs_the_api_key_when_the_server_has_one():
-    from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-
-    tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
-    app = create_app(LogprobBackend(), tok, GatewayConfig("m", max_model_len=256, api_key="k"))
-    with TestClient(app) as client:
+def test_tokenize_needs_the_api_key_when_the_server_has_one(gateways):
+    with TestClient(gateways.app(LogprobBackend(), "m", api_key="k")) as client:
         assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
         ok = client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
