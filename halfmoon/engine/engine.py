@@ -23,7 +23,7 @@ from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.prepack import prepack_linears
 from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
-from halfmoon.engine.sampling import row_for, sample, token_logprobs
+from halfmoon.engine.sampling import row_for, sample_with_logprobs
 from halfmoon.engine.scheduler import Scheduler, Sequence, Status
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -256,9 +256,7 @@ class LLMEngine:
         if sampling:
             batch = torch.cat([lg for _, lg in sampling])
             num_top = [c.seq.params.logprobs for c, _ in sampling]
-            raw = batch.clone() if any(k is not None for k in num_top) else batch
-            tokens = sample(batch, rows)  # (may mask banned tokens in place)
-            logprobs = token_logprobs(raw, tokens, num_top)
+            tokens, logprobs = sample_with_logprobs(batch, rows, num_top)
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)

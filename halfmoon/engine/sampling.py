@@ -144,3 +144,13 @@ def token_logprobs(
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         out[i] = TokenLogprob(float(row[tokens[i]]), top)
     return out
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], num_top: list[int | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """:func:`sample`, plus :func:`token_logprobs` of the logits as the model gave them
+    (``sample`` may penalise or mask them in place, so those rows are kept first)."""
+    raw = logits.clone() if any(k is not None for k in num_top) else logits
+    tokens = sample(logits, rows)
+    return tokens, token_logprobs(raw, tokens, num_top)

@@ -31,7 +31,7 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import hash_blocks
-from halfmoon.engine.sampling import row_for, sample, token_logprobs
+from halfmoon.engine.sampling import row_for, sample_with_logprobs
 from halfmoon.engine.stage import LayerSlice, StageExecutor
 from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
 from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks, tensor_bytes
@@ -339,9 +339,8 @@ class PipelineStage:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         job.seed = seed
         stop_ids = tuple(sorted(self._stop_ids(params)))
-        raw = logits.clone() if params.logprobs is not None else logits
-        token = sample(logits, [row_for(params, seed, 0, stop_ids, job.tokens)])[0]
-        (entry,) = token_logprobs(raw, [token], [params.logprobs])
+        row = row_for(params, seed, 0, stop_ids, job.tokens)
+        (token,), (entry,) = sample_with_logprobs(logits, [row], [params.logprobs])
         job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
         return token
 

@@ -163,7 +163,7 @@ class Gateway:
                 stop_token_ids=tuple(
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
                 ),
-                logit_bias=self._logit_bias(body.logit_bias_pairs()),
+                logit_bias=self._logit_bias(list((body.logit_bias or {}).items())),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,

@@ -65,10 +65,6 @@ class _Common(BaseModel):
         """The options set to something this server cannot do (empty: all fine)."""
         return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
 
-    def logit_bias_pairs(self) -> list[tuple[str, float]]:
-        """``logit_bias`` as (key, bias) pairs; keys are checked as token ids later."""
-        return list((self.logit_bias or {}).items())
-
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:

@@ -27,7 +27,7 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 def params_from_wire(data: dict[str, Any]) -> SamplingParams:
     """The engine's sampling parameters from :func:`params_to_wire`'s map."""
-
+    presence, frequency, repetition = data.get("penalties", (0.0, 0.0, 1.0))
     seed = data.get("seed")
     return SamplingParams(
         max_tokens=int(data["max_tokens"]),
@@ -40,13 +40,9 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         logprobs=None if data.get("logprobs") is None else int(data["logprobs"]),
         logit_bias=tuple((int(t), float(b)) for t, b in data.get("logit_bias", ())),
-        **dict(
-            zip(
-                ("presence_penalty", "frequency_penalty", "repetition_penalty"),
-                (float(x) for x in data.get("penalties", (0.0, 0.0, 1.0))),
-                strict=True,
-            )
-        ),
+        presence_penalty=float(presence),
+        frequency_penalty=float(frequency),
+        repetition_penalty=float(repetition),
     )
 
 

@@ -63,7 +63,6 @@ class PeerClient:
         num_connections = default_num_connections() if num_connections is None else num_connections
         self._links = LinkPool(endpoint, secret, transport, num_connections, hub, busy_poll_s)
         self.endpoint = self._links.endpoint
-        self.requested_transport = transport
         self.timeout_s = timeout_s
         self._hub = hub
         self._owns_segments = segments is None
