@@ -5,18 +5,16 @@ prefill and decode happen behind it. Routes: ``/v1/completions``,
 ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``, ``/health``, ``/metrics``;
 extra routers under ``/admin/`` (e.g. scaling, :mod:`halfmoon.deploy.admin`) need the API key.
 A client that disconnects mid-stream aborts its request, which frees its KV blocks.
+Assembling the answer from the backend's streams is :mod:`halfmoon.serve.responses`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -32,15 +30,18 @@ from halfmoon.serve.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    choice_body,
-    chunk_body,
-    completion_body,
     error_body,
-    logprobs_body,
-    merged_usage,
     usage,
 )
 from halfmoon.serve.prom import GatewayMetrics
+from halfmoon.serve.responses import (
+    Delta,
+    HTTPError,
+    Prepared,
+    collect,
+    merge_choices,
+    sse,
+)
 from halfmoon.serve.text import OutputText
 
 
@@ -58,52 +59,6 @@ class GatewayConfig:
     max_concurrent_requests: int = 512
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers
-
-
-#: What :meth:`Gateway.run` yields: text delta, finish reason, usage, and the
-#: ``(token id, TokenLogprob)`` entries of the tokens since the previous item.
-_Delta = tuple[str, str | None, dict | None, list[tuple[int, TokenLogprob]]]
-
-
-@dataclass
-class _Prepared:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    include_usage: bool
-    chat: bool
-    #: Usage on every chunk, and a chunk for every token batch even without text.
-    continuous_usage: bool = False
-    #: Log-probabilities asked for (top alternatives per token), or None.
-    logprobs: int | None = None
-    #: The prompt's text, sent before the output (completions' ``echo``).
-    echo: str = ""
-    #: Choices asked for; each is its own request to the backend (see :meth:`choices`).
-    n: int = 1
-    #: Keep a stop string that ends the output in the text.
-    include_stop: bool = False
-
-    def choices(self) -> list[_Prepared]:
-        """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""
-        if self.n == 1:
-            return [self]
-        seed = self.params.seed
-        return [
-            replace(
-                self,
-                request_id=f"{self.request_id}.{i}",
-                params=replace(self.params, seed=None if seed is None else seed + i),
-                n=1,
-            )
-            for i in range(self.n)
-        ]
-
-
 class Gateway:
     """Turns HTTP requests into backend generations (one instance per app)."""
 
@@ -118,13 +73,13 @@ class Gateway:
         self.in_flight = 0
 
     # -- request preparation ---------------------------------------------------------------
-    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> _Prepared:
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
         """Validate the model and lengths, tokenize, build sampling parameters."""
         cfg = self.config
         self.check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
-            raise _HTTPError(
+            raise HTTPError(
                 400, f"not supported by this server: {', '.join(unsupported)}", "BadRequestError"
             )
         chat = isinstance(body, ChatCompletionRequest)
@@ -136,21 +91,35 @@ class Gateway:
             prompt_ids = self._completion_prompt(body)
             max_tokens = body.max_tokens
         if max_tokens > cfg.max_tokens_limit:
-            raise _HTTPError(
+            raise HTTPError(
                 400,
                 f"max_tokens {max_tokens} exceeds this server's limit of {cfg.max_tokens_limit}",
                 "BadRequestError",
             )
         if len(prompt_ids) + max_tokens > cfg.max_model_len:
-            raise _HTTPError(
+            raise HTTPError(
                 400,
                 f"this model's maximum context length is {cfg.max_model_len} tokens; the "
                 f"request has {len(prompt_ids)} prompt tokens and asks for {max_tokens} "
                 "output tokens",
                 "BadRequestError",
             )
+        params = self._sampling_params(body, max_tokens)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(
+            body.stream and include_usage and body.stream_options.continuous_usage_stats
+        )
+        return Prepared(
+            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
+            continuous, self._echo_text(body, prompt_ids), body.n, body.include_stop_str_in_output,
+        )  # fmt: skip
+
+    def _sampling_params(
+        self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+    ) -> SamplingParams:
+        """The request's sampling options, checked (a 400 names what is wrong)."""
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -169,21 +138,18 @@ class Gateway:
                 repetition_penalty=body.repetition_penalty,
             )
         except ValueError as exc:
-            raise _HTTPError(400, str(exc), "BadRequestError") from None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(
-            body.stream and include_usage and body.stream_options.continuous_usage_stats
-        )
-        echo = ""
-        if isinstance(body, CompletionRequest) and body.echo:
-            prompt = body.prompt
-            if isinstance(prompt, list) and isinstance(prompt[0], str):
-                prompt = prompt[0]  # (one prompt in a list)
-            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-        return _Prepared(
-            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
-            continuous, params.logprobs, echo, body.n, body.include_stop_str_in_output,
-        )  # fmt: skip
+            raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def _echo_text(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
+    ) -> str:
+        """The prompt text a completion with ``echo`` sends first ("" otherwise)."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return ""
+        prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            prompt = prompt[0]  # (one prompt in a list)
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -197,7 +163,7 @@ class Gateway:
         """``ids`` if they are all token ids of this vocabulary, else a 400 naming ``what``."""
         vocab = self.tokenizer.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise _HTTPError(400, f"{what} must be integers in [0, {vocab})", "BadRequestError")
+            raise HTTPError(400, f"{what} must be integers in [0, {vocab})", "BadRequestError")
         return list(ids)
 
     def _logit_bias(self, pairs: list[tuple[str, float]]) -> tuple[tuple[int, float], ...]:
@@ -205,9 +171,7 @@ class Gateway:
         ids = []
         for key, _ in pairs:
             if not key.strip().isdigit():
-                raise _HTTPError(
-                    400, f"logit_bias key {key!r} is not a token id", "BadRequestError"
-                )
+                raise HTTPError(400, f"logit_bias key {key!r} is not a token id", "BadRequestError")
             ids.append(int(key))
         self.checked_token_ids(ids, "logit_bias keys")
         return tuple((token, float(bias)) for token, (_, bias) in zip(ids, pairs, strict=True))
@@ -215,14 +179,14 @@ class Gateway:
     def check_model(self, model: str | None) -> None:
         """A 404 unless ``model`` is None or the one this server serves."""
         if model is not None and model != self.config.model_name:
-            raise _HTTPError(
+            raise HTTPError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                 "NotFoundError",
             )
 
     # -- generation --------------------------------------------------------------------------
-    async def _chunks(self, p: _Prepared) -> AsyncIterator[GenerationChunk]:
+    async def _chunks(self, p: Prepared) -> AsyncIterator[GenerationChunk]:
         self.metrics.running.inc()
         self.in_flight += 1
         try:
@@ -234,7 +198,7 @@ class Gateway:
 
     def _observe_end(
         self,
-        p: _Prepared,
+        p: Prepared,
         arrival: float,
         times: list[float],
         out: OutputText,
@@ -260,7 +224,7 @@ class Gateway:
         """One token's text (for log-probabilities)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def run(self, p: _Prepared) -> AsyncIterator[_Delta]:
+    async def run(self, p: Prepared) -> AsyncIterator[Delta]:
         """Yield (text delta, None, None, logprobs) as text arrives, then (tail, finish,
         usage, logprobs); ``logprobs`` are the entries of the tokens since the last yield."""
         arrival = time.monotonic()
@@ -349,8 +313,8 @@ def create_app(
             parts.append(f"{loc or 'body'}: {err.get('msg')}")
         return _error(400, "; ".join(parts) or "invalid request", "BadRequestError")
 
-    @app.exception_handler(_HTTPError)
-    async def _http_error(_: Request, exc: _HTTPError) -> JSONResponse:
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.kind, exc.headers)
 
     @app.get("/health")
@@ -358,7 +322,7 @@ def create_app(
         try:
             return {"status": "ok", **(await backend.health())}
         except Exception as exc:  # any failure means "not healthy"; say why
-            raise _HTTPError(503, f"not ready: {exc}", "ServiceUnavailable") from None
+            raise HTTPError(503, f"not ready: {exc}", "ServiceUnavailable") from None
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -382,30 +346,31 @@ def create_app(
     async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
         if gw.in_flight + body.n > config.max_concurrent_requests:
             gw.metrics.rejections.inc()
-            raise _HTTPError(
+            raise HTTPError(
                 429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
                 {"Retry-After": "1"},
             )  # fmt: skip
         p = gw.prepare(body)
-        stream = _merge([gw.run(choice) for choice in p.choices()])
+        stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
         except Rejected as exc:
             await stream.aclose()
             gw.metrics.rejections.inc()
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-            raise _HTTPError(
+            raise HTTPError(
                 429, f"request rejected: {exc.reason}", "RateLimitError", headers
             ) from None
         except BackendError as exc:
             await stream.aclose()
             gw.metrics.errors.inc()
-            raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+            raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
         if body.stream:
             return StreamingResponse(
-                _sse(gw, p, body.model, first, stream), media_type="text/event-stream"
+                sse(p, body.model, first, stream, gw.metrics, gw.token_text),
+                media_type="text/event-stream",
             )
-        return await _collect(gw, p, body.model, first, stream)
+        return await collect(p, body.model, first, stream, gw.metrics, gw.token_text)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -415,7 +380,7 @@ def create_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         gw.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise _HTTPError(400, "give either prompt or messages", "BadRequestError")
+            raise HTTPError(400, "give either prompt or messages", "BadRequestError")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             tokens = tokenizer.apply_chat_template(messages)
@@ -434,113 +399,3 @@ def create_app(
         return await _serve(body)
 
     return app
-
-
-async def _collect(
-    gw: Gateway, p: _Prepared, model: str, first: tuple[int, _Delta], rest: AsyncIterator
-) -> JSONResponse:
-    """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
-    parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
-    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
-    finishes: list[str | None] = [None] * p.n
-    uses: list[dict] = [{}] * p.n
-    try:
-        item: tuple[int, _Delta] | None = first
-        while item is not None:
-            index, (text, finish, use, new) = item
-            parts[index].append(text)
-            entries[index] += new
-            if finish is not None:
-                finishes[index], uses[index] = finish, use
-            item = await anext(rest, None)
-    except Rejected as exc:  # a later choice was turned away
-        gw.metrics.rejections.inc()
-        raise _HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
-    except BackendError as exc:
-        gw.metrics.errors.inc()
-        raise _HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
-    choices = []
-    for index in range(p.n):
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = logprobs_body(entries[index], gw.token_text, p.chat, len(p.echo))
-        choices.append(choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs))
-    return JSONResponse(completion_body(p.request_id, model, choices, merged_usage(uses), p.chat))
-
-
-async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
-    """The items of every choice's stream as they come, tagged with the choice's index.
-    A stream ends after its item with a finish reason; closing this closes them all."""
-    if len(streams) == 1:  # the common case: no tasks
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await streams[0].aclose()
-        return
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                index = pending.pop(future)
-                item = future.result()  # (a Rejected or BackendError ends the whole request)
-                yield index, item
-                if item[1] is None:
-                    pending[asyncio.ensure_future(anext(streams[index]))] = index
-    finally:  # stop the other choices (each aborts its backend request as it ends)
-        for future in pending:
-            future.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for stream in streams:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-
-
-async def _sse(
-    gw: Gateway, p: _Prepared, model: str, first: tuple[int, _Delta], rest: AsyncIterator
-) -> AsyncIterator[bytes]:
-    """Server-sent events; errors after the first byte become an error event."""
-
-    def event(obj: dict) -> bytes:
-        return f"data: {json.dumps(obj)}\n\n".encode()
-
-    opening = [True] * p.n
-    offsets = [0] * p.n  # of each choice's next token text (completions' text_offset)
-    uses: list[dict] = [{}] * p.n
-    running = p.n
-    item: tuple[int, _Delta] | None = first
-    try:
-        while item is not None:
-            index, (text, finish, use, entries) = item
-            if opening[index] and p.echo:
-                text, offsets[index] = p.echo + text, len(p.echo)
-            if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
-                logprobs = None
-                if p.logprobs is not None:
-                    logprobs = logprobs_body(entries, gw.token_text, p.chat, offsets[index])
-                    offsets[index] += sum(len(t) for t in logprobs.get("tokens", ()))
-                chunk = chunk_body(
-                    p.request_id, model, text, finish, p.chat, opening[index], logprobs, index
-                )
-                if p.continuous_usage:
-                    chunk["usage"] = use
-                yield event(chunk)
-                opening[index] = False
-            if finish is not None:
-                uses[index] = use
-                running -= 1
-                if not running:
-                    if p.include_usage:
-                        body = chunk_body(p.request_id, model, None, None, p.chat)
-                        body["choices"] = []
-                        body["usage"] = merged_usage(uses)
-                        yield event(body)
-                    break
-            item = await anext(rest, None)
-    except (BackendError, Rejected) as exc:
-        gw.metrics.errors.inc()
-        yield event(error_body(f"request failed: {exc}", "ServiceUnavailable", 503))
-    finally:
-        await rest.aclose()
-    yield b"data: [DONE]\n\n"

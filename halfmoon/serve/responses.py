@@ -1,0 +1,198 @@
+"""From a prepared request to its OpenAI response: one backend stream per choice, merged
+as they come, then assembled whole or sent as server-sent events.
+
+:class:`Prepared` is a validated request (the gateway's :meth:`prepare`); each choice is
+a request of its own to the backend (:meth:`Prepared.choices`), whose stream of
+:data:`Delta` items (the gateway's ``run``) :func:`merge_choices` tags with the choice's
+index; :func:`collect` builds the whole response and :func:`sse` the event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi.responses import JSONResponse
+
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.serve.backend import BackendError, Rejected
+from halfmoon.serve.openai_api import (
+    choice_body,
+    chunk_body,
+    completion_body,
+    error_body,
+    logprobs_body,
+    merged_usage,
+)
+from halfmoon.serve.prom import GatewayMetrics
+
+
+class HTTPError(Exception):
+    """An error answered as an OpenAI error body with this status (and headers)."""
+
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+#: What :meth:`Gateway.run` yields: text delta, finish reason, usage, and the
+#: ``(token id, TokenLogprob)`` entries of the tokens since the previous item.
+Delta = tuple[str, str | None, dict | None, list[tuple[int, TokenLogprob]]]
+
+
+@dataclass
+class Prepared:
+    """A validated request: token ids, sampling parameters and how to answer."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    include_usage: bool
+    chat: bool
+    #: Usage on every chunk, and a chunk for every token batch even without text.
+    continuous_usage: bool = False
+    #: The prompt's text, sent before the output (completions' ``echo``).
+    echo: str = ""
+    #: Choices asked for; each is its own request to the backend (see :meth:`choices`).
+    n: int = 1
+    #: Keep a stop string that ends the output in the text.
+    include_stop: bool = False
+
+    def choices(self) -> list[Prepared]:
+        """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""
+        if self.n == 1:
+            return [self]
+        seed = self.params.seed
+        return [
+            replace(
+                self,
+                request_id=f"{self.request_id}.{i}",
+                params=replace(self.params, seed=None if seed is None else seed + i),
+                n=1,
+            )
+            for i in range(self.n)
+        ]
+
+
+async def collect(
+    p: Prepared,
+    model: str,
+    first: tuple[int, Delta],
+    rest: AsyncIterator,
+    metrics: GatewayMetrics,
+    token_text: Callable[[int], str],
+) -> JSONResponse:
+    """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
+    parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
+    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
+    finishes: list[str | None] = [None] * p.n
+    uses: list[dict] = [{}] * p.n
+    try:
+        item: tuple[int, Delta] | None = first
+        while item is not None:
+            index, (text, finish, use, new) = item
+            parts[index].append(text)
+            entries[index] += new
+            if finish is not None:
+                finishes[index], uses[index] = finish, use
+            item = await anext(rest, None)
+    except Rejected as exc:  # a later choice was turned away
+        metrics.rejections.inc()
+        raise HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
+    except BackendError as exc:
+        metrics.errors.inc()
+        raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+    choices = []
+    for index in range(p.n):
+        logprobs = None
+        if p.params.logprobs is not None:
+            logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo))
+        choices.append(choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs))
+    return JSONResponse(completion_body(p.request_id, model, choices, merged_usage(uses), p.chat))
+
+
+async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The items of every choice's stream as they come, tagged with the choice's index.
+    A stream ends after its item with a finish reason; closing this closes them all."""
+    if len(streams) == 1:  # the common case: no tasks
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                item = future.result()  # (a Rejected or BackendError ends the whole request)
+                yield index, item
+                if item[1] is None:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:  # stop the other choices (each aborts its backend request as it ends)
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
+async def sse(
+    p: Prepared,
+    model: str,
+    first: tuple[int, Delta],
+    rest: AsyncIterator,
+    metrics: GatewayMetrics,
+    token_text: Callable[[int], str],
+) -> AsyncIterator[bytes]:
+    """Server-sent events; errors after the first byte become an error event."""
+
+    def event(obj: dict) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    opening = [True] * p.n
+    offsets = [0] * p.n  # of each choice's next token text (completions' text_offset)
+    uses: list[dict] = [{}] * p.n
+    running = p.n
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            index, (text, finish, use, entries) = item
+            if opening[index] and p.echo:
+                text, offsets[index] = p.echo + text, len(p.echo)
+            if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
+                logprobs = None
+                if p.params.logprobs is not None:
+                    logprobs = logprobs_body(entries, token_text, p.chat, offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs.get("tokens", ()))
+                chunk = chunk_body(
+                    p.request_id, model, text, finish, p.chat, opening[index], logprobs, index
+                )
+                if p.continuous_usage:
+                    chunk["usage"] = use
+                yield event(chunk)
+                opening[index] = False
+            if finish is not None:
+                uses[index] = use
+                running -= 1
+                if not running:
+                    if p.include_usage:
+                        body = chunk_body(p.request_id, model, None, None, p.chat)
+                        body["choices"] = []
+                        body["usage"] = merged_usage(uses)
+                        yield event(body)
+                    break
+            item = await anext(rest, None)
+    except (BackendError, Rejected) as exc:
+        metrics.errors.inc()
+        yield event(error_body(f"request failed: {exc}", "ServiceUnavailable", 503))
+    finally:
+        await rest.aclose()
+    yield b"data: [DONE]\n\n"
