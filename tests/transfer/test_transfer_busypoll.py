@@ -23,12 +23,18 @@ def test_poll_takes_waiting_bytes_and_reports_none_after_its_budget(sock_pair):
     assert poller.poll_into(view) == 0  # nothing came within 200 us
 
 
-def test_fruitless_polls_pause_polling_for_a_while(sock_pair):
-    a, b = sock_pair
-    poller = BusyPoller(b, 100e-6)
+def paused_poller(sock) -> tuple[BusyPoller, memoryview]:
+    """A 100 us poller on ``sock`` after three fruitless polls (so it pauses itself)."""
+    poller = BusyPoller(sock, 100e-6)
     view = memoryview(bytearray(64))
     for _ in range(3):
         assert poller.poll_into(view) == 0
+    return poller, view
+
+
+def test_fruitless_polls_pause_polling_for_a_while(sock_pair):
+    a, b = sock_pair
+    poller, view = paused_poller(b)
     a.sendall(b"late")
     assert poller.poll_into(view) == 0  # paused: the caller sleeps in recv instead
     assert b.recv(64) == b"late"
@@ -41,10 +47,7 @@ def test_the_pause_is_a_time_not_a_number_of_frames(sock_pair, monkeypatch):
 
     monkeypatch.setattr(busypoll, "_PAUSE_S", 0.05)
     a, b = sock_pair
-    poller = BusyPoller(b, 100e-6)
-    view = memoryview(bytearray(64))
-    for _ in range(3):
-        assert poller.poll_into(view) == 0
+    poller, view = paused_poller(b)
     a.sendall(b"x")
     assert poller.poll_into(view) == 0  # within the pause: nothing is polled
     time.sleep(0.1)
