@@ -1,4 +1,4 @@
-"""``halfmoon model create`` and ``halfmoon generate``.
+"""``halfmoon model create | import | list`` and ``halfmoon generate``.
 
 Registering the commands imports nothing heavy; torch and the engine load inside the
 handlers, so other subcommands stay fast and torch-free.
@@ -8,9 +8,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-PRESET_NAMES = ("tiny", "small")
+from halfmoon.engine.catalog import NAMED_MODELS, PRESETS
+
+
+def _progress(message: str) -> None:
+    print(f"halfmoon: {message}", file=sys.stderr, flush=True)
+
+
+def _cmd_model_import(args: argparse.Namespace) -> int:
+    from halfmoon.engine.catalog import named_model_file, unknown_model_error
+    from halfmoon.engine.gguf_import import import_gguf
+
+    source = Path(args.source).expanduser()
+    if args.source in NAMED_MODELS and not source.exists():
+        source = named_model_file(args.source)
+    elif not source.is_file():
+        raise unknown_model_error(args.source)
+    out = import_gguf(source, Path(args.out), dtype=args.dtype, progress=_progress)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_model_list(args: argparse.Namespace) -> int:
+    from halfmoon.engine.catalog import cache_dir, list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps([vars(r) for r in rows], indent=2))
+        return 0
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        print(f"{r.name:<{width}}  {r.kind:<6}  {r.status:<15}  {r.summary}")
+    print(f"cache: {cache_dir()}")
+    return 0
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:
@@ -22,6 +55,8 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from halfmoon.engine.config import EngineConfig
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.engine.sampling import EngineSamplingParams
@@ -41,6 +76,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
+    if args.model not in PRESETS:
+        from halfmoon.engine.catalog import resolve_model
+
+        config = replace(config, model=str(resolve_model(args.model, progress=_progress)))
     engine = LLMEngine(config)
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -62,19 +101,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``model create`` and ``generate``."""
-    model = subparsers.add_parser("model", help="create model directories")
+    """Add ``model create | import | list`` and ``generate``."""
+    model = subparsers.add_parser("model", help="import, create and list models")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     create = model_sub.add_parser(
         "create", help="write a preset with random weights as a complete HF directory"
     )
-    create.add_argument("--preset", required=True, choices=PRESET_NAMES, help="model size")
+    create.add_argument("--preset", required=True, choices=PRESETS, help="model size")
     create.add_argument("--out", required=True, help="output directory")
     create.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     create.set_defaults(func=_cmd_model_create)
 
+    imp = model_sub.add_parser(
+        "import",
+        help="write a GGUF file (or a named model's) as an HF directory",
+        description="Dequantize a GGUF file (architectures llama, qwen2, mistral; tensors "
+        "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and K-quants) into config.json, "
+        "safetensors, tokenizer.json, tokenizer_config.json and generation_config.json.",
+    )
+    imp.add_argument("source", help=f"a .gguf file or a named model ({', '.join(NAMED_MODELS)})")
+    imp.add_argument("--out", required=True, help="output directory (must not exist)")
+    imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="dtype of the written weights (default float32)")  # fmt: skip
+    imp.set_defaults(func=_cmd_model_import)
+
+    listing = model_sub.add_parser(
+        "list", help="named models, presets and what the model cache holds"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON rows")
+    listing.set_defaults(func=_cmd_model_list)
+
     gen = subparsers.add_parser("generate", help="generate text with the halfmoon engine")
-    gen.add_argument("--model", required=True, help="HF model directory or preset (tiny, small)")
+    gen.add_argument(
+        "--model", required=True,
+        help="an HF directory, a .gguf file, a named model or a preset (`halfmoon model list`)",
+    )  # fmt: skip
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

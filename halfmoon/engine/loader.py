@@ -16,6 +16,7 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.costmodel.models import get_model
+from halfmoon.engine.catalog import PRESETS, resolve_model
 from halfmoon.engine.config import ModelConfig
 from halfmoon.engine.kv_cache import torch_dtype
 from halfmoon.engine.model import LlamaForCausalLM
@@ -29,7 +30,7 @@ from halfmoon.engine.tokenizer import (
 )
 from halfmoon.engine.weights import empty_model, init_random_weights, load_weights, save_weights
 
-PRESETS = ("tiny", "small")
+__all__ = ["PRESETS", "LoadedModel", "build_preset", "create_preset_dir", "load_dir", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,9 @@ def load_dir(model_dir: Path, dtype: str = "float32", device: str = "cpu") -> Lo
 def load_model(
     model: str, dtype: str = "float32", device: str = "cpu", seed: int = 0
 ) -> LoadedModel:
-    """An existing directory ``model``, else the preset of that name (weights from ``seed``)."""
-    path = Path(model)
-    if path.is_dir():
-        return load_dir(path, dtype, device)
-    if model in PRESETS:
+    """Load what ``model`` names (:func:`halfmoon.engine.catalog.resolve_model`): a
+    directory, a named model or a ``.gguf`` file (imported once into the cache), or a
+    preset (built in memory from ``seed``)."""
+    if model in PRESETS and not Path(model).is_dir():
         return build_preset(model, seed, dtype, device)
-    raise HalfmoonError(
-        f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})"
-    )
+    return load_dir(resolve_model(model, seed), dtype, device)

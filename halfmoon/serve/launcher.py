@@ -135,23 +135,12 @@ class ProcessGroup:
 
 
 def prepare_model(model: str, seed: int) -> Path:
-    """A model directory: ``model`` itself, or a preset written once under the cache dir."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from halfmoon.engine.loader import PRESETS, create_preset_dir
+    """The model directory ``model`` names (:func:`halfmoon.engine.catalog.resolve_model`):
+    a directory as it is; a named model, a .gguf file or a preset imported or written once
+    into the cache, printing progress while that runs."""
+    from halfmoon.engine.catalog import resolve_model
 
-    if model not in PRESETS:
-        raise HalfmoonError(
-            f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})"
-        )
-    cache = Path(os.environ.get("HALFMOON_CACHE", Path.home() / ".cache" / "halfmoon"))
-    out = cache / "presets" / f"{model}-seed{seed}"
-    if not (out / "model.safetensors").exists():
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        create_preset_dir(model, tmp, seed)
-        tmp.replace(out) if not out.exists() else None
-    return out
+    return resolve_model(model, seed, progress=lambda msg: print(f"halfmoon: {msg}", flush=True))
 
 
 def engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
@@ -214,16 +203,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     tokenizer = Tokenizer.from_dir(model_dir)
     backend = ClusterBackend(conductor, group.env[SECRET_ENV].encode(), args.block_size,
                              args.mode, expected_instances=num_workers)  # fmt: skip
-    deadline = time.monotonic() + args.startup_timeout
-    while True:
-        group.check_alive()
-        try:
-            await backend.health()
-            break
-        except HalfmoonError:
-            if time.monotonic() > deadline:
-                raise HalfmoonError(f"cluster not ready after {args.startup_timeout:g}s") from None
-            await asyncio.sleep(0.2)
+    await _wait_ready(backend, group, args.startup_timeout, num_workers)
     max_len = args.max_model_len or _max_model_len(model_dir)
     config = GatewayConfig(
         args.served_model_name or model_dir.name.split("-seed")[0],
@@ -246,6 +226,32 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     finally:
         supervisor.cancel()
         await backend.close()
+
+
+async def _wait_ready(
+    backend: Any, group: ProcessGroup, timeout_s: float, num_workers: int
+) -> None:
+    """Wait until every worker has registered, printing how many have (loading the model
+    and measuring its cost profile takes a while on a real model)."""
+    start = time.monotonic()
+    print(f"halfmoon: starting the Conductor and {num_workers} workers (loading the model)",
+          flush=True)  # fmt: skip
+    last_report = ""
+    while True:
+        group.check_alive()
+        try:
+            await backend.health()
+            break
+        except HalfmoonError as exc:
+            waited_s = time.monotonic() - start
+            if waited_s > timeout_s:
+                raise HalfmoonError(f"cluster not ready after {timeout_s:g}s: {exc}") from None
+            report = str(exc)
+            if report != last_report and "registered" in report:
+                print(f"halfmoon: {report} ({waited_s:.0f}s)", flush=True)
+                last_report = report
+            await asyncio.sleep(0.2)
+    print(f"halfmoon: cluster ready in {time.monotonic() - start:.1f}s", flush=True)
 
 
 async def _supervise(group: ProcessGroup, interval_s: float = 0.5) -> None:

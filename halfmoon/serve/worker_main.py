@@ -6,7 +6,6 @@ names its role, so ``ps`` tells the workers apart)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,17 @@ from halfmoon.serve.runtime import (
 )
 
 ROLES = ("prefill", "decode", "coupled")
+#: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by ``halfmoon worker`` and ``halfmoon serve``."""
-    parser.add_argument("--model", default="tiny", help="model directory or preset (tiny, small)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help=f"an HF model directory, a .gguf file, a named model or a preset "
+        f"(`halfmoon model list`; default {DEFAULT_MODEL})",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool per worker, MiB")
@@ -126,8 +131,9 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.profile:
         profile = CostProfile.load(args.profile)
     else:
-        cache = Path(os.environ.get("HALFMOON_CACHE", Path.home() / ".cache" / "halfmoon"))
-        profile = cached_profile(engine, args.model, cache / "profiles")
+        from halfmoon.engine.catalog import cache_dir
+
+        profile = cached_profile(engine, args.model, cache_dir() / "profiles")
     link.register(
         kv_capacity_tokens=stats.num_blocks * args.block_size,
         kv_bytes_per_token=engine.kv_bytes_per_block // args.block_size,

@@ -28,9 +28,12 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 class Cluster(LocalCluster):
-    """A started ``halfmoon serve`` with the test secret and a cache dir under ``tmp``."""
+    """A started ``halfmoon serve`` with the test secret and a cache dir under ``tmp``;
+    the tiny random-weight preset unless ``args`` name a ``--model``."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
+        if "--model" not in args:
+            args = ("--model", "tiny", *args)
         super().__init__(args, tmp / "cache", SECRET, tmp / "serve.log")
         self.start()
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.runner import LOGITS_ALL, ChunkInput
 
 BLOCK_SIZE = 16
 
@@ -82,3 +84,26 @@ def engine_config(model: Path | str, **overrides: object) -> EngineConfig:
 def random_prompt(generator: torch.Generator, length: int, vocab_size: int) -> list[int]:
     """``length`` random token ids (avoiding the special ids 0..3)."""
     return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+
+
+def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    # 1e-4 of the logit scale: fp32 reorderings stay ~1e-6; a position, mask or weight
+    # mix-up moves logits by O(1).
+    scale = theirs.abs().max().item()
+    assert scale > 1.0, "reference logits too flat to catch bugs"
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * scale)
+
+
+def prefill(engine: LLMEngine, rid: str, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
+    """Prefill ``tokens`` in chunks through the runner; all positions' logits."""
+    assert engine.block_manager.admit(rid, tokens, chunk_sizes[0]) == 0
+    outs, start = [], 0
+    for size in chunk_sizes:
+        assert engine.block_manager.grow(rid, start + size)
+        chunk = ChunkInput(rid, tokens[start : start + size], start,
+                           engine.block_manager.block_table(rid), LOGITS_ALL)  # fmt: skip
+        outs.append(engine.runner.execute([chunk])[0])
+        start += size
+        engine.block_manager.commit(rid, tokens, start)
+    assert start == len(tokens)
+    return torch.cat(outs)

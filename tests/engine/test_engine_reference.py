@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from engine_testlib import BLOCK_SIZE, Reference, engine_config
+from engine_testlib import BLOCK_SIZE, Reference, assert_logits_close, engine_config, prefill
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.engine.engine import LLMEngine
@@ -15,29 +15,6 @@ def hf_logits(ref: Reference, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits for every position of ``token_ids``."""
     with torch.no_grad():
         return ref.hf_model(torch.tensor([token_ids])).logits[0]
-
-
-def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    # 1e-4 of the logit scale: fp32 reorderings stay ~1e-6; a position, mask or weight
-    # mix-up moves logits by O(1).
-    scale = theirs.abs().max().item()
-    assert scale > 1.0, "reference logits too flat to catch bugs"
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * scale)
-
-
-def prefill(engine: LLMEngine, rid: str, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
-    """Prefill ``tokens`` in chunks through the runner; all positions' logits."""
-    assert engine.block_manager.admit(rid, tokens, chunk_sizes[0]) == 0
-    outs, start = [], 0
-    for size in chunk_sizes:
-        assert engine.block_manager.grow(rid, start + size)
-        chunk = ChunkInput(rid, tokens[start : start + size], start,
-                           engine.block_manager.block_table(rid), LOGITS_ALL)  # fmt: skip
-        outs.append(engine.runner.execute([chunk])[0])
-        start += size
-        engine.block_manager.commit(rid, tokens, start)
-    assert start == len(tokens)
-    return torch.cat(outs)
 
 
 def test_full_prefill_matches(reference: Reference, prompts) -> None:

