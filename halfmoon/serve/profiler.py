@@ -34,6 +34,8 @@ PREFILL_POINTS = (
 DECODE_POINTS = (
     (1, 64), (4, 256), (8, 512), (16, 256), (4, 1536), (16, 1024), (8, 2048), (16, 1536)
 )  # fmt: skip
+#: Used when fewer than three of DECODE_POINTS fit the KV pool (at most 1k tokens at once).
+SMALL_DECODE_POINTS = ((1, 64), (2, 128), (4, 64), (2, 256), (4, 192))
 IMPORT_POINTS = (256, 1024)
 _DECODE_STEPS = 8
 
@@ -110,17 +112,23 @@ def measure_profile(engine: Any, model_name: str) -> CostProfile:
     """Time the engine and fit a cost profile (a few seconds on the tiny preset)."""
     _time_prefill(engine, 16, 0, 999)  # warm-up
     limit = engine.max_model_len - 8
+    # A prompt or a batch must fit in the KV pool at once, or it would be refused or
+    # timed smaller than asked.
+    pool_tokens = engine.stats().num_blocks * engine.config.block_size
     prefill = [
         (n, c, _time_prefill(engine, n, c, 10 * k))
         for k, (n, c) in enumerate(PREFILL_POINTS)
-        if n + c + 16 <= limit
+        if n + c + 16 <= min(limit, pool_tokens - 2 * engine.config.block_size)
     ]
-    # A batch must fit in the KV pool at once, or it would be timed smaller than asked.
-    pool_tokens = engine.stats().num_blocks * engine.config.block_size
+    def fits(batch: int, ctx: int) -> bool:
+        return ctx + 64 <= limit and batch * (ctx + 4 * engine.config.block_size) <= pool_tokens
+
+    points = [(b, ctx) for b, ctx in DECODE_POINTS if fits(b, ctx)]
+    if len(points) < 3:  # a small pool (a real model's KV is large): short contexts instead
+        points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
     decode = [
         (b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k))
-        for k, (b, ctx) in enumerate(DECODE_POINTS)
-        if ctx + 64 <= limit and b * (ctx + 4 * engine.config.block_size) <= pool_tokens
+        for k, (b, ctx) in enumerate(points)
     ]
     sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
     import_s = sum(_time_kv_import(engine, n, 5000 + k) for k, n in enumerate(sizes))

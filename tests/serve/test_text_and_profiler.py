@@ -84,3 +84,24 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
     assert len(timed) == profiler._DECODE_STEPS and set(timed) == {"decode-step-3"}
     assert "prompt-step" in events  # the prompts did run, before the clock started
     engine.check_integrity()
+
+
+def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
+    """A pool too small for three of the usual decode points (a real model's KV is ~10x
+    the tiny preset's per token) is measured at short contexts instead of failing."""
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.serve import profiler
+
+    small = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=6, num_threads=1))  # 1.5k tokens
+    timed: list[tuple[int, int]] = []
+    real = profiler._time_decode
+
+    def record(engine, batch, context, salt):
+        timed.append((batch, context))
+        return real(engine, batch, context, salt)
+
+    monkeypatch.setattr(profiler, "_time_decode", record)
+    profile = profiler.measure_profile(small, "tiny")
+    assert len(timed) >= 3 and set(timed) <= set(profiler.SMALL_DECODE_POINTS)
+    assert profile.decode_step_s(4, 512) > 0
+    small.check_integrity()

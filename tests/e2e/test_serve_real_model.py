@@ -1,0 +1,72 @@
+"""``halfmoon serve`` with the real default model, SmolLM2-135M-Instruct, named on the
+command line: imported from its GGUF into a fresh cache by the launcher, then served by
+separate prefill and decode processes (and a 2-stage CPP group for long prompts)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+CPP_MIN_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def real(cluster_factory):
+    return cluster_factory(
+        "--model", MODEL, "--prefill", "2", "--decode", "1", "--cpp-stages", "2",
+        "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "96",
+    )  # fmt: skip
+
+
+def _client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_start_up_imports_the_named_model_with_progress(real):
+    log = real.log_path.read_text()
+    assert "importing SmolLM2-135M-Instruct.Q4_1.gguf" in log
+    assert log.index("cluster ready") < log.index(f"serving '{MODEL}' at http://127.0.0.1:")
+    assert (real.cache / "models" / MODEL / "model.safetensors").is_file()
+    assert [m.id for m in _client(real).models.list().data] == [MODEL]
+
+
+def test_greedy_chat_answer_is_paris(real):
+    chat = _client(real).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32, temperature=0,
+    )  # fmt: skip
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_streamed_chat_equals_the_offline_engine(real):
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    stream = _client(real).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    engine = LLMEngine(EngineConfig(model=str(real.cache / "models" / MODEL), kv_cache_mb=64))
+    prompt = engine.tokenizer.apply_chat_template(messages)
+    (offline,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))
+    assert text == offline.text and text
+
+
+def _cpp_requests(cluster) -> int:
+    return sum(p["cpp_requests"] for p in cluster.ping_workers() if p["role"] == "prefill")
+
+
+def test_a_long_prompt_through_the_cpp_pipeline(real):
+    before = _cpp_requests(real)
+    facts = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(1, 40))
+    question = facts + " Question: what is 7 squared? Answer briefly."
+    chat = _client(real).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens > CPP_MIN_TOKENS
+    assert "49" in chat.choices[0].message.content, chat.choices[0].message.content
+    assert _cpp_requests(real) - before == 2  # both stages ran it
