@@ -25,6 +25,21 @@ from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16
+#: Seeds are 64-bit signed integers (as vLLM's); choice i of ``n`` uses ``seed + i``.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1 - MAX_CHOICES
+
+
+def check_text(value: str, what: str) -> str:
+    """``value`` unchanged, or a ValueError when it is not valid Unicode text (a lone
+    UTF-16 surrogate such as ``"\\ud800"`` parses from JSON but cannot be tokenized)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode text: lone surrogate {value[exc.start]!r} at "
+            f"character {exc.start}"
+        ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +59,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,6 +86,8 @@ class _Common(BaseModel):
         items = [value] if isinstance(value, str) else (value or [])
         if len(items) > 16 or any(not s for s in items):
             raise ValueError("stop takes at most 16 non-empty strings")
+        for item in items:
+            check_text(item, "a stop string")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -114,6 +131,9 @@ class CompletionRequest(_Common):
                 raise ValueError("batched prompts are not supported: send one prompt per request")
         elif not value:
             raise ValueError("prompt must not be empty")
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                check_text(text, "the prompt")
         return value
 
 
@@ -125,16 +145,29 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        # Refused while parsing (a 400), not later in the route.
+        parts = [value] if isinstance(value, str) else value
+        for part in parts:
+            if isinstance(part, str):
+                check_text(part, "message content")
+                continue
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"content part of type {kind!r} is not supported: only text parts "
+                    "(this server serves a text-only model)"
+                )
+            check_text(part["text"], "message content")
+        return value
+
     def text(self) -> str:
-        """The message's text; non-text parts are refused."""
+        """The message's text (its text parts joined)."""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Common):

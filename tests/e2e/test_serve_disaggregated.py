@@ -218,3 +218,28 @@ def test_logprobs_penalties_and_n_equal_an_offline_engine(disagg):
         seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i, ignore_eos=True)
         assert choice.text == engine.generate([PROMPTS[0]], seeded)[0].text
     assert out.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+        ("completions", {"prompt": "a \ud800 b"}, "lone surrogate"),
+        ("completions", {"prompt": "hi", "stop": ["\udfff"]}, "lone surrogate"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x \ud800"}]},
+         "lone surrogate"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]},
+         "image_url"),
+    ],
+)  # fmt: skip
+def test_hostile_inputs_get_a_400_and_the_connection_keeps_serving(disagg, path, body, words):
+    """Each of these was an HTTP 500 in plain text, and after the image_url one the next
+    request on the same keep-alive connection was reset."""
+    with httpx.Client(base_url=disagg.base_url, timeout=30, trust_env=False) as http:
+        raw = json.dumps({"model": "tiny", "max_tokens": 4, **body}, ensure_ascii=True)
+        bad = http.post(f"/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400, bad.text
+        assert words in bad.json()["error"]["message"]
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
