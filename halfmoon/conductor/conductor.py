@@ -141,6 +141,11 @@ class Conductor:
         self.index.remove_instance(instance_id)
 
     @property
+    def num_placements(self) -> int:
+        """Requests placed and not yet finished or released."""
+        return len(self._placements)
+
+    @property
     def prefill_instances(self) -> tuple[str, ...]:
         """Instances that accept prefill work (disaggregated ones only)."""
         return tuple(i for i in self._prefill if i not in self._coupled)
@@ -189,14 +194,47 @@ class Conductor:
         else:
             raise TypeError(f"unknown event {event!r}")
 
-    def _finish(self, request_id: str, now_s: float) -> None:
+    def release(self, request_id: str) -> bool:
+        """Drop whatever ``request_id`` still has booked (its gateway saw it end without a
+        worker's RequestFinished: a failure before dispatch, a refusal, a hang-up).
+        Idempotent; True when something was booked. No decode-time sample is taken."""
+        booked = request_id in self._placements
+        self._finish(request_id, self.clock.now(), sample=False)
+        return booked
+
+    def check_integrity(self) -> None:
+        """Assert that placements and per-instance bookings agree both ways, and that each
+        instance's totals equal the sum of its parts (tests and the service's ping)."""
+        for rid, (prefill_id, decode_id) in self._placements.items():
+            dstate = self._decode.get(decode_id)
+            assert dstate is not None, f"{rid}: placed on unknown decode {decode_id}"
+            assert (rid in dstate.incoming) != (rid in dstate.running), (
+                f"{rid}: neither (or both) incoming and running on {decode_id}"
+            )
+            assert prefill_id in self._prefill, f"{rid}: placed on unknown prefill {prefill_id}"
+        for iid, state in self._prefill.items():
+            assert state.pending_s.keys() == state.pending_tokens.keys(), iid
+            assert state.started_at_s.keys() <= state.pending_s.keys(), iid
+            total = sum(state.pending_s.values())
+            assert abs(state.total_pending_s - total) <= 1e-6 * max(1.0, total), (
+                f"{iid}: booked {state.total_pending_s} s, parts sum to {total} s"
+            )
+            for rid in state.pending_s:
+                members = self._group_of.get(rid, (self._placements.get(rid, ("",))[0],))
+                assert rid in self._placements and iid in members, f"{rid}: orphan on {iid}"
+        for iid, dstate in self._decode.items():
+            for rid in (*dstate.incoming, *dstate.running):
+                assert self._placements.get(rid, ("", ""))[1] == iid, f"{rid}: orphan on {iid}"
+        assert self._group_of.keys() <= self._placements.keys(), "group of an unplaced request"
+
+    def _finish(self, request_id: str, now_s: float, sample: bool = True) -> None:
         prefill_id, decode_id = self._placements.pop(request_id, ("", ""))
         for member in self._group_of.pop(request_id, (prefill_id,)):
             if (state := self._prefill.get(member)) is not None:
                 state.finish(request_id)
         if (dstate := self._decode.get(decode_id)) is not None:
             started = dstate.finish(request_id)
-            if started is not None and self.config.decode_time_estimate_s is None:
+            if sample and started is not None and self.config.decode_time_estimate_s is None:
                 sample = now_s - started
                 old = self._decode_time_s
                 self._decode_time_s = (
@@ -358,6 +396,8 @@ class Conductor:
     ) -> tuple[ReplicationPlan, ...]:
         """Book the placement and plan any replication it calls for."""
         rid = request.request_id
+        if rid in self._placements:  # placed again under the same id: drop the old booking
+            self._finish(rid, self.clock.now(), sample=False)
         new_tokens = request.input_length - chosen.cached_tokens
         if chosen.group:
             # Member s is held from the pipeline's start until its last chunk is done.

@@ -178,6 +178,7 @@ class ClusterBackend:
         for attempt in range(self.max_attempts):
             attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             self._attempts[request_id] = attempt_id
+            completed = False
             ids = [*prompt_token_ids, *produced]
             left = dataclasses.replace(
                 params,
@@ -194,6 +195,7 @@ class ClusterBackend:
                     if attempt and chunk.cached_tokens is not None:
                         chunk = dataclasses.replace(chunk, cached_tokens=None, est_ttft_s=None)
                     yield chunk
+                completed = True
                 return
             except WorkerLost as exc:
                 log.warning("request %s: %s; placing it again", request_id, exc)
@@ -203,6 +205,12 @@ class ClusterBackend:
             finally:
                 self._queues.pop(attempt_id, None)
                 self._attempts.pop(request_id, None)
+                if not completed:
+                    # Failed before dispatch, refused, lost, timed out or hung up on: a
+                    # worker may never say RequestFinished, so the booking goes here.
+                    await self._send(
+                        self._conductor_endpoint, {"type": "release", "request_id": attempt_id}
+                    )
         raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
 
     async def _report_failed(self, instance_id: str) -> None:

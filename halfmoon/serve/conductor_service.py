@@ -165,6 +165,14 @@ class ConductorService:
             reply["msg_id"] = message.get("msg_id")
             self._sock.send_multipart([identity, *encode(reply, self.secret)])
 
+    def _integrity(self) -> str:
+        """``ok``, or what :meth:`Conductor.check_integrity` found wrong."""
+        try:
+            self.conductor.check_integrity()
+        except AssertionError as exc:
+            return f"broken: {exc}"
+        return "ok"
+
     def _dispatch(self, message: dict[str, Any]) -> dict[str, Any] | None:
         kind = message["type"]
         iid = message.get("instance_id")
@@ -184,6 +192,9 @@ class ConductorService:
             return None
         if kind == "schedule":
             return self._schedule(message)
+        if kind == "release":
+            self.conductor.release(str(message["request_id"]))
+            return None
         if kind == "register":
             return self._register(message)
         if kind == "drain":
@@ -195,6 +206,8 @@ class ConductorService:
                 "endpoints": {i: e.command_endpoint for i, e in self.instances.items()},
                 "incarnations": {i: e.incarnation for i, e in self.instances.items()},
                 "draining": sorted(self.draining),
+                "integrity": self._integrity(),
+                "num_placements": self.conductor.num_placements,
             }
         raise ProtocolError(f"unknown message type {kind!r}")
 

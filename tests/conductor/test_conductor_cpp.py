@@ -5,6 +5,7 @@ import pytest
 from halfmoon.conductor import (
     BlockStored,
     ConductorConfig,
+    DecodeStarted,
     PrefillFinished,
     PrefillStarted,
     RequestFinished,
@@ -43,11 +44,13 @@ def test_long_prompt_goes_to_a_group_and_books_every_member(make_conductor, pape
     assert c.queue_s("P3") == 0.0
     # The next long prompt sees P1/P2 busy and takes the other group.
     assert c.schedule(_req("s", 1000, first=5000)).prefill.group == ("P3", "P4")
+    c.check_integrity()
     for iid in ("P1", "P2"):
         c.handle(PrefillStarted(iid, "r"))
         c.handle(PrefillFinished(iid, "r"))
     c.handle(RequestFinished("D1", "r"))
     assert c.queue_s("P1") == c.queue_s("P2") == 0.0
+    c.check_integrity()
 
 
 def test_short_prompts_get_no_group(make_conductor):
@@ -99,3 +102,26 @@ def test_removing_a_stage_drops_the_group_requests_bookings(make_conductor):
     again = c.schedule(_req("r~1", 1000))
     assert again.accepted and again.decode.num_running == 1
     assert again.prefill.instance_id == "P1" and not again.prefill.group
+    c.check_integrity()
+
+
+def test_release_drops_every_booking_once(make_conductor):
+    """A request that ends without a worker's RequestFinished (failed before dispatch,
+    refused, hung up on) is released by its gateway: group members and decode alike."""
+    c = make_conductor(num_prefill=2, num_decode=1, **CPP)
+    assert c.schedule(_req("r", 1000)).prefill.group == ("P1", "P2")
+    assert c.schedule(_req("s", 10, first=7000)).accepted
+    assert c.num_placements == 2
+    assert c.release("r") and not c.release("r") and not c.release("never-placed")
+    assert c.queue_s("P2") == 0.0 and c.num_placements == 1
+    c.check_integrity()
+    c.handle(PrefillStarted("P1", "s"))
+    c.handle(DecodeStarted("D1", "s"))
+    assert c.release("s") and c.num_placements == 0
+    assert c.queue_s("P1") == 0.0
+    c.check_integrity()
+    # A broken invariant is named.
+    c.schedule(_req("t", 10, first=9000))
+    c._decode["D1"].incoming.clear()  # noqa: SLF001 - corrupt on purpose
+    with pytest.raises(AssertionError, match="t: neither"):
+        c.check_integrity()

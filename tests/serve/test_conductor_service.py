@@ -1,10 +1,13 @@
 """The Conductor service as a real process on 127.0.0.1."""
 
 import itertools
+import threading
 
+import pytest
 import zmq
 
 from halfmoon.serve.protocol import decode, encode, hashes_to_wire
+from halfmoon.serve.runtime import free_port
 
 from .conftest import SECRET
 
@@ -133,3 +136,70 @@ def test_cpp_group_decision_names_every_stage(spawn, port):
     short = client.call({**msg, "request_id": "short", "input_length": 64,
                          "hashes": hashes_to_wire([7, 8, 9, 10])})  # fmt: skip
     assert short["accepted"] and "group" not in short
+
+
+def test_bookings_of_requests_that_fail_after_placement_are_released(spawn, port):
+    """Placed requests whose workers never answer (a timeout), that a client hangs up on,
+    or that a worker refuses leave no booking behind: the idle cluster then admits a
+    request that needs the whole decode KV pool. (Before, each failure's booking stayed
+    and the idle cluster refused large requests with 429s.)"""
+    import asyncio
+
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.serve.backend import BackendError
+    from halfmoon.serve.cluster import ClusterBackend
+
+    spawn("conductor", "--port", str(port), "--early-reject", "snapshot", "--ttft-slo", "600")
+    client = Client(port)
+    assert client.call({"type": "ping"}, timeout_ms=20_000)["type"] == "pong"
+    for iid, role in (("p0", "prefill"), ("d0", "decode")):  # nobody listens on their ports
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        reply = client.call({"type": "register", "instance_id": iid, "role": role,
+                             "command_endpoint": dead, "transfer_endpoint": dead,
+                             "kv_capacity_tokens": 100_000})  # fmt: skip
+        assert reply["type"] == "registered"
+
+    stop = threading.Event()
+
+    def beat() -> None:  # the workers' heartbeats (a first-token timeout outlasts 3 s)
+        heart = Client(port)
+        while not stop.wait(0.5):
+            for iid in ("p0", "d0"):
+                heart.send({"type": "heartbeat", "instance_id": iid})
+
+    threading.Thread(target=beat, daemon=True).start()
+
+    async def scenario() -> None:
+        backend = ClusterBackend(f"tcp://127.0.0.1:{port}", SECRET.encode(), 16,
+                                 token_timeout_s=0.3)  # fmt: skip
+        backend.watch_interval_s = 60.0  # the workers stay registered (heartbeats below)
+        params = SamplingParams(max_tokens=1000, temperature=0)
+        prompt = list(range(1_000))
+        for i in range(2):  # the workers never answer: each request times out
+            with pytest.raises(BackendError, match="no progress"):
+                async for _ in backend.generate(f"timeout-{i}", prompt, params):
+                    pass
+        task = asyncio.ensure_future(_drain(backend.generate("hang-up", prompt, params)))
+        await asyncio.sleep(0.1)
+        task.cancel()  # the client went away while the request waited for its first token
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await backend.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
+    pong = client.call({"type": "ping"})
+    assert pong["integrity"] == "ok" and pong["num_placements"] == 0
+    # 99,500 of the 100,000 KV tokens: admitted only if nothing is still booked.
+    hashes = hashes_to_wire(list(range(1, -(-98_500 // 16) + 1)))
+    decision = client.call({"type": "schedule", "request_id": "whole-pool", "input_length":
+                            98_500, "output_length": 1_000, "block_size": 16, "hashes": hashes})  # fmt: skip
+    assert decision.get("accepted"), decision
+    assert client.call({"type": "ping"})["integrity"] == "ok"
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
