@@ -25,6 +25,7 @@ from halfmoon.core.ids import IdGenerator
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejected
+from halfmoon.serve.http_limits import BodyLimit
 from halfmoon.serve.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -287,6 +288,7 @@ def create_app(
     gw = Gateway(backend, tokenizer, config)
     app = FastAPI(title="halfmoon", description="KV-cache-centric disaggregated LLM serving")
     app.state.gateway = gw
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # before auth: bounded
     for router in admin_routers:
         app.include_router(router, prefix="/admin")
 
@@ -298,11 +300,6 @@ def create_app(
         if config.api_key and request.url.path.startswith(guarded):
             if request.headers.get("authorization") != f"Bearer {config.api_key}":
                 return _error(401, "invalid or missing API key", "AuthenticationError")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return _error(
-                413, f"request body over {config.max_body_bytes} bytes", "BadRequestError"
-            )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -243,3 +243,27 @@ def test_hostile_inputs_get_a_400_and_the_connection_keeps_serving(disagg, path,
         assert words in bad.json()["error"]["message"]
         ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_read(disagg):
+    """Transfer-Encoding: chunked over a real socket: refused at the limit (4 MiB), not
+    read whole (a 50 MB one drove the gateway to 11.7 GiB)."""
+    sent = 0
+
+    def body():
+        nonlocal sent
+        yield b'{"model": "tiny", "max_tokens": 2, "prompt": "'
+        for _ in range(50 * 16):  # 50 MiB in 64 KiB pieces, if all were read
+            sent += 65536
+            yield b"x" * 65536
+        yield b'"}'
+
+    with httpx.Client(base_url=disagg.base_url, timeout=60, trust_env=False) as http:
+        try:
+            r = http.post("/v1/completions", content=body(),
+                          headers={"Content-Type": "application/json"})  # fmt: skip
+            assert r.status_code == 413, r.text
+        except httpx.HTTPError:
+            pass  # the server may close the connection while the body is still going out
+    assert sent < 20 * 2**20, f"{sent} bytes went out before the refusal"
+    assert _greedy(disagg, "Hello")[1].completion_tokens == 8

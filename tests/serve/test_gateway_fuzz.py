@@ -158,6 +158,29 @@ def test_api_key_and_body_limit(gateways):
         assert c.get("/health").status_code == 200  # health needs no key
 
 
+def test_body_limit_holds_for_chunked_bodies(gateways):
+    """A chunked body carries no Content-Length: it is counted while read and refused the
+    moment it passes the limit (once, a 50 MB chunked request was read, parsed and
+    tokenized whole)."""
+    app = gateways.app(EchoBackend(), max_body_bytes=1000)
+    sent: list[int] = []
+
+    def chunks(total: int):
+        body = json.dumps({"model": "echo", "prompt": "x" * total, "max_tokens": 2}).encode()
+        for i in range(0, len(body), 100):
+            sent.append(i)
+            yield body[i : i + 100]
+
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", content=chunks(200_000),
+                   headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 413
+        assert r.json()["error"]["message"] == "request body over 1000 bytes"
+        small = c.post("/v1/completions", content=chunks(100),
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+
+
 def test_overload_turns_into_429_not_a_queue(gateways):
     import asyncio
 
