@@ -10,12 +10,14 @@ Assembling the answer from the backend's streams is :mod:`halfmoon.serve.respons
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +47,8 @@ from halfmoon.serve.responses import (
 )
 from halfmoon.serve.text import OutputText
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -58,6 +62,9 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     #: Requests in flight beyond this get 429 (back-pressure, never unbounded queues).
     max_concurrent_requests: int = 512
+    #: Threads that tokenize and render chat templates, off the event loop (a 4 MB prompt
+    #: takes ~1 s to tokenize; on the loop it froze every other client's stream).
+    tokenizer_threads: int = 2
 
 
 class Gateway:
@@ -72,6 +79,11 @@ class Gateway:
         # gateway); the OpenAI responses show them as cmpl-<id> / chatcmpl-<id>.
         self._ids = IdGenerator(secrets.token_hex(4))
         self.in_flight = 0
+        self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-cpu")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the gateway's CPU threads, so the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
@@ -347,7 +359,7 @@ def create_app(
                 429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
                 {"Retry-After": "1"},
             )  # fmt: skip
-        p = gw.prepare(body)
+        p = await gw.off_loop(gw.prepare, body)
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
@@ -380,16 +392,16 @@ def create_app(
             raise HTTPError(400, "give either prompt or messages", "BadRequestError")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = tokenizer.apply_chat_template(messages)
+            tokens = await gw.off_loop(tokenizer.apply_chat_template, messages)
         else:
-            tokens = tokenizer.encode(body.prompt or "")
+            tokens = await gw.off_loop(tokenizer.encode, body.prompt or "")
         return {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         gw.check_model(body.model)
         ids = gw.checked_token_ids(body.tokens, "tokens")
-        return {"prompt": tokenizer.decode(ids)}
+        return {"prompt": await gw.off_loop(tokenizer.decode, ids)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:

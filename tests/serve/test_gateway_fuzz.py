@@ -221,3 +221,4 @@ def test_response_ids_are_openai_shaped_and_unique_per_gateway(client, gateways)
     ).text
     ids = {json.loads(line[6:])["id"] for line in stream.splitlines() if line.startswith("data: {")}
     assert len(ids) == 1 and ids.pop().startswith("cmpl-")
+
