@@ -352,14 +352,18 @@ def create_app(
             ],
         }
 
-    async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
+    def _check_busy(body: CompletionRequest | ChatCompletionRequest) -> None:
         if gw.in_flight + body.n > config.max_concurrent_requests:
             gw.metrics.rejections.inc()
             raise HTTPError(
                 429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
                 {"Retry-After": "1"},
             )  # fmt: skip
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
+        _check_busy(body)  # refused at once, before tokenizing
         p = await gw.off_loop(gw.prepare, body)
+        _check_busy(body)  # again: others started while this one was tokenized
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
