@@ -47,6 +47,7 @@ from halfmoon.core.request import Request
 from halfmoon.costmodel import CostProfile, ProfileCostModel
 from halfmoon.costmodel.base import CostModel
 from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_from_wire, hashes_to_wire
+from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "coupled")
@@ -112,10 +113,8 @@ class ConductorService:
         #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
         self.link_bytes_per_s = 1e9
         self.num_auth_failures = 0
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        self._sock = bind_router(endpoint)
+        self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def close(self) -> None:
@@ -155,7 +154,7 @@ class ConductorService:
             message = decode(rest, self.secret)
         except ProtocolError as exc:
             self.num_auth_failures += 1
-            log.warning("dropped a control message: %s", exc)
+            self._rejections.warning("dropped a control message: %s", exc)
             return
         try:
             reply = self._dispatch(message)

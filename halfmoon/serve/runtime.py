@@ -11,6 +11,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 
@@ -77,3 +79,47 @@ def settle_gc() -> None:
     process stalled for as long: a TBT spike that no model of the engine predicts."""
     gc.collect()
     gc.freeze()
+
+
+#: Largest control message a ROUTER socket accepts (a 128k-token prompt with its block
+#: hashes is ~1 MiB): ZMQ drops a peer that sends more before the message is buffered.
+MAX_CONTROL_MESSAGE_BYTES = 16 * 2**20
+
+
+def bind_router(endpoint: str) -> Any:
+    """A ROUTER socket bound to ``endpoint`` that refuses oversized messages."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+    sock.bind(endpoint)
+    return sock
+
+
+class RateLimitedLog:
+    """Warnings about rejected input, at most ``per_interval`` every ``interval_s``; what
+    was held back is counted in the next warning (a flood of junk once wrote 2.36M lines)."""
+
+    def __init__(self, log: logging.Logger, per_interval: int = 5, interval_s: float = 10.0):
+        self.log = log
+        self.per_interval = per_interval
+        self.interval_s = interval_s
+        self._window_start_s = -interval_s
+        self._in_window = 0
+        self.num_suppressed = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        """Log like ``log.warning`` unless over the rate."""
+        now_s = time.monotonic()
+        if now_s - self._window_start_s >= self.interval_s:
+            self._window_start_s, self._in_window = now_s, 0
+        self._in_window += 1
+        if self._in_window > self.per_interval:
+            self.num_suppressed += 1
+            return
+        if self.num_suppressed:
+            message += f" ({self.num_suppressed} similar messages suppressed)"
+            self.num_suppressed = 0
+        self.log.warning(message, *args)
+

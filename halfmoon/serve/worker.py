@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import zmq
 
 from halfmoon.serve.protocol import ProtocolError, decode, encode
+from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
 log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 0.5
@@ -196,9 +197,8 @@ class Worker:
         self.secret = secret
         self.conductor = conductor
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(bind_endpoint)
+        self._sock = bind_router(bind_endpoint)
+        self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._peers: dict[str, zmq.Socket] = {}
         self._handlers: dict[str, Handler] = {"ping": self._on_ping, "abort": self._on_abort}
@@ -274,7 +274,7 @@ class Worker:
         try:
             msg = decode(rest, self.secret)
         except ProtocolError as exc:
-            log.warning("dropped a command: %s", exc)
+            self._rejections.warning("dropped a command: %s", exc)
             return
         if msg.get("type") == "error":  # a peer worker's complaint: never answer it
             log.warning("peer reported: %s", msg.get("error"))

@@ -2,6 +2,7 @@
 
 import itertools
 import threading
+import time
 
 import pytest
 import zmq
@@ -203,3 +204,38 @@ def test_bookings_of_requests_that_fail_after_placement_are_released(spawn, port
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_oversized_and_unsigned_floods_cost_nothing(spawn, port):
+    """A 200 MB frame is dropped by ZMQ before it is buffered (it once took the Conductor
+    from 55 to 772 MiB), and thousands of unsigned messages write a handful of log lines
+    (a 25 s flood once wrote 2.36M), while the service keeps answering."""
+    proc = spawn("conductor", "--port", str(port))
+    client = Client(port)
+    assert client.call({"type": "ping"}, timeout_ms=20_000)["type"] == "pong"
+    before = _peak_rss_mib(proc.pid)
+    junk = zmq.Context.instance().socket(zmq.DEALER)
+    junk.setsockopt(zmq.LINGER, 0)
+    junk.connect(f"tcp://127.0.0.1:{port}")
+    junk.send(b"x" * (200 * 2**20))
+    for i in range(3000):
+        junk.send_multipart([b"junk", str(i).encode()])
+    assert client.call({"type": "ping"})["type"] == "pong"
+    time.sleep(0.5)
+    assert _peak_rss_mib(proc.pid) - before < 100
+    flood = Client(port, secret="wrong-secret")
+    for _ in range(3000):
+        flood.send({"type": "ping"})
+    assert client.call({"type": "ping"})["type"] == "pong"
+    junk.close(0)
+    proc.terminate()
+    output = proc.communicate(timeout=10)[0].decode()
+    dropped = [line for line in output.splitlines() if "dropped a control message" in line]
+    assert 1 <= len(dropped) <= 10, len(dropped)
