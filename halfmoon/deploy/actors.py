@@ -173,6 +173,7 @@ class GatewayHost:
         from halfmoon.engine.tokenizer import Tokenizer
         from halfmoon.serve.cluster import ClusterBackend
         from halfmoon.serve.gateway import GatewayConfig, create_app
+        from halfmoon.serve.http_limits import ConnectionLimits, server_config
 
         spec = self.spec
         model_dir = prepare_model(spec.model, spec.seed)
@@ -190,8 +191,9 @@ class GatewayHost:
         controller = _ControllerClient(controller_name)
         app = create_app(backend, Tokenizer.from_dir(model_dir), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
-        self._server = uvicorn.Server(uvicorn.Config(
-            app, host=self.host, port=spec.port, log_level="warning", lifespan="off"))  # fmt: skip
+        self._server = uvicorn.Server(
+            server_config(app, self.host, spec.port, ConnectionLimits())
+        )
         settle_gc()
         serving = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started and not serving.done():

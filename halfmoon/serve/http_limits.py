@@ -1,14 +1,22 @@
-"""Limits the gateway enforces on HTTP requests before any route sees them.
+"""Limits the gateway enforces on HTTP connections and requests before any route sees them.
 
-:class:`BodyLimit` is plain ASGI middleware: a declared ``Content-Length`` over the limit
-is refused before anything is read, and any other body (``Transfer-Encoding: chunked``
-included) is counted while it arrives and refused the moment it passes the limit, so a
-client can never make the gateway hold, parse or tokenize more than ``max_bytes``.
+- :class:`BodyLimit` (ASGI middleware): a declared ``Content-Length`` over the limit is
+  refused before anything is read; any other body (``Transfer-Encoding: chunked``
+  included) is counted while it arrives and refused the moment it passes the limit, so a
+  client can never make the gateway hold, parse or tokenize more than ``max_bytes``. A
+  body that takes longer than ``body_timeout_s`` to arrive gets a 408.
+- :func:`server_config` (uvicorn): a connection that has not sent a whole request head
+  within ``header_timeout_s`` — a new one, or a kept-alive one between requests — is
+  closed (uvicorn alone keeps a silent new connection forever); idle keep-alive
+  connections close after ``keep_alive_s``; beyond ``max_connections`` new requests get
+  503s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.serve.openai_api import error_body
@@ -20,9 +28,10 @@ class BodyLimit:
     """Refuse request bodies over ``max_bytes`` with an OpenAI-shaped 413, whatever their
     framing; smaller bodies are read once and handed to ``app`` unchanged."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -34,8 +43,15 @@ class BodyLimit:
             return
         chunks: list[bytes] = []
         total = 0
+        deadline_s = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                left_s = deadline_s - asyncio.get_running_loop().time()
+                message = await asyncio.wait_for(receive(), max(0.0, left_s))
+            except TimeoutError:
+                await self._refuse(send, 408, f"request body not received within "
+                                              f"{self.body_timeout_s:g}s")  # fmt: skip
+                return
             if message["type"] != "http.request":  # the client went away mid-body
                 return
             body = message.get("body", b"")
@@ -58,13 +74,79 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Any) -> None:
-        message = f"request body over {self.max_bytes} bytes"
-        payload = json.dumps(error_body(message, "BadRequestError", 413)).encode()
+    async def _refuse(self, send: Any, status: int = 413, message: str = "") -> None:
+        message = message or f"request body over {self.max_bytes} bytes"
+        payload = json.dumps(error_body(message, "BadRequestError", status)).encode()
         await send({
-            "type": "http.response.start", "status": 413,
+            "type": "http.response.start", "status": status,
             "headers": [(b"content-type", b"application/json"),
                         (b"content-length", str(len(payload)).encode()),
                         (b"connection", b"close")],
         })  # fmt: skip
         await send({"type": "http.response.body", "body": payload})
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long and how many HTTP connections the gateway keeps (see the module doc)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: int = 5
+    max_connections: int = 2048
+
+
+def guarded_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that sends no whole request head within
+    ``header_timeout_s`` (the timer runs whenever no request is in progress)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._head_timer is None and self._between_requests():
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._arm()  # a kept-alive connection starting its next request head
+            super().data_received(data)
+            if self._head_timer is not None and not self._between_requests():
+                self._head_timer.cancel()  # the head is complete: the request runs
+                self._head_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def server_config(app: ASGIApp, host: str, port: int, limits: ConnectionLimits) -> Any:
+    """The uvicorn configuration of a gateway serving ``app`` with ``limits``."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="off",
+        http=guarded_protocol(limits.header_timeout_s), timeout_keep_alive=limits.keep_alive_s,
+        limit_concurrency=limits.max_connections,
+    )  # fmt: skip
+

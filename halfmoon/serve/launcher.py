@@ -192,13 +192,12 @@ def start_cluster(
 
 async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_dir: Path,
                          conductor: str, num_workers: int) -> None:  # fmt: skip
-    import uvicorn
-
     from halfmoon.engine.tokenizer import Tokenizer
 
     _QuietServer = _make_quiet_server()  # noqa: N806
     from halfmoon.serve.cluster import ClusterBackend
     from halfmoon.serve.gateway import GatewayConfig, create_app
+    from halfmoon.serve.http_limits import ConnectionLimits, server_config
 
     tokenizer = Tokenizer.from_dir(model_dir)
     backend = ClusterBackend(conductor, group.env[SECRET_ENV].encode(), args.block_size,
@@ -212,8 +211,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         max_concurrent_requests=args.max_concurrent_requests,
     )
     app = create_app(backend, tokenizer, config)
-    server = _QuietServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", lifespan="off"))  # fmt: skip
+    server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
     print(f"halfmoon: serving {config.model_name!r} at http://{args.host}:{args.port}/v1 "
           f"({args.mode}, {num_workers} workers)", flush=True)  # fmt: skip
     loop = asyncio.get_running_loop()
