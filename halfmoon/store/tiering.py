@@ -17,6 +17,7 @@ Rules (tiers are inclusive: a block may sit in both):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +27,8 @@ from halfmoon.store.errors import IntegrityError, StoreError
 from halfmoon.store.events import TIER_DRAM, TIER_SSD, BlockEvicted, BlockStored, StoreEvent
 from halfmoon.store.meta import BlockMeta, StoreConfig, StoreStats, TierStats
 from halfmoon.store.ssd import SSDTier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,6 +212,10 @@ class TierSet:
                     self.dram.unreserve(slot)
                 self._policies[TIER_SSD].discard(h)
                 self._num_corrupt += 1
+                # Once per block: the block leaves the index, so it is never read again.
+                log.warning("SSD block %032x failed its checksum: dropped, treated as a miss "
+                            "(its tokens are recomputed); %d corrupt so far", h,
+                            self._num_corrupt)  # fmt: skip
                 self.events.append(BlockEvicted(h, TIER_SSD))
                 return None
             self._counters[TIER_SSD].num_hits += 1

@@ -39,15 +39,21 @@ def test_data_file_is_preallocated(make_store, tmp_path):
     assert os.path.getsize(tmp_path / "blocks.dat") == 5 * BLOCK_BYTES
 
 
-def test_corrupt_block_is_a_miss_never_garbage(make_store, events, tmp_path):
+def test_corrupt_block_is_a_miss_never_garbage(make_store, events, tmp_path, caplog):
     store = make_store(**ssd_only(tmp_path))
     for i in (0, 1):
         assert store.put(H[i], payload(i), meta(i)) == "ssd"
     flip_bytes(tmp_path / "blocks.dat", store.ssd_file_offset(H[0]) + 100)
-    assert store.get(H[0]) is None
+    with caplog.at_level("WARNING", logger="halfmoon.store.tiering"):
+        assert store.get(H[0]) is None
+        assert store.get(H[0]) is None  # dropped: a plain miss, not logged again
+    assert [r.getMessage() for r in caplog.records] == [
+        f"SSD block {H[0]:032x} failed its checksum: dropped, treated as a miss (its tokens "
+        "are recomputed); 1 corrupt so far"
+    ]
     assert store.get(H[1]) == (meta(1), payload(1))
     stats = store.stats()
-    assert (stats.num_corrupt, stats.num_misses, stats.ssd.num_blocks) == (1, 1, 1)
+    assert (stats.num_corrupt, stats.num_misses, stats.ssd.num_blocks) == (1, 2, 1)
     assert events.of(BlockEvicted, "ssd") == [H[0]]
     assert not store.contains(H[0])
 
