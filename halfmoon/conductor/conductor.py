@@ -44,7 +44,7 @@ from halfmoon.conductor.messages import (
 )
 from halfmoon.conductor.policies import COUPLED_ROUTERS, get_policy
 from halfmoon.conductor.replication import HotSpotPlanner
-from halfmoon.conductor.state import DecodeState, PrefillState
+from halfmoon.conductor.state import DecodeState, PrefillState, check_bookings
 from halfmoon.core.clock import Clock
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
@@ -205,27 +205,7 @@ class Conductor:
     def check_integrity(self) -> None:
         """Assert that placements and per-instance bookings agree both ways, and that each
         instance's totals equal the sum of its parts (tests and the service's ping)."""
-        for rid, (prefill_id, decode_id) in self._placements.items():
-            dstate = self._decode.get(decode_id)
-            assert dstate is not None, f"{rid}: placed on unknown decode {decode_id}"
-            assert (rid in dstate.incoming) != (rid in dstate.running), (
-                f"{rid}: neither (or both) incoming and running on {decode_id}"
-            )
-            assert prefill_id in self._prefill, f"{rid}: placed on unknown prefill {prefill_id}"
-        for iid, state in self._prefill.items():
-            assert state.pending_s.keys() == state.pending_tokens.keys(), iid
-            assert state.started_at_s.keys() <= state.pending_s.keys(), iid
-            total = sum(state.pending_s.values())
-            assert abs(state.total_pending_s - total) <= 1e-6 * max(1.0, total), (
-                f"{iid}: booked {state.total_pending_s} s, parts sum to {total} s"
-            )
-            for rid in state.pending_s:
-                members = self._group_of.get(rid, (self._placements.get(rid, ("",))[0],))
-                assert rid in self._placements and iid in members, f"{rid}: orphan on {iid}"
-        for iid, dstate in self._decode.items():
-            for rid in (*dstate.incoming, *dstate.running):
-                assert self._placements.get(rid, ("", ""))[1] == iid, f"{rid}: orphan on {iid}"
-        assert self._group_of.keys() <= self._placements.keys(), "group of an unplaced request"
+        check_bookings(self._placements, self._group_of, self._prefill, self._decode)
 
     def _finish(self, request_id: str, now_s: float, sample: bool = True) -> None:
         prefill_id, decode_id = self._placements.pop(request_id, ("", ""))

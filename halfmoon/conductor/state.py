@@ -7,6 +7,7 @@ reports move requests along or correct the numbers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from halfmoon.costmodel.base import CostModel
@@ -124,3 +125,36 @@ class DecodeState:
         entry = self.running.pop(request_id, None)
         self.reported_running = self.reported_context_tokens = None
         return None if entry is None else entry[0]
+
+
+def check_bookings(
+    placements: Mapping[str, tuple[str, str]],
+    group_of: Mapping[str, tuple[str, ...]],
+    prefill: Mapping[str, PrefillState],
+    decode: Mapping[str, DecodeState],
+) -> None:
+    """Assert that every placement (request -> (prefill, decode) instance; a CPP group's
+    members in ``group_of``) is booked where it says and that every booking belongs to a
+    placement on that instance; each prefill state's total equals the sum of its parts."""
+    for rid, (prefill_id, decode_id) in placements.items():
+        dstate = decode.get(decode_id)
+        assert dstate is not None, f"{rid}: placed on unknown decode {decode_id}"
+        assert (rid in dstate.incoming) != (rid in dstate.running), (
+            f"{rid}: neither (or both) incoming and running on {decode_id}"
+        )
+        assert prefill_id in prefill, f"{rid}: placed on unknown prefill {prefill_id}"
+    for iid, state in prefill.items():
+        assert state.pending_s.keys() == state.pending_tokens.keys(), iid
+        assert state.started_at_s.keys() <= state.pending_s.keys(), iid
+        total = sum(state.pending_s.values())
+        assert abs(state.total_pending_s - total) <= 1e-6 * max(1.0, total), (
+            f"{iid}: booked {state.total_pending_s} s, parts sum to {total} s"
+        )
+        for rid in state.pending_s:
+            members = group_of.get(rid, (placements.get(rid, ("",))[0],))
+            assert rid in placements and iid in members, f"{rid}: orphan on {iid}"
+    for iid, dstate in decode.items():
+        for rid in (*dstate.incoming, *dstate.running):
+            assert placements.get(rid, ("", ""))[1] == iid, f"{rid}: orphan on {iid}"
+    assert group_of.keys() <= placements.keys(), "group of an unplaced request"
+
