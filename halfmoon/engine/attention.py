@@ -27,7 +27,8 @@ batch 32 on CPU).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -36,19 +37,35 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class LayerKV:
     """K and V of the blocks a prefill chunk just wrote in one layer, each
-    ``[num_blocks, block_size, H_kv, head_dim]``.
+    ``[num_blocks, block_size, H_kv, head_dim]``, in host memory.
 
-    They are views into the engine's pool when the block ids are consecutive, copies
-    otherwise. The engine owns the memory: the views stay valid (and the tokens
-    ``start_token..end_token - 1`` in them unchanged) while the request keeps its blocks,
-    i.e. until it finishes, is aborted or preempted. A consumer that needs the data
-    longer copies it inside the callback; it must never write into the views.
+    ``key`` / ``value`` are read from the pool on first access (a hook that does not look
+    at them costs nothing): on the CPU, views into the engine's pool when the block ids
+    are consecutive, copies otherwise; on a GPU, copies to the host. The engine owns the
+    memory: read them while the request keeps its blocks (until it finishes, is aborted or
+    preempted), during which the tokens ``start_token..end_token - 1`` in them stay
+    unchanged. A consumer that needs the data longer copies it inside the callback; it
+    must never write into the views.
     """
 
-    key: torch.Tensor
-    value: torch.Tensor
     start_token: int
     end_token: int
+    #: Reads ``(K, V)`` of the chunk's blocks in this layer as host tensors.
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False, compare=False)
+
+    @cached_property
+    def _kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read()
+
+    @property
+    def key(self) -> torch.Tensor:
+        """``[num_blocks, block_size, H_kv, head_dim]`` keys (host memory)."""
+        return self._kv[0]
+
+    @property
+    def value(self) -> torch.Tensor:
+        """``[num_blocks, block_size, H_kv, head_dim]`` values (host memory)."""
+        return self._kv[1]
 
 
 #: Per-layer KV hook: ``(request_id, layer, block_ids, kv)``. Runs on the engine's thread

@@ -53,9 +53,11 @@ class KVHandoff:
     """A request's state and KV leaving one engine for another.
 
     ``data`` holds the KV of tokens ``0..num_computed_tokens-1`` in the export layout of
-    :mod:`halfmoon.engine.kv_cache` (``layout`` says which): the exporter's tensor, or its
-    raw bytes after a transfer (``export_to_bytes``). ``token_ids`` are prompt + generated
-    tokens, the last ones not yet computed. ``seed`` keeps seeded sampling identical.
+    :mod:`halfmoon.engine.kv_cache` (``layout`` says which): the exporter's tensor (in host
+    memory, whatever the exporter's device), or its raw bytes after a transfer
+    (``export_to_bytes``); the importer moves it to its own device. ``token_ids`` are
+    prompt + generated tokens, the last ones not yet computed. ``seed`` keeps seeded
+    sampling identical.
     """
 
     request_id: str
@@ -335,11 +337,13 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     # -- KV handoff ------------------------------------------------------------------------
-    def export_kv(self, request_id: str, release: bool = True) -> KVHandoff:
-        """Copy a request's computed KV out (one contiguous tensor, export layout).
+    def export_kv(self, request_id: str, release: bool = True, with_data: bool = True) -> KVHandoff:
+        """Copy a request's computed KV out (one contiguous host tensor, export layout).
 
         With ``release`` a finished ``keep_kv`` request gives its blocks back; a running
-        request is left running either way.
+        request is left running either way. Without ``with_data`` nothing is copied and
+        ``data`` is empty: the request's state alone, for a KV that already left by a
+        stream (a prefill worker's handoff).
         """
         seq = self._seqs.get(request_id)
         if seq is None or not self.block_manager.has_request(request_id):
@@ -353,7 +357,7 @@ class LLMEngine:
             num_computed_tokens=seq.num_computed_tokens,
             seed=seq.seed,
             layout=self.kv_layout,
-            data=self.kv_cache.export_blocks(table),
+            data=self.kv_cache.export_blocks(table) if with_data else b"",
         )
         if release and seq.status is Status.FINISHED:
             self.block_manager.free(request_id)

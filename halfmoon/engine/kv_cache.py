@@ -17,11 +17,20 @@ row-major in the pool's dtype, native (little-endian) byte order::
 
 i.e. exactly ``pool[:, :, block_ids]`` made contiguous, shape ``[L, 2, n, B, H_kv, D]``;
 ``KVLayout.bytes_per_block`` is the size of one block across all layers and both kinds.
+
+Host and device: the pool lives on the engine's device, but everything a
+:class:`KVCache` hands out (``layer_blocks``, ``export_blocks``, the bytes of
+:func:`host_bytes`) is in host memory, and everything it takes (``import_blocks``,
+``import_payloads``) may be host memory: the copies to and from the device happen here,
+in :func:`to_host` and ``.to(pool.device)``. On the CPU both are no-ops, so the views that
+were zero-copy stay zero-copy; on a GPU they are synchronous copies (the caller may reuse
+or free its buffer as soon as the call returns).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +105,32 @@ class KVLayout:
                 )
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself when it already is (no copy), else a synchronous
+    device -> host copy."""
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of ``t`` in host memory: a view without a copy for a contiguous
+    CPU tensor, one device -> host copy for a device tensor. The view keeps its memory
+    alive; for a view into a pool, the pool's owner says how long the values stay valid."""
+    flat = to_host(t.detach()).contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A flat CPU tensor of ``dtype`` over ``data``, without a copy. Read-only buffers
+    (``bytes``) are fine: the engine only reads what it is given."""
+    raw = memoryview(data).cast("B")
+    if raw.nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer gives a tensor it cannot protect from writes.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=dtype)
+
+
 class KVCache:
     """The KV block pool of one engine (see the module docstring for the layout)."""
 
@@ -128,14 +163,22 @@ class KVCache:
         return self.pool[layer, 0], self.pool[layer, 1]
 
     def layer_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(K, V)`` of ``block_ids`` in one layer, ``[n, block_size, H_kv, D]`` each:
-        views into the pool when the ids are consecutive, gathered copies otherwise."""
+        """``(K, V)`` of ``block_ids`` in one layer, ``[n, block_size, H_kv, D]`` each, in
+        host memory: on the CPU, views into the pool when the ids are consecutive and
+        gathered copies otherwise; on a device, copies to the host."""
         keys, values = self.layer(layer)
         if block_ids and block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids))):
             first, last = block_ids[0], block_ids[-1] + 1
-            return keys[first:last], values[first:last]
+            return to_host(keys[first:last]), to_host(values[first:last])
         index = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        return keys.index_select(0, index), values.index_select(0, index)
+        return to_host(keys.index_select(0, index)), to_host(values.index_select(0, index))
+
+    def layer_bytes(self, layer: int, block_ids: list[int]) -> tuple[list, list]:
+        """Host byte views of one layer's K blocks and V blocks ``block_ids`` (one
+        ``memoryview`` per block): zero copy for a CPU pool's consecutive blocks, valid
+        while their owner holds the blocks; copies otherwise."""
+        keys, values = self.layer_blocks(layer, block_ids)
+        return [host_bytes(k) for k in keys], [host_bytes(v) for v in values]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -144,21 +187,25 @@ class KVCache:
         return torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A new contiguous tensor ``[L, 2, n, B, H_kv, D]`` with the blocks' KV (one copy)."""
-        return self.pool[:, :, self._index(block_ids)]
+        """A new contiguous host tensor ``[L, 2, n, B, H_kv, D]`` with the blocks' KV (one
+        copy; on a device, a gather there and one copy to the host)."""
+        return to_host(self.pool[:, :, self._index(block_ids)])
+
+    def export_bytes(self, block_ids: list[int]) -> memoryview:
+        """:meth:`export_blocks` as host bytes (no further copy)."""
+        return host_bytes(self.export_blocks(block_ids))
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor | bytes | memoryview) -> None:
-        """Write an export buffer (tensor in the pool's dtype or raw bytes) into ``block_ids``.
+        """Write an export buffer (tensor in the pool's dtype on any device, or raw host
+        bytes) into ``block_ids``.
 
-        Raw bytes are viewed without a copy (``torch.frombuffer``) and copied once into the pool.
+        Raw bytes are viewed without a copy (:func:`from_bytes`) and copied once into the
+        pool (on a device: synchronously, so the buffer may be freed when this returns).
         """
         shape = self.layout.buffer_shape(len(block_ids))
         expected_bytes = len(block_ids) * self.layout.bytes_per_block
         if not isinstance(data, torch.Tensor):
-            with warnings.catch_warnings():
-                # Read-only buffers (bytes) are fine: the pool copy below only reads them.
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(memoryview(data).cast("B"), dtype=torch.uint8)
+            data = from_bytes(data, torch.uint8)
         num_bytes = data.numel() * data.element_size()
         if num_bytes != expected_bytes:
             raise HalfmoonError(
@@ -172,8 +219,35 @@ class KVCache:
             )
         self.pool[:, :, self._index(block_ids)] = data.reshape(shape).to(self.pool.device)
 
+    def import_payloads(
+        self, block_ids: list[int], payloads: Sequence[bytes | bytearray | memoryview]
+    ) -> None:
+        """Write one-block export buffers of the whole model (host bytes
+        ``[L, 2, 1, B, H_kv, D]`` each, what a block store holds) into ``block_ids``, one
+        payload per block, copying each once; a pool of a layer slice keeps its layers."""
+        if len(payloads) != len(block_ids):
+            raise HalfmoonError(f"{len(payloads)} KV payloads for {len(block_ids)} blocks")
+        self._index(block_ids)  # range check before anything is written
+        first, last, total = self.payload_layers()
+        block_shape = self.layout.buffer_shape(1)[1:]  # [2, 1, B, H_kv, D]
+        expected_bytes = total * self.layout.bytes_per_block // self.layout.num_layers
+        for block, payload in zip(block_ids, payloads, strict=True):
+            data = from_bytes(payload, torch.uint8)
+            if data.numel() != expected_bytes:
+                raise HalfmoonError(
+                    f"a KV payload holds {data.numel()} bytes; a block of the "
+                    f"{total}-layer model has {expected_bytes}"
+                )
+            full = data.view(self.pool.dtype).view(total, *block_shape)
+            self.pool[:, :, block] = full[first:last, :, 0].to(self.pool.device)
+
+    def payload_layers(self) -> tuple[int, int, int]:
+        """``(first, last, total)``: this pool holds layers ``first..last-1`` of a
+        ``total``-layer model (all of them here)."""
+        return 0, self.layout.num_layers, self.layout.num_layers
+
 
 def export_to_bytes(data: torch.Tensor) -> memoryview:
-    """The bytes of an export buffer (zero-copy for a contiguous CPU tensor)."""
-    flat = data.detach().contiguous().cpu().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    """The host bytes of an export buffer (:func:`host_bytes`: zero copy for a contiguous
+    CPU tensor)."""
+    return host_bytes(data)

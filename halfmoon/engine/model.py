@@ -7,6 +7,8 @@ Hugging Face tensor names onto these slices.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,8 +97,8 @@ class DecoderLayer(nn.Module):
     def _call_hook(self, hook: LayerHook, batch: AttentionBatch, kv_cache: KVCache) -> None:
         for seg in batch.prefills:
             if seg.hook:
-                key, value = kv_cache.layer_blocks(self.layer_index, seg.block_ids)
-                kv = LayerKV(key, value, seg.start, seg.end)
+                read = partial(kv_cache.layer_blocks, self.layer_index, seg.block_ids)
+                kv = LayerKV(seg.start, seg.end, read)
                 hook(seg.request_id, self.layer_index, list(seg.block_ids), kv)
 
 

@@ -75,10 +75,11 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     if row.presence_penalty or row.frequency_penalty:
         output = row.token_ids[len(row.token_ids) - row.num_output_tokens :]
         if output:
-            counts = torch.bincount(torch.tensor(output), minlength=vocab)[:vocab].float()
+            ids = torch.tensor(output, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].float()
             logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0)
     if row.repetition_penalty != 1.0 and row.token_ids:
-        seen = torch.tensor(sorted(set(row.token_ids)))
+        seen = torch.tensor(sorted(set(row.token_ids)), device=logits.device)
         seen = seen[seen < vocab]
         values = logits[seen]
         penalty = row.repetition_penalty
@@ -101,14 +102,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """One token id per row of ``logits`` ``[N, vocab]``."""
+    """One token id per row of ``logits`` ``[N, vocab]``, on any device (the seeded draw
+    itself uses a CPU generator on every device)."""
     logits = logits.to(torch.float32)
     for i, row in enumerate(rows):
         if row.token_ids:
             _apply_penalties(logits[i], row)
         if row.logit_bias:
             ids, biases = zip(*row.logit_bias, strict=True)
-            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     tokens = torch.argmax(logits, dim=-1).tolist()

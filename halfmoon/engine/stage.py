@@ -18,7 +18,6 @@ engine's in blocks but holding ``1/K`` of the layers.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
-from halfmoon.engine.kv_cache import KVCache, KVLayout
+from halfmoon.engine.kv_cache import KVCache, KVLayout, from_bytes, host_bytes
 from halfmoon.engine.model import LlamaForCausalLM
 from halfmoon.engine.runner import LOGITS_NONE, ChunkInput, ModelRunner
 
@@ -101,6 +100,10 @@ class StageKVCache(KVCache):
         local = layer - self.layers.first
         return self.pool[local, 0], self.pool[local, 1]
 
+    def payload_layers(self) -> tuple[int, int, int]:
+        """The slice's layers of a whole-model payload (what ``import_payloads`` keeps)."""
+        return self.layers.first, self.layers.last, self.layers.num_layers
+
 
 class StageExecutor:
     """Runs one layer slice of a loaded model over prompt chunks (a CPP stage).
@@ -108,6 +111,9 @@ class StageExecutor:
     ``full_layout`` is the engine's KV layout (all layers); the stage keeps
     ``num_blocks`` blocks of its own layers. ``hook`` is the per-layer KV hook of
     :mod:`halfmoon.engine.attention`, called for every chunk with global layer indices.
+
+    The stage runs on the model's device; what crosses its boundary (hidden states in and
+    out as bytes, prefix payloads, the hook's K/V) is host memory, moved here.
     """
 
     def __init__(
@@ -127,7 +133,6 @@ class StageExecutor:
         # The stage's own prefix cache: its blocks hold only this slice's layers.
         self.blocks = BlockManager(num_blocks, full_layout.block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv_cache, hook)
-        self._full_block_shape = full_layout.buffer_shape(1)
 
     @property
     def hidden_size(self) -> int:
@@ -161,17 +166,12 @@ class StageExecutor:
         self, request_id: str, payloads: Sequence[bytes | bytearray], first_block: int = 0
     ) -> None:
         """Write cached prefix blocks into the request's blocks ``first_block..``: each
-        payload is one whole-model block in the export layout (what the store holds); only
-        this stage's layers are kept."""
+        payload is one whole-model block in the export layout (what the store holds, host
+        memory); only this stage's layers are kept."""
         table = self.blocks.block_table(request_id)
         if first_block + len(payloads) > len(table):
             raise HalfmoonError(f"{len(payloads)} prefix blocks for a {len(table)}-block table")
-        first, last = self.layers.first, self.layers.last
-        with warnings.catch_warnings():  # read-only payloads are fine: they are only read
-            warnings.simplefilter("ignore", UserWarning)
-            for block, payload in zip(table[first_block:], payloads, strict=False):
-                full = torch.frombuffer(payload, dtype=self.dtype).view(self._full_block_shape)
-                self.kv_cache.pool[:, :, block] = full[first:last, :, 0]
+        self.kv_cache.import_payloads(table[first_block : first_block + len(payloads)], payloads)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         """Offer the full blocks of the first ``num_tokens`` tokens to the stage cache."""
@@ -182,14 +182,20 @@ class StageExecutor:
         request_id: str,
         token_ids: Sequence[int],
         start: int,
-        hidden: torch.Tensor | None = None,
+        hidden: torch.Tensor | bytes | bytearray | memoryview | None = None,
         hook: bool = True,
     ) -> torch.Tensor:
         """Run the slice on the chunk ``token_ids`` at positions ``start..``, writing its
         KV; returns the hidden states ``[len(token_ids), hidden]`` for the next stage (the
-        final-normed ones on the last stage)."""
-        if not self.layers.is_first and (hidden is None or hidden.shape[0] != len(token_ids)):
-            raise HalfmoonError(f"stage {self.layers} needs hidden states for every chunk token")
+        final-normed ones on the last stage), on the model's device: hand them on with
+        :meth:`hidden_bytes`, or to :meth:`logits`.
+
+        ``hidden`` (every stage but the first): the previous stage's output, as a tensor
+        on any device or as its host bytes (at least ``len(token_ids)`` rows in the stage
+        dtype; further rows are ignored); it is moved to the model's device here.
+        """
+        if not self.layers.is_first:
+            hidden = self._hidden_in(hidden, len(token_ids))
         chunk = ChunkInput(
             request_id=request_id,
             token_ids=token_ids,
@@ -200,12 +206,31 @@ class StageExecutor:
         )
         return self.runner.execute_layers(chunk, (self.layers.first, self.layers.last), hidden)
 
+    def _hidden_in(self, hidden: object, num_rows: int) -> torch.Tensor:
+        if isinstance(hidden, (bytes, bytearray, memoryview)):
+            flat = from_bytes(hidden, self.dtype)
+            if flat.numel() >= num_rows * self.hidden_size:
+                hidden = flat[: num_rows * self.hidden_size].view(num_rows, self.hidden_size)
+        if not isinstance(hidden, torch.Tensor) or hidden.shape[0] != num_rows:
+            raise HalfmoonError(f"stage {self.layers} needs hidden states for every chunk token")
+        return hidden.to(self.kv_cache.pool.device)
+
+    def hidden_bytes(self, hidden: torch.Tensor, num_rows: int | None = None) -> memoryview:
+        """Host bytes of :meth:`run`'s output (what the next stage's ``run`` takes),
+        padded with zero rows to ``num_rows`` (fixed-size slots of a stream)."""
+        rows = hidden.shape[0]
+        if num_rows is not None and num_rows > rows:
+            pad = hidden.new_zeros(num_rows - rows, hidden.shape[1])
+            hidden = torch.cat([hidden, pad])
+        return host_bytes(hidden)
+
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """LM-head logits of final hidden rows (last stage only)."""
+        """LM-head logits of final hidden rows (last stage only), on the model's device
+        (what :func:`halfmoon.engine.sampling.sample_with_logprobs` takes)."""
         if not self.layers.is_last:
             raise HalfmoonError("only the last stage computes logits")
         with torch.inference_mode():
-            return self.model.compute_logits(hidden_rows)
+            return self.model.compute_logits(hidden_rows.to(self.kv_cache.pool.device))
 
     def release(self, request_id: str) -> None:
         """Give the request's blocks back (no-op when it holds none); committed ones stay

@@ -24,17 +24,14 @@ import contextlib
 import logging
 import random
 import time
-import warnings
 from typing import Any
-
-import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import hash_blocks
 from halfmoon.engine.sampling import row_for, sample_with_logprobs
 from halfmoon.engine.stage import LayerSlice, StageExecutor
 from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
-from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks, tensor_bytes
+from halfmoon.serve.kvstream import LayerStreamer, OutStream, num_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache
 from halfmoon.serve.wire import logprobs_to_wire, params_from_wire
 from halfmoon.serve.worker import Handler, Worker
@@ -234,7 +231,8 @@ class PipelineStage:
             return
         n = num_blocks(len(job.tokens), self.block_size)
         table = job.executor.blocks.block_table(rid)[:n]
-        keys, values = layer_views(job.executor.kv_cache, layer, table)
+        # Host byte views, valid while the job holds its blocks (it waits for its streams).
+        keys, values = job.executor.kv_cache.layer_bytes(layer, table)
         local = layer - job.executor.layers.first
         out = job.kv_out
         assert out is not None
@@ -307,14 +305,10 @@ class PipelineStage:
         hi = min(lo + job.chunk_tokens, len(job.tokens))
         row_bytes = self._row_bytes(job.executor)
         hidden_in = None
-        if job.receiver is not None:
+        if job.receiver is not None:  # chunk c's slot of the region: host bytes
             view = self.transfer.regions.get(job.region).view
             offset = c * job.chunk_tokens * row_bytes
-            with warnings.catch_warnings():  # read-only views are fine: nothing writes them
-                warnings.simplefilter("ignore", UserWarning)
-                hidden_in = torch.frombuffer(
-                    view[offset : offset + (hi - lo) * row_bytes], dtype=job.executor.dtype
-                ).view(hi - lo, -1)
+            hidden_in = view[offset : offset + (hi - lo) * row_bytes]
         t0 = time.monotonic()
         out = job.executor.run(job.rid, job.tokens[lo:hi], lo, hidden_in)
         job.compute_s += time.monotonic() - t0
@@ -323,18 +317,17 @@ class PipelineStage:
         job.progress_s = time.monotonic()
         self.num_chunks_run += 1
         if job.stage + 1 < job.num_stages:
-            padded = torch.zeros(job.chunk_tokens, out.shape[1], dtype=out.dtype)
-            padded[: hi - lo] = out
-            data, out = tensor_bytes(padded), job.hidden_out
-            assert out is not None
-            self.streamer.submit(lambda: out.send(c, [data]))
+            # A whole slot of the stream (chunk_tokens rows), in host memory.
+            data, stream = job.executor.hidden_bytes(out, job.chunk_tokens), job.hidden_out
+            assert stream is not None
+            self.streamer.submit(lambda: stream.send(c, [data]))
         if job.computed:
             job.computed_s = time.monotonic()
             if job.stage + 1 == job.num_stages:
                 job.first_token = self._sample(job, job.executor.logits(out[-1:]))
             self.streamer.submit(lambda: self._finish_streams(job))
 
-    def _sample(self, job: StageJob, logits: torch.Tensor) -> int:
+    def _sample(self, job: StageJob, logits: Any) -> int:
         params = job.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         job.seed = seed

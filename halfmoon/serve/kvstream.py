@@ -1,5 +1,9 @@
-"""The streams out of a prefill worker: a sender thread, byte views of KV layers and the
-sending end of a stream session (KV to a decode worker, hidden states to the next stage)."""
+"""The streams out of a prefill worker: a sender thread and the sending end of a stream
+session (KV to a decode worker, hidden states to the next stage).
+
+Only host bytes pass through here: the engine hands out its KV layers and hidden states
+as host ``memoryview``s (``KVCache.layer_bytes``, ``StageExecutor.hidden_bytes``), whatever
+device it computes on."""
 
 from __future__ import annotations
 
@@ -8,14 +12,7 @@ import queue
 import threading
 from typing import Any
 
-import torch
-
 from halfmoon.transfer import TransferEngine, TransferError
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of a CPU tensor (zero copy when contiguous)."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:
@@ -52,14 +49,6 @@ class LayerStreamer:
         """Stop the thread after the queued jobs."""
         self._queue.put(None)
         self._thread.join(5)
-
-
-def layer_views(kv_cache: Any, layer: int, table: list[int]) -> tuple[list, list]:
-    """Byte views of one layer's K and V blocks ``table`` (zero copy for a pool's
-    consecutive blocks); valid while the blocks are held."""
-    keys, values = kv_cache.layer_blocks(layer, table)
-    n = len(table)
-    return [tensor_bytes(keys[i]) for i in range(n)], [tensor_bytes(values[i]) for i in range(n)]
 
 
 class OutStream:

@@ -9,6 +9,9 @@
   then (when the Conductor names another source) that worker's store through the
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
   engine's own prefix matching picks it up and computes only the rest.
+
+Blocks cross between engine and store as host bytes (``KVCache.export_bytes`` /
+``import_payloads``), whatever device the engine's pool is on.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from halfmoon.core.hashing import NONE_HASH, hash_blocks
 from halfmoon.serve.protocol import hashes_to_wire
@@ -69,8 +70,6 @@ class ClusterPrefixCache:
         self.events = events
         layout = engine.kv_layout
         self.block_size = layout.block_size
-        self._block_shape = layout.buffer_shape(1)
-        self._dtype = engine.kv_cache.pool.dtype
         self.num_blocks_loaded = 0
         self.num_blocks_pulled = 0
 
@@ -99,8 +98,7 @@ class ClusterPrefixCache:
         saved = 0
         for i, h in enumerate(hashes):
             if not self.store.contains(h):
-                data = self.engine.kv_cache.export_blocks([table[i]])
-                payload = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+                payload = self.engine.kv_cache.export_bytes([table[i]])  # host bytes
                 try:
                     self.store.put(h, payload, BlockMeta(self.block_size, parent), position=i)
                     saved += 1
@@ -187,11 +185,7 @@ class ClusterPrefixCache:
             if cached != skip * size:
                 return  # the engine's prefix changed under us: do not guess
             table = bm.block_table(_SEED_REQUEST)
-            blocks = [
-                torch.frombuffer(p, dtype=self._dtype).view(self._block_shape) for p in payloads
-            ]
-            data = torch.cat(blocks, dim=2)  # [L, 2, n, B, H, D]: the export layout
-            self.engine.kv_cache.import_blocks(table[skip:have], data)
+            self.engine.kv_cache.import_payloads(table[skip:have], payloads)
             bm.commit(_SEED_REQUEST, list(prompt), have * size)
             self.num_blocks_loaded += have - skip
         finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from halfmoon.serve.cpp import PipelineStage
-from halfmoon.serve.kvstream import LayerStreamer, OutStream, layer_views, num_blocks
+from halfmoon.serve.kvstream import LayerStreamer, OutStream, num_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
 from halfmoon.serve.protocol import hashes_from_wire, hashes_to_wire
 from halfmoon.serve.wire import logprobs_to_wire, params_from_wire
@@ -251,7 +251,9 @@ class PrefillRole(TokenStreaming):
         if p is None or p.error or kv.end_token < len(p.prompt_token_ids):
             return
         table = self.worker.engine.block_manager.block_table(rid)[: p.num_blocks]
-        keys, values = layer_views(self.worker.engine.kv_cache, layer, table)
+        # Host byte views (zero copy on a CPU engine), valid while the request holds its
+        # blocks: until the handoff below, which waits for the stream first.
+        keys, values = self.worker.engine.kv_cache.layer_bytes(layer, table)
         self.streamer.submit(lambda: p.stream.send_kv(layer, keys, values))
 
     # -- first token: hand over ----------------------------------------------------------------------
@@ -274,7 +276,9 @@ class PrefillRole(TokenStreaming):
             self.streamer.submit(p.stream.finish)
             ok = self.streamer.barrier(HANDOFF_TIMEOUT_S) and ok
             self.kv_bytes_sent += p.stream.bytes_sent
-        handoff = self.worker.engine.export_kv(rid, release=True)  # cached blocks stay cached
+        # The KV went by the stream: only the request's state is needed here (no copy of
+        # its KV, off a GPU or not). Its cached blocks stay cached.
+        handoff = self.worker.engine.export_kv(rid, release=True, with_data=False)
         if finish is None:
             if not ok or p.stream.error:
                 self._fail(rid, p, p.stream.error or "KV stream timed out")

@@ -220,6 +220,19 @@ def test_handoff_continues_exactly(llama_ref: Reference, prompts, temperature: f
     assert seen["r"][-1].finish_reason == "length"
 
 
+def test_export_without_data_only_hands_over_the_state(llama_ref: Reference, prompts) -> None:
+    """What a prefill worker does once the KV went by its stream: no copy, blocks back."""
+    engine = LLMEngine(engine_config(llama_ref.path))
+    (prompt,) = prompts(22, [40], llama_ref.vocab_size)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, seed=9), keep_kv=True)
+    (out,) = engine.step()
+    handoff = engine.export_kv("r", with_data=False)
+    assert handoff.data == b"" and handoff.seed == 9
+    assert handoff.token_ids == (*prompt, *out.token_ids) and handoff.num_computed_tokens == 40
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    engine.check_integrity()
+
+
 def test_import_checks_layout(llama_ref: Reference, prompts) -> None:
     source = LLMEngine(engine_config(llama_ref.path))
     (prompt,) = prompts(21, [20], llama_ref.vocab_size)

@@ -137,3 +137,25 @@ def test_stage_cache_reuses_a_prefix_up_to_the_agreed_token(llama_ref: Reference
     for ex in execs:
         ex.release("s")
         ex.blocks.check_integrity()
+
+
+def test_hidden_states_cross_stages_as_host_bytes(llama_ref: Reference, prompts) -> None:
+    """What a CPP stage sends on (``hidden_bytes``, padded to a stream slot) is what the
+    next stage's ``run`` takes, extra rows ignored; the result equals passing tensors."""
+    engine = LLMEngine(engine_config(llama_ref.path))
+    (tokens,) = prompts(8, [40], llama_ref.vocab_size)
+    expected, _ = pipeline(engine, 2, tokens, chunk=40)
+    first, second = (
+        StageExecutor(engine.runner.model, engine.kv_layout, s, 16)
+        for s in LayerSlice.split(engine.model_config.num_layers, 2)
+    )
+    for ex in (first, second):
+        ex.start("b", tokens)
+    out = first.run("b", tokens, 0)
+    raw = first.hidden_bytes(out, 48)
+    assert isinstance(raw, memoryview)
+    assert raw.nbytes == 48 * first.hidden_size * first.dtype.itemsize
+    assert bytes(raw[out.numel() * first.dtype.itemsize :]) == bytes(raw.nbytes - out.nbytes)
+    assert torch.equal(second.run("b", tokens, 0, raw), expected)
+    with pytest.raises(HalfmoonError, match="hidden states"):
+        second.run("b", tokens, 0, raw[: 10 * first.hidden_size * first.dtype.itemsize])

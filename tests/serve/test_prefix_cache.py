@@ -3,6 +3,7 @@ engine give the same output as computing them; corrupt SSD blocks are recomputed
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,36 @@ def test_corrupt_ssd_block_is_recomputed_not_served(engines, tmp_path):
     assert out.token_ids == ref.token_ids
     assert cache_a.store.stats().num_corrupt == 1
     b.export_kv("b2", release=True)
+    b.check_integrity()
+
+
+def test_blocks_cross_between_a_gpu_engine_and_the_store():
+    """Saving copies blocks off the device into the store's host memory, loading copies
+    them back: exactly (skipped without CUDA; ``HALFMOON_TEST_DEVICE=cpu`` dry-runs it)."""
+    import torch
+
+    device = os.environ.get("HALFMOON_TEST_DEVICE", "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.serve.prefix import ClusterPrefixCache
+
+    config = EngineConfig(model="tiny", kv_cache_mb=16, num_threads=1, device=device)
+    a, b = LLMEngine(config), LLMEngine(config)
+    events = _Events()
+    cache_a, _ = _cache(a, None, events)
+    prompt = [(i * 41) % 4000 + 9 for i in range(100)]
+    ref = _run(a, "g1", prompt)
+    assert cache_a.save("g1", prompt) == 6
+    computed = a.export_kv("g1", release=True).data  # [L, 2, 7, B, H, D] in host memory
+    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    assert cache_b.load(prompt) == 6
+    loaded = b.kv_cache.export_blocks(b.block_manager.match_prefix(prompt))
+    assert torch.equal(loaded, computed[:, :, :6])
+    out = _run(b, "g2", prompt)
+    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+    b.export_kv("g2", release=True)
+    a.check_integrity()
     b.check_integrity()
 
 

@@ -1,0 +1,35 @@
+"""The serving side handles bytes, never tensors: the engine's device (CPU or GPU) stays a
+detail of the engine, which hands out and takes host memory (docs/engine.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import halfmoon.serve
+
+#: Attribute calls that only make sense on a tensor's memory (``.numpy()`` of a GPU
+#: tensor fails; ``frombuffer`` makes a CPU tensor a GPU model cannot take).
+TENSOR_CALLS = {"numpy", "frombuffer", "cpu", "cuda", "pin_memory"}
+
+
+def _offenders(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""]
+        else:
+            modules = []
+        if any(m == "torch" or m.startswith("torch.") for m in modules):
+            found.append(f"{path.name}:{node.lineno}: imports torch")
+        if isinstance(node, ast.Attribute) and node.attr in TENSOR_CALLS:
+            found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_serve_never_touches_tensors() -> None:
+    root = Path(halfmoon.serve.__file__).parent
+    offenders = [o for path in sorted(root.rglob("*.py")) for o in _offenders(path)]
+    assert not offenders, "move host/device handling into halfmoon/engine: " + ", ".join(offenders)
