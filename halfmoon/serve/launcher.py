@@ -162,6 +162,8 @@ def conductor_argv(args: argparse.Namespace) -> list[str]:
         "--block-size", str(args.block_size), "--cpp-stages", str(args.cpp_stages),
         "--cpp-chunk-tokens", str(args.cpp_chunk_tokens),
         "--cpp-min-tokens", str(args.cpp_min_tokens),
+        *(["--cpp-hidden-bytes-per-token", str(args.cpp_hidden_bytes_per_token)]
+          if args.cpp_hidden_bytes_per_token is not None else []),
     ]  # fmt: skip
 
 

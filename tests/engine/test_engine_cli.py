@@ -34,7 +34,7 @@ def test_model_create_then_generate_json(tmp_path: Path, capsys: pytest.CaptureF
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["generate", "--model", "nope", "--prompt", "x"], "neither a directory nor a preset"),
+        (["generate", "--model", "nope", "--prompt", "x"], "unknown model 'nope'"),
         (["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
         (["generate", "--model", "tiny", "--prompt", "x", "--device", "tpu"], "unknown device"),
     ],

@@ -117,9 +117,9 @@ def test_mismatched_config_and_weights(
 def test_unknown_model_missing_files_and_corrupt_weights(
     llama_ref: Reference, tmp_path: Path
 ) -> None:
-    with pytest.raises(HalfmoonError, match="neither a directory nor a preset"):
+    with pytest.raises(HalfmoonError, match="unknown model"):
         load_model("huge")
-    with pytest.raises(HalfmoonError, match="neither a directory nor a preset"):
+    with pytest.raises(HalfmoonError, match="unknown model"):
         load_model(str(tmp_path / "does-not-exist"))
     with pytest.raises(HalfmoonError, match="no config.json"):
         load_model(str(tmp_path))

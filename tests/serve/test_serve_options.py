@@ -54,3 +54,18 @@ def test_settle_gc_takes_start_up_objects_out_of_the_collector():
         assert gc.get_freeze_count() >= len(survivor)
     finally:
         gc.unfreeze()
+
+
+def test_every_conductor_option_of_serve_reaches_the_conductor():
+    """The Conductor process gets each Conductor option ``serve`` takes (the CPP hidden-state
+    size once was accepted and dropped)."""
+    from halfmoon.cli import build_parser
+    from halfmoon.serve.launcher import conductor_argv
+
+    args = build_parser().parse_args(["serve", "--cpp-hidden-bytes-per-token", "0"])
+    argv = conductor_argv(args)
+    assert argv[argv.index("--cpp-hidden-bytes-per-token") + 1] == "0"
+    conductor = build_parser().parse_args(["conductor", "--port", "1", *argv])
+    assert conductor.cpp_hidden_bytes_per_token == 0
+    default = conductor_argv(build_parser().parse_args(["serve"]))
+    assert "--cpp-hidden-bytes-per-token" not in default
