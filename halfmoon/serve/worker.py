@@ -14,6 +14,7 @@ baseline); ``prefill`` and ``decode`` split the work and hand the KV over layer 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -64,11 +65,15 @@ class Heartbeat:
         endpoint, secret, instance_id, interval_s = self._args
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Beats are not queued while the Conductor is away: a restarted Conductor would
+        # get a backlog of them at once and answer each with register_again.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(endpoint)
         beat = encode({"type": "heartbeat", "instance_id": instance_id}, secret)
         try:
             while not self._stop.is_set():
-                sock.send_multipart(beat)
+                with contextlib.suppress(zmq.Again):  # no connection now: skip this beat
+                    sock.send_multipart(beat, flags=zmq.NOBLOCK)
                 if sock.poll(int(interval_s * 1000)):
                     try:
                         reply = decode(sock.recv_multipart(), secret)
@@ -77,6 +82,8 @@ class Heartbeat:
                     if reply.get("type") == "register_again":
                         self.register_again.set()
                         self._stop.wait(1.0)  # give the main loop time to register
+                        while sock.poll(0):  # answers to beats sent before it registered
+                            sock.recv_multipart()
                     elif reply.get("type") == "drain":
                         self.drain.set()
         finally:

@@ -132,3 +132,11 @@ def test_conductor_restart_keeps_requests_and_rebuilds_index(cluster):
     assert new_conductor != conductor
     _wait_registered(cluster, 4)
     assert all(p["integrity"] == "ok" for p in cluster.ping_workers())
+    # Each worker registers again once, not once a second for several seconds (its beats
+    # queued while the Conductor was away each used to draw a register_again).
+    time.sleep(3)
+    log = cluster.log_path.read_text()
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        again = [line for line in log.splitlines()
+                 if f" {name} INFO the Conductor does not know this worker" in line]  # fmt: skip
+        assert len(again) == 1, (name, again)
