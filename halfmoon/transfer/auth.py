@@ -32,6 +32,8 @@ from halfmoon.transfer.protocol import Kind
 
 _NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
+#: The most meta bytes read from a peer before it proved it knows the secret.
+HANDSHAKE_MAX_META_BYTES = 4096
 
 
 def check_secret(secret: bytes) -> bytes:
@@ -69,7 +71,11 @@ def server_handshake(link: Link, secret: bytes, deadline: float) -> PeerHello:
     """Challenge a new client; raise :class:`AuthenticationError` (and close) on failure."""
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
     link.send(Kind.CHALLENGE, {"nonce": server_nonce}, deadline=deadline)
-    frame = link.recv(deadline)
+    try:  # an AUTH frame is a few dozen bytes: nothing bigger is read from a stranger
+        frame = link.recv(deadline, HANDSHAKE_MAX_META_BYTES, max_payload_bytes=0)
+    except TransferError:
+        link.close()
+        raise AuthenticationError(f"client {link.peer} sent no valid AUTH frame") from None
     meta = frame.meta
     client_nonce, mac = meta.get("nonce"), meta.get("mac")
     valid_shape = (

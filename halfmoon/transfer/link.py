@@ -33,6 +33,8 @@ from halfmoon.transfer.errors import (
 )
 from halfmoon.transfer.protocol import (
     HEADER_BYTES,
+    MAX_META_BYTES,
+    MAX_PAYLOAD_BYTES,
     TRAILER_BYTES,
     Frame,
     Kind,
@@ -196,14 +198,23 @@ class Link:
             end += self._io.recv_into(rbuf[end:], deadline)
         self._rend = end
 
-    def recv(self, deadline: float | None = None) -> Frame:
-        """Receive the next frame's header and meta (its payload is read separately)."""
+    def recv(
+        self,
+        deadline: float | None = None,
+        max_meta_bytes: int = MAX_META_BYTES,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+    ) -> Frame:
+        """Receive the next frame's header and meta (its payload is read separately).
+        A header declaring more than the caps fails before its meta is read (an
+        unauthenticated peer gets tight ones: see :mod:`halfmoon.transfer.auth`)."""
         try:
             if self._rend - self._rstart < HEADER_BYTES:
                 self._buffer_at_least(HEADER_BYTES, deadline)
             start = self._rstart
             header = bytes(self._rbuf[start : start + HEADER_BYTES])
-            kind, meta_len, payload_len, head_check = decode_prefix(header)
+            kind, meta_len, payload_len, head_check = decode_prefix(
+                header, max_meta_bytes, max_payload_bytes
+            )
             self._rstart = start + HEADER_BYTES
             if meta_len <= _RBUF_BYTES - HEADER_BYTES:  # the meta comes from the buffer
                 if self._rend - self._rstart < meta_len:

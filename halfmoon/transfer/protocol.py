@@ -117,14 +117,19 @@ def encode_header(
     return prefix + _CHECK.pack(xxhash.xxh3_64_intdigest(prefix + packed)) + packed
 
 
-def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int, int]:
-    """(kind, meta_len, payload_len, head check) of a ``HEADER_BYTES`` header."""
+def decode_prefix(
+    raw: bytes | bytearray | memoryview,
+    max_meta_bytes: int = MAX_META_BYTES,
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+) -> tuple[Kind, int, int, int]:
+    """(kind, meta_len, payload_len, head check) of a ``HEADER_BYTES`` header; lengths
+    over the caps are refused before anything more is read."""
     magic, version, kind, _flags, meta_len, payload_len = _PREFIX.unpack_from(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r}: not a halfmoon transfer peer")
     if version != VERSION:
         raise ProtocolError(f"peer speaks protocol version {version}, this side {VERSION}")
-    if meta_len > MAX_META_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+    if meta_len > max_meta_bytes or payload_len > max_payload_bytes:
         raise ProtocolError(f"frame lengths out of range (meta {meta_len}, payload {payload_len})")
     frame_kind = _KINDS.get(kind)
     if frame_kind is None:

@@ -24,6 +24,11 @@ from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.regions import RegionTable
 from halfmoon.transfer.streams import StreamTable
 
+#: Connections served at once (each has a thread); more are closed as they come. A peer
+#: keeps a few (its pool); a flood of strangers is cut here and by the handshake's
+#: deadline and frame caps.
+MAX_CONNECTIONS = 1024
+
 
 class TransferServer:
     """Serves pushes, puts, pulls and streams for one engine."""
@@ -40,6 +45,7 @@ class TransferServer:
         handshake_timeout_s: float = 5.0,
         io_timeout_s: float = 30.0,
         busy_poll_s: float = DEFAULT_BUSY_POLL_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.secret = check_secret(secret)
         self.regions = regions
@@ -50,6 +56,8 @@ class TransferServer:
         self.handshake_timeout_s = handshake_timeout_s
         self.io_timeout_s = io_timeout_s
         self.busy_poll_s = busy_poll_s  # for the next request, before sleeping (see Link)
+        self.max_connections = max_connections
+        self.num_refused = 0
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -91,7 +99,9 @@ class TransferServer:
         """Serve one connected socket on a new thread (TCP accept or in-process pair)."""
         connection = PeerConnection(self, Link(sock, peer, self.busy_poll_s))
         with self._lock:
-            if self._closed:
+            full = len(self._connections) >= self.max_connections
+            if self._closed or full:
+                self.num_refused += full
                 connection.link.close()
                 return
             self._connections.add(connection)

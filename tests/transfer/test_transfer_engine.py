@@ -1,4 +1,5 @@
 import socket
+import struct
 import threading
 import time
 from typing import NamedTuple
@@ -21,7 +22,17 @@ from halfmoon.transfer import (
 from halfmoon.transfer.auth import client_handshake
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import meta_to_wire
-from halfmoon.transfer.protocol import Kind, hash_to_wire
+from halfmoon.transfer.protocol import (
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    Kind,
+    decode_prefix,
+    hash_to_wire,
+)
+from halfmoon.transfer.regions import RegionTable
+from halfmoon.transfer.server import TransferServer
+from halfmoon.transfer.streams import StreamTable
 
 TRANSPORTS = ("tcp", "shm", "inproc")
 BLOCK = 64 << 10
@@ -272,3 +283,63 @@ def test_a_client_that_vanishes_after_reserving_leaks_no_slot(store_peer):
     link.close()  # gone without PUT_COMMIT
     assert eventually(lambda: store.stats().num_reserved == 0)
     assert not store.contains(9)
+
+
+def _stranger(endpoint: str) -> socket.socket:
+    """A raw TCP connection to a transfer server, its CHALLENGE frame read."""
+    host, port = endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    got = b""
+    while len(got) < HEADER_BYTES:
+        got += sock.recv(HEADER_BYTES - len(got))
+    _kind, meta_len, _payload, _check = decode_prefix(got)
+    while meta_len:
+        meta_len -= len(sock.recv(meta_len))
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the server hangs up (EOF or reset) within ``timeout_s``, reading what it
+    sends before (an ERROR frame)."""
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_stranger_declaring_a_big_frame_is_cut_before_it_is_read():
+    """An unauthenticated peer's AUTH header declaring a 3 MiB meta (or any payload) is
+    refused on the header: nothing more is read or buffered. Before, the server waited
+    for (and would have allocated) the whole meta until the handshake deadline."""
+    server = TransferServer(SECRET, RegionTable(), StreamTable(), handshake_timeout_s=60)
+    endpoint = str(server.start())
+    try:
+        for meta_len, payload_len in ((3 << 20, 0), (100, 1 << 30)):
+            sock = _stranger(endpoint)
+            header = struct.pack("<4sBBHIQ", MAGIC, VERSION, int(Kind.AUTH), 0, meta_len,
+                                 payload_len)  # fmt: skip
+            sock.sendall(header + b"\0" * 8)  # the head check does not matter: cut before
+            assert _closed_by_peer(sock, timeout_s=10), (meta_len, payload_len)
+            sock.close()
+    finally:
+        server.close()
+
+
+def test_connections_beyond_the_limit_are_closed_at_once():
+    server = TransferServer(SECRET, RegionTable(), StreamTable(), max_connections=2)
+    endpoint = str(server.start())
+    try:
+        held = [_stranger(endpoint) for _ in range(2)]  # each got its CHALLENGE
+        host, port = endpoint.rsplit(":", 1)
+        extra = socket.create_connection((host, int(port)), timeout=10)
+        assert _closed_by_peer(extra, timeout_s=10)
+        assert server.num_refused == 1
+        for sock in [*held, extra]:
+            sock.close()
+    finally:
+        server.close()
