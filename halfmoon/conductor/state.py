@@ -114,8 +114,12 @@ class DecodeState:
         return self.cost_model.decode_step_time_s(max(1, num_running), context_tokens)
 
     def start(self, request_id: str, now_s: float) -> None:
-        """The request joined the batch."""
-        _, ctx = self.incoming.pop(request_id, (now_s, 0))
+        """The request joined the batch (ignored unless it was booked here: a request
+        placed by an earlier Conductor, or by the gateway while this one was away, would
+        otherwise be an orphan booking that nothing ever removes)."""
+        if request_id not in self.incoming:
+            return
+        _, ctx = self.incoming.pop(request_id)
         self.running[request_id] = (now_s, ctx)
         self.reported_running = self.reported_context_tokens = None
 
@@ -157,4 +161,3 @@ def check_bookings(
         for rid in (*dstate.incoming, *dstate.running):
             assert placements.get(rid, ("", ""))[1] == iid, f"{rid}: orphan on {iid}"
     assert group_of.keys() <= placements.keys(), "group of an unplaced request"
-

@@ -4,7 +4,7 @@ Stdlib + numpy + xxhash only; every other layer may import from here.
 """
 
 from halfmoon.core.clock import Clock, ManualClock, WallClock
-from halfmoon.core.hashing import NONE_HASH, BlockHashes, hash_blocks
+from halfmoon.core.hashing import NONE_HASH, BlockHashes, chain_root, hash_blocks
 from halfmoon.core.ids import IdGenerator
 from halfmoon.core.request import Request, SamplingParams
 
@@ -17,5 +17,6 @@ __all__ = [
     "Request",
     "SamplingParams",
     "WallClock",
+    "chain_root",
     "hash_blocks",
 ]

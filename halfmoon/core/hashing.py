@@ -9,6 +9,12 @@ so two prompts share ``h_0..h_k`` exactly when they share their first ``(k+1)*B`
 A partial last block is hashed the same way over its shorter slice but marked partial:
 only full blocks are cacheable.
 
+Per-tenant isolation (vLLM's ``cache_salt``): a request with a salt chains its first block
+on :func:`chain_root` of that salt instead of ``NONE_HASH``, so every one of its hashes
+differs from those of the same tokens under another salt or none, and no cache anywhere
+(gateway placement, Conductor index, engine pools, stores) shares a block between them.
+Unsalted requests hash exactly as before.
+
 Speed: the token ids are converted to little-endian u32 bytes once with numpy; the loop
 then does one 16+4*B-byte concatenation and one hash call per block (a 128k-token prompt
 with 16-token blocks takes ~3 ms; see benchmarks/bench_hashing.py).
@@ -16,6 +22,7 @@ with 16-token blocks takes ~3 ms; see benchmarks/bench_hashing.py).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +32,8 @@ import xxhash
 #: Parent of the first block. A different root (e.g. per model or LoRA) gives disjoint chains.
 NONE_HASH = 0
 _DIGEST_BYTES = 16
+#: Domain label of salted roots (a root is never the hash of token bytes).
+_SALT_LABEL = b"halfmoon/cache_salt/v1\0"
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,18 @@ class BlockHashes:
     def full(self) -> tuple[int, ...]:
         """Hashes of the full (cacheable) blocks only."""
         return self.hashes[: self.num_full_blocks]
+
+
+def chain_root(cache_salt: str | None) -> int:
+    """The parent of block 0 for a request with ``cache_salt``: ``NONE_HASH`` without one,
+    else 128 bits of SHA-256 over a fixed label and the salt's UTF-8 bytes (a
+    cryptographic hash: no salt can be chosen to land on another salt's chain)."""
+    if cache_salt is None:
+        return NONE_HASH
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string or None")
+    digest = hashlib.sha256(_SALT_LABEL + cache_salt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:_DIGEST_BYTES], "little")
 
 
 def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

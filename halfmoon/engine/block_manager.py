@@ -13,6 +13,8 @@ Hashes come from :func:`halfmoon.core.hashing.hash_blocks` (chained xxh3_128), s
 on block ``i`` implies the whole prefix ``0..i`` matches. Only full, computed blocks are
 registered. The block holding a prompt's last token is never taken from the cache: its
 logits must be computed, and recomputing into a shared block would write into it.
+A request's ``cache_salt`` roots its chain elsewhere (:func:`~halfmoon.core.hashing.chain_root`):
+requests with different salts never share a block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.hashing import NONE_HASH, hash_blocks
+from halfmoon.core.hashing import chain_root, hash_blocks
 
 
 class BlockManager:
@@ -43,6 +45,8 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         # Hash chain of each request's full computed blocks (also unregistered duplicates).
         self._chains: dict[str, list[int]] = {}
+        # Parent of block 0 of each request's chain (NONE_HASH unless it has a cache salt).
+        self._roots: dict[str, int] = {}
         #: Called as ``listener("stored" | "evicted", block_hash)`` when a hash enters or
         #: leaves the prefix cache (a worker forwards these to the Conductor).
         self.listener: Callable[[str, int], None] | None = None
@@ -70,15 +74,17 @@ class BlockManager:
         """Whether ``request_id`` holds a block table."""
         return request_id in self._tables
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Ids of the cached blocks covering a leading run of ``token_ids``; no side effects.
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """Ids of the cached blocks covering a leading run of ``token_ids`` (hashed under
+        ``cache_salt``); no side effects.
 
         Stops before the block holding the last token (see the module docstring).
         """
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = hash_blocks(token_ids[: max_blocks * self.block_size], self.block_size).full
+        root = chain_root(cache_salt)
+        hashes = hash_blocks(token_ids[: max_blocks * self.block_size], self.block_size, root).full
         hits = []
         for h in hashes:
             block = self._block_by_hash.get(h)
@@ -88,15 +94,22 @@ class BlockManager:
         return hits
 
     # -- allocation ------------------------------------------------------------------------
-    def admit(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int) -> int | None:
+    def admit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        cache_salt: str | None = None,
+    ) -> int | None:
         """Start ``request_id``: take its cached prefix and blocks for ``num_new_tokens`` more.
 
         Returns the number of prefix tokens served from the cache, or None (and changes
-        nothing) when the free blocks do not suffice.
+        nothing) when the free blocks do not suffice. ``cache_salt`` roots the request's
+        hash chain (matching here and registering in :meth:`commit`).
         """
         if request_id in self._tables:
             raise HalfmoonError(f"request {request_id!r} already holds blocks")
-        hits = self.match_prefix(token_ids)
+        hits = self.match_prefix(token_ids, cache_salt)
         num_cached_tokens = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, len(token_ids) - num_cached_tokens)
         needed = self.blocks_for(num_cached_tokens + num_new_tokens) - len(hits)
@@ -107,6 +120,7 @@ class BlockManager:
             self._take(block)
         self._tables[request_id] = hits + [self._pop_free() for _ in range(needed)]
         self._chains[request_id] = [self._hash_by_block[b] for b in hits]
+        self._roots[request_id] = chain_root(cache_salt)
         return num_cached_tokens
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
@@ -119,9 +133,11 @@ class BlockManager:
         table.extend(self._pop_free() for _ in range(needed))
         return True
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """A fresh table of uncached blocks for ``num_tokens`` tokens (KV import); None when
-        the free blocks do not suffice."""
+    def allocate(
+        self, request_id: str, num_tokens: int, cache_salt: str | None = None
+    ) -> list[int] | None:
+        """A fresh table of uncached blocks for ``num_tokens`` tokens (KV import; its hashes
+        chain under ``cache_salt``); None when the free blocks do not suffice."""
         if request_id in self._tables:
             raise HalfmoonError(f"request {request_id!r} already holds blocks")
         needed = self.blocks_for(num_tokens)
@@ -129,6 +145,7 @@ class BlockManager:
             return None
         self._tables[request_id] = [self._pop_free() for _ in range(needed)]
         self._chains[request_id] = []
+        self._roots[request_id] = chain_root(cache_salt)
         return list(self._tables[request_id])
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -141,7 +158,7 @@ class BlockManager:
         size = self.block_size
         while len(chain) < num_full:
             i = len(chain)
-            parent = chain[-1] if chain else NONE_HASH
+            parent = chain[-1] if chain else self._roots[request_id]
             h = hash_blocks(token_ids[i * size : (i + 1) * size], size, parent).hashes[0]
             chain.append(h)
             block = table[i]
@@ -160,6 +177,7 @@ class BlockManager:
         """
         table = self._tables.pop(request_id)
         self._chains.pop(request_id)
+        self._roots.pop(request_id)
         for block in reversed(table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
@@ -203,3 +221,4 @@ class BlockManager:
             assert self._hash_by_block.get(block) == h, f"hash maps disagree on block {block}"
         for request_id, chain in self._chains.items():
             assert len(chain) <= len(self._tables[request_id]), f"{request_id}: chain too long"
+        assert self._roots.keys() == self._tables.keys(), "chain roots differ from block tables"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.hashing import chain_root
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
@@ -57,7 +58,7 @@ class KVHandoff:
     memory, whatever the exporter's device), or its raw bytes after a transfer
     (``export_to_bytes``); the importer moves it to its own device. ``token_ids`` are
     prompt + generated tokens, the last ones not yet computed. ``seed`` keeps seeded
-    sampling identical.
+    sampling identical; ``cache_salt`` keeps its blocks in its tenant's prefix cache.
     """
 
     request_id: str
@@ -67,6 +68,7 @@ class KVHandoff:
     seed: int
     layout: KVLayout
     data: torch.Tensor | bytes | memoryview
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,15 +195,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         keep_kv: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request (text is tokenized with the model's tokenizer).
 
         ``keep_kv``: when it finishes, keep its blocks until :meth:`export_kv` takes them
         (the prefill side of a handoff runs with ``max_tokens=1`` and this flag).
+        ``cache_salt``: its prefix-cache hits come only from requests with the same salt.
         """
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
+        chain_root(cache_salt)  # a bad salt fails here, not in a later step
         seq = self._new_sequence(request_id, token_ids, len(token_ids), params, None, keep_kv)
+        seq.cache_salt = cache_salt
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -358,6 +364,7 @@ class LLMEngine:
             seed=seq.seed,
             layout=self.kv_layout,
             data=self.kv_cache.export_blocks(table) if with_data else b"",
+            cache_salt=seq.cache_salt,
         )
         if release and seq.status is Status.FINISHED:
             self.block_manager.free(request_id)
@@ -381,7 +388,8 @@ class LLMEngine:
             )
         seq = self._new_sequence(request_id, token_ids, handoff.num_prompt_tokens, params,
                                  handoff.seed, False)  # fmt: skip
-        table = self.block_manager.allocate(request_id, len(token_ids))
+        seq.cache_salt = handoff.cache_salt
+        table = self.block_manager.allocate(request_id, len(token_ids), handoff.cache_salt)
         if table is None:
             raise HalfmoonError(f"no free KV blocks to import request {request_id!r}")
         num_blocks = self.block_manager.blocks_for(handoff.num_computed_tokens)

@@ -47,6 +47,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     text: str = field(default="")
+    #: Roots its blocks' hash chain: prefix-cache hits only among requests with the same.
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -177,7 +179,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             wanted = min(seq.num_tokens, self.chunk_tokens, budget)
-            num_cached = self.block_manager.admit(seq.request_id, seq.token_ids, wanted)
+            num_cached = self.block_manager.admit(
+                seq.request_id, seq.token_ids, wanted, seq.cache_salt
+            )
             if num_cached is None:
                 break
             self.waiting.popleft()

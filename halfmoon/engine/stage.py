@@ -144,16 +144,23 @@ class StageExecutor:
         """dtype of the hidden states and the pool."""
         return self.kv_cache.pool.dtype
 
-    def match_blocks(self, token_ids: Sequence[int]) -> int:
-        """Leading blocks of ``token_ids`` this stage's pool holds (no side effects)."""
-        return len(self.blocks.match_prefix(token_ids))
+    def match_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading blocks of ``token_ids`` (under ``cache_salt``) this stage's pool holds
+        (no side effects)."""
+        return len(self.blocks.match_prefix(token_ids, cache_salt))
 
-    def start(self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int = 0) -> int:
+    def start(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_cached_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
         """Blocks for the prompt ``token_ids``, reusing at most ``max_cached_tokens`` of
-        its cached prefix (every stage of a group must start at the same token); returns
-        the prefix tokens reused. Raises when the pool is too small."""
+        its cached prefix under ``cache_salt`` (every stage of a group must start at the
+        same token); returns the prefix tokens reused. Raises when the pool is too small."""
         capped = list(token_ids[: max(0, max_cached_tokens) + 1])
-        cached = self.blocks.admit(request_id, capped, 1)
+        cached = self.blocks.admit(request_id, capped, 1, cache_salt)
         if cached is None or not self.blocks.grow(request_id, len(token_ids)):
             self.release(request_id)
             raise HalfmoonError(

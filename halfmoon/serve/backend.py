@@ -50,13 +50,24 @@ class BackendError(HalfmoonError):
 
 
 class Backend(Protocol):
-    """Generates tokens for the gateway."""
+    """Generates tokens for the gateway. A backend may also offer ``async store_stats()``:
+    its workers' block-store counters by instance, which ``/metrics`` shows."""
 
     def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the request's output; raises :class:`Rejected` before the first chunk
-        when the request is declined, :class:`BackendError` when it fails."""
+        when the request is declined, :class:`BackendError` when it fails.
+
+        ``cache_salt`` (a non-empty string): the request may reuse cached KV only of
+        requests with the same salt (see :func:`halfmoon.core.hashing.chain_root`). The
+        gateway passes it only when a request has one, so a backend without prefix
+        caching may leave it out.
+        """
         ...
 
     async def abort(self, request_id: str) -> None:

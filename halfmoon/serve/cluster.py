@@ -10,12 +10,15 @@ It asks the Conductor service for a placement, then talks to the workers directl
 
 One asyncio DEALER socket per peer; a receive task per socket routes each reply to the
 request's queue. A request that sees no progress for ``token_timeout_s`` fails with
-:class:`BackendError` instead of hanging.
+:class:`BackendError` instead of hanging. A request's ``cache_salt`` roots the block
+hashes sent to the Conductor and goes with every command to the workers, which hash
+under it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -26,7 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from halfmoon.core.hashing import hash_blocks
+from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.backend import BackendError, GenerationChunk, Rejected
 from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wire
@@ -89,9 +92,18 @@ class ClusterBackend:
         self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
         self._attempts: dict[str, str] = {}
         self._incarnations: dict[str, str] = {}
+        #: Workers' block-store counters as the Conductor last reported them (None: not yet).
+        self._store_stats: dict[str, dict[str, int]] | None = None
         self._watcher: asyncio.Task | None = None
         self.max_attempts = 3
         self.conductor_wait_s = 20.0
+        #: After the Conductor has not answered for this long (frozen, or restarting), the
+        #: gateway places requests itself: least loaded by its own count, no prefix reuse.
+        self.conductor_fallback_s = 3.0
+        self._conductor_seen_s = time.monotonic()
+        #: Placeable instances (id -> endpoints and role) as the Conductor last listed them.
+        self._members: dict[str, dict[str, str]] = {}
+        self.num_fallback_placements = 0
         self.watch_interval_s = 0.5
         self._ids = itertools.count(1)
 
@@ -128,7 +140,23 @@ class ClusterBackend:
                     queue.put_nowait(item)
 
     async def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
-        await self._peer(endpoint).sock.send_multipart(encode(msg, self.secret))
+        """Send one signed message; never waits. A peer that stopped reading (frozen) and
+        whose queue is full fails the send: :class:`BackendError` for the Conductor,
+        :class:`WorkerLost` for a worker (the request is placed again)."""
+        try:
+            await self._peer(endpoint).sock.send_multipart(
+                encode(msg, self.secret), flags=zmq.NOBLOCK
+            )
+        except zmq.Again:
+            if endpoint == self._conductor_endpoint:
+                raise BackendError("the Conductor is not taking messages") from None
+            raise WorkerLost(f"worker {endpoint} is not taking messages") from None
+
+    async def _send_abort(self, endpoint: str, request_id: str) -> None:
+        """Tell a worker to drop a request; dropped when it is not reading (frozen: the
+        request's KV hand-off and tokens expire there on their own)."""
+        with contextlib.suppress(WorkerLost):
+            await self._send(endpoint, {"type": "abort", "request_id": request_id})
 
     async def _call(self, endpoint: str, msg: dict[str, Any], timeout_s: float) -> dict:
         msg_id = next(self._ids)
@@ -136,7 +164,10 @@ class ClusterBackend:
         self._calls[msg_id] = fut
         try:
             await self._send(endpoint, {**msg, "msg_id": msg_id})
-            return await asyncio.wait_for(fut, timeout_s)
+            reply = await asyncio.wait_for(fut, timeout_s)
+            if endpoint == self._conductor_endpoint:
+                self._conductor_seen_s = time.monotonic()
+            return reply
         except TimeoutError:
             raise BackendError(f"no answer from {endpoint} within {timeout_s:g}s") from None
         finally:
@@ -166,14 +197,20 @@ class ClusterBackend:
         return {"mode": self.mode, "instances": instances}
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Place the request, start it, and stream its tokens.
+        """Place the request, start it, and stream its tokens (its prefix-cache hits
+        come only from requests with the same ``cache_salt``).
 
         When a worker it runs on is declared dead, the request is placed again from its
         prompt plus the tokens it already produced and continues (up to ``max_attempts``
         placements); the client sees one uninterrupted stream.
         """
+        chain_root(cache_salt)  # a bad salt fails before anything is placed
         produced: list[int] = []
         for attempt in range(self.max_attempts):
             attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
@@ -186,10 +223,10 @@ class ClusterBackend:
                 min_tokens=max(0, params.min_tokens - len(produced)),
             )
             try:
-                decision = await self._place(attempt_id, ids, left)
+                decision = await self._place(attempt_id, ids, left, cache_salt)
                 queue: asyncio.Queue = asyncio.Queue()
                 self._queues[attempt_id] = queue
-                await self._start(attempt_id, ids, left, decision)
+                await self._start(attempt_id, ids, left, decision, cache_salt)
                 async for chunk in self._in_order(attempt_id, queue, decision):
                     produced.extend(chunk.token_ids)
                     if attempt and chunk.cached_tokens is not None:
@@ -208,17 +245,23 @@ class ClusterBackend:
                 if not completed:
                     # Failed before dispatch, refused, lost, timed out or hung up on: a
                     # worker may never say RequestFinished, so the booking goes here.
-                    await self._send(
-                        self._conductor_endpoint, {"type": "release", "request_id": attempt_id}
-                    )
+                    await self._tell_conductor({"type": "release", "request_id": attempt_id})
         raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
 
     async def _report_failed(self, instance_id: str) -> None:
         """Tell the Conductor a worker failed us (it re-checks through heartbeats)."""
         incarnation = self._incarnations.get(instance_id, "")
-        await self._send(self._conductor_endpoint, {
+        self._members.pop(instance_id, None)  # not for fallback placements either
+        await self._tell_conductor({
             "type": "instance_failed", "instance_id": instance_id, "incarnation": incarnation,
         })  # fmt: skip
+
+    async def _tell_conductor(self, msg: dict[str, Any]) -> None:
+        """Fire and forget; dropped (with a warning) when the Conductor is not reading."""
+        try:
+            await self._send(self._conductor_endpoint, msg)
+        except BackendError as exc:
+            log.warning("%s message not sent: %s", msg["type"], exc)
 
     async def _watch(self) -> None:
         """Follow the Conductor's live instances; a request on a vanished one is told."""
@@ -235,6 +278,20 @@ class ClusterBackend:
                 if gone and queue is not None:
                     queue.put_nowait({"type": "lost", "instance": gone[0]})
             self._incarnations = alive
+            self._members = pong.get("members", {})
+            self._store_stats = pong.get("store_stats", {})
+
+    async def store_stats(self, timeout_s: float = 1.0) -> dict[str, dict[str, int]]:
+        """Block-store counters per worker, as the instance watcher last saw them (about a
+        second old); the first call asks the Conductor once, waiting at most ``timeout_s``
+        (``{}`` if it does not answer), and starts the watcher."""
+        if self._store_stats is None:
+            try:
+                pong = await self._call(self._conductor_endpoint, {"type": "ping"}, timeout_s)
+            except BackendError:
+                return {}
+            self._store_stats = pong.get("store_stats", {})
+        return self._store_stats
 
     async def _in_order(
         self, request_id: str, queue: asyncio.Queue, decision: dict[str, Any]
@@ -286,19 +343,24 @@ class ClusterBackend:
         self._route_ids.pop(request_id, None)
         routes = self._routes.pop(request_id, ())
         for endpoint in routes[1:]:
-            await self._send(endpoint, {"type": "abort", "request_id": request_id})
+            await self._send_abort(endpoint, request_id)
 
     async def _abort_attempt(self, attempt_id: str) -> None:
         self._route_ids.pop(attempt_id, None)
         for endpoint in self._routes.pop(attempt_id, ()):
-            await self._send(endpoint, {"type": "abort", "request_id": attempt_id})
+            await self._send_abort(endpoint, attempt_id)
 
     async def _place(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """Ask the Conductor; while it is away or has no worker (a restart in progress),
         ask again for up to ``conductor_wait_s``."""
-        hashes = hash_blocks(prompt_token_ids, self.block_size).hashes  # partial last too
+        root = chain_root(cache_salt)
+        hashes = hash_blocks(prompt_token_ids, self.block_size, root).hashes  # partial last too
         msg = {
             "type": "schedule", "request_id": request_id,
             "input_length": len(prompt_token_ids), "output_length": params.max_tokens,
@@ -307,11 +369,15 @@ class ClusterBackend:
         }  # fmt: skip
         deadline = time.monotonic() + self.conductor_wait_s
         while True:
+            if (fallback := self._fallback_placement()) is not None:
+                return fallback
             try:
                 sent_s = time.perf_counter()
                 decision = await self._call(self._conductor_endpoint, msg, 2.0)
                 decision["rtt_s"] = time.perf_counter() - sent_s
             except BackendError:
+                if (fallback := self._fallback_placement()) is not None:
+                    return fallback
                 if time.monotonic() > deadline:
                     raise BackendError(
                         f"the Conductor did not answer within {self.conductor_wait_s:g}s"
@@ -332,6 +398,7 @@ class ClusterBackend:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         decision: dict[str, Any],
+        cache_salt: str | None = None,
     ) -> None:
         wire_params = params_to_wire(params)
         prefill = decision["prefill"]["command"]
@@ -341,6 +408,7 @@ class ClusterBackend:
             await self._send(prefill, {
                 "type": "generate", "request_id": request_id,
                 "token_ids": list(prompt_token_ids), "params": wire_params,
+                "cache_salt": cache_salt,
             })  # fmt: skip
             return
         decode_ep = decision["decode"]
@@ -360,9 +428,11 @@ class ClusterBackend:
             "num_prompt_tokens": len(prompt_token_ids), "num_stages": max(1, len(group)),
             "est_ttft_s": decision.get("est_ttft_s") or 0.0,
             "prefill_instance": (group[-1] if group else decision["prefill"])["instance_id"],
+            "cache_salt": cache_salt,
         })  # fmt: skip
         if group:
-            await self._start_group(request_id, prompt_token_ids, wire_params, decision)
+            await self._start_group(request_id, prompt_token_ids, wire_params, decision,
+                                    cache_salt)  # fmt: skip
             return
         for plan in decision.get("replications", []):
             target = plan["target"]
@@ -375,7 +445,7 @@ class ClusterBackend:
             "type": "prefill", "request_id": request_id, "token_ids": list(prompt_token_ids),
             "params": wire_params, "decode": decode_ep, "cache_source": decision["cache_source"],
             "cached_tokens": decision["cached_tokens"],
-            "replications": decision.get("replications", []),
+            "replications": decision.get("replications", []), "cache_salt": cache_salt,
         })  # fmt: skip
 
     async def _start_group(
@@ -384,6 +454,7 @@ class ClusterBackend:
         prompt_token_ids: Sequence[int],
         wire_params: dict[str, Any],
         decision: dict[str, Any],
+        cache_salt: str | None = None,
     ) -> None:
         """A chunked-pipeline prefill: every stage gets the prompt, its place in the
         pipeline and its successor's transfer endpoint (see halfmoon.serve.cpp)."""
@@ -398,8 +469,40 @@ class ClusterBackend:
                 "group": [m["instance_id"] for m in group],
                 "commands": [m["command"] for m in group], "decode": decision["decode"],
                 "cached_tokens": decision["cached_tokens"],
-                "cache_source": decision["cache_source"],
+                "cache_source": decision["cache_source"], "cache_salt": cache_salt,
             })  # fmt: skip
+
+    def _fallback_placement(self) -> dict[str, Any] | None:
+        """A decision made here while the Conductor has been silent for longer than
+        ``conductor_fallback_s`` (None before that, or with no known worker): the prefill
+        (or coupled) and decode instances with the fewest requests this gateway has on
+        them. No prefix reuse, no early rejection; the workers' events still go to the
+        Conductor, which ignores requests it did not place."""
+        if time.monotonic() - self._conductor_seen_s <= self.conductor_fallback_s:
+            return None
+        load: dict[str, int] = {}
+        for instances in self._route_ids.values():
+            for iid, _ in instances:
+                load[iid] = load.get(iid, 0) + 1
+
+        def least(role: str) -> dict[str, str] | None:
+            live = [m for m in self._members.values() if m.get("role") == role]
+            return min(live, key=lambda m: (load.get(m["instance_id"], 0), m["instance_id"]),
+                       default=None)  # fmt: skip
+
+        if self.mode == "coupled":
+            prefill = decode = least("coupled")
+        else:
+            prefill, decode = least("prefill"), least("decode")
+        if prefill is None or decode is None:
+            return None
+        self.num_fallback_placements += 1
+        none = {"instance_id": "", "command": "", "transfer": "", "incarnation": ""}
+        return {
+            "type": "decision", "accepted": True, "prefill": prefill, "decode": decode,
+            "cache_source": none, "cached_tokens": 0, "est_ttft_s": 0.0, "replications": [],
+            "fallback": True,
+        }  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         """Tell every worker the request touched to drop it."""

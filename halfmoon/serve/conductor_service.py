@@ -13,7 +13,8 @@ dropped and counted, never answered. Messages (``type``):
 - ``heartbeat``: instance_id (no reply; ``register_again`` when the instance is unknown,
   e.g. after this process restarted — the worker then registers with a snapshot of the
   blocks it holds, which rebuilds the index)
-- ``ping`` -> ``pong`` with the registered instances (and the draining ones)
+- ``ping`` -> ``pong`` with the registered instances (and the draining ones) and the
+  block-store counters their last load reports carried (``store_stats``, for ``/metrics``)
 - ``drain``: instance_id -> ``draining``; the instance leaves placement but stays alive
   and known (its requests finish); its heartbeats are answered ``drain``, so the worker
   exits once it has no unfinished request (scale-down, :mod:`halfmoon.deploy`)
@@ -113,6 +114,8 @@ class ConductorService:
         #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
         self.link_bytes_per_s = 1e9
         self.num_auth_failures = 0
+        #: Block-store counters per instance from its last load report (prefill workers).
+        self.store_stats: dict[str, dict[str, int]] = {}
         self._sock = bind_router(endpoint)
         self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -185,6 +188,7 @@ class ConductorService:
         if kind == "events":
             for event in events_from_wire(str(message["instance_id"]), message["events"]):
                 self.conductor.handle(event)
+            self._note_store_stats(str(message["instance_id"]), message["events"])
             return None
         if kind == "instance_failed":
             self._instance_failed(str(message["instance_id"]), str(message.get("incarnation", "")))
@@ -204,11 +208,25 @@ class ConductorService:
                 "instances": {i: e.role for i, e in self.instances.items()},
                 "endpoints": {i: e.command_endpoint for i, e in self.instances.items()},
                 "incarnations": {i: e.incarnation for i, e in self.instances.items()},
+                # What a gateway may place on by itself while this service is away.
+                "members": {
+                    i: {**self._endpoints(i), "role": e.role}
+                    for i, e in self.instances.items()
+                    if i not in self.draining
+                },
                 "draining": sorted(self.draining),
                 "integrity": self._integrity(),
                 "num_placements": self.conductor.num_placements,
+                "store_stats": {i: s for i, s in self.store_stats.items() if i in self.instances},
             }
         raise ProtocolError(f"unknown message type {kind!r}")
+
+    def _note_store_stats(self, iid: str, items: list[dict[str, Any]]) -> None:
+        """Keep the store counters of ``iid``'s latest load report that carries them."""
+        for item in items:
+            store = item.get("store") if item.get("kind") == "load" else None
+            if isinstance(store, dict):
+                self.store_stats[iid] = {str(k): int(v) for k, v in store.items()}
 
     def _instance_failed(self, iid: str, incarnation: str) -> None:
         """A gateway could not use ``iid``: drop it from placement now rather than after
@@ -247,6 +265,7 @@ class ConductorService:
             # before the new process is added, which removing would undo.)
             log.warning("%s restarted: forgetting its previous state", iid)
             self.conductor.remove_instance(iid)
+            self.store_stats.pop(iid, None)
             self.draining.discard(iid)
         if message.get("draining"):
             self.draining.add(iid)  # a draining worker re-registering: keep it out

@@ -27,13 +27,13 @@ import time
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.hashing import hash_blocks
+from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.engine.sampling import row_for, sample_with_logprobs
 from halfmoon.engine.stage import LayerSlice, StageExecutor
 from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
-from halfmoon.serve.kvstream import LayerStreamer, OutStream, num_blocks
+from halfmoon.serve.kvstream import OutStream, StreamerPool, finish_all, num_blocks
 from halfmoon.serve.prefix import ClusterPrefixCache
-from halfmoon.serve.wire import logprobs_to_wire, params_from_wire
+from halfmoon.serve.wire import cache_salt_from_wire, logprobs_to_wire, params_from_wire
 from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
 
@@ -48,12 +48,18 @@ class PipelineStage:
     """The CPP side of a prefill worker: runs its layer slice of group requests, chunk by
     chunk, between the worker's engine steps (see the module docstring)."""
 
-    def __init__(self, worker: Worker, transfer: TransferEngine, cache: ClusterPrefixCache):
+    def __init__(
+        self,
+        worker: Worker,
+        transfer: TransferEngine,
+        cache: ClusterPrefixCache,
+        streamers: StreamerPool,
+    ):
         self.worker = worker
         self.transfer = transfer
         self.cache = cache
         self.engine = worker.engine
-        self.streamer = LayerStreamer()
+        self.streamers = streamers  # the worker's, shared with its whole-prompt prefills
         self.jobs: dict[str, StageJob] = {}
         self._early: dict[str, dict[int, int]] = {}  # offers that beat their cpp_prefill
         self._executors: dict[tuple[int, int], StageExecutor] = {}
@@ -113,13 +119,14 @@ class PipelineStage:
         layers = LayerSlice.split(self.engine.model_config.num_layers, num_stages)[stage]
         executor = self._executor(layers)
         group = [str(i) for i in msg.get("group", [])]
+        salt = cache_salt_from_wire(msg)
         job = StageJob(
             rid, identity, tokens, params_from_wire(msg["params"]), executor, stage, num_stages,
             chunk_tokens, str(msg.get("next_transfer", "")), dict(msg["decode"]), commands,
             (group[stage - 1] if 0 < stage <= len(group) else "",
              group[stage + 1] if stage + 1 < len(group) else ""),
-            self._offer(executor, tokens, int(msg.get("cached_tokens", 0))),
-            dict(msg.get("cache_source") or {}),
+            self._offer(executor, tokens, int(msg.get("cached_tokens", 0)), salt),
+            dict(msg.get("cache_source") or {}), salt,
         )  # fmt: skip
         self.jobs[rid] = job
         if stage == 0:
@@ -131,13 +138,20 @@ class PipelineStage:
                 "blocks": job.offered_blocks,
             })  # fmt: skip
 
-    def _offer(self, executor: StageExecutor, tokens: list[int], conductor_tokens: int) -> int:
+    def _offer(
+        self,
+        executor: StageExecutor,
+        tokens: list[int],
+        conductor_tokens: int,
+        cache_salt: str | None = None,
+    ) -> int:
         """Prefix blocks this stage can provide: its own cache's, or the store prefix the
         Conductor counted on (loaded from the store, or pulled, at the start)."""
         if not self.engine.config.enable_prefix_caching:
             return 0
         usable = (len(tokens) - 1) // self.block_size
-        return min(max(executor.match_blocks(tokens), conductor_tokens // self.block_size), usable)
+        mine = executor.match_blocks(tokens, cache_salt)
+        return min(max(mine, conductor_tokens // self.block_size), usable)
 
     def _on_cpp_offer(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
@@ -173,7 +187,7 @@ class PipelineStage:
         job.progress_s = job.began_s = time.monotonic()
         start = start_blocks * self.block_size
         try:
-            cached = job.executor.start(job.rid, job.tokens, start)
+            cached = job.executor.start(job.rid, job.tokens, start, job.cache_salt)
             if cached < start:
                 self._load_from_store(job, cached // self.block_size, start_blocks)
         except HalfmoonError as exc:
@@ -185,13 +199,13 @@ class PipelineStage:
         job.kv_out = OutStream(
             self.transfer, job.decode["transfer"], kv_session(job.rid, job.stage, job.num_stages),
             (2 * job.executor.layers.size, n, self.half_block_bytes),
-            f"decode {job.decode.get('instance_id')}",
+            f"decode {job.decode.get('instance_id')}", self.streamers,
         )  # fmt: skip
         chunk_bytes = job.chunk_tokens * self._row_bytes(job.executor)
         if job.stage + 1 < job.num_stages:
             job.hidden_out = OutStream(
                 self.transfer, job.next_transfer, hidden_session(job.rid, job.stage + 1),
-                (job.num_chunks, 1, chunk_bytes), f"stage {job.stage + 1}",
+                (job.num_chunks, 1, chunk_bytes), f"stage {job.stage + 1}", self.streamers,
             )  # fmt: skip
         if job.stage > 0:
             job.region = f"cpp-{job.rid}"
@@ -210,7 +224,8 @@ class PipelineStage:
     def _load_from_store(self, job: StageJob, have_blocks: int, want_blocks: int) -> None:
         """Blocks ``have..want-1`` from the worker's store (or pulled from the Conductor's
         source) into the stage's pool; raises when they are gone (the group agreed on them)."""
-        hashes = hash_blocks(job.tokens[: want_blocks * self.block_size], self.block_size).full
+        prefix = job.tokens[: want_blocks * self.block_size]
+        hashes = hash_blocks(prefix, self.block_size, chain_root(job.cache_salt)).full
         endpoint = job.cache_source.get("transfer", "")
         if job.cache_source.get("instance_id") == self.worker.me.instance_id:
             endpoint = ""
@@ -236,14 +251,7 @@ class PipelineStage:
         local = layer - job.executor.layers.first
         out = job.kv_out
         assert out is not None
-        self.streamer.submit(lambda: out.send_kv(local, keys, values))
-
-    # -- the stream thread ---------------------------------------------------------------------------
-    def _finish_streams(self, job: StageJob) -> None:
-        for out in (job.hidden_out, job.kv_out):
-            if out is not None:
-                out.finish()
-        job.sent.set()
+        out.submit_kv(local, keys, values)
 
     # -- the worker loop ---------------------------------------------------------------------------
     def tick(self) -> None:
@@ -320,12 +328,13 @@ class PipelineStage:
             # A whole slot of the stream (chunk_tokens rows), in host memory.
             data, stream = job.executor.hidden_bytes(out, job.chunk_tokens), job.hidden_out
             assert stream is not None
-            self.streamer.submit(lambda: stream.send(c, [data]))
+            stream.submit(lambda: stream.send(c, [data]))
         if job.computed:
             job.computed_s = time.monotonic()
             if job.stage + 1 == job.num_stages:
                 job.first_token = self._sample(job, job.executor.logits(out[-1:]))
-            self.streamer.submit(lambda: self._finish_streams(job))
+            outs = [out for out in (job.hidden_out, job.kv_out) if out is not None]
+            finish_all(outs, job.sent.set)
 
     def _sample(self, job: StageJob, logits: Any) -> int:
         params = job.params
@@ -374,11 +383,21 @@ class PipelineStage:
         elif job.params.max_tokens <= 1 or len(job.tokens) + 1 >= self.engine.max_model_len:
             finish = "length"
         if finish is None:
-            self.worker.send_to(job.decode["command"], {
-                "type": "handoff", "request_id": job.rid, "token_ids": [*job.tokens, token],
-                "num_prompt_tokens": len(job.tokens), "num_computed_tokens": len(job.tokens),
-                "seed": job.seed,
-            })  # fmt: skip
+            try:
+                self.worker.send_to(job.decode["command"], {
+                    "type": "handoff", "request_id": job.rid, "token_ids": [*job.tokens, token],
+                    "num_prompt_tokens": len(job.tokens), "num_computed_tokens": len(job.tokens),
+                    "seed": job.seed,
+                })  # fmt: skip
+            except ConnectionError as exc:  # its blocks are released: only tell the gateway
+                job.error, job.suspect = str(exc), job.decode.get("instance_id", "")
+                log.warning("request %s: %s", job.rid, job.error)
+                self.worker.send(job.identity, {
+                    "type": "error", "request_id": job.rid, "error": job.error,
+                    "retryable": True, "suspect": job.suspect,
+                })  # fmt: skip
+                events.event("request_finished", request_id=job.rid)
+                return
         else:
             events.event("request_finished", request_id=job.rid)
         n = num_blocks(len(job.tokens), self.engine.config.block_size)
@@ -402,7 +421,7 @@ class PipelineStage:
     def _cancel_streams(self, job: StageJob) -> None:
         for out in (job.hidden_out, job.kv_out):
             if out is not None:
-                self.streamer.submit(out.cancel)
+                out.submit_cancel()
 
     def on_abort(self, request_id: str) -> bool:
         """Drop the request's job; True if there was one."""
@@ -422,5 +441,4 @@ class PipelineStage:
                 "cpp_prefix_tokens_reused": self.num_prefix_tokens_reused}  # fmt: skip
 
     def close(self) -> None:
-        """Stop the stream thread."""
-        self.streamer.close()
+        """Nothing of its own: the stream threads are the role's."""

@@ -42,6 +42,7 @@ class StageJob:
     suspects: tuple[str, str]  # (previous stage, next stage) instance ids
     offered_blocks: int  # prefix blocks this stage can provide (its cache, or the store's)
     cache_source: dict[str, str]
+    cache_salt: str | None = None  # roots its blocks' hashes (its tenant's prefix cache)
     matches: dict[int, int] = field(default_factory=dict)  # stage 0: every stage's offer
     began: bool = False
     start: int = 0

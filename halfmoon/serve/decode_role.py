@@ -17,7 +17,7 @@ from halfmoon.serve.roles import (
     StreamClient,
     TokenStreaming,
 )
-from halfmoon.serve.wire import params_from_wire
+from halfmoon.serve.wire import cache_salt_from_wire, params_from_wire
 from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine
 
@@ -30,6 +30,7 @@ class _Expected:
     region: str
     receivers: list[Any]
     prefill_instance: str = ""
+    cache_salt: str | None = None
     since_s: float = field(default_factory=time.monotonic)
     timeout_s: float = HANDOFF_TIMEOUT_S
 
@@ -50,6 +51,7 @@ class DecodeRole(TokenStreaming):
 
     def _on_expect(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = str(msg["request_id"])
+        salt = cache_salt_from_wire(msg)  # checked before anything is registered
         num_prompt = int(msg["num_prompt_tokens"])
         n = num_blocks(num_prompt, self.worker.engine.config.block_size)
         num_stages = int(msg.get("num_stages", 1))
@@ -77,6 +79,7 @@ class DecodeRole(TokenStreaming):
             region,
             receivers,
             str(msg.get("prefill_instance", "")),
+            salt,
             timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * float(msg.get("est_ttft_s") or 0),
         )
 
@@ -96,6 +99,7 @@ class DecodeRole(TokenStreaming):
                 num_prompt_tokens=int(msg["num_prompt_tokens"]),
                 num_computed_tokens=int(msg["num_computed_tokens"]), seed=int(msg["seed"]),
                 layout=engine.kv_layout, data=self.transfer.regions.get(e.region).view,
+                cache_salt=e.cache_salt,
             )  # fmt: skip
             engine.import_request(handoff, e.params)
         except Exception as exc:  # stream failed or no room: the client must hear of it

@@ -45,9 +45,17 @@ from halfmoon.serve.responses import (
     merge_choices,
     sse,
 )
+from halfmoon.serve.tenancy import effective_salt, matching_key
 from halfmoon.serve.text import OutputText
 
 T = TypeVar("T")
+
+
+#: What ``GatewayConfig.public`` may name, and the paths each opens without an API key.
+PUBLIC_PATHS: dict[str, tuple[str, ...]] = {
+    "metrics": ("/metrics",),
+    "docs": ("/docs", "/redoc", "/openapi.json"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,33 @@ class GatewayConfig:
     #: Threads that tokenize and render chat templates, off the event loop (a 4 MB prompt
     #: takes ~1 s to tokenize; on the loop it froze every other client's stream).
     tokenizer_threads: int = 2
+    #: More accepted API keys (``--api-key`` given several times), beside ``api_key``.
+    api_keys: tuple[str, ...] = ()
+    #: Salt each request's prefix-cache hashes with its API key: one tenant per key, and
+    #: no tenant's ``cached_tokens`` reveal another's prompts (see halfmoon.serve.tenancy).
+    cache_salt_from_api_key: bool = False
+    #: With API keys, which of ``PUBLIC_PATHS`` stay readable without one (``metrics`` for
+    #: a scraper without the key, ``docs`` for /docs, /redoc and /openapi.json).
+    public: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cache_salt_from_api_key and not self.keys:
+            raise ValueError("cache_salt_from_api_key needs at least one API key")
+        unknown = sorted(set(self.public) - set(PUBLIC_PATHS))
+        if unknown:
+            raise ValueError(f"unknown public paths {unknown}: choose from {sorted(PUBLIC_PATHS)}")
+
+    def guarded_paths(self) -> tuple[str, ...]:
+        """Path prefixes that need an API key (when the server has any): everything but
+        /health and the paths made public."""
+        private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
+                   for p in paths]  # fmt: skip
+        return ("/v1/", "/admin/", "/tokenize", "/detokenize", *private)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (none: the server is open)."""
+        return tuple(dict.fromkeys([*([self.api_key] if self.api_key else []), *self.api_keys]))
 
 
 class Gateway:
@@ -79,6 +114,10 @@ class Gateway:
         # gateway); the OpenAI responses show them as cmpl-<id> / chatcmpl-<id>.
         self._ids = IdGenerator(secrets.token_hex(4))
         self.in_flight = 0
+        #: Requests being tokenized, counted against the limit too: before, a burst all
+        #: passed the check (nothing in flight yet) and every request of it was tokenized
+        #: before the excess was refused, behind the others on the tokenizer threads.
+        self.preparing = 0
         self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-cpu")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -86,8 +125,11 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     # -- request preparation ---------------------------------------------------------------
-    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
-        """Validate the model and lengths, tokenize, build sampling parameters."""
+    def prepare(
+        self, body: CompletionRequest | ChatCompletionRequest, api_key: str | None = None
+    ) -> Prepared:
+        """Validate the model and lengths, tokenize, build sampling parameters; the
+        caller's ``api_key`` salts its cache when the server salts by key."""
         cfg = self.config
         self.check_model(body.model)
         unsupported = body.unsupported()
@@ -125,6 +167,9 @@ class Gateway:
         return Prepared(
             self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
             continuous, self._echo_text(body, prompt_ids), body.n, body.include_stop_str_in_output,
+            cache_salt=effective_salt(
+                body.cache_salt, api_key if cfg.cache_salt_from_api_key else None
+            ),
         )  # fmt: skip
 
     def _sampling_params(
@@ -203,7 +248,9 @@ class Gateway:
         self.metrics.running.inc()
         self.in_flight += 1
         try:
-            async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params):
+            # Only a salted request needs a backend that takes a salt.
+            salt = {"cache_salt": p.cache_salt} if p.cache_salt is not None else {}
+            async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params, **salt):
                 yield chunk
         finally:
             self.in_flight -= 1
@@ -304,14 +351,17 @@ def create_app(
     for router in admin_routers:
         app.include_router(router, prefix="/admin")
 
+    guarded = config.guarded_paths()
+
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/admin/") and not config.api_key:
+        if request.url.path.startswith("/admin/") and not config.keys:
             return _error(403, "admin endpoints need an API key (--api-key)", "PermissionDenied")
-        guarded = ("/v1/", "/admin/", "/tokenize", "/detokenize")
-        if config.api_key and request.url.path.startswith(guarded):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+        if config.keys and request.url.path.startswith(guarded):
+            key = matching_key(request.headers.get("authorization"), config.keys)
+            if key is None:
                 return _error(401, "invalid or missing API key", "AuthenticationError")
+            request.state.api_key = key  # the tenant (see GatewayConfig.cache_salt_from_api_key)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -335,6 +385,12 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        store_stats = getattr(backend, "store_stats", None)  # a cluster's workers' stores
+        if store_stats is not None:
+            try:  # cached by the backend; bounded anyway, so a scrape never hangs
+                gw.metrics.store.stats = await asyncio.wait_for(store_stats(), 2.0)
+            except (TimeoutError, BackendError):
+                pass  # keep the last counters
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -353,17 +409,25 @@ def create_app(
         }
 
     def _check_busy(body: CompletionRequest | ChatCompletionRequest) -> None:
-        if gw.in_flight + body.n > config.max_concurrent_requests:
+        busy = gw.in_flight + gw.preparing
+        if busy + body.n > config.max_concurrent_requests:
             gw.metrics.rejections.inc()
             raise HTTPError(
-                429, f"server busy: {gw.in_flight} requests in flight", "RateLimitError",
+                429, f"server busy: {busy} requests in flight", "RateLimitError",
                 {"Retry-After": "1"},
             )  # fmt: skip
 
-    async def _serve(body: CompletionRequest | ChatCompletionRequest) -> Response:
+    async def _serve(
+        body: CompletionRequest | ChatCompletionRequest, request: Request | None = None
+    ) -> Response:
         _check_busy(body)  # refused at once, before tokenizing
-        p = await gw.off_loop(gw.prepare, body)
-        _check_busy(body)  # again: others started while this one was tokenized
+        api_key = getattr(request.state, "api_key", None) if request is not None else None
+        gw.preparing += body.n  # holds its place while tokenized (see Gateway.preparing)
+        try:
+            p = await gw.off_loop(gw.prepare, body, api_key)
+        finally:
+            gw.preparing -= body.n
+        _check_busy(body)  # again: choices of n > 1 count only once their tasks start
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
@@ -386,8 +450,8 @@ def create_app(
         return await collect(p, body.model, first, stream, gw.metrics, gw.token_text)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return await _serve(body)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -408,7 +472,7 @@ def create_app(
         return {"prompt": await gw.off_loop(tokenizer.decode, ids)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await _serve(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(body, request)
 
     return app

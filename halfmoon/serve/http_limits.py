@@ -9,7 +9,8 @@
   within ``header_timeout_s`` — a new one, or a kept-alive one between requests — is
   closed (uvicorn alone keeps a silent new connection forever); idle keep-alive
   connections close after ``keep_alive_s``; beyond ``max_connections`` new requests get
-  503s.
+  a 503 with a JSON body and ``Retry-After`` (:func:`busy_app`), sent once their body
+  has been read, so that a client still sending one sees the answer, not a reset.
 """
 
 from __future__ import annotations
@@ -94,15 +95,62 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_connections: int = 2048
+    #: A request refused beyond ``max_connections`` is read up to this much first.
+    busy_drain_bytes: int = 4 * 1024 * 1024
 
 
-def guarded_protocol(header_timeout_s: float) -> type:
+def busy_app(drain_bytes: int, drain_timeout_s: float) -> ASGIApp:
+    """What a request gets beyond the connection limit: its body is read and dropped (up to
+    ``drain_bytes``, for at most ``drain_timeout_s``), then a 503 with an OpenAI-shaped JSON
+    body, ``Retry-After: 1`` and ``Connection: close``.
+
+    Reading first matters: a socket closed with unread data makes the kernel send a reset,
+    and a client still sending its body then sees the connection die instead of the 503
+    (uvicorn's own 503 is sent unread, as plain text: a 3 MB request got a reset)."""
+    payload = json.dumps(
+        error_body("server busy: too many connections", "ServiceUnavailable", 503)
+    ).encode()
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + drain_timeout_s
+        num_bytes = 0
+        while num_bytes <= drain_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline_s - loop.time()))
+            except TimeoutError:
+                break
+            if message["type"] != "http.request":
+                return  # the client went away
+            num_bytes += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await send({
+            "type": "http.response.start", "status": 503,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(payload)).encode()),
+                        (b"retry-after", b"1"), (b"connection", b"close")],
+        })  # fmt: skip
+        await send({"type": "http.response.body", "body": payload})
+
+    return app
+
+
+def guarded_protocol(header_timeout_s: float, limits: ConnectionLimits | None = None) -> type:
     """uvicorn's h11 protocol, closing a connection that sends no whole request head within
-    ``header_timeout_s`` (the timer runs whenever no request is in progress)."""
+    ``header_timeout_s`` (the timer runs whenever no request is in progress). With
+    ``limits``, a request that starts while ``max_connections`` connections are open or
+    requests run is answered by :func:`busy_app` (the check uvicorn's ``limit_concurrency``
+    makes, with a readable answer)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    busy = None if limits is None else busy_app(limits.busy_drain_bytes, limits.body_timeout_s)
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _own_app: ASGIApp = None
 
         def _between_requests(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -122,6 +170,8 @@ def guarded_protocol(header_timeout_s: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             self._arm()  # a kept-alive connection starting its next request head
+            if busy is not None and self._between_requests():
+                self._choose_app()  # a request may start in this data
             super().data_received(data)
             if self._head_timer is not None and not self._between_requests():
                 self._head_timer.cancel()  # the head is complete: the request runs
@@ -130,6 +180,15 @@ def guarded_protocol(header_timeout_s: float) -> type:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm()
+
+        def _choose_app(self) -> None:
+            """The app of the request that starts next: ours, or the 503 when busy."""
+            if self._own_app is None:
+                self._own_app = self.app
+            assert limits is not None
+            cap = limits.max_connections
+            over = len(self.connections) >= cap or len(self.tasks) >= cap
+            self.app = busy if over else self._own_app
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:
@@ -146,7 +205,6 @@ def server_config(app: ASGIApp, host: str, port: int, limits: ConnectionLimits) 
 
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off",
-        http=guarded_protocol(limits.header_timeout_s), timeout_keep_alive=limits.keep_alive_s,
-        limit_concurrency=limits.max_connections,
+        http=guarded_protocol(limits.header_timeout_s, limits),
+        timeout_keep_alive=limits.keep_alive_s,
     )  # fmt: skip
-

@@ -1,18 +1,30 @@
-"""The streams out of a prefill worker: a sender thread and the sending end of a stream
-session (KV to a decode worker, hidden states to the next stage).
+"""The streams out of a prefill worker: one sender thread per destination and the sending
+end of a stream session (KV to a decode worker, hidden states to the next stage).
 
 Only host bytes pass through here: the engine hands out its KV layers and hidden states
 as host ``memoryview``s (``KVCache.layer_bytes``, ``StageExecutor.hidden_bytes``), whatever
-device it computes on."""
+device it computes on.
+
+A peer that stops taking bytes (frozen, or its host unreachable) must not hold up the
+others: each destination has a thread of its own, every step of a session has a
+sender-side deadline of ``PEER_TIMEOUT_S``, and after one step timed out the destination
+is *stalled* for as long again, so the sessions queued behind it fail at once instead of
+each waiting its own deadline."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from halfmoon.transfer import TransferEngine, TransferError
+from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
+
+#: A peer that does not take one step of a stream (a layer, the final ack) within this is
+#: suspected: the session fails and the request is placed again.
+PEER_TIMEOUT_S = 5.0
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:
@@ -21,11 +33,16 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 
 
 class LayerStreamer:
-    """Sends queued layers on a background thread, so compute never waits for the wire."""
+    """Sends queued jobs on a background thread, so compute never waits for the wire.
 
-    def __init__(self) -> None:
+    ``stalled_for()`` tells how much longer its destination counts as stalled (see the
+    module docstring); ``mark_stalled`` starts that."""
+
+    def __init__(self, name: str = "kv-streamer") -> None:
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kv-streamer", daemon=True)
+        self._stalled_until = 0.0
+        self.stall_reason = ""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -35,7 +52,7 @@ class LayerStreamer:
                 return
             job()
 
-    def submit(self, job: Any) -> None:
+    def submit(self, job: Callable[[], Any]) -> None:
         """Run ``job()`` after everything queued before it."""
         self._queue.put(job)
 
@@ -45,16 +62,53 @@ class LayerStreamer:
         self._queue.put(done.set)
         return done.wait(timeout_s)
 
+    def mark_stalled(self, reason: str, for_s: float = PEER_TIMEOUT_S) -> None:
+        """The destination did not keep up: fail what is queued for it for ``for_s``."""
+        self.stall_reason = reason
+        self._stalled_until = time.monotonic() + for_s
+
+    def stalled_for(self) -> float:
+        """Seconds the destination still counts as stalled (0 when it does not)."""
+        return max(0.0, self._stalled_until - time.monotonic())
+
     def close(self) -> None:
         """Stop the thread after the queued jobs."""
         self._queue.put(None)
         self._thread.join(5)
 
 
+class StreamerPool:
+    """One :class:`LayerStreamer` per destination endpoint, made on first use."""
+
+    def __init__(self) -> None:
+        self._streamers: dict[str, LayerStreamer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str) -> LayerStreamer:
+        """The streamer sending to ``endpoint``."""
+        with self._lock:
+            streamer = self._streamers.get(endpoint)
+            if streamer is None:
+                name = f"kv-streamer-{len(self._streamers)}"
+                streamer = self._streamers[endpoint] = LayerStreamer(name)
+            return streamer
+
+    def __len__(self) -> int:
+        return len(self._streamers)
+
+    def close(self) -> None:
+        """Stop every thread after its queued jobs."""
+        with self._lock:
+            streamers, self._streamers = list(self._streamers.values()), {}
+        for streamer in streamers:
+            streamer.close()
+
+
 class OutStream:
-    """The sending end of one transfer-engine stream session, driven from a streamer
-    thread: opened on the first send; the first failure is kept in ``error`` (naming
-    ``peer``) and every later send is skipped."""
+    """The sending end of one transfer-engine stream session, driven from its
+    destination's streamer thread (``streamers.get(endpoint)``): opened on the first send;
+    the first failure is kept in ``error`` (naming ``peer``) and every later send is
+    skipped. Every step has a deadline of ``timeout_s``."""
 
     def __init__(
         self,
@@ -63,27 +117,40 @@ class OutStream:
         session: str,
         layout: tuple[int, int, int],
         peer: str,
+        streamers: StreamerPool,
+        timeout_s: float = PEER_TIMEOUT_S,
     ) -> None:
         self.transfer = transfer
         self.endpoint = endpoint
         self.session = session
         self.layout = layout  # (num_layers, num_blocks, block_bytes)
         self.peer = peer
+        self.timeout_s = timeout_s
         self.error = ""
         self.bytes_sent = 0
+        self.streamer = streamers.get(endpoint)
         self._sender: Any = None
 
     def _failed(self, exc: Exception) -> None:
         self.error = self.error or f"stream to {self.peer} failed: {exc}"
+        if isinstance(exc, TransferTimeout):
+            self.streamer.mark_stalled(self.error)
 
+    # -- on the streamer thread ---------------------------------------------------------------
     def send(self, layer: int, blocks: list) -> None:
         """Send stream layer ``layer`` (its blocks' byte views)."""
         if self.error:
             return
+        stalled = self.streamer.stalled_for()
+        if stalled and self._sender is None:
+            self.error = f"stream to {self.peer} not started: {self.streamer.stall_reason}"
+            return
         try:
             if self._sender is None:
                 client = self.transfer.connect(self.endpoint)
-                self._sender = client.open_stream(self.session, *self.layout)
+                self._sender = client.open_stream(
+                    self.session, *self.layout, timeout_s=self.timeout_s
+                )
             self._sender.send_layer(layer, blocks)
             self.bytes_sent += sum(len(b) for b in blocks)
         except (TransferError, OSError, ValueError) as exc:
@@ -112,3 +179,37 @@ class OutStream:
         if self._sender is not None:
             with contextlib.suppress(TransferError, OSError):  # the peer may be gone already
                 self._sender.cancel()
+
+    # -- from the engine thread ---------------------------------------------------------------
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Queue ``job`` on this stream's destination thread."""
+        self.streamer.submit(job)
+
+    def submit_kv(self, layer: int, keys: list, values: list) -> None:
+        """Queue :meth:`send_kv`."""
+        self.streamer.submit(lambda: self.send_kv(layer, keys, values))
+
+    def submit_cancel(self) -> None:
+        """Queue :meth:`cancel` (after what is queued: the session may still be opening)."""
+        self.streamer.submit(self.cancel)
+
+
+def finish_all(streams: list[OutStream], done: Callable[[], None]) -> None:
+    """Finish each stream on its destination's thread and call ``done()`` (from one of
+    those threads) once every one has finished or failed. Never blocks the caller."""
+    if not streams:
+        done()
+        return
+    left = [len(streams)]
+    lock = threading.Lock()
+
+    def finish(stream: OutStream) -> None:
+        stream.finish()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    for stream in streams:
+        stream.submit(lambda s=stream: finish(s))

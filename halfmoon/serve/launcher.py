@@ -34,6 +34,7 @@ from halfmoon.serve.runtime import (
     setup_logging,
     warn_if_public,
 )
+from halfmoon.serve.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.worker_main import add_engine_options, engine_config
 
 log = logging.getLogger("serve")
@@ -209,8 +210,10 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     config = GatewayConfig(
         args.served_model_name or model_dir.name.split("-seed")[0],
         max_len,
-        api_key=args.api_key or os.environ.get("HALFMOON_API_KEY"),
+        api_keys=api_keys(args.api_key, os.environ.get(API_KEY_ENV)),
         max_concurrent_requests=args.max_concurrent_requests,
+        cache_salt_from_api_key=args.cache_salt_from_api_key,
+        public=tuple(args.public or ()),
     )
     app = create_app(backend, tokenizer, config)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
@@ -298,6 +301,13 @@ def check_shape(args: argparse.Namespace) -> None:
             f"--cpp-stages {args.cpp_stages} needs --mode disaggregated and at least "
             f"{args.cpp_stages} prefill workers (--prefill {args.prefill})"
         )
+    if getattr(args, "cache_salt_from_api_key", False) and not api_keys(
+        getattr(args, "api_key", None), os.environ.get(API_KEY_ENV)
+    ):
+        raise HalfmoonError(
+            "--cache-salt-from-api-key needs API keys: give --api-key once per tenant "
+            f"(or ${API_KEY_ENV}, comma-separated)"
+        )
     roles = ("prefill", "decode") if args.mode == "disaggregated" else ("coupled",)
     for role in roles:  # the workers' engine options, checked before any process starts
         try:
@@ -347,7 +357,25 @@ def register(subparsers: Any) -> None:
     p.add_argument("--internal-host", default="127.0.0.1", help="address of internal channels")
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
-        "--api-key", default=None, help="require this bearer token (or $HALFMOON_API_KEY)"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this bearer token; repeat for several (or $HALFMOON_API_KEY, "
+        "comma-separated)",
+    )
+    p.add_argument(
+        "--cache-salt-from-api-key",
+        action="store_true",
+        help="give each API key a prefix cache of its own: no tenant's cached_tokens "
+        "reveal another's prompts (shared prefixes are then computed once per key)",
+    )
+    p.add_argument(
+        "--public",
+        action="append",
+        choices=["docs", "metrics"],  # gateway.PUBLIC_PATHS
+        default=None,
+        help="with --api-key, keep this readable without a key: 'metrics' (/metrics) or "
+        "'docs' (/docs, /redoc, /openapi.json); repeat for both (/health is always open)",
     )
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument(

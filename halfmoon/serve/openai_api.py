@@ -8,7 +8,9 @@ log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
-``include_stop_str_in_output``; vLLM's ``/tokenize`` and ``/detokenize``. Known options
+``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
+characters: prefix-cache hits only among requests with the same salt, see
+:mod:`halfmoon.serve.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
 prompt log-probabilities) are refused with a 400 naming them, never silently ignored;
 unknown fields are ignored, as OpenAI's own server does.
@@ -22,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
+from halfmoon.serve.tenancy import MAX_CACHE_SALT_CHARS
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16
@@ -73,6 +76,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
+    #: vLLM's per-tenant prefix-cache isolation: hits only among requests with this salt.
+    cache_salt: str | None = None
     # Known options that are not implemented: refused unless left at their defaults.
     prompt_logprobs: int | None = None
 
@@ -89,6 +94,19 @@ class _Common(BaseModel):
         for item in items:
             check_text(item, "a stop string")
         return value
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _salt(cls, value: object) -> object:
+        # Checked before pydantic's own parsing, so every bad salt gets this one message.
+        if value is None:
+            return None
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                "characters"
+            )
+        return check_text(value, "cache_salt")
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple."""

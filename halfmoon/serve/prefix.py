@@ -11,23 +11,29 @@
   engine's own prefix matching picks it up and computes only the rest.
 
 Blocks cross between engine and store as host bytes (``KVCache.export_bytes`` /
-``import_payloads``), whatever device the engine's pool is on.
+``import_payloads``), whatever device the engine's pool is on. A request's ``cache_salt``
+roots its hashes (:func:`~halfmoon.core.hashing.chain_root`), so its blocks are stored,
+found and pulled only under its tenant's chain.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from halfmoon.core.hashing import NONE_HASH, hash_blocks
+from halfmoon.core.hashing import NONE_HASH, chain_root, hash_blocks
+from halfmoon.serve.kvstream import PEER_TIMEOUT_S
 from halfmoon.serve.protocol import hashes_to_wire
 from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
 from halfmoon.store.events import BlockStored
-from halfmoon.transfer import TransferEngine, TransferError
+from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 _SEED_REQUEST = "__prefix-seed__"
+#: A pull's deadline allows this many bytes per second on top of ``PEER_TIMEOUT_S``.
+PULL_MIN_RATE = 100e6
 
 
 class Holdings:
@@ -72,6 +78,7 @@ class ClusterPrefixCache:
         self.block_size = layout.block_size
         self.num_blocks_loaded = 0
         self.num_blocks_pulled = 0
+        self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
 
     @staticmethod
     def make_store(
@@ -87,14 +94,16 @@ class ClusterPrefixCache:
         return TieredStore(config, listener=holdings)
 
     # -- after a prefill -------------------------------------------------------------------------
-    def save(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+    def save(
+        self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> int:
         """Copy the request's full prompt blocks the store lacks into it; returns how many
         (none when the engine runs without prefix caching)."""
         if not self.engine.config.enable_prefix_caching:
             return 0
-        hashes = hash_blocks(prompt_token_ids, self.block_size).full
+        parent = chain_root(cache_salt)
+        hashes = hash_blocks(prompt_token_ids, self.block_size, parent).full
         table = self.engine.block_manager.block_table(request_id)
-        parent = NONE_HASH
         saved = 0
         for i, h in enumerate(hashes):
             if not self.store.contains(h):
@@ -114,19 +123,22 @@ class ClusterPrefixCache:
         prompt_token_ids: Sequence[int],
         source: TransferEngine | None = None,
         source_endpoint: str = "",
+        cache_salt: str | None = None,
     ) -> int:
-        """Make the longest available prefix resident in the engine; returns its blocks."""
+        """Make the longest available prefix (under ``cache_salt``) resident in the
+        engine; returns its blocks."""
         if not self.engine.config.enable_prefix_caching:
             return 0
-        hashes = list(hash_blocks(prompt_token_ids, self.block_size).full)
+        root = chain_root(cache_salt)
+        hashes = list(hash_blocks(prompt_token_ids, self.block_size, root).full)
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
         hashes = hashes[:usable]
-        in_engine = len(self.engine.block_manager.match_prefix(prompt_token_ids))
+        in_engine = len(self.engine.block_manager.match_prefix(prompt_token_ids, cache_salt))
         payloads = self.fetch(hashes[in_engine:], source, source_endpoint)
         have = in_engine + len(payloads)
         if payloads:
-            self._seed(prompt_token_ids, have, in_engine, payloads)
+            self._seed(prompt_token_ids, have, in_engine, payloads, cache_salt)
         return have
 
     def fetch(
@@ -149,11 +161,20 @@ class ClusterPrefixCache:
         return payloads
 
     def _pull(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> list[bytearray]:
+        """Pull ``hashes`` from a peer's store, within a deadline: the caller (the engine
+        thread) computes what a slow or frozen peer could not give. After a timeout the
+        peer is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one wait, not one
+        per request."""
+        if time.monotonic() < self._stalled.get(endpoint, 0.0):
+            return []
         dests = [bytearray(self.engine.kv_bytes_per_block) for _ in hashes]
+        timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
-            metas = transfer.connect(endpoint).pull(hashes, dests)
+            metas = transfer.connect(endpoint).pull(hashes, dests, timeout_s=timeout_s)
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", endpoint, exc)
+            if isinstance(exc, TransferTimeout):
+                self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
             return []
         out = []
         parent = NONE_HASH
@@ -170,7 +191,14 @@ class ClusterPrefixCache:
         self.num_blocks_pulled += len(out)
         return out
 
-    def _seed(self, prompt: Sequence[int], have: int, skip: int, payloads: list) -> None:
+    def _seed(
+        self,
+        prompt: Sequence[int],
+        have: int,
+        skip: int,
+        payloads: list,
+        cache_salt: str | None = None,
+    ) -> None:
         """Put ``payloads`` (blocks ``skip..have-1``) into the pool as cached free blocks.
 
         ``admit`` holds the engine's own cached prefix (blocks ``0..skip-1``) while the new
@@ -178,7 +206,8 @@ class ClusterPrefixCache:
         """
         bm = self.engine.block_manager
         size = self.block_size
-        cached = bm.admit(_SEED_REQUEST, list(prompt[: have * size + 1]), (have - skip) * size)
+        prefix = list(prompt[: have * size + 1])
+        cached = bm.admit(_SEED_REQUEST, prefix, (have - skip) * size, cache_salt)
         if cached is None:
             return  # no room in the pool: the prefill recomputes instead
         try:

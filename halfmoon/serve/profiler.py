@@ -120,6 +120,7 @@ def measure_profile(engine: Any, model_name: str) -> CostProfile:
         for k, (n, c) in enumerate(PREFILL_POINTS)
         if n + c + 16 <= min(limit, pool_tokens - 2 * engine.config.block_size)
     ]
+
     def fits(batch: int, ctx: int) -> bool:
         return ctx + 64 <= limit and batch * (ctx + 4 * engine.config.block_size) <= pool_tokens
 

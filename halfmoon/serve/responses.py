@@ -61,6 +61,8 @@ class Prepared:
     n: int = 1
     #: Keep a stop string that ends the output in the text.
     include_stop: bool = False
+    #: Roots its prefix-cache hashes (request ``cache_salt`` and/or API key; None: none).
+    cache_salt: str | None = None
 
     def choices(self) -> list[Prepared]:
         """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""

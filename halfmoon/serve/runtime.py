@@ -122,4 +122,3 @@ class RateLimitedLog:
             message += f" ({self.num_suppressed} similar messages suppressed)"
             self.num_suppressed = 0
         self.log.warning(message, *args)
-

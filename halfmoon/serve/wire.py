@@ -46,6 +46,15 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
     )
 
 
+def cache_salt_from_wire(message: dict[str, Any]) -> str | None:
+    """A command's ``cache_salt`` (None when absent); anything but a non-empty string is
+    refused (the gateway sends only those)."""
+    salt = message.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
+    return salt
+
+
 def logprobs_to_wire(entries: tuple[TokenLogprob, ...]) -> list[list[Any]]:
     """Token log-probabilities as ``[[logprob, [[token, logprob], ...]], ...]``."""
     return [[e.logprob, [[t, lp] for t, lp in e.top]] for e in entries]

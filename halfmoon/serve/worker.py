@@ -21,18 +21,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
 from halfmoon.serve.protocol import ProtocolError, decode, encode
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
+if TYPE_CHECKING:
+    from halfmoon.store import StoreStats, TieredStore
+
 log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 0.5
 #: A draining worker exits after this long with nothing to do: a request the Conductor
 #: placed just before the drain may still be on its way from the gateway.
 DRAIN_QUIET_S = 1.0
+#: Messages queued for a peer worker that stopped reading before sends to it fail.
+PEER_QUEUE_MESSAGES = 1000
+#: Events kept for a Conductor that stopped reading (a freeze); the oldest "load"
+#: reports go first, then the oldest events.
+MAX_PENDING_EVENTS = 100_000
 
 Handler = Callable[[bytes, dict[str, Any]], None]
 
@@ -141,7 +149,8 @@ class ConductorLink:
     def _send_registration(self, msg: dict[str, Any], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._sock.send_multipart(encode(msg, self._secret))
+            with contextlib.suppress(zmq.Again):  # queue full: the poll below waits
+                self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
             if self._sock.poll(1000):
                 reply = decode(self._sock.recv_multipart(), self._secret)
                 if reply.get("type") == "registered":
@@ -154,11 +163,19 @@ class ConductorLink:
         self._pending.append({"kind": kind, **fields})
 
     def flush(self) -> None:
-        """Send queued events as one message."""
+        """Send queued events as one message; never blocks. While the Conductor is not
+        reading (frozen, its queue full) they stay queued for the next flush, bounded by
+        ``MAX_PENDING_EVENTS``."""
         if not self._pending:
             return
         msg = {"type": "events", "instance_id": self._me.instance_id, "events": self._pending}
-        self._sock.send_multipart(encode(msg, self._secret))
+        try:
+            self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if len(self._pending) > MAX_PENDING_EVENTS:
+                kept = [e for e in self._pending if e["kind"] != "load"]
+                self._pending = kept[-MAX_PENDING_EVENTS:]
+            return
         self._pending = []
 
     def close(self) -> None:
@@ -210,6 +227,8 @@ class Worker:
         self._peers: dict[str, zmq.Socket] = {}
         self._handlers: dict[str, Handler] = {"ping": self._on_ping, "abort": self._on_abort}
         self.role: Role | None = None
+        #: The block store whose counters ride on the load reports (a prefill worker's).
+        self.store: TieredStore | None = None
         self._last_report_s = 0.0
         self.num_steps = 0
         self.heartbeat: Heartbeat | None = None
@@ -303,13 +322,20 @@ class Worker:
         self._sock.send_multipart([identity, *encode(msg, self.secret)])
 
     def send_to(self, endpoint: str, msg: dict[str, Any]) -> None:
-        """Send one signed message to another worker's command socket."""
+        """Send one signed message to another worker's command socket; never blocks.
+
+        Raises ConnectionError when the peer is not connected or has stopped reading
+        (its queue is full): the caller fails the request instead of waiting on it."""
         sock = self._peers.get(endpoint)
         if sock is None:
             sock = self._peers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, PEER_QUEUE_MESSAGES)
             sock.connect(endpoint)
-        sock.send_multipart(encode(msg, self.secret))
+        try:
+            sock.send_multipart(encode(msg, self.secret), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ConnectionError(f"worker {endpoint} is not taking messages") from None
 
     def _on_ping(self, identity: bytes, msg: dict[str, Any]) -> None:
         stats = self.engine.stats()
@@ -338,7 +364,17 @@ class Worker:
         stats = self.engine.stats()
         block = self.engine.config.block_size
         used_blocks = stats.num_blocks - stats.num_free_blocks
+        extra = {} if self.store is None else {"store": store_counters(self.store.stats())}
         self.conductor.event(
             "load", num_running=stats.num_running, context_tokens=used_blocks * block,
             kv_used_tokens=used_blocks * block, kv_capacity_tokens=stats.num_blocks * block,
+            **extra,
         )  # fmt: skip
+
+
+def store_counters(stats: StoreStats) -> dict[str, int]:
+    """The store counters a load report carries to the Conductor (and on to ``/metrics``)."""
+    return {
+        "corrupt": stats.num_corrupt, "misses": stats.num_misses,
+        "dram_hits": stats.dram.num_hits, "ssd_hits": stats.ssd.num_hits,
+    }  # fmt: skip

@@ -105,6 +105,19 @@ def test_removing_a_stage_drops_the_group_requests_bookings(make_conductor):
     c.check_integrity()
 
 
+def test_events_of_requests_placed_elsewhere_book_nothing(make_conductor):
+    """Workers report requests this Conductor never placed (placed by its predecessor, or
+    by the gateway while it was away): they must not become bookings. Before, a
+    DecodeStarted of such a request left an orphan running entry for ever."""
+    c = make_conductor(num_prefill=2, num_decode=1, **CPP)
+    c.handle(PrefillStarted("P1", "stranger"))
+    c.handle(DecodeStarted("D1", "stranger"))
+    assert not c._decode["D1"].running  # noqa: SLF001
+    c.check_integrity()
+    c.handle(RequestFinished("D1", "stranger"))
+    c.check_integrity()
+
+
 def test_release_drops_every_booking_once(make_conductor):
     """A request that ends without a worker's RequestFinished (failed before dispatch,
     refused, hung up on) is released by its gateway: group members and decode alike."""

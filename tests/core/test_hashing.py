@@ -63,3 +63,32 @@ def test_numpy_and_list_inputs_agree():
 def test_bad_input(tokens, block_size, msg):
     with pytest.raises(ValueError, match=msg):
         hash_blocks(tokens, block_size)
+
+
+def test_cache_salt_roots_a_disjoint_chain():
+    from halfmoon.core.hashing import chain_root
+
+    tokens = list(range(100))  # 6 full blocks and a partial one
+    plain = hash_blocks(tokens, 16).hashes
+    assert chain_root(None) == NONE_HASH
+    assert hash_blocks(tokens, 16, chain_root(None)).hashes == plain  # unsalted: unchanged
+    salted = hash_blocks(tokens, 16, chain_root("tenant-a")).hashes
+    assert list(salted) == _reference_chain(tokens, 16, chain_root("tenant-a"))
+    assert all(s != p for s, p in zip(salted, plain, strict=True))  # block 0 and after
+    assert not set(salted) & set(plain)
+    again = hash_blocks(tokens, 16, chain_root("tenant-a")).hashes
+    assert again == salted  # the same salt shares everything
+    other = hash_blocks(tokens, 16, chain_root("tenant-b")).hashes
+    assert not set(other) & set(salted)
+    # Salted prompts with a shared prefix still share its blocks, and only those.
+    longer = hash_blocks(tokens[:48] + [7] * 52, 16, chain_root("tenant-a")).hashes
+    assert longer[:3] == salted[:3] and longer[3] != salted[3]
+    assert chain_root("é") != chain_root("e") and 0 <= chain_root("x") < 2**128
+
+
+@pytest.mark.parametrize("salt", ["", 5, b"bytes"])
+def test_bad_cache_salt(salt):
+    from halfmoon.core.hashing import chain_root
+
+    with pytest.raises(ValueError, match="cache_salt"):
+        chain_root(salt)

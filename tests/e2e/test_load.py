@@ -1,6 +1,7 @@
 """A bounded load test: 500 requests at concurrency 32 while a prefill and a decode
-worker are SIGKILLed. Every request completes or gets a clear error; nothing hangs; the
-block pools stay consistent; no process outlives the launcher.
+worker are SIGKILLed, and then a decode and a prefill worker are frozen (SIGSTOP) for
+5 s each. Every request completes or gets a clear error; nothing hangs; the block pools
+stay consistent; no process outlives the launcher.
 
 Set ``HALFMOON_RSS_OUT=FILE`` to write each process's peak RSS (docs/reliability.md).
 """
@@ -38,7 +39,11 @@ def _name(pid: int) -> str:
     return "conductor" if "conductor" in argv else "?"
 
 
-def test_500_requests_at_concurrency_32_with_workers_killed(cluster_factory):
+#: Seconds each frozen worker stays stopped.
+FREEZE_S = 5.0
+
+
+def test_500_requests_at_concurrency_32_with_workers_killed_and_frozen(cluster_factory):
     cluster = cluster_factory("--prefill", "2", "--decode", "2", "--kv-cache-mb", "48")
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -66,6 +71,15 @@ def test_500_requests_at_concurrency_32_with_workers_killed(cluster_factory):
             while len(outcomes) < threshold:
                 time.sleep(0.05)
             os.kill(_pids(cluster, role)[0], signal.SIGKILL)
+        for threshold, role in ((330, "decode"), (420, "prefill")):
+            while len(outcomes) < threshold:
+                time.sleep(0.05)
+            victim = _pids(cluster, role)[-1]
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                time.sleep(FREEZE_S)
+            finally:
+                os.kill(victim, signal.SIGCONT)
 
     saboteur = threading.Thread(target=killer, daemon=True)
     saboteur.start()
@@ -73,7 +87,7 @@ def test_500_requests_at_concurrency_32_with_workers_killed(cluster_factory):
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         results = list(pool.map(one, range(NUM_REQUESTS)))
     elapsed = time.monotonic() - start
-    saboteur.join(5)
+    saboteur.join(FREEZE_S + 5)
     client.close()
 
     assert len(results) == NUM_REQUESTS

@@ -110,3 +110,19 @@ def test_stop_leaves_no_process(cluster_factory):
     cluster.proc.wait(30)
     assert [pid for pid in children if alive(pid)] == []
     assert processes_mentioning(str(cluster.cache)) == []
+
+
+def test_cache_salt_isolates_the_coupled_cache(coupled):
+    client = _client(coupled)
+    prompt = " ".join(f"coupled{i}" for i in range(200))
+
+    def cached(**extra):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                        temperature=0, extra_body=extra)  # fmt: skip
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    assert cached(cache_salt="a")[0] == 0
+    hit, prompt_tokens = cached(cache_salt="a")
+    assert hit >= prompt_tokens - 32
+    assert cached(cache_salt="b")[0] == 0
+    assert cached()[0] == 0

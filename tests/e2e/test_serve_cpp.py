@@ -117,3 +117,22 @@ def test_stage_killed_mid_prompt_fails_over_without_hanging(cpp):
     assert out["usage"].completion_tokens == 4  # placed again, completed
     _wait_registered(cpp, 3)
     assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
+
+
+def test_cache_salt_isolates_every_stage(cpp):
+    client = _client(cpp)
+    base = _prompt("s", 1200)
+
+    def cached(salt):
+        out = client.completions.create(model="tiny", prompt=base, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt})  # fmt: skip
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    assert cached("a")[0] == 0
+    reused_before = [p["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
+    hit, prompt_tokens = cached("a")
+    assert hit >= prompt_tokens - 16  # the same salt: every stage reuses the prefix
+    assert cached("b")[0] == 0  # another salt: no stage does
+    reused = [p["cpp_prefix_tokens_reused"] - r for p, r in
+              zip(_stage_stats(cpp), reused_before, strict=True)]  # fmt: skip
+    assert reused == [hit, hit]

@@ -268,3 +268,25 @@ def test_a_chunked_body_over_the_limit_is_refused_while_read(disagg):
     assert sent < 20 * 2**20, f"{sent} bytes went out before the refusal"
     assert _greedy(disagg, "Hello")[1].completion_tokens == 8
 
+
+def _cached_tokens(cluster, prompt, **extra):
+    out = _client(cluster).completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+        extra_body={"ignore_eos": True, **extra},
+    )  # fmt: skip
+    return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+
+def test_cache_salt_isolates_the_cluster_cache(disagg):
+    """Different salts share no block: not in the gateway's placement hashes and the
+    Conductor's index, nor in the prefill worker's engine pool and block store."""
+    prompt = " ".join(f"tenant{i}" for i in range(300))
+    assert _cached_tokens(disagg, prompt, cache_salt="a")[0] == 0
+    hit, prompt_tokens = _cached_tokens(disagg, prompt, cache_salt="a")
+    assert hit >= prompt_tokens - 32  # the same salt: the whole prefix
+    assert _cached_tokens(disagg, prompt, cache_salt="b")[0] == 0
+    assert _cached_tokens(disagg, prompt)[0] == 0
+    assert _cached_tokens(disagg, prompt)[0] == hit
+    reply = httpx.post(disagg.base_url + "/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": "hi", "cache_salt": ""})  # fmt: skip
+    assert reply.status_code == 400 and "cache_salt" in reply.json()["error"]["message"]

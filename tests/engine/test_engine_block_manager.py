@@ -132,3 +132,29 @@ def test_listener_hears_cached_and_evicted_hashes():
     assert sorted(heard[2:]) == sorted([("evicted", chain[0]), ("evicted", chain[1])])
     bm.free("b")
     bm.check_integrity()
+
+
+def test_cache_salts_isolate_prefix_hits() -> None:
+    from halfmoon.core.hashing import chain_root, hash_blocks
+
+    bm = BlockManager(num_blocks=16, block_size=B)
+    heard: list[int] = []
+    bm.listener = lambda kind, h: heard.append(h)
+    prompt = tokens(100, 50)
+    bm.admit("a", prompt, 50, cache_salt="tenant-a")
+    bm.commit("a", prompt, 50)
+    assert heard == list(hash_blocks(prompt, B, chain_root("tenant-a")).full)
+    bm.free("a")
+    assert bm.match_prefix(prompt) == []  # unsalted: no hit
+    assert bm.match_prefix(prompt, "tenant-b") == []  # another salt: no hit
+    assert len(bm.match_prefix(prompt, "tenant-a")) == 3
+    assert bm.admit("b", prompt, 50, cache_salt="tenant-b") == 0
+    assert bm.admit("c", prompt, 50) == 0
+    assert bm.admit("d", prompt, 50, cache_salt="tenant-a") == 48
+    # An imported request's blocks register under its salt too.
+    assert bm.allocate("e", 40, cache_salt="tenant-e") is not None
+    bm.commit("e", tokens(500, 40), 40)
+    assert heard[-2:] == list(hash_blocks(tokens(500, 40), B, chain_root("tenant-e")).full)
+    for rid in "bcde":
+        bm.free(rid)
+    bm.check_integrity()

@@ -158,6 +158,26 @@ def test_api_key_and_body_limit(gateways):
         assert c.get("/health").status_code == 200  # health needs no key
 
 
+@pytest.mark.parametrize("public", [(), ("metrics",), ("docs",), ("metrics", "docs")])
+def test_metrics_and_docs_need_the_key_unless_made_public(gateways, public):
+    """With an API key, /metrics, /docs, /redoc and /openapi.json answer 401 without it
+    (before, they were always open), unless ``public`` (``--public``) names them."""
+    app = gateways.app(EchoBackend(), api_key="sekrit", public=public)
+    key = {"authorization": "Bearer sekrit"}
+    with TestClient(app) as c:
+        for name, paths in {"metrics": ["/metrics"],
+                            "docs": ["/docs", "/redoc", "/openapi.json"]}.items():  # fmt: skip
+            for path in paths:
+                assert c.get(path).status_code == (200 if name in public else 401), path
+                assert c.get(path, headers=key).status_code == 200, path
+        assert c.get("/health").status_code == 200
+    open_app = gateways.app(EchoBackend())  # no key at all: everything is open
+    with TestClient(open_app) as c:
+        assert c.get("/metrics").status_code == 200 and c.get("/docs").status_code == 200
+    with pytest.raises(ValueError, match="unknown public paths"):
+        gateways.app(EchoBackend(), api_key="sekrit", public=("v1",))
+
+
 def test_body_limit_holds_for_chunked_bodies(gateways):
     """A chunked body carries no Content-Length: it is counted while read and refused the
     moment it passes the limit (once, a 50 MB chunked request was read, parsed and
@@ -246,4 +266,3 @@ def test_tokenization_runs_off_the_event_loop(gateways):
         assert c.post("/v1/chat/completions", json=chat).status_code == 200
         assert c.post("/tokenize", json={"model": "echo", "prompt": "hi"}).status_code == 200
     assert len(threads) == 3 and all(t.startswith("gateway-cpu") for t in threads), threads
-

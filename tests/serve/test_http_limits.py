@@ -84,3 +84,42 @@ def test_a_slow_body_gets_a_408_and_a_good_request_works(server_port):
         assert reply.startswith(b"HTTP/1.1 200"), reply
         # kept alive, then idle: closed after the keep-alive timeout, not held forever
         assert _closed_within(s, 3.0)
+
+
+def test_over_the_connection_limit_a_request_gets_a_json_503_not_a_reset():
+    """Beyond ``max_connections`` a request is answered with a 503 whose JSON body says
+    why, with Retry-After, once its body is read; the limit counts open connections.
+    (uvicorn's own 503 was plain text without Retry-After, sent before the body was read:
+    20 clients sending 3 MB bodies over the limit all saw a reset instead of any answer.)"""
+    import httpx
+    import uvicorn
+
+    limits = ConnectionLimits(header_timeout_s=30.0, max_connections=2)
+    port = free_port()
+    server = uvicorn.Server(server_config(BodyLimit(echo_app, 8 << 20), "127.0.0.1", port, limits))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+
+    def wait_for_connections(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(server.server_state.connections) != count:
+            assert time.monotonic() < deadline, f"never {count} connections"
+            time.sleep(0.02)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port)):  # holds one of the two
+            wait_for_connections(1)
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            r = httpx.post(url, content=b"x" * (3 << 20), timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["message"] == "server busy: too many connections"
+        wait_for_connections(0)
+        assert httpx.post(url, content=b"hello", timeout=60).text == "hello"
+    finally:
+        server.should_exit = True
+        thread.join(5)

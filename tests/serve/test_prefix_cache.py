@@ -27,9 +27,9 @@ def engines():
     return LLMEngine(config), LLMEngine(config)
 
 
-def _run(engine, rid, prompt, n=6):
+def _run(engine, rid, prompt, n=6, cache_salt=None):
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    engine.add_request(rid, prompt, params, keep_kv=True)
+    engine.add_request(rid, prompt, params, keep_kv=True, cache_salt=cache_salt)
     out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -68,6 +68,33 @@ def test_blocks_saved_by_one_engine_serve_another(engines):
     a.check_integrity()
     b.check_integrity()
     cache_a.store.check_integrity()
+
+
+def test_salted_blocks_are_stored_and_found_only_under_their_salt(engines):
+    from halfmoon.core.hashing import chain_root, hash_blocks
+    from halfmoon.serve.prefix import ClusterPrefixCache
+
+    a, b = engines
+    events = _Events()
+    cache_a, holdings = _cache(a, None, events)
+    prompt = [(i * 29) % 4000 + 11 for i in range(100)]
+    ref = _run(a, "sa1", prompt, cache_salt="tenant-a")
+    assert cache_a.save("sa1", prompt, "tenant-a") == 6
+    a.export_kv("sa1", release=True)
+    salted = hash_blocks(prompt, 16, chain_root("tenant-a")).full
+    assert all(cache_a.store.contains(h) for h in salted)
+    assert not any(cache_a.store.contains(h) for h in hash_blocks(prompt, 16).full)
+    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    assert cache_b.load(prompt, cache_salt="tenant-b") == 0  # another tenant: nothing
+    assert cache_b.load(prompt) == 0  # no salt: nothing
+    assert cache_b.load(prompt, cache_salt="tenant-a") == 6
+    assert _run(b, "sb0", prompt).num_cached_tokens == 0  # loaded, but under tenant-a only
+    b.export_kv("sb0", release=True)
+    out = _run(b, "sb1", prompt, cache_salt="tenant-a")
+    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+    b.export_kv("sb1", release=True)
+    a.check_integrity()
+    b.check_integrity()
 
 
 def test_corrupt_ssd_block_is_recomputed_not_served(engines, tmp_path):
