@@ -10,7 +10,11 @@ Ray placed it on, and advertises that node's address (as Ray registered it) inst
   actor's process exits too, so Ray restarts the actor (``max_restarts``) and the new
   child registers as a new incarnation — the Conductor's failover does the rest;
 - :class:`GatewayHost`: the OpenAI gateway in the actor's own process (a thread with its
-  own event loop), with the ``/admin`` routes that call the controller.
+  own event loop), with the ``/admin`` routes that call the controller. Ray does not
+  restart it (``max_restarts=0``): the controller does, on the same node, host and port.
+
+Every actor is detached: it outlives the controller that created it, so a restarted
+controller finds the deployment still serving and adopts it (``Controller.recover``).
 
 Children are started from a thread that lives as long as they do: ``PR_SET_PDEATHSIG``
 fires when the *thread* that forked dies, and it must fire only when the actor does.
@@ -146,8 +150,11 @@ class GatewayHost:
 
     def __init__(self, spec: GatewaySpec, conductor: str, controller_name: str,
                  num_workers: int, num_pools: int) -> None:  # fmt: skip
+        import ray
+
         self.spec = spec
         self.host = spec.host or node_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.url = f"http://{self.host}:{spec.port}"
         self._args = (conductor, controller_name, num_workers, num_pools)
         self._ready = threading.Event()
@@ -174,6 +181,7 @@ class GatewayHost:
         from halfmoon.serve.cluster import ClusterBackend
         from halfmoon.serve.gateway import GatewayConfig, create_app
         from halfmoon.serve.http_limits import ConnectionLimits, server_config
+        from halfmoon.serve.tenancy import API_KEY_ENV, api_keys
 
         spec = self.spec
         model_dir = prepare_model(spec.model, spec.seed)
@@ -185,15 +193,15 @@ class GatewayHost:
         config = GatewayConfig(
             spec.served_model_name or model_dir.name.split("-seed")[0],
             spec.max_model_len or _max_model_len(model_dir),
-            api_key=spec.api_key or os.environ.get("HALFMOON_API_KEY"),
+            api_keys=api_keys(spec.api_key, os.environ.get(API_KEY_ENV)),
             max_concurrent_requests=spec.max_concurrent_requests,
+            cache_salt_from_api_key=spec.cache_salt_from_api_key,
+            public=spec.public,
         )
         controller = _ControllerClient(controller_name)
         app = create_app(backend, Tokenizer.from_dir(model_dir), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
-        self._server = uvicorn.Server(
-            server_config(app, self.host, spec.port, ConnectionLimits())
-        )
+        self._server = uvicorn.Server(server_config(app, self.host, spec.port, ConnectionLimits()))
         settle_gc()
         serving = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started and not serving.done():
@@ -211,6 +219,12 @@ class GatewayHost:
         if self._error is not None:
             raise HalfmoonError(f"gateway failed: {self._error}")
         return self.url
+
+    def info(self) -> dict[str, Any]:
+        """Where the gateway serves, and whether its serving thread still runs (it ends
+        when the gateway failed to start or its server stopped)."""
+        return {"url": self.url, "host": self.host, "node_id": self.node_id,
+                "pid": os.getpid(), "serving": self._thread.is_alive()}  # fmt: skip
 
     def stop(self) -> None:
         """Stop serving (requests in flight are cut)."""
@@ -239,17 +253,31 @@ def _max_model_len(model_dir: Any) -> int:
 
 
 class _ControllerClient:
-    """The controller actor, called from the gateway's event loop."""
+    """The controller actor, called from the gateway's event loop.
 
-    def __init__(self, name: str) -> None:
+    While the controller is being restarted, a call is tried again for up to
+    ``wait_s`` (both calls are safe to repeat: a scale names absolute sizes)."""
+
+    def __init__(self, name: str, wait_s: float = 30.0) -> None:
         self.name = name
+        self.wait_s = wait_s
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
         import ray
 
-        handle = ray.get_actor(self.name, namespace=NAMESPACE)
-        ref = getattr(handle, method).remote(*args)
-        reply = await asyncio.wrap_future(ref.future())
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                reply = await asyncio.wrap_future(getattr(handle, method).remote(*args).future())
+                break
+            except ValueError:  # no actor by that name: gone for good, not restarting
+                raise HalfmoonError("the deployment's controller is gone") from None
+            except ray.exceptions.RayActorError as exc:
+                if time.monotonic() > deadline:
+                    raise HalfmoonError(f"the deployment's controller is unavailable "
+                                        f"({type(exc).__name__}); try again") from None  # fmt: skip
+                await asyncio.sleep(0.5)
         if "error" in reply:
             raise HalfmoonError(reply["error"])
         return reply

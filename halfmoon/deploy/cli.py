@@ -55,10 +55,19 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    """Stop every process of the deployment and its controller."""
+    """Stop every process of the deployment and its controller (or, when the controller
+    was killed for good, whatever of the deployment still runs: its actors are detached)."""
     from halfmoon.deploy.ray_serve import stop_deployment
+    from halfmoon.deploy.record import remove_leftovers
 
-    stop_deployment(_controller(args))
+    try:
+        controller = _controller(args)
+    except HalfmoonError:
+        if not remove_leftovers(args.name):
+            raise
+        print(f"halfmoon: deployment {args.name!r} had no controller; ended what was left")
+        return 0
+    stop_deployment(controller, args.name)
     print(f"halfmoon: stopped deployment {args.name!r}")
     return 0
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.serve.tenancy import api_keys
 
 POOL_ROLES = ("prefill", "decode", "coupled")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -150,11 +151,15 @@ class GatewaySpec:
     block_size: int
     host: str | None
     port: int
-    api_key: str | None
+    #: ``--api-key`` values (one per tenant); none: ``$HALFMOON_API_KEY`` on the node.
+    api_key: tuple[str, ...] | str | None
     served_model_name: str | None
     max_model_len: int | None
     max_concurrent_requests: int
     startup_timeout_s: float
+    cache_salt_from_api_key: bool = False
+    #: ``--public`` paths: readable without an API key (GatewayConfig.public).
+    public: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,10 @@ def deploy_spec(args: argparse.Namespace, engine_argv: list[str],
     if any(n < 1 for _, n in sizes):
         raise HalfmoonError("every pool needs at least 1 worker")
     gateway = GatewaySpec(
-        args.model, args.seed, args.mode, args.block_size, args.host, args.port, args.api_key,
-        args.served_model_name, args.max_model_len, args.max_concurrent_requests,
-        args.startup_timeout,
+        args.model, args.seed, args.mode, args.block_size, args.host, args.port,
+        api_keys(args.api_key), args.served_model_name, args.max_model_len,
+        args.max_concurrent_requests, args.startup_timeout,
+        getattr(args, "cache_salt_from_api_key", False), tuple(getattr(args, "public", None) or ()),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       tuple(engine_argv), tuple(conductor_argv), gateway, args.log_level)  # fmt: skip

@@ -11,11 +11,15 @@ Life of a worker record::
 
 Scaling down picks the newest running workers of the pool (highest index): the oldest
 ones have the warmest prefix caches.
+
+:meth:`Pools.to_dict` / :meth:`Pools.from_dict` are the controller's persisted record of
+the pools (JSON), so that a restarted controller keeps issuing new indexes and bundles.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 
@@ -79,6 +83,15 @@ class Pools:
         self.workers[record.name] = record
         return record
 
+    def adopt(self, role: str, index: int, state: str = RUNNING) -> WorkerRecord:
+        """A worker found running but not in the record (outside any bundle; a known one
+        is returned as it is); its index is never issued again."""
+        self._check_role(role)
+        self._next_index[role] = max(self._next_index.get(role, 0), index + 1)
+        record = self.workers.get(f"{role}-{index}") or WorkerRecord(role, index, state=state)
+        self.workers[record.name] = record
+        return record
+
     def counts(self) -> dict[str, int]:
         """Running (not draining) workers per role."""
         out = dict.fromkeys(self.roles, 0)
@@ -120,6 +133,25 @@ class Pools:
         if record.bundle is not None:
             self._free_bundles.setdefault(record.role, []).append(record.bundle)
         return record
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything here as JSON-ready data (:meth:`from_dict` reads it back)."""
+        workers = [{"role": w.role, "index": w.index, "state": w.state, "bundle": w.bundle}
+                   for w in self.workers.values()]  # fmt: skip
+        return {"mode": self.mode, "workers": workers, "next_index": dict(self._next_index),
+                "free_bundles": {r: list(b) for r, b in self._free_bundles.items()}}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Pools:
+        """The pools :meth:`to_dict` described."""
+        pools = cls(str(data["mode"]))
+        for w in data["workers"]:
+            record = WorkerRecord(str(w["role"]), int(w["index"]), str(w["state"]), w["bundle"])
+            pools.workers[record.name] = record
+        pools._next_index = {str(r): int(n) for r, n in data["next_index"].items()}
+        pools._free_bundles = {str(r): [int(b) for b in bs]
+                               for r, bs in data["free_bundles"].items()}  # fmt: skip
+        return pools
 
     def check_integrity(self) -> None:
         """Names match records, indexes are below the next index, bundles held once."""

@@ -3,7 +3,9 @@
 This process is a Ray driver only: it creates the deployment's detached controller actor
 (:mod:`halfmoon.deploy.controller`), which places the Conductor, the workers and the
 gateway, prints the gateway's address, and waits. Ctrl-C / SIGTERM stops the deployment;
-with ``--detach`` it returns at once and ``halfmoon cluster stop`` stops it later.
+with ``--detach`` it returns at once and ``halfmoon cluster stop`` stops it later. While
+Ray restarts the controller, the driver waits for it; it gives up only once the
+controller is gone for good.
 """
 
 from __future__ import annotations
@@ -69,19 +71,34 @@ def start_deployment(spec: DeploySpec, secret: str) -> tuple[Any, dict[str, Any]
     try:
         info = ray.get(controller.start.remote(), timeout=spec.gateway.startup_timeout_s + 60)
     except Exception as exc:  # any failure to start: tear down what was placed, say why
-        stop_deployment(controller)
+        stop_deployment(controller, name)
         raise HalfmoonError(f"deployment {name!r} failed to start: {ray_error(exc)}") from None
     return controller, info
 
 
-def stop_deployment(controller: Any) -> None:
-    """Stop every process of the deployment, then its controller."""
+def stop_deployment(controller: Any, name: str, restart_wait_s: float = 30.0) -> None:
+    """Stop every process of deployment ``name``, then its controller (waiting up to
+    ``restart_wait_s`` for one being restarted); when the controller cannot do it, end
+    what is left of the deployment from here."""
     import ray
 
-    try:
-        ray.get(controller.stop.remote(), timeout=60)
-    except Exception as exc:  # the controller may be dead already: kill it anyway
-        print(f"halfmoon: stopping: {ray_error(exc)}", flush=True)
+    from halfmoon.deploy.record import remove_leftovers
+
+    deadline = time.monotonic() + restart_wait_s
+    while True:
+        try:
+            ray.get(controller.stop.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError as exc:
+            if isinstance(exc, ray.exceptions.ActorDiedError) or time.monotonic() > deadline:
+                print(f"halfmoon: stopping: {ray_error(exc)}", flush=True)
+                remove_leftovers(name)
+                break
+            time.sleep(1.0)  # being restarted by Ray
+        except Exception as exc:  # the controller failed to stop: kill it anyway
+            print(f"halfmoon: stopping: {ray_error(exc)}", flush=True)
+            remove_leftovers(name)
+            break
     ray.kill(controller, no_restart=True)
 
 
@@ -103,12 +120,20 @@ def run_serve_ray(args: argparse.Namespace) -> int:
         while not stop.wait(2.0):
             try:
                 ray.get(controller.ping.remote(), timeout=30)
-            except Exception as exc:  # the controller is gone: so is the deployment
-                raise HalfmoonError(f"the deployment's controller died: {ray_error(exc)}") from None
+            except Exception as exc:
+                try:  # Ray is restarting it (the deployment serves on meanwhile)?
+                    ray.get_actor(spec.config.name, namespace=NAMESPACE)
+                    log.warning("the controller does not answer (%s): waiting", ray_error(exc))
+                except ValueError:  # killed for good, e.g. by `halfmoon cluster stop`
+                    raise HalfmoonError(
+                        f"the deployment's controller is gone ({ray_error(exc)}); what it "
+                        f"started may still run: `halfmoon cluster stop --name "
+                        f"{spec.config.name}` ends it"
+                    ) from None
     finally:
         if stop.is_set():
             log.info("stopping deployment %s", spec.config.name)
-            stop_deployment(controller)
+            stop_deployment(controller, spec.config.name)
     return 0
 
 
@@ -119,7 +144,13 @@ def wait_settled(controller: Any, timeout_s: float, poll_s: float = 0.5) -> dict
 
     deadline = time.monotonic() + timeout_s
     while True:
-        status = ray.get(controller.status.remote(), timeout=60)
+        try:
+            status = ray.get(controller.status.remote(), timeout=60)
+        except ray.exceptions.ActorUnavailableError:  # being restarted: ask again
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)
+            continue
         running = [w["name"] for w in status["workers"] if w["state"] == "running"]
         draining = [w["name"] for w in status["workers"] if w["state"] != "running"]
         joining = [n for n in running if n not in status["registered"]]

@@ -95,8 +95,11 @@ def ray_nodes():
     root = Path(tempfile.mkdtemp(prefix="hmray-", dir="/tmp"))  # short: Ray's socket paths
     mark = uuid.uuid4().hex
     port = free_port()
+    # RAY_AUTH_MODE: a ~/.ray/auth_token (left by any local ray.init()) would switch the head
+    # to token auth but not the second node, which then cannot join
     env = {**os.environ, MARK: mark, "HALFMOON_CACHE": str(root / "cache"),
-           "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning"}  # fmt: skip
+           "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning",
+           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
     nodes = RayNodes(f"127.0.0.1:{port}", env, mark, root)
     try:
         head = nodes.ray("start", "--head", "--port", str(port), "--include-dashboard=false",

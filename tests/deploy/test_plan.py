@@ -73,3 +73,33 @@ def test_unknown_names_and_modes():
         pools.mark_draining("decode-9")
     with pytest.raises(HalfmoonError, match="unknown mode"):
         Pools("both")
+
+
+def test_the_record_round_trips_through_json_and_indexes_stay_unique():
+    import json
+
+    pools = Pools("disaggregated")
+    pools.give_bundles("decode", [0, 1])
+    for role in ("prefill", "decode", "decode", "decode"):
+        pools.add(role)
+    pools.mark_draining("decode-2")
+    pools.remove("decode-0")  # frees bundle 0
+    restored = Pools.from_dict(json.loads(json.dumps(pools.to_dict())))
+    assert restored.to_dict() == pools.to_dict()
+    assert restored.workers["decode-2"].state == DRAINING
+    assert restored.counts() == {"prefill": 1, "decode": 1}
+    # a restarted controller keeps issuing new indexes and reusing freed bundles
+    newcomer = restored.add("decode")
+    assert (newcomer.name, newcomer.bundle) == ("decode-3", 0)
+    restored.check_integrity()
+
+
+def test_an_adopted_worker_keeps_its_index_and_it_is_never_issued_again():
+    pools = _pools(1, 1)
+    assert pools.adopt("decode", 5).name == "decode-5"
+    assert pools.add("decode").name == "decode-6"
+    assert pools.adopt("prefill", 0).name == "prefill-0"  # already known: same record
+    assert pools.counts() == {"prefill": 1, "decode": 3}
+    pools.check_integrity()
+    with pytest.raises(HalfmoonError, match="no coupled pool"):
+        pools.adopt("coupled", 0)
