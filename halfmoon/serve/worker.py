@@ -36,6 +36,8 @@ LOAD_REPORT_INTERVAL_S = 0.5
 #: A draining worker exits after this long with nothing to do: a request the Conductor
 #: placed just before the drain may still be on its way from the gateway.
 DRAIN_QUIET_S = 1.0
+#: Commands handled between two engine steps, at most.
+COMMANDS_PER_STEP = 256
 #: Messages queued for a peer worker that stopped reading before sends to it fail.
 PEER_QUEUE_MESSAGES = 1000
 #: Events kept for a Conductor that stopped reading (a freeze); the oldest "load"
@@ -231,6 +233,8 @@ class Worker:
         self.store: TieredStore | None = None
         self._last_report_s = 0.0
         self.num_steps = 0
+        #: Commands taken off the socket (signed or not).
+        self.num_handled = 0
         self.heartbeat: Heartbeat | None = None
         #: When the Conductor told this worker to drain, and since when it has been idle.
         self.draining_since_s: float | None = None
@@ -248,7 +252,11 @@ class Worker:
         while not stop() and not self.drained():
             busy = self.engine.has_unfinished_requests() or self.role.has_work()
             timeout_ms = 0 if busy else 20
-            while self._sock.poll(timeout_ms):
+            # At most a batch of commands between two steps: a flood (of junk, or of
+            # real requests) slows the batch down but never stops it.
+            for _ in range(COMMANDS_PER_STEP):
+                if not self._sock.poll(timeout_ms):
+                    break
                 self._handle(self._sock.recv_multipart())
                 timeout_ms = 0
             if self.engine.has_unfinished_requests():
@@ -296,6 +304,7 @@ class Worker:
         self.conductor.close()
 
     def _handle(self, frames: list[bytes]) -> None:
+        self.num_handled += 1
         identity, rest = frames[0], frames[1:]
         try:
             msg = decode(rest, self.secret)
