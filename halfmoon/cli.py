@@ -28,7 +28,7 @@ COMMAND_MODULES = (
     "halfmoon.serve.worker_main",
     "halfmoon.serve.conductor_main",
     "halfmoon.transfer.cli",
-    "halfmoon.deploy.cli",
+    "halfmoon.deploy.cli",  # after serve.launcher: it adds --ray to `halfmoon serve`
 )
 
 

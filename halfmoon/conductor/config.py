@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 
 from halfmoon.core.config import SLOConfig
 
@@ -14,7 +15,9 @@ class ConductorConfig:
     """How the Conductor places and rejects requests.
 
     - ``policy``: prefill placement policy (see ``halfmoon.conductor.policies.POLICIES``).
-    - ``block_size_tokens``: tokens per hashed block of the requests it sees.
+    - ``block_size_tokens``: tokens per hashed block of the requests it sees: the
+      simulator's block size, and the live cluster's (the Conductor service refuses a
+      worker registering, or a placement asked, with another one).
     - ``early_reject``: ``none`` (admit everything), ``snapshot`` (reject when the estimated
       TTFT or the decode TBT *now* breaks the SLO), ``predict`` (TBT at the moment the
       request's prefill would finish, from the paper's load prediction).
@@ -36,6 +39,8 @@ class ConductorConfig:
       only when its TTFT is lower than that of the policy's single-instance choice.
       ``cpp_hidden_bytes_per_token``: bytes handed between stages per token (None: the
       cost model's hidden size x dtype bytes).
+
+    The defaults are the ``paper`` preset (:mod:`halfmoon.conductor.options`).
     """
 
     policy: str = "kvcache-centric"
@@ -74,3 +79,18 @@ class ConductorConfig:
             raise ValueError(f"cpp_min_tokens must be >= 0, got {self.cpp_min_tokens}")
         if self.cpp_hidden_bytes_per_token is not None and self.cpp_hidden_bytes_per_token < 0:
             raise ValueError("cpp_hidden_bytes_per_token must be >= 0")
+
+    def to_json(self) -> str:
+        """The config as one JSON document (what a launcher hands a Conductor process)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ConductorConfig:
+        """The config :meth:`to_json` wrote; unknown keys are an error (no silent drift)."""
+        data = json.loads(text)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ConductorConfig keys: {', '.join(sorted(unknown))}")
+        if "slo" in data:
+            data["slo"] = SLOConfig(**data["slo"])
+        return cls(**data)

@@ -34,6 +34,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
 from halfmoon.serve.launcher import ProcessGroup, prepare_model
 from halfmoon.serve.runtime import free_port, load_secret, settle_gc
+from halfmoon.serve.worker_main import with_model
 
 log = logging.getLogger("deploy")
 
@@ -52,12 +53,12 @@ def node_address() -> str:
 class ConductorHost:
     """Runs ``halfmoon conductor`` on this node and restarts it in place."""
 
-    def __init__(self, conductor_argv: tuple[str, ...], log_level: str) -> None:
+    def __init__(self, conductor_json: str, log_level: str) -> None:
         self.host = node_address()
         self.port = free_port(self.host)
         self._group = ProcessGroup(load_secret().decode())
         self._argv = ("conductor", "--host", self.host, "--port", str(self.port),
-                      "--log-level", log_level, *conductor_argv)  # fmt: skip
+                      "--log-level", log_level, "--config-json", conductor_json)  # fmt: skip
         self._stop = threading.Event()
         self._started = threading.Event()
         threading.Thread(target=self._supervise, name="conductor", daemon=True).start()
@@ -88,7 +89,7 @@ class WorkerHost:
     """Runs one ``halfmoon worker`` on this node; its unexpected death ends the actor."""
 
     def __init__(self, role: str, index: int, conductor: str, model: str, seed: int,
-                 engine_argv: tuple[str, ...], log_level: str) -> None:  # fmt: skip
+                 engine_json: str, log_level: str) -> None:  # fmt: skip
         import ray
 
         self.name = f"{role}-{index}"
@@ -103,7 +104,7 @@ class WorkerHost:
         model_dir = prepare_model(model, seed)
         self._argv = ("worker", "--role", role, "--index", str(index), "--host", self.node,
                       "--port", str(self.port), "--conductor", conductor, "--log-level",
-                      log_level, "--model", str(model_dir), *engine_argv)  # fmt: skip
+                      log_level, "--config-json", with_model(engine_json, model_dir))  # fmt: skip
         self._group = ProcessGroup(load_secret().decode())
         self._expect_exit = threading.Event()
         self.exit_code: int | None = None

@@ -1,4 +1,5 @@
-"""``halfmoon cluster scale|status|stop``: talk to a running Ray deployment's controller."""
+"""``halfmoon cluster scale|status|stop``: talk to a running Ray deployment's controller;
+and ``halfmoon serve --ray``, which starts one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.deploy.options import NAMESPACE
+from halfmoon.deploy.options import NAMESPACE, add_ray_options
+from halfmoon.serve.launcher import check_shape, run_serve
 
 
 def _controller(args: argparse.Namespace) -> Any:
@@ -72,8 +74,23 @@ def run_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve_or_ray(args: argparse.Namespace) -> int:
+    """``halfmoon serve``: Ray places the processes with ``--ray``, else the launcher does."""
+    if args.ray is None:
+        return run_serve(args)
+    check_shape(args)
+    from halfmoon.deploy.ray_serve import run_serve_ray
+
+    return run_serve_ray(args)
+
+
 def register(subparsers: Any) -> None:
-    """Add ``halfmoon cluster``."""
+    """Add ``--ray`` to ``halfmoon serve`` (registered before: halfmoon.cli's order) and
+    add ``halfmoon cluster``. deploy/ sits above serve/, so it extends serve's command, never
+    the other way round (tests/test_layering.py)."""
+    serve = subparsers.choices["serve"]
+    add_ray_options(serve)
+    serve.set_defaults(func=run_serve_or_ray)
     p = subparsers.add_parser(
         "cluster", help="scale, inspect or stop a running Ray deployment (serve --ray)",
         description="Talk to the controller of a deployment started by `halfmoon serve --ray`.",

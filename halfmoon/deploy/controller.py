@@ -115,7 +115,7 @@ class Controller:
             self._reserve(timeout_s)
             self._conductor = ray.remote(ConductorHost).options(
                 name=cfg.actor_name("conductor"), **self._control_options(),
-            ).remote(spec.conductor_argv, spec.log_level)  # fmt: skip
+            ).remote(spec.conductor_json, spec.log_level)  # fmt: skip
             self.conductor_endpoint = ray.get(self._conductor.endpoint.remote(), timeout=timeout_s)
             records = [self.pools.add(role) for role, n in spec.sizes for _ in range(n)]
             self._save()  # before the actors: a restarted controller never reissues a name
@@ -172,7 +172,7 @@ class Controller:
             name=cfg.actor_name(record.name), max_restarts=cfg.max_worker_restarts,
             max_concurrency=4, lifetime="detached", namespace=NAMESPACE, **options,
         ).remote(record.role, record.index, self.conductor_endpoint, spec.model, spec.seed,
-                 spec.engine_argv, spec.log_level)  # fmt: skip
+                 spec.engine_json, spec.log_level)  # fmt: skip
         log.info("started %s", record.name)
 
     # -- the gateway ---------------------------------------------------------------------------

@@ -172,9 +172,11 @@ class DeploySpec:
     sizes: tuple[tuple[str, int], ...]
     model: str
     seed: int
-    #: ``halfmoon worker`` engine options without ``--model`` (prepared on each node).
-    engine_argv: tuple[str, ...]
-    conductor_argv: tuple[str, ...]
+    #: The workers' engine options as one JSON document (``halfmoon worker --config-json``);
+    #: each node replaces its ``model`` with the directory it prepared.
+    engine_json: str
+    #: The ConductorConfig as one JSON document (``halfmoon conductor --config-json``).
+    conductor_json: str
     gateway: GatewaySpec
     log_level: str = "INFO"
 
@@ -184,8 +186,7 @@ class DeploySpec:
         return sum(n for _, n in self.sizes)
 
 
-def deploy_spec(args: argparse.Namespace, engine_argv: list[str],
-                conductor_argv: list[str]) -> DeploySpec:  # fmt: skip
+def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str) -> DeploySpec:
     """The DeploySpec of ``halfmoon serve --ray ARGS``."""
     if args.mode == "coupled":
         sizes: tuple[tuple[str, int], ...] = (("coupled", args.instances),)
@@ -200,4 +201,4 @@ def deploy_spec(args: argparse.Namespace, engine_argv: list[str],
         getattr(args, "cache_salt_from_api_key", False), tuple(getattr(args, "public", None) or ()),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
-                      tuple(engine_argv), tuple(conductor_argv), gateway, args.log_level)  # fmt: skip
+                      engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

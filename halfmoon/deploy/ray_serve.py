@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, DeploySpec, deploy_spec
-from halfmoon.serve.launcher import conductor_argv, engine_argv
+from halfmoon.serve.launcher import conductor_json, engine_json
 from halfmoon.serve.runtime import SECRET_ENV, new_secret, setup_logging, stop_event_on_signals
 
 
@@ -105,8 +104,8 @@ def stop_deployment(controller: Any, name: str, restart_wait_s: float = 30.0) ->
 def run_serve_ray(args: argparse.Namespace) -> int:
     """Start the deployment, print the gateway's address, serve until interrupted."""
     log = setup_logging("serve", args.log_level)
-    worker_argv = engine_argv(args, Path(args.model))[2:]  # each node prepares --model
-    spec = deploy_spec(args, worker_argv, conductor_argv(args))
+    # Each node prepares the model and puts its directory into the document.
+    spec = deploy_spec(args, engine_json(args, args.model), conductor_json(args))
     ray = connect(spec.config.address)
     stop = stop_event_on_signals()
     controller, info = start_deployment(spec, os.environ.get(SECRET_ENV) or new_secret())

@@ -5,10 +5,14 @@ message is signed (:mod:`halfmoon.serve.protocol`); a message that fails to veri
 dropped and counted, never answered. Messages (``type``):
 
 - ``register``: instance_id, role (prefill | decode | coupled), command_endpoint,
-  transfer_endpoint, kv_capacity_tokens -> ``registered``
+  transfer_endpoint, kv_capacity_tokens, and what the worker computes with: block_size,
+  model (identity), dtype -> ``registered``, or ``refused`` with the ``error`` naming
+  what disagrees with the cluster: its block size is the Conductor's config's
+  (``block_size_tokens``), its model and dtype the first registered worker's
+  (:meth:`ConductorService.refusal`)
 - ``events``: a batch of lifecycle / block events (no reply)
-- ``schedule``: request_id, input_length, output_length, block_size, hashes (packed) ->
-  ``decision`` (the placement with every endpoint the gateway and workers need, or a
+- ``schedule``: request_id, input_length, output_length, block_size (the cluster's, else
+  an ``error``), hashes (packed) -> ``decision`` (the placement with every endpoint the gateway and workers need, or a
   rejection with its reason)
 - ``heartbeat``: instance_id (no reply; ``register_again`` when the instance is unknown,
   e.g. after this process restarted — the worker then registers with a snapshot of the
@@ -116,6 +120,11 @@ class ConductorService:
         self.num_auth_failures = 0
         #: Block-store counters per instance from its last load report (prefill workers).
         self.store_stats: dict[str, dict[str, int]] = {}
+        #: What every worker must compute with: block size (from the Conductor's config),
+        #: model identity and dtype (None until the first worker declaring them registers).
+        self.cluster: dict[str, Any] = {
+            "block_size": conductor.config.block_size_tokens, "model": None, "dtype": None,
+        }  # fmt: skip
         self._sock = bind_router(endpoint)
         self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -218,6 +227,7 @@ class ConductorService:
                 "integrity": self._integrity(),
                 "num_placements": self.conductor.num_placements,
                 "store_stats": {i: s for i, s in self.store_stats.items() if i in self.instances},
+                "cluster": dict(self.cluster),
             }
         raise ProtocolError(f"unknown message type {kind!r}")
 
@@ -256,6 +266,13 @@ class ConductorService:
         if role not in ROLES:
             raise ProtocolError(f"unknown role {role!r}")
         iid = str(message["instance_id"])
+        refusal = self.refusal(message)
+        if refusal is not None:
+            log.error("refused %s %s: %s", role, iid, refusal)
+            return {"type": "refused", "instance_id": iid, "error": refusal}
+        for key in ("model", "dtype"):  # the first worker to declare them sets the cluster's
+            if self.cluster[key] is None and message.get(key) is not None:
+                self.cluster[key] = str(message[key])
         capacity = int(message.get("kv_capacity_tokens") or 0) or None
         cost_model = self._cost_model(message, capacity)
         incarnation = str(message.get("incarnation", ""))
@@ -289,6 +306,19 @@ class ConductorService:
         log.info("registered %s %s at %s", role, iid, message["command_endpoint"])
         return {"type": "registered", "instance_id": iid}
 
+    def refusal(self, message: dict[str, Any]) -> str | None:
+        """Why a registering worker cannot join (None: it agrees with the cluster). A worker
+        with another block size would hash prompts its own way (no prefix hit, KV handed
+        over in the wrong shape); another model or dtype would compute other KV."""
+        problems = []
+        for key, what in (("block_size", "block size"), ("model", "model"), ("dtype", "dtype")):
+            got, want = message.get(key), self.cluster[key]
+            if got is not None and want is not None and str(got) != str(want):
+                problems.append(f"{what} {got!r} (the cluster's is {want!r})")
+        if not problems:
+            return None
+        return f"{message.get('instance_id')} disagrees with the cluster: " + "; ".join(problems)
+
     def _cost_model(self, message: dict[str, Any], capacity: int | None) -> CostModel | None:
         """The worker's measured profile as a cost model (None: the Conductor's default)."""
         data = message.get("profile")
@@ -303,13 +333,19 @@ class ConductorService:
         )  # fmt: skip
 
     def _schedule(self, message: dict[str, Any]) -> dict[str, Any]:
+        block_size = int(message["block_size"])
+        if block_size != self.cluster["block_size"]:
+            raise HalfmoonError(
+                f"request hashed with {block_size}-token blocks; the cluster uses "
+                f"{self.cluster['block_size']} (--block-size of the gateway and the Conductor)"
+            )
         request = Request(
             str(message["request_id"]),
             self.conductor.clock.now(),
             int(message["input_length"]),
             int(message["output_length"]),
             tuple(hashes_from_wire(message["hashes"])),
-            int(message["block_size"]),
+            block_size,
         )
         start = time.perf_counter()
         if message.get("coupled"):

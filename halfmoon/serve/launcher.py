@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.deploy.options import add_ray_options
-from halfmoon.serve.conductor_main import add_conductor_options
 from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
@@ -35,15 +34,15 @@ from halfmoon.serve.runtime import (
     warn_if_public,
 )
 from halfmoon.serve.tenancy import API_KEY_ENV, api_keys
-from halfmoon.serve.worker_main import add_engine_options, engine_config
+from halfmoon.serve.worker_main import (
+    REFUSED_EXIT_CODE,
+    EngineOptions,
+    add_engine_options,
+    engine_config,
+)
 
 log = logging.getLogger("serve")
 _PR_SET_PDEATHSIG = 1
-ENGINE_FLAGS = (
-    "device", "dtype", "kv_cache_mb", "max_num_seqs", "prefill_max_num_seqs", "max_model_len",
-    "prefill_chunk_tokens",
-    "num_threads", "block_size", "seed", "store_dram_mb", "store_ssd_dir", "store_ssd_mb",
-)  # fmt: skip
 
 
 def _die_with_parent() -> None:
@@ -109,6 +108,12 @@ class ProcessGroup:
                 if now_s - child.started_s > self.STABLE_S:
                     child.num_restarts = 0
                 continue
+            if child.proc.returncode == REFUSED_EXIT_CODE:
+                if child.restart_at_s != float("inf"):  # said once; never restarted
+                    child.restart_at_s = float("inf")
+                    log.error("%s was refused by the Conductor (see its log): not restarted",
+                              child.name)  # fmt: skip
+                continue
             if child.restart_at_s is None:
                 delay = min(self.MAX_BACKOFF_S, self.FIRST_BACKOFF_S * 2**child.num_restarts)
                 child.restart_at_s = now_s + delay
@@ -144,28 +149,15 @@ def prepare_model(model: str, seed: int) -> Path:
     return resolve_model(model, seed, progress=lambda msg: print(f"halfmoon: {msg}", flush=True))
 
 
-def engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
-    argv = ["--model", str(model_dir)]
-    if not args.prefix_caching:
-        argv.append("--no-prefix-caching")
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
+def engine_json(args: argparse.Namespace, model: str) -> str:
+    """The workers' engine options as one document (``--config-json``), serving ``model``."""
+    return EngineOptions.from_args(argparse.Namespace(**{**vars(args), "model": model})).to_json()
 
 
-def conductor_argv(args: argparse.Namespace) -> list[str]:
-    return [
-        "--policy", args.policy, "--coupled-router", args.coupled_router,
-        "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
-        "--tbt-metric", args.tbt_metric, "--early-reject", args.early_reject,
-        "--block-size", str(args.block_size), "--cpp-stages", str(args.cpp_stages),
-        "--cpp-chunk-tokens", str(args.cpp_chunk_tokens),
-        "--cpp-min-tokens", str(args.cpp_min_tokens),
-        *(["--cpp-hidden-bytes-per-token", str(args.cpp_hidden_bytes_per_token)]
-          if args.cpp_hidden_bytes_per_token is not None else []),
-    ]  # fmt: skip
+def conductor_json(args: argparse.Namespace) -> str:
+    """The Conductor's config as one document (``--config-json``); the workers' block size
+    is the cluster's."""
+    return conductor_config_from_args(args, args.block_size).to_json()
 
 
 def start_cluster(
@@ -176,19 +168,19 @@ def start_cluster(
     endpoint = f"tcp://{args.internal_host}:{conductor_port}"
     group.spawn("conductor", "conductor", "--host", args.internal_host,
                 "--port", str(conductor_port), "--log-level", args.log_level,
-                *conductor_argv(args))  # fmt: skip
+                "--config-json", conductor_json(args))  # fmt: skip
     if args.mode == "coupled":
         roles = [("coupled", args.instances)]
     else:
         roles = [("prefill", args.prefill), ("decode", args.decode)]
-    worker_argv = engine_argv(args, model_dir)
+    worker_doc = engine_json(args, str(model_dir))
     count = 0
     for role, n in roles:
         for i in range(n):
             group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
                         "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
                         "--conductor", endpoint, "--log-level", args.log_level,
-                        *worker_argv)  # fmt: skip
+                        "--config-json", worker_doc)  # fmt: skip
             count += 1
     return endpoint, count
 
@@ -296,6 +288,7 @@ def check_shape(args: argparse.Namespace) -> None:
         raise HalfmoonError(
             "--cpp-stages and --cpp-chunk-tokens must be >= 1, --cpp-min-tokens >= 0"
         )
+    conductor_json(args)  # every Conductor option, checked before any process starts
     if args.cpp_stages > 1 and (args.mode != "disaggregated" or args.prefill < args.cpp_stages):
         raise HalfmoonError(
             f"--cpp-stages {args.cpp_stages} needs --mode disaggregated and at least "
@@ -319,10 +312,6 @@ def check_shape(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the cluster and serve until interrupted."""
     check_shape(args)
-    if getattr(args, "ray", None) is not None:  # Ray places the processes instead
-        from halfmoon.deploy.ray_serve import run_serve_ray
-
-        return run_serve_ray(args)
     args.host = args.host or "127.0.0.1"
     log = setup_logging("serve", args.log_level)
     warn_if_public(args.host, log)
@@ -386,6 +375,5 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
-    add_conductor_options(p)
-    add_ray_options(p)
+    add_conductor_options(p, "live")
     p.set_defaults(func=run_serve)

@@ -139,6 +139,20 @@ class LocalCluster:
                 sock.close(0)
         return pongs
 
+    def ping_conductor(self, timeout_ms: int = 10_000) -> dict[str, Any]:
+        """The Conductor's pong (instances, ``num_placements``, integrity)."""
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.conductor_endpoint())
+        try:
+            sock.send_multipart(encode({"type": "ping", "msg_id": 1}, self.secret.encode()))
+            assert sock.poll(timeout_ms), "the Conductor did not answer"
+            return decode(sock.recv_multipart(), self.secret.encode())
+        finally:
+            sock.close(0)
+
     def stop(self) -> None:
         """SIGTERM the launcher (it stops its children); SIGKILL its session if needed."""
         if self.proc is None:

@@ -122,3 +122,15 @@ class RateLimitedLog:
             message += f" ({self.num_suppressed} similar messages suppressed)"
             self.num_suppressed = 0
         self.log.warning(message, *args)
+
+
+def read_config_document(text: str) -> str:
+    """A ``--config-json`` value: the JSON document itself, or the path of a file holding it
+    (never the secret: that stays in ``$HALFMOON_SECRET``)."""
+    if text.lstrip().startswith("{"):
+        return text
+    try:
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise HalfmoonError(f"--config-json: cannot read {text}: {exc.strerror}") from None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.protocol import ProtocolError, decode, encode
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
@@ -45,6 +46,11 @@ PEER_QUEUE_MESSAGES = 1000
 MAX_PENDING_EVENTS = 100_000
 
 Handler = Callable[[bytes, dict[str, Any]], None]
+
+
+class RegistrationRefused(HalfmoonError):
+    """The Conductor refused this worker: it disagrees with the cluster (block size, model
+    or dtype). The worker cannot serve; the message names the mismatch."""
 
 
 @dataclass
@@ -126,9 +132,13 @@ class ConductorLink:
         profile: dict[str, Any] | None = None,
         timeout_s: float = 60.0,
         hidden_bytes_per_token: int = 0,
+        block_size: int | None = None,
+        model: str | None = None,
+        dtype: str | None = None,
     ) -> None:
-        """Announce this worker (with its measured cost profile); retries until the
-        Conductor answers."""
+        """Announce this worker (with its measured cost profile and what the cluster must
+        agree on: block size, model identity, dtype); retries until the Conductor answers.
+        Raises :class:`RegistrationRefused` when the Conductor refuses it."""
         msg = {
             "type": "register", "msg_id": 0, "instance_id": self._me.instance_id,
             "role": self._me.role, "command_endpoint": self._me.command_endpoint,
@@ -136,6 +146,7 @@ class ConductorLink:
             "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
             "profile": profile, "incarnation": self.incarnation,
             "hidden_bytes_per_token": hidden_bytes_per_token,
+            "block_size": block_size, "model": model, "dtype": dtype,
         }  # fmt: skip
         self._registration = msg
         self._send_registration(msg, timeout_s)
@@ -157,6 +168,10 @@ class ConductorLink:
                 reply = decode(self._sock.recv_multipart(), self._secret)
                 if reply.get("type") == "registered":
                     return
+                if reply.get("type") == "refused":
+                    raise RegistrationRefused(
+                        f"the Conductor refused this worker: {reply['error']}"
+                    )
                 raise ProtocolError(f"conductor refused registration: {reply}")
         raise TimeoutError(f"no answer from the conductor within {timeout_s:.0f}s")
 

@@ -6,11 +6,16 @@ names its role, so ``ps`` tells the workers apart)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.runtime import (
     load_secret,
+    read_config_document,
     settle_gc,
     setup_logging,
     stop_event_on_signals,
@@ -20,6 +25,8 @@ from halfmoon.serve.runtime import (
 ROLES = ("prefill", "decode", "coupled")
 #: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: Exit status of a worker the Conductor refused (it disagrees with the cluster).
+REFUSED_EXIT_CODE = 3
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -60,19 +67,88 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-ssd-mb", type=float, default=0.0, help="SSD tier size, MiB")
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What :func:`add_engine_options` describes, frozen: the document ``halfmoon serve``
+    hands each worker (``--config-json``). One field per option, same name."""
+
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_mb: float = 256.0
+    max_num_seqs: int = 64
+    prefill_max_num_seqs: int = 1
+    max_model_len: int | None = None
+    prefill_chunk_tokens: int | None = None
+    num_threads: int = 1
+    block_size: int = 16
+    seed: int = 0
+    prefix_caching: bool = True
+    store_dram_mb: float = 256.0
+    store_ssd_dir: str | None = None
+    store_ssd_mb: float = 0.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """The options parsed by :func:`add_engine_options`."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_json(self) -> str:
+        """One JSON document."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineOptions:
+        """The options :meth:`to_json` wrote; unknown keys are an error (no silent drift)."""
+        data = json.loads(text)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise HalfmoonError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def engine_config(self, role: str | None) -> Any:
+        """The EngineConfig of a worker of ``role`` (a prefill worker batches
+        ``prefill_max_num_seqs`` prompts)."""
+        from halfmoon.engine.config import EngineConfig
+
+        return EngineConfig(
+            model=self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            kv_cache_mb=self.kv_cache_mb,
+            max_num_seqs=self.prefill_max_num_seqs if role == "prefill" else self.max_num_seqs,
+            max_model_len=self.max_model_len, prefill_chunk_tokens=self.prefill_chunk_tokens,
+            seed=self.seed, num_threads=self.num_threads,
+            enable_prefix_caching=self.prefix_caching,
+        )  # fmt: skip
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the options describe."""
-    from halfmoon.engine.config import EngineConfig
+    return EngineOptions.from_args(args).engine_config(getattr(args, "role", None))
 
-    prefill = getattr(args, "role", None) == "prefill"
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_mb=args.kv_cache_mb,
-        max_num_seqs=args.prefill_max_num_seqs if prefill else args.max_num_seqs,
-        max_model_len=args.max_model_len, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        seed=args.seed, num_threads=args.num_threads,
-        enable_prefix_caching=args.prefix_caching,
-    )  # fmt: skip
+
+def worker_options(args: argparse.Namespace) -> EngineOptions:
+    """``--config-json`` (what ``halfmoon serve`` passes), else the engine flags."""
+    if not args.config_json:
+        return EngineOptions.from_args(args)
+    try:
+        return EngineOptions.from_json(read_config_document(args.config_json))
+    except (ValueError, TypeError) as exc:
+        raise HalfmoonError(f"--config-json: {exc}") from None
+
+
+def with_model(engine_json: str, model_dir: Path) -> str:
+    """The engine document ``engine_json`` serving the model prepared at ``model_dir``."""
+    return replace(EngineOptions.from_json(engine_json), model=str(model_dir)).to_json()
+
+
+def model_identity(model: str, seed: int) -> str:
+    """What a registering worker says it serves: the model directory's name and a hash of
+    its config.json (the same on every node that prepared the same model)."""
+    from halfmoon.engine.catalog import resolve_model
+
+    model_dir = resolve_model(model, seed)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:12]
+    return f"{model_dir.name}#{digest}"
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -83,11 +159,18 @@ def run_worker(args: argparse.Namespace) -> int:
     from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
     from halfmoon.serve.profiler import cached_profile
     from halfmoon.serve.roles import CoupledRole, PrefillRole
-    from halfmoon.serve.worker import ConductorLink, Heartbeat, Worker, WorkerIdentity
+    from halfmoon.serve.worker import (
+        ConductorLink,
+        Heartbeat,
+        RegistrationRefused,
+        Worker,
+        WorkerIdentity,
+    )
     from halfmoon.transfer import TransferEngine
 
     name = f"{args.role}-{args.index}"
     log = setup_logging(name, args.log_level)
+    options = worker_options(args)
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
@@ -98,7 +181,7 @@ def run_worker(args: argparse.Namespace) -> int:
             hook_target[0].on_layer(*hook_args)
 
     engine = LLMEngine(
-        engine_config(args), kv_layer_hook=on_layer if args.role == "prefill" else None
+        options.engine_config(args.role), kv_layer_hook=on_layer if args.role == "prefill" else None
     )
     endpoint = f"tcp://{args.host}:{args.port}"
     me = WorkerIdentity(args.role, name, endpoint)
@@ -106,11 +189,11 @@ def run_worker(args: argparse.Namespace) -> int:
     store = None
     holdings = Holdings(link)
     if args.role == "prefill":
-        ssd_dir = str(Path(args.store_ssd_dir) / name) if args.store_ssd_dir else None
+        ssd_dir = str(Path(options.store_ssd_dir) / name) if options.store_ssd_dir else None
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
         store = ClusterPrefixCache.make_store(
-            engine, args.store_dram_mb, ssd_dir, args.store_ssd_mb, holdings
+            engine, options.store_dram_mb, ssd_dir, options.store_ssd_mb, holdings
         )
     transfer = None
     if args.role != "coupled":
@@ -133,14 +216,22 @@ def run_worker(args: argparse.Namespace) -> int:
     else:
         from halfmoon.engine.catalog import cache_dir
 
-        profile = cached_profile(engine, args.model, cache_dir() / "profiles")
-    link.register(
-        kv_capacity_tokens=stats.num_blocks * args.block_size,
-        kv_bytes_per_token=engine.kv_bytes_per_block // args.block_size,
-        profile=profile.to_dict(),
-        hidden_bytes_per_token=engine.model_config.hidden_size
-        * engine.kv_cache.pool.element_size(),
-    )
+        profile = cached_profile(engine, options.model, cache_dir() / "profiles")
+    try:
+        link.register(
+            kv_capacity_tokens=stats.num_blocks * options.block_size,
+            kv_bytes_per_token=engine.kv_bytes_per_block // options.block_size,
+            profile=profile.to_dict(),
+            hidden_bytes_per_token=engine.model_config.hidden_size
+            * engine.kv_cache.pool.element_size(),
+            block_size=options.block_size,
+            model=model_identity(options.model, options.seed),
+            dtype=options.dtype,
+        )
+    except RegistrationRefused as exc:
+        log.error("%s", exc)
+        worker.close()
+        return REFUSED_EXIT_CODE
     worker.heartbeat = Heartbeat(args.conductor, secret, name)
     log.info("%s ready on %s (%d KV blocks)", name, endpoint, stats.num_blocks)
     settle_gc()
@@ -176,5 +267,10 @@ def register(subparsers: Any) -> None:
         choices=("auto", "tcp", "shm"),
         help="KV transfer transport to peers (auto: shared memory with co-located peers, else tcp)",
     )
+    p.add_argument(
+        "--config-json", default=None, metavar="JSON|PATH",
+        help="the engine options as one JSON document (or a file holding it), as "
+        "`halfmoon serve` passes them; replaces --model and the other engine options",
+    )  # fmt: skip
     add_engine_options(p)
     p.set_defaults(func=run_worker)

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from halfmoon.conductor.config import EARLY_REJECT_MODES, ConductorConfig
-from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
-from halfmoon.core.config import TBT_METRICS, SLOConfig
+from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
+from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
 from halfmoon.core.request import Request
@@ -64,12 +64,6 @@ def _check_positive(what: str, value: float) -> float:
     return value
 
 
-def _check_at_least(what: str, value: int, least: int) -> int:
-    if value < least:
-        raise HalfmoonError(f"{what} must be >= {least}, got {value}")
-    return value
-
-
 def make_cost_model(
     model: str, gpu: str, gpus_per_instance: int, profile: str | None = None
 ) -> CostModel:
@@ -110,18 +104,13 @@ def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTer
 def _configs(
     args: argparse.Namespace, serving: ServingTerms | None = None
 ) -> tuple[SimConfig, ConductorConfig]:
-    _check_choice("policy", args.policy, POLICIES)
-    _check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS)
-    _check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES)
-    _check_choice("tbt metric", args.tbt_metric, TBT_METRICS)
     _check_choice("cache policy", args.cache_policy, POLICY_NAMES)
     _check_choice("decode guard", args.decode_guard, DECODE_GUARDS)
-    slo = SLOConfig(
-        _check_positive("--ttft-slo", args.ttft_slo),
-        _check_positive("--tbt-slo", args.tbt_slo),
-        args.tbt_metric,
-    )
     spec = get_model(args.model)
+    conductor = conductor_config_from_args(
+        args, block_tokens_for_scale(args.length_scale), spec.hidden_size * spec.dtype_bytes
+    )
+    slo = conductor.slo
     sim = SimConfig(
         cluster=ClusterSpec.parse(args.cluster),
         slo=slo,
@@ -139,17 +128,6 @@ def _configs(
         serving=serving or ServingTerms(),
         host_cores=args.host_cores,
         first_token_at=args.first_token_at,
-    )
-    conductor = ConductorConfig(
-        block_size_tokens=block_tokens_for_scale(args.length_scale),
-        policy=args.policy,
-        slo=slo,
-        early_reject=args.early_reject,
-        coupled_router=args.coupled_router,
-        cpp_stages=_check_at_least("--cpp-stages", args.cpp_stages, 1),
-        cpp_chunk_tokens=_check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
-        cpp_min_tokens=_check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
-        cpp_hidden_bytes_per_token=spec.hidden_size * spec.dtype_bytes,
     )
     return sim, conductor
 
@@ -231,19 +209,6 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chunk-tokens", type=int, help="prefill chunk size (default: one pass)")
     parser.add_argument(
-        "--cpp-stages",
-        type=int,
-        default=1,
-        help="chunked pipeline parallelism: groups of K consecutive prefill instances (1: off)",
-    )
-    parser.add_argument("--cpp-chunk-tokens", type=int, default=1024, help="CPP chunk size, tokens")
-    parser.add_argument(
-        "--cpp-min-tokens",
-        type=int,
-        default=2048,
-        help="prompts shorter than this never use a CPP group",
-    )
-    parser.add_argument(
         "--decode-guard",
         default="reject",
         help=f"decode admission over the TBT SLO: {', '.join(DECODE_GUARDS)}",
@@ -311,18 +276,7 @@ def register(subparsers: Any) -> None:
     add_workload_args(parser, "dataset and random-policy seed")
     _add_cluster_args(parser)
     _add_serving_args(parser)
-    parser.add_argument("--policy", default="kvcache-centric", help=f"one of {', '.join(POLICIES)}")
-    parser.add_argument(
-        "--coupled-router", default="cache-aware", help=f"one of {', '.join(COUPLED_ROUTERS)}"
-    )
-    parser.add_argument(
-        "--early-reject", default="none", help=f"one of {', '.join(EARLY_REJECT_MODES)}"
-    )
-    parser.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT limit, seconds")
-    parser.add_argument("--tbt-slo", type=float, default=0.1, help="TBT limit, seconds")
-    parser.add_argument(
-        "--tbt-metric", default="top10mean", help=f"one of {', '.join(TBT_METRICS)}"
-    )
+    add_conductor_options(parser, "paper")
     parser.add_argument("--json", metavar="OUT", help="write the JSON report here")
     parser.add_argument(
         "--records", metavar="OUT", help="write every request's record (JSON, as halfmoon bench)"

@@ -22,8 +22,8 @@ class InProcess:
     """A ConductorService on a free port, driven one message at a time."""
 
     def __init__(self) -> None:
-        conductor = Conductor(ConductorConfig(), load_cost_model(None, 16384), WallClock(),
-                              random.Random(0))  # fmt: skip
+        conductor = Conductor(ConductorConfig(block_size_tokens=16),  # the requests' blocks
+                              load_cost_model(None, 16384), WallClock(), random.Random(0))  # fmt: skip
         self.service = ConductorService(conductor, SECRET, "tcp://127.0.0.1:*")
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

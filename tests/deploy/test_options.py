@@ -15,6 +15,7 @@ def _serve(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
+@pytest.mark.slow  # a subprocess
 def test_without_ray_nothing_ray_is_imported():
     code = (
         "import sys, halfmoon.serve.launcher, halfmoon.cli, halfmoon.deploy.cli; "
@@ -46,12 +47,12 @@ def test_resources_and_placement():
 
 
 def test_spec_sizes_follow_the_mode():
-    spec = deploy_spec(_serve("--ray", "--prefill", "2", "--decode", "3"), ["--seed", "0"], [])
+    spec = deploy_spec(_serve("--ray", "--prefill", "2", "--decode", "3"), "{}", "{}")
     assert spec.sizes == (("prefill", 2), ("decode", 3)) and spec.num_workers == 5
-    coupled = deploy_spec(_serve("--ray", "--mode", "coupled", "--instances", "4"), [], [])
+    coupled = deploy_spec(_serve("--ray", "--mode", "coupled", "--instances", "4"), "{}", "{}")
     assert coupled.sizes == (("coupled", 4),)
     with pytest.raises(HalfmoonError, match="at least 1"):
-        deploy_spec(_serve("--ray", "--decode", "0"), [], [])
+        deploy_spec(_serve("--ray", "--decode", "0"), "{}", "{}")
 
 
 @pytest.mark.parametrize("text", ["", ":2", "CPU", "x:0", "x:-1", "x:lots"])

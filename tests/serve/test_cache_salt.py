@@ -231,7 +231,7 @@ def test_ray_gateway_spec_keeps_every_key():
 
     argv = ["serve", "--ray", "auto", "--api-key", "a", "--api-key", "b",
             "--cache-salt-from-api-key"]  # fmt: skip
-    spec = deploy_spec(build_parser().parse_args(argv), [], []).gateway
+    spec = deploy_spec(build_parser().parse_args(argv), "{}", "{}").gateway
     assert spec.api_key == ("a", "b") and spec.cache_salt_from_api_key
-    single = deploy_spec(build_parser().parse_args(["serve", "--ray", "auto"]), [], []).gateway
+    single = deploy_spec(build_parser().parse_args(["serve", "--ray", "auto"]), "{}", "{}").gateway
     assert single.api_key == () and not single.cache_salt_from_api_key

@@ -3,6 +3,7 @@
 import pytest
 
 from halfmoon.cli import main
+from halfmoon.core.errors import HalfmoonError
 
 
 @pytest.mark.parametrize(
@@ -57,15 +58,74 @@ def test_settle_gc_takes_start_up_objects_out_of_the_collector():
 
 
 def test_every_conductor_option_of_serve_reaches_the_conductor():
-    """The Conductor process gets each Conductor option ``serve`` takes (the CPP hidden-state
-    size once was accepted and dropped)."""
+    """parser -> ConductorConfig -> JSON document -> the Conductor process's config: every
+    option ``serve`` takes arrives unchanged (the CPP hidden-state size once was dropped)."""
     from halfmoon.cli import build_parser
-    from halfmoon.serve.launcher import conductor_argv
+    from halfmoon.serve.conductor_main import conductor_config
+    from halfmoon.serve.launcher import conductor_json
 
-    args = build_parser().parse_args(["serve", "--cpp-hidden-bytes-per-token", "0"])
-    argv = conductor_argv(args)
-    assert argv[argv.index("--cpp-hidden-bytes-per-token") + 1] == "0"
-    conductor = build_parser().parse_args(["conductor", "--port", "1", *argv])
-    assert conductor.cpp_hidden_bytes_per_token == 0
-    default = conductor_argv(build_parser().parse_args(["serve"]))
-    assert "--cpp-hidden-bytes-per-token" not in default
+    flags = ["--policy", "cache-aware", "--coupled-router", "least-load", "--ttft-slo", "7",
+             "--tbt-slo", "0.5", "--tbt-metric", "p90", "--early-reject", "predict",
+             "--block-size", "32", "--cpp-stages", "2",
+             "--cpp-chunk-tokens", "256", "--cpp-min-tokens", "64",
+             "--cpp-hidden-bytes-per-token", "0"]  # fmt: skip
+    doc = conductor_json(build_parser().parse_args(["serve", "--prefill", "2", *flags]))
+    child = conductor_config(build_parser().parse_args(["conductor", "--port", "1",
+                                                        "--config-json", doc]))  # fmt: skip
+    assert child.to_json() == doc
+    # The same flags given to `halfmoon conductor` directly describe the same config.
+    direct = build_parser().parse_args(["conductor", "--port", "1", *flags])
+    assert conductor_config(direct) == child
+    assert (child.policy, child.block_size_tokens, child.slo.tbt_s, child.early_reject) == (
+        "cache-aware", 32, 0.5, "predict")  # fmt: skip
+    assert child.cpp_hidden_bytes_per_token == 0
+
+
+def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
+    """parser -> EngineOptions -> JSON document -> the worker's options, for every engine
+    flag (a flag added without its field fails here, not in a live cluster)."""
+    import argparse
+
+    from halfmoon.cli import build_parser
+    from halfmoon.serve.launcher import engine_json
+    from halfmoon.serve.worker_main import EngineOptions, add_engine_options, worker_options
+
+    probe = argparse.ArgumentParser()
+    add_engine_options(probe)
+    dests = {a.dest for a in probe._actions if a.dest != "help"}  # noqa: SLF001
+    assert dests == set(EngineOptions.__dataclass_fields__)
+    flags = ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-mb", "64", "--max-num-seqs",
+             "8", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
+             "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
+             "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16",
+             "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8"]  # fmt: skip
+    args = build_parser().parse_args(["serve", *flags])
+    doc = engine_json(args, "/models/x")
+    worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
+                                        "--conductor", "tcp://h:1", "--config-json", doc])  # fmt: skip
+    options = worker_options(worker)
+    assert options == EngineOptions.from_args(
+        argparse.Namespace(**{**vars(args), "model": "/models/x"})
+    )
+    assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
+    path = tmp_path / "engine.json"
+    path.write_text(doc)
+    worker.config_json = str(path)
+    assert worker_options(worker) == options
+    worker.config_json = '{"block_size": 16, "colour": "red"}'
+    with pytest.raises(HalfmoonError, match="unknown engine options: colour"):
+        worker_options(worker)
+
+
+def test_presets_keep_each_commands_defaults():
+    """The simulator replays the paper's settings; the live commands use the CPU preset."""
+    from halfmoon.cli import build_parser
+    from halfmoon.conductor.options import PRESETS
+
+    sim = build_parser().parse_args(["simulate", "--dataset", "leval"])
+    serve = build_parser().parse_args(["serve"])
+    conductor = build_parser().parse_args(["conductor", "--port", "1"])
+    for args, preset in ((sim, "paper"), (serve, "live"), (conductor, "live")):
+        assert {k: getattr(args, k) for k in PRESETS[preset]} == PRESETS[preset]
+    assert (sim.early_reject, sim.tbt_slo, sim.cpp_min_tokens) == ("none", 0.1, 2048)
+    assert (serve.early_reject, serve.tbt_slo, serve.cpp_min_tokens) == ("snapshot", 1.0, 512)

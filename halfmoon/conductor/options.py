@@ -1,0 +1,123 @@
+"""The Conductor's command-line options, declared once.
+
+``halfmoon simulate``, ``halfmoon conductor`` and ``halfmoon serve`` all take the same
+scheduling flags from :func:`add_conductor_options`; only their defaults differ, and only
+by a named preset (:data:`PRESETS`):
+
+============================  ========  ======  =================================================
+setting                       paper     live    why they differ
+============================  ========  ======  =================================================
+``--early-reject``            none      snapshot  the paper's goodput experiments admit everything
+                                                  first; a live cluster should say 429 early
+``--tbt-slo`` (s)             0.1       1.0     100 ms on A800s; a CPU decode step is ~10x slower
+``--cpp-min-tokens``          2048      512     the paper's long prompts vs a small CPU model's
+============================  ========  ======  =================================================
+
+Every other default is common to both. ``paper`` is also :class:`ConductorConfig`'s own
+defaults (``halfmoon simulate``); ``live`` is what ``halfmoon serve`` / ``conductor`` use.
+Choices are checked by :func:`conductor_config_from_args` (a one-line ``HalfmoonError``
+naming the flag), not by argparse, so every command reports them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from halfmoon.conductor.config import EARLY_REJECT_MODES, ConductorConfig
+from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
+from halfmoon.core.config import TBT_METRICS, SLOConfig
+from halfmoon.core.errors import HalfmoonError
+
+_COMMON: dict[str, Any] = {
+    "policy": "kvcache-centric",
+    "coupled_router": "cache-aware",
+    "ttft_slo": 30.0,
+    "tbt_metric": "top10mean",
+    "cpp_stages": 1,
+    "cpp_chunk_tokens": 1024,
+    "cpp_hidden_bytes_per_token": None,
+}
+#: Defaults per preset (the table in the module docstring).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {**_COMMON, "early_reject": "none", "tbt_slo": 0.1, "cpp_min_tokens": 2048},
+    "live": {**_COMMON, "early_reject": "snapshot", "tbt_slo": 1.0, "cpp_min_tokens": 512},
+}
+
+
+def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
+    """The Conductor's scheduling flags, with the defaults of ``preset`` (see PRESETS)."""
+    d = PRESETS[preset]
+    g = parser.add_argument_group(f"Conductor (defaults: the {preset!r} preset)")
+    g.add_argument("--policy", default=d["policy"], help=f"one of {', '.join(POLICIES)}")
+    g.add_argument("--coupled-router", default=d["coupled_router"],
+                   help=f"one of {', '.join(COUPLED_ROUTERS)}")  # fmt: skip
+    g.add_argument("--ttft-slo", type=float, default=d["ttft_slo"], help="TTFT SLO, seconds")
+    g.add_argument("--tbt-slo", type=float, default=d["tbt_slo"], help="TBT SLO, seconds")
+    g.add_argument("--tbt-metric", default=d["tbt_metric"], help=f"one of {', '.join(TBT_METRICS)}")
+    g.add_argument("--early-reject", default=d["early_reject"],
+                   help=f"one of {', '.join(EARLY_REJECT_MODES)}")  # fmt: skip
+    g.add_argument(
+        "--cpp-stages", type=int, default=d["cpp_stages"],
+        help="chunked pipeline parallelism: prefill instances form groups of K consecutive "
+        "ones that run long prompts as a K-stage pipeline (1: off)",
+    )  # fmt: skip
+    g.add_argument("--cpp-chunk-tokens", type=int, default=d["cpp_chunk_tokens"],
+                   help="CPP chunk size, tokens")  # fmt: skip
+    g.add_argument(
+        "--cpp-min-tokens", type=int, default=d["cpp_min_tokens"],
+        help="prompts shorter than this never use a CPP group; longer ones do when the "
+        "Conductor estimates a lower TTFT",
+    )  # fmt: skip
+    g.add_argument(
+        "--cpp-hidden-bytes-per-token", type=int, default=d["cpp_hidden_bytes_per_token"],
+        help="hidden-state bytes per token between CPP stages (default: the model's "
+        "hidden size x dtype bytes; live: what the workers report when they register)",
+    )  # fmt: skip
+
+
+def _choice(what: str, value: str, choices: Any) -> str:
+    options = tuple(choices)
+    if value not in options:
+        raise HalfmoonError(f"unknown {what} {value!r}; choose from {', '.join(options)}")
+    return value
+
+
+def _positive(flag: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise HalfmoonError(f"{flag} must be a positive number, got {value}")
+    return value
+
+
+def _at_least(flag: str, value: int, least: int) -> int:
+    if value < least:
+        raise HalfmoonError(f"{flag} must be >= {least}, got {value}")
+    return value
+
+
+def conductor_config_from_args(
+    args: argparse.Namespace, block_size_tokens: int, hidden_bytes_per_token: int | None = None
+) -> ConductorConfig:
+    """The ConductorConfig the options describe (raises HalfmoonError naming a bad flag).
+
+    ``block_size_tokens`` is the cluster's (or the trace's) block size; the CPP hidden size
+    is the flag's when given, else ``hidden_bytes_per_token``."""
+    hidden = args.cpp_hidden_bytes_per_token
+    if hidden is not None and hidden < 0:
+        raise HalfmoonError(f"--cpp-hidden-bytes-per-token must be >= 0, got {hidden}")
+    return ConductorConfig(
+        policy=_choice("policy", args.policy, POLICIES),
+        block_size_tokens=_at_least("--block-size", block_size_tokens, 1),
+        slo=SLOConfig(
+            _positive("--ttft-slo", args.ttft_slo),
+            _positive("--tbt-slo", args.tbt_slo),
+            _choice("tbt metric", args.tbt_metric, TBT_METRICS),
+        ),
+        early_reject=_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES),
+        coupled_router=_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
+        cpp_stages=_at_least("--cpp-stages", args.cpp_stages, 1),
+        cpp_chunk_tokens=_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
+        cpp_min_tokens=_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
+        cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
+    )
