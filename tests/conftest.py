@@ -1,4 +1,12 @@
-"""Fixtures shared across test packages: the real default model, imported once."""
+"""Fixtures shared across test packages (the real default model, imported once), and the
+test tiers: markers given by directory and by fixture (README, "Tests").
+
+- ``e2e``: everything under tests/e2e/ (a real ``halfmoon serve`` cluster);
+- ``ray``: tests on a local Ray cluster (the ``ray_nodes`` fixture);
+- ``slow``: those two, tests using a fixture that starts processes, and tests marked by
+  hand (other subprocesses, or more than ~5 s here). ``make test-fast`` runs
+  ``-m "not slow"``: the in-process tests.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,28 @@ import pytest
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
 
 SMOLLM2 = "smollm2-135m-instruct"
+E2E_DIR = Path(__file__).parent / "e2e"
+#: Fixtures that start real processes (tests/serve, tests/transfer, tests/deploy).
+PROCESS_FIXTURES = {"spawn", "spawn_peer", "cluster_factory", "ray_nodes"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (see the module docstring)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+        if "ray_nodes" in fixtures:
+            item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("e2e") or fixtures & PROCESS_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny-model clusters of this session keep the presets and cost profiles
+    they share (tests/e2e/conftest.py: ``Cluster``)."""
+    return tmp_path_factory.mktemp("shared-cache")
 
 
 @pytest.fixture(scope="session")

@@ -58,13 +58,22 @@ class Exchange:
 
 
 class FakeOpenAI:
-    """``with FakeOpenAI(reply_for) as server: ... server.url ...``"""
+    """``with FakeOpenAI(reply_for) as server: ... server.url ...``
+
+    ``hold_first``: the first that many completion requests wait, before their first event,
+    until that many are in flight at once (for up to 10 s), so a test shows concurrency by
+    a condition rather than by timing.
+    """
 
     def __init__(
-        self, reply_for: Callable[[dict[str, Any]], Reply], model: str = "fake-model"
+        self,
+        reply_for: Callable[[dict[str, Any]], Reply],
+        model: str = "fake-model",
+        hold_first: int = 0,
     ) -> None:
         self.reply_for = reply_for
         self.model = model
+        self.hold_first = hold_first
         self.exchanges: list[Exchange] = []
         self.num_in_flight = 0
         self.max_in_flight = 0
@@ -130,10 +139,17 @@ class FakeOpenAI:
             self.num_in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
             try:
+                if len(self.exchanges) <= self.hold_first:
+                    await self._until_in_flight(self.hold_first)
                 return await self._stream(writer, reply, exchange)
             finally:
                 self.num_in_flight -= 1
         return await _json(writer, 404, {"error": {"message": f"no route {path}"}})
+
+    async def _until_in_flight(self, num: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight < num and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     async def _stream(self, writer, reply: Reply, exchange: Exchange) -> bool:
         writer.write(

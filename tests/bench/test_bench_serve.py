@@ -12,10 +12,12 @@ from halfmoon.core.request import Request
 from halfmoon.metrics.records import records_from_json
 from halfmoon.workload.trace import write_trace
 
+pytestmark = pytest.mark.e2e  # a real cluster (so also slow: tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    started = Cluster(tmp_path_factory.mktemp("serve"), "--kv-cache-mb", "64")
+def cluster(tmp_path_factory, shared_cache):
+    started = Cluster(tmp_path_factory.mktemp("serve"), "--kv-cache-mb", "64", shared=shared_cache)
     try:
         started.wait_ready()
         yield started

@@ -27,12 +27,35 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def link_shared_cache(cache: Path, shared: Path) -> None:
+    """Make ``cache/presets`` and ``cache/profiles`` links into ``shared``.
+
+    Starting a cluster on a fresh cache writes the tiny preset and measures its cost
+    profile (~13 s of a ~20 s start here). The profile's key is the model's resolved path
+    and engine shape, so clusters whose links point into one ``shared`` dir measure once.
+    The cache dir itself stays per cluster: its path in the workers' command lines is how
+    :meth:`Cluster.stop` finds them.
+    """
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in ("presets", "profiles"):
+        (shared / name).mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(shared / name, target_is_directory=True)
+
+
 class Cluster(LocalCluster):
     """A started ``halfmoon serve`` with the test secret and a cache dir under ``tmp``;
-    the tiny random-weight preset unless ``args`` name a ``--model``."""
+    the tiny random-weight preset unless ``args`` name a ``--model``.
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    With ``shared``, a tiny-model cluster reuses the preset and cost profile measured by
+    an earlier one with the same ``--kv-cache-mb`` (the pool size bounds the contexts the
+    profiler measures, so only those agree); a named model always starts from scratch.
+    """
+
+    def __init__(self, tmp: Path, *args: str, shared: Path | None = None) -> None:
         if "--model" not in args:
+            if shared is not None:
+                kv_mb = args[args.index("--kv-cache-mb") + 1] if "--kv-cache-mb" in args else ""
+                link_shared_cache(tmp / "cache", shared / f"tiny-kv{kv_mb or 'default'}")
             args = ("--model", "tiny", *args)
         super().__init__(args, tmp / "cache", SECRET, tmp / "serve.log")
         self.start()
@@ -44,12 +67,12 @@ class Cluster(LocalCluster):
 
 
 @pytest.fixture(scope="module")
-def cluster_factory(tmp_path_factory):
+def cluster_factory(tmp_path_factory, shared_cache):
     """Start clusters with the given ``halfmoon serve`` arguments; stop them at the end."""
     started: list[Cluster] = []
 
     def start(*args: str) -> Cluster:
-        cluster = Cluster(tmp_path_factory.mktemp("serve"), *args)
+        cluster = Cluster(tmp_path_factory.mktemp("serve"), *args, shared=shared_cache)
         started.append(cluster)
         cluster.wait_ready()
         return cluster

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import openai
 import pytest
 
 from .test_serve_disaggregated import _metric
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +44,11 @@ def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
     assert len(holder) == 1
     # Keep that worker busy with a long unrelated prompt, so the Conductor prefers the
     # idle worker and has it fetch the prefix instead of waiting or recomputing.
+    _until(lambda: two_prefill.ping_conductor()["num_placements"] == 0)  # "warm" released
     busy = threading.Thread(target=complete, args=(" ".join(f"x{i}" for i in range(3000)), 1))
     busy.start()
-    time.sleep(0.3)  # let the long prompt reach the Conductor first
+    # The long prompt must reach the Conductor first: wait until it is placed.
+    _until(lambda: two_prefill.ping_conductor()["num_placements"] >= 1)
     bytes_before = _metric(two_prefill, "halfmoon:kv_transfer_bytes_total")
     out = complete(prefix + " then a question")
     busy.join()

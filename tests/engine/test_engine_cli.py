@@ -45,6 +45,7 @@ def test_bad_input_is_one_line_error(argv: list[str], message: str, capsys) -> N
     assert err.count("\n") == 1 and err.startswith("halfmoon: error:") and message in err
 
 
+@pytest.mark.slow  # a subprocess
 def test_registering_commands_does_not_import_torch() -> None:
     code = "import sys, halfmoon.cli as c; c.build_parser(); print('torch' in sys.modules)"
     result = subprocess.run(

@@ -18,6 +18,8 @@ from engine_testlib import BLOCK_SIZE, assert_logits_close, engine_config, prefi
 from halfmoon.core.request import SamplingParams
 from halfmoon.engine.engine import LLMEngine
 
+pytestmark = pytest.mark.slow  # the real model: ~55 s here
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = [
     "In 2024, 12345 people paid $3.50 (or €3,20) each.",

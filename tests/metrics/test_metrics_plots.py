@@ -57,6 +57,7 @@ def test_plot_report_needs_a_run(tmp_path, slo):
         plot_report({}, slo, tmp_path / "x.png")
 
 
+@pytest.mark.slow  # a subprocess
 def test_importing_metrics_does_not_import_matplotlib():
     code = "import sys, halfmoon.metrics; print('matplotlib' in sys.modules)"
     result = subprocess.run(

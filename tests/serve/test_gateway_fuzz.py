@@ -94,6 +94,7 @@ fields = {
 bodies = st.fixed_dictionaries({}, optional=fields)
 
 
+@pytest.mark.slow  # 300 examples: ~8 s here
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from halfmoon.serve.kvstream import OutStream, StreamerPool, finish_all
 from halfmoon.transfer import StreamLayout, TransferEngine
 
@@ -14,6 +16,7 @@ SECRET = bytes(range(7, 39))
 BLOCK = 256
 
 
+@pytest.mark.slow  # ~6 s here
 def test_a_frozen_destination_fails_its_own_streams_only():
     """A peer that accepts TCP connections and never answers (a SIGSTOPped process looks
     like this) fails the first session within its deadline and the ones queued behind it

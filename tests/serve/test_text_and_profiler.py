@@ -39,6 +39,7 @@ def test_without_stop_everything_is_sent(engine):
     assert sent == tok.decode(ids) and not out.stopped
 
 
+@pytest.mark.slow  # ~6 s here
 def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
     from halfmoon.serve.profiler import cached_profile
 

@@ -60,6 +60,7 @@ def test_private_arena_slots_are_disjoint_views():
     arena.close()
 
 
+@pytest.mark.slow  # a subprocess
 def test_shared_arena_is_readable_from_another_process():
     arena = SlabArena(4, 16, shared=True)
     try:

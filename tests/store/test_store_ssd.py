@@ -78,6 +78,7 @@ def test_restart_recovers_the_ssd_index(make_store, events, tmp_path):
     reopened.check_integrity()
 
 
+@pytest.mark.slow  # a subprocess
 def test_restart_after_kill_minus_9(make_store, tmp_path):
     config = ssd_only(tmp_path, 8)
     code = f"""

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs a script in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "loopback_ceiling.py"
 
 

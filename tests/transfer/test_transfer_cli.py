@@ -14,6 +14,7 @@ def test_microbench_transfer_prints_json(capsys):
     assert all(r["gib_per_s"] > 0 for r in payload["results"])
 
 
+@pytest.mark.slow  # ~6 s here
 def test_microbench_store_prints_a_table(capsys):
     assert main(["microbench", "store"]) == 0
     out = capsys.readouterr().out

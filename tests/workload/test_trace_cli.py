@@ -157,6 +157,7 @@ def test_capacity_curve() -> None:
     assert capacity_curve(10) == [1, 2, 5, 10, None]
 
 
+@pytest.mark.slow  # a subprocess
 def test_console_script(tmp_path: Path, trace_file: Path) -> None:
     script = Path(sys.executable).with_name("halfmoon")
     assert script.exists(), f"console script not installed at {script}"
