@@ -19,6 +19,7 @@ from halfmoon.conductor.messages import (
     PrefillCandidate,
     PrefillFinished,
     PrefillStarted,
+    RejectCode,
     ReplicationPlan,
     RequestFinished,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "PrefillStarted",
     "PrefixIndex",
     "ReplicationPlan",
+    "RejectCode",
     "RequestFinished",
     "get_policy",
 ]

@@ -8,7 +8,7 @@ uniform t_d) ends before then leave, placed requests whose prefill ends before t
 from __future__ import annotations
 
 from halfmoon.conductor.config import ConductorConfig
-from halfmoon.conductor.messages import DecodeCandidate, PrefillCandidate
+from halfmoon.conductor.messages import DecodeCandidate, PrefillCandidate, RejectCode
 from halfmoon.conductor.state import DecodeState
 from halfmoon.core.request import Request
 
@@ -44,14 +44,15 @@ def rejection_reason(
     chosen: PrefillCandidate,
     decode: DecodeCandidate,
     dstate: DecodeState,
-) -> str:
-    """Why the request must be rejected before any prefill work ("" to admit it)."""
+) -> tuple[str, str]:
+    """Why the request must be rejected before any prefill work: (a
+    :class:`RejectCode`, the text), or ("", "") to admit it."""
     mode = config.early_reject
     if mode == "none":
-        return ""
+        return "", ""
     slo = config.slo
     if chosen.ttft_s > slo.ttft_s:
-        return (
+        return RejectCode.TTFT, (
             f"estimated TTFT {chosen.ttft_s:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
     if mode == "snapshot":
@@ -60,14 +61,14 @@ def rejection_reason(
     else:
         tbt_s = decode.est_tbt_s
     if tbt_s > slo.tbt_s:
-        return (
+        return RejectCode.TBT, (
             f"estimated TBT {tbt_s * 1e3:.1f}ms on {decode.instance_id} ({mode}) "
             f"exceeds the {slo.tbt_s * 1e3:g}ms SLO"
         )
     need = request.input_length + request.output_length
     if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
-        return (
+        return RejectCode.KV_FULL, (
             f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "
             f"tokens > capacity {dstate.kv_capacity_tokens}"
         )
-    return ""
+    return "", ""

@@ -39,6 +39,7 @@ from halfmoon.conductor.messages import (
     PrefillCandidate,
     PrefillFinished,
     PrefillStarted,
+    RejectCode,
     ReplicationPlan,
     RequestFinished,
 )
@@ -272,7 +273,7 @@ class Conductor:
 
     def _rejection(
         self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate
-    ) -> str:
+    ) -> tuple[str, str]:
         dstate = self._decode[decode.instance_id]
         return rejection_reason(self.config, request, chosen, decode, dstate)
 
@@ -290,6 +291,7 @@ class Conductor:
                 reject_reason="no prefill or decode instance available",
                 candidates=tuple(candidates),
                 why="cluster has no capacity",
+                reject_code=RejectCode.NO_INSTANCE,
             )
         chosen = self._choose(candidates)
         ready_s = self.clock.now() + chosen.ttft_s
@@ -302,8 +304,8 @@ class Conductor:
             f"est TTFT {chosen.ttft_s:.3f}s); decode {decode.instance_id} "
             f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
         )
-        reason = self._rejection(request, chosen, decode)
-        if reason:
+        code, reason = self._rejection(request, chosen, decode)
+        if code:
             return Decision(
                 request.request_id,
                 policy,
@@ -314,6 +316,7 @@ class Conductor:
                 tuple(candidates),
                 tuple(decodes),
                 why=why,
+                reject_code=code,
             )
         replications = self._commit(request, chosen, decode.instance_id, ready_s)
         return Decision(
@@ -342,6 +345,7 @@ class Conductor:
                 None,
                 reject_reason="no coupled instance available",
                 why="cluster has no capacity",
+                reject_code=RejectCode.NO_INSTANCE,
             )
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
         cands = local_candidates(request, self._prefill, ids, matched, self.clock.now(), {})

@@ -141,11 +141,26 @@ class ReplicationPlan:
     reason: str
 
 
+class RejectCode:
+    """Why the Conductor refused a request (``Decision.reject_code``): stable codes for
+    programs to act on; ``Decision.reject_reason`` is the text for people."""
+
+    #: No prefill, decode or coupled instance registered (a restart in progress?).
+    NO_INSTANCE = "no_instance"
+    #: The estimated TTFT of the best placement exceeds the SLO.
+    TTFT = "ttft"
+    #: The estimated decode step time (TBT) exceeds the SLO.
+    TBT = "tbt"
+    #: The decode instance's KV cache cannot hold the request.
+    KV_FULL = "kv_full"
+
+
 @dataclass(frozen=True)
 class Decision:
     """The Conductor's answer for one request, with everything it considered.
 
-    When ``accepted`` is False, ``reject_reason`` says why and nothing was placed.
+    When ``accepted`` is False, ``reject_code`` (a :class:`RejectCode`) and
+    ``reject_reason`` say why, and nothing was placed.
     """
 
     request_id: str
@@ -158,6 +173,7 @@ class Decision:
     decode_candidates: tuple[DecodeCandidate, ...] = ()
     replications: tuple[ReplicationPlan, ...] = field(default=())
     why: str = ""
+    reject_code: str = ""
 
     @property
     def est_ttft_s(self) -> float | None:

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from halfmoon.conductor.messages import RejectCode
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.backend import BackendError, GenerationChunk, Rejected
@@ -388,7 +389,8 @@ class ClusterBackend:
             if decision["accepted"]:
                 return decision
             reason = decision["reject_reason"]
-            if "available" not in reason or time.monotonic() > deadline:
+            waiting = decision.get("reject_code") == RejectCode.NO_INSTANCE
+            if not waiting or time.monotonic() > deadline:
                 raise Rejected(reason)
             await asyncio.sleep(0.5)  # no worker registered (yet): they are restarting
 

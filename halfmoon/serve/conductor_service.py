@@ -364,6 +364,7 @@ class ConductorService:
             "type": "decision",
             "accepted": decision.accepted,
             "reject_reason": decision.reject_reason,
+            "reject_code": decision.reject_code,
             "why": decision.why,
         }
         if not decision.accepted or decision.prefill is None or decision.decode is None:

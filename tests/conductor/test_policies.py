@@ -7,6 +7,7 @@ from halfmoon.conductor import (
     DecodeStarted,
     PrefillFinished,
     PrefillStarted,
+    RejectCode,
     RequestFinished,
 )
 from halfmoon.core.clock import ManualClock
@@ -128,6 +129,7 @@ def test_no_instances_rejects(paper_cost_model):
     c = Conductor(ConductorConfig(block_size_tokens=16), paper_cost_model, ManualClock())
     d = c.schedule(_req("r", 2))
     assert not d.accepted and "no prefill or decode" in d.reject_reason
+    assert d.reject_code == RejectCode.NO_INSTANCE
 
 
 def test_decode_chosen_by_load(make_conductor):
@@ -149,6 +151,7 @@ def test_snapshot_and_predict_tbt_rejection(make_conductor):
         c.handle(DecodeStarted("D1", "small"))
         big = c.schedule(_req("big", 250, first=100))  # 4,000 tokens: +0.1 ms per step
         assert not big.accepted and "TBT" in big.reject_reason
+        assert big.reject_code == RejectCode.TBT
 
 
 def test_predict_sees_departures_before_prefill_ends(make_conductor):
@@ -225,3 +228,12 @@ def test_removing_an_instance_drops_its_requests_bookings_elsewhere(make_conduct
     assert c.queue_s(other) == 0.0
     again = c.schedule(_req("r~1", 125))  # the retry sees an empty decode instance
     assert again.decode.num_running == 1 and again.decode.context_tokens == 2000
+
+
+def test_a_full_decode_kv_is_rejected_with_its_code(make_conductor):
+    c = make_conductor(num_prefill=1, num_decode=1, early_reject="snapshot",
+                       slo=SLOConfig(ttft_s=100.0, tbt_s=10.0))  # fmt: skip
+    c._decode["D1"].kv_capacity_tokens = 1000  # noqa: SLF001 - a small pool
+    d = c.schedule(_req("big", 100))  # 1,600 prompt tokens
+    assert not d.accepted and d.reject_code == RejectCode.KV_FULL
+    assert "decode KV full" in d.reject_reason

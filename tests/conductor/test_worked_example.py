@@ -63,4 +63,5 @@ def test_worked_example_rejects_when_slo_tighter(make_conductor):
     decision = conductor.schedule(request)
     assert not decision.accepted
     assert "TTFT" in decision.reject_reason and "5s SLO" in decision.reject_reason
+    assert decision.reject_code == "ttft"
     assert ConductorConfig().early_reject == "none"

@@ -111,6 +111,7 @@ def test_wrong_secret_is_ignored_and_bad_messages_answered(spawn, port):
         }
     )
     assert reply["accepted"] is False and "no prefill" in reply["reject_reason"]
+    assert reply["reject_code"] == "no_instance"  # the gateway waits on this code only
 
 
 def test_missing_secret_is_a_clear_error(spawn, port):
