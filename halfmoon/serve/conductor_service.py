@@ -12,8 +12,9 @@ dropped and counted, never answered. Messages (``type``):
   (:meth:`ConductorService.refusal`)
 - ``events``: a batch of lifecycle / block events (no reply)
 - ``schedule``: request_id, input_length, output_length, block_size (the cluster's, else
-  an ``error``), hashes (packed) -> ``decision`` (the placement with every endpoint the gateway and workers need, or a
-  rejection with its reason code (``reject_code``, a RejectCode) and text)
+  an ``error``), hashes (packed) -> ``decision`` (the placement with every endpoint the
+  gateway and workers need, or a rejection with its ``reject_code``, a RejectCode, and
+  its ``reject_reason`` text)
 - ``heartbeat``: instance_id (no reply; ``register_again`` when the instance is unknown,
   e.g. after this process restarted — the worker then registers with a snapshot of the
   blocks it holds, which rebuilds the index)
