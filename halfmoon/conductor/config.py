@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 from halfmoon.core.config import SLOConfig
+from halfmoon.core.jsonconfig import config_fields, config_to_json
 
 EARLY_REJECT_MODES = ("none", "snapshot", "predict")
 
@@ -82,15 +82,12 @@ class ConductorConfig:
 
     def to_json(self) -> str:
         """The config as one JSON document (what a launcher hands a Conductor process)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        return config_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> ConductorConfig:
         """The config :meth:`to_json` wrote; unknown keys are an error (no silent drift)."""
-        data = json.loads(text)
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown ConductorConfig keys: {', '.join(sorted(unknown))}")
+        data = config_fields(cls, text, "ConductorConfig keys")
         if "slo" in data:
             data["slo"] = SLOConfig(**data["slo"])
         return cls(**data)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.jsonconfig import config_fields, config_to_json
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,
@@ -95,16 +95,12 @@ class EngineOptions:
 
     def to_json(self) -> str:
         """One JSON document."""
-        return json.dumps(asdict(self), sort_keys=True)
+        return config_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> EngineOptions:
         """The options :meth:`to_json` wrote; unknown keys are an error (no silent drift)."""
-        data = json.loads(text)
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise HalfmoonError(f"unknown engine options: {', '.join(sorted(unknown))}")
-        return cls(**data)
+        return cls(**config_fields(cls, text, "engine options"))
 
     def engine_config(self, role: str | None) -> Any:
         """The EngineConfig of a worker of ``role`` (a prefill worker batches
