@@ -44,7 +44,7 @@ demo: $(STAMP)
 	$(VENV)/bin/halfmoon demo
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_hashing.py
+	$(PY) -m benchmarks.micro.hashing
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -17,7 +17,7 @@ Unsalted requests hash exactly as before.
 
 Speed: the token ids are converted to little-endian u32 bytes once with numpy; the loop
 then does one 16+4*B-byte concatenation and one hash call per block (a 128k-token prompt
-with 16-token blocks takes ~3 ms; see benchmarks/bench_hashing.py).
+with 16-token blocks takes ~3 ms; see benchmarks/micro/hashing.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ File format (``version`` 1)::
 The optional ``serving`` section holds :class:`ServingTerms`: time the serving path adds
 around the engine's forward passes (messages, hand-over, KV import), measured by the
 worker profiler (``kv_import_s_per_token``) or by a calibration run through the live
-path (``benchmarks/eval_serving.py``); a file without it means all zero.
+path (``benchmarks/eval/serving.py``); a file without it means all zero.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A request/response round trip between two processes sleeps twice (each side waits for
 the other). When the two run on different cores, every wake-up is an inter-processor
-interrupt; in our VM measurements (benchmarks/store.py, 4 KiB remote read) that made a
+interrupt; in our VM measurements (benchmarks/dataplane/store.py, 4 KiB remote read) that made a
 round trip ~120 us, against ~35 us when both sides poll briefly instead. When the peer
 shares our core, polling only delays it, and an idle peer makes polling pure waste: so a
 few polls in a row that find nothing pause polling for a while. The pause is a time, not

@@ -1,6 +1,6 @@
 """``halfmoon microbench transfer | store``: quick measurements of the data plane.
 
-A short run of ``benchmarks/transfer.py`` / ``benchmarks/store.py`` without the
+A short run of ``benchmarks/dataplane/transfer.py`` / ``benchmarks/dataplane/store.py`` without the
 Mooncake peer (well under a minute): block sizes 64 KiB, 1 MiB and 16 MiB (plus 4 KiB for
 the store), 32 MiB batches, medians of 3 repetitions, everything on 127.0.0.1.
 """
@@ -18,7 +18,7 @@ _DESCRIPTION = (
     "Quick measurements of the data plane without the Mooncake peer (well under a minute): "
     "block sizes 64 KiB, 1 MiB and 16 MiB (plus 4 KiB for the store), 32 MiB batches, "
     "medians of 3 repetitions, everything on 127.0.0.1. The full comparison with Mooncake is "
-    "benchmarks/transfer.py and benchmarks/store.py."
+    "benchmarks/dataplane/transfer.py and benchmarks/dataplane/store.py."
 )
 
 

@@ -18,7 +18,7 @@ from halfmoon.transfer.errors import TransferTimeout
 IOV_BATCH = 512
 #: Buffers of local (socket-pair) links; TCP's are left to the kernel's autotuning, which
 #: with 1 MiB chunks measured 6% faster on loopback than fixed 1 MiB buffers with 256 KiB
-#: chunks (and 80% faster over one connection; benchmarks/transfer.py, docs/benchmarks.md).
+#: chunks (and 80% faster over one connection; benchmarks/dataplane/transfer.py, docs/benchmarks.md).
 _SOCKET_BUFFER_BYTES = 1 << 20
 
 

@@ -3,7 +3,7 @@
 Everything runs on 127.0.0.1. Transfer numbers push a batch of blocks from this process
 into a peer *process* (``python -m halfmoon.transfer.peer``), so sender and receiver do
 not share a GIL; store numbers cover the in-process store and a store peer reached over
-tcp / shm. ``benchmarks/transfer.py`` and ``benchmarks/store.py`` add Mooncake's
+tcp / shm. ``benchmarks/dataplane/transfer.py`` and ``benchmarks/dataplane/store.py`` add Mooncake's
 implementation beside these numbers.
 """
 

@@ -1,6 +1,6 @@
 """An overload burst on a real cluster: every connection gets an answer (issue #17 item 10).
 
-Counts, never timings: the host is noisy. ``benchmarks/overload.py`` measures how fast the
+Counts, never timings: the host is noisy. ``benchmarks.eval.overload`` measures how fast the
 answers come (docs/benchmarks.md).
 """
 

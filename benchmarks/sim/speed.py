@@ -1,0 +1,182 @@
+"""Simulator speed on the whole synthetic trace, and the Conductor's decision latency.
+
+Run: .venv/bin/python -m benchmarks.sim.speed [--trace FILE] [--repeats R]
+                                              [--instances 64] [--blocks 1000000]
+
+1. ``simulate``: the whole trace on 8P8D and on 16M (LLaMA2-70B, 8xA800 per instance),
+   median wall time over ``--repeats`` runs, then one run under tracemalloc for the peak
+   Python heap; the process's peak RSS is printed at the end. Target: < 30 s for 8P8D.
+2. ``schedule``: a Conductor with ``--instances`` prefill and as many (then 8) decode instances,
+   whose index holds ``--blocks`` distinct blocks (filled through BlockStored events),
+   places requests shaped like the trace (30 blocks on average, half of them a cached
+   document prefix). About 256 requests stay in flight (their lifecycle events are sent),
+   so queue and decode bookkeeping is realistic. Target: p99 < 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import time
+import tracemalloc
+from collections import deque
+from pathlib import Path
+
+from halfmoon.conductor import (
+    BlockStored,
+    Conductor,
+    ConductorConfig,
+    DecodeStarted,
+    PrefillFinished,
+    PrefillStarted,
+    RequestFinished,
+)
+from halfmoon.core.clock import ManualClock
+from halfmoon.core.request import Request
+from halfmoon.costmodel import build_cost_model
+from halfmoon.sim import ClusterSpec, SimConfig, simulate
+from halfmoon.workload import read_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = ROOT.parent / "shared/traces/synthetic_trace.jsonl"
+DOC_BLOCKS = 50  # blocks per cached "document" chain in the decision benchmark
+IN_FLIGHT = 256
+
+
+def bench_simulate(trace: Path, repeats: int) -> None:
+    """Time whole-trace runs on 8P8D and 16M; print a markdown table."""
+    requests = read_trace(trace)
+    cost_model = build_cost_model("llama2-70b", "a800", 8)
+    print(f"simulate: {len(requests)} requests from {trace.name}, {repeats} repeats\n")
+    print("| cluster | policy | median s | min s | events | events/s | peak heap MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for cluster in ("8P8D", "16M"):
+        config = SimConfig(ClusterSpec.parse(cluster))
+        conductor = ConductorConfig()
+        times_s = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = simulate(requests, config, conductor, cost_model)
+            times_s.append(time.perf_counter() - start)
+        tracemalloc.start()
+        simulate(requests, config, conductor, cost_model)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        events = result.report["num_events"]
+        median_s = statistics.median(times_s)
+        print(
+            f"| {cluster} | {result.report['policy']} | {median_s:.2f} | {min(times_s):.2f} | "
+            f"{events:,} | {events / median_s:,.0f} | {peak_bytes / 2**20:.0f} |"
+        )
+
+
+def _fill_index(conductor: Conductor, num_blocks: int, rng: random.Random) -> list[list[int]]:
+    """Documents of DOC_BLOCKS chained blocks, each cached whole on one instance and as a
+    prefix of random length on 0-2 more; returns the documents."""
+    instances = conductor.prefill_instances
+    documents = [
+        list(range(d * DOC_BLOCKS, (d + 1) * DOC_BLOCKS)) for d in range(num_blocks // DOC_BLOCKS)
+    ]
+    for doc in documents:
+        holders = rng.sample(instances, rng.randint(1, 3))
+        for n, iid in enumerate(holders):
+            length = DOC_BLOCKS if n == 0 else rng.randint(1, DOC_BLOCKS)
+            for h in doc[:length]:
+                conductor.handle(BlockStored(iid, h))
+    return documents
+
+
+def _request(rid: int, documents: list[list[int]], rng: random.Random, fresh: int) -> Request:
+    doc = documents[rng.randrange(len(documents))]
+    shared = doc[: rng.randint(1, 30)]
+    num_blocks = max(len(shared) + 1, int(rng.expovariate(1 / 30)))
+    hashes = tuple(shared) + tuple(range(fresh, fresh + num_blocks - len(shared)))
+    input_length = num_blocks * 512 - rng.randint(0, 511)
+    return Request(f"r{rid}", 0.0, input_length, rng.randint(10, 400), hashes, 512)
+
+
+def bench_schedule(
+    num_instances: int, num_decode: int, num_blocks: int, num_decisions: int
+) -> None:
+    """Time Conductor.schedule with a large index; print markdown table rows."""
+    rng = random.Random(0)
+    clock = ManualClock()
+    cost_model = build_cost_model("llama2-70b", "a800", 8)
+    for mode in ("none", "predict"):
+        conductor = Conductor(
+            ConductorConfig(early_reject=mode, slo=SimConfig(ClusterSpec.parse("1P1D")).slo),
+            cost_model,
+            clock,
+            random.Random(0),
+        )
+        for i in range(num_instances):
+            conductor.add_prefill_instance(f"P{i}")
+        for i in range(num_decode):
+            conductor.add_decode_instance(f"D{i}")
+        tracemalloc.start()
+        documents = _fill_index(conductor, num_blocks, rng)
+        index_bytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        in_flight: deque[tuple[str, str, str]] = deque()
+        fresh = 10 * num_blocks
+        times_ns = []
+        for n in range(num_decisions):
+            request = _request(n, documents, rng, fresh)
+            fresh += len(request.block_hashes)
+            clock.advance(0.05)
+            start = time.perf_counter_ns()
+            decision = conductor.schedule(request)
+            times_ns.append(time.perf_counter_ns() - start)
+            if decision.accepted:
+                _advance_lifecycle(conductor, decision, in_flight)
+        times_ns.sort()
+        print(
+            f"| {num_instances} | {num_decode} | {len(conductor.index):,} | {mode} | "
+            f"{times_ns[len(times_ns) // 2] / 1e3:.0f} | {times_ns[int(0.99 * len(times_ns))] / 1e3:.0f} | "
+            f"{statistics.fmean(times_ns) / 1e3:.0f} | {index_bytes / 2**20:.0f} |"
+        )
+
+
+def _advance_lifecycle(conductor: Conductor, decision, in_flight: deque) -> None:
+    """Start the new placement and retire the oldest, keeping IN_FLIGHT requests."""
+    rid, p, d = decision.request_id, decision.prefill.instance_id, decision.decode.instance_id
+    conductor.handle(PrefillStarted(p, rid))
+    in_flight.append((rid, p, d))
+    if len(in_flight) > IN_FLIGHT // 2:
+        old, op, od = in_flight[-IN_FLIGHT // 2]
+        conductor.handle(PrefillFinished(op, old))
+        conductor.handle(DecodeStarted(od, old))
+    if len(in_flight) > IN_FLIGHT:
+        old, _, od = in_flight.popleft()
+        conductor.handle(RequestFinished(od, old))
+
+
+def main() -> None:
+    """Run both benchmarks."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--instances", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--decisions", type=int, default=5000)
+    parser.add_argument("--skip-simulate", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_simulate:
+        bench_simulate(args.trace, args.repeats)
+        print()
+    print(f"schedule: {args.decisions} decisions, kvcache-centric\n")
+    print(
+        "| prefill instances | decode instances | indexed blocks | early reject | "
+        "p50 us | p99 us | mean us | index MiB |"
+    )
+    print("|---:|---:|---:|---|---:|---:|---:|---:|")
+    for num_decode in sorted({args.instances, 8}):
+        bench_schedule(args.instances, num_decode, args.blocks, args.decisions)
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak RSS of the whole benchmark process: {peak_rss_mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
