@@ -283,11 +283,11 @@ class Conductor:
         candidates = self.prefill_candidates(request)
         if not candidates or not self.decode_instances:
             return Decision(
-                request.request_id,
-                policy,
-                False,
-                None,
-                None,
+                request_id=request.request_id,
+                policy=policy,
+                accepted=False,
+                prefill=None,
+                decode=None,
                 reject_reason="no prefill or decode instance available",
                 candidates=tuple(candidates),
                 why="cluster has no capacity",
@@ -307,29 +307,28 @@ class Conductor:
         code, reason = self._rejection(request, chosen, decode)
         if code:
             return Decision(
-                request.request_id,
-                policy,
-                False,
-                chosen,
-                decode,
-                reason,
-                tuple(candidates),
-                tuple(decodes),
+                request_id=request.request_id,
+                policy=policy,
+                accepted=False,
+                prefill=chosen,
+                decode=decode,
+                reject_reason=reason,
+                candidates=tuple(candidates),
+                decode_candidates=tuple(decodes),
                 why=why,
                 reject_code=code,
             )
         replications = self._commit(request, chosen, decode.instance_id, ready_s)
         return Decision(
-            request.request_id,
-            policy,
-            True,
-            chosen,
-            decode,
-            "",
-            tuple(candidates),
-            tuple(decodes),
-            replications,
-            why,
+            request_id=request.request_id,
+            policy=policy,
+            accepted=True,
+            prefill=chosen,
+            decode=decode,
+            candidates=tuple(candidates),
+            decode_candidates=tuple(decodes),
+            replications=replications,
+            why=why,
         )
 
     def route_coupled(self, request: Request) -> Decision:
@@ -338,11 +337,11 @@ class Conductor:
         router = self.config.coupled_router
         if not ids:
             return Decision(
-                request.request_id,
-                router,
-                False,
-                None,
-                None,
+                request_id=request.request_id,
+                policy=router,
+                accepted=False,
+                prefill=None,
+                decode=None,
                 reject_reason="no coupled instance available",
                 why="cluster has no capacity",
                 reject_code=RejectCode.NO_INSTANCE,
@@ -364,14 +363,13 @@ class Conductor:
         decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
         self._commit(request, chosen, chosen.instance_id, ready_s)
         return Decision(
-            request.request_id,
-            router,
-            True,
-            chosen,
-            decode,
-            "",
-            tuple(cands),
-            (decode,),
+            request_id=request.request_id,
+            policy=router,
+            accepted=True,
+            prefill=chosen,
+            decode=decode,
+            candidates=tuple(cands),
+            decode_candidates=(decode,),
             why=f"{router}: {chosen.instance_id} (cached {chosen.cached_tokens} tokens)",
         )
 

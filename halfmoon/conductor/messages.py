@@ -14,25 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TIERS = ("dram", "ssd")
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """``instance_id`` now holds ``block_hash`` in ``tier``."""
-
-    instance_id: str
-    block_hash: int
-    tier: str = "dram"
-
-
-@dataclass(frozen=True)
-class BlockEvicted:
-    """``instance_id`` no longer holds ``block_hash`` in ``tier``."""
-
-    instance_id: str
-    block_hash: int
-    tier: str = "dram"
+# The cache events the Conductor consumes are the one vocabulary of halfmoon.core.events.
+from halfmoon.core.events import TIERS as TIERS
+from halfmoon.core.events import BlockEvicted as BlockEvicted
+from halfmoon.core.events import BlockStored as BlockStored
 
 
 @dataclass(frozen=True)
@@ -155,12 +140,12 @@ class RejectCode:
     KV_FULL = "kv_full"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """The Conductor's answer for one request, with everything it considered.
 
     When ``accepted`` is False, ``reject_code`` (a :class:`RejectCode`) and
-    ``reject_reason`` say why, and nothing was placed.
+    ``reject_reason`` say why, and nothing was placed. Every field is keyword-only.
     """
 
     request_id: str

@@ -15,11 +15,12 @@ Notify = Callable[[object], None]
 
 
 class InstanceCache:
-    """A :class:`PrefixCache` of ``capacity_blocks`` blocks (None: unbounded) owned by
-    ``instance_id``; ``notify`` receives the block events (the Conductor's ``handle``)."""
+    """A :class:`PrefixCache` of ``capacity_blocks`` blocks (None: unbounded) with eviction
+    ``policy``, owned by ``instance_id``; ``notify`` receives the block events (the
+    Conductor's ``handle``)."""
 
     def __init__(
-        self, instance_id: str, capacity_blocks: int | None, policy: str, notify: Notify
+        self, instance_id: str, *, capacity_blocks: int | None, policy: str, notify: Notify
     ) -> None:
         self.instance_id = instance_id
         self._cache = PrefixCache(capacity_blocks, policy)
@@ -79,10 +80,10 @@ class InstanceCache:
         # A block inserted and evicted by the same call was never visible: no event.
         for h in new:
             if h not in gone:
-                notify(BlockStored(iid, h))
+                notify(BlockStored(block_hash=h, instance_id=iid))
                 self.num_stored += 1
         fresh = set(new)
         for h in evicted:
             if h not in fresh:
-                notify(BlockEvicted(iid, h))
+                notify(BlockEvicted(block_hash=h, instance_id=iid))
                 self.num_evicted += 1

@@ -151,7 +151,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests, total = _workload(args)
     if total is not None and args.max_requests is not None:
         total = min(total, args.max_requests)
-    simulator = Simulator(sim_config, conductor_config, cost_model, args.seed)
+    simulator = Simulator(sim_config, conductor_config, cost_model, seed=args.seed)
     tick, close = _progress(total)
     start = time.perf_counter()
     try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
+from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.serving import ServingTerms
 
 #: ``8P8D`` (8 prefill + 8 decode instances) or ``16M`` (16 coupled, vLLM-like instances).
@@ -178,3 +179,42 @@ class SimConfig:
             raise HalfmoonError(f"host_cores must be > 0, got {self.host_cores}")
         if self.max_requests is not None and self.max_requests < 1:
             raise HalfmoonError(f"max_requests must be >= 1, got {self.max_requests}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    """The shape, cost and capacity of a simulated cluster's instances, shared by its
+    prefill, decode and coupled instances (each kind reads the knobs it needs).
+
+    - ``config``: the simulator's knobs (:class:`SimConfig`). A prefill instance reads
+      ``num_layers``, ``prefill_chunk_tokens`` and ``serving.prefill_handoff_s_per_token``;
+      a decode instance ``slo.tbt_s``, ``decode_tbt_guard``, ``max_batch_size``,
+      ``serving`` and ``first_token_at``; a coupled instance ``max_batch_size``,
+      ``coupled_chunked_prefill``, ``coupled_token_budget``,
+      ``coupled_max_batched_tokens`` and ``serving``.
+    - ``cost_model``: forward-pass and transfer times, KV bytes per token.
+    - ``kv_capacity_tokens``: KV memory per decode or coupled instance, resolved
+      (:meth:`for_config` takes ``config.kv_capacity_tokens``, else the cost model's);
+      must be > 0.
+
+    What wires an instance into a run (clock, Conductor callback, host, random stream,
+    prefix cache) is passed to its constructor by keyword, not held here.
+    """
+
+    config: SimConfig
+    cost_model: CostModel
+    kv_capacity_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens <= 0:
+            raise HalfmoonError("no KV capacity: the model's weights fill the instance's memory")
+
+    @classmethod
+    def for_config(cls, config: SimConfig, cost_model: CostModel) -> InstanceSpec:
+        """The spec of ``config``'s instances on ``cost_model``: the KV capacity is
+        ``config.kv_capacity_tokens``, or the cost model's when that is None; raises
+        HalfmoonError when it is not positive."""
+        capacity = config.kv_capacity_tokens
+        if capacity is None:
+            capacity = cost_model.kv_capacity_tokens()
+        return cls(config=config, cost_model=cost_model, kv_capacity_tokens=capacity)

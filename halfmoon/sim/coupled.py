@@ -38,9 +38,8 @@ from halfmoon.conductor.messages import (
     RequestFinished,
 )
 from halfmoon.core.clock import Clock
-from halfmoon.costmodel.base import CostModel
-from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import InstanceCache, Notify
+from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
 from halfmoon.sim.host import Host, shared_step_s
 from halfmoon.sim.job import Job
@@ -49,35 +48,37 @@ Chunk = tuple[Job, int]
 
 
 class CoupledInstance:
-    """One vLLM-like instance; ``cache`` is its prefix cache (None: no prefix caching)."""
+    """One vLLM-like instance of ``spec`` (its knobs: ``kv_capacity_tokens``,
+    ``max_batch_size``, ``coupled_chunked_prefill``, ``coupled_token_budget``,
+    ``coupled_max_batched_tokens``, ``serving``); ``cache`` is its prefix cache (None: no
+    prefix caching); ``notify`` sends events to the Conductor; ``rng`` draws the step
+    jitter (None: ``random.Random(0)``); ``host``: the CPUs it shares (None: its own
+    hardware)."""
 
     def __init__(
         self,
         instance_id: str,
-        cost_model: CostModel,
-        kv_capacity_tokens: int,
+        spec: InstanceSpec,
+        *,
         clock: Clock,
         notify: Notify,
         cache: InstanceCache | None = None,
-        max_batch_size: int = 256,
-        chunked: bool = False,
-        token_budget: int = 2048,
-        max_batched_tokens: int = 32768,
-        serving: ServingTerms | None = None,
         rng: random.Random | None = None,
         host: Host | None = None,
     ) -> None:
+        config = spec.config
         self.instance_id = instance_id
-        self.cost_model = cost_model
-        self.kv_capacity_tokens = kv_capacity_tokens
+        self.spec = spec
+        self.cost_model = spec.cost_model
+        self.kv_capacity_tokens = spec.kv_capacity_tokens
         self.clock = clock
         self.cache = cache
         self._notify = notify
-        self._max_batch_size = max_batch_size
-        self._chunked = chunked
-        self._token_budget = token_budget
-        self._max_batched_tokens = max_batched_tokens
-        self._serving = serving or ServingTerms()
+        self._max_batch_size = config.max_batch_size
+        self._chunked = config.coupled_chunked_prefill
+        self._token_budget = config.coupled_token_budget
+        self._max_batched_tokens = config.coupled_max_batched_tokens
+        self._serving = config.serving
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()

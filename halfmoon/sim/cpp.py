@@ -32,12 +32,15 @@ if TYPE_CHECKING:
 
 
 class CPPRun:
-    """One request's pipelined prefill over ``members`` (stage order)."""
+    """One request's pipelined prefill over ``members`` (stage order), in chunks of
+    ``chunk_tokens`` with ``hidden_bytes_per_token`` between stages; each stage holds
+    ``num_layers // len(members)`` of the model's layers."""
 
     def __init__(
         self,
         job: Job,
         members: Sequence[PrefillInstance],
+        *,
         chunk_tokens: int,
         hidden_bytes_per_token: int,
         num_layers: int,

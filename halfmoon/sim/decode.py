@@ -27,9 +27,8 @@ from collections.abc import Sequence
 
 from halfmoon.conductor.messages import DecodeStarted, RequestFinished
 from halfmoon.core.clock import Clock
-from halfmoon.costmodel.base import CostModel
-from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.sim.cache import Notify
+from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
 from halfmoon.sim.host import Host, shared_step_s
 from halfmoon.sim.job import Job
@@ -37,34 +36,35 @@ from halfmoon.sim.network import Nic
 
 
 class DecodeInstance:
-    """A decode-only instance; ``guard`` is ``reject`` | ``wait`` | ``off`` (SimConfig)."""
+    """A decode-only instance of ``spec`` (its knobs: ``kv_capacity_tokens``,
+    ``slo.tbt_s``, ``decode_tbt_guard`` = ``reject`` | ``wait`` | ``off``,
+    ``max_batch_size``, ``serving``, ``first_token_at``); ``notify`` sends events to the
+    Conductor; ``rng`` draws the step jitter (None: ``random.Random(0)``); ``host``: the
+    CPUs it shares (None: its own hardware)."""
 
     def __init__(
         self,
         instance_id: str,
-        cost_model: CostModel,
-        kv_capacity_tokens: int,
+        spec: InstanceSpec,
+        *,
         clock: Clock,
         notify: Notify,
-        tbt_slo_s: float,
-        guard: str = "reject",
-        max_batch_size: int = 256,
-        serving: ServingTerms | None = None,
         rng: random.Random | None = None,
         host: Host | None = None,
-        first_token_at: str = "join",
     ) -> None:
+        config = spec.config
         self.instance_id = instance_id
-        self._first_token_on_arrival = first_token_at == "kv"
-        self.cost_model = cost_model
-        self.kv_capacity_tokens = kv_capacity_tokens
+        self.spec = spec
+        self._first_token_on_arrival = config.first_token_at == "kv"
+        self.cost_model = spec.cost_model
+        self.kv_capacity_tokens = spec.kv_capacity_tokens
         self.clock = clock
         self.nic = Nic()
         self._notify = notify
-        self._tbt_slo_s = tbt_slo_s
-        self._guard = guard
-        self._max_batch_size = max_batch_size
-        self._serving = serving or ServingTerms()
+        self._tbt_slo_s = config.slo.tbt_s
+        self._guard = config.decode_tbt_guard
+        self._max_batch_size = config.max_batch_size
+        self._serving = config.serving
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 from halfmoon.conductor.messages import PrefillFinished, PrefillStarted
 from halfmoon.core.clock import Clock
-from halfmoon.costmodel.base import CostModel
 from halfmoon.sim.cache import InstanceCache, Notify
+from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
 from halfmoon.sim.host import Host
 from halfmoon.sim.job import Job
@@ -37,29 +37,32 @@ def chunk_sizes(num_tokens: int, chunk_tokens: int | None) -> list[int]:
 
 
 class PrefillInstance:
-    """A prefill-only instance; ``notify`` sends events to the Conductor."""
+    """A prefill-only instance of ``spec`` (its knobs: ``num_layers``,
+    ``prefill_chunk_tokens``, ``serving.prefill_handoff_s_per_token``) with its local
+    prefix ``cache``; ``notify`` sends events to the Conductor; ``host``: the CPUs it
+    shares (None: its own hardware)."""
 
     def __init__(
         self,
         instance_id: str,
-        cost_model: CostModel,
+        spec: InstanceSpec,
+        *,
         cache: InstanceCache,
         clock: Clock,
         notify: Notify,
-        num_layers: int = 80,
-        chunk_tokens: int | None = None,
-        handoff_s_per_token: float = 0.0,
         host: Host | None = None,
     ) -> None:
+        config = spec.config
         self.instance_id = instance_id
-        self.cost_model = cost_model
+        self.spec = spec
+        self.cost_model = spec.cost_model
         self.cache = cache
         self.clock = clock
         self.nic = Nic()
         self._notify = notify
-        self._num_layers = num_layers
-        self._chunk_tokens = chunk_tokens
-        self._handoff_s_per_token = handoff_s_per_token
+        self._num_layers = config.num_layers
+        self._chunk_tokens = config.prefill_chunk_tokens
+        self._handoff_s_per_token = config.serving.prefill_handoff_s_per_token
         self._host = host
         self._queue: deque[Job] = deque()
         self._busy = False

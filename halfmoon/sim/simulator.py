@@ -29,7 +29,7 @@ from halfmoon.costmodel.pipeline import hidden_bytes_per_token
 from halfmoon.metrics.records import RequestRecord
 from halfmoon.metrics.report import summarize
 from halfmoon.sim.cache import InstanceCache
-from halfmoon.sim.config import SimConfig
+from halfmoon.sim.config import InstanceSpec, SimConfig
 from halfmoon.sim.coupled import CoupledInstance
 from halfmoon.sim.cpp import CPPRun
 from halfmoon.sim.decode import DecodeInstance
@@ -53,13 +53,19 @@ def _capacity_blocks(tokens: int | None, block_size_tokens: int) -> int | None:
 
 
 class Simulator:
-    """One simulated cluster and its Conductor; :meth:`run` replays a workload once."""
+    """One simulated cluster and its Conductor; :meth:`run` replays a workload once.
+
+    Every instance is built from ``instance_spec``
+    (:meth:`InstanceSpec.for_config <halfmoon.sim.config.InstanceSpec.for_config>` of
+    ``config`` and ``cost_model``); ``seed`` (keyword-only) seeds the Conductor's random
+    policy and the step jitter."""
 
     def __init__(
         self,
         config: SimConfig,
         conductor_config: ConductorConfig,
         cost_model: CostModel,
+        *,
         seed: int = 0,
     ) -> None:
         self.config = config
@@ -85,14 +91,6 @@ class Simulator:
         self._on_arrival: Callable[[], None] | None = None
         self._build()
 
-    def _kv_capacity_tokens(self) -> int:
-        capacity = self.config.kv_capacity_tokens
-        if capacity is None:
-            capacity = self.cost_model.kv_capacity_tokens()
-        if capacity <= 0:
-            raise HalfmoonError("no KV capacity: the model's weights fill the instance's memory")
-        return capacity
-
     def _build(self) -> None:
         spec = self.config.cluster
         stages = self.conductor.config.cpp_stages
@@ -109,74 +107,64 @@ class Simulator:
                 )
             except ValueError as exc:
                 raise HalfmoonError(str(exc)) from None
-        kv_capacity = self._kv_capacity_tokens()
+        self.instance_spec = InstanceSpec.for_config(self.config, self.cost_model)
         for i in range(1, spec.num_prefill + 1):
             self._add_prefill(f"P{i}")
         for i in range(1, spec.num_decode + 1):
-            self._add_decode(f"D{i}", kv_capacity)
+            self._add_decode(f"D{i}")
         for i in range(1, spec.num_coupled + 1):
-            self._add_coupled(f"M{i}", kv_capacity)
+            self._add_coupled(f"M{i}")
 
     def _add_prefill(self, iid: str) -> None:
         cfg = self.config
         notify = self.conductor.handle
-        capacity = _capacity_blocks(cfg.cache_capacity_tokens, self.block_size_tokens)
-        cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
-        self.prefill[iid] = PrefillInstance(
+        cache = InstanceCache(
             iid,
-            self.cost_model,
-            cache,
-            self.clock,
-            notify,
-            cfg.num_layers,
-            cfg.prefill_chunk_tokens,
-            cfg.serving.prefill_handoff_s_per_token,
-            self.host,
+            capacity_blocks=_capacity_blocks(cfg.cache_capacity_tokens, self.block_size_tokens),
+            policy=cfg.cache_policy,
+            notify=notify,
+        )
+        self.prefill[iid] = PrefillInstance(
+            iid, self.instance_spec, cache=cache, clock=self.clock, notify=notify, host=self.host
         )
         self.conductor.add_prefill_instance(iid)
 
-    def _add_decode(self, iid: str, kv_capacity: int) -> None:
-        cfg = self.config
+    def _add_decode(self, iid: str) -> None:
         self.decode[iid] = DecodeInstance(
             iid,
-            self.cost_model,
-            kv_capacity,
-            self.clock,
-            self.conductor.handle,
-            cfg.slo.tbt_s,
-            cfg.decode_tbt_guard,
-            cfg.max_batch_size,
-            cfg.serving,
-            self._step_rng,
-            self.host,
-            cfg.first_token_at,
+            self.instance_spec,
+            clock=self.clock,
+            notify=self.conductor.handle,
+            rng=self._step_rng,
+            host=self.host,
         )
-        self.conductor.add_decode_instance(iid, kv_capacity_tokens=kv_capacity)
+        self.conductor.add_decode_instance(
+            iid, kv_capacity_tokens=self.instance_spec.kv_capacity_tokens
+        )
 
-    def _add_coupled(self, iid: str, kv_capacity: int) -> None:
+    def _add_coupled(self, iid: str) -> None:
         cfg = self.config
+        kv_capacity = self.instance_spec.kv_capacity_tokens
         notify = self.conductor.handle
         cache = None
         if cfg.coupled_prefix_caching:
             tokens = cfg.coupled_cache_capacity_tokens
-            capacity = _capacity_blocks(
-                kv_capacity if tokens is None else tokens, self.block_size_tokens
+            cache = InstanceCache(
+                iid,
+                capacity_blocks=_capacity_blocks(
+                    kv_capacity if tokens is None else tokens, self.block_size_tokens
+                ),
+                policy=cfg.cache_policy,
+                notify=notify,
             )
-            cache = InstanceCache(iid, capacity, cfg.cache_policy, notify)
         self.coupled[iid] = CoupledInstance(
             iid,
-            self.cost_model,
-            kv_capacity,
-            self.clock,
-            notify,
-            cache,
-            cfg.max_batch_size,
-            cfg.coupled_chunked_prefill,
-            cfg.coupled_token_budget,
-            cfg.coupled_max_batched_tokens,
-            cfg.serving,
-            self._step_rng,
-            self.host,
+            self.instance_spec,
+            clock=self.clock,
+            notify=notify,
+            cache=cache,
+            rng=self._step_rng,
+            host=self.host,
         )
         self.conductor.add_coupled_instance(iid, kv_capacity_tokens=kv_capacity)
 
@@ -257,9 +245,9 @@ class Simulator:
         job.cpp = CPPRun(
             job,
             members,
-            self.conductor.config.cpp_chunk_tokens,
-            self._cpp_hidden_bytes,
-            self.config.num_layers,
+            chunk_tokens=self.conductor.config.cpp_chunk_tokens,
+            hidden_bytes_per_token=self._cpp_hidden_bytes,
+            num_layers=self.config.num_layers,
         )
         events: list[Event] = []
         for member in members:
@@ -353,7 +341,8 @@ def simulate(
     config: SimConfig,
     conductor_config: ConductorConfig,
     cost_model: CostModel,
+    *,
     seed: int = 0,
 ) -> SimResult:
     """Build a :class:`Simulator` and run ``requests`` through it once."""
-    return Simulator(config, conductor_config, cost_model, seed).run(requests)
+    return Simulator(config, conductor_config, cost_model, seed=seed).run(requests)

@@ -75,7 +75,7 @@ def test_group_only_when_it_lowers_ttft(make_conductor):
 def test_group_fetches_its_layers_share_of_a_remote_prefix(make_conductor, paper_cost_model):
     c = make_conductor(num_prefill=3, kvcache_balancing_threshold=0.1, **CPP)
     for h in range(500):
-        c.handle(BlockStored("P3", h))
+        c.handle(BlockStored(block_hash=h, instance_id="P3"))
     d = c.schedule(_req("r", 1000))
     remote = [x for x in d.candidates if x.group and x.cache_source == "P3"]
     assert len(remote) == 1 and remote[0].is_remote

@@ -4,6 +4,7 @@ from halfmoon.conductor import (
     BlockStored,
     Conductor,
     ConductorConfig,
+    Decision,
     DecodeStarted,
     PrefillFinished,
     PrefillStarted,
@@ -22,7 +23,7 @@ def _req(rid, num_blocks, first=0, t=0.0, out=8):
 
 def _cache(conductor, instance, hashes):
     for h in hashes:
-        conductor.handle(BlockStored(instance, h))
+        conductor.handle(BlockStored(block_hash=h, instance_id=instance))
 
 
 def test_cache_aware_picks_longest_prefix(make_conductor):
@@ -237,3 +238,12 @@ def test_a_full_decode_kv_is_rejected_with_its_code(make_conductor):
     d = c.schedule(_req("big", 100))  # 1,600 prompt tokens
     assert not d.accepted and d.reject_code == RejectCode.KV_FULL
     assert "decode KV full" in d.reject_reason
+
+
+def test_decision_is_keyword_only(make_conductor):
+    with pytest.raises(TypeError):
+        Decision("r1", "random", False, None, None)  # type: ignore[misc]
+    rejected = Decision(request_id="r1", policy="random", accepted=False, prefill=None, decode=None)
+    assert rejected.reject_reason == "" and rejected.replications == () and rejected.why == ""
+    decision = make_conductor().schedule(_req("r2", 4))
+    assert decision.accepted and decision.reject_reason == "" and decision.decode_candidates

@@ -19,7 +19,7 @@ def test_paper_worked_example(make_conductor):
     hashes = tuple(range(1, 2049))  # 32,768 tokens in 16-token blocks
     for instance, num_blocks in (("P1", 1200), ("P2", 600), ("P3", 0), ("P4", 800)):
         for h in hashes[:num_blocks]:
-            conductor.handle(BlockStored(instance, h))
+            conductor.handle(BlockStored(block_hash=h, instance_id=instance))
         # T_queue = 0.5 s everywhere: 1,000 queued tokens at 2,000 tok/s
         conductor.handle(LoadReport(instance, queued_prefill_tokens=1000))
     capacity = 1_000_000

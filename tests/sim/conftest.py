@@ -63,7 +63,7 @@ def run_sim(cost_model: ThroughputCostModel) -> Callable[..., tuple[SimResult, S
         sim_options = {k: v for k, v in options.items() if k not in conductor_keys}
         config = SimConfig(ClusterSpec.parse(cluster), slo=slo, **sim_options)
         conductor = ConductorConfig(slo=slo, **conductor_options)
-        simulator = Simulator(config, conductor, model or cost_model, seed)
+        simulator = Simulator(config, conductor, model or cost_model, seed=seed)
         result = simulator.run(requests)
         simulator.check_integrity()  # every run leaves consistent, idle instances
         return result, simulator

@@ -2,8 +2,14 @@
 
 import pytest
 
+from halfmoon.core.clock import ManualClock
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.sim import ClusterSpec, SimConfig
+from halfmoon.costmodel.throughput import ThroughputCostModel
+from halfmoon.sim import ClusterSpec, InstanceSpec, SimConfig
+from halfmoon.sim.cache import InstanceCache
+from halfmoon.sim.coupled import CoupledInstance
+from halfmoon.sim.decode import DecodeInstance
+from halfmoon.sim.prefill import PrefillInstance
 
 
 @pytest.mark.parametrize(
@@ -56,3 +62,45 @@ def test_str_round_trip() -> None:
 def test_sim_config_rejects_bad_values(options: dict) -> None:
     with pytest.raises(HalfmoonError):
         SimConfig(ClusterSpec.parse("1P1D"), **options)
+
+
+def test_instance_spec_resolves_kv_capacity() -> None:
+    model = ThroughputCostModel(2000.0, 320 * 1024, 100e9, kv_capacity_tokens=5000)
+    config = SimConfig(ClusterSpec.parse("1P1D"))
+    assert InstanceSpec.for_config(config, model).kv_capacity_tokens == 5000
+    config = SimConfig(ClusterSpec.parse("1P1D"), kv_capacity_tokens=1234)
+    spec = InstanceSpec.for_config(config, model)
+    assert (spec.config, spec.cost_model, spec.kv_capacity_tokens) == (config, model, 1234)
+    with pytest.raises(HalfmoonError, match="no KV capacity"):
+        InstanceSpec.for_config(SimConfig(ClusterSpec.parse("1M"), kv_capacity_tokens=0), model)
+    with pytest.raises(TypeError):
+        InstanceSpec(config, model, 10)  # type: ignore[misc]
+
+
+def test_instances_take_a_spec_and_keywords() -> None:
+    model = ThroughputCostModel(2000.0, 320 * 1024, 100e9)
+    config = SimConfig(
+        ClusterSpec.parse("1P1D"),
+        num_layers=4,
+        prefill_chunk_tokens=256,
+        decode_tbt_guard="wait",
+        max_batch_size=7,
+        coupled_chunked_prefill=True,
+        coupled_token_budget=99,
+    )
+    spec = InstanceSpec(config=config, cost_model=model, kv_capacity_tokens=10_000)
+    clock, events = ManualClock(), []
+    cache = InstanceCache("P1", capacity_blocks=8, policy="lru", notify=events.append)
+    prefill = PrefillInstance("P1", spec, cache=cache, clock=clock, notify=events.append)
+    assert (prefill._num_layers, prefill._chunk_tokens) == (4, 256)
+    decode = DecodeInstance("D1", spec, clock=clock, notify=events.append)
+    assert (decode.kv_capacity_tokens, decode._guard, decode._max_batch_size) == (10_000, "wait", 7)
+    assert decode._tbt_slo_s == config.slo.tbt_s
+    coupled = CoupledInstance("M1", spec, clock=clock, notify=events.append)
+    assert (coupled._chunked, coupled._token_budget, coupled.cache) == (True, 99, None)
+    with pytest.raises(TypeError):
+        PrefillInstance("P2", spec, cache, clock, events.append)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        DecodeInstance("D2", spec, clock, events.append)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        InstanceCache("P3", 8, "lru", events.append)  # type: ignore[misc]
