@@ -1,6 +1,7 @@
 """L2 model engine: Llama-family model, paged KV pool, prefix cache, chunked prefill,
-continuous-batching decode, per-layer KV hooks, KV export/import. All of halfmoon's
-torch code lives in this package.
+continuous-batching decode, per-layer KV hooks, KV export/import, and the connector
+serving roles use (:mod:`halfmoon.engine.connector`). All of halfmoon's torch code lives
+in this package.
 
 Importing the package itself is cheap (``halfmoon.engine.cli`` must stay torch-free until
 a command runs); the public names below load their modules on first access.
@@ -16,6 +17,10 @@ _EXPORTS = {
     "RequestOutput": "halfmoon.engine.engine",
     "KVHandoff": "halfmoon.engine.engine",
     "EngineStats": "halfmoon.engine.engine",
+    "EngineConnector": "halfmoon.engine.connector",
+    "LocalConnector": "halfmoon.engine.connector",
+    "StageConnector": "halfmoon.engine.connector",
+    "HandoffState": "halfmoon.engine.connector",
     "EngineConfig": "halfmoon.engine.config",
     "ModelConfig": "halfmoon.engine.config",
     "EngineSamplingParams": "halfmoon.engine.sampling",

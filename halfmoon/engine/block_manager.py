@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.events import BlockEvicted, BlockStored, CacheEvent
 from halfmoon.core.hashing import chain_root, hash_blocks
 
 
@@ -47,9 +48,10 @@ class BlockManager:
         self._chains: dict[str, list[int]] = {}
         # Parent of block 0 of each request's chain (NONE_HASH unless it has a cache salt).
         self._roots: dict[str, int] = {}
-        #: Called as ``listener("stored" | "evicted", block_hash)`` when a hash enters or
-        #: leaves the prefix cache (a worker forwards these to the Conductor).
-        self.listener: Callable[[str, int], None] | None = None
+        #: Hears a :class:`~halfmoon.core.events.BlockStored` / ``BlockEvicted`` (tier
+        #: ``dram``) when a hash enters or leaves the prefix cache (a worker forwards these
+        #: to the Conductor).
+        self.listener: Callable[[CacheEvent], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -167,7 +169,7 @@ class BlockManager:
                 self._block_by_hash[h] = block
                 self._hash_by_block[block] = h
                 if self.listener is not None:
-                    self.listener("stored", h)
+                    self.listener(BlockStored(h))
 
     def free(self, request_id: str) -> None:
         """Release ``request_id``'s blocks; cached ones stay reusable until evicted.
@@ -197,7 +199,7 @@ class BlockManager:
         if h is not None:
             del self._block_by_hash[h]
             if self.listener is not None:
-                self.listener("evicted", h)
+                self.listener(BlockEvicted(h))
         self._ref_counts[block] = 1
         return block
 

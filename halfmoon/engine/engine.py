@@ -24,11 +24,14 @@ from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.prepack import prepack_linears
 from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
-from halfmoon.engine.sampling import row_for, sample_with_logprobs
+from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
 from halfmoon.engine.scheduler import Scheduler, Sequence, Status
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
 Prompt = str | SequenceABC[int]
+#: The block manager's owner of blocks being seeded (a NUL cannot start a request id that
+#: came through the API, so it never collides with one).
+_SEED_HOLDER = "\0seed"
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,7 @@ class LLMEngine:
                 f"pool ({self.block_manager.num_blocks} blocks of {self.config.block_size}); "
                 "raise --kv-cache-mb or lower max_tokens"
             )
-        stop_ids = set(getattr(params, "stop_token_ids", ()))
-        if not params.ignore_eos:
-            stop_ids.update(self.eos_token_ids)
+        stop_ids = stop_ids_for(params, self.eos_token_ids)
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None
@@ -184,7 +185,7 @@ class LLMEngine:
             for token in token_ids[num_prompt:]:
                 detok.add(token)
         seq = Sequence(request_id, list(token_ids), num_prompt, params, seed,
-                       frozenset(stop_ids), detok, keep_kv)  # fmt: skip
+                       stop_ids, detok, keep_kv)  # fmt: skip
         seq.text = detok.text if detok else ""
         return seq
 
@@ -225,6 +226,11 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         return True
+
+    def num_prompt_tokens(self, request_id: str) -> int | None:
+        """The prompt length of a live request (None if unknown)."""
+        seq = self._seqs.get(request_id)
+        return None if seq is None else seq.num_prompt_tokens
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -280,12 +286,10 @@ class LLMEngine:
             delta = seq.detokenizer.add(token)
             seq.text = seq.detokenizer.text
             reason = self._check_stop_strings(seq, len(delta))
-        if token in seq.stop_token_ids and seq.num_output_tokens >= seq.params.min_tokens:
-            reason = "stop"
-        if reason is None and (
-            seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
+        reason = reason or finish_reason(
+            token, seq.params, seq.stop_token_ids, seq.num_output_tokens, seq.num_tokens,
+            self.max_model_len,
+        )  # fmt: skip
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if not seq.keep_kv:
@@ -402,6 +406,40 @@ class LLMEngine:
         self.block_manager.commit(request_id, token_ids, seq.num_computed_tokens)
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)
+
+    def seed_cached_blocks(
+        self,
+        token_ids: SequenceABC[int],
+        first_block: int,
+        payloads: SequenceABC[bytes | bytearray | memoryview],
+        cache_salt: str | None = None,
+    ) -> int:
+        """Put ``payloads`` (one-block export buffers of the whole model, host bytes) into
+        the pool as *cached free* blocks ``first_block..`` of ``token_ids``'s chain under
+        ``cache_salt``, so the next request with that prefix reuses them; returns how many
+        (0 when the pool has no room, or when the pool's own cached prefix is no longer
+        ``first_block`` blocks long: nothing is guessed).
+
+        The pool's cached prefix (blocks ``0..first_block-1``) is held while the new blocks
+        are taken, so taking them cannot evict it.
+        """
+        if not payloads:
+            return 0
+        bm, size = self.block_manager, self.config.block_size
+        have = first_block + len(payloads)
+        prefix = list(token_ids[: have * size + 1])
+        cached = bm.admit(_SEED_HOLDER, prefix, len(payloads) * size, cache_salt)
+        if cached is None:
+            return 0
+        try:
+            if cached != first_block * size:
+                return 0
+            table = bm.block_table(_SEED_HOLDER)
+            self.kv_cache.import_payloads(table[first_block:have], payloads)
+            bm.commit(_SEED_HOLDER, list(token_ids), have * size)
+            return len(payloads)
+        finally:
+            bm.free(_SEED_HOLDER)
 
     def check_integrity(self) -> None:
         """Assert the block pool is consistent with the live requests."""

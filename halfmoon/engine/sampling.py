@@ -9,6 +9,7 @@ after a KV handoff.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -67,6 +68,34 @@ def row_for(
         token_ids=tuple(token_ids) if params.has_penalties else (),
         logit_bias=params.logit_bias,
     )
+
+
+def stop_ids_for(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The token ids that end a request: its ``stop_token_ids``, plus the model's EOS ids
+    unless it asked to ``ignore_eos``."""
+    stop = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop.update(eos_token_ids)
+    return frozenset(stop)
+
+
+def finish_reason(
+    token: int,
+    params: SamplingParams,
+    stop_ids: frozenset[int],
+    num_output_tokens: int,
+    num_tokens: int,
+    max_model_len: int,
+) -> str | None:
+    """Why a request ends with its newest ``token`` (``num_output_tokens`` generated,
+    ``num_tokens`` in all), stop strings aside: ``stop`` (a stop id, once ``min_tokens``
+    are out), ``length`` (``max_tokens`` or the context), else None. The one rule of the
+    engine's steps and of a pipeline's first token."""
+    if token in stop_ids and num_output_tokens >= params.min_tokens:
+        return "stop"
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:

@@ -116,12 +116,15 @@ def test_integrity_catches_double_free_and_duplicate_admit() -> None:
 
 
 def test_listener_hears_cached_and_evicted_hashes():
+    from halfmoon.core.events import BlockStored
     from halfmoon.core.hashing import hash_blocks
     from halfmoon.engine.block_manager import BlockManager
 
     bm = BlockManager(num_blocks=4, block_size=2)
     heard: list[tuple[str, int]] = []
-    bm.listener = lambda kind, h: heard.append((kind, h))
+    bm.listener = lambda e: heard.append(
+        ("stored" if isinstance(e, BlockStored) else "evicted", e.block_hash)
+    )
     tokens = [1, 2, 3, 4, 5]
     assert bm.admit("a", tokens, 5) == 0
     bm.commit("a", tokens, 5)
@@ -139,7 +142,7 @@ def test_cache_salts_isolate_prefix_hits() -> None:
 
     bm = BlockManager(num_blocks=16, block_size=B)
     heard: list[int] = []
-    bm.listener = lambda kind, h: heard.append(h)
+    bm.listener = lambda e: heard.append(e.block_hash)
     prompt = tokens(100, 50)
     bm.admit("a", prompt, 50, cache_salt="tenant-a")
     bm.commit("a", prompt, 50)

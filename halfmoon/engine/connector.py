@@ -1,0 +1,432 @@
+"""The engine's connector: everything a serving role does with an engine, in host bytes.
+
+A worker process (``halfmoon.serve.worker``) holds one :class:`EngineConnector` and
+nothing else of the engine: no block manager, no KV pool, no tensor. Every method is about
+requests, tokens and *bytes*, so a second engine (vLLM, through its own KV connector) can
+sit behind the same interface. :class:`LocalConnector` is the implementation over this
+package's :class:`~halfmoon.engine.engine.LLMEngine`.
+
+Threads
+    One thread, the worker's loop (the *engine thread*), calls every method. The two hooks
+    (:meth:`EngineConnector.set_prompt_kv_hook`, :meth:`EngineConnector.set_cache_listener`)
+    are called back on that thread, inside :meth:`~EngineConnector.step` (or a pipeline
+    stage's :meth:`~StageConnector.run_chunk`): they must be quick (the forward pass
+    waits) and must not call back into the connector.
+
+Who frees what
+    - A request's blocks belong to the engine. ``add_request(keep_kv=True)`` keeps them
+      after its first token until :meth:`~EngineConnector.take_handoff` (or
+      :meth:`~EngineConnector.abort_request`) gives them back.
+    - The views a prompt-KV hook receives point into the engine's pool (zero copy on a CPU)
+      or are host copies (on a GPU); they stay valid and unchanged until the request's
+      blocks are given back. The caller must not write into them; a caller that needs the
+      bytes longer copies them before it gives the blocks back.
+    - Bytes handed *to* the connector (:meth:`~EngineConnector.seed_prefix`,
+      :meth:`~EngineConnector.import_request`, a stage's ``load_prefix``/``run_chunk``) are
+      copied before the method returns: the caller frees them when it likes.
+    - :meth:`~EngineConnector.block_bytes` returns a new host copy the caller owns.
+
+The bytes of a block are the engine's export layout ``[L, 2, n, B, H_kv, D]``
+(:class:`~halfmoon.engine.kv_cache.KVLayout`): what the block store holds and what a KV
+stream carries, layer by layer (a layer's K blocks, then its V blocks).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.events import CacheEvent
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.costmodel import CostProfile
+from halfmoon.engine.attention import LayerKV
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOutput
+from halfmoon.engine.kv_cache import KVLayout
+from halfmoon.engine.profiler import cached_profile
+from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
+from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
+from halfmoon.engine.stage import StageExecutor
+
+#: ``hook(request_id, layer, keys, values)``: layer ``layer``'s K and V of the request's
+#: whole prompt (one host ``memoryview`` per block), called once per layer after the
+#: prompt's last chunk wrote it. ``layer`` is the model's global layer index.
+PromptKVHook = Callable[[str, int, list[memoryview], list[memoryview]], None]
+#: Receives the engine pool's cache events (a block hash became reusable or went away).
+CacheListener = Callable[[CacheEvent], None]
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """A request's state at a prefill -> decode handoff (its KV travels separately):
+    prompt + generated ``token_ids`` (the last not yet computed), how many are computed,
+    the sampling seed and the tenant's ``cache_salt``."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    seed: int
+    cache_salt: str | None = None
+
+
+class StageConnector(ABC):
+    """One layer slice of the model run over prompt chunks: a chunked-pipeline (CPP)
+    stage. Hidden states cross stage boundaries as host bytes (:attr:`row_bytes` per
+    token). Called on the engine thread only."""
+
+    layers: LayerSlice
+
+    @property
+    @abstractmethod
+    def row_bytes(self) -> int:
+        """Bytes of one token's hidden state."""
+
+    @abstractmethod
+    def match_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading prompt blocks this stage's pool holds (no side effects)."""
+
+    @abstractmethod
+    def start(
+        self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
+        cache_salt: str | None = None,
+    ) -> int:  # fmt: skip
+        """Take blocks for the prompt reusing at most ``max_cached_tokens``; returns the
+        prefix tokens reused. Raises HalfmoonError when the pool is too small."""
+
+    @abstractmethod
+    def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray | memoryview],
+                    first_block: int, token_ids: Sequence[int]) -> None:  # fmt: skip
+        """Write whole-model block payloads (the store's bytes) into the request's blocks
+        ``first_block..``, keep this stage's layers, and offer them to the stage cache."""
+
+    @abstractmethod
+    def run_chunk(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int,
+        hidden_in: memoryview | None, pad_rows: int,
+    ) -> memoryview | None:  # fmt: skip
+        """Run the slice on prompt tokens ``start..end-1`` (``hidden_in``: the previous
+        stage's host bytes, every stage but the first) and offer the computed blocks to
+        the stage cache. Returns the output hidden states as host bytes padded to
+        ``pad_rows`` rows for the next stage; None on the last stage, which keeps the
+        final row for :meth:`sample_first`."""
+
+    @abstractmethod
+    def sample_first(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams
+    ) -> tuple[int, TokenLogprob | None, int, str | None]:
+        """Last stage, after the prompt's last chunk: ``(token, logprob or None, seed,
+        finish)`` of the first token; ``finish`` is ``stop``/``length`` when the request
+        ends with it (the same rule as the engine's)."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Give the request's blocks back (committed ones stay cached)."""
+
+
+class EngineConnector(ABC):
+    """What a serving role needs from an engine (see the module docstring for threads and
+    ownership). Request methods mirror :class:`~halfmoon.engine.engine.LLMEngine`'s."""
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def layout(self) -> KVLayout:
+        """The KV layout (layers, block size, heads, dtype) of every byte exchanged."""
+
+    @property
+    @abstractmethod
+    def config(self) -> EngineConfig:
+        """The engine's configuration (block size, prefix caching, seed, ...)."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Longest prompt + output, in tokens."""
+
+    @property
+    @abstractmethod
+    def hidden_bytes_per_token(self) -> int:
+        """Bytes of one token's hidden state (what a CPP stage boundary carries)."""
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        return self.layout.bytes_per_block
+
+    # -- requests ------------------------------------------------------------------------------
+    @abstractmethod
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
+        keep_kv: bool = False, cache_salt: str | None = None,
+    ) -> None:  # fmt: skip
+        """Queue a request; with ``keep_kv`` its blocks outlive it until
+        :meth:`take_handoff`."""
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and give its blocks back; False if unknown."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; hooks are called from inside it."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request waits or runs."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Queue lengths and block usage."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the block pool is consistent (tests and debug runs)."""
+
+    # -- KV out --------------------------------------------------------------------------------
+    @abstractmethod
+    def set_prompt_kv_hook(self, hook: PromptKVHook | None) -> None:
+        """Receive every request's prompt KV layer by layer (see :data:`PromptKVHook`)."""
+
+    @abstractmethod
+    def set_cache_listener(self, listener: CacheListener | None) -> None:
+        """Receive the pool's cache events (tier ``dram``)."""
+
+    @abstractmethod
+    def block_bytes(self, request_id: str, index: int) -> memoryview:
+        """A host copy of the request's block ``index`` (all layers, export layout)."""
+
+    @abstractmethod
+    def take_handoff(self, request_id: str) -> HandoffState:
+        """A finished ``keep_kv`` request's state; its blocks go back to the pool (its
+        full blocks stay cached)."""
+
+    # -- KV in ---------------------------------------------------------------------------------
+    @abstractmethod
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Leading blocks of ``token_ids`` the pool holds (no side effects)."""
+
+    @abstractmethod
+    def seed_prefix(
+        self, token_ids: Sequence[int], first_block: int,
+        payloads: Sequence[bytes | bytearray | memoryview], cache_salt: str | None,
+    ) -> int:  # fmt: skip
+        """Make blocks ``first_block..first_block+len(payloads)-1`` of ``token_ids`` cached
+        in the pool (free but matchable, so the next request with this prefix reuses
+        them); returns how many were added (0 when the pool has no room or its cached
+        prefix is no longer ``first_block`` blocks)."""
+
+    @abstractmethod
+    def import_request(
+        self, state: HandoffState, params: SamplingParams, kv: bytes | bytearray | memoryview
+    ) -> None:
+        """Continue a handed-off request: ``kv`` holds its computed tokens' blocks in the
+        export layout; it joins the running batch at once."""
+
+    @abstractmethod
+    def cost_profile(self, model: str, cache_dir: Path) -> CostProfile:
+        """This engine's measured cost profile (the Conductor's estimates in real seconds
+        here), measured once per engine shape and then read from ``cache_dir``."""
+
+    # -- pipeline stages -----------------------------------------------------------------------
+    @abstractmethod
+    def pipeline_stage(self, num_stages: int, stage: int) -> StageConnector:
+        """Stage ``stage`` of a ``num_stages``-stage split of this model (cached per
+        split); its prompt KV goes to the hook set by :meth:`set_prompt_kv_hook`."""
+
+
+class _LocalStage(StageConnector):
+    """:class:`StageConnector` over a :class:`~halfmoon.engine.stage.StageExecutor`."""
+
+    def __init__(self, owner: LocalConnector, layers: LayerSlice) -> None:
+        engine = owner.engine
+        self.owner = owner
+        self.layers = layers
+        self.executor = StageExecutor(
+            engine.runner.model, engine.kv_layout, layers, engine.kv_cache.num_blocks,
+            hook=self._on_layer, enable_prefix_caching=engine.config.enable_prefix_caching,
+        )  # fmt: skip
+        self._last_rows: dict[str, object] = {}
+        self._prompt_len: dict[str, int] = {}
+        self._rng = random.Random(engine.config.seed)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.executor.hidden_size * self.executor.dtype.itemsize
+
+    def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: LayerKV) -> None:
+        hook = self.owner.prompt_kv_hook
+        num_prompt = self._prompt_len.get(rid)
+        if hook is None or num_prompt is None or kv.end_token < num_prompt:
+            return
+        table = self.executor.blocks.block_table(rid)[: self.executor.blocks.blocks_for(num_prompt)]
+        keys, values = self.executor.kv_cache.layer_bytes(layer, table)
+        hook(rid, layer, keys, values)
+
+    def match_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return self.executor.match_blocks(token_ids, cache_salt)
+
+    def start(
+        self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
+        cache_salt: str | None = None,
+    ) -> int:  # fmt: skip
+        cached = self.executor.start(request_id, token_ids, max_cached_tokens, cache_salt)
+        self._prompt_len[request_id] = len(token_ids)
+        return cached
+
+    def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray | memoryview],
+                    first_block: int, token_ids: Sequence[int]) -> None:  # fmt: skip
+        self.executor.load_prefix(request_id, payloads, first_block=first_block)
+        num_tokens = (first_block + len(payloads)) * self.executor.block_size
+        self.executor.commit(request_id, token_ids, num_tokens)
+
+    def run_chunk(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int,
+        hidden_in: memoryview | None, pad_rows: int,
+    ) -> memoryview | None:  # fmt: skip
+        out = self.executor.run(request_id, token_ids[start:end], start, hidden_in)
+        self.executor.commit(request_id, token_ids, end)  # later prompts reuse this slice
+        if self.layers.is_last:
+            self._last_rows[request_id] = out[-1:]
+            return None
+        return self.executor.hidden_bytes(out, pad_rows)
+
+    def sample_first(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams
+    ) -> tuple[int, TokenLogprob | None, int, str | None]:
+        rows = self._last_rows.pop(request_id, None)
+        if rows is None:
+            raise HalfmoonError(f"request {request_id!r} has no final hidden state here")
+        engine = self.owner.engine
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        stop_ids = stop_ids_for(params, engine.eos_token_ids)
+        row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt))
+        (token,), (entry,) = sample_with_logprobs(
+            self.executor.logits(rows), [row], [params.logprobs]
+        )
+        finish = finish_reason(token, params, stop_ids, 1, len(prompt) + 1, engine.max_model_len)
+        return token, entry, seed, finish
+
+    def release(self, request_id: str) -> None:
+        self._last_rows.pop(request_id, None)
+        self._prompt_len.pop(request_id, None)
+        self.executor.release(request_id)
+
+
+class LocalConnector(EngineConnector):
+    """The connector of this package's :class:`LLMEngine` (built with ``config``, or
+    lent an engine already built)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.prompt_kv_hook: PromptKVHook | None = None
+        self._stages: dict[tuple[int, int], _LocalStage] = {}
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> LocalConnector:
+        """Load the model of ``config`` and wrap its engine."""
+        return cls(LLMEngine(config))
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.kv_layout
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        return self.engine.model_config.hidden_size * self.layout.bytes_per_element
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
+        keep_kv: bool = False, cache_salt: str | None = None,
+    ) -> None:  # fmt: skip
+        self.engine.add_request(
+            request_id, list(token_ids), params, keep_kv=keep_kv, cache_salt=cache_salt
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.engine.abort_request(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    # -- KV out --------------------------------------------------------------------------------
+    def set_prompt_kv_hook(self, hook: PromptKVHook | None) -> None:
+        self.prompt_kv_hook = hook
+        self.engine.runner.hook = self._on_layer if hook is not None else None
+
+    def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: LayerKV) -> None:
+        hook = self.prompt_kv_hook
+        num_prompt = self.engine.num_prompt_tokens(rid)
+        if hook is None or num_prompt is None or kv.end_token < num_prompt:
+            return
+        bm = self.engine.block_manager
+        table = bm.block_table(rid)[: bm.blocks_for(num_prompt)]
+        keys, values = self.engine.kv_cache.layer_bytes(layer, table)
+        hook(rid, layer, keys, values)
+
+    def set_cache_listener(self, listener: CacheListener | None) -> None:
+        self.engine.block_manager.listener = listener
+
+    def block_bytes(self, request_id: str, index: int) -> memoryview:
+        table = self.engine.block_manager.block_table(request_id)
+        return self.engine.kv_cache.export_bytes([table[index]])
+
+    def take_handoff(self, request_id: str) -> HandoffState:
+        h = self.engine.export_kv(request_id, release=True, with_data=False)
+        return HandoffState(h.request_id, h.token_ids, h.num_prompt_tokens,
+                            h.num_computed_tokens, h.seed, h.cache_salt)  # fmt: skip
+
+    # -- KV in ---------------------------------------------------------------------------------
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        return len(self.engine.block_manager.match_prefix(token_ids, cache_salt))
+
+    def seed_prefix(
+        self, token_ids: Sequence[int], first_block: int,
+        payloads: Sequence[bytes | bytearray | memoryview], cache_salt: str | None,
+    ) -> int:  # fmt: skip
+        return self.engine.seed_cached_blocks(token_ids, first_block, payloads, cache_salt)
+
+    def import_request(
+        self, state: HandoffState, params: SamplingParams, kv: bytes | bytearray | memoryview
+    ) -> None:
+        handoff = KVHandoff(
+            request_id=state.request_id, token_ids=state.token_ids,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_computed_tokens=state.num_computed_tokens, seed=state.seed,
+            layout=self.layout, data=kv, cache_salt=state.cache_salt,
+        )  # fmt: skip
+        self.engine.import_request(handoff, params)
+
+    def cost_profile(self, model: str, cache_dir: Path) -> CostProfile:
+        return cached_profile(self.engine, model, cache_dir)
+
+    # -- pipeline stages -----------------------------------------------------------------------
+    def pipeline_stage(self, num_stages: int, stage: int) -> StageConnector:
+        layers = LayerSlice.split(self.layout.num_layers, num_stages)[stage]
+        key = (layers.first, layers.last)
+        if key not in self._stages:
+            self._stages[key] = _LocalStage(self, layers)
+        return self._stages[key]

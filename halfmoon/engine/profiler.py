@@ -1,0 +1,168 @@
+"""Measure an engine so the Conductor's estimates are in real seconds here.
+
+A few prefills (with and without a cached prefix) and decode steps (several batch sizes and
+context lengths, up to 2k tokens per sequence so long-prompt serving is inside the
+measured range) are timed and fitted with :func:`halfmoon.costmodel.fit_profile`. The
+engine-side serving term ``kv_import_s_per_token`` (a decode worker copying a handed-off
+request's KV into its pool) is timed too. The result is cached as JSON per model
+directory, engine shape and :data:`PROFILER_VERSION`, so restarts are instant.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.costmodel import CostProfile, fit_profile
+from halfmoon.costmodel.serving import ServingTerms
+
+#: Bumped when what is measured changes, so cached profiles of older code are not reused.
+PROFILER_VERSION = 3
+#: (new, cached) prompt tokens; up to 2k-token prompts and 1.5k-token cached prefixes (a
+#: fit extrapolated beyond its points was 10-20% short there).
+PREFILL_POINTS = (
+    (32, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (128, 1024), (384, 1536)
+)  # fmt: skip
+#: (batch, context per sequence); the batch's total context reaches 24k tokens.
+DECODE_POINTS = (
+    (1, 64), (4, 256), (8, 512), (16, 256), (4, 1536), (16, 1024), (8, 2048), (16, 1536)
+)  # fmt: skip
+#: Used when fewer than three of DECODE_POINTS fit the KV pool (at most 1k tokens at once).
+SMALL_DECODE_POINTS = ((1, 64), (2, 128), (4, 64), (2, 256), (4, 192))
+IMPORT_POINTS = (256, 1024)
+_DECODE_STEPS = 8
+
+
+def _tokens(engine: Any, n: int, salt: int) -> list[int]:
+    vocab = engine.model_config.vocab_size
+    return [(salt * 7919 + i * 104729) % (vocab - 16) + 8 for i in range(n)]
+
+
+def _time_prefill(engine: Any, new: int, cached: int, salt: int) -> float:
+    prefix = _tokens(engine, cached, salt)
+    once = SamplingParams(max_tokens=1, temperature=0)
+    if cached:  # compute the prefix first so the timed request finds it cached
+        engine.generate([prefix + _tokens(engine, 16, salt + 1)], once)
+    prompt = prefix + _tokens(engine, new, salt + 2)
+    start = time.perf_counter()
+    engine.generate([prompt], once)
+    return time.perf_counter() - start
+
+
+def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
+    """Median seconds of a decode step of ``batch`` sequences of ``context`` tokens each.
+
+    The prompts go in one after another (a step computes at most its token budget), so
+    the first ones decode while later ones are still prefilling. Timing starts once every
+    prompt is through (a step that still carries a prompt chunk is a mixed step, up to 2x
+    a decode step), and no sequence may finish before the timed steps are over: with a
+    short ``max_tokens`` the early ones did, and the "batch of 16" timed was a batch of a
+    few (its steps came out at half the real ones)."""
+    ids = {f"profile-{salt}-{i}" for i in range(batch)}
+    # Steps until the last prompt is through: at most one per budget's worth of prompt
+    # tokens, plus one per prompt (a prompt cut at the end of a step).
+    setup_steps = batch - (-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(
+        max_tokens=setup_steps + _DECODE_STEPS + 2, temperature=0, ignore_eos=True
+    )
+    for i in range(batch):
+        engine.add_request(f"profile-{salt}-{i}", _tokens(engine, context, salt + i), params)
+    started: set[str] = set()
+    while started != ids and engine.has_unfinished_requests():
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    # The median step: one step slowed by another process on a shared machine must not
+    # move the profile (the mean of 4 did, by up to 2x on a busy 2-core box).
+    times = []
+    while len(times) < _DECODE_STEPS:
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        if len(outputs) != batch:  # a sequence ended (context limit) or was preempted
+            break
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return statistics.median(times) if times else 0.0
+
+
+def _time_kv_import(engine: Any, num_tokens: int, salt: int) -> float:
+    """Seconds to import the KV of a ``num_tokens`` prompt handed off by a prefill (the
+    decode worker's ``import_request``), exported from this same engine."""
+    rid = f"profile-import-{salt}"
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(rid, _tokens(engine, num_tokens, salt), once, keep_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    handoff = engine.export_kv(rid, release=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.import_request(handoff, params, request_id=f"{rid}-in")
+    elapsed = time.perf_counter() - start
+    engine.abort_request(f"{rid}-in")
+    return elapsed
+
+
+def measure_profile(engine: Any, model_name: str) -> CostProfile:
+    """Time the engine and fit a cost profile (a few seconds on the tiny preset)."""
+    _time_prefill(engine, 16, 0, 999)  # warm-up
+    limit = engine.max_model_len - 8
+    # A prompt or a batch must fit in the KV pool at once, or it would be refused or
+    # timed smaller than asked.
+    pool_tokens = engine.stats().num_blocks * engine.config.block_size
+    prefill = [
+        (n, c, _time_prefill(engine, n, c, 10 * k))
+        for k, (n, c) in enumerate(PREFILL_POINTS)
+        if n + c + 16 <= min(limit, pool_tokens - 2 * engine.config.block_size)
+    ]
+
+    def fits(batch: int, ctx: int) -> bool:
+        return ctx + 64 <= limit and batch * (ctx + 4 * engine.config.block_size) <= pool_tokens
+
+    points = [(b, ctx) for b, ctx in DECODE_POINTS if fits(b, ctx)]
+    if len(points) < 3:  # a small pool (a real model's KV is large): short contexts instead
+        points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
+    decode = [
+        (b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k))
+        for k, (b, ctx) in enumerate(points)
+    ]
+    sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
+    import_s = sum(_time_kv_import(engine, n, 5000 + k) for k, n in enumerate(sizes))
+    serving = ServingTerms(kv_import_s_per_token=import_s / max(1, sum(sizes)))
+    return fit_profile(
+        prefill, decode, model_name=model_name, device=engine.config.device, serving=serving
+    )
+
+
+def cached_profile(engine: Any, model: str, cache_dir: Path) -> CostProfile:
+    """The profile of this engine shape, measured once and then read from ``cache_dir``."""
+    cfg = engine.config
+    key = json.dumps(
+        [
+            str(Path(model).resolve()),
+            cfg.device,
+            cfg.dtype,
+            cfg.block_size,
+            cfg.num_threads,
+            PROFILER_VERSION,
+        ],  # fmt: skip
+        sort_keys=True,
+    )
+    path = cache_dir / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Workers of one cluster start together: one measures (alone, so the others' start-up
+    # does not disturb its timings) while the rest wait on the lock and read its result.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return CostProfile.load(path)
+        profile = measure_profile(engine, Path(model).name)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        profile.save(tmp)
+        tmp.replace(path)
+    return profile
