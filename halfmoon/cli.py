@@ -24,9 +24,9 @@ COMMAND_MODULES = (
     "halfmoon.bench.cli",
     "halfmoon.engine.cli",
     "halfmoon.demo",
-    "halfmoon.serve.launcher",
-    "halfmoon.serve.worker_main",
-    "halfmoon.serve.conductor_main",
+    "halfmoon.serve.launch.launcher",
+    "halfmoon.serve.worker.main",
+    "halfmoon.serve.control.conductor_main",
     "halfmoon.transfer.cli",
     "halfmoon.deploy.cli",  # after serve.launcher: it adds --ray to `halfmoon serve`
 )

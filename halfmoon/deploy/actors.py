@@ -32,9 +32,9 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
-from halfmoon.serve.launcher import ProcessGroup, prepare_model
+from halfmoon.serve.launch.launcher import ProcessGroup, prepare_model
 from halfmoon.serve.runtime import free_port, load_secret, settle_gc
-from halfmoon.serve.worker_main import with_model
+from halfmoon.serve.worker.main import with_model
 
 log = logging.getLogger("deploy")
 
@@ -179,10 +179,10 @@ class GatewayHost:
 
         from halfmoon.deploy.admin import admin_router
         from halfmoon.engine.tokenizer import Tokenizer
-        from halfmoon.serve.cluster import ClusterBackend
-        from halfmoon.serve.gateway import GatewayConfig, create_app
-        from halfmoon.serve.http_limits import ConnectionLimits, server_config
-        from halfmoon.serve.tenancy import API_KEY_ENV, api_keys
+        from halfmoon.serve.gateway.app import GatewayConfig, create_app
+        from halfmoon.serve.gateway.cluster_client import ClusterBackend
+        from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
+        from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 
         spec = self.spec
         model_dir = prepare_model(spec.model, spec.seed)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.serve.openai_api import error_body
+from halfmoon.serve.gateway.openai_api import error_body
 
 Call = Callable[..., Awaitable[dict[str, Any]]]
 

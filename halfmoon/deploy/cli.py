@@ -9,7 +9,7 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, add_ray_options
-from halfmoon.serve.launcher import check_shape, run_serve
+from halfmoon.serve.launch.launcher import check_shape, run_serve
 
 
 def _controller(args: argparse.Namespace) -> Any:

@@ -53,7 +53,16 @@ from halfmoon.deploy.record import (
     remove_leftovers,
     save_record,
 )
-from halfmoon.serve.protocol import decode, encode
+from halfmoon.serve.control.messages import (
+    ConductorPong,
+    Drain,
+    Draining,
+    Error,
+    Message,
+    Ping,
+    decode_message,
+    encode_message,
+)
 from halfmoon.serve.runtime import SECRET_ENV, load_secret
 
 log = logging.getLogger("deploy")
@@ -64,8 +73,8 @@ GATEWAY_CHECK_S = 1.0
 GATEWAY_HUNG_S = 30.0
 
 
-def call_conductor(endpoint: str, secret: bytes, msg: dict[str, Any], timeout_s: float = 5.0
-                   ) -> dict[str, Any]:  # fmt: skip
+def call_conductor(endpoint: str, secret: bytes, msg: Message, timeout_s: float = 5.0
+                   ) -> Message:  # fmt: skip
     """One signed request to the Conductor service and its reply."""
     import zmq
 
@@ -73,10 +82,10 @@ def call_conductor(endpoint: str, secret: bytes, msg: dict[str, Any], timeout_s:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        sock.send_multipart(encode({**msg, "msg_id": 1}, secret))
+        sock.send_multipart(encode_message(replace(msg, msg_id=1), secret))
         if not sock.poll(int(timeout_s * 1000)):
             raise HalfmoonError(f"the Conductor at {endpoint} did not answer in {timeout_s:g}s")
-        return decode(sock.recv_multipart(), secret)
+        return decode_message(sock.recv_multipart(), secret)
     finally:
         sock.close(0)
 
@@ -289,10 +298,10 @@ class Controller:
         self.pools.mark_draining(name)
         actor = self._workers[name]
         ray.get(actor.expect_exit.remote(), timeout=30)
-        reply = call_conductor(self.conductor_endpoint, load_secret(),
-                               {"type": "drain", "instance_id": name})  # fmt: skip
-        if reply.get("type") != "draining":  # not registered yet: nothing placed on it
-            log.info("%s unknown to the Conductor (%s): stopping it", name, reply.get("error"))
+        reply = call_conductor(self.conductor_endpoint, load_secret(), Drain(instance_id=name))
+        if not isinstance(reply, Draining):  # not registered yet: nothing placed on it
+            why = reply.error if isinstance(reply, Error) else reply.wire_name
+            log.info("%s unknown to the Conductor (%s): stopping it", name, why)
             ray.get(actor.stop.remote(), timeout=30)
         threading.Thread(target=self._finish_drain, args=(name,), daemon=True).start()
 
@@ -414,13 +423,15 @@ class Controller:
                 entry["error"] = type(exc).__name__  # dead, or being restarted
             workers.append(entry)
         try:
-            pong = call_conductor(self.conductor_endpoint, load_secret(), {"type": "ping"})
-        except HalfmoonError as exc:
-            pong = {"error": str(exc)}
+            pong = call_conductor(self.conductor_endpoint, load_secret(), Ping())
+        except HalfmoonError:
+            pong = None
+        if not isinstance(pong, ConductorPong):
+            pong = ConductorPong()  # the Conductor is away: nobody is registered
         return {"name": self.spec.config.name, "mode": self.spec.mode,
                 "gateway": self.gateway_url, "conductor": self.conductor_endpoint,
                 "sizes": self.pools.counts(), "workers": workers,
-                "registered": pong.get("instances", {}), "draining": pong.get("draining", []),
+                "registered": pong.instances, "draining": pong.draining,
                 "gateway_restarts": self.gateway_restarts,
                 "controller_restarted": self.restarted}  # fmt: skip
 

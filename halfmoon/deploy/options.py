@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.serve.tenancy import api_keys
+from halfmoon.serve.gateway.tenancy import api_keys
 
 POOL_ROLES = ("prefill", "decode", "coupled")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -17,7 +17,7 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, DeploySpec, deploy_spec
-from halfmoon.serve.launcher import conductor_json, engine_json
+from halfmoon.serve.launch.launcher import conductor_json, engine_json
 from halfmoon.serve.runtime import SECRET_ENV, new_secret, setup_logging, stop_event_on_signals
 
 

@@ -15,7 +15,7 @@ import pytest
 from halfmoon.bench.client import ClientConfig, send_request
 from halfmoon.core.request import SamplingParams
 from halfmoon.metrics.records import RequestRecord
-from halfmoon.serve.backend import GenerationChunk
+from halfmoon.serve.gateway.backend import GenerationChunk
 
 #: Ids 0-4 of the preset tokenizer decode to no text; 40 and 41 to letters.
 TOKENS = (40, 0, 1, 41, 2, 40, 0, 41)
@@ -41,7 +41,7 @@ class ScriptedBackend:
 @pytest.fixture(scope="module")
 def app():
     from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
+    from halfmoon.serve.gateway.app import GatewayConfig, create_app
 
     tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
     return create_app(ScriptedBackend(), tok, GatewayConfig("m", max_model_len=256))

@@ -52,7 +52,7 @@ def test_manual_clock_and_ids():
 
 def test_logprobs_option_is_bounded_and_survives_the_wire():
     from halfmoon.core.request import TokenLogprob
-    from halfmoon.serve.wire import (
+    from halfmoon.serve.control.messages import (
         logprobs_from_wire,
         logprobs_to_wire,
         params_from_wire,

@@ -37,7 +37,7 @@ class FakeController:
 
 def _client(api_key: str | None) -> tuple[TestClient, FakeController]:
     from halfmoon.engine.tokenizer import Tokenizer, build_preset_tokenizer, preset_tokenizer_config
-    from halfmoon.serve.gateway import GatewayConfig, create_app
+    from halfmoon.serve.gateway.app import GatewayConfig, create_app
 
     tok = Tokenizer(build_preset_tokenizer(512), preset_tokenizer_config(256))
     ctl = FakeController()

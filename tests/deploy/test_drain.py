@@ -1,6 +1,7 @@
 """Draining: the Conductor service stops placing on an instance but keeps it known, and a
 worker told to drain exits only once idle."""
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -10,10 +11,25 @@ import zmq
 
 from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.core.clock import WallClock
-from halfmoon.serve.conductor_main import load_cost_model
-from halfmoon.serve.conductor_service import ConductorService
-from halfmoon.serve.protocol import decode, encode, hashes_to_wire
-from halfmoon.serve.worker import DRAIN_QUIET_S, Worker, WorkerIdentity
+from halfmoon.serve.control.conductor_main import load_cost_model
+from halfmoon.serve.control.conductor_service import ConductorService
+from halfmoon.serve.control.messages import (
+    ConductorPong,
+    Drain,
+    Draining,
+    Error,
+    Heartbeat,
+    Message,
+    Ping,
+    PlacementDecision,
+    Register,
+    Registered,
+    Schedule,
+    decode_message,
+    encode_message,
+)
+from halfmoon.serve.control.protocol import hashes_to_wire
+from halfmoon.serve.worker.process import DRAIN_QUIET_S, Worker, WorkerIdentity
 
 SECRET = b"drain-test-secret"
 
@@ -30,25 +46,30 @@ class InProcess:
         self.sock.connect(self.service.endpoint)
         self.ids = itertools.count()
 
-    def call(self, msg: dict) -> dict | None:
-        self.sock.send_multipart(encode({**msg, "msg_id": next(self.ids)}, SECRET))
+    def call(self, msg: Message) -> Message | None:
+        msg = dataclasses.replace(msg, msg_id=next(self.ids))
+        self.sock.send_multipart(encode_message(msg, SECRET))
         self.service.handle_one()
         if not self.sock.poll(200):
             return None
-        return decode(self.sock.recv_multipart(), SECRET)
+        return decode_message(self.sock.recv_multipart(), SECRET)
 
     def register(self, iid: str, role: str, incarnation: str = "1", **extra) -> None:
-        reply = self.call({"type": "register", "instance_id": iid, "role": role,
-                           "command_endpoint": f"tcp://127.0.0.1:1/{iid}",
-                           "transfer_endpoint": "", "kv_capacity_tokens": 100_000,
-                           "incarnation": incarnation, **extra})  # fmt: skip
-        assert reply is not None and reply["type"] == "registered"
+        reply = self.call(Register(instance_id=iid, role=role,
+                                   command_endpoint=f"tcp://127.0.0.1:1/{iid}",
+                                   transfer_endpoint="", kv_capacity_tokens=100_000,
+                                   incarnation=incarnation, **extra))  # fmt: skip
+        assert isinstance(reply, Registered)
 
-    def schedule(self, rid: str) -> dict:
-        reply = self.call({"type": "schedule", "request_id": rid, "input_length": 32,
-                           "output_length": 4, "block_size": 16,
-                           "hashes": hashes_to_wire([1, 2])})  # fmt: skip
-        assert reply is not None
+    def schedule(self, rid: str) -> PlacementDecision:
+        reply = self.call(Schedule(request_id=rid, input_length=32, output_length=4,
+                                   block_size=16, hashes=hashes_to_wire([1, 2])))  # fmt: skip
+        assert isinstance(reply, PlacementDecision)
+        return reply
+
+    def pong(self) -> ConductorPong:
+        reply = self.call(Ping())
+        assert isinstance(reply, ConductorPong)
         return reply
 
     def close(self) -> None:
@@ -67,34 +88,36 @@ def test_a_draining_instance_gets_no_placement_but_stays_known(svc):
     svc.register("p0", "prefill")
     svc.register("d0", "decode")
     svc.register("d1", "decode")
-    assert svc.call({"type": "drain", "instance_id": "d1"})["type"] == "draining"
-    decodes = {svc.schedule(f"r{i}")["decode"]["instance_id"] for i in range(20)}
+    assert isinstance(svc.call(Drain(instance_id="d1")), Draining)
+    decodes = {svc.schedule(f"r{i}").decode.instance_id for i in range(20)}
     assert decodes == {"d0"}
-    pong = svc.call({"type": "ping"})
+    pong = svc.pong()
     # still known with its incarnation, so gateways do not fail its requests over
-    assert pong["incarnations"]["d1"] == "1" and pong["draining"] == ["d1"]
+    assert pong.incarnations["d1"] == "1" and pong.draining == ["d1"]
     # its heartbeats say "drain"; the others' get no answer
-    assert svc.call({"type": "heartbeat", "instance_id": "d1"})["type"] == "drain"
-    assert svc.call({"type": "heartbeat", "instance_id": "d0"}) is None
+    drain = svc.call(Heartbeat(instance_id="d1"))
+    assert isinstance(drain, Drain) and drain.instance_id == "d1"
+    assert svc.call(Heartbeat(instance_id="d0")) is None
     # draining twice is harmless; an unknown instance is an error
-    assert svc.call({"type": "drain", "instance_id": "d1"})["type"] == "draining"
-    assert "unknown instance" in svc.call({"type": "drain", "instance_id": "zz"})["error"]
+    assert isinstance(svc.call(Drain(instance_id="d1")), Draining)
+    unknown = svc.call(Drain(instance_id="zz"))
+    assert isinstance(unknown, Error) and "unknown instance" in unknown.error
 
 
 def test_draining_the_last_decode_rejects_new_work(svc):
     svc.register("p0", "prefill")
     svc.register("d0", "decode")
-    svc.call({"type": "drain", "instance_id": "d0"})
+    svc.call(Drain(instance_id="d0"))
     reply = svc.schedule("r")
-    assert reply["accepted"] is False and "available" in reply["reject_reason"]
+    assert reply.accepted is False and "available" in reply.reject_reason
 
 
 def test_a_draining_worker_registering_again_stays_out(svc):
     svc.register("p0", "prefill")
     svc.register("d0", "decode")
     svc.register("d1", "decode", draining=True)  # e.g. after a Conductor restart
-    assert svc.call({"type": "ping"})["draining"] == ["d1"]
-    assert {svc.schedule(f"r{i}")["decode"]["instance_id"] for i in range(10)} == {"d0"}
+    assert svc.pong().draining == ["d1"]
+    assert {svc.schedule(f"r{i}").decode.instance_id for i in range(10)} == {"d0"}
 
 
 def test_a_restarted_worker_is_placeable_at_once(svc):
@@ -102,10 +125,10 @@ def test_a_restarted_worker_is_placeable_at_once(svc):
     removed along with the old one's state)."""
     svc.register("p0", "prefill")
     svc.register("d0", "decode", incarnation="a")
-    svc.call({"type": "drain", "instance_id": "d0"})
+    svc.call(Drain(instance_id="d0"))
     svc.register("d0", "decode", incarnation="b")
-    assert svc.call({"type": "ping"})["draining"] == []
-    assert svc.schedule("r")["decode"]["instance_id"] == "d0"
+    assert svc.pong().draining == []
+    assert svc.schedule("r").decode.instance_id == "d0"
 
 
 class _Engine:

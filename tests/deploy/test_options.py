@@ -18,7 +18,7 @@ def _serve(*argv: str):
 @pytest.mark.slow  # a subprocess
 def test_without_ray_nothing_ray_is_imported():
     code = (
-        "import sys, halfmoon.serve.launcher, halfmoon.cli, halfmoon.deploy.cli; "
+        "import sys, halfmoon.serve.launch.launcher, halfmoon.cli, halfmoon.deploy.cli; "
         "halfmoon.cli.build_parser().parse_args(['serve', '--ray']); "
         "assert 'ray' not in sys.modules, 'ray was imported'"
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from halfmoon.serve.local import LocalCluster, alive, children_of  # noqa: F401 - re-exported
+from halfmoon.serve.launch.local import LocalCluster, alive, children_of  # noqa: F401 - re-exported
 
 SECRET = "e2e-test-secret-0123456789abcdef"
 

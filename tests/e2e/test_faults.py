@@ -44,7 +44,7 @@ def _busy_pid(cluster, role, deadline_s=30.0):
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         for pong, port in zip(cluster.ping_workers(), cluster.worker_ports(), strict=True):
-            if pong["role"] == role and (pong["num_running"] or pong["num_waiting"]):
+            if pong.role == role and (pong.num_running or pong.num_waiting):
                 return ports[port]
         time.sleep(0.02)
     raise AssertionError(f"no busy {role} worker seen")
@@ -68,7 +68,7 @@ def _wait_registered(cluster, count, timeout_s=60.0):
     while time.monotonic() < end:
         try:
             if len(cluster.ping_workers()) == count and all(
-                p["integrity"] == "ok" for p in cluster.ping_workers()
+                p.integrity == "ok" for p in cluster.ping_workers()
             ):
                 import json
                 import urllib.request
@@ -131,7 +131,7 @@ def test_conductor_restart_keeps_requests_and_rebuilds_index(cluster):
     (new_conductor,) = _pids(cluster, "conductor")
     assert new_conductor != conductor
     _wait_registered(cluster, 4)
-    assert all(p["integrity"] == "ok" for p in cluster.ping_workers())
+    assert all(p.integrity == "ok" for p in cluster.ping_workers())
     # Each worker registers again once, not once a second for several seconds (its beats
     # queued while the Conductor was away each used to draw a register_again).
     time.sleep(3)
@@ -154,7 +154,7 @@ def _ping(cluster, port, timeout_s):
     """One worker's pong, or None when it does not answer within ``timeout_s``."""
     import zmq
 
-    from halfmoon.serve.protocol import decode, encode
+    from halfmoon.serve.control.protocol import decode, encode
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -237,19 +237,7 @@ def test_a_frozen_worker_does_not_stall_the_cluster(cluster, role):
 
 
 def _conductor_pong(cluster, timeout_s=5.0):
-    import zmq
-
-    from halfmoon.serve.protocol import decode, encode
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.conductor_endpoint())
-    try:
-        sock.send_multipart(encode({"type": "ping", "msg_id": 1}, cluster.secret.encode()))
-        assert sock.poll(int(timeout_s * 1000)), "the Conductor did not answer"
-        return decode(sock.recv_multipart(), cluster.secret.encode())
-    finally:
-        sock.close(0)
+    return cluster.ping_conductor(timeout_ms=int(timeout_s * 1000))
 
 
 def test_a_frozen_conductor_does_not_stop_new_requests(cluster):
@@ -263,9 +251,9 @@ def test_a_frozen_conductor_does_not_stop_new_requests(cluster):
     _frozen_run(cluster, conductor, prompts)
     _wait_registered(cluster, 4)
     end = time.monotonic() + 30
-    while (pong := _conductor_pong(cluster))["num_placements"] and time.monotonic() < end:
+    while (pong := _conductor_pong(cluster)).num_placements and time.monotonic() < end:
         time.sleep(0.3)
-    assert pong["integrity"] == "ok" and pong["num_placements"] == 0, pong
+    assert pong.integrity == "ok" and pong.num_placements == 0, pong
     assert _client(cluster).completions.create(model="tiny", prompt="again", max_tokens=2)
 
 
@@ -317,9 +305,9 @@ def test_the_cluster_settles_quickly_after_five_quick_decode_kills(cluster):
         except AssertionError:  # a worker (or the Conductor) is still coming back
             pong, workers = None, []
         idle = (
-            pong is not None and pong["num_placements"] == 0 and len(pong["instances"]) == 4
-            and pong["integrity"] == "ok" and len(workers) == 4
-            and all(w["num_running"] == w["num_waiting"] == 0 and w["integrity"] == "ok"
+            pong is not None and pong.num_placements == 0 and len(pong.instances) == 4
+            and pong.integrity == "ok" and len(workers) == 4
+            and all(w.num_running == w.num_waiting == 0 and w.integrity == "ok"
                     for w in workers)
         )  # fmt: skip
         if idle:

@@ -98,12 +98,12 @@ def test_500_requests_at_concurrency_32_with_workers_killed_and_frozen(cluster_f
     while time.monotonic() < deadline:
         try:
             pongs = cluster.ping_workers()
-            if len(pongs) == 4 and all(p["num_running"] == 0 for p in pongs):
+            if len(pongs) == 4 and all(p.num_running == 0 for p in pongs):
                 break
         except AssertionError:
             pass
         time.sleep(0.5)
-    assert len(pongs) == 4 and all(p["integrity"] == "ok" for p in pongs), pongs
+    assert len(pongs) == 4 and all(p.integrity == "ok" for p in pongs), pongs
 
     children = children_of(cluster.proc.pid)
     rss = {_name(pid): round(_peak_rss_mib(pid), 1) for pid in children}

@@ -93,5 +93,5 @@ def test_corrupt_ssd_block_is_recomputed_with_identical_output(spilling):
     assert _corrupt_count(cluster) == 1
     assert "failed its checksum" in cluster.log_path.read_text()
     pongs = cluster.ping_workers()
-    assert all(p["integrity"] == "ok" for p in pongs)
-    assert [p["store_corrupt_blocks"] for p in pongs if p["role"] == "prefill"] == [1]
+    assert all(p.integrity == "ok" for p in pongs)
+    assert [p.stats["store_corrupt_blocks"] for p in pongs if p.role == "prefill"] == [1]

@@ -36,10 +36,10 @@ def _prompt(tag: str, words: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(words))
 
 
-def _stage_stats(cluster) -> list[dict]:
+def _stage_stats(cluster) -> list:
     return sorted(
-        (p for p in cluster.ping_workers() if p["role"] == "prefill"),
-        key=lambda p: p["instance_id"],
+        (p for p in cluster.ping_workers() if p.role == "prefill"),
+        key=lambda p: p.instance_id,
     )
 
 
@@ -48,7 +48,7 @@ def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
     from halfmoon.engine import EngineConfig, LLMEngine
 
     prompts = [_prompt("a", 1500), _prompt("b", 2200)]  # ~4,300 and ~6,700 tokens
-    before = [p["cpp_requests"] for p in _stage_stats(cpp)]
+    before = [p.stats["cpp_requests"] for p in _stage_stats(cpp)]
     engine = LLMEngine(EngineConfig(model=str(cpp.cache / "presets" / "tiny-seed0")))
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
@@ -74,23 +74,23 @@ def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
     ours = out.choices[0].logprobs.token_logprobs
     assert len(ours) == len(ref) == 3
     assert all(abs(x - e.logprob) < 1e-3 for x, (_, e) in zip(ours, ref, strict=True))
-    after = [p["cpp_requests"] for p in _stage_stats(cpp)]
+    after = [p.stats["cpp_requests"] for p in _stage_stats(cpp)]
     # Both stages ran every request (the Conductor chose the group: it lowers TTFT).
     assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]
-    assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
+    assert all(p.stats["cpp_jobs"] == 0 and p.integrity == "ok" for p in _stage_stats(cpp))
 
 
 def test_each_stage_reuses_its_cached_prefix(cpp):
     client = _client(cpp)
     base = _prompt("c", 1800)
     first = client.completions.create(model="tiny", prompt=base, max_tokens=2, temperature=0)
-    reused_before = [p["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
+    reused_before = [p.stats["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
     second = client.completions.create(
         model="tiny", prompt=base + " and then some more words", max_tokens=2, temperature=0
     )
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 16  # all but the last partial block
-    reused = [p["cpp_prefix_tokens_reused"] - r for p, r in
+    reused = [p.stats["cpp_prefix_tokens_reused"] - r for p, r in
               zip(_stage_stats(cpp), reused_before, strict=True)]  # fmt: skip
     assert reused == [cached, cached]  # every stage started after the same prefix
 
@@ -107,7 +107,7 @@ def test_stage_killed_mid_prompt_fails_over_without_hanging(cpp):
         ports[argv[argv.index("--index") + 1]] = pid
     while victim is None and time.monotonic() < end:
         for pong in _stage_stats(cpp):
-            if pong["cpp_jobs"] and pong["instance_id"] == "prefill-1":
+            if pong.stats["cpp_jobs"] and pong.instance_id == "prefill-1":
                 victim = ports["1"]  # one of the two stages, mid-pipeline
         time.sleep(0.02)
     assert victim is not None, "the group never started the prompt"
@@ -116,7 +116,7 @@ def test_stage_killed_mid_prompt_fails_over_without_hanging(cpp):
     assert not t.is_alive(), "the request hung"
     assert out["usage"].completion_tokens == 4  # placed again, completed
     _wait_registered(cpp, 3)
-    assert all(p["cpp_jobs"] == 0 and p["integrity"] == "ok" for p in _stage_stats(cpp))
+    assert all(p.stats["cpp_jobs"] == 0 and p.integrity == "ok" for p in _stage_stats(cpp))
 
 
 def test_cache_salt_isolates_every_stage(cpp):
@@ -129,10 +129,10 @@ def test_cache_salt_isolates_every_stage(cpp):
         return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
 
     assert cached("a")[0] == 0
-    reused_before = [p["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
+    reused_before = [p.stats["cpp_prefix_tokens_reused"] for p in _stage_stats(cpp)]
     hit, prompt_tokens = cached("a")
     assert hit >= prompt_tokens - 16  # the same salt: every stage reuses the prefix
     assert cached("b")[0] == 0  # another salt: no stage does
-    reused = [p["cpp_prefix_tokens_reused"] - r for p, r in
+    reused = [p.stats["cpp_prefix_tokens_reused"] - r for p, r in
               zip(_stage_stats(cpp), reused_before, strict=True)]  # fmt: skip
     assert reused == [hit, hit]

@@ -107,8 +107,8 @@ def test_concurrent_requests_all_complete(disagg):
         counts = list(pool.map(one, range(32)))
     assert counts == [6] * 32
     pongs = disagg.ping_workers()
-    assert {p["role"] for p in pongs} == {"prefill", "decode"}
-    assert all(p["integrity"] == "ok" for p in pongs)
+    assert {p.role for p in pongs} == {"prefill", "decode"}
+    assert all(p.integrity == "ok" for p in pongs)
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -123,11 +123,11 @@ def test_client_disconnect_frees_kv(disagg, n):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         pongs = disagg.ping_workers()
-        if all(p["num_running"] == 0 and p["num_waiting"] == 0 for p in pongs):
+        if all(p.num_running == 0 and p.num_waiting == 0 for p in pongs):
             break
         time.sleep(0.2)
-    assert all(p["num_running"] == 0 for p in pongs), pongs
-    assert all(p["integrity"] == "ok" for p in pongs)
+    assert all(p.num_running == 0 for p in pongs), pongs
+    assert all(p.integrity == "ok" for p in pongs)
 
 
 def test_impossible_slo_is_rejected_with_429(cluster_factory):
@@ -151,7 +151,7 @@ def test_prefix_caching_can_be_switched_off(cluster_factory):
     second = _greedy(off, prompt, n=2)[1]
     assert first.prompt_tokens_details.cached_tokens == 0
     assert second.prompt_tokens_details.cached_tokens == 0
-    assert all(p.get("store_blocks", 0) == 0 for p in off.ping_workers())
+    assert all(p.stats.get("store_blocks", 0) == 0 for p in off.ping_workers())
 
 
 def offline_logprobs(engine, prompt, params):

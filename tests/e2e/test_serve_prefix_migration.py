@@ -40,34 +40,34 @@ def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
 
     prefix = " ".join(f"shared{i}" for i in range(500))
     complete(prefix + " warm")  # the prefix now lives in one prefill worker's store
-    holder = [p for p in two_prefill.ping_workers() if p.get("store_blocks")]
+    holder = [p for p in two_prefill.ping_workers() if p.stats.get("store_blocks")]
     assert len(holder) == 1
     # Keep that worker busy with a long unrelated prompt, so the Conductor prefers the
     # idle worker and has it fetch the prefix instead of waiting or recomputing.
-    _until(lambda: two_prefill.ping_conductor()["num_placements"] == 0)  # "warm" released
+    _until(lambda: two_prefill.ping_conductor().num_placements == 0)  # "warm" released
     busy = threading.Thread(target=complete, args=(" ".join(f"x{i}" for i in range(3000)), 1))
     busy.start()
     # The long prompt must reach the Conductor first: wait until it is placed.
-    _until(lambda: two_prefill.ping_conductor()["num_placements"] >= 1)
+    _until(lambda: two_prefill.ping_conductor().num_placements >= 1)
     bytes_before = _metric(two_prefill, "halfmoon:kv_transfer_bytes_total")
     out = complete(prefix + " then a question")
     busy.join()
-    pongs = {p["instance_id"]: p for p in two_prefill.ping_workers()}
-    pulled = {i: p.get("blocks_pulled", 0) for i, p in pongs.items()}
+    pongs = {p.instance_id: p for p in two_prefill.ping_workers()}
+    pulled = {i: p.stats.get("blocks_pulled", 0) for i, p in pongs.items()}
     assert max(pulled.values()) > 0, pongs
     assert out.usage.prompt_tokens_details.cached_tokens >= 900
     assert _metric(two_prefill, "halfmoon:kv_transfer_bytes_total") > bytes_before
-    assert all(p["integrity"] == "ok" for p in pongs.values())
+    assert all(p.integrity == "ok" for p in pongs.values())
 
 
 def test_hot_prefix_is_replicated_to_another_prefill_worker(two_prefill):
     """K=8 uses of one prefix within the window make the Conductor copy it (for real)."""
     client = openai.OpenAI(base_url=two_prefill.base_url + "/v1", api_key="none", max_retries=0)
     prefix = " ".join(f"hot{i}" for i in range(200))
-    before = {p["instance_id"]: p["blocks_pulled"] for p in two_prefill.ping_workers()
-              if p["role"] == "prefill"}  # fmt: skip
+    before = {p.instance_id: p.stats["blocks_pulled"] for p in two_prefill.ping_workers()
+              if p.role == "prefill"}  # fmt: skip
     for k in range(10):
         client.completions.create(model="tiny", prompt=f"{prefix} question {k}", max_tokens=1)
-    after = {p["instance_id"]: p for p in two_prefill.ping_workers() if p["role"] == "prefill"}
-    gained = {i: after[i]["blocks_pulled"] - before[i] for i in after}
+    after = {p.instance_id: p for p in two_prefill.ping_workers() if p.role == "prefill"}
+    gained = {i: after[i].stats["blocks_pulled"] - before[i] for i in after}
     assert max(gained.values()) >= 20, after  # ~25 blocks of the hot prefix were copied

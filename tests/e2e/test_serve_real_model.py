@@ -56,7 +56,7 @@ def test_streamed_chat_equals_the_offline_engine(real):
 
 
 def _cpp_requests(cluster) -> int:
-    return sum(p["cpp_requests"] for p in cluster.ping_workers() if p["role"] == "prefill")
+    return sum(p.stats["cpp_requests"] for p in cluster.ping_workers() if p.role == "prefill")
 
 
 def test_a_long_prompt_through_the_cpp_pipeline(real):

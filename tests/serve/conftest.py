@@ -59,7 +59,7 @@ class GatewayFactory:
 
     def app(self, backend, model: str = "echo", **config):
         """``create_app(backend, ...)`` serving ``model`` with ``GatewayConfig(**config)``."""
-        from halfmoon.serve.gateway import GatewayConfig, create_app
+        from halfmoon.serve.gateway.app import GatewayConfig, create_app
 
         config.setdefault("max_model_len", 256)
         return create_app(backend, self.tokenizer, GatewayConfig(model, **config))

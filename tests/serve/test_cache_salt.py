@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.backend import GenerationChunk
+from halfmoon.serve.gateway.backend import GenerationChunk
 
 #: Long enough for several 16-token blocks with the byte-level test tokenizer.
 SYSTEM = "You are a careful assistant of tenant zero; answer in one short line. " * 3
@@ -182,8 +182,8 @@ def test_keys_share_the_cache_without_the_option(gateways, engine):
 
 
 def test_tenancy_helpers():
-    from halfmoon.serve.gateway import GatewayConfig
-    from halfmoon.serve.tenancy import api_keys, effective_salt, key_salt, matching_key
+    from halfmoon.serve.gateway.app import GatewayConfig
+    from halfmoon.serve.gateway.tenancy import api_keys, effective_salt, key_salt, matching_key
 
     assert api_keys(None, " a, b ,,a ") == ("a", "b")
     assert api_keys(["x", "y"], "a,b") == ("x", "y")  # given keys win over the environment
@@ -202,14 +202,24 @@ def test_tenancy_helpers():
 
 
 def test_workers_read_the_salt_off_the_wire():
-    from halfmoon.serve.wire import cache_salt_from_wire
+    from halfmoon.serve.control.messages import (
+        Generate,
+        MalformedMessage,
+        WireParams,
+        from_wire,
+        to_wire,
+    )
 
-    assert cache_salt_from_wire({"type": "prefill"}) is None
-    assert cache_salt_from_wire({"type": "prefill", "cache_salt": None}) is None
-    assert cache_salt_from_wire({"type": "prefill", "cache_salt": "s"}) == "s"
+    params = WireParams(max_tokens=2, temperature=0.0, top_p=1.0)
+    plain = to_wire(Generate(request_id="r", token_ids=[1], params=params))
+    assert "cache_salt" not in plain and from_wire(plain).cache_salt is None
+    assert from_wire({**plain, "cache_salt": None}).cache_salt is None
+    assert from_wire({**plain, "cache_salt": "s"}).cache_salt == "s"
     for bad in ("", 3, b"s"):
-        with pytest.raises(ValueError, match="cache_salt"):
-            cache_salt_from_wire({"type": "prefill", "cache_salt": bad})
+        with pytest.raises(MalformedMessage, match="cache_salt"):
+            from_wire({**plain, "cache_salt": bad})
+    with pytest.raises(ValueError, match="cache_salt"):
+        Generate(request_id="r", token_ids=[1], params=params, cache_salt="")
 
 
 def test_serve_refuses_the_option_without_api_keys(capsys, tmp_path, monkeypatch):

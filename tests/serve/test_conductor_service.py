@@ -1,4 +1,5 @@
-"""The Conductor service as a real process on 127.0.0.1."""
+"""The Conductor service as a real process on 127.0.0.1, spoken to in plain wire maps
+(what any client must send; the typed messages are halfmoon.serve.control.messages)."""
 
 import itertools
 import threading
@@ -7,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from halfmoon.serve.protocol import decode, encode, hashes_to_wire
+from halfmoon.serve.control.protocol import decode, encode, hashes_to_wire
 from halfmoon.serve.runtime import free_port
 
 from .conftest import SECRET
@@ -90,6 +91,9 @@ def test_wrong_secret_is_ignored_and_bad_messages_answered(spawn, port):
     assert good.call({"type": "ping"}, timeout_ms=20_000)["type"] == "pong"
     assert Client(port, secret="wrong").call({"type": "ping"}, timeout_ms=500) is None
     assert good.call({"type": "nonsense"})["type"] == "error"
+    malformed = good.call({"type": "schedule", "request_id": "r", "hashes": b""})
+    assert malformed["type"] == "error", malformed
+    assert "malformed 'schedule' message: input_length: missing" in malformed["error"]
     bad = good.call(
         {
             "type": "register",
@@ -148,8 +152,8 @@ def test_bookings_of_requests_that_fail_after_placement_are_released(spawn, port
     import asyncio
 
     from halfmoon.core.request import SamplingParams
-    from halfmoon.serve.backend import BackendError
-    from halfmoon.serve.cluster import ClusterBackend
+    from halfmoon.serve.gateway.backend import BackendError
+    from halfmoon.serve.gateway.cluster_client import ClusterBackend
 
     spawn("conductor", "--port", str(port), "--early-reject", "snapshot", "--ttft-slo", "600")
     client = Client(port)

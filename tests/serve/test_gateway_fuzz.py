@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.backend import GenerationChunk, Rejected
+from halfmoon.serve.gateway.backend import GenerationChunk, Rejected
 
 
 class EchoBackend:

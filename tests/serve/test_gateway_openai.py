@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
-from halfmoon.serve.backend import GenerationChunk
+from halfmoon.serve.gateway.backend import GenerationChunk
 
 OUTPUT = (65, 66, 67, 68)  # token ids the backend "generates", two per chunk
 

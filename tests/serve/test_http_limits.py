@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from halfmoon.serve.http_limits import BodyLimit, ConnectionLimits, server_config
+from halfmoon.serve.gateway.http_limits import BodyLimit, ConnectionLimits, server_config
 from halfmoon.serve.runtime import free_port
 
 LIMITS = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=1)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from halfmoon.serve.kvstream import OutStream, StreamerPool, finish_all
+from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all
 from halfmoon.transfer import StreamLayout, TransferEngine
 
 SECRET = bytes(range(7, 39))

@@ -15,9 +15,9 @@ import zmq
 import zmq.asyncio
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.backend import GenerationChunk, Rejected
-from halfmoon.serve.cluster import ClusterBackend
-from halfmoon.serve.protocol import decode, encode
+from halfmoon.serve.control.protocol import decode, encode
+from halfmoon.serve.gateway.backend import GenerationChunk, Rejected
+from halfmoon.serve.gateway.cluster_client import ClusterBackend
 
 
 class HeldBackend:

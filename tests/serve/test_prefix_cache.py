@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from halfmoon.core.request import SamplingParams
+from halfmoon.engine.connector import LocalConnector
 
 
 class _Events:
@@ -17,6 +18,11 @@ class _Events:
 
     def event(self, kind: str, **fields) -> None:
         self.kinds.append(kind)
+
+    def cache_event(self, event) -> None:
+        from halfmoon.core.events import BlockStored
+
+        self.kinds.append("stored" if isinstance(event, BlockStored) else "evicted")
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +45,14 @@ def _run(engine, rid, prompt, n=6, cache_salt=None):
 
 
 def _cache(engine, tmp_path: Path | None, events):
-    from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
 
     holdings = Holdings(events)
     ssd = str(tmp_path) if tmp_path else None
-    store = ClusterPrefixCache.make_store(engine, 0 if ssd else 8, ssd, 8 if ssd else 0, holdings)
-    return ClusterPrefixCache(engine, store, events), holdings
+    store = ClusterPrefixCache.make_store(
+        LocalConnector(engine), 0 if ssd else 8, ssd, 8 if ssd else 0, holdings
+    )
+    return ClusterPrefixCache(LocalConnector(engine), store, events), holdings
 
 
 def test_blocks_saved_by_one_engine_serve_another(engines):
@@ -55,11 +63,11 @@ def test_blocks_saved_by_one_engine_serve_another(engines):
     ref = _run(a, "a1", prompt)
     assert cache_a.save("a1", prompt) == 12  # 200 tokens: 12 full 16-token blocks
     a.export_kv("a1", release=True)
-    assert events.kinds.count("stored") == 12 and len(holdings.snapshot()[0]["hashes"]) == 12 * 16
+    assert events.kinds.count("stored") == 12 and len(holdings.snapshot()[0].block_hashes) == 12
     # engine B shares the store (as a peer pulling from it would): load, then prefill
-    from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 
-    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
     assert cache_b.load(prompt) == 12
     out = _run(b, "b1", prompt)
     assert out.num_cached_tokens == 192
@@ -72,7 +80,7 @@ def test_blocks_saved_by_one_engine_serve_another(engines):
 
 def test_salted_blocks_are_stored_and_found_only_under_their_salt(engines):
     from halfmoon.core.hashing import chain_root, hash_blocks
-    from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 
     a, b = engines
     events = _Events()
@@ -84,7 +92,7 @@ def test_salted_blocks_are_stored_and_found_only_under_their_salt(engines):
     salted = hash_blocks(prompt, 16, chain_root("tenant-a")).full
     assert all(cache_a.store.contains(h) for h in salted)
     assert not any(cache_a.store.contains(h) for h in hash_blocks(prompt, 16).full)
-    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
     assert cache_b.load(prompt, cache_salt="tenant-b") == 0  # another tenant: nothing
     assert cache_b.load(prompt) == 0  # no salt: nothing
     assert cache_b.load(prompt, cache_salt="tenant-a") == 6
@@ -114,9 +122,9 @@ def test_corrupt_ssd_block_is_recomputed_not_served(engines, tmp_path):
     with open(data_files[0], "r+b") as f:  # flip bytes in the middle of the 4th block
         f.seek(cache_a.store.ssd_file_offset(_hash(prompt, 3)) + 100)
         f.write(b"\xff" * 64)
-    from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 
-    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
     loaded = cache_b.load(prompt)
     assert loaded == 3  # stops at the corrupt block
     out = _run(b, "b2", prompt)
@@ -135,7 +143,7 @@ def test_blocks_cross_between_a_gpu_engine_and_the_store():
     if device.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from halfmoon.engine import EngineConfig, LLMEngine
-    from halfmoon.serve.prefix import ClusterPrefixCache
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 
     config = EngineConfig(model="tiny", kv_cache_mb=16, num_threads=1, device=device)
     a, b = LLMEngine(config), LLMEngine(config)
@@ -145,7 +153,7 @@ def test_blocks_cross_between_a_gpu_engine_and_the_store():
     ref = _run(a, "g1", prompt)
     assert cache_a.save("g1", prompt) == 6
     computed = a.export_kv("g1", release=True).data  # [L, 2, 7, B, H, D] in host memory
-    cache_b = ClusterPrefixCache(b, cache_a.store, events)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
     assert cache_b.load(prompt) == 6
     loaded = b.kv_cache.export_blocks(b.block_manager.match_prefix(prompt))
     assert torch.equal(loaded, computed[:, :, :6])

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from halfmoon.serve.protocol import (
+from halfmoon.serve.control.protocol import (
     AuthError,
     ProtocolError,
     decode,

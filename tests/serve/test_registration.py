@@ -3,6 +3,7 @@ the cluster's is refused, and says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -12,11 +13,25 @@ import zmq
 
 from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.core.clock import WallClock
-from halfmoon.serve.conductor_main import load_cost_model
-from halfmoon.serve.conductor_service import ConductorService
-from halfmoon.serve.protocol import decode, encode, hashes_to_wire
+from halfmoon.serve.control.conductor_main import load_cost_model
+from halfmoon.serve.control.conductor_service import ConductorService
+from halfmoon.serve.control.messages import (
+    ClusterIdentity,
+    ConductorPong,
+    Error,
+    Message,
+    Ping,
+    PlacementDecision,
+    Refused,
+    Register,
+    Registered,
+    Schedule,
+    decode_message,
+    encode_message,
+)
+from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.runtime import free_port
-from halfmoon.serve.worker import ConductorLink, RegistrationRefused, WorkerIdentity
+from halfmoon.serve.worker.process import ConductorLink, RegistrationRefused, WorkerIdentity
 
 SECRET = b"registration-test-secret"
 MODEL = "smollm2-135m-instruct#0123456789ab"
@@ -41,54 +56,57 @@ class Client:
         self.sock.connect(svc.endpoint)
         self.ids = itertools.count()
 
-    def call(self, msg: dict) -> dict:
-        self.sock.send_multipart(encode({**msg, "msg_id": next(self.ids)}, SECRET))
+    def call(self, msg: Message) -> Message:
+        msg = dataclasses.replace(msg, msg_id=next(self.ids))
+        self.sock.send_multipart(encode_message(msg, SECRET))
         self.svc.handle_one()
         assert self.sock.poll(2000)
-        return decode(self.sock.recv_multipart(), SECRET)
+        reply = decode_message(self.sock.recv_multipart(), SECRET)
+        assert reply.msg_id == msg.msg_id
+        return reply
 
-    def register(self, iid: str, role: str = "decode", **declared) -> dict:
-        return self.call({"type": "register", "instance_id": iid, "role": role,
-                          "command_endpoint": f"tcp://h:1/{iid}", "transfer_endpoint": "h:2",
-                          "kv_capacity_tokens": 1000, **declared})  # fmt: skip
+    def register(self, iid: str, role: str = "decode", **declared) -> Message:
+        return self.call(Register(instance_id=iid, role=role, command_endpoint=f"tcp://h:1/{iid}",
+                                  transfer_endpoint="h:2", kv_capacity_tokens=1000, **declared))  # fmt: skip
 
 
 def test_the_first_worker_sets_model_and_dtype_and_others_must_agree(service):
     client = Client(service)
     ok = {"block_size": 16, "model": MODEL, "dtype": "float32"}
-    assert client.register("p0", "prefill", **ok)["type"] == "registered"
-    assert service.cluster == {"block_size": 16, "model": MODEL, "dtype": "float32"}
+    assert isinstance(client.register("p0", "prefill", **ok), Registered)
+    assert service.cluster == ClusterIdentity(block_size=16, model=MODEL, dtype="float32")
     for iid, change, named in [
         ("d0", {"block_size": 32}, "block size 32 (the cluster's is 16)"),
         ("d1", {"model": "other#ffffffffffff"}, "model 'other#ffffffffffff'"),
         ("d2", {"dtype": "bfloat16"}, "dtype 'bfloat16' (the cluster's is 'float32')"),
     ]:
         reply = client.register(iid, **{**ok, **change})
-        assert reply["type"] == "refused", reply
-        assert reply["error"].startswith(f"{iid} disagrees with the cluster: ")
-        assert named in reply["error"]
-    assert client.register("d3", **ok)["type"] == "registered"
-    pong = client.call({"type": "ping"})
-    assert pong["instances"] == {"p0": "prefill", "d3": "decode"}  # no refused one
-    assert pong["cluster"] == service.cluster
+        assert isinstance(reply, Refused), reply
+        assert reply.error.startswith(f"{iid} disagrees with the cluster: ")
+        assert named in reply.error
+    assert isinstance(client.register("d3", **ok), Registered)
+    pong = client.call(Ping())
+    assert isinstance(pong, ConductorPong)
+    assert pong.instances == {"p0": "prefill", "d3": "decode"}  # no refused one
+    assert pong.cluster == service.cluster
 
 
 def test_the_block_size_is_the_conductors_even_for_the_first_worker(service):
     reply = Client(service).register("p0", "prefill", block_size=64, model=MODEL, dtype="float32")
-    assert reply["type"] == "refused" and "block size 64 (the cluster's is 16)" in reply["error"]
-    assert service.cluster["model"] is None  # a refused worker sets nothing
+    assert isinstance(reply, Refused) and "block size 64 (the cluster's is 16)" in reply.error
+    assert service.cluster.model is None  # a refused worker sets nothing
 
 
 def test_a_placement_hashed_with_another_block_size_is_an_error(service):
     client = Client(service)
     client.register("p0", "prefill")
     client.register("d0", "decode")
-    msg = {"type": "schedule", "request_id": "r", "input_length": 64, "output_length": 4,
-           "hashes": hashes_to_wire([1, 2])}  # fmt: skip
-    reply = client.call({**msg, "block_size": 32})
-    assert reply["type"] == "error" and "32-token blocks; the cluster uses 16" in reply["error"]
-    reply = client.call({**msg, "input_length": 32, "block_size": 16})
-    assert reply["type"] == "decision" and reply["accepted"]
+    msg = Schedule(request_id="r", input_length=64, output_length=4, block_size=32,
+                   hashes=hashes_to_wire([1, 2]))  # fmt: skip
+    reply = client.call(msg)
+    assert isinstance(reply, Error) and "32-token blocks; the cluster uses 16" in reply.error
+    reply = client.call(dataclasses.replace(msg, input_length=32, block_size=16))
+    assert isinstance(reply, PlacementDecision) and reply.accepted
 
 
 def test_a_refused_worker_gets_an_error_naming_the_mismatch(service):
@@ -112,7 +130,7 @@ def test_a_refused_worker_gets_an_error_naming_the_mismatch(service):
 def test_a_worker_process_with_another_block_size_exits_naming_it(spawn, port, tmp_path,
                                                                   monkeypatch):  # fmt: skip
     from halfmoon.costmodel.profile import fit_profile
-    from halfmoon.serve.worker_main import REFUSED_EXIT_CODE
+    from halfmoon.serve.worker.main import REFUSED_EXIT_CODE
 
     secret = "registration-process-secret"
     monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))

@@ -33,7 +33,7 @@ def test_prefill_workers_take_one_prompt_per_step_by_default():
     Conductor's TTFT estimate and the simulator assume); decode workers batch."""
     import argparse
 
-    from halfmoon.serve.worker_main import add_engine_options, engine_config
+    from halfmoon.serve.worker.main import add_engine_options, engine_config
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
@@ -61,8 +61,8 @@ def test_every_conductor_option_of_serve_reaches_the_conductor():
     """parser -> ConductorConfig -> JSON document -> the Conductor process's config: every
     option ``serve`` takes arrives unchanged (the CPP hidden-state size once was dropped)."""
     from halfmoon.cli import build_parser
-    from halfmoon.serve.conductor_main import conductor_config
-    from halfmoon.serve.launcher import conductor_json
+    from halfmoon.serve.control.conductor_main import conductor_config
+    from halfmoon.serve.launch.launcher import conductor_json
 
     flags = ["--policy", "cache-aware", "--coupled-router", "least-load", "--ttft-slo", "7",
              "--tbt-slo", "0.5", "--tbt-metric", "p90", "--early-reject", "predict",
@@ -87,8 +87,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     import argparse
 
     from halfmoon.cli import build_parser
-    from halfmoon.serve.launcher import engine_json
-    from halfmoon.serve.worker_main import EngineOptions, add_engine_options, worker_options
+    from halfmoon.serve.launch.launcher import engine_json
+    from halfmoon.serve.worker.main import EngineOptions, add_engine_options, worker_options
 
     probe = argparse.ArgumentParser()
     add_engine_options(probe)

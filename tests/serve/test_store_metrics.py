@@ -18,11 +18,11 @@ from fastapi.testclient import TestClient
 from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.core.clock import WallClock
 from halfmoon.engine.engine import EngineStats
-from halfmoon.serve.cluster import ClusterBackend
-from halfmoon.serve.conductor_main import load_cost_model
-from halfmoon.serve.conductor_service import ConductorService
+from halfmoon.serve.control.conductor_main import load_cost_model
+from halfmoon.serve.control.conductor_service import ConductorService
+from halfmoon.serve.gateway.cluster_client import ClusterBackend
 from halfmoon.serve.runtime import free_port
-from halfmoon.serve.worker import ConductorLink, Worker, WorkerIdentity
+from halfmoon.serve.worker.process import ConductorLink, Worker, WorkerIdentity
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.store.ssd import DATA_FILE
 

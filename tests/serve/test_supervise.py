@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from halfmoon.serve.launcher import ProcessGroup
-from halfmoon.serve.worker_main import REFUSED_EXIT_CODE
+from halfmoon.serve.launch.launcher import ProcessGroup
+from halfmoon.serve.worker.main import REFUSED_EXIT_CODE
 
 
 class _Group(ProcessGroup):

@@ -17,7 +17,7 @@ def _ids(tokenizer, text):
 
 
 def test_stop_string_across_deltas_is_cut_and_never_sent(engine):
-    from halfmoon.serve.text import OutputText
+    from halfmoon.serve.gateway.text import OutputText
 
     tok = engine.tokenizer
     ids = _ids(tok, "alpha beta STOP gamma")
@@ -30,7 +30,7 @@ def test_stop_string_across_deltas_is_cut_and_never_sent(engine):
 
 
 def test_without_stop_everything_is_sent(engine):
-    from halfmoon.serve.text import OutputText
+    from halfmoon.serve.gateway.text import OutputText
 
     tok = engine.tokenizer
     ids = _ids(tok, "one two three")
@@ -41,7 +41,7 @@ def test_without_stop_everything_is_sent(engine):
 
 @pytest.mark.slow  # ~6 s here
 def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
-    from halfmoon.serve.profiler import cached_profile
+    from halfmoon.engine.profiler import cached_profile
 
     profile = cached_profile(engine, "tiny", tmp_path)
     files = list(tmp_path.glob("profile-*.json"))
@@ -57,7 +57,7 @@ def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
 def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
     """A decode point is timed only once every prompt of its batch is through: a step
     that still computes a prompt chunk (a mixed step) must not be in the median."""
-    from halfmoon.serve import profiler
+    from halfmoon.engine import profiler
 
     events: list[str] = []
     schedule = engine.scheduler.schedule
@@ -90,8 +90,7 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
 def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
     """A pool too small for three of the usual decode points (a real model's KV is ~10x
     the tiny preset's per token) is measured at short contexts instead of failing."""
-    from halfmoon.engine import EngineConfig, LLMEngine
-    from halfmoon.serve import profiler
+    from halfmoon.engine import EngineConfig, LLMEngine, profiler
 
     small = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=6, num_threads=1))  # 1.5k tokens
     timed: list[tuple[int, int]] = []

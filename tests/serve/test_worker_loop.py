@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import zmq
 
-from halfmoon.serve.worker import COMMANDS_PER_STEP, Worker, WorkerIdentity
+from halfmoon.serve.worker.process import COMMANDS_PER_STEP, Worker, WorkerIdentity
 
 SECRET = b"worker-loop-secret-0123456789abc"
 NUM_JUNK = 3 * COMMANDS_PER_STEP
@@ -88,4 +88,77 @@ def test_a_flood_of_junk_does_not_stop_the_engine():
         assert worker.num_handled == 3 * COMMANDS_PER_STEP
     finally:
         sender.close(0)
+        worker.close()
+
+
+class _IdleEngine:
+    config = SimpleNamespace(block_size=16)
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(num_running=0, num_waiting=0, num_blocks=8, num_free_blocks=8)
+
+    def check_integrity(self) -> None:
+        return None
+
+
+class _Recorder(_Role):
+    """A decode-like role that records what reaches it."""
+
+    def __init__(self) -> None:
+        self.expected: list[dict] = []
+        self.aborted: list[str] = []
+
+    def handlers(self) -> dict:
+        return {"expect": lambda identity, msg: self.expected.append(msg)}
+
+    def on_abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> dict:
+        return {"num_expected": len(self.expected)}
+
+
+def test_commands_are_typed_before_the_role_sees_them():
+    """A malformed command is refused with an ``error`` naming the field (the request is
+    dropped), an unknown one too, a malformed complaint is not answered, and a good
+    command reaches the role's handler as its typed message."""
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.serve.control import messages as m
+    from halfmoon.serve.control.protocol import encode
+
+    role = _Recorder()
+    worker = Worker(WorkerIdentity("decode", "d0", ""), _IdleEngine(), SECRET, _Link(),
+                    "tcp://127.0.0.1:*")  # fmt: skip
+    worker.set_role(role)
+    gateway = zmq.Context.instance().socket(zmq.DEALER)
+    gateway.setsockopt(zmq.LINGER, 0)
+    gateway.connect(worker.endpoint)
+    expect = m.Expect(request_id="r2", params=m.WireParams.of(SamplingParams(max_tokens=4)),
+                      num_prompt_tokens=40, msg_id=6)  # fmt: skip
+    sent = [
+        {"type": "expect", "request_id": "r1", "num_prompt_tokens": 40, "msg_id": 5},
+        {"type": "nonsense", "msg_id": 7},
+        {"type": "error", "error": 3},
+        m.to_wire(expect),
+        {"type": "ping", "msg_id": 8},
+    ]
+    try:
+        for msg in sent:
+            gateway.send_multipart(encode(msg, SECRET))
+        worker.run(stop=lambda: worker.num_handled >= len(sent))
+        replies = []
+        while gateway.poll(1000) and len(replies) < 3:
+            replies.append(m.decode_message(gateway.recv_multipart(), SECRET))
+        refused, unknown, pong = replies
+        assert isinstance(refused, m.Error) and (refused.request_id, refused.msg_id) == ("r1", 5)
+        assert "malformed 'expect' message: params: missing" in refused.error
+        assert isinstance(unknown, m.Error) and "unknown message type" in unknown.error
+        assert isinstance(pong, m.WorkerPong) and pong.msg_id == 8
+        assert pong.stats == {"num_expected": 1} and pong.integrity == "ok"
+        assert role.aborted == ["r1"] and role.expected == [expect]
+    finally:
+        gateway.close(0)
         worker.close()

@@ -12,7 +12,7 @@ from halfmoon.core.clock import WallClock
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.costmodel import CostProfile, ProfileCostModel, ThroughputCostModel
 from halfmoon.costmodel.base import CostModel
-from halfmoon.serve.conductor_service import ConductorService
+from halfmoon.serve.control.conductor_service import ConductorService
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,

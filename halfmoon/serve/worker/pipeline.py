@@ -22,19 +22,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import chain_root, hash_blocks
-from halfmoon.engine.sampling import row_for, sample_with_logprobs
-from halfmoon.engine.stage import LayerSlice, StageExecutor
-from halfmoon.serve.cpp_job import StageJob, hidden_session, kv_session
-from halfmoon.serve.kvstream import OutStream, StreamerPool, finish_all, num_blocks
-from halfmoon.serve.prefix import ClusterPrefixCache
-from halfmoon.serve.wire import cache_salt_from_wire, logprobs_to_wire, params_from_wire
-from halfmoon.serve.worker import Handler, Worker
+from halfmoon.engine.connector import StageConnector
+from halfmoon.serve.control.messages import (
+    CppOffer,
+    CppPrefill,
+    CppStart,
+    Error,
+    Handoff,
+    Tokens,
+    logprobs_to_wire,
+)
+from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all, num_blocks
+from halfmoon.serve.worker.pipeline_job import StageJob, hidden_session, kv_session
+from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
+from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
@@ -62,9 +68,7 @@ class PipelineStage:
         self.streamers = streamers  # the worker's, shared with its whole-prompt prefills
         self.jobs: dict[str, StageJob] = {}
         self._early: dict[str, dict[int, int]] = {}  # offers that beat their cpp_prefill
-        self._executors: dict[tuple[int, int], StageExecutor] = {}
-        self._rng = random.Random(self.engine.config.seed)
-        layout = self.engine.kv_layout
+        layout = self.engine.layout
         self.block_size = layout.block_size
         self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
         self.num_chunks_run = 0
@@ -92,23 +96,10 @@ class PipelineStage:
             return job.sent.is_set()
         return job.receiver is None or job.receiver.is_layer_done(job.next_chunk)
 
-    def _executor(self, layers: LayerSlice) -> StageExecutor:
-        key = (layers.first, layers.last)
-        if key not in self._executors:
-            self._executors[key] = StageExecutor(
-                self.engine.runner.model, self.engine.kv_layout, layers,
-                self.engine.kv_cache.num_blocks, hook=self._on_layer,
-                enable_prefix_caching=self.engine.config.enable_prefix_caching,
-            )  # fmt: skip
-        return self._executors[key]
-
     # -- a new request: agree on the prefix, then begin ---------------------------------------------
-    def _on_cpp_prefill(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
-        tokens = [int(t) for t in msg["token_ids"]]
-        stage, num_stages = int(msg["stage"]), int(msg["num_stages"])
-        chunk_tokens = int(msg["chunk_tokens"])
-        commands = [str(c) for c in msg["commands"]]
+    def _on_cpp_prefill(self, identity: bytes, msg: CppPrefill) -> None:
+        rid, tokens, commands = msg.request_id, msg.token_ids, msg.commands
+        stage, num_stages, chunk_tokens = msg.stage, msg.num_stages, msg.chunk_tokens
         if not 0 <= stage < num_stages == len(commands) or chunk_tokens < 1 or not tokens:
             raise HalfmoonError(
                 f"bad cpp_prefill: stage {stage} of {num_stages} ({len(commands)} commands), "
@@ -116,31 +107,29 @@ class PipelineStage:
             )
         if len(tokens) >= self.engine.max_model_len:
             raise HalfmoonError(f"prompt of {len(tokens)} tokens exceeds the context")
-        layers = LayerSlice.split(self.engine.model_config.num_layers, num_stages)[stage]
-        executor = self._executor(layers)
-        group = [str(i) for i in msg.get("group", [])]
-        salt = cache_salt_from_wire(msg)
+        executor = self.engine.pipeline_stage(num_stages, stage)
+        group, salt = msg.group, msg.cache_salt
         job = StageJob(
-            rid, identity, tokens, params_from_wire(msg["params"]), executor, stage, num_stages,
-            chunk_tokens, str(msg.get("next_transfer", "")), dict(msg["decode"]), commands,
-            (group[stage - 1] if 0 < stage <= len(group) else "",
-             group[stage + 1] if stage + 1 < len(group) else ""),
-            self._offer(executor, tokens, int(msg.get("cached_tokens", 0)), salt),
-            dict(msg.get("cache_source") or {}), salt,
+            rid=rid, identity=identity, tokens=tokens, params=msg.params.to_params(),
+            executor=executor, stage=stage, num_stages=num_stages, chunk_tokens=chunk_tokens,
+            next_transfer=msg.next_transfer, decode=msg.decode, commands=commands,
+            suspects=(group[stage - 1] if 0 < stage <= len(group) else "",
+                      group[stage + 1] if stage + 1 < len(group) else ""),
+            offered_blocks=self._offer(executor, tokens, msg.cached_tokens, salt),
+            cache_source=msg.cache_source, cache_salt=salt,
         )  # fmt: skip
         self.jobs[rid] = job
         if stage == 0:
             job.matches = {0: job.offered_blocks, **self._early.pop(rid, {})}
             self._maybe_agree(job)
         else:
-            self.worker.send_to(commands[0], {
-                "type": "cpp_offer", "request_id": rid, "stage": stage,
-                "blocks": job.offered_blocks,
-            })  # fmt: skip
+            self.worker.send_to(
+                commands[0], CppOffer(request_id=rid, stage=stage, blocks=job.offered_blocks)
+            )
 
     def _offer(
         self,
-        executor: StageExecutor,
+        executor: StageConnector,
         tokens: list[int],
         conductor_tokens: int,
         cache_salt: str | None = None,
@@ -153,16 +142,16 @@ class PipelineStage:
         mine = executor.match_blocks(tokens, cache_salt)
         return min(max(mine, conductor_tokens // self.block_size), usable)
 
-    def _on_cpp_offer(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
+    def _on_cpp_offer(self, identity: bytes, msg: CppOffer) -> None:
+        rid = msg.request_id
         job = self.jobs.get(rid)
         if job is None:
             early = self._early.setdefault(rid, {})
-            early[int(msg["stage"])] = int(msg["blocks"])
+            early[msg.stage] = msg.blocks
             while len(self._early) > 1024:  # offers of requests aborted before they came
                 self._early.pop(next(iter(self._early)))
             return
-        job.matches[int(msg["stage"])] = int(msg["blocks"])
+        job.matches[msg.stage] = msg.blocks
         self._maybe_agree(job)
 
     def _maybe_agree(self, job: StageJob) -> None:
@@ -171,15 +160,13 @@ class PipelineStage:
             return
         start_blocks = min(job.matches.values())
         for command in job.commands[1:]:
-            self.worker.send_to(command, {
-                "type": "cpp_start", "request_id": job.rid, "start_blocks": start_blocks,
-            })  # fmt: skip
+            self.worker.send_to(command, CppStart(request_id=job.rid, start_blocks=start_blocks))
         self._begin(job, start_blocks)
 
-    def _on_cpp_start(self, identity: bytes, msg: dict[str, Any]) -> None:
-        job = self.jobs.get(str(msg["request_id"]))
+    def _on_cpp_start(self, identity: bytes, msg: CppStart) -> None:
+        job = self.jobs.get(msg.request_id)
         if job is not None and not job.began:  # else aborted meanwhile
-            self._begin(job, int(msg["start_blocks"]))
+            self._begin(job, msg.start_blocks)
 
     def _begin(self, job: StageJob, start_blocks: int) -> None:
         """Take blocks (reusing the agreed prefix), announce the hidden-state stream."""
@@ -197,11 +184,11 @@ class PipelineStage:
         self.num_prefix_tokens_reused += start
         n = num_blocks(len(job.tokens), self.block_size)
         job.kv_out = OutStream(
-            self.transfer, job.decode["transfer"], kv_session(job.rid, job.stage, job.num_stages),
+            self.transfer, job.decode.transfer, kv_session(job.rid, job.stage, job.num_stages),
             (2 * job.executor.layers.size, n, self.half_block_bytes),
-            f"decode {job.decode.get('instance_id')}", self.streamers,
+            f"decode {job.decode.instance_id}", self.streamers,
         )  # fmt: skip
-        chunk_bytes = job.chunk_tokens * self._row_bytes(job.executor)
+        chunk_bytes = job.chunk_tokens * job.executor.row_bytes
         if job.stage + 1 < job.num_stages:
             job.hidden_out = OutStream(
                 self.transfer, job.next_transfer, hidden_session(job.rid, job.stage + 1),
@@ -217,37 +204,33 @@ class PipelineStage:
         self.num_requests += 1
         self.worker.conductor.event("prefill_started", request_id=job.rid)
 
-    @staticmethod
-    def _row_bytes(executor: StageExecutor) -> int:
-        return executor.hidden_size * executor.dtype.itemsize
-
     def _load_from_store(self, job: StageJob, have_blocks: int, want_blocks: int) -> None:
         """Blocks ``have..want-1`` from the worker's store (or pulled from the Conductor's
         source) into the stage's pool; raises when they are gone (the group agreed on them)."""
         prefix = job.tokens[: want_blocks * self.block_size]
         hashes = hash_blocks(prefix, self.block_size, chain_root(job.cache_salt)).full
-        endpoint = job.cache_source.get("transfer", "")
-        if job.cache_source.get("instance_id") == self.worker.me.instance_id:
-            endpoint = ""
+        source = job.cache_source
+        endpoint = ""
+        if source is not None and source.instance_id != self.worker.me.instance_id:
+            endpoint = source.transfer
         payloads = self.cache.fetch(hashes[have_blocks:], self.transfer, endpoint)
         if len(payloads) < want_blocks - have_blocks:
             raise HalfmoonError(
                 f"stage {job.stage} found {have_blocks + len(payloads)} of the "
                 f"{want_blocks} agreed prefix blocks"
             )
-        job.executor.load_prefix(job.rid, payloads, first_block=have_blocks)
-        job.executor.commit(job.rid, job.tokens, want_blocks * self.block_size)
+        job.executor.load_prefix(job.rid, payloads, have_blocks, job.tokens)
 
-    # -- the per-layer hook (engine thread) -------------------------------------------------------
-    def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: Any) -> None:
-        """On the last chunk, queue this layer's K and V of the whole prompt for decode."""
+    # -- the prompt-KV hook (engine thread) -------------------------------------------------------
+    def on_prompt_kv(
+        self, rid: str, layer: int, keys: list[memoryview], values: list[memoryview]
+    ) -> None:
+        """After the last chunk, queue this (global) layer's K and V of the whole prompt
+        for decode; the views stay valid while the job holds its blocks (it waits for its
+        streams before it releases them)."""
         job = self.jobs.get(rid)
-        if job is None or job.error or kv.end_token < len(job.tokens):
+        if job is None or job.error:
             return
-        n = num_blocks(len(job.tokens), self.block_size)
-        table = job.executor.blocks.block_table(rid)[:n]
-        # Host byte views, valid while the job holds its blocks (it waits for its streams).
-        keys, values = job.executor.kv_cache.layer_bytes(layer, table)
         local = layer - job.executor.layers.first
         out = job.kv_out
         assert out is not None
@@ -290,7 +273,7 @@ class PipelineStage:
         if job.error:
             return
         if job.kv_out is not None and job.kv_out.error:
-            job.error, job.suspect = job.kv_out.error, job.decode.get("instance_id", "")
+            job.error, job.suspect = job.kv_out.error, job.decode.instance_id
         elif job.hidden_out is not None and job.hidden_out.error:
             job.error, job.suspect = job.hidden_out.error, job.suspects[1]
 
@@ -311,46 +294,33 @@ class PipelineStage:
         c = job.next_chunk
         lo = job.start + c * job.chunk_tokens
         hi = min(lo + job.chunk_tokens, len(job.tokens))
-        row_bytes = self._row_bytes(job.executor)
+        row_bytes = job.executor.row_bytes
         hidden_in = None
         if job.receiver is not None:  # chunk c's slot of the region: host bytes
             view = self.transfer.regions.get(job.region).view
             offset = c * job.chunk_tokens * row_bytes
             hidden_in = view[offset : offset + (hi - lo) * row_bytes]
         t0 = time.monotonic()
-        out = job.executor.run(job.rid, job.tokens[lo:hi], lo, hidden_in)
+        # Host bytes of the output, padded to a whole slot of the stream (chunk_tokens rows).
+        data = job.executor.run_chunk(job.rid, job.tokens, lo, hi, hidden_in, job.chunk_tokens)
         job.compute_s += time.monotonic() - t0
-        job.executor.commit(job.rid, job.tokens, hi)  # later prompts reuse this slice
         job.next_chunk += 1
         job.progress_s = time.monotonic()
         self.num_chunks_run += 1
         if job.stage + 1 < job.num_stages:
-            # A whole slot of the stream (chunk_tokens rows), in host memory.
-            data, stream = job.executor.hidden_bytes(out, job.chunk_tokens), job.hidden_out
-            assert stream is not None
+            stream = job.hidden_out
+            assert stream is not None and data is not None
             stream.submit(lambda: stream.send(c, [data]))
         if job.computed:
             job.computed_s = time.monotonic()
             if job.stage + 1 == job.num_stages:
-                job.first_token = self._sample(job, job.executor.logits(out[-1:]))
+                token, entry, job.seed, job.first_finish = job.executor.sample_first(
+                    job.rid, job.tokens, job.params
+                )
+                job.first_token = token
+                job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
             outs = [out for out in (job.hidden_out, job.kv_out) if out is not None]
             finish_all(outs, job.sent.set)
-
-    def _sample(self, job: StageJob, logits: Any) -> int:
-        params = job.params
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        job.seed = seed
-        stop_ids = tuple(sorted(self._stop_ids(params)))
-        row = row_for(params, seed, 0, stop_ids, job.tokens)
-        (token,), (entry,) = sample_with_logprobs(logits, [row], [params.logprobs])
-        job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
-        return token
-
-    def _stop_ids(self, params: Any) -> set[int]:
-        stop = set(getattr(params, "stop_token_ids", ()))
-        if not params.ignore_eos:
-            stop.update(self.engine.eos_token_ids)
-        return stop
 
     # -- endings -----------------------------------------------------------------------------------
     def _release(self, job: StageJob) -> None:
@@ -376,46 +346,38 @@ class PipelineStage:
         events.event("prefill_finished", request_id=job.rid)
         if job.first_token is None:
             return  # not the last stage: it only computed and streamed
-        token = job.first_token
-        finish = None
-        if token in self._stop_ids(job.params) and job.params.min_tokens <= 1:
-            finish = "stop"
-        elif job.params.max_tokens <= 1 or len(job.tokens) + 1 >= self.engine.max_model_len:
-            finish = "length"
+        token, finish = job.first_token, job.first_finish
         if finish is None:
             try:
-                self.worker.send_to(job.decode["command"], {
-                    "type": "handoff", "request_id": job.rid, "token_ids": [*job.tokens, token],
-                    "num_prompt_tokens": len(job.tokens), "num_computed_tokens": len(job.tokens),
-                    "seed": job.seed,
-                })  # fmt: skip
+                self.worker.send_to(job.decode.command, Handoff(
+                    request_id=job.rid, token_ids=[*job.tokens, token],
+                    num_prompt_tokens=len(job.tokens), num_computed_tokens=len(job.tokens),
+                    seed=job.seed,
+                ))  # fmt: skip
             except ConnectionError as exc:  # its blocks are released: only tell the gateway
-                job.error, job.suspect = str(exc), job.decode.get("instance_id", "")
+                job.error, job.suspect = str(exc), job.decode.instance_id
                 log.warning("request %s: %s", job.rid, job.error)
-                self.worker.send(job.identity, {
-                    "type": "error", "request_id": job.rid, "error": job.error,
-                    "retryable": True, "suspect": job.suspect,
-                })  # fmt: skip
+                self.worker.send(job.identity, Error(
+                    request_id=job.rid, error=job.error, retryable=True, suspect=job.suspect,
+                ))  # fmt: skip
                 events.event("request_finished", request_id=job.rid)
                 return
         else:
             events.event("request_finished", request_id=job.rid)
         n = num_blocks(len(job.tokens), self.engine.config.block_size)
         kv_bytes = 0 if finish else n * self.engine.kv_bytes_per_block
-        self.worker.send(job.identity, {
-            "type": "tokens", "request_id": job.rid, "index": 0, "token_ids": [token],
-            "finish_reason": finish, "cached_tokens": job.start, "kv_bytes": kv_bytes,
-            **({"logprobs": job.first_logprob} if job.first_logprob else {}),
-        })  # fmt: skip
+        self.worker.send(job.identity, Tokens(
+            request_id=job.rid, index=0, token_ids=[token], finish_reason=finish,
+            cached_tokens=job.start, kv_bytes=kv_bytes, logprobs=job.first_logprob,
+        ))  # fmt: skip
 
     def _fail(self, job: StageJob) -> None:
         log.warning("request %s, stage %d: %s", job.rid, job.stage, job.error)
         self._cancel_streams(job)
         self._release(job)
-        self.worker.send(job.identity, {
-            "type": "error", "request_id": job.rid, "error": job.error, "retryable": True,
-            "suspect": job.suspect,
-        })  # fmt: skip
+        self.worker.send(job.identity, Error(
+            request_id=job.rid, error=job.error, retryable=True, suspect=job.suspect,
+        ))  # fmt: skip
         self.worker.conductor.event("request_finished", request_id=job.rid)
 
     def _cancel_streams(self, job: StageJob) -> None:

@@ -10,7 +10,7 @@ log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
 characters: prefix-cache hits only among requests with the same salt, see
-:mod:`halfmoon.serve.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
+:mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
 prompt log-probabilities) are refused with a 400 naming them, never silently ignored;
 unknown fields are ignored, as OpenAI's own server does.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
-from halfmoon.serve.tenancy import MAX_CACHE_SALT_CHARS
+from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16

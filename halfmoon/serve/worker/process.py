@@ -8,13 +8,18 @@ Single-threaded loop: drain commands, run one engine step, hand the outputs to t
         role.on_outputs(outputs)      # stream tokens, hand KV over, report events
         role.tick()                   # expire what waited too long
 
-Roles (:mod:`halfmoon.serve.roles`): ``coupled`` does prefill and decode (the vLLM-like
+Roles (:mod:`halfmoon.serve.worker.prefill`): ``coupled`` does prefill and decode (the vLLM-like
 baseline); ``prefill`` and ``decode`` split the work and hand the KV over layer by layer.
+
+Every command is decoded into its typed message (:mod:`halfmoon.serve.control.messages`)
+before anything handles it: a malformed one is logged and answered with an ``error``
+(unless it is one), never handled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -26,10 +31,28 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.serve.protocol import ProtocolError, decode, encode
+from halfmoon.core.events import BlockStored, CacheEvent
+from halfmoon.serve.control import messages
+from halfmoon.serve.control.messages import (
+    Abort,
+    Error,
+    HeldBlocks,
+    MalformedMessage,
+    Message,
+    Ping,
+    Refused,
+    Registered,
+    WorkerPong,
+    decode_message,
+    encode_message,
+    event_entry,
+    to_wire,
+)
+from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
 if TYPE_CHECKING:
+    from halfmoon.engine.connector import EngineConnector, RequestOutput
     from halfmoon.store import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
@@ -45,7 +68,8 @@ PEER_QUEUE_MESSAGES = 1000
 #: reports go first, then the oldest events.
 MAX_PENDING_EVENTS = 100_000
 
-Handler = Callable[[bytes, dict[str, Any]], None]
+#: A role's command handler: the sender's identity and the decoded command.
+Handler = Callable[[bytes, Any], None]
 
 
 class RegistrationRefused(HalfmoonError):
@@ -85,22 +109,23 @@ class Heartbeat:
         # get a backlog of them at once and answer each with register_again.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(endpoint)
-        beat = encode({"type": "heartbeat", "instance_id": instance_id}, secret)
+        beat = encode_message(messages.Heartbeat(instance_id=instance_id), secret)
         try:
             while not self._stop.is_set():
                 with contextlib.suppress(zmq.Again):  # no connection now: skip this beat
                     sock.send_multipart(beat, flags=zmq.NOBLOCK)
                 if sock.poll(int(interval_s * 1000)):
                     try:
-                        reply = decode(sock.recv_multipart(), secret)
-                    except ProtocolError:
+                        reply = decode_message(sock.recv_multipart(), secret)
+                    except ProtocolError as exc:
+                        log.warning("heartbeat answer dropped: %s", exc)
                         continue
-                    if reply.get("type") == "register_again":
+                    if isinstance(reply, messages.RegisterAgain):
                         self.register_again.set()
                         self._stop.wait(1.0)  # give the main loop time to register
                         while sock.poll(0):  # answers to beats sent before it registered
                             sock.recv_multipart()
-                    elif reply.get("type") == "drain":
+                    elif isinstance(reply, messages.Drain):
                         self.drain.set()
         finally:
             sock.close(0)
@@ -120,8 +145,8 @@ class ConductorLink:
         self._sock.connect(endpoint)
         self._secret = secret
         self._me = me
-        self._pending: list[dict[str, Any]] = []
-        self._registration: dict[str, Any] = {}
+        self._pending: list[messages.Event] = []
+        self._registration: messages.Register | None = None
         #: Tells this process apart from an earlier one with the same instance id.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
 
@@ -139,45 +164,58 @@ class ConductorLink:
         """Announce this worker (with its measured cost profile and what the cluster must
         agree on: block size, model identity, dtype); retries until the Conductor answers.
         Raises :class:`RegistrationRefused` when the Conductor refuses it."""
-        msg = {
-            "type": "register", "msg_id": 0, "instance_id": self._me.instance_id,
-            "role": self._me.role, "command_endpoint": self._me.command_endpoint,
-            "transfer_endpoint": self._me.transfer_endpoint,
-            "kv_capacity_tokens": kv_capacity_tokens, "kv_bytes_per_token": kv_bytes_per_token,
-            "profile": profile, "incarnation": self.incarnation,
-            "hidden_bytes_per_token": hidden_bytes_per_token,
-            "block_size": block_size, "model": model, "dtype": dtype,
-        }  # fmt: skip
+        msg = messages.Register(
+            msg_id=0, instance_id=self._me.instance_id, role=self._me.role,
+            command_endpoint=self._me.command_endpoint,
+            transfer_endpoint=self._me.transfer_endpoint,
+            kv_capacity_tokens=kv_capacity_tokens, kv_bytes_per_token=kv_bytes_per_token,
+            profile=profile, incarnation=self.incarnation,
+            hidden_bytes_per_token=hidden_bytes_per_token, block_size=block_size, model=model,
+            dtype=dtype,
+        )  # fmt: skip
         self._registration = msg
         self._send_registration(msg, timeout_s)
 
     def mark_draining(self) -> None:
         """From now on, registering again says this worker drains (stays out of placement)."""
-        self._registration["draining"] = True
+        if self._registration is not None:
+            self._registration = dataclasses.replace(self._registration, draining=True)
 
-    def register_again(self, blocks: list[dict[str, Any]], timeout_s: float = 60.0) -> None:
-        """Register anew (the Conductor restarted), announcing the blocks held."""
-        self._send_registration({**self._registration, "blocks": blocks}, timeout_s)
+    def register_again(self, blocks: list[HeldBlocks], timeout_s: float = 60.0) -> None:
+        """Register anew (the Conductor restarted), announcing the blocks held (a role's
+        snapshot)."""
+        assert self._registration is not None, "register() first"
+        registration = dataclasses.replace(self._registration, blocks=list(blocks))
+        self._send_registration(registration, timeout_s)
 
-    def _send_registration(self, msg: dict[str, Any], timeout_s: float) -> None:
+    def _send_registration(self, msg: messages.Register, timeout_s: float) -> None:
+        frames = encode_message(msg, self._secret)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with contextlib.suppress(zmq.Again):  # queue full: the poll below waits
-                self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
             if self._sock.poll(1000):
-                reply = decode(self._sock.recv_multipart(), self._secret)
-                if reply.get("type") == "registered":
+                reply = decode_message(self._sock.recv_multipart(), self._secret)
+                if isinstance(reply, Registered):
                     return
-                if reply.get("type") == "refused":
-                    raise RegistrationRefused(
-                        f"the Conductor refused this worker: {reply['error']}"
-                    )
+                if isinstance(reply, Refused):
+                    raise RegistrationRefused(f"the Conductor refused this worker: {reply.error}")
                 raise ProtocolError(f"conductor refused registration: {reply}")
         raise TimeoutError(f"no answer from the conductor within {timeout_s:.0f}s")
 
     def event(self, kind: str, **fields: Any) -> None:
-        """Queue one event; :meth:`flush` sends the batch."""
-        self._pending.append({"kind": kind, **fields})
+        """Queue one event (``stored`` / ``evicted``: hashes, tier; a lifecycle kind:
+        request_id; ``load``: the counters); :meth:`flush` sends the batch. A kind or field
+        the events message does not have raises ProtocolError here, at its source."""
+        entry = event_entry(kind, **fields)
+        to_wire(messages.Events(instance_id="", events=[entry]))  # checks its field types
+        self._pending.append(entry)
+
+    def cache_event(self, event: CacheEvent) -> None:
+        """Queue a cache event of this worker's pool or store (this worker's id is the
+        message's)."""
+        kind = "stored" if isinstance(event, BlockStored) else "evicted"
+        self.event(kind, hashes=hashes_to_wire([event.block_hash]), tier=event.tier)
 
     def flush(self) -> None:
         """Send queued events as one message; never blocks. While the Conductor is not
@@ -185,12 +223,12 @@ class ConductorLink:
         ``MAX_PENDING_EVENTS``."""
         if not self._pending:
             return
-        msg = {"type": "events", "instance_id": self._me.instance_id, "events": self._pending}
+        msg = messages.Events(instance_id=self._me.instance_id, events=self._pending)
         try:
-            self._sock.send_multipart(encode(msg, self._secret), flags=zmq.NOBLOCK)
+            self._sock.send_multipart(encode_message(msg, self._secret), flags=zmq.NOBLOCK)
         except zmq.Again:
             if len(self._pending) > MAX_PENDING_EVENTS:
-                kept = [e for e in self._pending if e["kind"] != "load"]
+                kept = [e for e in self._pending if e.kind != "load"]
                 self._pending = kept[-MAX_PENDING_EVENTS:]
             return
         self._pending = []
@@ -205,7 +243,7 @@ class Role(Protocol):
 
     def handlers(self) -> dict[str, Handler]: ...
 
-    def on_outputs(self, outputs: list[Any]) -> None: ...
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
 
     def on_abort(self, request_id: str) -> None: ...
 
@@ -217,7 +255,7 @@ class Role(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    def snapshot(self) -> list[dict[str, Any]]: ...
+    def snapshot(self) -> list[HeldBlocks]: ...
 
     def close(self) -> None: ...
 
@@ -228,7 +266,7 @@ class Worker:
     def __init__(
         self,
         me: WorkerIdentity,
-        engine: Any,
+        engine: EngineConnector,
         secret: bytes,
         conductor: ConductorLink,
         bind_endpoint: str,
@@ -242,7 +280,11 @@ class Worker:
         self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._peers: dict[str, zmq.Socket] = {}
-        self._handlers: dict[str, Handler] = {"ping": self._on_ping, "abort": self._on_abort}
+        #: The worker's own commands; the role's (its ``handlers()``) by wire name.
+        self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
+            Ping: self._on_ping, Abort: self._on_abort,
+        }  # fmt: skip
+        self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
         #: The block store whose counters ride on the load reports (a prefill worker's).
         self.store: TieredStore | None = None
@@ -322,30 +364,44 @@ class Worker:
         self.num_handled += 1
         identity, rest = frames[0], frames[1:]
         try:
-            msg = decode(rest, self.secret)
+            msg = decode_message(rest, self.secret)
+        except MalformedMessage as exc:  # signed: the sender's bug, which it hears of
+            self._rejections.warning("refused a command: %s", exc)
+            if exc.kind != "error":  # (a complaint is never answered)
+                self._refuse(identity, exc.request_id, exc.msg_id, str(exc))
+            return
         except ProtocolError as exc:
             self._rejections.warning("dropped a command: %s", exc)
             return
-        if msg.get("type") == "error":  # a peer worker's complaint: never answer it
-            log.warning("peer reported: %s", msg.get("error"))
+        if isinstance(msg, Error):  # a peer worker's complaint: never answer it
+            log.warning("peer reported: %s", msg.error)
             return
-        handler = self._handlers.get(msg["type"])
         try:
+            own = self._own.get(type(msg))
+            if own is not None:
+                own(identity, msg)
+                return
+            handler = self._handlers.get(msg.wire_name)
             if handler is None:
-                raise ProtocolError(f"unknown command {msg['type']!r} for a {self.me.role} worker")
+                raise ProtocolError(
+                    f"unknown command {msg.wire_name!r} for a {self.me.role} worker"
+                )
             handler(identity, msg)
         except Exception as exc:  # a bad command must not take the worker down
-            log.warning("command %s failed: %s", msg.get("type"), exc)
-            rid = msg.get("request_id")
-            if rid is not None and self.role is not None:
-                self.role.on_abort(str(rid))
-            self.send(identity, {"type": "error", "request_id": rid, "error": str(exc)})
+            log.warning("command %s failed: %s", msg.wire_name, exc)
+            self._refuse(identity, getattr(msg, "request_id", None), msg.msg_id, str(exc))
 
-    def send(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _refuse(self, identity: bytes, rid: str | None, msg_id: int | None, error: str) -> None:
+        """Drop what the role holds of the request, and tell the sender why."""
+        if rid is not None and self.role is not None:
+            self.role.on_abort(rid)
+        self.send(identity, Error(error=error, request_id=rid, msg_id=msg_id))
+
+    def send(self, identity: bytes, msg: Message) -> None:
         """Send one signed message to a peer of the ROUTER socket."""
-        self._sock.send_multipart([identity, *encode(msg, self.secret)])
+        self._sock.send_multipart([identity, *encode_message(msg, self.secret)])
 
-    def send_to(self, endpoint: str, msg: dict[str, Any]) -> None:
+    def send_to(self, endpoint: str, msg: Message) -> None:
         """Send one signed message to another worker's command socket; never blocks.
 
         Raises ConnectionError when the peer is not connected or has stopped reading
@@ -356,29 +412,29 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, PEER_QUEUE_MESSAGES)
             sock.connect(endpoint)
+        frames = encode_message(msg, self.secret)
         try:
-            sock.send_multipart(encode(msg, self.secret), flags=zmq.NOBLOCK)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             raise ConnectionError(f"worker {endpoint} is not taking messages") from None
 
-    def _on_ping(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
         stats = self.engine.stats()
         try:
             self.engine.check_integrity()
             integrity = "ok"
         except AssertionError as exc:
             integrity = f"broken: {exc}"
-        self.send(identity, {
-            "type": "pong", "msg_id": msg.get("msg_id"), "instance_id": self.me.instance_id,
-            "role": self.me.role, "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting, "num_free_blocks": stats.num_free_blocks,
-            "num_steps": self.num_steps, "integrity": integrity,
-            **(self.role.stats() if self.role is not None else {}),
-        })  # fmt: skip
+        self.send(identity, WorkerPong(
+            msg_id=msg.msg_id, instance_id=self.me.instance_id, role=self.me.role,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks, num_steps=self.num_steps,
+            integrity=integrity, stats=self.role.stats() if self.role is not None else {},
+        ))  # fmt: skip
 
-    def _on_abort(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
         assert self.role is not None
-        self.role.on_abort(str(msg["request_id"]))
+        self.role.on_abort(msg.request_id)
 
     def _maybe_report(self) -> None:
         now = time.monotonic()

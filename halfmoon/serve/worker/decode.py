@@ -1,6 +1,6 @@
 """The decode role: receives a request's KV streams (one per prefill worker, or one per
 stage of a CPP group), imports the KV on the handoff and decodes in the continuous batch.
-See :mod:`halfmoon.serve.roles` for the whole handoff."""
+See :mod:`halfmoon.serve.worker.prefill` for the whole handoff."""
 
 from __future__ import annotations
 
@@ -8,24 +8,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from halfmoon.engine.stage import LayerSlice
-from halfmoon.serve.cpp_job import kv_session
-from halfmoon.serve.kvstream import num_blocks
-from halfmoon.serve.roles import (
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.connector import HandoffState, LayerSlice
+from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
+from halfmoon.serve.worker.kvstream import num_blocks
+from halfmoon.serve.worker.pipeline_job import kv_session
+from halfmoon.serve.worker.process import Handler, Worker
+from halfmoon.serve.worker.tokens import (
     HANDOFF_TIMEOUT_S,
     HANDOFF_TTFT_FACTOR,
     StreamClient,
     TokenStreaming,
 )
-from halfmoon.serve.wire import cache_salt_from_wire, params_from_wire
-from halfmoon.serve.worker import Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine
 
 
 @dataclass
 class _Expected:
     identity: bytes
-    params: Any
+    params: SamplingParams
     num_prompt_tokens: int
     region: str
     receivers: list[Any]
@@ -42,19 +43,16 @@ class DecodeRole(TokenStreaming):
         super().__init__(worker)
         self.transfer = transfer
         self.expected: dict[str, _Expected] = {}
-        layout = worker.engine.kv_layout
+        layout = worker.engine.layout
         self.bytes_per_block = layout.bytes_per_block
         self.num_layers = layout.num_layers
 
     def handlers(self) -> dict[str, Handler]:
         return {"expect": self._on_expect, "handoff": self._on_handoff}
 
-    def _on_expect(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid = str(msg["request_id"])
-        salt = cache_salt_from_wire(msg)  # checked before anything is registered
-        num_prompt = int(msg["num_prompt_tokens"])
+    def _on_expect(self, identity: bytes, msg: Expect) -> None:
+        rid, num_prompt, num_stages = msg.request_id, msg.num_prompt_tokens, msg.num_stages
         n = num_blocks(num_prompt, self.worker.engine.config.block_size)
-        num_stages = int(msg.get("num_stages", 1))
         slices = LayerSlice.split(self.num_layers, num_stages)  # one KV stream per stage
         region = f"kv-{rid}"
         self.transfer.register_region(region, n * self.bytes_per_block)
@@ -74,36 +72,35 @@ class DecodeRole(TokenStreaming):
             raise
         self.expected[rid] = _Expected(
             identity,
-            params_from_wire(msg["params"]),
+            msg.params.to_params(),
             num_prompt,
             region,
             receivers,
-            str(msg.get("prefill_instance", "")),
-            salt,
-            timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * float(msg.get("est_ttft_s") or 0),
+            msg.prefill_instance,
+            msg.cache_salt,
+            timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * msg.est_ttft_s,
         )
 
-    def _on_handoff(self, identity: bytes, msg: dict[str, Any]) -> None:
-        from halfmoon.engine.engine import KVHandoff
-
-        rid = str(msg["request_id"])
+    def _on_handoff(self, identity: bytes, msg: Handoff) -> None:
+        rid = msg.request_id
         e = self.expected.pop(rid, None)
         if e is None:
             return  # aborted meanwhile
         try:
             for receiver in e.receivers:
                 receiver.wait(10.0)
-            engine = self.worker.engine
-            handoff = KVHandoff(
-                request_id=rid, token_ids=tuple(int(t) for t in msg["token_ids"]),
-                num_prompt_tokens=int(msg["num_prompt_tokens"]),
-                num_computed_tokens=int(msg["num_computed_tokens"]), seed=int(msg["seed"]),
-                layout=engine.kv_layout, data=self.transfer.regions.get(e.region).view,
+            state = HandoffState(
+                request_id=rid, token_ids=tuple(msg.token_ids),
+                num_prompt_tokens=msg.num_prompt_tokens,
+                num_computed_tokens=msg.num_computed_tokens, seed=msg.seed,
                 cache_salt=e.cache_salt,
             )  # fmt: skip
-            engine.import_request(handoff, e.params)
+            # The region's bytes are copied into the pool before this returns.
+            self.worker.engine.import_request(
+                state, e.params, self.transfer.regions.get(e.region).view
+            )
         except Exception as exc:  # stream failed or no room: the client must hear of it
-            self.worker.send(e.identity, {"type": "error", "request_id": rid, "error": str(exc)})
+            self.worker.send(e.identity, Error(request_id=rid, error=str(exc)))
             self.worker.conductor.event("request_finished", request_id=rid)
             return
         finally:
@@ -145,18 +142,17 @@ class DecodeRole(TokenStreaming):
         now = time.monotonic()
         for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected[rid]
-            self.worker.send(e.identity, {
-                "type": "error", "request_id": rid,
-                "error": f"no KV handoff within {e.timeout_s:.0f}s", "retryable": True,
-                "suspect": e.prefill_instance,
-            })  # fmt: skip
+            self.worker.send(e.identity, Error(
+                request_id=rid, error=f"no KV handoff within {e.timeout_s:.0f}s",
+                retryable=True, suspect=e.prefill_instance,
+            ))  # fmt: skip
             self.on_abort(rid)
 
     def stats(self) -> dict[str, Any]:
         """Requests waiting for their KV."""
         return {"num_expected": len(self.expected)}
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[HeldBlocks]:
         """A decode worker caches nothing the Conductor indexes."""
         return []
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
@@ -33,8 +34,7 @@ from halfmoon.serve.runtime import (
     setup_logging,
     warn_if_public,
 )
-from halfmoon.serve.tenancy import API_KEY_ENV, api_keys
-from halfmoon.serve.worker_main import (
+from halfmoon.serve.worker.main import (
     REFUSED_EXIT_CODE,
     EngineOptions,
     add_engine_options,
@@ -190,9 +190,9 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     from halfmoon.engine.tokenizer import Tokenizer
 
     _QuietServer = _make_quiet_server()  # noqa: N806
-    from halfmoon.serve.cluster import ClusterBackend
-    from halfmoon.serve.gateway import GatewayConfig, create_app
-    from halfmoon.serve.http_limits import ConnectionLimits, server_config
+    from halfmoon.serve.gateway.app import GatewayConfig, create_app
+    from halfmoon.serve.gateway.cluster_client import ClusterBackend
+    from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
 
     tokenizer = Tokenizer.from_dir(model_dir)
     backend = ClusterBackend(conductor, group.env[SECRET_ENV].encode(), args.block_size,

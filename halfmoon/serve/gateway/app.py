@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP gateway (FastAPI): validation, tokenization, streaming.
 
-The gateway is written against :class:`~halfmoon.serve.backend.Backend`; placement,
+The gateway is written against :class:`~halfmoon.serve.gateway.backend.Backend`; placement,
 prefill and decode happen behind it. Routes: ``/v1/completions``,
 ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models``, ``/health``, ``/metrics``;
 extra routers under ``/admin/`` (e.g. scaling, :mod:`halfmoon.deploy.admin`) need the API key.
 A client that disconnects mid-stream aborts its request, which frees its KV blocks.
-Assembling the answer from the backend's streams is :mod:`halfmoon.serve.responses`.
+Assembling the answer from the backend's streams is :mod:`halfmoon.serve.gateway.responses`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from halfmoon.core.ids import IdGenerator
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.tokenizer import Tokenizer
-from halfmoon.serve.backend import Backend, BackendError, GenerationChunk, Rejected
-from halfmoon.serve.http_limits import BodyLimit
-from halfmoon.serve.openai_api import (
+from halfmoon.serve.gateway.backend import Backend, BackendError, GenerationChunk, Rejected
+from halfmoon.serve.gateway.http_limits import BodyLimit
+from halfmoon.serve.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,8 +36,8 @@ from halfmoon.serve.openai_api import (
     error_body,
     usage,
 )
-from halfmoon.serve.prom import GatewayMetrics
-from halfmoon.serve.responses import (
+from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.responses import (
     Delta,
     HTTPError,
     Prepared,
@@ -45,8 +45,8 @@ from halfmoon.serve.responses import (
     merge_choices,
     sse,
 )
-from halfmoon.serve.tenancy import effective_salt, matching_key
-from halfmoon.serve.text import OutputText
+from halfmoon.serve.gateway.tenancy import effective_salt, matching_key
+from halfmoon.serve.gateway.text import OutputText
 
 T = TypeVar("T")
 
@@ -76,7 +76,7 @@ class GatewayConfig:
     #: More accepted API keys (``--api-key`` given several times), beside ``api_key``.
     api_keys: tuple[str, ...] = ()
     #: Salt each request's prefix-cache hashes with its API key: one tenant per key, and
-    #: no tenant's ``cached_tokens`` reveal another's prompts (see halfmoon.serve.tenancy).
+    #: no tenant's ``cached_tokens`` reveal another's prompts (see halfmoon.serve.gateway.tenancy).
     cache_salt_from_api_key: bool = False
     #: With API keys, which of ``PUBLIC_PATHS`` stay readable without one (``metrics`` for
     #: a scraper without the key, ``docs`` for /docs, /redoc and /openapi.json).

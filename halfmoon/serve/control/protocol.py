@@ -48,7 +48,10 @@ def encode(message: dict[str, Any], secret: bytes) -> list[bytes]:
     """Serialise and sign one message."""
     if not isinstance(message.get("type"), str):
         raise ProtocolError(f"a message needs a string 'type', got {message!r:.80}")
-    body = msgpack.packb(message, use_bin_type=True)
+    try:
+        body = msgpack.packb(message, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. an int beyond 64 bits
+        raise ProtocolError(f"unencodable {message['type']!r} message: {exc}") from None
     return [body, hmac.new(secret, body, hashlib.sha256).digest()]
 
 
@@ -64,7 +67,7 @@ def decode(frames: Sequence[bytes], secret: bytes) -> dict[str, Any]:
         raise AuthError("message signature does not match the shared secret")
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:  # TypeError: a list key
         raise ProtocolError(f"undecodable message: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("a message must be a map with a string 'type'")

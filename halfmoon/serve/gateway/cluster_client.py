@@ -1,4 +1,4 @@
-"""The gateway's :class:`~halfmoon.serve.backend.Backend` over a live cluster.
+"""The gateway's :class:`~halfmoon.serve.gateway.backend.Backend` over a live cluster.
 
 It asks the Conductor service for a placement, then talks to the workers directly:
 
@@ -32,16 +32,41 @@ import zmq.asyncio
 from halfmoon.conductor.messages import RejectCode
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.backend import BackendError, GenerationChunk, Rejected
-from halfmoon.serve.protocol import ProtocolError, decode, encode, hashes_to_wire
-from halfmoon.serve.wire import logprobs_from_wire, params_to_wire
+from halfmoon.serve.control.messages import (
+    NO_ENDPOINTS,
+    Abort,
+    Batch,
+    ConductorPong,
+    CppPrefill,
+    Endpoints,
+    Error,
+    Expect,
+    Generate,
+    InstanceFailed,
+    Lost,
+    MalformedMessage,
+    Member,
+    Message,
+    Ping,
+    PlacementDecision,
+    Prefill,
+    Release,
+    Replicate,
+    Schedule,
+    Tokens,
+    WireParams,
+    decode_message,
+    encode_message,
+)
+from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
+from halfmoon.serve.gateway.backend import BackendError, GenerationChunk, Rejected
 
 log = logging.getLogger(__name__)
 
 
-def _incarnation(endpoints: dict[str, str]) -> tuple[str, str]:
+def _incarnation(endpoints: Endpoints) -> tuple[str, str]:
     """(instance id, incarnation) of a worker named in a decision."""
-    return endpoints["instance_id"], endpoints.get("incarnation", "")
+    return endpoints.instance_id, endpoints.incarnation
 
 
 class WorkerLost(BackendError):
@@ -103,7 +128,7 @@ class ClusterBackend:
         self.conductor_fallback_s = 3.0
         self._conductor_seen_s = time.monotonic()
         #: Placeable instances (id -> endpoints and role) as the Conductor last listed them.
-        self._members: dict[str, dict[str, str]] = {}
+        self._members: dict[str, Member] = {}
         self.num_fallback_placements = 0
         self.watch_interval_s = 0.5
         self._ids = itertools.count(1)
@@ -124,29 +149,31 @@ class ClusterBackend:
         while True:
             frames = await peer.sock.recv_multipart()
             try:
-                msg = decode(frames, self.secret)
+                msg: Message = decode_message(frames, self.secret)
+            except MalformedMessage as exc:  # fails the request (or call) it answers, if any
+                log.warning("refused a reply: %s", exc)
+                msg = Error(error=str(exc), request_id=exc.request_id, msg_id=exc.msg_id)
             except ProtocolError as exc:
                 log.warning("dropped a reply: %s", exc)
                 continue
-            msg_id = msg.get("msg_id")
-            if msg_id is not None and msg_id in self._calls:
-                fut = self._calls.pop(msg_id)
+            if msg.msg_id is not None and msg.msg_id in self._calls:
+                fut = self._calls.pop(msg.msg_id)
                 if not fut.done():
                     fut.set_result(msg)
                 continue
             # A decode step's tokens for several requests come as one "batch" message.
-            for item in msg.get("messages", ()) if msg.get("type") == "batch" else (msg,):
-                queue = self._queues.get(str(item.get("request_id")))
+            for item in msg.messages if isinstance(msg, Batch) else (msg,):
+                queue = self._queues.get(getattr(item, "request_id", None) or "")
                 if queue is not None:
                     queue.put_nowait(item)
 
-    async def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
+    async def _send(self, endpoint: str, msg: Message) -> None:
         """Send one signed message; never waits. A peer that stopped reading (frozen) and
         whose queue is full fails the send: :class:`BackendError` for the Conductor,
         :class:`WorkerLost` for a worker (the request is placed again)."""
         try:
             await self._peer(endpoint).sock.send_multipart(
-                encode(msg, self.secret), flags=zmq.NOBLOCK
+                encode_message(msg, self.secret), flags=zmq.NOBLOCK
             )
         except zmq.Again:
             if endpoint == self._conductor_endpoint:
@@ -157,14 +184,14 @@ class ClusterBackend:
         """Tell a worker to drop a request; dropped when it is not reading (frozen: the
         request's KV hand-off and tokens expire there on their own)."""
         with contextlib.suppress(WorkerLost):
-            await self._send(endpoint, {"type": "abort", "request_id": request_id})
+            await self._send(endpoint, Abort(request_id=request_id))
 
-    async def _call(self, endpoint: str, msg: dict[str, Any], timeout_s: float) -> dict:
+    async def _call(self, endpoint: str, msg: Message, timeout_s: float) -> Message:
         msg_id = next(self._ids)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._calls[msg_id] = fut
         try:
-            await self._send(endpoint, {**msg, "msg_id": msg_id})
+            await self._send(endpoint, dataclasses.replace(msg, msg_id=msg_id))
             reply = await asyncio.wait_for(fut, timeout_s)
             if endpoint == self._conductor_endpoint:
                 self._conductor_seen_s = time.monotonic()
@@ -173,6 +200,13 @@ class ClusterBackend:
             raise BackendError(f"no answer from {endpoint} within {timeout_s:g}s") from None
         finally:
             self._calls.pop(msg_id, None)
+
+    async def _ping(self, timeout_s: float) -> ConductorPong:
+        """The Conductor's pong (BackendError when it does not answer, or not with one)."""
+        pong = await self._call(self._conductor_endpoint, Ping(), timeout_s)
+        if not isinstance(pong, ConductorPong):
+            raise BackendError(f"the Conductor answered a ping with {pong}")
+        return pong
 
     async def close(self) -> None:
         """Cancel receive tasks and close sockets."""
@@ -191,8 +225,7 @@ class ClusterBackend:
     # -- Backend -------------------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:
         """The Conductor's view; fails until every expected worker has registered."""
-        pong = await self._call(self._conductor_endpoint, {"type": "ping"}, 5.0)
-        instances = pong.get("instances", {})
+        instances = (await self._ping(5.0)).instances
         if len(instances) < self.expected_instances:
             raise BackendError(f"{len(instances)} of {self.expected_instances} workers registered")
         return {"mode": self.mode, "instances": instances}
@@ -224,11 +257,11 @@ class ClusterBackend:
                 min_tokens=max(0, params.min_tokens - len(produced)),
             )
             try:
-                decision = await self._place(attempt_id, ids, left, cache_salt)
+                decision, rtt_s = await self._place(attempt_id, ids, left, cache_salt)
                 queue: asyncio.Queue = asyncio.Queue()
                 self._queues[attempt_id] = queue
                 await self._start(attempt_id, ids, left, decision, cache_salt)
-                async for chunk in self._in_order(attempt_id, queue, decision):
+                async for chunk in self._in_order(attempt_id, queue, decision, rtt_s):
                     produced.extend(chunk.token_ids)
                     if attempt and chunk.cached_tokens is not None:
                         chunk = dataclasses.replace(chunk, cached_tokens=None, est_ttft_s=None)
@@ -246,41 +279,39 @@ class ClusterBackend:
                 if not completed:
                     # Failed before dispatch, refused, lost, timed out or hung up on: a
                     # worker may never say RequestFinished, so the booking goes here.
-                    await self._tell_conductor({"type": "release", "request_id": attempt_id})
+                    await self._tell_conductor(Release(request_id=attempt_id))
         raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
 
     async def _report_failed(self, instance_id: str) -> None:
         """Tell the Conductor a worker failed us (it re-checks through heartbeats)."""
         incarnation = self._incarnations.get(instance_id, "")
         self._members.pop(instance_id, None)  # not for fallback placements either
-        await self._tell_conductor({
-            "type": "instance_failed", "instance_id": instance_id, "incarnation": incarnation,
-        })  # fmt: skip
+        await self._tell_conductor(InstanceFailed(instance_id=instance_id, incarnation=incarnation))
 
-    async def _tell_conductor(self, msg: dict[str, Any]) -> None:
+    async def _tell_conductor(self, msg: Message) -> None:
         """Fire and forget; dropped (with a warning) when the Conductor is not reading."""
         try:
             await self._send(self._conductor_endpoint, msg)
         except BackendError as exc:
-            log.warning("%s message not sent: %s", msg["type"], exc)
+            log.warning("%s message not sent: %s", msg.wire_name, exc)
 
     async def _watch(self) -> None:
         """Follow the Conductor's live instances; a request on a vanished one is told."""
         while True:
             await asyncio.sleep(self.watch_interval_s)
             try:
-                pong = await self._call(self._conductor_endpoint, {"type": "ping"}, 2.0)
+                pong = await self._ping(2.0)
             except BackendError:
                 continue  # the Conductor is restarting: keep the last view
-            alive = pong.get("incarnations", {})
+            alive = pong.incarnations
             for attempt_id, instances in list(self._route_ids.items()):
                 gone = [i for i, inc in instances if alive.get(i) != inc]
                 queue = self._queues.get(attempt_id)
                 if gone and queue is not None:
-                    queue.put_nowait({"type": "lost", "instance": gone[0]})
+                    queue.put_nowait(Lost(instance_id=gone[0]))
             self._incarnations = alive
-            self._members = pong.get("members", {})
-            self._store_stats = pong.get("store_stats", {})
+            self._members = pong.members
+            self._store_stats = pong.store_stats
 
     async def store_stats(self, timeout_s: float = 1.0) -> dict[str, dict[str, int]]:
         """Block-store counters per worker, as the instance watcher last saw them (about a
@@ -288,21 +319,24 @@ class ClusterBackend:
         (``{}`` if it does not answer), and starts the watcher."""
         if self._store_stats is None:
             try:
-                pong = await self._call(self._conductor_endpoint, {"type": "ping"}, timeout_s)
+                self._store_stats = (await self._ping(timeout_s)).store_stats
             except BackendError:
                 return {}
-            self._store_stats = pong.get("store_stats", {})
         return self._store_stats
 
     async def _in_order(
-        self, request_id: str, queue: asyncio.Queue, decision: dict[str, Any]
+        self,
+        request_id: str,
+        queue: asyncio.Queue,
+        decision: PlacementDecision,
+        rtt_s: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Token messages in output order: the first token comes from the prefill
         worker, the rest from the decode worker, over different sockets."""
-        held: dict[int, dict[str, Any]] = {}
+        held: dict[int, Tokens] = {}
         next_index = 0
         # A long prompt's prefill may take minutes: the first token gets its estimate too.
-        first_timeout_s = self.token_timeout_s + 4.0 * float(decision.get("est_ttft_s") or 0)
+        first_timeout_s = self.token_timeout_s + 4.0 * decision.est_ttft_s
         while True:
             timeout_s = first_timeout_s if next_index == 0 else self.token_timeout_s
             try:
@@ -311,29 +345,32 @@ class ClusterBackend:
                 raise BackendError(
                     f"no progress for {timeout_s:g}s on request {request_id}"
                 ) from None
-            if msg["type"] == "error":
-                if msg.get("retryable"):
-                    raise WorkerLost(str(msg.get("error")), str(msg.get("suspect", "")))
-                raise BackendError(str(msg.get("error")))
-            if msg["type"] == "lost":
-                raise WorkerLost(f"worker {msg['instance']} is gone")
-            held[int(msg.get("index", next_index))] = msg
+            if isinstance(msg, Error):
+                if msg.retryable:
+                    raise WorkerLost(msg.error, msg.suspect)
+                raise BackendError(msg.error)
+            if isinstance(msg, Lost):
+                raise WorkerLost(f"worker {msg.instance_id} is gone")
+            if not isinstance(msg, Tokens):
+                log.warning("request %s: unexpected %s message ignored", request_id, msg.wire_name)
+                continue
+            held[msg.index] = msg
             while next_index in held:
                 msg = held.pop(next_index)
-                token_ids = tuple(msg.get("token_ids", ()))
-                finish = msg.get("finish_reason")
                 first = next_index == 0
-                next_index += len(token_ids)
+                next_index += len(msg.token_ids)
+                cached = decision.cached_tokens if msg.cached_tokens is None else msg.cached_tokens
                 yield GenerationChunk(
-                    token_ids,
-                    finish,
-                    msg.get("cached_tokens", decision.get("cached_tokens")) if first else None,
-                    decision.get("est_ttft_s") if first else None,
-                    int(msg.get("kv_bytes", 0)),
-                    decision.get("decision_s") if first else None,
-                    decision.get("rtt_s") if first else None,
-                    logprobs_from_wire(msg.get("logprobs") or ()),
+                    tuple(msg.token_ids),
+                    msg.finish_reason,
+                    cached if first else None,
+                    decision.est_ttft_s if first else None,
+                    msg.kv_bytes,
+                    decision.decision_s if first else None,
+                    rtt_s if first else None,
+                    msg.token_logprobs,
                 )
+                finish = msg.finish_reason
                 if finish is not None:
                     await self._release(request_id)
                     return
@@ -357,41 +394,41 @@ class ClusterBackend:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> dict[str, Any]:
-        """Ask the Conductor; while it is away or has no worker (a restart in progress),
+    ) -> tuple[PlacementDecision, float | None]:
+        """Ask the Conductor (the decision, and the round trip it took; None for a
+        decision made here); while it is away or has no worker (a restart in progress),
         ask again for up to ``conductor_wait_s``."""
         root = chain_root(cache_salt)
         hashes = hash_blocks(prompt_token_ids, self.block_size, root).hashes  # partial last too
-        msg = {
-            "type": "schedule", "request_id": request_id,
-            "input_length": len(prompt_token_ids), "output_length": params.max_tokens,
-            "block_size": self.block_size, "hashes": hashes_to_wire(hashes),
-            "coupled": self.mode == "coupled",
-        }  # fmt: skip
+        msg = Schedule(
+            request_id=request_id, input_length=len(prompt_token_ids),
+            output_length=params.max_tokens, block_size=self.block_size,
+            hashes=hashes_to_wire(hashes), coupled=self.mode == "coupled",
+        )  # fmt: skip
         deadline = time.monotonic() + self.conductor_wait_s
         while True:
             if (fallback := self._fallback_placement()) is not None:
-                return fallback
+                return fallback, None
             try:
                 sent_s = time.perf_counter()
                 decision = await self._call(self._conductor_endpoint, msg, 2.0)
-                decision["rtt_s"] = time.perf_counter() - sent_s
+                rtt_s = time.perf_counter() - sent_s
             except BackendError:
                 if (fallback := self._fallback_placement()) is not None:
-                    return fallback
+                    return fallback, None
                 if time.monotonic() > deadline:
                     raise BackendError(
                         f"the Conductor did not answer within {self.conductor_wait_s:g}s"
                     ) from None
                 continue
-            if decision.get("type") != "decision":
-                raise BackendError(f"conductor error: {decision.get('error')}")
-            if decision["accepted"]:
-                return decision
-            reason = decision["reject_reason"]
-            waiting = decision.get("reject_code") == RejectCode.NO_INSTANCE
+            if not isinstance(decision, PlacementDecision):
+                error = decision.error if isinstance(decision, Error) else decision.wire_name
+                raise BackendError(f"conductor error: {error}")
+            if decision.accepted:
+                return decision, rtt_s
+            waiting = decision.reject_code == RejectCode.NO_INSTANCE
             if not waiting or time.monotonic() > deadline:
-                raise Rejected(reason)
+                raise Rejected(decision.reject_reason)
             await asyncio.sleep(0.5)  # no worker registered (yet): they are restarting
 
     async def _start(
@@ -399,82 +436,75 @@ class ClusterBackend:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        decision: dict[str, Any],
+        decision: PlacementDecision,
         cache_salt: str | None = None,
     ) -> None:
-        wire_params = params_to_wire(params)
-        prefill = decision["prefill"]["command"]
+        wire_params = WireParams.of(params)
+        chosen, decode_ep = decision.prefill, decision.decode
+        assert chosen is not None and decode_ep is not None, "an accepted decision names both"
         if self.mode == "coupled":
-            self._route_ids[request_id] = (_incarnation(decision["prefill"]),)
-            self._routes[request_id] = (prefill,)
-            await self._send(prefill, {
-                "type": "generate", "request_id": request_id,
-                "token_ids": list(prompt_token_ids), "params": wire_params,
-                "cache_salt": cache_salt,
-            })  # fmt: skip
+            self._route_ids[request_id] = (_incarnation(chosen),)
+            self._routes[request_id] = (chosen.command,)
+            await self._send(chosen.command, Generate(
+                request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
+                cache_salt=cache_salt,
+            ))  # fmt: skip
             return
-        decode_ep = decision["decode"]
-        group = decision.get("group") or []
+        group = decision.group or []
         self._route_ids[request_id] = (
-            *(_incarnation(m) for m in group or [decision["prefill"]]),
+            *(_incarnation(m) for m in group or [chosen]),
             _incarnation(decode_ep),
         )
         # The first token comes from the last stage; the rest hear of an abort after it.
-        stages = [m["command"] for m in group]
+        stages = [m.command for m in group]
         self._routes[request_id] = (
-            (stages[-1], *stages[:-1], decode_ep["command"]) if group
-            else (prefill, decode_ep["command"])
+            (stages[-1], *stages[:-1], decode_ep.command) if group
+            else (chosen.command, decode_ep.command)
         )  # fmt: skip
-        await self._send(decode_ep["command"], {
-            "type": "expect", "request_id": request_id, "params": wire_params,
-            "num_prompt_tokens": len(prompt_token_ids), "num_stages": max(1, len(group)),
-            "est_ttft_s": decision.get("est_ttft_s") or 0.0,
-            "prefill_instance": (group[-1] if group else decision["prefill"])["instance_id"],
-            "cache_salt": cache_salt,
-        })  # fmt: skip
+        await self._send(decode_ep.command, Expect(
+            request_id=request_id, params=wire_params, num_prompt_tokens=len(prompt_token_ids),
+            num_stages=max(1, len(group)), est_ttft_s=decision.est_ttft_s,
+            prefill_instance=(group[-1] if group else chosen).instance_id, cache_salt=cache_salt,
+        ))  # fmt: skip
         if group:
             await self._start_group(request_id, prompt_token_ids, wire_params, decision,
                                     cache_salt)  # fmt: skip
             return
-        for plan in decision.get("replications", []):
-            target = plan["target"]
-            if target["instance_id"] != decision["prefill"]["instance_id"] and target["command"]:
-                await self._send(target["command"], {
-                    "type": "replicate", "hashes": plan["hashes"],
-                    "source": plan["source"]["transfer"],
-                })  # fmt: skip
-        await self._send(prefill, {
-            "type": "prefill", "request_id": request_id, "token_ids": list(prompt_token_ids),
-            "params": wire_params, "decode": decode_ep, "cache_source": decision["cache_source"],
-            "cached_tokens": decision["cached_tokens"],
-            "replications": decision.get("replications", []), "cache_salt": cache_salt,
-        })  # fmt: skip
+        for plan in decision.replications:
+            target = plan.target
+            if target.instance_id != chosen.instance_id and target.command:
+                await self._send(target.command,
+                                 Replicate(hashes=plan.hashes, source=plan.source.transfer))  # fmt: skip
+        await self._send(chosen.command, Prefill(
+            request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
+            decode=decode_ep, cache_source=decision.cache_source,
+            cached_tokens=decision.cached_tokens, replications=decision.replications,
+            cache_salt=cache_salt,
+        ))  # fmt: skip
 
     async def _start_group(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        wire_params: dict[str, Any],
-        decision: dict[str, Any],
+        wire_params: WireParams,
+        decision: PlacementDecision,
         cache_salt: str | None = None,
     ) -> None:
         """A chunked-pipeline prefill: every stage gets the prompt, its place in the
-        pipeline and its successor's transfer endpoint (see halfmoon.serve.cpp)."""
-        group = decision["group"]
+        pipeline and its successor's transfer endpoint (see halfmoon.serve.worker.pipeline)."""
+        group = decision.group or []
+        assert decision.decode is not None
         for stage, member in enumerate(group):
-            await self._send(member["command"], {
-                "type": "cpp_prefill", "request_id": request_id,
-                "token_ids": list(prompt_token_ids), "params": wire_params,
-                "stage": stage, "num_stages": len(group),
-                "chunk_tokens": decision["cpp_chunk_tokens"],
-                "next_transfer": group[stage + 1]["transfer"] if stage + 1 < len(group) else "",
-                "group": [m["instance_id"] for m in group],
-                "commands": [m["command"] for m in group], "decode": decision["decode"],
-                "cached_tokens": decision["cached_tokens"],
-                "cache_source": decision["cache_source"], "cache_salt": cache_salt,
-            })  # fmt: skip
+            await self._send(member.command, CppPrefill(
+                request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
+                stage=stage, num_stages=len(group), chunk_tokens=decision.cpp_chunk_tokens,
+                next_transfer=group[stage + 1].transfer if stage + 1 < len(group) else "",
+                group=[m.instance_id for m in group], commands=[m.command for m in group],
+                decode=decision.decode, cached_tokens=decision.cached_tokens,
+                cache_source=decision.cache_source, cache_salt=cache_salt,
+            ))  # fmt: skip
 
-    def _fallback_placement(self) -> dict[str, Any] | None:
+    def _fallback_placement(self) -> PlacementDecision | None:
         """A decision made here while the Conductor has been silent for longer than
         ``conductor_fallback_s`` (None before that, or with no known worker): the prefill
         (or coupled) and decode instances with the fewest requests this gateway has on
@@ -487,9 +517,9 @@ class ClusterBackend:
             for iid, _ in instances:
                 load[iid] = load.get(iid, 0) + 1
 
-        def least(role: str) -> dict[str, str] | None:
-            live = [m for m in self._members.values() if m.get("role") == role]
-            return min(live, key=lambda m: (load.get(m["instance_id"], 0), m["instance_id"]),
+        def least(role: str) -> Member | None:
+            live = [m for m in self._members.values() if m.role == role]
+            return min(live, key=lambda m: (load.get(m.instance_id, 0), m.instance_id),
                        default=None)  # fmt: skip
 
         if self.mode == "coupled":
@@ -499,12 +529,9 @@ class ClusterBackend:
         if prefill is None or decode is None:
             return None
         self.num_fallback_placements += 1
-        none = {"instance_id": "", "command": "", "transfer": "", "incarnation": ""}
-        return {
-            "type": "decision", "accepted": True, "prefill": prefill, "decode": decode,
-            "cache_source": none, "cached_tokens": 0, "est_ttft_s": 0.0, "replications": [],
-            "fallback": True,
-        }  # fmt: skip
+        return PlacementDecision(accepted=True, prefill=prefill.endpoints(),
+                                 decode=decode.endpoints(), cache_source=NO_ENDPOINTS,
+                                 fallback=True)  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         """Tell every worker the request touched to drop it."""

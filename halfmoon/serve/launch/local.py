@@ -17,9 +17,15 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from halfmoon.serve.protocol import decode, encode
+from halfmoon.serve.control.messages import (
+    ConductorPong,
+    Message,
+    Ping,
+    WorkerPong,
+    decode_message,
+    encode_message,
+)
 from halfmoon.serve.runtime import SECRET_ENV, free_port
 
 
@@ -122,34 +128,32 @@ class LocalCluster:
             return f"tcp://127.0.0.1:{argv[argv.index('--port') + 1]}"
         raise RuntimeError("no conductor process found")
 
-    def ping_workers(self, timeout_ms: int = 10_000) -> list[dict[str, Any]]:
-        """Each worker's pong (load, integrity), over the signed control plane."""
-        import zmq
-
+    def ping_workers(self, timeout_ms: int = 10_000) -> list[WorkerPong]:
+        """Each worker's pong (load, integrity, its role's ``stats``), over the signed
+        control plane."""
         pongs = []
         for port in self.worker_ports():
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            try:
-                sock.send_multipart(encode({"type": "ping"}, self.secret.encode()))
-                assert sock.poll(timeout_ms), f"worker on port {port} did not answer"
-                pongs.append(decode(sock.recv_multipart(), self.secret.encode()))
-            finally:
-                sock.close(0)
+            pong = self._ping(f"tcp://127.0.0.1:{port}", timeout_ms)
+            assert isinstance(pong, WorkerPong), pong
+            pongs.append(pong)
         return pongs
 
-    def ping_conductor(self, timeout_ms: int = 10_000) -> dict[str, Any]:
+    def ping_conductor(self, timeout_ms: int = 10_000) -> ConductorPong:
         """The Conductor's pong (instances, ``num_placements``, integrity)."""
+        pong = self._ping(self.conductor_endpoint(), timeout_ms)
+        assert isinstance(pong, ConductorPong), pong
+        return pong
+
+    def _ping(self, endpoint: str, timeout_ms: int) -> Message:
         import zmq
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.conductor_endpoint())
+        sock.connect(endpoint)
         try:
-            sock.send_multipart(encode({"type": "ping", "msg_id": 1}, self.secret.encode()))
-            assert sock.poll(timeout_ms), "the Conductor did not answer"
-            return decode(sock.recv_multipart(), self.secret.encode())
+            sock.send_multipart(encode_message(Ping(msg_id=1), self.secret.encode()))
+            assert sock.poll(timeout_ms), f"{endpoint} did not answer a ping"
+            return decode_message(sock.recv_multipart(), self.secret.encode())
         finally:
             sock.close(0)
 

@@ -10,8 +10,8 @@
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
   engine's own prefix matching picks it up and computes only the rest.
 
-Blocks cross between engine and store as host bytes (``KVCache.export_bytes`` /
-``import_payloads``), whatever device the engine's pool is on. A request's ``cache_salt``
+Blocks cross between engine and store as host bytes (the engine connector's
+``block_bytes`` / ``seed_prefix``), whatever device the engine's pool is on. A request's ``cache_salt``
 roots its hashes (:func:`~halfmoon.core.hashing.chain_root`), so its blocks are stored,
 found and pulled only under its tenant's chain.
 """
@@ -21,17 +21,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.core.hashing import NONE_HASH, chain_root, hash_blocks
-from halfmoon.serve.kvstream import PEER_TIMEOUT_S
-from halfmoon.serve.protocol import hashes_to_wire
+from halfmoon.serve.control.messages import HeldBlocks
+from halfmoon.serve.control.protocol import hashes_to_wire
+from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
 from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
-from halfmoon.store.events import BlockStored
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 
+if TYPE_CHECKING:
+    from halfmoon.engine.connector import EngineConnector
+
 log = logging.getLogger(__name__)
-_SEED_REQUEST = "__prefix-seed__"
 #: A pull's deadline allows this many bytes per second on top of ``PEER_TIMEOUT_S``.
 PULL_MIN_RATE = 100e6
 
@@ -45,44 +48,45 @@ class Holdings:
         self.events = events
         self.tiers: dict[int, set[str]] = {}
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: CacheEvent) -> None:
         h, tier = event.block_hash, event.tier
         if isinstance(event, BlockStored):
             self.tiers.setdefault(h, set()).add(tier)
-            kind = "stored"
         else:
             held = self.tiers.get(h, set())
             held.discard(tier)
             if not held:
                 self.tiers.pop(h, None)
-            kind = "evicted"
-        self.events.event(kind, hashes=hashes_to_wire([h]), tier=tier)
+        self.events.cache_event(event)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every held block as ``stored`` event batches, one per tier."""
+    def snapshot(self) -> list[HeldBlocks]:
+        """Every held block, one batch per tier."""
         by_tier: dict[str, list[int]] = {}
         for h, tiers in self.tiers.items():
             for tier in tiers:
                 by_tier.setdefault(tier, []).append(h)
-        return [{"tier": t, "hashes": hashes_to_wire(hs)} for t, hs in by_tier.items()]
+        return [HeldBlocks(tier=t, hashes=hashes_to_wire(hs)) for t, hs in by_tier.items()]
 
 
 class ClusterPrefixCache:
     """Moves prompt blocks between one engine, its store and peers' stores."""
 
-    def __init__(self, engine: Any, store: TieredStore, events: Any) -> None:
+    def __init__(self, engine: EngineConnector, store: TieredStore, events: Any) -> None:
         self.engine = engine
         self.store = store
         self.events = events
-        layout = engine.kv_layout
-        self.block_size = layout.block_size
+        self.block_size = engine.layout.block_size
         self.num_blocks_loaded = 0
         self.num_blocks_pulled = 0
         self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
 
     @staticmethod
     def make_store(
-        engine: Any, dram_mb: float, ssd_dir: str | None, ssd_mb: float, holdings: Holdings
+        engine: EngineConnector,
+        dram_mb: float,
+        ssd_dir: str | None,
+        ssd_mb: float,
+        holdings: Holdings,
     ) -> TieredStore:
         """A store sized in MiB whose events go through ``holdings`` to the Conductor."""
         config = StoreConfig(
@@ -103,11 +107,10 @@ class ClusterPrefixCache:
             return 0
         parent = chain_root(cache_salt)
         hashes = hash_blocks(prompt_token_ids, self.block_size, parent).full
-        table = self.engine.block_manager.block_table(request_id)
         saved = 0
         for i, h in enumerate(hashes):
             if not self.store.contains(h):
-                payload = self.engine.kv_cache.export_bytes([table[i]])  # host bytes
+                payload = self.engine.block_bytes(request_id, i)  # a host copy
                 try:
                     self.store.put(h, payload, BlockMeta(self.block_size, parent), position=i)
                     saved += 1
@@ -134,12 +137,12 @@ class ClusterPrefixCache:
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
         hashes = hashes[:usable]
-        in_engine = len(self.engine.block_manager.match_prefix(prompt_token_ids, cache_salt))
+        in_engine = self.engine.cached_prefix_blocks(prompt_token_ids, cache_salt)
         payloads = self.fetch(hashes[in_engine:], source, source_endpoint)
-        have = in_engine + len(payloads)
         if payloads:
-            self._seed(prompt_token_ids, have, in_engine, payloads, cache_salt)
-        return have
+            seeded = self.engine.seed_prefix(prompt_token_ids, in_engine, payloads, cache_salt)
+            self.num_blocks_loaded += seeded
+        return in_engine + len(payloads)
 
     def fetch(
         self,
@@ -190,35 +193,6 @@ class ClusterPrefixCache:
         del parent
         self.num_blocks_pulled += len(out)
         return out
-
-    def _seed(
-        self,
-        prompt: Sequence[int],
-        have: int,
-        skip: int,
-        payloads: list,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Put ``payloads`` (blocks ``skip..have-1``) into the pool as cached free blocks.
-
-        ``admit`` holds the engine's own cached prefix (blocks ``0..skip-1``) while the new
-        blocks are taken, so taking them cannot evict that prefix.
-        """
-        bm = self.engine.block_manager
-        size = self.block_size
-        prefix = list(prompt[: have * size + 1])
-        cached = bm.admit(_SEED_REQUEST, prefix, (have - skip) * size, cache_salt)
-        if cached is None:
-            return  # no room in the pool: the prefill recomputes instead
-        try:
-            if cached != skip * size:
-                return  # the engine's prefix changed under us: do not guess
-            table = bm.block_table(_SEED_REQUEST)
-            self.engine.kv_cache.import_payloads(table[skip:have], payloads)
-            bm.commit(_SEED_REQUEST, list(prompt), have * size)
-            self.num_blocks_loaded += have - skip
-        finally:
-            bm.free(_SEED_REQUEST)
 
     def replicate(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> int:
         """Copy blocks from a peer's store into ours (hot-spot replication)."""

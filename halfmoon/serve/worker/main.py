@@ -150,12 +150,12 @@ def model_identity(model: str, seed: int) -> str:
 def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.costmodel import CostProfile
-    from halfmoon.engine.engine import LLMEngine
-    from halfmoon.serve.decode_role import DecodeRole
-    from halfmoon.serve.prefix import ClusterPrefixCache, Holdings
-    from halfmoon.serve.profiler import cached_profile
-    from halfmoon.serve.roles import CoupledRole, PrefillRole
-    from halfmoon.serve.worker import (
+    from halfmoon.engine.connector import LocalConnector
+    from halfmoon.serve.worker.coupled import CoupledRole
+    from halfmoon.serve.worker.decode import DecodeRole
+    from halfmoon.serve.worker.prefill import PrefillRole
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+    from halfmoon.serve.worker.process import (
         ConductorLink,
         Heartbeat,
         RegistrationRefused,
@@ -170,15 +170,7 @@ def run_worker(args: argparse.Namespace) -> int:
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
-    hook_target: list = []  # the prefill role, once built: the engine needs the hook first
-
-    def on_layer(*hook_args: Any) -> None:
-        if hook_target:
-            hook_target[0].on_layer(*hook_args)
-
-    engine = LLMEngine(
-        options.engine_config(args.role), kv_layer_hook=on_layer if args.role == "prefill" else None
-    )
+    engine = LocalConnector.create(options.engine_config(args.role))
     endpoint = f"tcp://{args.host}:{args.port}"
     me = WorkerIdentity(args.role, name, endpoint)
     link = ConductorLink(args.conductor, secret, me)
@@ -201,7 +193,6 @@ def run_worker(args: argparse.Namespace) -> int:
     elif args.role == "prefill":
         assert transfer is not None and store is not None
         role = PrefillRole(worker, transfer, ClusterPrefixCache(engine, store, link), holdings)
-        hook_target.append(role)
         worker.set_role(role)
     else:
         assert transfer is not None
@@ -212,14 +203,13 @@ def run_worker(args: argparse.Namespace) -> int:
     else:
         from halfmoon.engine.catalog import cache_dir
 
-        profile = cached_profile(engine, options.model, cache_dir() / "profiles")
+        profile = engine.cost_profile(options.model, cache_dir() / "profiles")
     try:
         link.register(
             kv_capacity_tokens=stats.num_blocks * options.block_size,
             kv_bytes_per_token=engine.kv_bytes_per_block // options.block_size,
             profile=profile.to_dict(),
-            hidden_bytes_per_token=engine.model_config.hidden_size
-            * engine.kv_cache.pool.element_size(),
+            hidden_bytes_per_token=engine.hidden_bytes_per_token,
             block_size=options.block_size,
             model=model_identity(options.model, options.seed),
             dtype=options.dtype,

@@ -1,4 +1,4 @@
-"""One request's state in a pipeline stage (see :mod:`halfmoon.serve.cpp`), and the
+"""One request's state in a pipeline stage (see :mod:`halfmoon.serve.worker.pipeline`), and the
 names of its transfer sessions."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from halfmoon.engine.stage import StageExecutor
-from halfmoon.serve.kvstream import OutStream
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.connector import StageConnector
+from halfmoon.serve.control.messages import Endpoints, WireLogprobs
+from halfmoon.serve.worker.kvstream import OutStream
 
 
 def hidden_session(request_id: str, stage: int) -> str:
@@ -31,17 +33,17 @@ class StageJob:
     rid: str
     identity: bytes
     tokens: list[int]
-    params: Any
-    executor: StageExecutor
+    params: SamplingParams
+    executor: StageConnector
     stage: int
     num_stages: int
     chunk_tokens: int
     next_transfer: str
-    decode: dict[str, str]
+    decode: Endpoints
     commands: list[str]  # the stages' command endpoints, in pipeline order
     suspects: tuple[str, str]  # (previous stage, next stage) instance ids
     offered_blocks: int  # prefix blocks this stage can provide (its cache, or the store's)
-    cache_source: dict[str, str]
+    cache_source: Endpoints | None
     cache_salt: str | None = None  # roots its blocks' hashes (its tenant's prefix cache)
     matches: dict[int, int] = field(default_factory=dict)  # stage 0: every stage's offer
     began: bool = False
@@ -52,10 +54,12 @@ class StageJob:
     kv_out: OutStream | None = None  # this stage's layers' KV to the decode worker
     next_chunk: int = 0
     first_token: int | None = None
-    first_logprob: list[Any] | None = None  # its log-probability, wire form (if asked)
+    first_logprob: WireLogprobs | None = None  # its log-probability, wire form (if asked)
     error: str = ""
     suspect: str = ""
     seed: int = 0
+    #: ``stop`` / ``length`` when the request ends with its first token.
+    first_finish: str | None = None
     sent: threading.Event = field(default_factory=threading.Event)
     progress_s: float = field(default_factory=time.monotonic)
     created_s: float = field(default_factory=time.monotonic)

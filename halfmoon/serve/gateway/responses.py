@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from fastapi.responses import JSONResponse
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
-from halfmoon.serve.backend import BackendError, Rejected
-from halfmoon.serve.openai_api import (
+from halfmoon.serve.gateway.backend import BackendError, Rejected
+from halfmoon.serve.gateway.openai_api import (
     choice_body,
     chunk_body,
     completion_body,
@@ -27,7 +27,7 @@ from halfmoon.serve.openai_api import (
     logprobs_body,
     merged_usage,
 )
-from halfmoon.serve.prom import GatewayMetrics
+from halfmoon.serve.gateway.prom import GatewayMetrics
 
 
 class HTTPError(Exception):

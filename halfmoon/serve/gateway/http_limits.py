@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from halfmoon.serve.openai_api import error_body
+from halfmoon.serve.gateway.openai_api import error_body
 
 ASGIApp = Any
 

@@ -1,0 +1,421 @@
+"""The Conductor as a process: a ZeroMQ ROUTER socket in front of :class:`Conductor`.
+
+Workers register themselves and stream events; the gateway asks for placements. Every
+message is signed and typed (:mod:`halfmoon.serve.control.messages`): one whose signature
+fails is dropped and counted, never answered; a signed one that does not fit its schema
+is refused with an ``error`` when its sender waits for an answer (it has a ``msg_id``),
+and logged either way. What it answers:
+
+- ``register`` -> ``registered``, or ``refused`` with the ``error`` naming what disagrees
+  with the cluster: its block size is the Conductor's config's (``block_size_tokens``),
+  its model and dtype the first registered worker's (:meth:`ConductorService.refusal`)
+- ``events``: a batch of block, lifecycle and load events (no reply)
+- ``schedule`` (with the cluster's block size, else an ``error``) -> ``decision``: the
+  placement with every endpoint the gateway and workers need, or a rejection with its
+  ``reject_code`` (a RejectCode) and ``reject_reason`` text
+- ``heartbeat``: no reply; ``register_again`` when the instance is unknown (e.g. after
+  this process restarted: the worker then registers with a snapshot of the blocks it
+  holds, which rebuilds the index), ``drain`` when it is draining
+- ``ping`` -> ``pong`` with the registered instances (and the draining ones) and the
+  block-store counters their last load reports carried (``store_stats``, for ``/metrics``)
+- ``drain`` -> ``draining``; the instance leaves placement but stays alive and known (its
+  requests finish); its heartbeats are answered ``drain``, so the worker exits once it
+  has no unfinished request (scale-down, :mod:`halfmoon.deploy`)
+- ``release``, ``instance_failed``: no reply
+
+An instance silent for ``heartbeat_timeout_s`` is dropped from placement until it
+registers again. Replies echo the request's ``msg_id`` so asynchronous clients can match
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from halfmoon.conductor import (
+    BlockEvicted,
+    BlockStored,
+    Conductor,
+    Decision,
+    DecodeStarted,
+    LoadReport,
+    PrefillFinished,
+    PrefillStarted,
+    RequestFinished,
+)
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import Request
+from halfmoon.costmodel import CostProfile, ProfileCostModel
+from halfmoon.costmodel.base import CostModel
+from halfmoon.serve.control.messages import (
+    BlockEvent,
+    ClusterIdentity,
+    ConductorPong,
+    Drain,
+    Draining,
+    Endpoints,
+    Error,
+    Event,
+    Events,
+    Heartbeat,
+    InstanceFailed,
+    LifecycleEvent,
+    LoadEvent,
+    MalformedMessage,
+    Member,
+    Message,
+    Ping,
+    PlacementDecision,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    Release,
+    Replication,
+    Schedule,
+    decode_message,
+    encode_message,
+)
+from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
+from halfmoon.serve.runtime import RateLimitedLog, bind_router
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "coupled")
+_LIFECYCLE = {
+    "prefill_started": PrefillStarted,
+    "prefill_finished": PrefillFinished,
+    "decode_started": DecodeStarted,
+    "request_finished": RequestFinished,
+}
+
+
+@dataclass(frozen=True)
+class InstanceEndpoints:
+    """Where to reach one worker."""
+
+    instance_id: str
+    role: str
+    command_endpoint: str
+    transfer_endpoint: str
+    incarnation: str = ""
+
+
+def conductor_events(instance_id: str, entries: list[Event]) -> list[Any]:
+    """Turn a worker's event batch into Conductor events."""
+    out: list[Any] = []
+    for entry in entries:
+        if isinstance(entry, BlockEvent):
+            cls = BlockStored if entry.kind == "stored" else BlockEvicted
+            out += [cls(block_hash=h, tier=entry.tier, instance_id=instance_id)
+                    for h in entry.block_hashes]  # fmt: skip
+        elif isinstance(entry, LifecycleEvent):
+            lifecycle = _LIFECYCLE[entry.kind]
+            out.append(lifecycle(instance_id=instance_id, request_id=entry.request_id))
+        else:
+            out.append(LoadReport(
+                instance_id=instance_id, num_running=entry.num_running,
+                context_tokens=entry.context_tokens, kv_used_tokens=entry.kv_used_tokens,
+                kv_capacity_tokens=entry.kv_capacity_tokens,
+                queued_prefill_tokens=entry.queued_prefill_tokens,
+            ))  # fmt: skip
+    return out
+
+
+class ConductorService:
+    """Serves one :class:`Conductor` on ``endpoint`` (e.g. ``tcp://127.0.0.1:5555``)."""
+
+    def __init__(self, conductor: Conductor, secret: bytes, endpoint: str) -> None:
+        self.conductor = conductor
+        self.secret = secret
+        self.instances: dict[str, InstanceEndpoints] = {}
+        self._last_seen_s: dict[str, float] = {}
+        #: Instances excluded from placement until they exit (scale-down).
+        self.draining: set[str] = set()
+        #: An instance silent for this long is dropped from placement (workers beat ~4/s).
+        self.heartbeat_timeout_s = 3.0
+        #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
+        self.link_bytes_per_s = 1e9
+        self.num_auth_failures = 0
+        #: Block-store counters per instance from its last load report (prefill workers).
+        self.store_stats: dict[str, dict[str, int]] = {}
+        #: What every worker must compute with: block size (from the Conductor's config),
+        #: model identity and dtype (None until the first worker declaring them registers).
+        self.cluster = ClusterIdentity(block_size=conductor.config.block_size_tokens)
+        self._sock = bind_router(endpoint)
+        self._rejections = RateLimitedLog(log)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sock.close(0)
+
+    def serve_forever(self, poll_ms: int = 100, stop: Any = None) -> None:
+        """Handle messages until ``stop()`` returns true (or forever)."""
+        while stop is None or not stop():
+            if self._sock.poll(poll_ms):
+                self.handle_one()
+            self.expire_silent_instances()
+
+    def expire_silent_instances(self) -> list[str]:
+        """Drop instances not heard from within ``heartbeat_timeout_s`` from placement
+        (their blocks leave the index); they come back by registering again."""
+        now = time.monotonic()
+        dead = [
+            iid for iid, seen in self._last_seen_s.items()
+            if now - seen > self.heartbeat_timeout_s
+        ]  # fmt: skip
+        for iid in dead:
+            log.warning(
+                "%s silent for %.1fs: removed from placement", iid, now - self._last_seen_s[iid]
+            )
+            del self._last_seen_s[iid]
+            self.instances.pop(iid, None)
+            self.draining.discard(iid)
+            self.conductor.remove_instance(iid)
+        return dead
+
+    def handle_one(self) -> None:
+        """Receive and handle one message (blocking)."""
+        frames = self._sock.recv_multipart(copy=True)
+        identity, rest = frames[0], frames[1:]
+        try:
+            message = decode_message(rest, self.secret)
+        except MalformedMessage as exc:  # signed, so a peer's bug: tell it if it waits
+            self._rejections.warning("refused a control message: %s", exc)
+            if exc.msg_id is not None:
+                self._reply(identity, Error(error=str(exc)), exc.msg_id)
+            return
+        except ProtocolError as exc:
+            self.num_auth_failures += 1
+            self._rejections.warning("dropped a control message: %s", exc)
+            return
+        try:
+            reply = self._dispatch(message)
+        except (HalfmoonError, KeyError, TypeError, ValueError) as exc:
+            if message.msg_id is None:  # nobody waits for an answer
+                self._rejections.warning("%s failed: %s", message.wire_name, exc)
+                return
+            reply = Error(error=f"{type(exc).__name__}: {exc}")
+        if reply is not None:
+            self._reply(identity, reply, message.msg_id)
+
+    def _reply(self, identity: bytes, reply: Message, msg_id: int | None) -> None:
+        reply = dataclasses.replace(reply, msg_id=msg_id)
+        self._sock.send_multipart([identity, *encode_message(reply, self.secret)])
+
+    def _integrity(self) -> str:
+        """``ok``, or what :meth:`Conductor.check_integrity` found wrong."""
+        try:
+            self.conductor.check_integrity()
+        except AssertionError as exc:
+            return f"broken: {exc}"
+        return "ok"
+
+    def _dispatch(self, message: Message) -> Message | None:
+        if isinstance(message, (Events, Heartbeat)):
+            iid = message.instance_id
+            if iid not in self.instances:
+                # Unknown (restarted Conductor, or expired while stalled): ask it to register.
+                return RegisterAgain() if isinstance(message, Heartbeat) else None
+            self._last_seen_s[iid] = time.monotonic()
+            if isinstance(message, Heartbeat):
+                return Drain(instance_id=iid) if iid in self.draining else None
+            for event in conductor_events(iid, message.events):
+                self.conductor.handle(event)
+            self._note_store_stats(iid, message.events)
+            return None
+        if isinstance(message, InstanceFailed):
+            self._instance_failed(message.instance_id, message.incarnation)
+            return None
+        if isinstance(message, Schedule):
+            return self._schedule(message)
+        if isinstance(message, Release):
+            self.conductor.release(message.request_id)
+            return None
+        if isinstance(message, Register):
+            return self._register(message)
+        if isinstance(message, Drain):
+            return self._drain(message.instance_id)
+        if isinstance(message, Ping):
+            return self._pong()
+        raise ProtocolError(f"the Conductor does not take {message.wire_name!r} messages")
+
+    def _pong(self) -> ConductorPong:
+        return ConductorPong(
+            instances={i: e.role for i, e in self.instances.items()},
+            endpoints={i: e.command_endpoint for i, e in self.instances.items()},
+            incarnations={i: e.incarnation for i, e in self.instances.items()},
+            # What a gateway may place on by itself while this service is away.
+            members={
+                i: Member(role=e.role, **dataclasses.asdict(self._endpoints(i)))
+                for i, e in self.instances.items()
+                if i not in self.draining
+            },
+            draining=sorted(self.draining),
+            integrity=self._integrity(),
+            num_placements=self.conductor.num_placements,
+            store_stats={i: s for i, s in self.store_stats.items() if i in self.instances},
+            cluster=self.cluster,
+        )
+
+    def _note_store_stats(self, iid: str, entries: list[Event]) -> None:
+        """Keep the store counters of ``iid``'s latest load report that carries them."""
+        for entry in entries:
+            if isinstance(entry, LoadEvent) and entry.store is not None:
+                self.store_stats[iid] = dict(entry.store)
+
+    def _instance_failed(self, iid: str, incarnation: str) -> None:
+        """A gateway could not use ``iid``: drop it from placement now rather than after
+        the heartbeat timeout. A live worker's next heartbeat gets ``register_again``."""
+        e = self.instances.get(iid)
+        if e is None or (incarnation and e.incarnation != incarnation):
+            return  # already gone, or already replaced by a new process
+        log.warning("%s reported failed: removed from placement", iid)
+        self._last_seen_s.pop(iid, None)
+        del self.instances[iid]
+        self.draining.discard(iid)
+        self.conductor.remove_instance(iid)
+
+    def _drain(self, iid: str) -> Draining:
+        """Stop placing on ``iid`` but keep it known: the requests it holds finish (the
+        gateway still sees its incarnation), and its heartbeats tell it to exit when idle."""
+        if iid not in self.instances:
+            raise HalfmoonError(f"unknown instance {iid!r}")
+        if iid not in self.draining:
+            log.info("%s draining: removed from placement", iid)
+            self.draining.add(iid)
+            self.conductor.remove_instance(iid)
+        return Draining(instance_id=iid)
+
+    def _register(self, message: Register) -> Registered | Refused:
+        role, iid = message.role, message.instance_id
+        if role not in ROLES:
+            raise ProtocolError(f"unknown role {role!r}")
+        refusal = self.refusal(message)
+        if refusal is not None:
+            log.error("refused %s %s: %s", role, iid, refusal)
+            return Refused(instance_id=iid, error=refusal)
+        # The first worker to declare them sets the cluster's model and dtype.
+        self.cluster = dataclasses.replace(
+            self.cluster, model=self.cluster.model or message.model,
+            dtype=self.cluster.dtype or message.dtype,
+        )  # fmt: skip
+        capacity = message.kv_capacity_tokens or None
+        cost_model = self._cost_model(message, capacity)
+        incarnation = message.incarnation
+        old = self.instances.get(iid)
+        if old is not None and old.incarnation != incarnation:
+            # The worker restarted: what the old process held or ran is gone. (Forgotten
+            # before the new process is added, which removing would undo.)
+            log.warning("%s restarted: forgetting its previous state", iid)
+            self.conductor.remove_instance(iid)
+            self.store_stats.pop(iid, None)
+            self.draining.discard(iid)
+        if message.draining:
+            self.draining.add(iid)  # a draining worker re-registering: keep it out
+        elif role == "prefill":
+            self.conductor.add_prefill_instance(iid, cost_model)
+        elif role == "decode":
+            self.conductor.add_decode_instance(iid, cost_model, kv_capacity_tokens=capacity)
+        else:
+            self.conductor.add_coupled_instance(iid, cost_model, kv_capacity_tokens=capacity)
+        self.instances[iid] = InstanceEndpoints(
+            iid, role, message.command_endpoint, message.transfer_endpoint, incarnation
+        )
+        self._last_seen_s[iid] = time.monotonic()
+        for held in message.blocks:  # what it already holds (re-registration)
+            for h in held.block_hashes:
+                self.conductor.handle(BlockStored(block_hash=h, tier=held.tier, instance_id=iid))
+        log.info("registered %s %s at %s", role, iid, message.command_endpoint)
+        return Registered(instance_id=iid)
+
+    def refusal(self, message: Register) -> str | None:
+        """Why a registering worker cannot join (None: it agrees with the cluster). A worker
+        with another block size would hash prompts its own way (no prefix hit, KV handed
+        over in the wrong shape); another model or dtype would compute other KV."""
+        problems = []
+        for key, what in (("block_size", "block size"), ("model", "model"), ("dtype", "dtype")):
+            got, want = getattr(message, key), getattr(self.cluster, key)
+            if got is not None and want is not None and str(got) != str(want):
+                problems.append(f"{what} {got!r} (the cluster's is {want!r})")
+        if not problems:
+            return None
+        return f"{message.instance_id} disagrees with the cluster: " + "; ".join(problems)
+
+    def _cost_model(self, message: Register, capacity: int | None) -> CostModel | None:
+        """The worker's measured profile as a cost model (None: the Conductor's default)."""
+        if not message.profile or message.kv_bytes_per_token <= 0:
+            return None
+        profile = CostProfile.from_dict(message.profile,
+                                        source=f"profile of {message.instance_id}")  # fmt: skip
+        return ProfileCostModel(
+            profile, message.kv_bytes_per_token, self.link_bytes_per_s, capacity or 1,
+            hidden_bytes_per_token=message.hidden_bytes_per_token or None,
+        )  # fmt: skip
+
+    def _schedule(self, message: Schedule) -> PlacementDecision:
+        block_size = message.block_size
+        if block_size != self.cluster.block_size:
+            raise HalfmoonError(
+                f"request hashed with {block_size}-token blocks; the cluster uses "
+                f"{self.cluster.block_size} (--block-size of the gateway and the Conductor)"
+            )
+        request = Request(
+            message.request_id,
+            self.conductor.clock.now(),
+            message.input_length,
+            message.output_length,
+            tuple(message.block_hashes),
+            block_size,
+        )
+        start = time.perf_counter()
+        if message.coupled:
+            decision = self.conductor.route_coupled(request)
+        else:
+            decision = self.conductor.schedule(request)
+        elapsed_s = time.perf_counter() - start
+        log.debug("%s", decision.explain())
+        return dataclasses.replace(self.decision_message(decision), decision_s=elapsed_s)
+
+    def decision_message(self, decision: Decision) -> PlacementDecision:
+        """The decision with the endpoints of every instance it names."""
+        refused = PlacementDecision(
+            accepted=decision.accepted, reject_reason=decision.reject_reason,
+            reject_code=decision.reject_code, why=decision.why,
+        )  # fmt: skip
+        if not decision.accepted or decision.prefill is None or decision.decode is None:
+            return refused
+        chosen = decision.prefill
+        return dataclasses.replace(
+            refused,
+            prefill=self._endpoints(chosen.instance_id),
+            decode=self._endpoints(decision.decode.instance_id),
+            cache_source=self._endpoints(chosen.cache_source),
+            cached_tokens=chosen.cached_tokens,
+            est_ttft_s=chosen.ttft_s,
+            replications=[
+                Replication(
+                    source=self._endpoints(p.source),
+                    target=self._endpoints(p.target),
+                    hashes=hashes_to_wire(p.block_hashes),
+                    reason=p.reason,
+                )
+                for p in decision.replications
+            ],
+            # A CPP group: the stages in pipeline order.
+            group=[self._endpoints(m) for m in chosen.group] if chosen.group else None,
+            cpp_chunk_tokens=self.conductor.config.cpp_chunk_tokens if chosen.group else 0,
+        )
+
+    def _endpoints(self, instance_id: str) -> Endpoints:
+        e = self.instances.get(instance_id)
+        if e is None:
+            return Endpoints(instance_id=instance_id, command="", transfer="")
+        return Endpoints(instance_id=instance_id, command=e.command_endpoint,
+                         transfer=e.transfer_endpoint, incarnation=e.incarnation)  # fmt: skip

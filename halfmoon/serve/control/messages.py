@@ -1,0 +1,620 @@
+"""The control plane's vocabulary: one frozen dataclass per message the serving
+processes exchange, and the records those messages nest.
+
+Each class names its wire ``type`` (``wire_name``) and, in its docstring, who sends it
+to whom. :func:`to_wire` / :func:`from_wire` turn a message into the msgpack map that
+travels and back, checking every field against the annotations; :func:`encode_message` /
+:func:`decode_message` add the signed framing (:mod:`halfmoon.serve.control.codec`,
+:mod:`halfmoon.serve.control.protocol`). Wire forms: token ids ``list[int]``; 128-bit
+block hashes one ``bytes`` of 16 little-endian bytes each (``block_hashes`` unpacks
+them); sampling parameters a :class:`WireParams`; log-probabilities
+``[[logprob, [[token, logprob], ...]], ...]``::
+
+    gateway --schedule, release, instance_failed, ping--> Conductor --decision, pong, error-->
+    worker  --register, events, heartbeat-->  Conductor --registered, refused, register_again, drain-->
+    deploy  --drain, ping-->                  Conductor --draining, pong-->
+    gateway --generate, expect, prefill, cpp_prefill, replicate, abort, ping--> worker
+    worker  --tokens, batch, error, worker_pong--> gateway
+    worker  --handoff, cpp_offer, cpp_start--> worker
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.serve.control.codec import (
+    MESSAGE_TYPES,
+    MalformedMessage,
+    Message,
+    Record,
+    decode_message,
+    encode_message,
+    from_wire,
+    record_from_wire,
+    record_to_wire,
+    to_wire,
+)
+from halfmoon.serve.control.protocol import ProtocolError, hashes_from_wire
+
+#: Log-probabilities of generated tokens: ``(logprob, ((token, logprob), ...))`` each.
+WireLogprobs = list[tuple[float, list[tuple[int, float]]]]
+#: Lifecycle event kinds, in a request's order.
+LIFECYCLE_KINDS = ("prefill_started", "prefill_finished", "decode_started", "request_finished")
+
+
+# -- records ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Endpoints(Record):
+    """Where to reach one worker a decision names (empty strings: not registered)."""
+
+    instance_id: str
+    command: str
+    transfer: str
+    incarnation: str = ""
+
+
+NO_ENDPOINTS = Endpoints(instance_id="", command="", transfer="")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member(Record):
+    """A placeable worker as the Conductor's pong lists it (for the gateway's fallback)."""
+
+    instance_id: str
+    command: str
+    transfer: str
+    incarnation: str = ""
+    role: str
+
+    def endpoints(self) -> Endpoints:
+        """The member as a decision would name it."""
+        return Endpoints(instance_id=self.instance_id, command=self.command,
+                         transfer=self.transfer, incarnation=self.incarnation)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replication(Record):
+    """Copy these blocks from ``source``'s store to ``target``'s (a replication plan)."""
+
+    source: Endpoints
+    target: Endpoints
+    hashes: bytes
+    reason: str = ""
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The 128-bit hashes ``hashes`` packs."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireParams(Record):
+    """:class:`SamplingParams` as they travel (stop strings stay with the gateway);
+    ``penalties`` is (presence, frequency, repetition), None when none applies."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    penalties: tuple[float, float, float] | None = None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> WireParams:
+        """The wire form of ``params``."""
+        return cls(
+            max_tokens=params.max_tokens, temperature=float(params.temperature),
+            top_p=float(params.top_p), seed=params.seed, ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens, top_k=params.top_k,
+            stop_token_ids=list(params.stop_token_ids), logprobs=params.logprobs,
+            logit_bias=[(t, float(b)) for t, b in params.logit_bias],
+            penalties=(float(params.presence_penalty), float(params.frequency_penalty),
+                       float(params.repetition_penalty)) if params.has_penalties else None,
+        )  # fmt: skip
+
+    def to_params(self) -> SamplingParams:
+        """The engine's sampling parameters (ValueError when out of range)."""
+        presence, frequency, repetition = self.penalties or (0.0, 0.0, 1.0)
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            top_k=self.top_k, stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
+            presence_penalty=presence, frequency_penalty=frequency,
+            repetition_penalty=repetition,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterIdentity(Record):
+    """What every worker must compute with: the Conductor's block size, and the model
+    and dtype of the first worker that declared them (None until then)."""
+
+    block_size: int
+    model: str | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldBlocks(Record):
+    """Blocks a re-registering worker holds in one tier."""
+
+    tier: str = "dram"
+    hashes: bytes
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The 128-bit hashes ``hashes`` packs."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockEvent(Record):
+    """A worker's store (or engine cache) now holds (``stored``) or lost (``evicted``)
+    these blocks in ``tier``."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("stored", "evicted")
+    kind: str
+    hashes: bytes
+    tier: str = "dram"
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The 128-bit hashes ``hashes`` packs."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LifecycleEvent(Record):
+    """A request reached a step on this worker (:data:`LIFECYCLE_KINDS`)."""
+
+    kinds: ClassVar[tuple[str, ...]] = LIFECYCLE_KINDS
+    kind: str
+    request_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadEvent(Record):
+    """A worker's own view of its load (every 0.5 s); ``store``: its block store's
+    counters (a prefill worker's), for ``/metrics``."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("load",)
+    kind: str = "load"
+    num_running: int = 0
+    context_tokens: int = 0
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    store: dict[str, int] | None = None
+
+
+Event = BlockEvent | LifecycleEvent | LoadEvent
+
+
+def event_entry(kind: str, **fields: Any) -> Event:
+    """The event record of ``kind`` (ProtocolError for an unknown kind or field)."""
+    for cls in (BlockEvent, LifecycleEvent, LoadEvent):
+        if kind in cls.kinds:
+            try:
+                return cls(kind=kind, **fields)
+            except TypeError as exc:
+                raise ProtocolError(f"bad {kind!r} event: {exc}") from None
+    raise ProtocolError(f"unknown event kind {kind!r}")
+
+
+# -- gateway <-> Conductor -------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Schedule(Message):
+    """Gateway -> Conductor: place one request (answered by a ``decision``)."""
+
+    wire_name: ClassVar[str] = "schedule"
+    request_id: str
+    input_length: int
+    output_length: int
+    block_size: int
+    hashes: bytes
+    coupled: bool = False
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The prompt's 128-bit block hashes."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementDecision(Message):
+    """Conductor -> gateway: where a request runs, with every endpoint the gateway and the
+    workers need, or why it is refused (``reject_code``: a RejectCode). The gateway makes
+    one itself (``fallback``) while the Conductor is away."""
+
+    wire_name: ClassVar[str] = "decision"
+    accepted: bool
+    reject_reason: str = ""
+    reject_code: str = ""
+    why: str = ""
+    prefill: Endpoints | None = None
+    decode: Endpoints | None = None
+    cache_source: Endpoints | None = None
+    cached_tokens: int = 0
+    est_ttft_s: float = 0.0
+    replications: list[Replication] = field(default_factory=list)
+    group: list[Endpoints] | None = None  # a CPP group's stages, in pipeline order
+    cpp_chunk_tokens: int = 0
+    decision_s: float | None = None  # timed inside the Conductor
+    fallback: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release(Message):
+    """Gateway -> Conductor: a placed request ended without its worker saying so."""
+
+    wire_name: ClassVar[str] = "release"
+    request_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceFailed(Message):
+    """Gateway -> Conductor: this worker (this process of it) failed a request."""
+
+    wire_name: ClassVar[str] = "instance_failed"
+    instance_id: str
+    incarnation: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping(Message):
+    """Gateway, launcher or deploy controller -> Conductor (``pong``) or worker
+    (``worker_pong``): are you there, and how are you?"""
+
+    wire_name: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConductorPong(Message):
+    """Conductor -> whoever pinged: registered instances (role, endpoints, incarnation),
+    the placeable ones, the draining ones, the block-store counters of the last load
+    reports, and the cluster's identity."""
+
+    wire_name: ClassVar[str] = "pong"
+    instances: dict[str, str] = field(default_factory=dict)  # id -> role
+    endpoints: dict[str, str] = field(default_factory=dict)  # id -> command endpoint
+    incarnations: dict[str, str] = field(default_factory=dict)
+    members: dict[str, Member] = field(default_factory=dict)
+    draining: list[str] = field(default_factory=list)
+    integrity: str = ""
+    num_placements: int = 0
+    store_stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    cluster: ClusterIdentity | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(Message):
+    """Any process -> the sender of a command it could not carry out. ``retryable``: the
+    gateway may place the request again; ``suspect``: the worker to blame."""
+
+    wire_name: ClassVar[str] = "error"
+    error: str
+    request_id: str | None = None
+    retryable: bool = False
+    suspect: str = ""
+
+
+# -- workers <-> Conductor -------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """Worker -> Conductor: join the cluster (``registered`` or ``refused``), with its
+    measured cost profile and what the cluster must agree on; ``blocks``: what it holds
+    when it registers again; ``draining``: keep it out of placement."""
+
+    wire_name: ClassVar[str] = "register"
+    instance_id: str
+    role: str
+    command_endpoint: str
+    transfer_endpoint: str
+    kv_capacity_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    hidden_bytes_per_token: int = 0
+    profile: dict[str, Any] | None = None  # CostProfile.to_dict()
+    incarnation: str = ""
+    block_size: int | None = None
+    model: str | None = None
+    dtype: str | None = None
+    draining: bool = False
+    blocks: list[HeldBlocks] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registered(Message):
+    """Conductor -> worker: registration accepted."""
+
+    wire_name: ClassVar[str] = "registered"
+    instance_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused(Message):
+    """Conductor -> worker: registration refused; ``error`` names the disagreement."""
+
+    wire_name: ClassVar[str] = "refused"
+    instance_id: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisterAgain(Message):
+    """Conductor -> worker, answering a heartbeat: I do not know you (I restarted)."""
+
+    wire_name: ClassVar[str] = "register_again"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Events(Message):
+    """Worker -> Conductor: a batch of block, lifecycle and load events (no answer)."""
+
+    wire_name: ClassVar[str] = "events"
+    instance_id: str
+    events: list[Event]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """Worker -> Conductor, 4 times a second (answered only by ``register_again`` or
+    ``drain``)."""
+
+    wire_name: ClassVar[str] = "heartbeat"
+    instance_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drain(Message):
+    """Deploy controller -> Conductor: stop placing on this instance (``draining``);
+    Conductor -> that worker, answering its heartbeat: exit once idle."""
+
+    wire_name: ClassVar[str] = "drain"
+    instance_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draining(Message):
+    """Conductor -> deploy controller: the instance left placement."""
+
+    wire_name: ClassVar[str] = "draining"
+    instance_id: str
+
+
+# -- gateway -> workers ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Generate(Message):
+    """Gateway -> coupled worker: run the whole request, stream ``tokens`` back."""
+
+    wire_name: ClassVar[str] = "generate"
+    request_id: str
+    token_ids: list[int]
+    params: WireParams
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expect(Message):
+    """Gateway -> decode worker: a request's KV will come (``num_stages`` streams), then
+    its ``handoff``; stream its tokens back."""
+
+    wire_name: ClassVar[str] = "expect"
+    request_id: str
+    params: WireParams
+    num_prompt_tokens: int
+    num_stages: int = 1
+    est_ttft_s: float = 0.0
+    prefill_instance: str = ""
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prefill(Message):
+    """Gateway -> prefill worker: prefill the prompt (its prefix from ``cache_source``),
+    stream the KV to ``decode``, send the first token back."""
+
+    wire_name: ClassVar[str] = "prefill"
+    request_id: str
+    token_ids: list[int]
+    params: WireParams
+    decode: Endpoints
+    cache_source: Endpoints | None = None
+    cached_tokens: int = 0
+    replications: list[Replication] = field(default_factory=list)
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CppPrefill(Message):
+    """Gateway -> each stage of a CPP group: run stage ``stage`` of ``num_stages`` of the
+    prompt, chunk by chunk (halfmoon.serve.worker.pipeline)."""
+
+    wire_name: ClassVar[str] = "cpp_prefill"
+    request_id: str
+    token_ids: list[int]
+    params: WireParams
+    stage: int
+    num_stages: int
+    chunk_tokens: int
+    next_transfer: str = ""  # the next stage's transfer endpoint ("" for the last)
+    group: list[str]  # the stages' instance ids, in pipeline order
+    commands: list[str]  # the stages' command endpoints, in pipeline order
+    decode: Endpoints
+    cached_tokens: int = 0
+    cache_source: Endpoints | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replicate(Message):
+    """Gateway -> prefill worker: copy these blocks from the store at ``source`` (a
+    transfer endpoint) into yours."""
+
+    wire_name: ClassVar[str] = "replicate"
+    hashes: bytes
+    source: str
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The 128-bit hashes ``hashes`` packs."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Abort(Message):
+    """Gateway -> worker: drop the request."""
+
+    wire_name: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lost(Message):
+    """Gateway's instance watcher -> a request's queue (in process, never sent): a worker
+    the request runs on is gone."""
+
+    wire_name: ClassVar[str] = "lost"
+    instance_id: str
+
+
+# -- workers -> workers ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Handoff(Message):
+    """Prefill worker (or a CPP group's last stage) -> decode worker: the KV streams are
+    done; import them and decode from these tokens with this seed."""
+
+    wire_name: ClassVar[str] = "handoff"
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CppOffer(Message):
+    """CPP stage s > 0 -> stage 0: I can start after ``blocks`` prefix blocks."""
+
+    wire_name: ClassVar[str] = "cpp_offer"
+    request_id: str
+    stage: int
+    blocks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CppStart(Message):
+    """CPP stage 0 -> the other stages: start after ``start_blocks`` prefix blocks."""
+
+    wire_name: ClassVar[str] = "cpp_start"
+    request_id: str
+    start_blocks: int
+
+
+# -- workers -> gateway ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Tokens(Message):
+    """Worker -> gateway: a request's new tokens from output position ``index`` (the
+    first token's message also says how many prompt tokens were cached and how many KV
+    bytes moved)."""
+
+    wire_name: ClassVar[str] = "tokens"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: WireLogprobs | None = None
+    cached_tokens: int | None = None
+    kv_bytes: int = 0
+
+    @property
+    def token_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The log-probability records (empty when none were asked for)."""
+        return logprobs_from_wire(self.logprobs or ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch(Message):
+    """Worker -> gateway: one decode step's ``tokens`` messages for that gateway."""
+
+    wire_name: ClassVar[str] = "batch"
+    messages: list[Tokens]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPong(Message):
+    """Worker -> whoever pinged: its engine's load and integrity; ``stats``: its role's
+    counters."""
+
+    wire_name: ClassVar[str] = "worker_pong"
+    instance_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_steps: int
+    integrity: str
+    stats: dict[str, int | float] = field(default_factory=dict)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """Sampling parameters as the map a :class:`WireParams` travels as."""
+    return record_to_wire(WireParams.of(params))
+
+
+def params_from_wire(data: Any) -> SamplingParams:
+    """The engine's sampling parameters from :func:`params_to_wire`'s map."""
+    return record_from_wire(WireParams, data).to_params()
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """A command's ``cache_salt`` is None or a non-empty string (the gateway sends only
+    those); anything else makes the command malformed."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
+
+
+def logprobs_to_wire(entries: tuple[TokenLogprob, ...]) -> WireLogprobs:
+    """Token log-probabilities in their wire form."""
+    return [(e.logprob, [(t, lp) for t, lp in e.top]) for e in entries]
+
+
+def logprobs_from_wire(data: Any) -> tuple[TokenLogprob, ...]:
+    """The records of :func:`logprobs_to_wire`'s lists."""
+    return tuple(
+        TokenLogprob(float(lp), tuple((int(t), float(v)) for t, v in top)) for lp, top in data
+    )
+
+
+__all__ = [
+    "LIFECYCLE_KINDS", "MESSAGE_TYPES", "NO_ENDPOINTS", "Abort", "Batch", "BlockEvent",
+    "ClusterIdentity", "ConductorPong", "CppOffer", "CppPrefill", "CppStart", "Drain",
+    "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "Generate", "Handoff",
+    "Heartbeat", "HeldBlocks", "InstanceFailed", "LifecycleEvent", "LoadEvent", "Lost",
+    "MalformedMessage", "Member", "Message", "Ping", "PlacementDecision", "Prefill",
+    "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",
+    "Replication", "Schedule", "Tokens", "WireLogprobs", "WireParams", "WorkerPong",
+    "check_cache_salt", "decode_message", "encode_message", "event_entry", "from_wire",
+    "logprobs_from_wire", "logprobs_to_wire", "params_from_wire", "params_to_wire",
+    "record_from_wire", "record_to_wire", "to_wire",
+]  # fmt: skip

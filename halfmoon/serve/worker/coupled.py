@@ -1,0 +1,83 @@
+"""The coupled role: prefill and decode on one engine (the vLLM-like baseline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from halfmoon.core.events import BlockStored, CacheEvent
+from halfmoon.serve.control.messages import Generate, HeldBlocks
+from halfmoon.serve.control.protocol import hashes_to_wire
+from halfmoon.serve.worker.process import Handler, Worker
+from halfmoon.serve.worker.tokens import StreamClient, TokenStreaming
+
+
+class CoupledRole(TokenStreaming):
+    """Prefill and decode on the same engine (the vLLM-like baseline).
+
+    Its prefix cache is the engine's own pool: the pool's cache events go to the
+    Conductor as they happen, so cache-aware routing sees evictions too.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        self.cached: set[int] = set()
+        worker.engine.set_cache_listener(self._on_cache_event)
+
+    def _on_cache_event(self, event: CacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.cached.add(event.block_hash)
+        else:
+            self.cached.discard(event.block_hash)
+        self.worker.conductor.cache_event(event)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"generate": self._on_generate}
+
+    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        params = msg.params.to_params()
+        self.worker.engine.add_request(rid, msg.token_ids, params, cache_salt=msg.cache_salt)
+        self.clients[rid] = StreamClient(identity, msg.token_ids)
+        self.worker.conductor.event("prefill_started", request_id=rid)
+
+    def on_outputs(self, outputs: list[Any]) -> None:
+        events = self.worker.conductor
+        for out in outputs:
+            client = self.clients.get(out.request_id)
+            if client is None:
+                continue
+            if client.index == 0:
+                events.event("prefill_finished", request_id=out.request_id)
+                events.event("decode_started", request_id=out.request_id)
+            self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True)
+            if out.finished:
+                del self.clients[out.request_id]
+                events.event("request_finished", request_id=out.request_id)
+        self.flush_tokens()
+
+    def on_abort(self, request_id: str) -> None:
+        self.clients.pop(request_id, None)
+        if self.worker.engine.abort_request(request_id):
+            self.worker.conductor.event("request_finished", request_id=request_id)
+
+    def tick(self) -> None:
+        """Nothing waits outside the engine."""
+
+    def has_work(self) -> bool:
+        """All its work is in the engine."""
+        return False
+
+    def num_pending(self) -> int:
+        """Its requests all live in the engine."""
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        """Nothing beyond the engine's numbers."""
+        return {}
+
+    def snapshot(self) -> list[HeldBlocks]:
+        """Every block in the engine's prefix cache, for a restarted Conductor's index."""
+        return [HeldBlocks(tier="dram", hashes=hashes_to_wire(sorted(self.cached)))]
+
+    def close(self) -> None:
+        """Nothing to release."""
