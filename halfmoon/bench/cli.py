@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from halfmoon.bench.workload import (
 )
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.flags import check_positive
 from halfmoon.metrics.records import records_to_json
 from halfmoon.workload.cli import add_workload_args
 from halfmoon.workload.datasets import DATASETS, generate_dataset
@@ -58,12 +58,6 @@ def discover_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) 
         raise HalfmoonError(f"cannot reach {base_url}: {exc or type(exc).__name__}") from None
     except (ValueError, KeyError, IndexError, TypeError):
         raise HalfmoonError(f"{base_url}/v1/models lists no model; pass --model") from None
-
-
-def _positive(what: str, value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise HalfmoonError(f"{what} must be a positive number, got {value}")
-    return value
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
@@ -103,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"unknown tbt metric {args.tbt_metric!r}; choose from {', '.join(TBT_METRICS)}"
         )
     slo = SLOConfig(
-        _positive("--ttft-slo", args.ttft_slo), _positive("--tbt-slo", args.tbt_slo),
+        check_positive("--ttft-slo", args.ttft_slo), check_positive("--tbt-slo", args.tbt_slo),
         args.tbt_metric,
     )  # fmt: skip
     base_url = normalize_url(args.url)
@@ -115,7 +109,7 @@ def run_bench(args: argparse.Namespace) -> int:
     model = args.model or discover_model(base_url, args.api_key)
     config = ClientConfig(
         base_url, model, args.api_key, args.temperature, not args.no_vllm_extensions,
-        _positive("--timeout", args.timeout),
+        check_positive("--timeout", args.timeout),
     )  # fmt: skip
     tick, close = _progress(len(planned))
     try:

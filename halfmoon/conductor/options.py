@@ -22,13 +22,13 @@ naming the flag), not by argparse, so every command reports them the same way.
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 from halfmoon.conductor.config import EARLY_REJECT_MODES, ConductorConfig
 from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.flags import check_at_least, check_choice, check_positive
 
 _COMMON: dict[str, Any] = {
     "policy": "kvcache-centric",
@@ -77,25 +77,6 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
     )  # fmt: skip
 
 
-def _choice(what: str, value: str, choices: Any) -> str:
-    options = tuple(choices)
-    if value not in options:
-        raise HalfmoonError(f"unknown {what} {value!r}; choose from {', '.join(options)}")
-    return value
-
-
-def _positive(flag: str, value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise HalfmoonError(f"{flag} must be a positive number, got {value}")
-    return value
-
-
-def _at_least(flag: str, value: int, least: int) -> int:
-    if value < least:
-        raise HalfmoonError(f"{flag} must be >= {least}, got {value}")
-    return value
-
-
 def conductor_config_from_args(
     args: argparse.Namespace, block_size_tokens: int, hidden_bytes_per_token: int | None = None
 ) -> ConductorConfig:
@@ -107,17 +88,17 @@ def conductor_config_from_args(
     if hidden is not None and hidden < 0:
         raise HalfmoonError(f"--cpp-hidden-bytes-per-token must be >= 0, got {hidden}")
     return ConductorConfig(
-        policy=_choice("policy", args.policy, POLICIES),
-        block_size_tokens=_at_least("--block-size", block_size_tokens, 1),
+        policy=check_choice("policy", args.policy, POLICIES),
+        block_size_tokens=check_at_least("--block-size", block_size_tokens, 1),
         slo=SLOConfig(
-            _positive("--ttft-slo", args.ttft_slo),
-            _positive("--tbt-slo", args.tbt_slo),
-            _choice("tbt metric", args.tbt_metric, TBT_METRICS),
+            check_positive("--ttft-slo", args.ttft_slo),
+            check_positive("--tbt-slo", args.tbt_slo),
+            check_choice("tbt metric", args.tbt_metric, TBT_METRICS),
         ),
-        early_reject=_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES),
-        coupled_router=_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
-        cpp_stages=_at_least("--cpp-stages", args.cpp_stages, 1),
-        cpp_chunk_tokens=_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
-        cpp_min_tokens=_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
+        early_reject=check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES),
+        coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
+        cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
+        cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
+        cpp_min_tokens=check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
         cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
     )

@@ -44,9 +44,10 @@ from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.costmodel import CostProfile
 from halfmoon.engine.attention import LayerKV
+from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOutput
-from halfmoon.engine.kv_cache import KVLayout
+from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.profiler import cached_profile
 from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
 from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
@@ -239,6 +240,19 @@ class EngineConnector(ABC):
         split); its prompt KV goes to the hook set by :meth:`set_prompt_kv_hook`."""
 
 
+def _forward_prompt_kv(
+    hook: PromptKVHook | None, num_prompt: int | None, rid: str, layer: int, kv: LayerKV,
+    blocks: BlockManager, kv_cache: KVCache,
+) -> None:  # fmt: skip
+    """The attention hook of an engine or a stage: once the chunk that completes the
+    prompt wrote ``layer``, hand the prompt's blocks of that layer to ``hook`` as host views."""
+    if hook is None or num_prompt is None or kv.end_token < num_prompt:
+        return
+    table = blocks.block_table(rid)[: blocks.blocks_for(num_prompt)]
+    keys, values = kv_cache.layer_bytes(layer, table)
+    hook(rid, layer, keys, values)
+
+
 class _LocalStage(StageConnector):
     """:class:`StageConnector` over a :class:`~halfmoon.engine.stage.StageExecutor`."""
 
@@ -259,13 +273,8 @@ class _LocalStage(StageConnector):
         return self.executor.hidden_size * self.executor.dtype.itemsize
 
     def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: LayerKV) -> None:
-        hook = self.owner.prompt_kv_hook
-        num_prompt = self._prompt_len.get(rid)
-        if hook is None or num_prompt is None or kv.end_token < num_prompt:
-            return
-        table = self.executor.blocks.block_table(rid)[: self.executor.blocks.blocks_for(num_prompt)]
-        keys, values = self.executor.kv_cache.layer_bytes(layer, table)
-        hook(rid, layer, keys, values)
+        _forward_prompt_kv(self.owner.prompt_kv_hook, self._prompt_len.get(rid), rid, layer, kv,
+                           self.executor.blocks, self.executor.kv_cache)  # fmt: skip
 
     def match_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         return self.executor.match_blocks(token_ids, cache_salt)
@@ -378,14 +387,8 @@ class LocalConnector(EngineConnector):
         self.engine.runner.hook = self._on_layer if hook is not None else None
 
     def _on_layer(self, rid: str, layer: int, block_ids: list[int], kv: LayerKV) -> None:
-        hook = self.prompt_kv_hook
-        num_prompt = self.engine.num_prompt_tokens(rid)
-        if hook is None or num_prompt is None or kv.end_token < num_prompt:
-            return
-        bm = self.engine.block_manager
-        table = bm.block_table(rid)[: bm.blocks_for(num_prompt)]
-        keys, values = self.engine.kv_cache.layer_bytes(layer, table)
-        hook(rid, layer, keys, values)
+        _forward_prompt_kv(self.prompt_kv_hook, self.engine.num_prompt_tokens(rid), rid, layer,
+                           kv, self.engine.block_manager, self.engine.kv_cache)  # fmt: skip
 
     def set_cache_listener(self, listener: CacheListener | None) -> None:
         self.engine.block_manager.listener = listener

@@ -16,6 +16,7 @@ from halfmoon.conductor.options import add_conductor_options, conductor_config_f
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
+from halfmoon.core.flags import check_choice, check_positive
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.models import get_model
@@ -51,19 +52,6 @@ def parse_tokens(text: str) -> int | None:
     return value
 
 
-def _check_choice(what: str, value: str, choices: Iterable[str]) -> str:
-    options = tuple(choices)
-    if value not in options:
-        raise HalfmoonError(f"unknown {what} {value!r}; choose from {', '.join(options)}")
-    return value
-
-
-def _check_positive(what: str, value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise HalfmoonError(f"{what} must be a positive number, got {value}")
-    return value
-
-
 def make_cost_model(
     model: str, gpu: str, gpus_per_instance: int, profile: str | None = None
 ) -> CostModel:
@@ -85,7 +73,7 @@ def _workload(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
         return (scale_request(r, block_tokens) for r in iter_trace(args.trace)), total
     if args.rate is None or args.num_requests is None:
         raise HalfmoonError("--dataset needs --rate and --num-requests")
-    _check_choice("dataset", args.dataset, DATASETS)
+    check_choice("dataset", args.dataset, DATASETS)
     requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
     return [scale_request(r, block_tokens) for r in requests], len(requests)
 
@@ -104,8 +92,8 @@ def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTer
 def _configs(
     args: argparse.Namespace, serving: ServingTerms | None = None
 ) -> tuple[SimConfig, ConductorConfig]:
-    _check_choice("cache policy", args.cache_policy, POLICY_NAMES)
-    _check_choice("decode guard", args.decode_guard, DECODE_GUARDS)
+    check_choice("cache policy", args.cache_policy, POLICY_NAMES)
+    check_choice("decode guard", args.decode_guard, DECODE_GUARDS)
     spec = get_model(args.model)
     conductor = conductor_config_from_args(
         args, block_tokens_for_scale(args.length_scale), spec.hidden_size * spec.dtype_bytes
@@ -123,7 +111,7 @@ def _configs(
         coupled_prefix_caching=not args.no_coupled_prefix_caching,
         coupled_chunked_prefill=args.coupled_chunked_prefill,
         coupled_token_budget=args.coupled_token_budget,
-        time_scale=_check_positive("--time-scale", args.time_scale),
+        time_scale=check_positive("--time-scale", args.time_scale),
         max_requests=args.max_requests,
         serving=serving or ServingTerms(),
         host_cores=args.host_cores,

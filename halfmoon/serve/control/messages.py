@@ -20,7 +20,7 @@ them); sampling parameters a :class:`WireParams`; log-probabilities
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
@@ -59,19 +59,16 @@ NO_ENDPOINTS = Endpoints(instance_id="", command="", transfer="")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Member(Record):
-    """A placeable worker as the Conductor's pong lists it (for the gateway's fallback)."""
+class Member(Endpoints):
+    """A placeable worker as the Conductor's pong lists it (for the gateway's fallback):
+    its endpoints and its role."""
 
-    instance_id: str
-    command: str
-    transfer: str
-    incarnation: str = ""
     role: str
 
     def endpoints(self) -> Endpoints:
-        """The member as a decision would name it."""
-        return Endpoints(instance_id=self.instance_id, command=self.command,
-                         transfer=self.transfer, incarnation=self.incarnation)  # fmt: skip
+        """The member as a decision would name it (a plain :class:`Endpoints`: a decision's
+        fields take no ``role``)."""
+        return Endpoints(**{f.name: getattr(self, f.name) for f in fields(Endpoints)})
 
 
 @dataclass(frozen=True, kw_only=True)

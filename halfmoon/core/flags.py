@@ -1,0 +1,32 @@
+"""Checks of command-line option values, shared by every CLI: each returns the value or
+raises a one-line :class:`~halfmoon.core.errors.HalfmoonError` naming the flag (the CLI
+prints it as an error, never a traceback)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from halfmoon.core.errors import HalfmoonError
+
+
+def check_choice(what: str, value: str, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices``."""
+    options = tuple(choices)
+    if value not in options:
+        raise HalfmoonError(f"unknown {what} {value!r}; choose from {', '.join(options)}")
+    return value
+
+
+def check_positive(flag: str, value: float) -> float:
+    """``value`` if it is a finite number > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise HalfmoonError(f"{flag} must be a positive number, got {value}")
+    return value
+
+
+def check_at_least(flag: str, value: int, least: int) -> int:
+    """``value`` if it is >= ``least``."""
+    if value < least:
+        raise HalfmoonError(f"{flag} must be >= {least}, got {value}")
+    return value
