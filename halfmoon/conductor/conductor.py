@@ -332,7 +332,9 @@ class Conductor:
         )
 
     def route_coupled(self, request: Request) -> Decision:
-        """Pick a coupled instance by the configured router (no early rejection)."""
+        """Pick a coupled instance by the configured router, or reject the request early
+        when the chosen instance would miss its SLOs (``early_reject``, as for
+        disaggregated placement)."""
         ids = self.coupled_instances
         router = self.config.coupled_router
         if not ids:
@@ -352,15 +354,31 @@ class Conductor:
         def load(c: PrefillCandidate) -> tuple[float, int]:
             return (c.queue_s, self._decode[c.instance_id].num_running)
 
+        # Ties (idle instances, no hit anywhere) go round the instances, not to the first.
+        turn = self._round_robin
+        self._round_robin += 1
+
+        def rotation(c: PrefillCandidate) -> int:
+            return (cands.index(c) - turn) % len(cands)
+
         if router == "round-robin":
-            chosen = cands[self._round_robin % len(cands)]
-            self._round_robin += 1
+            chosen = cands[turn % len(cands)]
         elif router == "least-load":
-            chosen = min(cands, key=load)
+            chosen = min(cands, key=lambda c: (*load(c), rotation(c)))
+        elif router == "kvcache-centric":
+            chosen = min(cands, key=lambda c: (c.ttft_s, *load(c), rotation(c)))
         else:
-            chosen = min(cands, key=lambda c: (-c.cached_tokens, *load(c)))
+            chosen = min(cands, key=lambda c: (-c.cached_tokens, *load(c), rotation(c)))
         ready_s = self.clock.now() + chosen.ttft_s
         decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
+        code, reason = self._rejection(request, chosen, decode)
+        if code:
+            return Decision(
+                request_id=request.request_id, policy=router, accepted=False, prefill=chosen,
+                decode=decode, reject_reason=reason, candidates=tuple(cands),
+                why=f"{router}: {chosen.instance_id} (est TTFT {chosen.ttft_s:.3f}s)",
+                reject_code=code,
+            )  # fmt: skip
         self._commit(request, chosen, chosen.instance_id, ready_s)
         return Decision(
             request_id=request.request_id,

@@ -101,6 +101,11 @@ class PrefixIndex:
         slot = self._slots.get(instance_id)
         return slot is not None and bool(self._any.get(block_hash, 0) >> slot & 1)
 
+    def num_held(self, instance_id: str) -> int:
+        """Distinct blocks ``instance_id`` holds in any tier (a scan: for checks)."""
+        slot = self._slots.get(instance_id)
+        return 0 if slot is None else sum(m >> slot & 1 for m in self._any.values())
+
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding ``block_hash`` in any tier."""
         mask = self._any.get(block_hash, 0)

@@ -59,7 +59,12 @@ POLICIES: dict[str, PrefillPolicy] = {
     )
 }
 
-COUPLED_ROUTERS = ("round-robin", "least-load", "cache-aware")
+#: ``kvcache-centric``: least estimated TTFT (queue + prefill of the uncached part), the
+#: paper's rule; ``cache-aware``: longest cached prefix, then load. With a real chat
+#: model every prompt shares the template's first blocks, so ``cache-aware`` sends all
+#: requests to whichever instance holds them; ``kvcache-centric`` weighs a hit against
+#: the queue it would wait in.
+COUPLED_ROUTERS = ("round-robin", "least-load", "cache-aware", "kvcache-centric")
 
 
 def get_policy(name: str) -> PrefillPolicy:

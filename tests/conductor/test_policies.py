@@ -212,6 +212,41 @@ def test_coupled_routers(paper_cost_model):
         assert c.prefill_instances == () and c.coupled_instances == ("M1", "M2")
 
 
+def test_coupled_ties_go_round_and_a_hit_weighs_against_its_queue(paper_cost_model):
+    """kvcache-centric routing of coupled instances: idle instances with no hit take
+    turns (not always the first), a cached prefix attracts the request, and a long queue
+    behind the hit sends it elsewhere (cache-aware would still pick the hit)."""
+    c = Conductor(ConductorConfig(coupled_router="kvcache-centric", block_size_tokens=16),
+                  paper_cost_model, ManualClock())  # fmt: skip
+    for iid in ("M1", "M2"):
+        c.add_coupled_instance(iid, kv_capacity_tokens=10**6)
+    picks = []
+    for k in range(4):
+        d = c.route_coupled(_req(f"tie{k}", 2, first=100 * k))
+        picks.append(d.prefill.instance_id)
+        c.release(d.request_id)
+    assert sorted(picks) == ["M1", "M1", "M2", "M2"]
+    _cache(c, "M2", range(40))
+    assert c.route_coupled(_req("hit", 41)).prefill.instance_id == "M2"
+    for k in range(8):  # queues grow; every choice is the least estimated TTFT
+        d = c.route_coupled(_req(f"r{k}", 41 if k % 2 else 200, first=0 if k % 2 else 1000 * k))
+        assert d.prefill.ttft_s == min(p.ttft_s for p in d.candidates)
+        assert {p.instance_id for p in d.candidates} == {"M1", "M2"}
+
+
+def test_coupled_placement_rejects_early_when_the_slo_cannot_be_met(paper_cost_model):
+    c = Conductor(
+        ConductorConfig(coupled_router="kvcache-centric", block_size_tokens=16,
+                        early_reject="snapshot", slo=SLOConfig(ttft_s=0.5, tbt_s=10.0)),
+        paper_cost_model, ManualClock(),
+    )  # fmt: skip
+    c.add_coupled_instance("M1", kv_capacity_tokens=10**6)
+    decisions = [c.route_coupled(_req(f"r{k}", 40, first=1000 * k)) for k in range(8)]
+    rejected = [d for d in decisions if not d.accepted]
+    assert decisions[0].accepted and rejected, [d.prefill.ttft_s for d in decisions]
+    assert all(d.reject_code is not None and "TTFT" in d.reject_reason for d in rejected)
+
+
 def test_explain_lists_every_candidate(make_conductor):
     c = make_conductor(num_prefill=3)
     d = c.schedule(_req("r", 4))
