@@ -3,7 +3,7 @@ same threads: decode step time at batch 1, 8, 32 x context 512, 2048, and prefil
 tokens/s for one 2048-token prompt.
 
 halfmoon's ``LLMEngine`` and transformers (``generate``, SDPA, ``use_cache``) run in this
-process; vLLM's offline ``LLM`` runs in ``benchmarks/.vllm-venv`` (``vllm_env.sh`` makes
+process; vLLM's offline ``LLM`` runs in ``.venv-vllm`` (``make vllm`` / ``vllm_env.sh`` makes
 it) as a subprocess, ``benchmarks/micro/vllm_peer.py``, driven line by line so that the three
 take turns. Every engine gets float32, ``--threads`` threads (vLLM: ``OMP_NUM_THREADS``
 and its thread binding), prefix caching off, the same ``max_model_len``, greedy
@@ -42,7 +42,7 @@ engines' per-round times swing up to 10x): hence the rotating rounds and per-rou
 
 Usage::
 
-    benchmarks/micro/vllm_env.sh          # once: benchmarks/.vllm-venv
+    benchmarks/micro/vllm_env.sh          # once: .venv-vllm (make vllm)
     .venv/bin/python -m benchmarks.micro.engine_real --model DIR_OR_NAME [--threads 2]
         [--rounds 5] [--k 12] [--k-large 8] [--malloc default|glibc-tuned|tcmalloc]
         [--json benchmarks/results/engine_real.json] [--quick]
@@ -74,8 +74,8 @@ from halfmoon.engine.engine import KVHandoff, LLMEngine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-#: vLLM's venv (micro/vllm_env.sh makes it), beside the Mooncake one in benchmarks/.
-VLLM_VENV = ROOT / "benchmarks" / ".vllm-venv"
+#: vLLM's venv (``make vllm`` makes it), shared with ``--engine vllm``.
+VLLM_VENV = ROOT / ".venv-vllm"
 ENGINES = ("halfmoon", "vllm", "transformers")
 SHORT = {"halfmoon": "hm", "vllm": "vllm", "transformers": "hf"}
 TEXT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")

@@ -1,6 +1,6 @@
 """vLLM's CPU build as the peer of ``benchmarks.micro.engine_real``.
 
-Runs INSIDE ``benchmarks/.vllm-venv`` (``benchmarks/micro/vllm_env.sh`` makes it), started
+Runs INSIDE ``.venv-vllm`` (``make vllm`` or ``benchmarks/micro/vllm_env.sh`` makes it), started
 by path (vLLM imports this file as the module ``vllm_peer``), and never imports halfmoon.
 It holds one offline ``vllm.LLM`` over an HF directory in float32 (the first start
 compiles the model, 30-50 s, so one process measures every case):
@@ -28,7 +28,7 @@ core for its scheduler process and runs the model on the other (one thread).
 
 Usage::
 
-    benchmarks/.vllm-venv/bin/python benchmarks/micro/vllm_peer.py --model DIR [--threads 2]
+    .venv-vllm/bin/python benchmarks/micro/vllm_peer.py --model DIR [--threads 2]
         [--max-model-len 2304] [--max-num-seqs 32] [--kv-space-gb 4] [--serve]
 """
 

@@ -194,10 +194,12 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         sizes = (("prefill", args.prefill), ("decode", args.decode))
     if any(n < 1 for _, n in sizes):
         raise HalfmoonError("every pool needs at least 1 worker")
+    if getattr(args, "engine", "halfmoon") != "halfmoon":
+        raise HalfmoonError("--ray runs halfmoon's own engine only (drop --engine vllm)")
     gateway = GatewaySpec(
         args.model, args.seed, args.mode, args.block_size, args.host, args.port,
         api_keys(args.api_key), args.served_model_name, args.max_model_len,
-        args.max_concurrent_requests, args.startup_timeout,
+        args.max_concurrent_requests, args.startup_timeout or 180.0,
         getattr(args, "cache_salt_from_api_key", False), tuple(getattr(args, "public", None) or ()),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,

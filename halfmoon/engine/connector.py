@@ -45,7 +45,7 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.costmodel import CostProfile
 from halfmoon.engine.attention import LayerKV
 from halfmoon.engine.block_manager import BlockManager
-from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.config import EngineConfig, ModelConfig
 from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOutput
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.profiler import cached_profile
@@ -73,6 +73,26 @@ class HandoffState:
     num_computed_tokens: int
     seed: int
     cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine dropped: why, and whether another instance may retry it (the
+    engine became unreachable) or not (the engine refused the request)."""
+
+    request_id: str
+    error: str
+    retryable: bool = False
+
+
+def model_kv_layout(model_dir: str | Path, block_size: int, dtype: str) -> KVLayout:
+    """The export layout of the model at ``model_dir`` (its ``config.json``), for an
+    engine that does not load the model in this process."""
+    import json
+
+    config = ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    return KVLayout(num_layers=config.num_layers, block_size=block_size,
+                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)  # fmt: skip
 
 
 class StageConnector(ABC):
@@ -133,6 +153,10 @@ class EngineConnector(ABC):
     """What a serving role needs from an engine (see the module docstring for threads and
     ownership). Request methods mirror :class:`~halfmoon.engine.engine.LLMEngine`'s."""
 
+    #: Whether a request's ``num_cached_tokens`` is known only on its last output (an
+    #: engine in another process that reports it with the request's usage), not its first.
+    cached_tokens_at_finish: bool = False
+
     # -- shape ---------------------------------------------------------------------------------
     @property
     @abstractmethod
@@ -187,6 +211,17 @@ class EngineConnector(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Assert the block pool is consistent (tests and debug runs)."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory (threads, servers);
+        nothing for this package's engine."""
+        return None
+
+    def take_failures(self) -> list[RequestFailure]:
+        """Requests that failed inside the engine since the last call (an engine in
+        another process can lose one); each is gone from the engine. This package's
+        engine fails a request only by raising from :meth:`add_request`."""
+        return []
 
     # -- KV out --------------------------------------------------------------------------------
     @abstractmethod

@@ -3,6 +3,7 @@ signal handling, logging and the garbage collector."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -134,3 +135,16 @@ def read_config_document(text: str) -> str:
             return f.read()
     except OSError as exc:
         raise HalfmoonError(f"--config-json: cannot read {text}: {exc.strerror}") from None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child, before exec (``preexec_fn``): get SIGTERM when the parent dies, so no
+    orphan survives even a SIGKILL of it (Linux; elsewhere the parent's own cleanup
+    still stops its children)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass

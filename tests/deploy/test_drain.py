@@ -138,6 +138,9 @@ class _Engine:
     def has_unfinished_requests(self) -> bool:
         return self.busy
 
+    def close(self) -> None:
+        self.busy = False
+
 
 class _Role:
     def __init__(self) -> None:

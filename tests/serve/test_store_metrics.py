@@ -68,7 +68,9 @@ def _report(service: ConductorService, store: TieredStore, incarnation: str = ""
     link.incarnation = incarnation or link.incarnation
     link.register(kv_capacity_tokens=128, timeout_s=10)
     engine = SimpleNamespace(
-        stats=lambda: EngineStats(0, 0, 8, 8, 0, 0), config=SimpleNamespace(block_size=16)
+        stats=lambda: EngineStats(0, 0, 8, 8, 0, 0),
+        config=SimpleNamespace(block_size=16),
+        close=lambda: None,
     )
     worker = Worker(me, engine, SECRET, link, "tcp://127.0.0.1:*")
     worker.store = store

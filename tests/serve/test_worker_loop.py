@@ -35,6 +35,9 @@ class _Engine:
     def stats(self) -> SimpleNamespace:
         return SimpleNamespace(num_running=1, num_waiting=0, num_blocks=8, num_free_blocks=8)
 
+    def close(self) -> None:
+        return None
+
 
 class _Role:
     def has_work(self) -> bool:
@@ -101,6 +104,9 @@ class _IdleEngine:
         return SimpleNamespace(num_running=0, num_waiting=0, num_blocks=8, num_free_blocks=8)
 
     def check_integrity(self) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

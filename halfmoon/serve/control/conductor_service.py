@@ -262,6 +262,7 @@ class ConductorService:
             num_placements=self.conductor.num_placements,
             store_stats={i: s for i, s in self.store_stats.items() if i in self.instances},
             cluster=self.cluster,
+            index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:

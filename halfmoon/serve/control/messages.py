@@ -277,7 +277,7 @@ class Ping(Message):
 class ConductorPong(Message):
     """Conductor -> whoever pinged: registered instances (role, endpoints, incarnation),
     the placeable ones, the draining ones, the block-store counters of the last load
-    reports, and the cluster's identity."""
+    reports, the cluster's identity, and how many blocks its index holds per instance."""
 
     wire_name: ClassVar[str] = "pong"
     instances: dict[str, str] = field(default_factory=dict)  # id -> role
@@ -289,6 +289,8 @@ class ConductorPong(Message):
     num_placements: int = 0
     store_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     cluster: ClusterIdentity | None = None
+    #: Blocks the prefix index holds per instance (any tier): checks against the workers.
+    index_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

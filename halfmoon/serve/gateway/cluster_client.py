@@ -359,11 +359,14 @@ class ClusterBackend:
                 msg = held.pop(next_index)
                 first = next_index == 0
                 next_index += len(msg.token_ids)
-                cached = decision.cached_tokens if msg.cached_tokens is None else msg.cached_tokens
+                # A worker's own count wins; some engines send it with the last tokens.
+                cached = msg.cached_tokens
+                if cached is None and first:
+                    cached = decision.cached_tokens
                 yield GenerationChunk(
                     tuple(msg.token_ids),
                     msg.finish_reason,
-                    cached if first else None,
+                    cached,
                     decision.est_ttft_s if first else None,
                     msg.kv_bytes,
                     decision.decision_s if first else None,

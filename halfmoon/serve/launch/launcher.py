@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.runtime import (
     SECRET_ENV,
+    die_with_parent,
     free_port,
     new_secret,
     settle_gc,
@@ -42,15 +42,6 @@ from halfmoon.serve.worker.main import (
 )
 
 log = logging.getLogger("serve")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the launcher's own cleanup still stops the children
 
 
 @dataclass
@@ -85,7 +76,7 @@ class ProcessGroup:
 
     def _popen(self, argv: tuple[str, ...]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "halfmoon.cli", *argv]
-        return subprocess.Popen(cmd, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        return subprocess.Popen(cmd, env=self.env, preexec_fn=die_with_parent)  # noqa: PLW1509
 
     def spawn(self, name: str, *argv: str) -> subprocess.Popen:
         """Start ``halfmoon ARGV...`` as a child."""
@@ -174,13 +165,15 @@ def start_cluster(
     else:
         roles = [("prefill", args.prefill), ("decode", args.decode)]
     worker_doc = engine_json(args, str(model_dir))
+    attach = list(getattr(args, "attach", None) or ())
     count = 0
     for role, n in roles:
         for i in range(n):
+            extra = ("--vllm-url", attach[i]) if attach else ()
             group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
                         "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
                         "--conductor", endpoint, "--log-level", args.log_level,
-                        "--config-json", worker_doc)  # fmt: skip
+                        "--config-json", worker_doc, *extra)  # fmt: skip
             count += 1
     return endpoint, count
 
@@ -279,7 +272,28 @@ def _max_model_len(model_dir: Path) -> int:
 
 
 def check_shape(args: argparse.Namespace) -> None:
-    """Refuse contradictory pool and pipeline options before anything starts."""
+    """Refuse contradictory pool and pipeline options before anything starts (and fill in
+    the defaults that depend on others)."""
+    if getattr(args, "coupled_router", "") is None:
+        # vLLM servers serve a chat model: every prompt shares the template's first
+        # blocks, on which "cache-aware" would pile everything (docs/conductor.md).
+        args.coupled_router = "kvcache-centric" if args.engine == "vllm" else "cache-aware"
+    attach = getattr(args, "attach", None)
+    if getattr(args, "engine", "halfmoon") == "vllm":
+        if args.mode != "coupled":
+            raise HalfmoonError(
+                "--engine vllm serves --mode coupled (vLLM servers routed by their KV "
+                "events); disaggregated vLLM needs halfmoon's KV connector inside vLLM, "
+                "which is not built yet (docs/vllm.md)"
+            )
+        if attach:
+            from halfmoon.serve.vllm.server import VllmEndpoints
+
+            for spec in attach:
+                VllmEndpoints.parse(spec)
+            args.instances = len(attach)
+    elif attach:
+        raise HalfmoonError("--attach names vLLM servers: it needs --engine vllm")
     if args.mode == "coupled" and args.instances < 1:
         raise HalfmoonError("--instances must be >= 1")
     if args.mode == "disaggregated" and (args.prefill < 1 or args.decode < 1):
@@ -313,9 +327,18 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start the cluster and serve until interrupted."""
     check_shape(args)
     args.host = args.host or "127.0.0.1"
+    if args.startup_timeout is None:
+        args.startup_timeout = 900.0 if args.engine == "vllm" else 180.0
     log = setup_logging("serve", args.log_level)
     warn_if_public(args.host, log)
     model_dir = prepare_model(args.model, args.seed)
+    if args.engine == "vllm" and args.max_model_len is None:
+        from halfmoon.serve.vllm.server import fitting_max_model_len
+
+        # vLLM needs one whole context in its pool; the gateway must know the same limit.
+        args.max_model_len = fitting_max_model_len(
+            model_dir, args.kv_cache_mb, args.block_size, args.dtype
+        )
     group = ProcessGroup(os.environ.get(SECRET_ENV) or new_secret())
     try:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the normal way to stop
@@ -366,7 +389,16 @@ def register(subparsers: Any) -> None:
         help="with --api-key, keep this readable without a key: 'metrics' (/metrics) or "
         "'docs' (/docs, /redoc, /openapi.json); repeat for both (/health is always open)",
     )
-    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--attach", action="append", default=None, metavar="URL,EVENTS[,REPLAY[,TOPIC]]",
+        help="with --engine vllm: serve through this running vLLM server (HTTP URL, KV-event "
+        "PUB endpoint, optional replay endpoint and event topic) instead of starting one; "
+        "repeat per server (--instances is then their number)",
+    )  # fmt: skip
+    p.add_argument(
+        "--startup-timeout", type=float, default=None,
+        help="seconds to wait for every worker (default 180; 900 with --engine vllm)",
+    )  # fmt: skip
     p.add_argument(
         "--max-concurrent-requests",
         type=int,
@@ -376,4 +408,4 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
     add_conductor_options(p, "live")
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, coupled_router=None)  # check_shape: by --engine

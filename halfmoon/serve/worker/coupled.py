@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from halfmoon.core.events import BlockStored, CacheEvent
-from halfmoon.serve.control.messages import Generate, HeldBlocks
+from halfmoon.serve.control.messages import Error, Generate, HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import StreamClient, TokenStreaming
@@ -21,13 +21,19 @@ class CoupledRole(TokenStreaming):
     def __init__(self, worker: Worker) -> None:
         super().__init__(worker)
         self.cached: set[int] = set()
+        self.num_stored = self.num_evicted = 0
+        #: An engine that learns a request's cached prompt tokens only at its end (a vLLM
+        #: server's usage) sends them with the last tokens.
+        self.cached_at_finish = worker.engine.cached_tokens_at_finish
         worker.engine.set_cache_listener(self._on_cache_event)
 
     def _on_cache_event(self, event: CacheEvent) -> None:
         if isinstance(event, BlockStored):
             self.cached.add(event.block_hash)
+            self.num_stored += 1
         else:
             self.cached.discard(event.block_hash)
+            self.num_evicted += 1
         self.worker.conductor.cache_event(event)
 
     def handlers(self) -> dict[str, Handler]:
@@ -49,7 +55,8 @@ class CoupledRole(TokenStreaming):
             if client.index == 0:
                 events.event("prefill_finished", request_id=out.request_id)
                 events.event("decode_started", request_id=out.request_id)
-            self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True)
+            self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True,
+                             cached_at_finish=self.cached_at_finish)  # fmt: skip
             if out.finished:
                 del self.clients[out.request_id]
                 events.event("request_finished", request_id=out.request_id)
@@ -61,7 +68,17 @@ class CoupledRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=request_id)
 
     def tick(self) -> None:
-        """Nothing waits outside the engine."""
+        """Tell the gateway of requests the engine dropped (an engine in another process,
+        e.g. a vLLM server, can lose one): retryable ones go to another instance."""
+        for failure in self.worker.engine.take_failures():
+            client = self.clients.pop(failure.request_id, None)
+            if client is None:
+                continue
+            self.worker.send(client.identity, Error(
+                error=failure.error, request_id=failure.request_id, retryable=failure.retryable,
+                suspect=self.worker.me.instance_id if failure.retryable else "",
+            ))  # fmt: skip
+            self.worker.conductor.event("request_finished", request_id=failure.request_id)
 
     def has_work(self) -> bool:
         """All its work is in the engine."""
@@ -72,8 +89,10 @@ class CoupledRole(TokenStreaming):
         return 0
 
     def stats(self) -> dict[str, Any]:
-        """Nothing beyond the engine's numbers."""
-        return {}
+        """How many blocks its cache events said the engine holds (the Conductor's index
+        of this instance should hold as many), and how many events said so."""
+        return {"held_blocks": len(self.cached), "stored_events": self.num_stored,
+                "evicted_events": self.num_evicted}  # fmt: skip
 
     def snapshot(self) -> list[HeldBlocks]:
         """Every block in the engine's prefix cache, for a restarted Conductor's index."""

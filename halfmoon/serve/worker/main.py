@@ -23,6 +23,7 @@ from halfmoon.serve.runtime import (
 )
 
 ROLES = ("prefill", "decode", "coupled")
+ENGINES = ("halfmoon", "vllm")
 #: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: Exit status of a worker the Conductor refused (it disagrees with the cluster).
@@ -65,6 +66,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="directory for the prefill workers' SSD tier (one subdirectory each)",
     )
     parser.add_argument("--store-ssd-mb", type=float, default=0.0, help="SSD tier size, MiB")
+    parser.add_argument(
+        "--engine", default="halfmoon", choices=ENGINES,
+        help="halfmoon: this package's engine; vllm: a vLLM OpenAI server per worker, "
+        "routed by its KV events (coupled mode; docs/vllm.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-python", default=None,
+        help="the Python of vLLM's environment (default: $HALFMOON_VLLM_PYTHON, or this "
+        "Python if it has vLLM; `make vllm` makes .venv-vllm)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-args", default="",
+        help="more arguments for the vLLM server, one string (e.g. \"--enforce-eager\")",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,9 @@ class EngineOptions:
     store_dram_mb: float = 256.0
     store_ssd_dir: str | None = None
     store_ssd_mb: float = 0.0
+    engine: str = "halfmoon"
+    vllm_python: str | None = None
+    vllm_args: str = ""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -170,7 +188,14 @@ def run_worker(args: argparse.Namespace) -> int:
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
-    engine = LocalConnector.create(options.engine_config(args.role))
+    if options.engine == "vllm":
+        from halfmoon.serve.vllm.worker import vllm_engine
+
+        if args.role != "coupled":
+            raise HalfmoonError("--engine vllm runs coupled workers only (--role coupled)")
+        engine = vllm_engine(options, name, args.vllm_url, stop.is_set)
+    else:
+        engine = LocalConnector.create(options.engine_config(args.role))
     endpoint = f"tcp://{args.host}:{args.port}"
     me = WorkerIdentity(args.role, name, endpoint)
     link = ConductorLink(args.conductor, secret, me)
@@ -253,6 +278,11 @@ def register(subparsers: Any) -> None:
         choices=("auto", "tcp", "shm"),
         help="KV transfer transport to peers (auto: shared memory with co-located peers, else tcp)",
     )
+    p.add_argument(
+        "--vllm-url", default=None, metavar="URL,EVENTS[,REPLAY[,TOPIC]]",
+        help="with --engine vllm: serve through this running vLLM server (its HTTP URL, "
+        "its KV-event PUB endpoint and optionally its replay endpoint) instead of starting one",
+    )  # fmt: skip
     p.add_argument(
         "--config-json", default=None, metavar="JSON|PATH",
         help="the engine options as one JSON document (or a file holding it), as "

@@ -359,6 +359,7 @@ class Worker:
             sock.close(0)
         self._sock.close(0)
         self.conductor.close()
+        self.engine.close()
 
     def _handle(self, frames: list[bytes]) -> None:
         self.num_handled += 1

@@ -46,15 +46,19 @@ class TokenStreaming:
         finish: str | None,
         kv_bytes: int = 0,
         batch: bool = False,
+        cached_at_finish: bool = False,
     ) -> None:
         """Send a request's new tokens; with ``batch`` they wait for :meth:`flush_tokens`,
-        which sends a step's tokens for one gateway as one message."""
+        which sends a step's tokens for one gateway as one message. ``cached_at_finish``:
+        the cached prompt tokens go with the last tokens (an engine that learns them at the
+        end), not the first."""
         first = client.index == 0
+        with_cached = finish is not None if cached_at_finish else first
         msg = Tokens(
             request_id=rid, index=client.index, token_ids=list(out.new_token_ids),
             finish_reason=finish,
             logprobs=logprobs_to_wire(out.new_logprobs) if out.new_logprobs else None,
-            cached_tokens=out.num_cached_tokens if first else None,
+            cached_tokens=out.num_cached_tokens if with_cached else None,
             kv_bytes=kv_bytes if first else 0,
         )  # fmt: skip
         client.index += len(out.new_token_ids)

@@ -2,7 +2,7 @@
 
 Run with the vLLM venv, never by the tests::
 
-    benchmarks/.vllm-venv/bin/python tests/data/vllm_kv_events/make_fixture.py
+    .venv-vllm/bin/python tests/data/vllm_kv_events/make_fixture.py
 
 vLLM's own block pool (``BlockPool``, 16-token blocks, SHA-256 block hashes with the
 default seed) caches, evicts and resets blocks of real ``Request`` objects; its events go

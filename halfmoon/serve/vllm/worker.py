@@ -1,0 +1,55 @@
+"""A halfmoon worker's vLLM engine: start the worker's own vLLM server (or attach to a
+running one), check it, and wrap it in :class:`~halfmoon.serve.vllm.connector.VllmServerConnector`."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from halfmoon.serve.vllm.connector import VllmServerConnector
+from halfmoon.serve.vllm.server import (
+    VllmEndpoints,
+    VllmLaunch,
+    VllmProcess,
+    find_vllm_python,
+    fitting_max_model_len,
+    wait_healthy,
+)
+
+#: How long a worker waits for its vLLM server (a CPU start compiles for 30-50 s, and
+#: several servers starting together share the cores).
+START_TIMEOUT_S = 600.0
+
+
+def vllm_engine(
+    options: Any, instance_id: str, attach: str | None, stop: Callable[[], bool]
+) -> VllmServerConnector:
+    """The engine of a ``--engine vllm`` worker; ``options`` are its
+    :class:`~halfmoon.serve.worker.main.EngineOptions`, ``attach`` a ``--vllm-url``."""
+    from halfmoon.engine.catalog import resolve_model
+
+    model_dir = resolve_model(options.model, options.seed)
+    common = {"model_dir": str(model_dir), "instance_id": instance_id,
+              "block_size": options.block_size, "dtype": options.dtype}  # fmt: skip
+    if attach is not None:
+        endpoints = VllmEndpoints.parse(attach)
+        wait_healthy(endpoints.url, START_TIMEOUT_S, stop=stop)
+        return VllmServerConnector(endpoints, **common)
+    launch = VllmLaunch(
+        python=find_vllm_python(options.vllm_python), model_dir=str(model_dir),
+        served_model_name=model_dir.name, block_size=options.block_size, dtype=options.dtype,
+        kv_cache_mb=options.kv_cache_mb,
+        max_model_len=options.max_model_len or fitting_max_model_len(
+            model_dir, options.kv_cache_mb, options.block_size, options.dtype
+        ),
+        max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
+        prefix_caching=options.prefix_caching, extra_args=tuple(shlex.split(options.vllm_args)),
+    )  # fmt: skip
+    process = VllmProcess(launch, topic=f"kv@{instance_id}")
+    try:
+        process.wait_ready(START_TIMEOUT_S, stop)
+        return VllmServerConnector(process.endpoints, process=process, **common)
+    except BaseException:
+        process.stop()
+        raise

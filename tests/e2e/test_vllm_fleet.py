@@ -1,0 +1,219 @@
+"""``halfmoon serve --engine vllm``: real vLLM servers (vLLM's CPU build, ``make vllm``)
+behind halfmoon's gateway and Conductor, routed by their KV events (#19 item 1).
+
+One cluster of two vLLM servers serves every test here (a vLLM start compiles and
+profiles: ~100 s on this machine); the attach test reuses one of its servers. Without
+vLLM (no ``$HALFMOON_VLLM_PYTHON``) the module is skipped, unless
+``$HALFMOON_REQUIRE_VLLM`` is set (``make test`` sets it): then it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from halfmoon.serve.launch.local import argv_of, children_of
+from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
+
+from .conftest import SECRET, Cluster, processes_mentioning
+
+try:
+    VLLM_PYTHON = find_vllm_python()
+except VllmServerError as exc:
+    if os.environ.get("HALFMOON_REQUIRE_VLLM"):
+        raise
+    pytest.skip(f"no vLLM: {exc}", allow_module_level=True)
+
+KV_MB = "96"  # 67 vLLM blocks of 32 tokens per server: small enough to evict
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, smollm2_dir):
+    cluster = Cluster(
+        tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
+        "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
+        "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
+    )  # fmt: skip
+    try:
+        cluster.wait_ready(timeout_s=900)
+        yield cluster
+    finally:
+        cluster.stop()
+        for pid in processes_mentioning(str(smollm2_dir)):  # a vLLM left by a killed worker
+            os.kill(pid, signal.SIGKILL)
+
+
+def _client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _server_pids(cluster) -> list[int]:
+    """The vLLM servers' processes (each a child of a worker)."""
+    workers = children_of(cluster.proc.pid)
+    return [pid for w in workers for pid in children_of(w)
+            if "vllm.entrypoints.launchers.api_server.entry" in argv_of(pid)]  # fmt: skip
+
+
+def _vllm_servers(cluster) -> dict[str, str]:
+    """{worker instance id: its vLLM server's URL}, from the process tree."""
+    out = {}
+    for pid in _server_pids(cluster):
+        argv = argv_of(pid)
+        topic = json.loads(argv[argv.index("--kv-events-config") + 1])["topic"]
+        out[topic.split("@", 1)[1]] = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+    return out
+
+
+def _direct(url: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    """vLLM's own greedy answer, asked of the server directly."""
+    body = {"model": "smollm2-135m-instruct", "prompt": token_ids, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    return out["choices"][0]["token_ids"]
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Here is a list of three fruits:",
+    "In 1969, the first person to walk on the moon was",
+]
+
+
+def test_greedy_outputs_equal_vllms_own_streamed_and_not(fleet, smollm2_dir):
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    client = _client(fleet)
+    url = next(iter(_vllm_servers(fleet).values()))
+    for prompt in PROMPTS:
+        expected = tokenizer.decode(_direct(url, tokenizer.encode(prompt), 24))
+        whole = client.completions.create(
+            model="smollm2-135m-instruct", prompt=prompt, max_tokens=24, temperature=0
+        )
+        stream = client.completions.create(
+            model="smollm2-135m-instruct", prompt=prompt, max_tokens=24, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        assert whole.choices[0].text == streamed == expected and expected
+    chat = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=24, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )  # fmt: skip
+    assert "Paris" in chat.choices[0].message.content
+
+
+def _system(i: int) -> str:
+    return f"Group {i}. " + " ".join(f"Rule {i}.{k}: answer about item {k}." for k in range(40))
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(fleet):
+    """Six prefixes, two requests each: every second request lands on the server that
+    computed the first, as vLLM's own count of cached prompt tokens says (routing blind
+    to the cache would miss half of them). The router is the default one of ``--engine
+    vllm``, ``kvcache-centric``."""
+    client = _client(fleet)
+    hits = []
+    for i in range(6):
+        for question in ("Which rule is first?", "Which rule is last?"):
+            chat = client.chat.completions.create(
+                model="smollm2-135m-instruct", max_tokens=4, temperature=0,
+                messages=[{"role": "system", "content": _system(i)},
+                          {"role": "user", "content": question}],
+            )  # fmt: skip
+            details = chat.usage.prompt_tokens_details
+            hits.append(details.cached_tokens if details else None)
+    firsts, seconds = hits[0::2], hits[1::2]
+    assert all(c == 0 for c in firsts), hits
+    assert all(c is not None and c >= 256 for c in seconds), hits
+
+
+def test_the_conductors_index_matches_what_the_servers_report(fleet):
+    """After a workload larger than both pools (so vLLM evicts), the Conductor's index
+    holds, per server, exactly the blocks that server's KV events say it holds."""
+    client = _client(fleet)
+
+    def one(i: int) -> None:  # ~11 vLLM blocks each, ~8 per server: past its 67
+        client.completions.create(
+            model="smollm2-135m-instruct", max_tokens=2, temperature=0,
+            prompt=f"Document {i}: " + " ".join(f"word{i}x{k}" for k in range(90)),
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(16)))
+    deadline = time.monotonic() + 10
+    while True:
+        held = {p.instance_id: p.stats for p in fleet.ping_workers()}
+        index = fleet.ping_conductor().index_blocks
+        if all(index.get(i) == s["held_blocks"] for i, s in held.items()) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.2)
+    assert {i: s["held_blocks"] for i, s in held.items()} == {i: index[i] for i in held}
+    assert sum(s["evicted_events"] for s in held.values()) > 0, held
+    assert all(s["held_blocks"] > 0 for s in held.values()), held  # both got requests
+    assert all(p.integrity == "ok" for p in fleet.ping_workers())
+
+
+def test_a_server_refused_at_start_names_the_mismatch(fleet, smollm2_dir, tmp_path):
+    """A worker attached to a server whose blocks do not split into the cluster's exits
+    at once, naming both block sizes (32-token vLLM blocks, a 64-token cluster)."""
+    url = next(iter(_vllm_servers(fleet).values()))
+    spec = f"{url},tcp://127.0.0.1:1"
+    env = {**os.environ, "HALFMOON_SECRET": SECRET, "HALFMOON_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "halfmoon.cli", "worker", "--role", "coupled", "--engine",
+         "vllm", "--vllm-url", spec, "--port", "1", "--conductor", "tcp://127.0.0.1:1",
+         "--model", str(smollm2_dir), "--block-size", "64"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "32-token blocks, not a multiple of the cluster's 64" in done.stderr, done.stderr
+
+
+def test_killing_a_vllm_server_mid_request(fleet):
+    """The stream of a request whose server dies continues on the other one (the gateway
+    places it again with the tokens produced so far); nothing hangs; the next request is
+    served."""
+    client = _client(fleet)
+    servers = _vllm_servers(fleet)
+    prompt = "Write a long story about a dragon who learns to paint."
+    stream = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=120, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}, timeout=180,
+    )  # fmt: skip
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    busy = [iid for iid, url in servers.items() if _running(url) > 0]
+    assert len(busy) == 1, busy
+    victim = next(pid for pid in _server_pids(fleet) if f"kv@{busy[0]}" in " ".join(argv_of(pid)))
+    os.killpg(victim, signal.SIGKILL)
+    finish = None
+    started = time.monotonic()
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and time.monotonic() - started < 120
+    again = client.completions.create(
+        model="smollm2-135m-instruct", prompt="Hello", max_tokens=4, temperature=0
+    )
+    assert again.choices[0].finish_reason in ("length", "stop")
+
+
+def _running(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0

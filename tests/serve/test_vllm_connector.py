@@ -1,0 +1,156 @@
+"""The vLLM server connector's own logic (halfmoon/serve/vllm/): request bodies, stream
+parsing, endpoint specs, server checks. No vLLM here: the stream lines below were copied
+from a real vLLM 0.32.0 server's answer; tests/e2e/test_vllm_fleet.py runs real servers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.serve.vllm.connector import parse_event, parse_logprobs, request_body
+from halfmoon.serve.vllm.server import (
+    ServerFacts,
+    VllmEndpoints,
+    VllmLaunch,
+    VllmServerError,
+    _labels,
+    check_server,
+    find_vllm_python,
+)
+
+#: The ``data:`` lines of a real stream: vLLM 0.32.0's CPU build serving SmolLM2, asked for
+#: the prompt ids [504, 2365, 6354, 16438] ("The quick brown fox") with max_tokens 2,
+#: return_token_ids, include_usage, logprobs 1 and return_tokens_as_token_ids.
+STREAM = [
+    '{"id":"cmpl-9ed61e7617ab8817","object":"text_completion","created":1796144119,"model":'
+    '"smollm2-135m-instruct","choices":[{"index":0,"text":" with","logprobs":{"text_offset":'
+    '[0],"token_logprobs":[-0.719516932964325],"tokens":["token_id:351"],"top_logprobs":'
+    '[{"token_id:351":-0.719516932964325}]},"finish_reason":null,"stop_reason":null,'
+    '"prompt_token_ids":[504,2365,6354,16438],"token_ids":[351]}]}',
+    '{"id":"cmpl-9ed61e7617ab8817","object":"text_completion","created":1796144119,"model":'
+    '"smollm2-135m-instruct","choices":[{"index":0,"text":" a","logprobs":{"text_offset":[12],'
+    '"token_logprobs":[-0.7071914672851562],"tokens":["token_id:253"],"top_logprobs":'
+    '[{"token_id:253":-0.7071914672851562}]},"finish_reason":"length","stop_reason":null,'
+    '"prompt_token_ids":null,"token_ids":[253]}]}',
+    '{"id":"cmpl-9ed61e7617ab8817","object":"text_completion","created":1796144119,"model":'
+    '"smollm2-135m-instruct","choices":[],"usage":{"prompt_tokens":4,"total_tokens":6,'
+    '"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0}},'
+    '"system_fingerprint":"vllm-0.32.0-eff96a08"}',
+]
+
+
+def test_request_body_maps_every_sampling_option() -> None:
+    params = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("\n\n",), ignore_eos=True,
+        min_tokens=2, top_k=5, stop_token_ids=(9,), logprobs=2, presence_penalty=0.1,
+        frequency_penalty=0.2, repetition_penalty=1.1, logit_bias=((17, -100.0),),
+    )  # fmt: skip
+    body = request_body("smol", [1, 2, 3], params, "tenant-a")
+    assert body["model"] == "smol" and body["prompt"] == [1, 2, 3]
+    assert body["stream"] and body["return_token_ids"] and body["stream_options"]["include_usage"]
+    assert (body["max_tokens"], body["temperature"], body["top_p"], body["seed"]) == (
+        7,
+        0.5,
+        0.9,
+        3,
+    )
+    assert body["stop"] == ["\n\n"] and body["stop_token_ids"] == [9] and body["ignore_eos"]
+    assert (body["min_tokens"], body["top_k"], body["logprobs"]) == (2, 5, 2)
+    assert body["return_tokens_as_token_ids"] and body["logit_bias"] == {"17": -100.0}
+    assert body["repetition_penalty"] == 1.1 and body["cache_salt"] == "tenant-a"
+    plain = request_body("smol", [1], SamplingParams(), None)
+    assert "top_k" not in plain and "seed" not in plain and "cache_salt" not in plain
+    assert "logprobs" not in plain
+    json.dumps(body)  # what goes on the wire
+
+
+def test_stream_lines_become_tokens_logprobs_finish_and_cached_count() -> None:
+    first, last, usage = (parse_event(line, "r1") for line in STREAM)
+    assert first.token_ids == [351] and first.finish is None and first.cached is None
+    assert first.logprobs[0].logprob == pytest.approx(-0.7195169)
+    assert first.logprobs[0].top == ((351, pytest.approx(-0.7195169)),)
+    assert last.token_ids == [253] and last.finish == "length"
+    assert usage.token_ids == [] and usage.cached == 0 and usage.failure is None
+
+
+def test_top_logprobs_come_most_likely_first() -> None:
+    raw = {"token_logprobs": [-0.5], "top_logprobs": [{"token_id:11": -1.75, "token_id:7": -0.5}]}
+    assert parse_logprobs(raw, 1)[0].top == ((7, -0.5), (11, -1.75))
+
+
+def test_a_stream_error_is_a_failure_naming_vllms_message() -> None:
+    chunk = parse_event('{"error": {"message": "boom", "type": "BadRequestError"}}', "r2")
+    assert chunk.failure is not None and "boom" in chunk.failure.error
+    assert chunk.failure.request_id == "r2" and not chunk.failure.retryable
+
+
+def test_logprobs_absent_or_empty() -> None:
+    assert parse_logprobs(None, 3) == []
+    assert parse_logprobs({"token_logprobs": [], "top_logprobs": []}, 0) == []
+
+
+def test_attach_spec_parses_and_bad_specs_name_the_problem() -> None:
+    ep = VllmEndpoints.parse("http://127.0.0.1:8100/,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558")
+    assert ep == VllmEndpoints("http://127.0.0.1:8100", "tcp://127.0.0.1:5557",
+                               "tcp://127.0.0.1:5558")  # fmt: skip
+    assert VllmEndpoints.parse("http://h:1,tcp://h:2").replay is None
+    with_topic = VllmEndpoints.parse("http://h:1,tcp://h:2,,kv@vllm-0")
+    assert (with_topic.replay, with_topic.topic) == (None, "kv@vllm-0")
+    assert VllmEndpoints.parse(with_topic.spec()) == with_topic
+    assert VllmEndpoints.parse(ep.spec()) == ep
+    for bad, word in [
+        ("http://127.0.0.1:8100", "EVENTS"),
+        ("127.0.0.1:8100,tcp://h:1", "not an http"),
+        ("http://h:1,h:2", "not a tcp"),
+        ("http://h:1,tcp://h:2,tcp://h:3,t,x", "EVENTS"),
+        ("http://h:1,tcp://h:2,h:3", "not a tcp"),
+    ]:
+        with pytest.raises(VllmServerError, match=word):
+            VllmEndpoints.parse(bad)
+
+
+def test_servers_halfmoon_cannot_route_by_are_refused_by_name() -> None:
+    good = ServerFacts("m", 2048, 16, 100, True)
+    check_server(good, 16, "u")
+    check_server(ServerFacts("m", 2048, 32, 100, True), 16, "u")  # 2 halfmoon blocks each
+    with pytest.raises(VllmServerError, match="136-token blocks.*--block-size 16"):
+        check_server(ServerFacts("m", 2048, 128 + 8, 100, True), 16, "u")
+    with pytest.raises(VllmServerError, match="prefix caching"):
+        check_server(ServerFacts("m", 2048, 16, 100, False), 16, "u")
+
+
+def test_labels_of_a_metric_line() -> None:
+    text = (
+        "# HELP vllm:cache_config_info x\n"
+        'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",'
+        'num_gpu_blocks="1365"} 1.0\n'
+    )
+    assert _labels(text, "vllm:cache_config_info") == {
+        "block_size": "16", "enable_prefix_caching": "True", "num_gpu_blocks": "1365"
+    }  # fmt: skip
+    assert _labels(text, "vllm:other") == {}
+
+
+def test_launch_line_binds_events_and_pins_nothing() -> None:
+    launch = VllmLaunch("python3", "/m", "smol", kv_cache_mb=64, num_threads=1,
+                        extra_args=("--enforce-eager",))  # fmt: skip
+    argv = launch.argv(8000, 5557, 5558, "kv@coupled-0")
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert argv[:3] == ["python3", "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert events["endpoint"] == "tcp://*:5557" and events["topic"] == "kv@coupled-0"
+    assert argv[argv.index("--block-size") + 1] == "32"  # vLLM's CPU attention: 32k only
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 * 2**20)
+    assert argv[-1] == "--enforce-eager"
+    env = launch.env()
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("HALFMOON_VLLM_PYTHON", raising=False)
+    with pytest.raises(VllmServerError, match="not found"):
+        find_vllm_python(str(tmp_path / "no-python"))
+    # halfmoon's own environment has no vLLM (it lives in .venv-vllm)
+    with pytest.raises(VllmServerError, match="make vllm"):
+        find_vllm_python()
