@@ -121,9 +121,15 @@ def test_presets_keep_each_commands_defaults():
     """The simulator replays the paper's settings; the live commands use the CPU preset."""
     from halfmoon.cli import build_parser
     from halfmoon.conductor.options import PRESETS
+    from halfmoon.serve.launch.launcher import check_shape
 
     sim = build_parser().parse_args(["simulate", "--dataset", "leval"])
     serve = build_parser().parse_args(["serve"])
+    assert serve.coupled_router is None  # resolved by --engine:
+    check_shape(serve)
+    vllm = build_parser().parse_args(["serve", "--engine", "vllm", "--mode", "coupled"])
+    check_shape(vllm)
+    assert (serve.coupled_router, vllm.coupled_router) == ("cache-aware", "kvcache-centric")
     conductor = build_parser().parse_args(["conductor", "--port", "1"])
     for args, preset in ((sim, "paper"), (serve, "live"), (conductor, "live")):
         assert {k: getattr(args, k) for k in PRESETS[preset]} == PRESETS[preset]

@@ -145,9 +145,19 @@ def engine_json(args: argparse.Namespace, model: str) -> str:
     return EngineOptions.from_args(argparse.Namespace(**{**vars(args), "model": model})).to_json()
 
 
+def engine_defaults(args: argparse.Namespace) -> None:
+    """Fill in the options whose default depends on ``--engine`` (idempotent)."""
+    if getattr(args, "coupled_router", "") is None:
+        # vLLM servers serve a chat model: every prompt shares the template's first
+        # blocks, on which "cache-aware" would pile everything (docs/conductor.md).
+        vllm = getattr(args, "engine", "halfmoon") == "vllm"
+        args.coupled_router = "kvcache-centric" if vllm else "cache-aware"
+
+
 def conductor_json(args: argparse.Namespace) -> str:
     """The Conductor's config as one document (``--config-json``); the workers' block size
     is the cluster's."""
+    engine_defaults(args)
     return conductor_config_from_args(args, args.block_size).to_json()
 
 
@@ -274,10 +284,7 @@ def _max_model_len(model_dir: Path) -> int:
 def check_shape(args: argparse.Namespace) -> None:
     """Refuse contradictory pool and pipeline options before anything starts (and fill in
     the defaults that depend on others)."""
-    if getattr(args, "coupled_router", "") is None:
-        # vLLM servers serve a chat model: every prompt shares the template's first
-        # blocks, on which "cache-aware" would pile everything (docs/conductor.md).
-        args.coupled_router = "kvcache-centric" if args.engine == "vllm" else "cache-aware"
+    engine_defaults(args)
     attach = getattr(args, "attach", None)
     if getattr(args, "engine", "halfmoon") == "vllm":
         if args.mode != "coupled":
