@@ -354,21 +354,19 @@ class Conductor:
         def load(c: PrefillCandidate) -> tuple[float, int]:
             return (c.queue_s, self._decode[c.instance_id].num_running)
 
-        # Ties (idle instances, no hit anywhere) go round the instances, not to the first.
-        turn = self._round_robin
+        # Ties (idle instances, no hit anywhere) go round the instances, not to the first:
+        # candidates are tried in an order that starts one further each time.
+        turn = self._round_robin % len(cands)
         self._round_robin += 1
-
-        def rotation(c: PrefillCandidate) -> int:
-            return (cands.index(c) - turn) % len(cands)
-
+        rotated = cands[turn:] + cands[:turn]
         if router == "round-robin":
-            chosen = cands[turn % len(cands)]
+            chosen = rotated[0]
         elif router == "least-load":
-            chosen = min(cands, key=lambda c: (*load(c), rotation(c)))
+            chosen = min(rotated, key=load)
         elif router == "kvcache-centric":
-            chosen = min(cands, key=lambda c: (c.ttft_s, *load(c), rotation(c)))
+            chosen = min(rotated, key=lambda c: (c.ttft_s, *load(c)))
         else:
-            chosen = min(cands, key=lambda c: (-c.cached_tokens, *load(c), rotation(c)))
+            chosen = min(rotated, key=lambda c: (-c.cached_tokens, *load(c)))
         ready_s = self.clock.now() + chosen.ttft_s
         decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
         code, reason = self._rejection(request, chosen, decode)

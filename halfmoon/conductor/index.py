@@ -27,6 +27,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._any: dict[int, int] = {}
         self._by_tier: dict[str, dict[int, int]] = {tier: {} for tier in TIERS}
+        #: Distinct blocks each instance holds in any tier (kept with ``_any``).
+        self._held: dict[str, int] = {}
 
     # -- instances ---------------------------------------------------------------------
     def add_instance(self, instance_id: str) -> None:
@@ -35,12 +37,14 @@ class PrefixIndex:
             return
         slot = self._free_slots.pop() if self._free_slots else len(self._slots)
         self._slots[instance_id] = slot
+        self._held[instance_id] = 0
 
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance and every block it held (a scan: rare, O(index size))."""
         slot = self._slots.pop(instance_id, None)
         if slot is None:
             return
+        del self._held[instance_id]
         keep = ~(1 << slot)
         for table in (self._any, *self._by_tier.values()):
             for h in [h for h, m in table.items() if m >> slot & 1]:
@@ -73,7 +77,10 @@ class PrefixIndex:
         bit = 1 << self._slots[instance_id]
         table = self._tier_table(tier)
         table[block_hash] = table.get(block_hash, 0) | bit
-        self._any[block_hash] = self._any.get(block_hash, 0) | bit
+        held = self._any.get(block_hash, 0)
+        if not held & bit:
+            self._any[block_hash] = held | bit
+            self._held[instance_id] += 1
 
     def evicted(self, instance_id: str, block_hash: int, tier: str = "dram") -> None:
         """``instance_id`` dropped ``block_hash`` from ``tier`` (unknown pairs are ignored)."""
@@ -89,11 +96,14 @@ class PrefixIndex:
             table.pop(block_hash, None)
         if any(t.get(block_hash, 0) & bit for t in self._by_tier.values()):
             return  # still held in another tier
-        mask = self._any.get(block_hash, 0) & ~bit
-        if mask:
-            self._any[block_hash] = mask
+        held = self._any.get(block_hash, 0)
+        if not held & bit:
+            return
+        self._held[instance_id] -= 1
+        if held & ~bit:
+            self._any[block_hash] = held & ~bit
         else:
-            self._any.pop(block_hash, None)
+            del self._any[block_hash]
 
     # -- queries -------------------------------------------------------------------------
     def holds(self, instance_id: str, block_hash: int) -> bool:
@@ -102,9 +112,8 @@ class PrefixIndex:
         return slot is not None and bool(self._any.get(block_hash, 0) >> slot & 1)
 
     def num_held(self, instance_id: str) -> int:
-        """Distinct blocks ``instance_id`` holds in any tier (a scan: for checks)."""
-        slot = self._slots.get(instance_id)
-        return 0 if slot is None else sum(m >> slot & 1 for m in self._any.values())
+        """Distinct blocks ``instance_id`` holds in any tier (kept as events come)."""
+        return self._held.get(instance_id, 0)
 
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding ``block_hash`` in any tier."""

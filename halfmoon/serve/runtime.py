@@ -3,6 +3,7 @@ signal handling, logging and the garbage collector."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -144,7 +145,5 @@ def die_with_parent() -> None:
     """In a child, before exec (``preexec_fn``): get SIGTERM when the parent dies, so no
     orphan survives even a SIGKILL of it (Linux; elsewhere the parent's own cleanup
     still stops its children)."""
-    try:
+    with contextlib.suppress(OSError):  # no glibc: nothing to ask of the kernel
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass

@@ -69,3 +69,28 @@ def test_match_agrees_with_naive(data):
             held.get(iid, set()).discard(h)
     hashes = [rng.randrange(12) for _ in range(rng.randrange(10))]
     assert idx.match(hashes, ids) == _naive(held, hashes, ids)
+
+
+@given(st.data())
+def test_num_held_counts_distinct_blocks_in_any_tier(data):
+    """The per-instance count kept as events come equals a scan of the index, through
+    stores in several tiers, evictions of held and unknown pairs, and removals."""
+    index = PrefixIndex()
+    ids = ["a", "b", "c"]
+    held: dict[str, set[tuple[str, int]]] = {i: set() for i in ids}
+    for _ in range(data.draw(st.integers(0, 60))):
+        iid = data.draw(st.sampled_from(ids))
+        tier = data.draw(st.sampled_from(["dram", "ssd"]))
+        h = data.draw(st.integers(0, 8))
+        op = data.draw(st.sampled_from(["store", "store", "evict", "remove"]))
+        if op == "store":
+            index.stored(iid, h, tier)
+            held[iid].add((tier, h))
+        elif op == "evict":
+            index.evicted(iid, h, tier)
+            held[iid].discard((tier, h))
+        else:
+            index.remove_instance(iid)
+            held[iid] = set()
+        for i in ids:
+            assert index.num_held(i) == len({b for _, b in held[i]})

@@ -18,6 +18,7 @@ from halfmoon.serve.vllm.server import (
     _labels,
     check_server,
     find_vllm_python,
+    parse_metric_values,
 )
 
 #: The ``data:`` lines of a real stream: vLLM 0.32.0's CPU build serving SmolLM2, asked for
@@ -154,3 +155,27 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tmp_path) -> None:
     # halfmoon's own environment has no vLLM (it lives in .venv-vllm)
     with pytest.raises(VllmServerError, match="make vllm"):
         find_vllm_python()
+
+
+def test_metric_values_sum_over_labels_and_skip_comments() -> None:
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+    )
+    names = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    assert parse_metric_values(text, names) == {names[0]: 3.0, names[1]: 0.25}
+
+
+def test_serve_refuses_vllm_without_prefix_caching_before_starting_anything() -> None:
+    from halfmoon.cli import build_parser
+    from halfmoon.core.errors import HalfmoonError
+    from halfmoon.serve.launch.launcher import check_shape
+
+    args = build_parser().parse_args(
+        ["serve", "--engine", "vllm", "--mode", "coupled", "--no-prefix-caching"]
+    )
+    with pytest.raises(HalfmoonError, match="publishes no KV events"):
+        check_shape(args)

@@ -293,6 +293,10 @@ def check_shape(args: argparse.Namespace) -> None:
                 "events); disaggregated vLLM needs halfmoon's KV connector inside vLLM, "
                 "which is not built yet (docs/vllm.md)"
             )
+        if not args.prefix_caching:
+            from halfmoon.serve.vllm.server import NO_PREFIX_CACHING
+
+            raise HalfmoonError(NO_PREFIX_CACHING)
         if attach:
             from halfmoon.serve.vllm.server import VllmEndpoints
 

@@ -32,7 +32,6 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from halfmoon.engine.connector import (
     EngineConnector,
     EngineStats,
     HandoffState,
+    KVLayout,
     PromptKVHook,
     RequestFailure,
     RequestOutput,
@@ -62,7 +62,7 @@ from halfmoon.serve.vllm.server import (
     VllmEndpoints,
     VllmProcess,
     check_server,
-    metric_values,
+    parse_metric_values,
     server_facts,
 )
 from halfmoon.serve.vllm.subscriber import KVEventSubscriber
@@ -248,13 +248,12 @@ class VllmServerConnector(EngineConnector):
             sub.run(self._events.put, self._stop)
 
     async def _poll_metrics(self) -> None:
+        assert self._client is not None
         while not self._stop.is_set():
             try:
-                values = await asyncio.to_thread(
-                    metric_values, self.endpoints.url, (WAITING, KV_USAGE)
-                )
-                self._load.update(values)
-            except HalfmoonError as exc:
+                resp = await self._client.get("/metrics", timeout=2.0)
+                self._load.update(parse_metric_values(resp.text, (WAITING, KV_USAGE)))
+            except httpx.HTTPError as exc:
                 log.debug("metrics of %s: %s", self.endpoints.url, exc)
             await asyncio.sleep(METRICS_INTERVAL_S)
 
@@ -308,7 +307,7 @@ class VllmServerConnector(EngineConnector):
 
     # -- shape ---------------------------------------------------------------------------------
     @property
-    def layout(self):  # type: ignore[override]
+    def layout(self) -> KVLayout:
         return self._layout
 
     @property
@@ -432,10 +431,6 @@ class VllmServerConnector(EngineConnector):
     def check_integrity(self) -> None:
         self._translator.check_integrity()
 
-    def held_hashes(self) -> int:
-        """halfmoon blocks this server holds, as its KV events said."""
-        return self._translator.num_held(self.instance_id)
-
     # -- KV out / in: not over HTTP ----------------------------------------------------------
     def set_prompt_kv_hook(self, hook: PromptKVHook | None) -> None:
         if hook is not None:
@@ -491,13 +486,3 @@ class VllmServerConnector(EngineConnector):
         self._events_thread.join(2)
         if self.process is not None:
             self.process.stop()
-
-
-def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate()`` until true or ``timeout_s`` passes (tests and the profiler)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())

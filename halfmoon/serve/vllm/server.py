@@ -18,6 +18,7 @@ socket are the interface.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -29,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,6 +113,12 @@ def find_vllm_python(python: str | None = None) -> str:
     )
 
 
+#: Why a vLLM server must keep prefix caching on.
+NO_PREFIX_CACHING = (
+    "a vLLM server without prefix caching publishes no KV events, so the Conductor cannot "
+    "route by its cache (keep prefix caching on: no --no-prefix-caching with --engine vllm, "
+    "no --no-enable-prefix-caching on an attached server)"
+)
 #: vLLM 0.32's CPU attention backend takes block sizes that are multiples of 32 only.
 CPU_BLOCK_MULTIPLE = 32
 
@@ -161,7 +167,6 @@ class VllmLaunch:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     num_threads: int = 1
-    prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
 
     def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
@@ -185,8 +190,6 @@ class VllmLaunch:
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
-        if not self.prefix_caching:
-            argv.append("--no-enable-prefix-caching")
         return argv + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -261,14 +264,13 @@ class VllmProcess:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):  # the group is already gone
+                try:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
         if self._log is not None:
             self._log.close()
 
@@ -283,12 +285,10 @@ def wait_healthy(
         alive()
         if stop():
             raise VllmServerError("stopped while waiting for vLLM")
-        try:
+        with contextlib.suppress(OSError):  # not listening yet (URLError is an OSError)
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
                     return
-        except (OSError, urllib.error.URLError):
-            pass
         if time.monotonic() > deadline:
             raise VllmServerError(f"vLLM at {url} not healthy after {timeout_s:g}s")
         time.sleep(0.5)
@@ -309,7 +309,7 @@ def _get(url: str, timeout_s: float = 5.0) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.read()
-    except (OSError, urllib.error.URLError) as exc:
+    except OSError as exc:  # URLError included
         raise VllmServerError(f"GET {url}: {exc}") from None
 
 
@@ -350,23 +350,22 @@ def check_server(facts: ServerFacts, block_size: int, url: str) -> None:
             f"cluster's {block_size}: start it with --block-size {block_size}"
         )
     if not facts.prefix_caching:
-        raise VllmServerError(
-            f"vLLM at {url} runs without prefix caching: it publishes no KV events, so "
-            "cache-aware routing cannot see it (drop --no-enable-prefix-caching)"
-        )
+        raise VllmServerError(f"vLLM at {url} runs without prefix caching: {NO_PREFIX_CACHING}")
 
 
-def metric_values(url: str, names: Sequence[str]) -> dict[str, float]:
-    """Current values of unlabelled-or-summed gauges/counters from ``url/metrics``."""
-    text = _get(f"{url}/metrics", timeout_s=2.0).decode()
+def parse_metric_values(text: str, names: Sequence[str]) -> dict[str, float]:
+    """The values of metrics ``names`` in a Prometheus text page, summed over labels."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in names:
-            try:
+            with contextlib.suppress(ValueError):  # NaN and friends parse; junk is skipped
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
     return out
+
+
+def metric_values(url: str, names: Sequence[str]) -> dict[str, float]:
+    """Current values of metrics ``names`` at ``url/metrics``, summed over labels."""
+    return parse_metric_values(_get(f"{url}/metrics", timeout_s=2.0).decode(), names)

@@ -9,9 +9,11 @@ from typing import Any
 
 from halfmoon.serve.vllm.connector import VllmServerConnector
 from halfmoon.serve.vllm.server import (
+    NO_PREFIX_CACHING,
     VllmEndpoints,
     VllmLaunch,
     VllmProcess,
+    VllmServerError,
     find_vllm_python,
     fitting_max_model_len,
     wait_healthy,
@@ -29,6 +31,8 @@ def vllm_engine(
     :class:`~halfmoon.serve.worker.main.EngineOptions`, ``attach`` a ``--vllm-url``."""
     from halfmoon.engine.catalog import resolve_model
 
+    if not options.prefix_caching:
+        raise VllmServerError(NO_PREFIX_CACHING)
     model_dir = resolve_model(options.model, options.seed)
     common = {"model_dir": str(model_dir), "instance_id": instance_id,
               "block_size": options.block_size, "dtype": options.dtype}  # fmt: skip
@@ -44,7 +48,7 @@ def vllm_engine(
             model_dir, options.kv_cache_mb, options.block_size, options.dtype
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
-        prefix_caching=options.prefix_caching, extra_args=tuple(shlex.split(options.vllm_args)),
+        extra_args=tuple(shlex.split(options.vllm_args)),
     )  # fmt: skip
     process = VllmProcess(launch, topic=f"kv@{instance_id}")
     try:

@@ -22,9 +22,6 @@ class CoupledRole(TokenStreaming):
         super().__init__(worker)
         self.cached: set[int] = set()
         self.num_stored = self.num_evicted = 0
-        #: An engine that learns a request's cached prompt tokens only at its end (a vLLM
-        #: server's usage) sends them with the last tokens.
-        self.cached_at_finish = worker.engine.cached_tokens_at_finish
         worker.engine.set_cache_listener(self._on_cache_event)
 
     def _on_cache_event(self, event: CacheEvent) -> None:
@@ -55,8 +52,10 @@ class CoupledRole(TokenStreaming):
             if client.index == 0:
                 events.event("prefill_finished", request_id=out.request_id)
                 events.event("decode_started", request_id=out.request_id)
+            # An engine that learns the cached prompt tokens only at a request's end (a
+            # vLLM server's usage) sends them with the last tokens.
             self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True,
-                             cached_at_finish=self.cached_at_finish)  # fmt: skip
+                             cached_at_finish=self.worker.engine.cached_tokens_at_finish)  # fmt: skip
             if out.finished:
                 del self.clients[out.request_id]
                 events.event("request_finished", request_id=out.request_id)
