@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1] / "halfmoon"
 #: The layer order of DESIGN.md's "Package layout" section (L0 core; L1 workload,
 #: costmodel, metrics; L2 conductor, engine, store, transfer; L3 sim; L4 serve, bench),
 #: with the top layer docs/architecture.md adds for what the brief does not list: L5
-#: deploy/ (Ray actors over serve/), cli.py and demo.py. A package imports only from lower
+#: deploy/ (Ray actors over serve/), vllm_kv/ (the KV connector vLLM loads; it imports
+#: vLLM and torch, so nothing of halfmoon imports it), cli.py and demo.py. A package imports only from lower
 #: layers ("layers import downward only").
 LAYERS: list[set[str]] = [
     {"core"},
@@ -26,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"conductor", "engine", "store", "transfer"},
     {"sim"},
     {"serve", "bench"},
-    {"deploy", "cli", "demo"},
+    {"deploy", "cli", "demo", "vllm_kv"},
 ]
 
 #: Imports within one layer that are allowed, each for a reason (still no cycles).
@@ -187,12 +188,22 @@ def test_packages_import_downward_only():
     assert not wrong, f"imports against DESIGN.md's layer order: {wrong}"
 
 
+#: Packages that may import torch: the engine, and the connector that runs inside vLLM.
+TORCH_PACKAGES = ("(engine)", "(vllm_kv)")
+
+
 def test_torch_is_imported_only_in_engine():
     _, external = _scan()
     torch = external.get("torch", [])
-    outside = [site for site in torch if not site.endswith("(engine)")]
+    outside = [site for site in torch if not site.endswith(TORCH_PACKAGES)]
     assert torch, "the scan found no torch import at all"
-    assert not outside, f"torch imported outside halfmoon/engine/: {outside}"
+    assert not outside, f"torch imported outside halfmoon/engine/ and halfmoon/vllm_kv/: {outside}"
+
+
+def test_vllm_is_imported_only_by_its_connector():
+    _, external = _scan()
+    outside = [site for site in external.get("vllm", []) if not site.endswith("(vllm_kv)")]
+    assert not outside, f"vllm imported outside halfmoon/vllm_kv/: {outside}"
 
 
 def test_conductor_opens_no_sockets():

@@ -192,11 +192,11 @@ class PeerConnection:
         meta = frame.meta
         session = meta["session"]
         wait_s = min(float(meta.get("wait_s", 0.0)), self.server.io_timeout_s)
-        receiver = self.server.streams.attach(session, deadline_after(wait_s))
+        wanted = (int(meta["num_layers"]), int(meta["num_blocks"]), int(meta["block_bytes"]))
+        receiver = self.server.streams.attach(session, deadline_after(wait_s), wanted)
         if receiver is None:
             raise RemoteError(f"no stream session {session!r} was announced within {wait_s} s")
         layout = receiver.layout
-        wanted = (int(meta["num_layers"]), int(meta["num_blocks"]), int(meta["block_bytes"]))
         if wanted != (layout.num_layers, layout.num_blocks, layout.block_bytes):
             receiver.fail(
                 TransferError(f"stream {session!r}: sender layout {wanted} does not match")

@@ -1,7 +1,8 @@
 """The transfer engine facade: one per worker process, serving and requesting.
 
 Receiving side: ``register_region`` (preallocated buffers peers push into),
-``expect_stream`` (a layer-wise session), an optional block store that peers pull from
+``expect_stream`` (a layer-wise session; ``accept_streams`` places unannounced ones on
+demand), an optional block store that peers pull from
 and put into, and ``on_complete`` notifications. Requesting side: ``connect(endpoint)``
 returns a :class:`PeerClient` with push / put / pull / open_stream.
 """
@@ -9,6 +10,7 @@ returns a :class:`PeerClient` with push / put / pull / open_stream.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from halfmoon.store import TieredStore
 from halfmoon.transfer.auth import check_secret
@@ -22,6 +24,10 @@ from halfmoon.transfer.pool import TRANSPORTS
 from halfmoon.transfer.regions import MemoryRegion, RegionTable, SegmentCache
 from halfmoon.transfer.server import TransferServer
 from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceiver, StreamTable
+
+#: Where an unannounced stream lands: ``(session_id, num_layers, num_blocks, block_bytes)
+#: -> (region name, layout)``.
+StreamPlacer = Callable[[str, int, int, int], tuple[str, StreamLayout]]
 
 
 class TransferEngine:
@@ -121,6 +127,30 @@ class TransferEngine:
         receiver = StreamReceiver(session_id, self.regions.get(region), layout, on_layer)
         self._streams.add(receiver)
         return receiver
+
+    def accept_streams(
+        self,
+        place: StreamPlacer | None,
+        accepted: Callable[[StreamReceiver], None] | None = None,
+    ) -> None:
+        """Accept sessions nobody announced: ``place(session_id, num_layers, num_blocks,
+        block_bytes) -> (region, layout)`` chooses where one lands when its sender opens
+        it (raise :class:`RemoteError` to refuse), and ``accepted(receiver)`` learns of
+        its receiver; None turns this off again."""
+        if place is None:
+            self._streams.acceptor = None
+            return
+
+        def accept(
+            session_id: str, num_layers: int, num_blocks: int, block_bytes: int
+        ) -> StreamReceiver:
+            region, layout = place(session_id, num_layers, num_blocks, block_bytes)
+            receiver = self.expect_stream(session_id, region, layout)
+            if accepted is not None:
+                accepted(receiver)
+            return receiver
+
+        self._streams.acceptor = accept
 
     # ------------------------------------------------------------ requesting side
     def connect(self, endpoint: str, transport: str | None = None) -> PeerClient:

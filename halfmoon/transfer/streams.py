@@ -19,7 +19,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from halfmoon.transfer.errors import TransferCancelled, TransferError, TransferTimeout
+from halfmoon.transfer.errors import (
+    RemoteError,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+)
 from halfmoon.transfer.regions import MemoryRegion
 
 
@@ -55,6 +60,9 @@ class StreamLayout:
 
 
 LayerCallback = Callable[["StreamReceiver", int], None]
+#: Announces a session a sender opened unannounced: ``(session_id, num_layers, num_blocks,
+#: block_bytes) -> receiver`` (already added to the table), or raises to refuse it.
+StreamAcceptor = Callable[[str, int, int, int], "StreamReceiver"]
 
 
 class StreamReceiver:
@@ -191,7 +199,9 @@ class StreamTable:
     """Live sessions by id; a sender may open one a little before the receiver announces it.
 
     Ended sessions leave the table; the last ``num_remembered`` ended ids are kept so a
-    late sender is refused at once instead of waiting for its timeout.
+    late sender is refused at once instead of waiting for its timeout. With an
+    ``acceptor`` set, a session nobody announced is announced by it when a sender opens
+    it (the receiver places it on demand, e.g. in an inbox region).
     """
 
     def __init__(self, num_remembered: int = 1024) -> None:
@@ -199,6 +209,7 @@ class StreamTable:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._num_remembered = num_remembered
         self._cond = threading.Condition()
+        self.acceptor: StreamAcceptor | None = None
 
     def add(self, receiver: StreamReceiver) -> None:
         """Announce a session."""
@@ -210,12 +221,23 @@ class StreamTable:
             receiver.on_end = self.remove
             self._cond.notify_all()
 
-    def attach(self, session_id: str, deadline: float) -> StreamReceiver | None:
-        """Wait until ``session_id`` is announced, mark it taken; None on timeout."""
+    def attach(
+        self, session_id: str, deadline: float, shape: tuple[int, int, int] | None = None
+    ) -> StreamReceiver | None:
+        """Wait until ``session_id`` is announced, mark it taken; None on timeout.
+
+        ``shape`` (layers, blocks, block bytes) lets the acceptor announce it at once.
+        """
+        with self._cond:
+            acceptor = self.acceptor
+            if session_id in self._sessions or session_id in self._ended:
+                acceptor = None
+        if acceptor is not None and shape is not None:
+            acceptor(session_id, *shape)  # raises to refuse; adds the receiver otherwise
         with self._cond:
             while session_id not in self._sessions:
                 if session_id in self._ended:
-                    raise TransferError(
+                    raise RemoteError(
                         f"stream session {session_id!r} already ended at the receiver"
                     )
                 remaining = deadline - time.monotonic()
@@ -224,7 +246,7 @@ class StreamTable:
                 self._cond.wait(remaining)
             receiver = self._sessions[session_id]
             if receiver.sender_attached:
-                raise TransferError(f"stream session {session_id!r} already has a sender")
+                raise RemoteError(f"stream session {session_id!r} already has a sender")
             receiver.sender_attached = True
             return receiver
 

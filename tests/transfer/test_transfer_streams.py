@@ -61,6 +61,37 @@ def test_sender_may_open_before_the_receiver_announces(make_engine):
     tx.finish()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_an_acceptor_places_unannounced_sessions_on_demand(make_engine, transport):
+    receiver = make_engine()
+    region = receiver.register_region("inbox", 2 * LAYERS * BLOCKS * SIZE, shared=True)
+    placed: list[tuple[str, int, int, int]] = []
+
+    def place(session: str, layers: int, blocks: int, size: int) -> tuple[str, StreamLayout]:
+        if blocks > BLOCKS:
+            raise RemoteError(f"no room for {blocks} blocks")
+        placed.append((session, layers, blocks, size))
+        base = (len(placed) - 1) * LAYERS * BLOCKS * SIZE
+        return "inbox", StreamLayout.contiguous(layers, blocks, size, base_offset=base)
+
+    receiver.accept_streams(place)
+    client = make_engine(transport=transport).connect(receiver.endpoint)
+    for session in ("a", "b"):
+        with client.open_stream(session, LAYERS, BLOCKS, SIZE, wait_s=0) as tx:
+            for i in range(LAYERS):
+                tx.send_layer(i, layer(i))
+    assert placed == [("a", LAYERS, BLOCKS, SIZE), ("b", LAYERS, BLOCKS, SIZE)]
+    second = LAYERS * BLOCKS * SIZE + (2 * BLOCKS + 1) * SIZE  # session b, layer 2, block 1
+    assert bytes(region.view[second : second + SIZE]) == layer_block_bytes(2, 1, SIZE)
+    with pytest.raises(RemoteError, match="no room for 4 blocks"):
+        client.open_stream("c", LAYERS, BLOCKS + 1, SIZE, wait_s=0)
+    with pytest.raises(TransferError, match="already ended"):  # a finished session stays ended
+        client.open_stream("a", LAYERS, BLOCKS, SIZE, wait_s=0)
+    receiver.accept_streams(None)
+    with pytest.raises(RemoteError, match="no stream session 'd'"):
+        client.open_stream("d", LAYERS, BLOCKS, SIZE, wait_s=0.1)
+
+
 def test_unknown_session_and_layout_mismatch_are_refused(stream_pair):
     client, rx, _, _ = stream_pair()
     started = time.monotonic()
