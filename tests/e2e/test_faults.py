@@ -126,6 +126,13 @@ def test_conductor_restart_keeps_requests_and_rebuilds_index(cluster):
     os.kill(conductor, signal.SIGKILL)
     t.join(120)
     assert out["usage"].completion_tokens == 150  # the in-flight request was not lost
+    # The workers re-register with their holdings on their next heartbeat: under load that
+    # may come after the request above finished, so wait for it (not for a race).
+    _wait_registered(cluster, 4)
+    deadline = time.monotonic() + 30
+    while not any(cluster.ping_conductor().index_blocks.values()):
+        assert time.monotonic() < deadline, "the new Conductor's index stayed empty"
+        time.sleep(0.1)
     after = client.completions.create(model="tiny", prompt=prefix + " two", max_tokens=2)
     assert after.usage.prompt_tokens_details.cached_tokens >= 600  # index came back
     (new_conductor,) = _pids(cluster, "conductor")

@@ -79,6 +79,8 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.Lost(instance_id="d0"),
     m.Handoff(request_id="r", token_ids=[1, 2, 3, 7], num_prompt_tokens=3,
               num_computed_tokens=3, seed=2**63 - 1),
+    m.PrefillDone(request_id="r", token_ids=[1, 2, 3], session="r", num_tokens=3, streamed=True,
+                  cached_tokens=2, kv_bytes=4096),
     m.CppOffer(request_id="r", stage=1, blocks=2),
     m.CppStart(request_id="r", start_blocks=2),
     TOKENS,

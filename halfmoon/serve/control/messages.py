@@ -511,6 +511,23 @@ class Handoff(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrefillDone(Message):
+    """vLLM prefill worker -> vLLM decode worker (#19): the prompt's KV went by the servers'
+    KV connectors as ``session`` (``streamed``: all ``num_tokens`` of it); decode the whole
+    request (the decode server samples the first token again). ``cached_tokens`` and
+    ``kv_bytes`` are the prefill's, for the first tokens message."""
+
+    wire_name: ClassVar[str] = "prefill_done"
+    request_id: str
+    token_ids: list[int]
+    session: str
+    num_tokens: int
+    streamed: bool
+    cached_tokens: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class CppOffer(Message):
     """CPP stage s > 0 -> stage 0: I can start after ``blocks`` prefix blocks."""
 
@@ -611,7 +628,7 @@ __all__ = [
     "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "Generate", "Handoff",
     "Heartbeat", "HeldBlocks", "InstanceFailed", "LifecycleEvent", "LoadEvent", "Lost",
     "MalformedMessage", "Member", "Message", "Ping", "PlacementDecision", "Prefill",
-    "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",
+    "PrefillDone", "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",
     "Replication", "Schedule", "Tokens", "WireLogprobs", "WireParams", "WorkerPong",
     "check_cache_salt", "decode_message", "encode_message", "event_entry", "from_wire",
     "logprobs_from_wire", "logprobs_to_wire", "params_from_wire", "params_to_wire",

@@ -287,12 +287,13 @@ def check_shape(args: argparse.Namespace) -> None:
     engine_defaults(args)
     attach = getattr(args, "attach", None)
     if getattr(args, "engine", "halfmoon") == "vllm":
-        if args.mode != "coupled":
+        if args.mode != "coupled" and attach:
             raise HalfmoonError(
-                "--engine vllm serves --mode coupled (vLLM servers routed by their KV "
-                "events); disaggregated vLLM needs halfmoon's KV connector inside vLLM, "
-                "which is not built yet (docs/vllm.md)"
+                "--attach serves --mode coupled: disaggregated vLLM workers start their own "
+                "servers with halfmoon's KV connector"
             )
+        if args.cpp_stages > 1:
+            raise HalfmoonError("--cpp-stages runs on halfmoon's engine only, not --engine vllm")
         if not args.prefix_caching:
             from halfmoon.serve.vllm.server import NO_PREFIX_CACHING
 

@@ -20,14 +20,18 @@ its Conductor link, heartbeats, load reports, draining) runs unchanged in front 
   worker's own vLLM process dies, :meth:`has_unfinished_requests` raises and the worker
   exits (``halfmoon serve`` restarts it, with a new vLLM).
 
-The KV-moving half of the connector interface (handoffs, seeding, pipeline stages) is the
-job of a KV connector inside vLLM (#19 item 2) and raises here.
+For disaggregated serving (#19 item 2) the KV moves inside vLLM, through halfmoon's KV
+connector (:mod:`halfmoon.vllm_kv`): :meth:`VllmServerConnector.add_prefill` asks for a
+prefill whose ``kv_transfer_params`` name the decode instance, and ``add_request`` with the
+answer's params decodes (:mod:`halfmoon.serve.vllm.roles`). The in-process KV half of the
+engine interface (handoff bytes, seeding, pipeline stages) raises here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import queue
@@ -104,6 +108,7 @@ class _Chunk:
     finish: str | None = None
     cached: int | None = None
     failure: RequestFailure | None = None
+    transfer_params: dict[str, Any] | None = None
 
 
 def request_body(
@@ -134,6 +139,18 @@ def request_body(
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     return body
+
+
+def _refused(request_id: str, status: int, text: str) -> _Chunk:
+    """A request vLLM answered with an HTTP error (5xx: retryable elsewhere)."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text[:500]
+    failure = RequestFailure(
+        request_id, f"vLLM refused the request ({status}): {message}", retryable=status >= 500
+    )
+    return _Chunk(request_id, [], [], failure=failure)
 
 
 def _token_id(text: str) -> int:
@@ -207,6 +224,7 @@ class VllmServerConnector(EngineConnector):
         self._chunks: queue.SimpleQueue[_Chunk] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failures: list[RequestFailure] = []
+        self._transfer_params: dict[str, dict[str, Any]] = {}
         self._translator = HashTranslator(block_size)
         self._listener: CacheListener | None = None
         #: The KV-event subscriber (its ``stats``: gaps, missed batches), once connected.
@@ -264,15 +282,7 @@ class VllmServerConnector(EngineConnector):
             async with self._client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
-                    try:
-                        message = json.loads(text)["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        message = text[:500]
-                    failure = RequestFailure(
-                        request_id, f"vLLM refused the request ({resp.status_code}): {message}",
-                        retryable=resp.status_code >= 500,
-                    )  # fmt: skip
-                    put(_Chunk(request_id, [], [], failure=failure))
+                    put(_refused(request_id, resp.status_code, text))
                     return
                 finish: str | None = None
                 async for line in resp.aiter_lines():
@@ -305,6 +315,32 @@ class VllmServerConnector(EngineConnector):
             )
             put(_Chunk(request_id, [], [], failure=failure))
 
+    async def _complete(self, request_id: str, body: dict[str, Any]) -> None:
+        """One non-streamed completion (a disaggregated prefill: vLLM returns the KV
+        connector's ``kv_transfer_params`` only in a whole response)."""
+        assert self._client is not None
+        try:
+            resp = await self._client.post("/v1/completions", json=body)
+            if resp.status_code != 200:
+                self._chunks.put(_refused(request_id, resp.status_code, resp.text))
+                return
+            answer = resp.json()
+            choice = (answer.get("choices") or [{}])[0]
+            details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+            self._chunks.put(_Chunk(
+                request_id, [int(t) for t in choice.get("token_ids") or []], [],
+                finish=choice.get("finish_reason") or "length",
+                cached=int(details.get("cached_tokens") or 0),
+                transfer_params=answer.get("kv_transfer_params"),
+            ))  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, OSError, ValueError, AttributeError) as exc:
+            failure = RequestFailure(
+                request_id, f"lost vLLM at {self.endpoints.url}: {exc!r}", retryable=True
+            )
+            self._chunks.put(_Chunk(request_id, [], [], failure=failure))
+
     # -- shape ---------------------------------------------------------------------------------
     @property
     def layout(self) -> KVLayout:
@@ -326,10 +362,41 @@ class VllmServerConnector(EngineConnector):
     def add_request(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
         keep_kv: bool = False, cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
+        """Stream a request's tokens; ``kv_transfer_params`` go to the server's KV
+        connector (a disaggregated decode: :mod:`halfmoon.serve.vllm.pd`)."""
         if keep_kv:
-            raise VllmUnsupported("a vLLM server cannot hand KV over without halfmoon's KV "
-                                  "connector (use --mode coupled)")  # fmt: skip
+            raise VllmUnsupported("a vLLM server hands KV over through halfmoon's KV "
+                                  "connector: use add_prefill")  # fmt: skip
+        body = self._body(request_id, token_ids, params, cache_salt, kv_transfer_params)
+        req = _Request(len(token_ids))
+        self._requests[request_id] = req
+        req.future = asyncio.run_coroutine_threadsafe(self._stream(request_id, body), self._loop)
+
+    def add_prefill(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
+        cache_salt: str | None, kv_transfer_params: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Prefill only (``max_tokens`` 1, not streamed): the server's KV connector streams
+        the KV where ``kv_transfer_params`` say; the output's params for the decode side
+        come from :meth:`take_transfer_params`."""
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
+        body = self._body(request_id, token_ids, first_only, cache_salt, kv_transfer_params)
+        body["stream"] = False
+        body.pop("stream_options", None)
+        req = _Request(len(token_ids))
+        self._requests[request_id] = req
+        req.future = asyncio.run_coroutine_threadsafe(self._complete(request_id, body), self._loop)
+
+    def take_transfer_params(self, request_id: str) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a finished prefill answered with (once)."""
+        return self._transfer_params.pop(request_id, None)
+
+    def _body(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+        cache_salt: str | None, kv_transfer_params: dict[str, Any] | None,
+    ) -> dict[str, Any]:  # fmt: skip
         if request_id in self._requests:
             raise HalfmoonError(f"request {request_id!r} is already running")
         if len(token_ids) + params.max_tokens > self.max_model_len > 0:
@@ -338,12 +405,13 @@ class VllmServerConnector(EngineConnector):
                 f"the server's context of {self.max_model_len} tokens"
             )
         body = request_body(self.facts.model, token_ids, params, cache_salt)
-        req = _Request(len(token_ids))
-        self._requests[request_id] = req
-        req.future = asyncio.run_coroutine_threadsafe(self._stream(request_id, body), self._loop)
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return body
 
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
+        self._transfer_params.pop(request_id, None)
         if req is None:
             return False
         req.future.cancel()  # closes the stream: vLLM aborts the request
@@ -374,6 +442,8 @@ class VllmServerConnector(EngineConnector):
             for c in parts:
                 if c.cached is not None:
                     req.cached = c.cached
+                if c.transfer_params is not None:
+                    self._transfer_params[rid] = c.transfer_params
             finish = next((c.finish for c in parts if c.finish), None)
             if not new and finish is None:
                 continue  # only usage: it rides on the finishing output

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from halfmoon.serve.vllm.connector import VllmServerConnector
+from halfmoon.serve.vllm.pd import ConnectorSettings, kv_transfer_config
 from halfmoon.serve.vllm.server import (
     NO_PREFIX_CACHING,
     VllmEndpoints,
@@ -25,14 +26,22 @@ START_TIMEOUT_S = 600.0
 
 
 def vllm_engine(
-    options: Any, instance_id: str, attach: str | None, stop: Callable[[], bool]
-) -> VllmServerConnector:
+    options: Any, instance_id: str, attach: str | None, stop: Callable[[], bool],
+    kv_connector: ConnectorSettings | None = None,
+) -> VllmServerConnector:  # fmt: skip
     """The engine of a ``--engine vllm`` worker; ``options`` are its
-    :class:`~halfmoon.serve.worker.main.EngineOptions`, ``attach`` a ``--vllm-url``."""
+    :class:`~halfmoon.serve.worker.main.EngineOptions`, ``attach`` a ``--vllm-url``,
+    ``kv_connector`` the settings of halfmoon's KV connector inside the server (a
+    disaggregated prefill or decode worker)."""
     from halfmoon.engine.catalog import resolve_model
 
     if not options.prefix_caching:
         raise VllmServerError(NO_PREFIX_CACHING)
+    if attach is not None and kv_connector is not None:
+        raise VllmServerError(
+            "--vllm-url attaches coupled workers only: a disaggregated worker starts its own "
+            "vLLM, with halfmoon's KV connector configured"
+        )
     model_dir = resolve_model(options.model, options.seed)
     common = {"model_dir": str(model_dir), "instance_id": instance_id,
               "block_size": options.block_size, "dtype": options.dtype}  # fmt: skip
@@ -48,7 +57,9 @@ def vllm_engine(
             model_dir, options.kv_cache_mb, options.block_size, options.dtype
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
-        extra_args=tuple(shlex.split(options.vllm_args)),
+        extra_args=tuple(shlex.split(options.vllm_args)) + (
+            ("--kv-transfer-config", kv_transfer_config(kv_connector)) if kv_connector else ()
+        ),
     )  # fmt: skip
     process = VllmProcess(launch, topic=f"kv@{instance_id}")
     try:

@@ -69,7 +69,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", default="halfmoon", choices=ENGINES,
         help="halfmoon: this package's engine; vllm: a vLLM OpenAI server per worker, "
-        "routed by its KV events (coupled mode; docs/vllm.md)",
+        "routed by its KV events, its KV moved by halfmoon's KV connector when "
+        "disaggregated (docs/vllm.md)",
     )  # fmt: skip
     parser.add_argument(
         "--vllm-python", default=None,
@@ -165,6 +166,29 @@ def model_identity(model: str, seed: int) -> str:
     return f"{model_dir.name}#{digest}"
 
 
+#: A directory for the vLLM KV connector's per-request transfer timings (JSON lines, one
+#: file per worker; the benchmarks' transfer-vs-prefill figure reads them).
+KV_STATS_DIR_ENV = "HALFMOON_KV_STATS_DIR"
+
+
+def vllm_connector_settings(args: argparse.Namespace, options: EngineOptions, name: str) -> Any:
+    """The KV connector settings of a disaggregated ``--engine vllm`` worker: its transfer
+    endpoint on a free port of ``--host``, an inbox the size of the KV pool, a store of
+    ``--store-dram-mb``."""
+    import os
+
+    from halfmoon.serve.runtime import free_port
+    from halfmoon.serve.vllm.pd import ConnectorSettings
+
+    stats_dir = os.environ.get(KV_STATS_DIR_ENV, "")
+    return ConnectorSettings(
+        host=args.host, port=free_port(args.host), transport=args.transport,
+        inbox_mb=options.kv_cache_mb, store_mb=options.store_dram_mb,
+        hash_block_size=options.block_size,
+        stats_path=str(Path(stats_dir) / f"{name}.jsonl") if stats_dir else "",
+    )  # fmt: skip
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.costmodel import CostProfile
@@ -188,12 +212,13 @@ def run_worker(args: argparse.Namespace) -> int:
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
+    kv_connector = None
     if options.engine == "vllm":
         from halfmoon.serve.vllm.worker import vllm_engine
 
         if args.role != "coupled":
-            raise HalfmoonError("--engine vllm runs coupled workers only (--role coupled)")
-        engine = vllm_engine(options, name, args.vllm_url, stop.is_set)
+            kv_connector = vllm_connector_settings(args, options, name)
+        engine = vllm_engine(options, name, args.vllm_url, stop.is_set, kv_connector)
     else:
         engine = LocalConnector.create(options.engine_config(args.role))
     endpoint = f"tcp://{args.host}:{args.port}"
@@ -201,7 +226,9 @@ def run_worker(args: argparse.Namespace) -> int:
     link = ConductorLink(args.conductor, secret, me)
     store = None
     holdings = Holdings(link)
-    if args.role == "prefill":
+    if kv_connector is not None:  # the KV moves inside vLLM, through halfmoon's connector
+        me.transfer_endpoint = kv_connector.endpoint
+    elif args.role == "prefill":
         ssd_dir = str(Path(options.store_ssd_dir) / name) if options.store_ssd_dir else None
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
@@ -209,11 +236,15 @@ def run_worker(args: argparse.Namespace) -> int:
             engine, options.store_dram_mb, ssd_dir, options.store_ssd_mb, holdings
         )
     transfer = None
-    if args.role != "coupled":
+    if args.role != "coupled" and kv_connector is None:
         transfer = TransferEngine(secret, host=args.host, transport=args.transport, store=store)
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
-    if args.role == "coupled":
+    if kv_connector is not None:
+        from halfmoon.serve.vllm.roles import VllmDecodeRole, VllmPrefillRole
+
+        worker.set_role((VllmPrefillRole if args.role == "prefill" else VllmDecodeRole)(worker))
+    elif args.role == "coupled":
         worker.set_role(CoupledRole(worker))
     elif args.role == "prefill":
         assert transfer is not None and store is not None

@@ -1,0 +1,212 @@
+"""``halfmoon serve --engine vllm --prefill 2 --decode 1``: disaggregated vLLM servers whose
+KV moves through halfmoon's KV connector inside vLLM (#19 item 2; docs/vllm.md).
+
+One cluster (three vLLM servers, ``--enforce-eager``) serves the module; vLLM's own
+offline greedy answers come from ``vllm.LLM`` in vLLM's environment. Skipped without vLLM
+unless ``$HALFMOON_REQUIRE_VLLM`` is set (``make test`` sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from halfmoon.serve.launch.local import argv_of, children_of
+from halfmoon.serve.vllm.server import VllmLaunch, VllmServerError, find_vllm_python
+
+from .conftest import SECRET, Cluster, processes_mentioning
+
+try:
+    VLLM_PYTHON = find_vllm_python()
+except VllmServerError as exc:
+    if os.environ.get("HALFMOON_REQUIRE_VLLM"):
+        raise
+    pytest.skip(f"no vLLM: {exc}", allow_module_level=True)
+
+#: vLLM's offline run and three servers starting share two cores: minutes, not seconds.
+pytestmark = pytest.mark.timeout(900)
+KV_MB = "96"
+MODEL = "smollm2-135m-instruct"
+PROMPTS = [
+    "The quick brown fox",
+    "Here is a list of three fruits:",
+    "In 1969, the first person to walk on the moon was",
+]
+MAX_TOKENS = 24
+
+OFFLINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+model, kv_bytes, prompts, n = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=model, dtype="float32", block_size=32, enforce_eager=True, max_model_len=1024,
+          kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=n))
+print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def offline_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """vLLM's own offline greedy outputs (``vllm.LLM``), token ids."""
+    env = VllmLaunch(python=VLLM_PYTHON, model_dir=str(model_dir), served_model_name=MODEL).env()
+    done = subprocess.run(
+        [VLLM_PYTHON, "-c", OFFLINE, str(model_dir), str(int(KV_MB) * 2**20),
+         json.dumps(prompts), str(max_tokens)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, done.stderr[-3000:]
+    return json.loads(line[len("RESULT") :])
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_dir):
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    return tokenizer, prompts, offline_greedy(smollm2_dir, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, smollm2_dir, offline):
+    stats = tmp_path_factory.mktemp("kv-stats")
+    os.environ["HALFMOON_KV_STATS_DIR"] = str(stats)
+    cluster = Cluster(
+        tmp_path_factory.mktemp("vllm-pd"), "--engine", "vllm", "--prefill", "2", "--decode",
+        "1", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB, "--num-threads", "1",
+        "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
+    )  # fmt: skip
+    try:
+        cluster.wait_ready(timeout_s=900)
+        cluster.kv_stats = stats
+        yield cluster
+    finally:
+        os.environ.pop("HALFMOON_KV_STATS_DIR", None)
+        cluster.stop()
+        for pid in processes_mentioning(str(smollm2_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_greedy_outputs_equal_vllms_offline_ones_streamed_and_not(pd, offline):
+    tokenizer, prompts, expected = offline
+    client = _client(pd)
+    for prompt, want in zip(prompts, expected, strict=True):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                          temperature=0)  # fmt: skip
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True)  # fmt: skip
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        assert whole.choices[0].text == streamed == tokenizer.decode(want), (prompt, want)
+        assert whole.usage.completion_tokens == len(want)
+    # The KV went by the connector: every prefill streamed its prompt to the decode server.
+    records = [json.loads(line) for f in pd.kv_stats.glob("prefill-*.jsonl")
+               for line in f.read_text().splitlines()]  # fmt: skip
+    streamed_prompts = {r["num_tokens"] for r in records if r["stream_ok"]}
+    assert {len(p) for p in prompts} <= streamed_prompts, records
+
+
+def test_a_prefix_cached_on_one_prefill_is_pulled_by_the_other(pd):
+    """While the prefill server holding a long prefix is busy, a second request sharing it
+    goes to the other prefill server, which pulls the prefix's blocks from the holder's
+    store (counted) instead of computing them, and reports them cached."""
+    client = _client(pd)
+
+    def complete(prompt: str, n: int = 2):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                         temperature=0)  # fmt: skip
+
+    def prefill_stats() -> dict[str, dict]:
+        return {p.instance_id: p.stats for p in pd.ping_workers() if p.role == "prefill"}
+
+    prefix = " ".join(f"shared{i}" for i in range(120))  # ~430 tokens: 13 vLLM blocks
+    start = prefill_stats()
+    complete(prefix + " warm")
+    before = prefill_stats()
+    holder = max(before, key=lambda i: before[i]["stored_events"] - start[i]["stored_events"])
+    deadline = time.monotonic() + 30
+    while pd.ping_conductor().num_placements > 0:  # "warm" released
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    busy = threading.Thread(target=complete, args=(" ".join(f"x{i}" for i in range(200)), 1))
+    busy.start()
+    while pd.ping_conductor().num_placements < 1:  # the long prompt is placed first
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    out = complete(prefix + " then a question")
+    busy.join()
+    after = {p.instance_id: p.stats for p in pd.ping_workers() if p.role == "prefill"}
+    other = next(i for i in after if i != holder)
+    pulled = after[other]["prefix_tokens_pulled"] - before[other]["prefix_tokens_pulled"]
+    assert pulled >= 10 * 32, (before, after)  # >= 10 vLLM blocks moved, not computed
+    assert out.usage.prompt_tokens_details.cached_tokens >= pulled
+
+
+def test_the_conductors_index_matches_the_prefill_servers(pd):
+    """What each prefill server's KV events say it holds is what the Conductor indexes."""
+    deadline = time.monotonic() + 10
+    while True:
+        held = {p.instance_id: p.stats["held_blocks"] for p in pd.ping_workers()
+                if p.role == "prefill"}  # fmt: skip
+        index = pd.ping_conductor().index_blocks
+        if all(index.get(i) == n for i, n in held.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert held == {i: index.get(i) for i in held} and all(held.values()), (held, index)
+
+
+def test_a_layout_the_connector_cannot_move_is_refused_at_start(smollm2_dir, tmp_path):
+    """A prefill worker whose vLLM blocks (32 tokens, forced) do not split into the
+    cluster's 64-token hash blocks: vLLM refuses to start, with the connector's message."""
+    env = {**os.environ, "HALFMOON_SECRET": SECRET, "HALFMOON_CACHE": str(tmp_path),
+           "HALFMOON_VLLM_PYTHON": VLLM_PYTHON}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "halfmoon.cli", "worker", "--role", "prefill", "--engine",
+         "vllm", "--port", "1", "--conductor", "tcp://127.0.0.1:1", "--model",
+         str(smollm2_dir), "--block-size", "64", "--kv-cache-mb", KV_MB,
+         "--vllm-args=--enforce-eager --block-size 32"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "block size 32 is not a multiple of halfmoon's hash block size 64" in done.stderr, (
+        done.stderr[-3000:]
+    )
+
+
+def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
+    """The only decode server dies mid-stream: the request ends with an error naming the
+    lost server, within the gateway's timeouts (nothing hangs)."""
+    client = _client(pd)
+    stream = client.completions.create(
+        model=MODEL, prompt="Write a long story about a dragon who learns to paint.",
+        max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        timeout=180,
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    decode = [pid for w in children_of(pd.proc.pid) if "--role decode" in " ".join(argv_of(w))
+              for pid in children_of(w)]  # fmt: skip
+    assert decode, "no decode vLLM found"
+    started = time.monotonic()
+    os.kill(decode[0], signal.SIGKILL)
+    text = ""
+    try:  # completes on a decode server started again, or fails with a clear error
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    except openai.APIError as exc:
+        assert "decode" in str(exc) or "vLLM" in str(exc), exc
+    else:
+        assert text
+    assert time.monotonic() - started < 240
