@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 INBOX = "inbox"
 #: An inbox session nobody claimed for this long is dropped (its decode request never came).
 UNCLAIMED_TTL_S = 120.0
+#: How long a decode load waits for its stream to have been opened: the prefill opens it
+#: while it computes, before its response, so a stream still missing was refused or lost.
+ARRIVAL_WAIT_S = 5.0
 
 
 @dataclass
@@ -585,14 +588,13 @@ class _WorkerSide:
     def _load_stream(self, job: LoadJob) -> int:
         assert self.engine is not None and self.layout is not None and self.inbox is not None
         key = self._session(job.session)
-        deadline = time.monotonic() + self.settings.timeout_s
+        opened_by = time.monotonic() + min(ARRIVAL_WAIT_S, self.settings.timeout_s)
         with self._cond:
             while key not in self._arrivals:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(
-                        f"no KV stream {job.session!r} within {self.settings.timeout_s:g}s"
-                    )
+                if not self._cond.wait(max(0.0, opened_by - time.monotonic())):
+                    raise TimeoutError(f"no KV stream {job.session!r} was opened")
             arrival = self._arrivals.pop(key)
+        deadline = time.monotonic() + self.settings.timeout_s
         try:
             arrival.receiver.wait(max(0.1, deadline - time.monotonic()))
             layout = arrival.receiver.layout
