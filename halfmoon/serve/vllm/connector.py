@@ -195,6 +195,19 @@ def parse_event(data: str, request_id: str) -> _Chunk:
     return _Chunk(request_id, ids, logprobs, finish, cached)
 
 
+def parse_completion(answer: dict[str, Any], request_id: str) -> _Chunk:
+    """A whole (not streamed) ``/v1/completions`` answer: its tokens, finish, cached
+    prompt tokens and the KV connector's ``kv_transfer_params``."""
+    choice = (answer.get("choices") or [{}])[0]
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return _Chunk(
+        request_id, [int(t) for t in choice.get("token_ids") or []], [],
+        finish=choice.get("finish_reason") or "length",
+        cached=int(details.get("cached_tokens") or 0),
+        transfer_params=answer.get("kv_transfer_params"),
+    )  # fmt: skip
+
+
 class VllmServerConnector(EngineConnector):
     """A vLLM OpenAI server as this worker's engine (module docstring).
 
@@ -324,18 +337,10 @@ class VllmServerConnector(EngineConnector):
             if resp.status_code != 200:
                 self._chunks.put(_refused(request_id, resp.status_code, resp.text))
                 return
-            answer = resp.json()
-            choice = (answer.get("choices") or [{}])[0]
-            details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
-            self._chunks.put(_Chunk(
-                request_id, [int(t) for t in choice.get("token_ids") or []], [],
-                finish=choice.get("finish_reason") or "length",
-                cached=int(details.get("cached_tokens") or 0),
-                transfer_params=answer.get("kv_transfer_params"),
-            ))  # fmt: skip
+            self._chunks.put(parse_completion(resp.json(), request_id))
         except asyncio.CancelledError:
             raise
-        except (httpx.HTTPError, OSError, ValueError, AttributeError) as exc:
+        except (httpx.HTTPError, OSError, ValueError, AttributeError, TypeError) as exc:
             failure = RequestFailure(
                 request_id, f"lost vLLM at {self.endpoints.url}: {exc!r}", retryable=True
             )
