@@ -50,7 +50,13 @@ from halfmoon.serve.vllm.pd import KEY, ConnectorSettings
 from halfmoon.store import StoreConfig, TieredStore
 from halfmoon.transfer import RemoteError, StreamLayout, StreamReceiver, TransferEngine
 from halfmoon.vllm_kv.inbox import Inbox
-from halfmoon.vllm_kv.layout import PagedLayout, check_config, read_block, write_block
+from halfmoon.vllm_kv.layout import (
+    PagedLayout,
+    check_config,
+    read_block,
+    write_block,
+    write_blocks,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -603,11 +609,10 @@ class _WorkerSide:
                     f"stream {job.session!r} has {layout.num_blocks} blocks, {job.first + len(job.block_ids)} needed"
                 )
             view = self.engine.regions.get(INBOX).view
-            size = layout.block_bytes
-            for layer, tensor in enumerate(self.tensors):
-                for i, block in enumerate(job.block_ids):
-                    start = layout.offsets[layer * layout.num_blocks + job.first + i]
-                    write_block(tensor, self.layout, block, view[start : start + size])
+            span = len(job.block_ids) * layout.block_bytes
+            for layer, tensor in enumerate(self.tensors):  # a layer's blocks lie back to back
+                start = layout.offsets[layer * layout.num_blocks + job.first]
+                write_blocks(tensor, self.layout, job.block_ids, view[start : start + span])
             return len(job.block_ids)
         finally:
             self.inbox.free(arrival.start)

@@ -177,3 +177,20 @@ def write_block(tensor: torch.Tensor, layout: PagedLayout, block: int, data: Any
         )
     dst = block_view(tensor, layout, block)
     dst.copy_(src.view(dst.dtype).view(dst.shape), non_blocking=False)
+
+
+def write_blocks(tensor: torch.Tensor, layout: PagedLayout, blocks: list[int], data: Any) -> None:
+    """Write ``data`` (``len(blocks)`` payloads of ``layer_block_bytes`` back to back) into
+    those blocks of one layer, in one indexed copy."""
+    with warnings.catch_warnings():  # a read-only payload is only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(data, dtype=torch.uint8)
+    if src.numel() != len(blocks) * layout.layer_block_bytes:
+        raise ValueError(
+            f"{src.numel()} bytes for {len(blocks)} blocks of {layout.layer_block_bytes}"
+        )
+    values = src.view(tensor.dtype).view(len(blocks), *layout.block_shape)
+    index = torch.tensor(blocks, dtype=torch.long, device=tensor.device)
+    tensor.index_copy_(
+        layout.block_dim, index, values.movedim(0, layout.block_dim).to(tensor.device)
+    )

@@ -23,6 +23,7 @@ from halfmoon.vllm_kv.layout import (
     check_config,
     read_block,
     write_block,
+    write_blocks,
 )
 
 NUM_BLOCKS, HEADS, BS, HEAD = 7, 3, 32, 8
@@ -59,6 +60,23 @@ def test_a_strided_block_dimension_round_trips_too() -> None:
     dst = torch.zeros_like(src)
     write_block(dst, layout, 5, read_block(src, layout, 3))
     assert torch.equal(dst[:, 5], src[:, 3])
+
+
+def test_several_blocks_of_a_layer_go_in_with_one_copy() -> None:
+    for caches in (_cpu_caches(), {f"layers.{i}.attn": torch.randn(2, NUM_BLOCKS, BS, HEADS, HEAD)
+                                   for i in range(2)}):  # fmt: skip
+        layout = PagedLayout.of(caches, NUM_BLOCKS, BS)
+        src = next(iter(caches.values()))
+        data = b"".join(bytes(read_block(src, layout, b)) for b in (1, 2, 3))
+        dst = torch.zeros_like(src)
+        write_blocks(dst, layout, [6, 0, 4], data)
+        for want, got in ((1, 6), (2, 0), (3, 4)):
+            assert torch.equal(
+                dst.select(layout.block_dim, got), src.select(layout.block_dim, want)
+            )
+        assert dst.select(layout.block_dim, 5).abs().sum() == 0
+        with pytest.raises(ValueError, match="bytes for 2 blocks"):
+            write_blocks(dst, layout, [0, 1], data)
 
 
 def test_fingerprints_tell_layouts_apart() -> None:

@@ -89,11 +89,10 @@ class VllmPrefillRole(CoupledRole):
     def on_outputs(self, outputs: list[Any]) -> None:
         events = self.worker.conductor
         for out in outputs:
-            p = self.prefilling.pop(out.request_id, None)
-            client = self.clients.pop(out.request_id, None)
-            if p is None or client is None or not out.finished:
-                continue
             rid = out.request_id
+            if not out.finished or rid not in self.prefilling or rid not in self.clients:
+                continue  # a prefill's answer comes whole: tokens and finish together
+            p, client = self.prefilling.pop(rid), self.clients.pop(rid)
             self.num_prefills += 1
             events.event("prefill_finished", request_id=rid)
             events.event("request_finished", request_id=rid)
