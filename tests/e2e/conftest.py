@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from halfmoon.serve.launch.local import LocalCluster, alive, children_of  # noqa: F401 - re-exported
+from halfmoon.serve.launch.local import (  # noqa: F401 - alive is re-exported
+    LocalCluster,
+    alive,
+    argv_of,
+    children_of,
+)
 
 SECRET = "e2e-test-secret-0123456789abcdef"
 
@@ -40,6 +47,26 @@ def link_shared_cache(cache: Path, shared: Path) -> None:
     for name in ("presets", "profiles"):
         (shared / name).mkdir(parents=True, exist_ok=True)
         (cache / name).symlink_to(shared / name, target_is_directory=True)
+
+
+def vllm_groups(root_pid: int) -> set[int]:
+    """Process groups of the vLLM servers under ``root_pid`` (each server leads its own;
+    its engine-core and worker processes, renamed ``VLLM::...``, are in it)."""
+    groups, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        if "vllm.entrypoints.launchers.api_server.entry" in argv_of(pid):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        todo += children_of(pid)
+    return groups
+
+
+def kill_groups(groups: set[int]) -> None:
+    """SIGKILL whatever is left of these process groups."""
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
 
 
 class Cluster(LocalCluster):

@@ -199,3 +199,33 @@ def test_a_whole_prefill_answer_brings_its_token_cached_count_and_transfer_param
     assert chunk.transfer_params == answer["kv_transfer_params"]
     bare = parse_completion({"choices": [{"token_ids": [1]}]}, "r")
     assert (bare.finish, bare.cached, bare.transfer_params) == ("length", 0, None)
+
+
+def test_stopping_a_dead_server_still_ends_its_process_group(tmp_path) -> None:
+    """vLLM's engine core outlives a killed API server: stop() ends the whole group even
+    when the server itself is already gone."""
+    import os
+    import time
+
+    from halfmoon.serve.launch.local import alive
+    from halfmoon.serve.vllm.server import VllmLaunch, VllmProcess
+
+    pidfile = tmp_path / "child.pid"
+    fake = tmp_path / "python"  # plays the server: leaves a child in its group, then exits
+    fake.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\nexit 0\n")
+    fake.chmod(0o755)
+    server = VllmProcess(
+        VllmLaunch(python=str(fake), model_dir=str(tmp_path), served_model_name="m"), "t"
+    )
+    server.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child = int(pidfile.read_text())
+    assert alive(child) and os.getpgid(child) == server.proc.pid
+    server.stop()
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "the server's child outlived stop()"
+        time.sleep(0.01)

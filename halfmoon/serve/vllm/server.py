@@ -262,15 +262,18 @@ class VllmProcess:
             )
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``. The group
+        goes even when the server itself already died: vLLM's engine-core and worker
+        processes outlive a killed API server, holding their memory, unless told."""
+        with contextlib.suppress(ProcessLookupError):  # the group is already gone
+            if self.proc.poll() is None:
                 try:
                     os.killpg(self.proc.pid, signal.SIGTERM)
                     self.proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of the group
         if self._log is not None:
             self._log.close()
 
