@@ -42,8 +42,8 @@ from typing import Any
 from halfmoon.engine.catalog import resolve_model
 from halfmoon.serve.launch.local import LocalCluster
 from halfmoon.serve.runtime import new_secret
-from halfmoon.serve.vllm.server import VLLM_PYTHON_ENV
 
+from .vllm_routing import use_vllm_venv
 from .workloads import write_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,9 +183,7 @@ def main() -> None:
     if args.tables_only is not None:
         print(tables(json.loads(args.tables_only.read_text())))
         return
-    venv_python = ROOT / ".venv-vllm" / "bin" / "python"  # what `make vllm` makes
-    if venv_python.exists():
-        os.environ.setdefault(VLLM_PYTHON_ENV, str(venv_python))
+    use_vllm_venv()
     results = run(args)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(tables(results))

@@ -55,6 +55,14 @@ ROUTERS = ("kvcache-centric", "cache-aware", "round-robin")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
+def use_vllm_venv() -> None:
+    """Point ``$HALFMOON_VLLM_PYTHON`` at the repository's ``.venv-vllm`` (what ``make
+    vllm`` makes), unless it is set."""
+    venv_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if venv_python.exists():
+        os.environ.setdefault(VLLM_PYTHON_ENV, str(venv_python))
+
+
 def _counters(urls: list[str]) -> dict[str, dict[str, float]]:
     return {url: metric_values(url, (HITS, QUERIES)) for url in urls}
 
@@ -167,9 +175,7 @@ def main() -> None:
         "--json", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_routing.json"
     )
     args = parser.parse_args()
-    venv_python = ROOT / ".venv-vllm" / "bin" / "python"  # what `make vllm` makes
-    if venv_python.exists():
-        os.environ.setdefault(VLLM_PYTHON_ENV, str(venv_python))
+    use_vllm_venv()
     results = run(args)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

@@ -48,6 +48,7 @@ from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.runtime import load_secret
 from halfmoon.serve.vllm.pd import KEY, ConnectorSettings
 from halfmoon.store import StoreConfig, TieredStore
+from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer import RemoteError, StreamLayout, StreamReceiver, TransferEngine
 from halfmoon.vllm_kv.inbox import Inbox
 from halfmoon.vllm_kv.layout import (
@@ -556,8 +557,6 @@ class _WorkerSide:
     def _save(self, job: SendJob) -> int:
         """Put the prompt's full blocks (all layers) into the store; returns how many were new."""
         assert self.store is not None and self.layout is not None
-        from halfmoon.store.meta import BlockMeta
-
         saved = 0
         parent = 0
         for k, block_hash in enumerate(job.hashes):

@@ -69,6 +69,16 @@ def kill_groups(groups: set[int]) -> None:
             os.killpg(group, signal.SIGKILL)
 
 
+def stop_vllm_cluster(cluster: Cluster, model_dir: Path) -> None:
+    """Stop a cluster of vLLM workers and whatever of its servers outlived them (a server's
+    engine core and workers included, and any process still naming the model)."""
+    groups = vllm_groups(cluster.proc.pid)
+    cluster.stop()
+    kill_groups(groups)
+    for pid in processes_mentioning(str(model_dir)):
+        os.kill(pid, signal.SIGKILL)
+
+
 class Cluster(LocalCluster):
     """A started ``halfmoon serve`` with the test secret and a cache dir under ``tmp``;
     the tiny random-weight preset unless ``args`` name a ``--model``.

@@ -25,7 +25,7 @@ import pytest
 from halfmoon.serve.launch.local import argv_of, children_of
 from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
 
-from .conftest import SECRET, Cluster, kill_groups, processes_mentioning, vllm_groups
+from .conftest import SECRET, Cluster, stop_vllm_cluster
 
 try:
     VLLM_PYTHON = find_vllm_python()
@@ -48,11 +48,7 @@ def fleet(tmp_path_factory, smollm2_dir):
         cluster.wait_ready(timeout_s=900)
         yield cluster
     finally:
-        groups = vllm_groups(cluster.proc.pid)
-        cluster.stop()
-        kill_groups(groups)  # a vLLM (engine core and workers included) left by a killed worker
-        for pid in processes_mentioning(str(smollm2_dir)):
-            os.kill(pid, signal.SIGKILL)
+        stop_vllm_cluster(cluster, smollm2_dir)
 
 
 def _client(cluster) -> openai.OpenAI:
