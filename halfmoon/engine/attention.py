@@ -91,13 +91,31 @@ class PrefillSegment:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """The first ``num_seqs`` flat rows: one new token per sequence; ``block_index`` is
-    the ``[num_seqs * max_blocks]`` padded block tables, flattened."""
+    """The first ``num_seqs`` flat rows: one new token per sequence.
+
+    ``block_tables`` ``[num_seqs, max_blocks]`` (padded with block 0) and
+    ``context_lens`` ``[num_seqs]`` feed the compiled kernel, which reads the pool in
+    place; ``block_index`` (the tables flattened) and ``key_mask`` the reference path.
+    """
 
     num_seqs: int
     max_blocks: int
-    block_index: torch.Tensor
-    key_mask: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+
+    @cached_property
+    def block_index(self) -> torch.Tensor:
+        """``[num_seqs * max_blocks]``: the padded block tables, flattened."""
+        return self.block_tables.reshape(-1)
+
+    @cached_property
+    def key_mask(self) -> torch.Tensor:
+        """``[num_seqs, 1, 1, max_blocks * block_size]``: which gathered keys are real."""
+        block_size = self.block_size
+        positions = torch.arange(self.max_blocks * block_size, device=self.block_tables.device)
+        mask = positions.unsqueeze(0) < self.context_lens.unsqueeze(1)
+        return mask.view(self.num_seqs, 1, 1, -1)
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,11 @@ class AttentionBatch:
     decode: DecodeGroup | None
     prefills: tuple[PrefillSegment, ...]
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: The compiled paged decode-attention kernel (:mod:`halfmoon.engine.kernels`), or
+    #: None for the reference path (gather into ``workspace`` + SDPA).
+    decode_kernel: Callable[..., torch.Tensor] | None = None
+    #: ``scale`` as the 0-d float32 tensor the kernel takes.
+    scale: torch.Tensor | None = None
 
 
 def gather_blocks(
@@ -125,7 +148,25 @@ def gather_blocks(
 def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
-    """Attention of ``q`` ``[D, H, hd]`` over each sequence's pooled context."""
+    """Attention of ``q`` ``[D, H, hd]`` over each sequence's pooled context: the
+    compiled kernel when the batch carries one, else the reference gather + SDPA."""
+    group = batch.decode
+    assert group is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    if batch.decode_kernel is not None:
+        qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
+        out = batch.decode_kernel(
+            qg, keys, values, group.block_tables, group.context_lens, batch.scale
+        )
+        return out.view(num_seqs, num_heads * head_dim)
+    return reference_decode_attention(q, keys, values, batch, scale)
+
+
+def reference_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    """The exact-math reference: gather the padded blocks, one masked SDPA call."""
     group = batch.decode
     assert group is not None
     num_seqs, num_heads, head_dim = q.shape
@@ -175,11 +216,9 @@ def prefill_attention(
 def build_decode_group(
     block_tables: list[list[int]], context_lens: list[int], block_size: int, device: torch.device
 ) -> DecodeGroup:
-    """Pad block tables (with block 0, masked out) to the longest and build the key mask."""
+    """Pad block tables (with block 0, masked out) to the longest."""
     max_blocks = max(len(t) for t in block_tables)
-    flat = [b for t in block_tables for b in t + [0] * (max_blocks - len(t))]
-    index = torch.tensor(flat, dtype=torch.long, device=device)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    tables = torch.tensor(padded, dtype=torch.long, device=device)
     lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-    positions = torch.arange(max_blocks * block_size, device=device)
-    mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(len(context_lens), 1, 1, -1)
-    return DecodeGroup(len(context_lens), max_blocks, index, mask)
+    return DecodeGroup(len(context_lens), max_blocks, tables, lens, block_size)

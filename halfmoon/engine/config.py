@@ -22,6 +22,8 @@ ARCHITECTURES: Mapping[str, str] = {
 #: RoPE variants implemented in :mod:`halfmoon.engine.rope`.
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+#: Decode-attention backends (:mod:`halfmoon.engine.kernels`).
+ATTENTION_BACKENDS = ("auto", "compiled", "reference")
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,12 @@ class EngineConfig:
     ``prefill_chunk_tokens`` per step (chunked prefill). ``max_model_len`` caps prompt +
     output (default: the model's context). ``num_threads`` sets torch's intra-op threads
     (None leaves torch's choice). ``prepack_weights``: on CPU in float32, pack the linear
-    layers' weights once for oneDNN (faster decode; see :mod:`halfmoon.engine.prepack`).
+    layers' weights once for oneDNN (faster decode; see :mod:`halfmoon.engine.prepack`);
+    ``prepack_lm_head`` the LM head's (a tied head keeps a second, packed copy).
+    ``attention``: decode attention by the compiled kernel that reads the paged pool in
+    place (``compiled``; built once per model shape, see :mod:`halfmoon.engine.kernels`),
+    by the exact-math reference (``reference``: gather + SDPA), or ``auto`` (the kernel
+    when it can be built, else the reference).
     """
 
     model: str = "tiny"
@@ -257,6 +264,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     prepack_weights: bool = True
+    prepack_lm_head: bool = True
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -274,6 +283,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise HalfmoonError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise HalfmoonError(
+                f"unknown attention backend {self.attention!r}; choose from "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise HalfmoonError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -20,9 +20,10 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.kernels import select_decode_kernel
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
-from halfmoon.engine.prepack import prepack_linears
+from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
 from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
 from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
 from halfmoon.engine.scheduler import Scheduler, Sequence, Status
@@ -132,7 +133,14 @@ class LLMEngine:
         )  # fmt: skip
         if config.prepack_weights:
             prepack_linears(loaded.model)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook)
+        if config.prepack_lm_head:
+            prepack_lm_head(loaded.model)
+        kernel, self.attention_backend = select_decode_kernel(
+            config.attention, loaded.config.num_kv_heads, loaded.config.num_queries_per_kv,
+            loaded.config.head_dim, config.block_size, self.kv_cache.pool.dtype,
+            self.kv_cache.pool.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
 

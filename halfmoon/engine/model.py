@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            # The same math in one fused kernel (bit-identical in float32).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -71,11 +74,11 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         q_dim = self.num_heads * self.head_dim
-        q = qkv[:, :q_dim].view(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_dim : q_dim + self.kv_dim].view(num_tokens, self.num_kv_heads, self.head_dim)
+        # RoPE on q and k together (one set of elementwise kernels instead of two).
+        qk = qkv[:, : q_dim + self.kv_dim].view(num_tokens, -1, self.head_dim)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_dim + self.kv_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = kv_cache.layer(self.layer_index)
         keys.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
         values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
@@ -116,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
         self.inv_freq = inverse_frequencies(config)
+        #: The LM head in oneDNN's packed layout (:func:`halfmoon.engine.prepack.prepack_lm_head`);
+        #: when set, it computes the logits (and an untied ``lm_head`` is gone).
+        self.packed_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -158,5 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[N, vocab]`` for the given hidden rows."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

@@ -13,6 +13,7 @@ from halfmoon.engine.attention import (
     PrefillSegment,
     build_decode_group,
 )
+from halfmoon.engine.kernels import DecodeKernel
 from halfmoon.engine.kv_cache import KVCache
 from halfmoon.engine.model import LlamaForCausalLM
 
@@ -50,10 +51,19 @@ class ChunkInput:
 class ModelRunner:
     """Runs :class:`LlamaForCausalLM` on chunks over a :class:`KVCache`."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, hook: LayerHook | None = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        hook: LayerHook | None = None,
+        decode_kernel: DecodeKernel | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.hook = hook
+        #: The compiled paged decode attention (None: the reference gather + SDPA).
+        self.decode_kernel = decode_kernel
+        self._scale = torch.tensor(model.config.head_dim**-0.5, device=kv_cache.pool.device)
         self.block_size = kv_cache.layout.block_size
         self.device = kv_cache.pool.device
         # Reused gather buffers [2, capacity_blocks, B, H_kv, D]; grown on demand, never shrunk.
@@ -109,10 +119,14 @@ class ModelRunner:
             )
             row += len(c.token_ids)
         as_long = {"dtype": torch.long, "device": self.device}
-        gathered = [decode.block_index.numel()] if decode is not None else []
-        gathered += [s.block_table.numel() for s in segments if s.start > 0]
+        gathered = [s.block_table.numel() for s in segments if s.start > 0]
+        if decode is not None and self.decode_kernel is None:
+            gathered.append(decode.max_blocks * decode.num_seqs)
         workspace = self._workspace_for(max(gathered, default=0))
-        batch = AttentionBatch(torch.tensor(slots, **as_long), decode, tuple(segments), workspace)
+        batch = AttentionBatch(
+            torch.tensor(slots, **as_long), decode, tuple(segments), workspace,
+            self.decode_kernel, self._scale,
+        )  # fmt: skip
         return torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long), batch
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from halfmoon.engine.catalog import cache_dir
 from halfmoon.serve.runtime import free_port
 
 MARK = "HALFMOON_TEST_RAY_MARK"
@@ -97,7 +98,10 @@ def ray_nodes():
     port = free_port()
     # RAY_AUTH_MODE: a ~/.ray/auth_token (left by any local ray.init()) would switch the head
     # to token auth but not the second node, which then cannot join
+    # The compiled kernels stay shared (a fresh cache would rebuild them, ~25 s a shape).
+    kernels = os.environ.get("HALFMOON_KERNEL_CACHE") or str(cache_dir() / "kernels")
     env = {**os.environ, MARK: mark, "HALFMOON_CACHE": str(root / "cache"),
+           "HALFMOON_KERNEL_CACHE": kernels,
            "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning",
            "RAY_AUTH_MODE": "disabled"}  # fmt: skip
     nodes = RayNodes(f"127.0.0.1:{port}", env, mark, root)

@@ -9,7 +9,7 @@ from halfmoon.core.request import SamplingParams
 from halfmoon.engine.config import EngineConfig, ModelConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.loader import LoadedModel
-from halfmoon.engine.prepack import PackedLinear, can_prepack, prepack_linears
+from halfmoon.engine.prepack import PackedLinear, can_prepack, prepack_linears, prepack_lm_head
 from halfmoon.engine.weights import empty_model, init_random_weights
 
 pytestmark = pytest.mark.skipif(
@@ -44,7 +44,9 @@ def test_packed_engine_generates_like_the_plain_one() -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = []
     for prepack in (False, True):
-        config = EngineConfig(model="unused", kv_cache_mb=8, prepack_weights=prepack)
+        config = EngineConfig(
+            model="unused", kv_cache_mb=8, prepack_weights=prepack, prepack_lm_head=prepack
+        )
         engine = LLMEngine(config, loaded=loaded_model())
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])
         engine.check_integrity()
@@ -52,3 +54,17 @@ def test_packed_engine_generates_like_the_plain_one() -> None:
     x = torch.randn(8, 512)
     plain = torch.nn.Linear(512, 3072)
     torch.testing.assert_close(PackedLinear(plain)(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_lm_head_gives_the_plain_logits(tied: bool) -> None:
+    config = ModelConfig(**{**CONFIG.__dict__, "tie_embeddings": tied})
+    model = empty_model(config, torch.float32, "cpu")
+    init_random_weights(model, seed=4, std=0.05)
+    hidden = torch.randn(5, 512)
+    plain = model.compute_logits(hidden)
+    assert prepack_lm_head(model) and model.lm_head is None
+    assert not prepack_lm_head(model)  # idempotent
+    torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
+    # The embedding (tied: the head's plain copy) still serves the lookup.
+    assert model.embed_tokens.weight.shape == (256, 512)

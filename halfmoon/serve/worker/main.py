@@ -52,6 +52,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--attention", default="auto", choices=("auto", "compiled", "reference"),
+        help="decode attention: the compiled kernel reading the paged KV in place (built "
+        "once per model shape into the cache), the reference gather + SDPA, or auto (the "
+        "kernel when it can be built); prefill workers never decode and skip it",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
     parser.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -98,6 +104,7 @@ class EngineOptions:
     prefill_chunk_tokens: int | None = None
     num_threads: int = 1
     block_size: int = 16
+    attention: str = "auto"
     seed: int = 0
     prefix_caching: bool = True
     store_dram_mb: float = 256.0
@@ -133,6 +140,8 @@ class EngineOptions:
             max_model_len=self.max_model_len, prefill_chunk_tokens=self.prefill_chunk_tokens,
             seed=self.seed, num_threads=self.num_threads,
             enable_prefix_caching=self.prefix_caching,
+            # A prefill worker computes prompts only: no decode attention to compile.
+            attention="reference" if role == "prefill" else self.attention,
         )  # fmt: skip
 
 

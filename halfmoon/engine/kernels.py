@@ -1,0 +1,242 @@
+"""Compiled kernels: decode attention that reads the paged KV pool in place.
+
+The reference decode path (:func:`halfmoon.engine.attention.decode_attention`) first
+copies every sequence's blocks out of the pool into a padded workspace, then runs SDPA
+on the copy: on every layer of every step it writes and re-reads the whole context, a
+cost that grows with the context. The kernel here does the same math without the copy:
+
+    scores[s, t, g] = q[s, g] . K[table[s, t // B], t % B] * scale,   t < len[s]
+    out[s, g]       = softmax_t(scores[s, :, g]) . V[table[s, t // B], t % B]
+
+written as plain tensor code (indexed loads, a reduction over ``head_dim``, the
+exponentials, a weighted sum of V per block and then over blocks) that TorchInductor
+turns into a few C++ (CUDA: Triton) loop nests, parallel over sequences, that load K and
+V straight from their blocks and accumulate in float32.
+
+It is built ahead of time with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
+into a ``.pt2`` package per attention shape (KV heads, query heads per KV head, head
+size, block size, dtype, device) and torch version, cached under
+``$HALFMOON_CACHE/kernels/``; batch size, blocks per sequence and pool size stay dynamic.
+Building takes 15-40 s on 2 CPU cores, once per shape (a file lock lets one process
+build while the others wait); loading a built package takes milliseconds. The shape is
+static because dynamic inner sizes cost the generated loops their vectorization
+(measured 2-5x slower).
+
+Measured on 2 CPU cores (SmolLM2's shape, contexts 512 and 2,048, batch 1-32): 1.3-6x
+faster than gather + SDPA; results differ from it by float32 rounding (~1e-7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.engine.config import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the kernel's code or signature changes: cached packages of other versions
+#: are then ignored (and rebuilt).
+KERNEL_VERSION = 4
+
+
+class PagedDecodeAttention(torch.nn.Module):
+    """The exported computation (also runnable eagerly: that is how tests check it).
+
+    ``q`` ``[S, H_kv, G, D]`` contiguous; ``keys`` / ``values`` one layer of the pool,
+    ``[N, B, H_kv, D]`` contiguous; ``block_tables`` ``[S, M]`` int64, padded with any
+    valid block id; ``context_lens`` ``[S]`` int64, each in ``1..M*B``; ``scale`` a 0-d
+    float32 tensor. Returns ``[S, H_kv, G, D]`` in ``q``'s dtype.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> torch.Tensor:
+        num_seqs, max_blocks = block_tables.shape
+        block_size, num_kv_heads, head_dim = keys.shape[1:]
+        group = q.shape[2]
+        # [S, M, B, H_kv, D], fused into the loads below. Built without inductor's bounds
+        # check on these loads (a test per vector in the inner loop, 2x slower): the
+        # engine's block tables hold pool block ids only.
+        k = keys[block_tables].float()
+        v = values[block_tables].float()
+        qg = q.float().view(num_seqs, 1, 1, num_kv_heads, group, head_dim)
+        scores = (qg * k.unsqueeze(4)).sum(-1) * scale  # [S, M, B, H_kv, G]
+        positions = torch.arange(max_blocks * block_size, device=q.device)
+        visible = positions.view(1, max_blocks, block_size, 1, 1) < context_lens.view(
+            num_seqs, 1, 1, 1, 1
+        )
+        scores = torch.where(visible, scores, float("-inf"))
+        weights = torch.exp(scores - scores.amax((1, 2), keepdim=True))
+        # The weighted sum of V block by block (each block's rows stay in cache while every
+        # query head and lane of head_dim reads them), then over the blocks; normalised last.
+        per_block = (weights.unsqueeze(-1) * v.unsqueeze(4)).sum(2)  # [S, M, H_kv, G, D]
+        out = per_block.sum(1) / weights.sum((1, 2)).unsqueeze(-1)
+        return out.to(q.dtype)
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """What one built package is specialised for."""
+
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: str  # "cpu" or "cuda"
+
+    def key(self) -> str:
+        """File-name key: the shape, the kernel and torch versions, the CPU's vector ISA."""
+        isa = torch.backends.cpu.get_cpu_capability() if self.device == "cpu" else "cuda"
+        dtype = str(self.dtype).removeprefix("torch.")
+        text = (
+            f"v{KERNEL_VERSION}-{self.num_kv_heads}x{self.group}x{self.head_dim}-b"
+            f"{self.block_size}-{dtype}-{self.device}-{isa}-torch{torch.__version__}"
+        )
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        return f"paged-decode-{self.num_kv_heads}x{self.group}x{self.head_dim}-b{self.block_size}-{dtype}-{self.device}-{digest}"
+
+
+def kernel_dir() -> Path:
+    """Where built packages live: ``$HALFMOON_KERNEL_CACHE``, else
+    ``$HALFMOON_CACHE/kernels`` (see ``catalog.cache_dir``)."""
+    from halfmoon.engine.catalog import cache_dir
+
+    return Path(os.environ.get("HALFMOON_KERNEL_CACHE") or cache_dir() / "kernels")
+
+
+def _example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
+    device = torch.device(shape.device)
+    # Sizes of a typical decode step: inductor takes them as hints when it decides how to
+    # split the loops over threads (tiny hints give a single-threaded kernel).
+    num_seqs, max_blocks, num_blocks = 8, 32, 512
+    pool = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    return (
+        torch.randn(num_seqs, shape.num_kv_heads, shape.group, shape.head_dim).to(
+            device, shape.dtype
+        ),
+        torch.randn(pool).to(device, shape.dtype),
+        torch.randn(pool).to(device, shape.dtype),
+        torch.randint(0, num_blocks, (num_seqs, max_blocks), device=device),
+        torch.full((num_seqs,), max_blocks * shape.block_size, device=device),
+        torch.tensor(shape.head_dim**-0.5, device=device),
+    )
+
+
+def build_package(shape: KernelShape, path: Path) -> None:
+    """Export and AOT-compile the kernel for ``shape`` into ``path`` (a ``.pt2``)."""
+    dim = torch.export.Dim
+    seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
+    dynamic = ({0: seqs}, {0: pool}, {0: pool}, {0: seqs, 1: blocks}, {0: seqs}, {})
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own deprecations inside export/inductor, not ours to act on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.export.export(
+            PagedDecodeAttention(), _example_inputs(shape), dynamic_shapes=dynamic
+        )
+        torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=str(path),
+            # Threads: the caller's OpenMP count at run time, not the build's.
+            inductor_configs={"cpp.dynamic_threads": True, "assert_indirect_indexing": False},
+        )
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+
+
+def load_decode_kernel(shape: KernelShape, directory: Path | None = None) -> DecodeKernel:
+    """The compiled kernel for ``shape``: loaded from the cache, built first when missing
+    (one process builds, concurrent ones wait for it). Raises on any failure."""
+    directory = directory or kernel_dir()
+    path = directory / f"{shape.key()}.pt2"
+    if not path.exists():
+        with _locked(directory / f"{shape.key()}.lock"):
+            if not path.exists():
+                logger.info(
+                    "building the paged decode-attention kernel for %s (once per model "
+                    "shape; 15-40 s on a small CPU)",
+                    path.name,
+                )
+                started = time.monotonic()
+                partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+                try:
+                    build_package(shape, partial)
+                    os.replace(partial, path)
+                finally:
+                    partial.unlink(missing_ok=True)
+                logger.info("built %s in %.1f s", path.name, time.monotonic() - started)
+    runner = torch._inductor.aoti_load_package(str(path)).loader
+
+    def kernel(*args: torch.Tensor) -> torch.Tensor:
+        # The package's loader directly: the packaged model's __call__ flattens and checks
+        # the arguments in Python first (40 us a call against 12 us, 30 calls a step).
+        return runner.run(list(args))[0]
+
+    return kernel
+
+
+def select_decode_kernel(
+    backend: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[DecodeKernel | None, str]:
+    """The decode-attention kernel ``backend`` asks for, and a one-line account of what
+    was chosen: ``reference`` gives None (gather + SDPA); ``compiled`` the kernel or an
+    error; ``auto`` the kernel when it can be built or loaded, else None with the reason.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise HalfmoonError(
+            f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if backend == "reference":
+        return None, "reference (gather + SDPA)"
+    device_type = torch.device(device).type
+    shape = KernelShape(num_kv_heads, group, head_dim, block_size, dtype, device_type)
+    try:
+        kernel = load_decode_kernel(shape)
+    except Exception as exc:  # noqa: BLE001 - a compiler problem must not stop serving
+        lines = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+        if backend == "compiled":
+            raise HalfmoonError(f"the compiled attention kernel is unavailable: {reason}") from exc
+        logger.warning("compiled decode attention unavailable (%s); using gather + SDPA", reason)
+        return None, f"reference (compiled kernel unavailable: {reason})"
+    return kernel, f"compiled ({shape.key()})"

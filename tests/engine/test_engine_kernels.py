@@ -1,0 +1,163 @@
+"""The compiled paged decode-attention kernel against the reference gather + SDPA."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine import kernels
+from halfmoon.engine.attention import AttentionBatch, build_decode_group, decode_attention
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.kernels import KernelShape, PagedDecodeAttention, load_decode_kernel
+
+#: The attention shape of the engine reference checkpoints (engine_testlib): 2 KV heads,
+#: 2 queries per KV head, head size 16, blocks of 16 — built once, shared with them.
+SHAPE = KernelShape(2, 2, 16, 16, torch.float32, "cpu")
+
+
+def random_case(seed: int, lengths: list[int], shape: KernelShape):
+    """A pool with a leading layer (so the layer's view has a storage offset), random
+    distinct blocks per sequence, tables padded with a random valid block, random q."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // shape.block_size) for n in lengths) + 8
+    pool_shape = (2, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    pool = torch.randn(pool_shape, generator=gen).to(shape.dtype)
+    keys, values = pool[1, 0], pool[1, 1]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        need = -(-n // shape.block_size)
+        tables.append(perm[used : used + need])
+        used += need
+    group = build_decode_group(tables, lengths, shape.block_size, torch.device("cpu"))
+    pad = perm[-1]
+    padded = torch.tensor([t + [pad] * (group.max_blocks - len(t)) for t in tables])
+    num_heads = shape.num_kv_heads * shape.group
+    q = torch.randn(len(lengths), num_heads, shape.head_dim, generator=gen).to(shape.dtype)
+    return q, keys, values, group, padded
+
+
+def reference(q, keys, values, group, block_size: int) -> torch.Tensor:
+    batch = AttentionBatch(torch.empty(0, dtype=torch.long), group, ())
+    return decode_attention(q, keys, values, batch, q.shape[-1] ** -0.5)
+
+
+def run_kernel(kernel, q, keys, values, group, tables, shape: KernelShape) -> torch.Tensor:
+    qg = q.view(q.shape[0], shape.num_kv_heads, shape.group, shape.head_dim)
+    scale = torch.tensor(shape.head_dim**-0.5)
+    out = kernel(qg.contiguous(), keys, values, tables, group.context_lens, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+CASES = [[1], [16], [17, 5, 48, 33, 1], [200] * 3 + [7] * 29, [511, 3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_kernel_math_matches_the_reference(dtype: torch.dtype) -> None:
+    shape = KernelShape(3, 3, 32, 8, dtype, "cpu")
+    for seed, lengths in enumerate(CASES):
+        q, keys, values, group, tables = random_case(seed, lengths, shape)
+        got = run_kernel(PagedDecodeAttention(), q, keys, values, group, tables, shape)
+        want = reference(q, keys, values, group, shape.block_size)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_compiled_kernel_matches_the_reference_on_random_block_tables() -> None:
+    kernel = load_decode_kernel(SHAPE)
+    for seed, lengths in enumerate(CASES * 2):
+        q, keys, values, group, tables = random_case(100 + seed, lengths, SHAPE)
+        got = run_kernel(kernel, q, keys, values, group, tables, SHAPE)
+        want = reference(q, keys, values, group, SHAPE.block_size)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Whatever the padding blocks hold, it stays masked out.
+    q, keys, values, group, tables = random_case(7, [3, 40], SHAPE)
+    before = run_kernel(kernel, q, keys, values, group, tables, SHAPE)
+    keys[tables[0, -1]] = 1e4
+    values[tables[0, -1]] = -3e4
+    after = run_kernel(kernel, q, keys, values, group, tables, SHAPE)
+    torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
+
+
+def test_engines_on_both_paths_generate_the_same_tokens(tiny_dir: Path) -> None:
+    def run(attention: str) -> tuple[str, list[list[int]]]:
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_dir), attention=attention, kv_cache_mb=2.0, max_num_batched_tokens=96
+            )  # fmt: skip
+        )
+        prompts = [[(7 * i + 3 * j) % 4000 + 5 for j in range(9 + 13 * i)] for i in range(6)]
+        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(prompts, params)
+        engine.check_integrity()
+        return engine.attention_backend, [list(o.token_ids) for o in outs]
+
+    backend, compiled = run("compiled")
+    assert backend.startswith("compiled (paged-decode-2x2x64-b16-float32-cpu")
+    ref_backend, ref = run("reference")
+    assert ref_backend.startswith("reference")
+    assert compiled == ref
+
+
+def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+
+    def broken(shape: KernelShape, path: Path) -> None:
+        path.write_bytes(b"half a package")
+        raise RuntimeError("C++ compile error: g++ not found")
+
+    monkeypatch.setattr(kernels, "build_package", broken)
+    args = (2, 2, 16, 16, torch.float32, "cpu")
+    kernel, backend = kernels.select_decode_kernel("auto", *args)
+    assert kernel is None
+    assert (
+        backend
+        == "reference (compiled kernel unavailable: RuntimeError: C++ compile error: g++ not found)"
+    )
+    with pytest.raises(HalfmoonError, match="compiled attention kernel is unavailable.*g\\+\\+"):
+        kernels.select_decode_kernel("compiled", *args)
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".lock"]  # no partial package
+    assert kernels.select_decode_kernel("reference", *args) == (None, "reference (gather + SDPA)")
+    with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
+        kernels.select_decode_kernel("fast", *args)
+    with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
+        EngineConfig(attention="fast")
+
+
+def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built = kernels.kernel_dir() / f"{SHAPE.key()}.pt2"
+    load_decode_kernel(SHAPE)  # the real package, built or cached
+    monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+    calls: list[int] = []
+    release = threading.Event()
+
+    def slow_copy(shape: KernelShape, path: Path) -> None:
+        calls.append(1)
+        release.wait(10)
+        shutil.copyfile(built, path)
+
+    monkeypatch.setattr(kernels, "build_package", slow_copy)
+    results: list[object] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(load_decode_kernel(SHAPE))) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the other two now wait on the lock
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 3 and len(calls) == 1
+    q, keys, values, group, tables = random_case(3, [20, 9], SHAPE)
+    got = run_kernel(results[0], q, keys, values, group, tables, SHAPE)
+    torch.testing.assert_close(got, reference(q, keys, values, group, 16), atol=1e-5, rtol=1e-5)
