@@ -180,7 +180,7 @@ class Halfmoon:
                 model=model, dtype="float32", kv_cache_mb=args.halfmoon_kv_mb,
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
-                num_threads=args.threads,
+                num_threads=args.threads, attention=args.attention,
             )
         )  # fmt: skip
         self.counter = 0
@@ -355,9 +355,16 @@ def main() -> None:
                         help="k for batch 32 x context 2048 (transformers' steps are slow)")  # fmt: skip
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="512,2048")
-    parser.add_argument("--prefill-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=2304)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--prefill-tokens", default="2048,8191",
+                        help="prompt lengths of the prefill cases (comma-separated)")  # fmt: skip
+    parser.add_argument("--hf-prefill-max", type=int, default=2048,
+                        help="transformers runs the prefill cases up to this length")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: 2304, or the longest prefill + 1")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: 2048, or the longest prefill (one chunk)")  # fmt: skip
+    parser.add_argument("--attention", default="auto",
+                        help="halfmoon's decode attention: auto, compiled or reference")  # fmt: skip
     parser.add_argument("--halfmoon-kv-mb", type=float, default=3300.0)
     parser.add_argument("--vllm-kv-gb", type=int, default=4)
     parser.add_argument("--vllm-python", default=str(VLLM_VENV / "bin" / "python"))
@@ -375,8 +382,12 @@ def main() -> None:
         os.execve(sys.executable, argv, env)
     if args.quick:
         args.batches, args.contexts, args.k, args.k_large = "1,8", "512", 4, 4
-        args.rounds, args.prefill_rounds, args.prefill_tokens = 1, 1, 512
+        args.rounds, args.prefill_rounds, args.prefill_tokens = 1, 1, "512"
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
+    longest = max(args.prefill_tokens)
+    args.max_model_len = args.max_model_len or max(2304, longest + 1)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, longest)
     args.contexts = [int(x) for x in args.contexts.split(",")]
     engines = [e for e in ENGINES if e in args.engines.split(",")]
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -425,6 +436,7 @@ def run(args, engines, model_dir, peer, log):
         "rounds": args.rounds, "prefill_rounds": args.prefill_rounds,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
         "malloc": args.malloc, "malloc_env": MALLOC_ENV[args.malloc],
+        "halfmoon_attention": hm.engine.attention_backend if hm else None,
         "mem_available_gib_start": _mem_available_gib(),
     }  # fmt: skip
     if hf is not None:
@@ -449,32 +461,12 @@ def run(args, engines, model_dir, peer, log):
     rows: list[dict[str, Any]] = []
 
     # Prefill: tokens/s of one fresh prompt per round, same prompt for every engine.
-    log(f"prefill {args.prefill_tokens}: warm-up")
+    log("prefill: warm-up")
     warm = random_prompts(vocab, 1, 256, seed=1)
     for run_fn in runners.values():
         run_fn(warm, 1)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    first: list[dict[str, int]] = []
-    for r in range(args.prefill_rounds):
-        prompt = random_prompts(vocab, 1, args.prefill_tokens, seed=100 + r)
-        firsts = {}
-        for name in rotated(list(runners), r):
-            elapsed, tokens = runners[name](prompt, 1)
-            times[name].append(elapsed)
-            firsts[name] = tokens[0][0]
-        first.append(firsts)
-        log(f"  round {r}: " + ", ".join(f"{n} {args.prefill_tokens / t[-1]:.0f} tok/s"
-                                        for n, t in times.items()))  # fmt: skip
-    tps = {name: [args.prefill_tokens / t for t in ts] for name, ts in times.items()}
-    agree = all(len(set(f.values())) == 1 for f in first)
-    if not agree:
-        log(f"  FIRST TOKENS DISAGREE on a 2048-token prompt: {first}")
-    rows.append({
-        "case": f"prefill {args.prefill_tokens}", "kind": "prefill", "tokens": args.prefill_tokens,
-        "time_s": times, "tokens_per_s": tps, "median_tokens_per_s": {n: median(v) for n, v in tps.items()},
-        "ratios": ratio_rows(tps, invert=True), "first_tokens": first, "first_tokens_agree": agree,
-    })  # fmt: skip
-    _finish_ratios(rows[-1])
+    for length in args.prefill_tokens:
+        rows.append(prefill_case(args, runners, vocab, length, log))
 
     # Decode: B prompts with their KV in place; (T(1+k) - T(1)) / k.
     for context in args.contexts:
@@ -482,6 +474,35 @@ def run(args, engines, model_dir, peer, log):
             k = args.k_large if batch >= 32 and context >= 2048 else args.k
             rows.append(decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log))
     return rows, meta
+
+
+def prefill_case(args, runners, vocab, length, log) -> dict[str, Any]:
+    """Tokens/s of one fresh ``length``-token prompt per round (transformers only up to
+    ``--hf-prefill-max``: its long prefills add minutes and no target is set against it)."""
+    names = [n for n in runners if n != "transformers" or length <= args.hf_prefill_max]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    first: list[dict[str, int]] = []
+    for r in range(args.prefill_rounds):
+        prompt = random_prompts(vocab, 1, length, seed=100 + r + length)
+        firsts = {}
+        for name in rotated(names, r):
+            elapsed, tokens = runners[name](prompt, 1)
+            times[name].append(elapsed)
+            firsts[name] = tokens[0][0]
+        first.append(firsts)
+        log(f"  prefill {length} round {r}: "
+            + ", ".join(f"{n} {length / t[-1]:.0f} tok/s" for n, t in times.items()))  # fmt: skip
+    tps = {name: [length / t for t in ts] for name, ts in times.items()}
+    agree = all(len(set(f.values())) == 1 for f in first)
+    if not agree:
+        log(f"  FIRST TOKENS DISAGREE on a {length}-token prompt: {first}")
+    row = {
+        "case": f"prefill {length}", "kind": "prefill", "tokens": length,
+        "time_s": times, "tokens_per_s": tps, "median_tokens_per_s": {n: median(v) for n, v in tps.items()},
+        "ratios": ratio_rows(tps, invert=True), "first_tokens": first, "first_tokens_agree": agree,
+    }  # fmt: skip
+    _finish_ratios(row)
+    return row
 
 
 def decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log) -> dict[str, Any]:
