@@ -414,11 +414,11 @@ def main() -> None:
         loadavg_end=os.getloadavg(),
     )  # fmt: skip
     log(f"wall {meta['wall_s']:.0f} s, load average {load_start} -> {meta['loadavg_end']}")
-    print_tables(rows, engines, meta)
-    if args.json:
+    if args.json:  # first: a printing problem must not lose the run
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
             fh.write("\n")
+    print_tables(rows, engines, meta)
 
 
 def run(args, engines, model_dir, peer, log):
@@ -579,7 +579,8 @@ def print_tables(rows: list[dict[str, Any]], engines: list[str], meta: dict[str,
             f"\nprefill {row['tokens']} tokens (tokens/s, median of rounds); ratio = "
             "halfmoon_tok_s / other_tok_s, > 1 = halfmoon faster"
         )
-        line = "".join(f" {SHORT[e]} {row['median_tokens_per_s'][e]:.0f}" for e in engines)
+        present = [e for e in engines if e in row["median_tokens_per_s"]]
+        line = "".join(f" {SHORT[e]} {row['median_tokens_per_s'][e]:.0f}" for e in present)
         for o in others:
             key = f"hm/{SHORT[o]}"
             if key in row["median_ratios"]:

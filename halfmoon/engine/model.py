@@ -84,6 +84,9 @@ class DecoderLayer(nn.Module):
         values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
         if hook is not None:
             self._call_hook(hook, batch, kv_cache)
+        if batch.decode is not None and not batch.prefills:  # a decode-only step: no copy
+            out = decode_attention(q, keys, values, batch, self.scale)
+            return self._mlp(x + self.o_proj(out))
         out = torch.empty(num_tokens, q_dim, dtype=x.dtype, device=x.device)
         if batch.decode is not None:
             num_decode = batch.decode.num_seqs
@@ -93,7 +96,10 @@ class DecoderLayer(nn.Module):
             out[rows] = prefill_attention(
                 q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
             )
-        x = x + self.o_proj(out)
+        return self._mlp(x + self.o_proj(out))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The second half of the layer: norm, SwiGLU MLP, residual."""
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
