@@ -220,7 +220,9 @@ def select_decode_kernel(
 ) -> tuple[DecodeKernel | None, str]:
     """The decode-attention kernel ``backend`` asks for, and a one-line account of what
     was chosen: ``reference`` gives None (gather + SDPA); ``compiled`` the kernel or an
-    error; ``auto`` the kernel when it can be built or loaded, else None with the reason.
+    error; ``auto`` on the CPU the kernel when it can be built or loaded, else None with
+    the reason, and on a GPU None (until the kernel has run on one, ``compiled`` is
+    the way to try it there).
     """
     if backend not in ATTENTION_BACKENDS:
         raise HalfmoonError(
@@ -229,6 +231,9 @@ def select_decode_kernel(
     if backend == "reference":
         return None, "reference (gather + SDPA)"
     device_type = torch.device(device).type
+    if backend == "auto" and device_type != "cpu":
+        # Inductor would build it through Triton, but no GPU has run it yet.
+        return None, f"reference (the compiled kernel is not yet verified on {device_type})"
     shape = KernelShape(num_kv_heads, group, head_dim, block_size, dtype, device_type)
     try:
         kernel = load_decode_kernel(shape)

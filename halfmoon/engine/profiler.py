@@ -23,8 +23,9 @@ from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel import CostProfile, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
 
-#: Bumped when what is measured changes, so cached profiles of older code are not reused.
-PROFILER_VERSION = 3
+#: Bumped when what is measured changes (or the engine gets faster), so cached profiles of
+#: older code are not reused. 4: the compiled decode attention, packed LM head.
+PROFILER_VERSION = 4
 #: (new, cached) prompt tokens; up to 2k-token prompts and 1.5k-token cached prefixes (a
 #: fit extrapolated beyond its points was 10-20% short there).
 PREFILL_POINTS = (
@@ -149,6 +150,7 @@ def cached_profile(engine: Any, model: str, cache_dir: Path) -> CostProfile:
             cfg.dtype,
             cfg.block_size,
             cfg.num_threads,
+            getattr(engine, "attention_backend", "reference"),
             PROFILER_VERSION,
         ],  # fmt: skip
         sort_keys=True,

@@ -128,6 +128,8 @@ def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
         kernels.select_decode_kernel("compiled", *args)
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".lock"]  # no partial package
     assert kernels.select_decode_kernel("reference", *args) == (None, "reference (gather + SDPA)")
+    on_gpu = kernels.select_decode_kernel("auto", *args[:5], "cuda")
+    assert on_gpu == (None, "reference (the compiled kernel is not yet verified on cuda)")
     with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
         kernels.select_decode_kernel("fast", *args)
     with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
@@ -161,3 +163,18 @@ def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.Monke
     q, keys, values, group, tables = random_case(3, [20, 9], SHAPE)
     got = run_kernel(results[0], q, keys, values, group, tables, SHAPE)
     torch.testing.assert_close(got, reference(q, keys, values, group, 16), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
+    # `auto` keeps the reference on a GPU until this has passed on one; this is the check.
+    shape = KernelShape(2, 2, 16, 16, torch.float32, "cuda")
+    kernel = load_decode_kernel(shape)
+    for seed, lengths in enumerate(CASES):
+        q, keys, values, group, tables = random_case(200 + seed, lengths, SHAPE)
+        want = reference(q, keys, values, group, SHAPE.block_size)
+        cuda = [t.cuda() for t in (q, keys, values, tables, group.context_lens)]
+        q_c, keys_c, values_c, tables_c, lens_c = cuda
+        qg = q_c.view(q.shape[0], 2, 2, 16).contiguous()
+        got = kernel(qg, keys_c, values_c, tables_c, lens_c, torch.tensor(0.25, device="cuda"))
+        torch.testing.assert_close(got.reshape(q.shape[0], -1).cpu(), want, atol=1e-5, rtol=1e-5)

@@ -56,7 +56,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--attention", default="auto", choices=("auto", "compiled", "reference"),
         help="decode attention: the compiled kernel reading the paged KV in place (built "
         "once per model shape into the cache), the reference gather + SDPA, or auto (the "
-        "kernel when it can be built); prefill workers never decode and skip it",
+        "kernel when it can be built)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
     parser.add_argument(
@@ -139,9 +139,7 @@ class EngineOptions:
             max_num_seqs=self.prefill_max_num_seqs if role == "prefill" else self.max_num_seqs,
             max_model_len=self.max_model_len, prefill_chunk_tokens=self.prefill_chunk_tokens,
             seed=self.seed, num_threads=self.num_threads,
-            enable_prefix_caching=self.prefix_caching,
-            # A prefill worker computes prompts only: no decode attention to compile.
-            attention="reference" if role == "prefill" else self.attention,
+            enable_prefix_caching=self.prefix_caching, attention=self.attention,
         )  # fmt: skip
 
 
