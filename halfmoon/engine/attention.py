@@ -150,17 +150,15 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` ``[D, H, hd]`` over each sequence's pooled context: the
     compiled kernel when the batch carries one, else the reference gather + SDPA."""
+    if batch.decode_kernel is None:
+        return reference_decode_attention(q, keys, values, batch, scale)
     group = batch.decode
     assert group is not None
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
-    if batch.decode_kernel is not None:
-        qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
-        out = batch.decode_kernel(
-            qg, keys, values, group.block_tables, group.context_lens, batch.scale
-        )
-        return out.view(num_seqs, num_heads * head_dim)
-    return reference_decode_attention(q, keys, values, batch, scale)
+    qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
+    out = batch.decode_kernel(qg, keys, values, group.block_tables, group.context_lens, batch.scale)
+    return out.view(num_seqs, num_heads * head_dim)
 
 
 def reference_decode_attention(

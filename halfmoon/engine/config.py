@@ -26,6 +26,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "compiled", "reference")
 
 
+def check_attention_backend(name: str) -> None:
+    """Raise :class:`HalfmoonError` unless ``name`` is one of :data:`ATTENTION_BACKENDS`."""
+    if name not in ATTENTION_BACKENDS:
+        raise HalfmoonError(
+            f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}"
+        )
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: ``linear`` (positions / factor) or ``llama3`` (Llama-3.1
@@ -283,11 +291,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise HalfmoonError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise HalfmoonError(
-                f"unknown attention backend {self.attention!r}; choose from "
-                f"{', '.join(ATTENTION_BACKENDS)}"
-            )
+        check_attention_backend(self.attention)
         if self.num_threads is not None and self.num_threads < 1:
             raise HalfmoonError(f"num_threads must be >= 1, got {self.num_threads}")
 

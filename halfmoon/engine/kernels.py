@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.config import ATTENTION_BACKENDS
+from halfmoon.engine.config import check_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +224,7 @@ def select_decode_kernel(
     the reason, and on a GPU None (until the kernel has run on one, ``compiled`` is
     the way to try it there).
     """
-    if backend not in ATTENTION_BACKENDS:
-        raise HalfmoonError(
-            f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}"
-        )
+    check_attention_backend(backend)
     if backend == "reference":
         return None, "reference (gather + SDPA)"
     device_type = torch.device(device).type
