@@ -146,6 +146,8 @@ def build_package(shape: KernelShape, path: Path) -> None:
     dim = torch.export.Dim
     seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
     dynamic = ({0: seqs}, {0: pool}, {0: pool}, {0: seqs, 1: blocks}, {0: seqs}, {})
+    import torch._inductor  # only to build: it takes ~2 s to import
+
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own deprecations inside export/inductor, not ours to act on.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -199,7 +201,9 @@ def load_decode_kernel(shape: KernelShape, directory: Path | None = None) -> Dec
                 finally:
                     partial.unlink(missing_ok=True)
                 logger.info("built %s in %.1f s", path.name, time.monotonic() - started)
-    runner = torch._inductor.aoti_load_package(str(path)).loader
+    # The C++ loader directly, not ``torch._inductor.aoti_load_package``: importing
+    # inductor costs ~2 s of every engine start, loading the package 10 ms.
+    runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
     def kernel(*args: torch.Tensor) -> torch.Tensor:
         # The package's loader directly: the packaged model's __call__ flattens and checks

@@ -164,13 +164,30 @@ def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -
                 param.copy_(values)
 
 
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Turns ``torch.nn.init`` calls into no-ops while modules are built: their
+    parameters are allocated (untouched memory costs nothing) but not initialised."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def empty_model(
     config: ModelConfig, dtype: torch.dtype, device: str | torch.device
 ) -> LlamaForCausalLM:
-    """A model with uninitialised parameters of ``dtype`` on ``device`` (no random init cost)."""
-    with torch.device("meta"):
+    """A model with uninitialised parameters of ``dtype`` on ``device`` (no random init cost).
+
+    Built on the CPU with initialisation skipped rather than on the meta device: any op
+    on a meta tensor imports torch's compiler stack (~2 s of every engine start).
+    """
+    with _SkipInit():
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    # Built under the meta device too; recompute the real frequencies (float32).
+    if torch.device(device).type != "cpu":
+        model = model.to_empty(device=device)
+    model = model.to(dtype)
+    # The frequencies stay float32 whatever the weights' dtype.
     model.inv_freq = inverse_frequencies(config).to(device)
     return model
