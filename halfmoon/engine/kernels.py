@@ -146,7 +146,7 @@ def build_package(shape: KernelShape, path: Path) -> None:
     dim = torch.export.Dim
     seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
     dynamic = ({0: seqs}, {0: pool}, {0: pool}, {0: seqs, 1: blocks}, {0: seqs}, {})
-    import torch._inductor  # only to build: it takes ~2 s to import
+    from torch._inductor import aoti_compile_and_package  # only to build: ~2 s to import
 
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own deprecations inside export/inductor, not ours to act on.
@@ -155,7 +155,7 @@ def build_package(shape: KernelShape, path: Path) -> None:
         program = torch.export.export(
             PagedDecodeAttention(), _example_inputs(shape), dynamic_shapes=dynamic
         )
-        torch._inductor.aoti_compile_and_package(
+        aoti_compile_and_package(
             program,
             package_path=str(path),
             # Threads: the caller's OpenMP count at run time, not the build's.

@@ -95,6 +95,20 @@ def test_compiled_kernel_matches_the_reference_on_random_block_tables() -> None:
 
 
 @needs_compiler
+def test_a_kernel_builds_from_scratch(tmp_path: Path) -> None:
+    """The shared cache above is usually warm; this builds a package in an empty
+    directory (one small shape, 15-40 s) so that the build path itself stays tested."""
+    shape = KernelShape(1, 2, 16, 4, torch.float32, "cpu")
+    kernel = load_decode_kernel(shape, tmp_path)
+    assert [p.suffix for p in tmp_path.glob("*.pt2")] == [".pt2"]
+    for seed, lengths in enumerate(CASES[:3]):
+        q, keys, values, group, tables = random_case(300 + seed, lengths, shape)
+        got = run_kernel(kernel, q, keys, values, group, tables, shape)
+        want = reference(q, keys, values, group, shape.block_size)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
 def test_engines_on_both_paths_generate_the_same_tokens(tiny_dir: Path) -> None:
     def run(attention: str) -> tuple[str, list[list[int]]]:
         engine = LLMEngine(
