@@ -7,8 +7,11 @@ on 2 threads: 34 -> 20 ms at 8 rows, 43 -> 34 ms at 32 rows, unchanged at prefil
 (512-2048 rows), 9% slower at 1 row (13.7 -> 15.0 ms). bfloat16 gains nothing (its
 ``F.linear`` already goes through oneDNN), so only float32 on CPU is packed. A packed
 call also costs ~15-20 us more, which loses on small (cache-resident) matrices: only
-weights of at least 3 MiB are packed (none of the tiny preset's; q|k|v, gate|up and
-down of the small preset's).
+weights of at least 3 MiB are packed, and every weight of a model whose decoder
+linears add up to 32 MiB or more: then no step finds them in cache (each is streamed from
+memory), and packed wins at every size. Measured with SmolLM2's 30 layers streamed from
+memory, 2 threads, per layer: q|k|v 405 -> 248 us and o 248 -> 166 us at 8 rows,
+200 -> 170 and 129 -> 128 us at 1 row. (The tiny preset: gate|up and down packed only.)
 
 The LM head is packed too (:func:`prepack_lm_head`): at 8-32 rows its 49,152 x 576
 matrix (SmolLM2) went from MKL's re-pack on every call to a straight read. A tied head
@@ -30,6 +33,8 @@ from halfmoon.engine.model import LlamaForCausalLM
 _BATCH_HINT = 8
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _MIN_PACKED_BYTES = 3 * 2**20
+#: Decoder linears of this many bytes in all are streamed from memory on every step.
+_STREAMED_MODEL_BYTES = 32 * 2**20
 
 
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -62,21 +67,26 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: LlamaForCausalLM) -> int:
-    """Replace the decoder layers' large linear layers by :class:`PackedLinear`, in place,
+    """Replace the decoder layers' linear layers by :class:`PackedLinear` (see the module
+    docstring for which), in place,
     when :func:`can_prepack` allows; returns how many were replaced. Those weights are then
     no longer parameters (pack only models that will not be saved)."""
     weight = model.embed_tokens.weight
     if not can_prepack(weight.device, weight.dtype):
         return 0
+    linears = [
+        (layer, name, module)
+        for layer in model.layers
+        for name in _LINEARS
+        if isinstance(module := getattr(layer, name), nn.Linear)  # else packed already
+    ]
+    nbytes = [m.weight.numel() * m.weight.element_size() for _, _, m in linears]
+    threshold = 0 if sum(nbytes) >= _STREAMED_MODEL_BYTES else _MIN_PACKED_BYTES
     count = 0
-    for layer in model.layers:
-        for name in _LINEARS:
-            module = getattr(layer, name)
-            if not isinstance(module, nn.Linear):
-                continue  # packed already
-            if module.weight.numel() * module.weight.element_size() >= _MIN_PACKED_BYTES:
-                setattr(layer, name, PackedLinear(module))
-                count += 1
+    for (layer, name, module), size in zip(linears, nbytes, strict=True):
+        if size >= threshold:
+            setattr(layer, name, PackedLinear(module))
+            count += 1
     return count
 
 

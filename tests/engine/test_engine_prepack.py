@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,17 +18,18 @@ pytestmark = pytest.mark.skipif(
     not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN linear"
 )
 
-# gate|up is 3072 x 512 floats (6 MiB): packed; q|k|v and o (< 3 MiB) stay plain.
+# gate|up is 3072 x 512 floats (6 MiB): packed; q|k|v and o (< 3 MiB) stay plain while
+# the decoder's linears add up to less than 32 MiB (2 layers: 24 MiB).
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=2,
     num_heads=8, num_kv_heads=4, head_dim=64, max_position=256,
 )  # fmt: skip
 
 
-def loaded_model() -> LoadedModel:
-    model = empty_model(CONFIG, torch.float32, "cpu")
+def loaded_model(config: ModelConfig = CONFIG) -> LoadedModel:
+    model = empty_model(config, torch.float32, "cpu")
     init_random_weights(model, seed=3, std=0.05)
-    return LoadedModel(CONFIG, model.eval(), None, ())
+    return LoadedModel(config, model.eval(), None, ())
 
 
 def test_only_large_weights_are_packed() -> None:
@@ -37,6 +40,13 @@ def test_only_large_weights_are_packed() -> None:
     assert isinstance(layer.down_proj, PackedLinear)
     assert isinstance(layer.qkv_proj, torch.nn.Linear)
     assert prepack_linears(loaded.model) == 0  # idempotent
+
+
+def test_every_weight_is_packed_when_the_model_streams_from_memory() -> None:
+    loaded = loaded_model(dataclasses.replace(CONFIG, num_layers=3))  # 36 MiB of linears
+    assert prepack_linears(loaded.model) == 3 * 4
+    assert all(isinstance(layer.qkv_proj, PackedLinear) for layer in loaded.model.layers)
+    assert prepack_linears(loaded.model) == 0
 
 
 def test_packed_engine_generates_like_the_plain_one() -> None:
