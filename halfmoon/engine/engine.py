@@ -20,6 +20,7 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.glue import EAGER_GLUE, GlueShape, select_glue
 from halfmoon.engine.kernels import select_decode_kernel
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
@@ -140,6 +141,15 @@ class LLMEngine:
             loaded.config.head_dim, config.block_size, self.kv_cache.pool.dtype,
             self.kv_cache.pool.device,
         )  # fmt: skip
+        loaded.model.glue = EAGER_GLUE
+        if kernel is not None:  # the elementwise glue compiled alongside the kernel
+            mc = loaded.config
+            glue_shape = GlueShape(
+                mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.rms_norm_eps,
+                self.kv_cache.pool.dtype, self.kv_cache.pool.device.type,
+            )  # fmt: skip
+            loaded.model.glue = select_glue(config.attention, glue_shape)
+            self.attention_backend += f", {loaded.model.glue.description} glue"
         self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}

@@ -21,8 +21,9 @@ from halfmoon.engine.attention import (
     prefill_attention,
 )
 from halfmoon.engine.config import ModelConfig
+from halfmoon.engine.glue import EAGER_GLUE, Glue
 from halfmoon.engine.kv_cache import KVCache
-from halfmoon.engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from halfmoon.engine.rope import inverse_frequencies, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -66,19 +67,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
         kv_cache: KVCache,
         hook: LayerHook | None,
-    ) -> torch.Tensor:
+        glue: Glue = EAGER_GLUE,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the residual stream is ``mlp_out + residual``, left
+        un-added so that the next layer adds it inside its fused add + norm. ``residual``
+        None: ``x`` is the whole stream (the first layer of a stage)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = glue.add_rms_norm(x, residual, self.input_layernorm)
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q_dim = self.num_heads * self.head_dim
-        # RoPE on q and k together (one set of elementwise kernels instead of two).
-        qk = qkv[:, : q_dim + self.kv_dim].view(num_tokens, -1, self.head_dim)
-        qk = apply_rope(qk, *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_dim + self.kv_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = glue.rope_split(
+            self.qkv_proj(h), *rope, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         keys, values = kv_cache.layer(self.layer_index)
         keys.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
         values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
@@ -86,22 +92,20 @@ class DecoderLayer(nn.Module):
             self._call_hook(hook, batch, kv_cache)
         if batch.decode is not None and not batch.prefills:  # a decode-only step: no copy
             out = decode_attention(q, keys, values, batch, self.scale)
-            return self._mlp(x + self.o_proj(out))
-        out = torch.empty(num_tokens, q_dim, dtype=x.dtype, device=x.device)
-        if batch.decode is not None:
-            num_decode = batch.decode.num_seqs
-            out[:num_decode] = decode_attention(q[:num_decode], keys, values, batch, self.scale)
-        for seg in batch.prefills:
-            rows = slice(seg.row, seg.row + seg.end - seg.start)
-            out[rows] = prefill_attention(
-                q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
-            )
-        return self._mlp(x + self.o_proj(out))
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The second half of the layer: norm, SwiGLU MLP, residual."""
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        else:
+            out = torch.empty(num_tokens, self.num_heads * self.head_dim, dtype=x.dtype,
+                              device=x.device)  # fmt: skip
+            if batch.decode is not None:
+                num_decode = batch.decode.num_seqs
+                out[:num_decode] = decode_attention(q[:num_decode], keys, values, batch, self.scale)
+            for seg in batch.prefills:
+                rows = slice(seg.row, seg.row + seg.end - seg.start)
+                out[rows] = prefill_attention(
+                    q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
+                )
+        h, residual = glue.add_rms_norm(self.o_proj(out), residual, self.post_attention_layernorm)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
 
     def _call_hook(self, hook: LayerHook, batch: AttentionBatch, kv_cache: KVCache) -> None:
         for seg in batch.prefills:
@@ -128,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
         #: The LM head in oneDNN's packed layout (:func:`halfmoon.engine.prepack.prepack_lm_head`);
         #: when set, it computes the logits (and an untied ``lm_head`` is gone).
         self.packed_lm_head: nn.Module | None = None
+        #: The elementwise steps between the matmuls (:mod:`halfmoon.engine.glue`):
+        #: eager by default, compiled when the engine loads them.
+        self.glue: Glue = EAGER_GLUE
 
     def forward(
         self,
@@ -164,9 +171,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = hidden
         rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer in self.layers[first:last]:
-            x = layer(x, rope, batch, kv_cache, hook)
-        return self.norm(x) if last == len(self.layers) else x
+            x, residual = layer(x, residual, rope, batch, kv_cache, hook, self.glue)
+        if last == len(self.layers):
+            return (
+                self.norm(x)
+                if residual is None
+                else self.glue.add_rms_norm(x, residual, self.norm)[0]
+            )
+        return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[N, vocab]`` for the given hidden rows."""
