@@ -74,18 +74,22 @@ def prepack_linears(model: LlamaForCausalLM) -> int:
     weight = model.embed_tokens.weight
     if not can_prepack(weight.device, weight.dtype):
         return 0
-    linears = [
-        (layer, name, module)
-        for layer in model.layers
-        for name in _LINEARS
-        if isinstance(module := getattr(layer, name), nn.Linear)  # else packed already
-    ]
-    nbytes = [m.weight.numel() * m.weight.element_size() for _, _, m in linears]
-    threshold = 0 if sum(nbytes) >= _STREAMED_MODEL_BYTES else _MIN_PACKED_BYTES
+
+    def plain_bytes():
+        for layer in model.layers:
+            for name in _LINEARS:
+                module = getattr(layer, name)
+                if isinstance(module, nn.Linear):  # else packed already
+                    yield layer, name, module.weight.numel() * module.weight.element_size()
+
+    total = sum(size for _, _, size in plain_bytes())
+    threshold = 0 if total >= _STREAMED_MODEL_BYTES else _MIN_PACKED_BYTES
     count = 0
-    for (layer, name, module), size in zip(linears, nbytes, strict=True):
+    # One matrix at a time: each plain weight is freed as soon as its packed copy is in
+    # place (holding them all would raise the load's peak memory by the packed size).
+    for layer, name, size in list(plain_bytes()):
         if size >= threshold:
-            setattr(layer, name, PackedLinear(module))
+            setattr(layer, name, PackedLinear(getattr(layer, name)))
             count += 1
     return count
 
