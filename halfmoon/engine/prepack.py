@@ -6,12 +6,14 @@ compiler uses when it freezes a CPU model) measured, over the small preset's 12 
 on 2 threads: 34 -> 20 ms at 8 rows, 43 -> 34 ms at 32 rows, unchanged at prefill sizes
 (512-2048 rows), 9% slower at 1 row (13.7 -> 15.0 ms). bfloat16 gains nothing (its
 ``F.linear`` already goes through oneDNN), so only float32 on CPU is packed. A packed
-call also costs ~15-20 us more, which loses on small (cache-resident) matrices: only
-weights of at least 3 MiB are packed, and every weight of a model whose decoder
-linears add up to 32 MiB or more: then no step finds them in cache (each is streamed from
-memory), and packed wins at every size. Measured with SmolLM2's 30 layers streamed from
-memory, 2 threads, per layer: q|k|v 405 -> 248 us and o 248 -> 166 us at 8 rows,
-200 -> 170 and 129 -> 128 us at 1 row. (The tiny preset: gate|up and down packed only.)
+call also costs ~15-20 us more, which loses on the smallest matrices: weights of at
+least 1 MiB are packed (the tiny preset's 4 layers, side by side: steps 1.12x faster at
+batch 1, 1.13-1.29x at 8 and 32; its 0.5 MiB q|k|v and 0.25 MiB o lose 20-50 us a call
+packed at 1-8 rows and stay plain), and every weight of a model whose decoder linears add
+up to 32 MiB or more: then no step finds them in cache (each is streamed from memory),
+and packed wins at every size. Measured with SmolLM2's 30 layers streamed from memory,
+2 threads, per layer: q|k|v 405 -> 248 us and o 248 -> 166 us at 8 rows, 200 -> 170 and
+129 -> 128 us at 1 row.
 
 The LM head is packed too (:func:`prepack_lm_head`): at 8-32 rows its 49,152 x 576
 matrix (SmolLM2) went from MKL's re-pack on every call to a straight read. A tied head
@@ -32,7 +34,7 @@ from halfmoon.engine.model import LlamaForCausalLM
 #: Row-count hint for oneDNN's weight layout; any row count works with the packed weight.
 _BATCH_HINT = 8
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_MIN_PACKED_BYTES = 3 * 2**20
+_MIN_PACKED_BYTES = 2**20
 #: Decoder linears of this many bytes in all are streamed from memory on every step.
 _STREAMED_MODEL_BYTES = 32 * 2**20
 

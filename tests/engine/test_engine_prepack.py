@@ -18,11 +18,11 @@ pytestmark = pytest.mark.skipif(
     not can_prepack("cpu", torch.float32), reason="this torch build has no oneDNN linear"
 )
 
-# gate|up is 3072 x 512 floats (6 MiB): packed; q|k|v and o (< 3 MiB) stay plain while
-# the decoder's linears add up to less than 32 MiB (2 layers: 24 MiB).
+# gate|up (3 MiB) and down (1.5 MiB) are packed; q|k|v (0.5 MiB) and o (0.25 MiB) stay
+# plain while the decoder's linears add up to less than 32 MiB (2 layers: 10.5 MiB).
 CONFIG = ModelConfig(
-    model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=2,
-    num_heads=8, num_kv_heads=4, head_dim=64, max_position=256,
+    model_type="llama", vocab_size=256, hidden_size=256, intermediate_size=1536, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=64, max_position=256,
 )  # fmt: skip
 
 
@@ -43,8 +43,8 @@ def test_only_large_weights_are_packed() -> None:
 
 
 def test_every_weight_is_packed_when_the_model_streams_from_memory() -> None:
-    loaded = loaded_model(dataclasses.replace(CONFIG, num_layers=3))  # 36 MiB of linears
-    assert prepack_linears(loaded.model) == 3 * 4
+    loaded = loaded_model(dataclasses.replace(CONFIG, num_layers=7))  # 36.75 MiB of linears
+    assert prepack_linears(loaded.model) == 7 * 4
     assert all(isinstance(layer.qkv_proj, PackedLinear) for layer in loaded.model.layers)
     assert prepack_linears(loaded.model) == 0
 
@@ -71,10 +71,10 @@ def test_packed_lm_head_gives_the_plain_logits(tied: bool) -> None:
     config = ModelConfig(**{**CONFIG.__dict__, "tie_embeddings": tied})
     model = empty_model(config, torch.float32, "cpu")
     init_random_weights(model, seed=4, std=0.05)
-    hidden = torch.randn(5, 512)
+    hidden = torch.randn(5, CONFIG.hidden_size)
     plain = model.compute_logits(hidden)
     assert prepack_lm_head(model) and model.lm_head is None
     assert not prepack_lm_head(model)  # idempotent
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
     # The embedding (tied: the head's plain copy) still serves the lookup.
-    assert model.embed_tokens.weight.shape == (256, 512)
+    assert model.embed_tokens.weight.shape == (256, CONFIG.hidden_size)
