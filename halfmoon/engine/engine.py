@@ -145,7 +145,8 @@ class LLMEngine:
         if kernel is not None:  # the elementwise glue compiled alongside the kernel
             mc = loaded.config
             glue_shape = GlueShape(
-                mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.rms_norm_eps,
+                mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads,
+                mc.head_dim, mc.rms_norm_eps,
                 self.kv_cache.pool.dtype, self.kv_cache.pool.device.type,
             )  # fmt: skip
             loaded.model.glue = select_glue(config.attention, glue_shape)

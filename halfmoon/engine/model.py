@@ -104,8 +104,7 @@ class DecoderLayer(nn.Module):
                     q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
                 )
         h, residual = glue.add_rms_norm(self.o_proj(out), residual, self.post_attention_layernorm)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        return self.down_proj(glue.silu_mul(self.gate_up_proj(h))), residual
 
     def _call_hook(self, hook: LayerHook, batch: AttentionBatch, kv_cache: KVCache) -> None:
         for seg in batch.prefills:

@@ -23,8 +23,8 @@ needs_compiler = pytest.mark.skipif(
 #: The tiny preset's shape, which the engine tests compile too (one build per machine).
 TINY = preset_config("tiny")
 SHAPE = GlueShape(
-    TINY.hidden_size, TINY.num_heads, TINY.num_kv_heads, TINY.head_dim, TINY.rms_norm_eps,
-    torch.float32, "cpu",
+    TINY.hidden_size, TINY.intermediate_size, TINY.num_heads, TINY.num_kv_heads, TINY.head_dim,
+    TINY.rms_norm_eps, torch.float32, "cpu",
 )  # fmt: skip
 
 
@@ -58,6 +58,9 @@ def test_eager_glue_is_the_plain_math_bit_for_bit() -> None:
     assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
     assert torch.equal(v, qkv[:, (heads + kv_heads) * dim :].view(7, kv_heads, dim))
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    gate_up = rows(4, 3, 2 * SHAPE.intermediate_size)
+    gate, up = gate_up[:, : SHAPE.intermediate_size], gate_up[:, SHAPE.intermediate_size :]
+    assert torch.equal(EAGER_GLUE.silu_mul(gate_up), F.silu(gate) * up)
 
 
 @needs_compiler
@@ -82,6 +85,10 @@ def test_compiled_glue_matches_the_eager_glue() -> None:
         ):
             assert got.shape == want.shape and got.is_contiguous()
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        gate_up = rows(seed + 200, num_tokens, 2 * SHAPE.intermediate_size)
+        torch.testing.assert_close(
+            compiled.silu_mul(gate_up), EAGER_GLUE.silu_mul(gate_up), atol=1e-6, rtol=1e-5
+        )
 
 
 def test_auto_falls_back_to_eager_and_compiled_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
