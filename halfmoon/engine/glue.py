@@ -24,7 +24,6 @@ rounding only (the norm's reduction order).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.kernels import export_and_compile, load_package
+from halfmoon.engine.kernels import (
+    export_and_compile,
+    failure_reason,
+    load_package,
+    package_key,
+)
 from halfmoon.engine.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -146,14 +150,14 @@ class GlueShape:
 
     def key(self, part: str) -> str:
         """File-name key of ``part`` (``add-rms-norm``, ``rope-split``, ``silu-mul``)."""
-        isa = torch.backends.cpu.get_cpu_capability() if self.device == "cpu" else "cuda"
         dtype = str(self.dtype).removeprefix("torch.")
-        text = (
-            f"v{GLUE_VERSION}-{part}-{self.hidden_size}-{self.intermediate_size}-{self.num_heads}x{self.num_kv_heads}x"
-            f"{self.head_dim}-eps{self.eps!r}-{dtype}-{self.device}-{isa}-torch{torch.__version__}"
+        spec = (
+            f"v{GLUE_VERSION}-{part}-{self.hidden_size}-{self.intermediate_size}-"
+            f"{self.num_heads}x{self.num_kv_heads}x{self.head_dim}-eps{self.eps!r}-{dtype}"
         )
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        return f"glue-{part}-{self.hidden_size}-{dtype}-{self.device}-{digest}"
+        return package_key(
+            f"glue-{part}-{self.hidden_size}-{dtype}-{self.device}", spec, self.device
+        )
 
 
 def _build_add_rms_norm(shape: GlueShape, path: Path) -> None:
@@ -221,8 +225,7 @@ def select_glue(backend: str, shape: GlueShape) -> Glue:
     try:
         return load_glue(shape)
     except Exception as exc:  # noqa: BLE001 - a compiler problem must not stop serving
-        lines = str(exc).strip().splitlines()
-        reason = f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+        reason = failure_reason(exc)
         if backend == "compiled":
             raise HalfmoonError(f"the compiled glue is unavailable: {reason}") from exc
         logger.warning("compiled glue unavailable (%s); using the eager ops", reason)

@@ -105,14 +105,26 @@ class KernelShape:
 
     def key(self) -> str:
         """File-name key: the shape, the kernel and torch versions, the CPU's vector ISA."""
-        isa = torch.backends.cpu.get_cpu_capability() if self.device == "cpu" else "cuda"
         dtype = str(self.dtype).removeprefix("torch.")
-        text = (
-            f"v{KERNEL_VERSION}-{self.num_kv_heads}x{self.group}x{self.head_dim}-b"
-            f"{self.block_size}-{dtype}-{self.device}-{isa}-torch{torch.__version__}"
+        shape = f"{self.num_kv_heads}x{self.group}x{self.head_dim}-b{self.block_size}-{dtype}"
+        return package_key(
+            f"paged-decode-{shape}-{self.device}", f"v{KERNEL_VERSION}-{shape}", self.device
         )
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        return f"paged-decode-{self.num_kv_heads}x{self.group}x{self.head_dim}-b{self.block_size}-{dtype}-{self.device}-{digest}"
+
+
+def package_key(name: str, spec: str, device: str) -> str:
+    """``name-<digest>``, a package's file name: the digest covers ``spec`` (what the
+    package is specialised for, with its code's version), the device, the CPU's vector
+    ISA and torch's version, so that a change to any of them builds a new package."""
+    isa = torch.backends.cpu.get_cpu_capability() if device == "cpu" else "cuda"
+    text = f"{spec}-{device}-{isa}-torch{torch.__version__}"
+    return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line naming why a build or load failed (type and first line of the message)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
 
 
 def kernel_dir() -> Path:
@@ -267,8 +279,7 @@ def select_decode_kernel(
     try:
         kernel = load_decode_kernel(shape)
     except Exception as exc:  # noqa: BLE001 - a compiler problem must not stop serving
-        lines = str(exc).strip().splitlines()
-        reason = f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+        reason = failure_reason(exc)
         if backend == "compiled":
             raise HalfmoonError(f"the compiled attention kernel is unavailable: {reason}") from exc
         logger.warning("compiled decode attention unavailable (%s); using gather + SDPA", reason)
