@@ -3,7 +3,7 @@
 A decode step at small batch is a chain of small ops: per layer a residual add and an
 RMS norm before each half, RoPE on q and k, slicing q|k|v apart. Each op costs an eager
 dispatch (5-40 us: ``F.rms_norm`` on one 576-float row measured 20-40 us), which at
-batch 1 is as much as the arithmetic of the whole layer. :class:`Glue` bundles the two
+batch 1 is as much as the arithmetic of the whole layer. :class:`Glue` bundles the three
 pieces that cost most:
 
 - ``add_rms_norm(x, residual, norm)`` -> ``(norm(x + residual), x + residual)``: the
@@ -16,10 +16,10 @@ pieces that cost most:
   small preset 31 -> 4.5 ms compiled, 8 rows 148 -> 20 us).
 
 :data:`EAGER_GLUE` is the exact-math reference (the same ops as before, bit for bit).
-:func:`load_glue` AOT-compiles all three (:mod:`halfmoon.engine.kernels`' package cache; one
-package each per model shape, batch dynamic; ~17 s each to build): one call of ~12 us each. Measured on one
-576-wide row: add + norm 45 -> 12 us. The compiled math differs from the eager by float
-rounding only (the norm's reduction order).
+:func:`load_glue` AOT-compiles all three (:mod:`halfmoon.engine.kernels`' package cache;
+one package each per model shape, batch dynamic; ~17 s each to build, once): one call of
+~12 us each. Measured on one 576-wide row: add + norm 45 -> 12 us. The compiled math
+differs from the eager by float rounding only (the norm's reduction order).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ EAGER_GLUE = Glue(_eager_add_rms_norm, split_and_rotate, silu_mul, "eager")
 
 @dataclass(frozen=True)
 class GlueShape:
-    """What one pair of glue packages is specialised for."""
+    """What one model's glue packages are specialised for."""
 
     hidden_size: int
     intermediate_size: int
