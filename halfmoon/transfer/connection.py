@@ -237,8 +237,16 @@ class PeerConnection:
                 )
             return
         try:
+            dests = receiver.dests(layer)
+            lengths = frame.meta.get("lengths")
+            if lengths is not None:
+                try:
+                    dests = receiver.set_lengths(layer, lengths)
+                except ProtocolError:
+                    self.link.discard_pending(self.deadline())  # keep the stream position
+                    raise
             if not frame.meta.get("placed"):
-                self.link.recv_payload_into(frame, receiver.dests(layer), self.deadline())
+                self.link.recv_payload_into(frame, dests, self.deadline())
         except TransferError as exc:
             receiver.fail(exc)
             if self.link.closed:

@@ -62,27 +62,31 @@ class StreamSender:
     def send_layer(
         self, layer: int, blocks: Sequence[object], timeout_s: float | None = None
     ) -> None:
-        """Send ``layer``'s ``num_blocks`` blocks (each ``block_bytes``, any buffer)."""
+        """Send ``layer``'s ``num_blocks`` blocks (any buffers). A block fills its slot of
+        ``block_bytes`` or, for payloads of varying size (compressed KV), a prefix of it:
+        the lengths then travel with the layer (``StreamReceiver.lengths``)."""
         self._check_open()
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
         if self._sent[layer]:
             raise ValueError(f"layer {layer} of stream {self.session_id!r} was already sent")
         views = [as_bytes_view(b) for b in blocks]
-        if len(views) != self.num_blocks or any(v.nbytes != self.block_bytes for v in views):
+        if len(views) != self.num_blocks or any(v.nbytes > self.block_bytes for v in views):
             raise ValueError(
-                f"layer {layer} needs {self.num_blocks} blocks of {self.block_bytes} bytes, got "
-                f"{[v.nbytes for v in views]}"
+                f"layer {layer} needs {self.num_blocks} blocks of at most {self.block_bytes} "
+                f"bytes, got {[v.nbytes for v in views]}"
             )
         deadline = deadline_after(self._timeout_s if timeout_s is None else timeout_s)
         try:
             self._raise_pending_error()
             meta = {"session": self.session_id, "layer": layer, "placed": self._remote is not None}
+            if any(v.nbytes != self.block_bytes for v in views):
+                meta["lengths"] = [v.nbytes for v in views]
             if self._remote is not None:
                 base = layer * self.num_blocks
                 for i, view in enumerate(views):
                     start = self._offsets[base + i]
-                    self._remote[start : start + self.block_bytes] = view
+                    self._remote[start : start + view.nbytes] = view
                 self._link.send(Kind.STREAM_LAYER, meta, deadline=deadline)
             else:
                 self._link.send(Kind.STREAM_LAYER, meta, views, deadline)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from halfmoon.transfer.errors import (
+    ProtocolError,
     RemoteError,
     TransferCancelled,
     TransferError,
@@ -81,6 +82,7 @@ class StreamReceiver:
         self._on_layer = on_layer
         self._cond = threading.Condition()
         self._layer_done = [False] * layout.num_layers
+        self._lengths: dict[int, list[int]] = {}
         self._num_layers_done = 0
         self._finished = False
         self._error: TransferError | None = None
@@ -101,6 +103,28 @@ class StreamReceiver:
         m, size = self.layout.num_blocks, self.layout.block_bytes
         offsets = self.layout.offsets[layer * m : (layer + 1) * m]
         return [self.region.slice(offset, size) for offset in offsets]
+
+    def set_lengths(self, layer: int, lengths: object) -> list[memoryview]:
+        """Record that ``layer``'s blocks fill only the first ``lengths[i]`` bytes of their
+        slots (a sender's payloads of varying size); returns those destination views.
+        Raises :class:`ProtocolError` for lengths that do not fit the layout."""
+        m, size = self.layout.num_blocks, self.layout.block_bytes
+        if (
+            not isinstance(lengths, list)
+            or len(lengths) != m
+            or not all(isinstance(n, int) and 0 <= n <= size for n in lengths)
+        ):
+            raise ProtocolError(
+                f"stream {self.session_id!r} layer {layer}: block lengths must be {m} "
+                f"integers in [0, {size}]"
+            )
+        self._lengths[layer] = list(lengths)
+        return [dest[:n] for dest, n in zip(self.dests(layer), lengths, strict=True)]
+
+    def lengths(self, layer: int) -> list[int]:
+        """Bytes of each of ``layer``'s blocks (``block_bytes`` unless the sender sent
+        shorter payloads)."""
+        return self._lengths.get(layer, [self.layout.block_bytes] * self.layout.num_blocks)
 
     def mark_layer(self, layer: int) -> None:
         """Record that ``layer`` fully arrived, then run ``on_layer``."""

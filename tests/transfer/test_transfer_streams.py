@@ -3,7 +3,13 @@ import time
 
 import pytest
 
-from halfmoon.transfer import RemoteError, StreamLayout, TransferCancelled, TransferError
+from halfmoon.transfer import (
+    ProtocolError,
+    RemoteError,
+    StreamLayout,
+    TransferCancelled,
+    TransferError,
+)
 from halfmoon.transfer.peer import layer_block_bytes
 
 LAYERS, BLOCKS, SIZE = 4, 3, 4096
@@ -142,7 +148,7 @@ def test_missing_layers_fail_both_sides(stream_pair):
 def test_bad_layer_calls_are_value_errors(stream_pair):
     client, rx, _, _ = stream_pair()
     with client.open_stream("req-1", LAYERS, BLOCKS, SIZE, timeout_s=5) as tx:
-        with pytest.raises(ValueError, match="needs 3 blocks of 4096 bytes"):
+        with pytest.raises(ValueError, match="needs 3 blocks of at most 4096 bytes"):
             tx.send_layer(0, layer(0)[:2])
         with pytest.raises(ValueError, match="outside"):
             tx.send_layer(LAYERS, layer(0))
@@ -151,6 +157,36 @@ def test_bad_layer_calls_are_value_errors(stream_pair):
         with pytest.raises(ValueError, match="already sent"):
             tx.send_layer(0, layer(0))
     rx.wait(timeout_s=5)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "inproc"])
+def test_blocks_may_fill_part_of_their_slots(stream_pair, transport):
+    """Payloads of varying size (compressed KV) land at their slots' starts; the receiver
+    learns each length, and a layer of full blocks reports full lengths."""
+    client, rx, region, _ = stream_pair(transport)
+    short = {i: [layer_block_bytes(i, b, SIZE)[: 100 * (i + b)] for b in range(BLOCKS)]
+             for i in range(LAYERS - 1)}  # fmt: skip
+    with client.open_stream("req-1", LAYERS, BLOCKS, SIZE, timeout_s=5) as tx:
+        with pytest.raises(ValueError, match="at most 4096 bytes"):
+            tx.send_layer(0, [b"x" * (SIZE + 1)] * BLOCKS)
+        for i, blocks in short.items():
+            tx.send_layer(i, blocks)
+        tx.send_layer(LAYERS - 1, layer(LAYERS - 1))
+    rx.wait(timeout_s=5)
+    for i, blocks in short.items():
+        assert rx.lengths(i) == [len(b) for b in blocks]
+        for b, data in enumerate(blocks):
+            start = (i * BLOCKS + b) * SIZE
+            assert bytes(region.view[start : start + len(data)]) == data
+    assert rx.lengths(LAYERS - 1) == [SIZE] * BLOCKS
+
+
+def test_bad_block_lengths_fail_the_session(stream_pair):
+    client, rx, _, _ = stream_pair()
+    with pytest.raises(ProtocolError, match="block lengths must be 3 integers"):
+        rx.set_lengths(0, [1, 2])
+    with pytest.raises(ProtocolError, match="block lengths"):
+        rx.set_lengths(0, [1, 2, SIZE + 1])
 
 
 def test_layout_must_fit_the_region(make_engine):
