@@ -10,7 +10,7 @@ import time
 import pytest
 
 from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all
-from halfmoon.transfer import StreamLayout, TransferEngine
+from halfmoon.transfer import RemoteError, StreamLayout, TransferEngine
 
 SECRET = bytes(range(7, 39))
 BLOCK = 256
@@ -65,3 +65,74 @@ def test_finish_all_of_nothing_is_done_at_once():
     called = []
     finish_all([], lambda: called.append(time.monotonic()))
     assert called
+
+
+@pytest.mark.parametrize("mode", ["int8", "zstd"])
+def test_compressed_stage_streams_land_decoded_in_the_export_layout(mode):
+    """A decode worker expecting a 2-stage (CPP) request with --kv-compression: each
+    stage's OutStream encodes its stream layers, the decode role decodes every one as it
+    lands, and its region holds the export layout ``[L, 2, n, B, H, D]`` as the codec
+    gives it back (bit for bit with zstd)."""
+    import torch
+
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine.kv_cache import KVLayout
+    from halfmoon.engine.kvcodec import KVCodec
+    from halfmoon.engine.stage import LayerSlice
+    from halfmoon.serve.control.messages import Expect, WireParams
+    from halfmoon.serve.worker.decode import DecodeRole
+    from halfmoon.serve.worker.kvstream import kv_stream_layout
+    from halfmoon.serve.worker.pipeline_job import kv_session
+
+    layout = KVLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
+    codec = KVCodec.make(mode, layout)
+
+    class Engine:  # what the decode role reads of its engine before the handoff
+        class config:  # noqa: N801
+            block_size = 16
+
+    Engine.layout = layout
+    worker = type("W", (), {"engine": Engine(), "kv_codec": codec})()
+    sender, receiver = TransferEngine(SECRET), TransferEngine(SECRET)
+    sender.start()
+    receiver.start()
+    pool = StreamerPool()
+    try:
+        role = DecodeRole(worker, receiver)
+        params = WireParams.of(SamplingParams(max_tokens=4))
+        role._on_expect(b"gw", Expect(msg_id=1, request_id="r", params=params,
+                                      num_prompt_tokens=40, num_stages=2))  # fmt: skip
+        n = 3  # blocks of 40 tokens
+        kv = torch.randn(layout.buffer_shape(n), generator=torch.Generator().manual_seed(1))
+        half = layout.bytes_per_block // (2 * layout.num_layers)
+        streams = []
+        for s, layers in enumerate(LayerSlice.split(layout.num_layers, 2)):
+            out = OutStream(sender, receiver.endpoint, kv_session("r", s, 2),
+                            kv_stream_layout(layers.size, n, half, codec), f"stage {s}", pool,
+                            codec=codec)  # fmt: skip
+            for i, layer in enumerate(range(layers.first, layers.last)):
+                keys = [memoryview(b.view(torch.uint8).reshape(-1).numpy()) for b in kv[layer, 0]]
+                values = [memoryview(b.view(torch.uint8).reshape(-1).numpy()) for b in kv[layer, 1]]
+                out.submit_kv(i, keys, values)
+            streams.append(out)
+        done = threading.Event()
+        finish_all(streams, done.set)
+        assert done.wait(30) and not any(s.error for s in streams), [s.error for s in streams]
+        expected = role.expected["r"]
+        for rx in expected.receivers:
+            rx.wait(10)
+        got = torch.frombuffer(bytearray(receiver.regions.get(expected.region).view),
+                               dtype=torch.float32).view(kv.shape)  # fmt: skip
+        assert torch.equal(got, codec.encode_tensor(kv))
+        if mode == "zstd":
+            assert torch.equal(got, kv)
+        assert sum(s.bytes_sent for s in streams) < kv.numel() * 4
+        assert sum(s.raw_bytes_sent for s in streams) == kv.numel() * 4
+        role._unregister(expected.region, expected.wire_region)  # what the handoff does
+        for name in (expected.region, expected.wire_region):
+            with pytest.raises(RemoteError, match="no region named"):
+                receiver.regions.get(name)
+    finally:
+        pool.close()
+        sender.close()
+        receiver.close()

@@ -1,5 +1,5 @@
-"""The registration handshake: a worker whose block size, model or dtype disagrees with
-the cluster's is refused, and says so."""
+"""The registration handshake: a worker whose block size, model, dtype or KV compression
+disagrees with the cluster's is refused, and says so."""
 
 from __future__ import annotations
 
@@ -72,13 +72,16 @@ class Client:
 
 def test_the_first_worker_sets_model_and_dtype_and_others_must_agree(service):
     client = Client(service)
-    ok = {"block_size": 16, "model": MODEL, "dtype": "float32"}
+    ok = {"block_size": 16, "model": MODEL, "dtype": "float32", "kv_compression": "int8"}
     assert isinstance(client.register("p0", "prefill", **ok), Registered)
-    assert service.cluster == ClusterIdentity(block_size=16, model=MODEL, dtype="float32")
+    assert service.cluster == ClusterIdentity(
+        block_size=16, model=MODEL, dtype="float32", kv_compression="int8"
+    )
     for iid, change, named in [
         ("d0", {"block_size": 32}, "block size 32 (the cluster's is 16)"),
         ("d1", {"model": "other#ffffffffffff"}, "model 'other#ffffffffffff'"),
         ("d2", {"dtype": "bfloat16"}, "dtype 'bfloat16' (the cluster's is 'float32')"),
+        ("d4", {"kv_compression": "none"}, "KV compression 'none' (the cluster's is 'int8')"),
     ]:
         reply = client.register(iid, **{**ok, **change})
         assert isinstance(reply, Refused), reply

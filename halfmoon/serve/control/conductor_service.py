@@ -302,10 +302,11 @@ class ConductorService:
         if refusal is not None:
             log.error("refused %s %s: %s", role, iid, refusal)
             return Refused(instance_id=iid, error=refusal)
-        # The first worker to declare them sets the cluster's model and dtype.
+        # The first worker to declare them sets the cluster's model, dtype and compression.
         self.cluster = dataclasses.replace(
             self.cluster, model=self.cluster.model or message.model,
             dtype=self.cluster.dtype or message.dtype,
+            kv_compression=self.cluster.kv_compression or message.kv_compression,
         )  # fmt: skip
         capacity = message.kv_capacity_tokens or None
         cost_model = self._cost_model(message, capacity)
@@ -339,9 +340,11 @@ class ConductorService:
     def refusal(self, message: Register) -> str | None:
         """Why a registering worker cannot join (None: it agrees with the cluster). A worker
         with another block size would hash prompts its own way (no prefix hit, KV handed
-        over in the wrong shape); another model or dtype would compute other KV."""
+        over in the wrong shape); another model or dtype would compute other KV, another KV
+        compression would send its KV in a form the receiver does not expect."""
         problems = []
-        for key, what in (("block_size", "block size"), ("model", "model"), ("dtype", "dtype")):
+        for key, what in (("block_size", "block size"), ("model", "model"), ("dtype", "dtype"),
+                          ("kv_compression", "KV compression")):  # fmt: skip
             got, want = getattr(message, key), getattr(self.cluster, key)
             if got is not None and want is not None and str(got) != str(want):
                 problems.append(f"{what} {got!r} (the cluster's is {want!r})")

@@ -131,12 +131,13 @@ class WireParams(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterIdentity(Record):
-    """What every worker must compute with: the Conductor's block size, and the model
-    and dtype of the first worker that declared them (None until then)."""
+    """What every worker must compute with: the Conductor's block size, and the model,
+    dtype and KV compression of the first worker that declared them (None until then)."""
 
     block_size: int
     model: str | None = None
     dtype: str | None = None
+    kv_compression: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +326,7 @@ class Register(Message):
     block_size: int | None = None
     model: str | None = None
     dtype: str | None = None
+    kv_compression: str | None = None
     draining: bool = False
     blocks: list[HeldBlocks] = field(default_factory=list)
 

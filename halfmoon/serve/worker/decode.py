@@ -4,10 +4,12 @@ See :mod:`halfmoon.serve.worker.prefill` for the whole handoff."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
 from halfmoon.engine.connector import HandoffState, LayerSlice
 from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
@@ -20,7 +22,7 @@ from halfmoon.serve.worker.tokens import (
     StreamClient,
     TokenStreaming,
 )
-from halfmoon.transfer import StreamLayout, TransferEngine
+from halfmoon.transfer import StreamLayout, StreamReceiver, TransferEngine, TransferError
 
 
 @dataclass
@@ -30,6 +32,8 @@ class _Expected:
     num_prompt_tokens: int
     region: str
     receivers: list[Any]
+    #: Where compressed stream layers land before they are decoded into ``region``.
+    wire_region: str | None = None
     prefill_instance: str = ""
     cache_salt: str | None = None
     since_s: float = field(default_factory=time.monotonic)
@@ -46,6 +50,10 @@ class DecodeRole(TokenStreaming):
         layout = worker.engine.layout
         self.bytes_per_block = layout.bytes_per_block
         self.num_layers = layout.num_layers
+        codec = worker.kv_codec
+        self.codec = None if codec is None or codec.name == "none" else codec
+        #: Seconds the transfer threads spent decompressing KV (--kv-compression).
+        self.kv_decode_s = 0.0
 
     def handlers(self) -> dict[str, Handler]:
         return {"expect": self._on_expect, "handoff": self._on_handoff}
@@ -57,18 +65,35 @@ class DecodeRole(TokenStreaming):
         region = f"kv-{rid}"
         self.transfer.register_region(region, n * self.bytes_per_block)
         half = self.bytes_per_block // (2 * self.num_layers)
+        wire_region = None
         receivers = []
         try:
+            if self.codec is not None:
+                # One payload per stream layer, each in a slot of the largest size it may
+                # have, decoded into ``region`` (the export layout) as it lands.
+                slot = self.codec.max_encoded_bytes(n * half)
+                wire_region = f"kvz-{rid}"
+                self.transfer.register_region(wire_region, 2 * self.num_layers * slot)
             for s, layers in enumerate(slices):
-                layout = StreamLayout.contiguous(
-                    2 * layers.size, n, half, base_offset=2 * layers.first * n * half
-                )
                 session = kv_session(rid, s, num_stages)
-                receivers.append(self.transfer.expect_stream(session, region, layout))
+                if self.codec is None:
+                    layout = StreamLayout.contiguous(
+                        2 * layers.size, n, half, base_offset=2 * layers.first * n * half
+                    )
+                    receiver = self.transfer.expect_stream(session, region, layout)
+                else:
+                    layout = StreamLayout.contiguous(
+                        2 * layers.size, 1, slot, base_offset=2 * layers.first * slot
+                    )
+                    decode = functools.partial(
+                        self._decode_layer, region, wire_region, 2 * layers.first, n * half
+                    )
+                    receiver = self.transfer.expect_stream(session, wire_region, layout, decode)
+                receivers.append(receiver)
         except Exception:
             for receiver in receivers:
                 receiver.cancel()
-            self.transfer.unregister_region(region)
+            self._unregister(region, wire_region)
             raise
         self.expected[rid] = _Expected(
             identity,
@@ -76,10 +101,35 @@ class DecodeRole(TokenStreaming):
             num_prompt,
             region,
             receivers,
+            wire_region,
             msg.prefill_instance,
             msg.cache_salt,
             timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * msg.est_ttft_s,
         )
+
+    def _decode_layer(
+        self, region: str, wire_region: str, first: int, raw_bytes: int,
+        receiver: StreamReceiver, layer: int,
+    ) -> None:  # fmt: skip
+        """Decode stream layer ``first + layer`` (on the transfer thread, as it lands)."""
+        assert self.codec is not None
+        index = first + layer
+        slot = receiver.layout.block_bytes
+        start = receiver.layout.offsets[layer]
+        try:
+            payload = self.transfer.regions.get(wire_region).view
+            payload = payload[start : start + receiver.lengths(layer)[0]]
+            out = self.transfer.regions.get(region).view
+            started = time.perf_counter()
+            self.codec.decode(payload, out[index * raw_bytes : (index + 1) * raw_bytes])
+            self.kv_decode_s += time.perf_counter() - started
+        except HalfmoonError as exc:  # a bad payload, or the request went away (aborted)
+            receiver.fail(TransferError(f"stream layer {index} ({slot}-byte slot): {exc}"))
+
+    def _unregister(self, region: str, wire_region: str | None) -> None:
+        self.transfer.unregister_region(region)
+        if wire_region is not None:
+            self.transfer.unregister_region(wire_region)
 
     def _on_handoff(self, identity: bytes, msg: Handoff) -> None:
         rid = msg.request_id
@@ -104,7 +154,7 @@ class DecodeRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=rid)
             return
         finally:
-            self.transfer.unregister_region(e.region)
+            self._unregister(e.region, e.wire_region)
         self.clients[rid] = StreamClient(e.identity, [], index=1)
         self.worker.conductor.event("decode_started", request_id=rid)
 
@@ -124,7 +174,7 @@ class DecodeRole(TokenStreaming):
         if e is not None:
             for receiver in e.receivers:
                 receiver.cancel()
-            self.transfer.unregister_region(e.region)
+            self._unregister(e.region, e.wire_region)
         self.clients.pop(request_id, None)
         if self.worker.engine.abort_request(request_id) or e is not None:
             self.worker.conductor.event("request_finished", request_id=request_id)
@@ -149,8 +199,8 @@ class DecodeRole(TokenStreaming):
             self.on_abort(rid)
 
     def stats(self) -> dict[str, Any]:
-        """Requests waiting for their KV."""
-        return {"num_expected": len(self.expected)}
+        """Requests waiting for their KV; time spent decompressing it."""
+        return {"num_expected": len(self.expected), "kv_decode_s": round(self.kv_decode_s, 6)}
 
     def snapshot(self) -> list[HeldBlocks]:
         """A decode worker caches nothing the Conductor indexes."""

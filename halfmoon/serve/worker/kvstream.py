@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 
 #: A peer that does not take one step of a stream (a layer, the final ack) within this is
@@ -104,11 +105,26 @@ class StreamerPool:
             streamer.close()
 
 
+def kv_stream_layout(
+    num_layers: int, num_blocks: int, half_block_bytes: int, codec: Any = None
+) -> tuple[int, int, int]:
+    """``(stream layers, blocks per layer, bytes per block)`` of a KV stream of
+    ``num_layers`` model layers and ``num_blocks`` blocks: K and V of each layer, block by
+    block; with a compressing ``codec`` (halfmoon.engine.kvcodec), one payload per stream
+    layer (at most ``codec.max_encoded_bytes`` of the layer's raw bytes)."""
+    if codec is None or codec.name == "none":
+        return (2 * num_layers, num_blocks, half_block_bytes)
+    return (2 * num_layers, 1, codec.max_encoded_bytes(num_blocks * half_block_bytes))
+
+
 class OutStream:
     """The sending end of one transfer-engine stream session, driven from its
     destination's streamer thread (``streamers.get(endpoint)``): opened on the first send;
     the first failure is kept in ``error`` (naming ``peer``) and every later send is
-    skipped. Every step has a deadline of ``timeout_s``."""
+    skipped. Every step has a deadline of ``timeout_s``. With a compressing ``codec`` each
+    stream layer's blocks are encoded into one payload on that thread
+    (:func:`kv_stream_layout`); ``bytes_sent`` counts wire bytes, ``raw_bytes_sent`` the
+    KV they carry."""
 
     def __init__(
         self,
@@ -119,6 +135,7 @@ class OutStream:
         peer: str,
         streamers: StreamerPool,
         timeout_s: float = PEER_TIMEOUT_S,
+        codec: Any = None,
     ) -> None:
         self.transfer = transfer
         self.endpoint = endpoint
@@ -126,8 +143,12 @@ class OutStream:
         self.layout = layout  # (num_layers, num_blocks, block_bytes)
         self.peer = peer
         self.timeout_s = timeout_s
+        self.codec = None if codec is None or codec.name == "none" else codec
         self.error = ""
         self.bytes_sent = 0
+        self.raw_bytes_sent = 0
+        #: Seconds spent encoding on the streamer thread.
+        self.encode_s = 0.0
         self.streamer = streamers.get(endpoint)
         self._sender: Any = None
 
@@ -151,9 +172,15 @@ class OutStream:
                 self._sender = client.open_stream(
                     self.session, *self.layout, timeout_s=self.timeout_s
                 )
+            raw = sum(len(b) for b in blocks)
+            if self.codec is not None:
+                started = time.perf_counter()
+                blocks = [self.codec.encode(blocks)]
+                self.encode_s += time.perf_counter() - started
             self._sender.send_layer(layer, blocks)
             self.bytes_sent += sum(len(b) for b in blocks)
-        except (TransferError, OSError, ValueError) as exc:
+            self.raw_bytes_sent += raw
+        except (TransferError, OSError, ValueError, HalfmoonError) as exc:
             self._failed(exc)
 
     def send_kv(self, layer: int, keys: list, values: list) -> None:

@@ -23,6 +23,8 @@ from halfmoon.serve.runtime import (
 )
 
 ROLES = ("prefill", "decode", "coupled")
+#: ``--kv-compression`` (halfmoon.engine.kvcodec.MODES; listed here to keep this torch-free).
+KV_COMPRESSION_MODES = ("none", "int8", "fp8", "zstd")
 ENGINES = ("halfmoon", "vllm")
 #: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -59,6 +61,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "kernel when it can be built)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
+    parser.add_argument(
+        "--kv-compression", default="none", choices=KV_COMPRESSION_MODES,
+        help="KV on the wire between prefill and decode workers: none (default), int8 or "
+        "fp8 (a scale per token and head, ~3.8x fewer bytes than float32 KV), zstd "
+        "(lossless, ~1.2x); every worker of a cluster must use the same (docs/serving.md)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="turn off prefix reuse (engine pools and block stores) to measure its effect",
@@ -106,6 +114,7 @@ class EngineOptions:
     block_size: int = 16
     attention: str = "auto"
     seed: int = 0
+    kv_compression: str = "none"
     prefix_caching: bool = True
     store_dram_mb: float = 256.0
     store_ssd_dir: str | None = None
@@ -113,6 +122,18 @@ class EngineOptions:
     engine: str = "halfmoon"
     vllm_python: str | None = None
     vllm_args: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kv_compression not in KV_COMPRESSION_MODES:
+            raise HalfmoonError(
+                f"unknown --kv-compression {self.kv_compression!r}; use one of "
+                f"{', '.join(KV_COMPRESSION_MODES)}"
+            )
+        if self.kv_compression != "none" and self.engine != "halfmoon":
+            raise HalfmoonError(
+                "--kv-compression applies to halfmoon's own KV streams; with --engine "
+                f"{self.engine} the KV moves through the engine's connector uncompressed"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -247,6 +268,15 @@ def run_worker(args: argparse.Namespace) -> int:
         transfer = TransferEngine(secret, host=args.host, transport=args.transport, store=store)
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
+    if kv_connector is None and args.role != "coupled":
+        from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
+
+        # A prefill worker only encodes, a decode worker only decodes.
+        direction = "encode" if args.role == "prefill" else "decode"
+        codec = KVCodec.make(options.kv_compression, engine.layout)
+        worker.kv_codec = compiled_or_eager(codec, [direction])
+        if codec.name != "none":
+            log.info("KV compression on the wire: %s", codec.description)
     if kv_connector is not None:
         from halfmoon.serve.vllm.roles import VllmDecodeRole, VllmPrefillRole
 
@@ -276,6 +306,7 @@ def run_worker(args: argparse.Namespace) -> int:
             block_size=options.block_size,
             model=model_identity(options.model, options.seed),
             dtype=options.dtype,
+            kv_compression=options.kv_compression,
         )
     except RegistrationRefused as exc:
         log.error("%s", exc)

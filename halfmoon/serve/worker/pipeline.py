@@ -37,7 +37,13 @@ from halfmoon.serve.control.messages import (
     Tokens,
     logprobs_to_wire,
 )
-from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all, num_blocks
+from halfmoon.serve.worker.kvstream import (
+    OutStream,
+    StreamerPool,
+    finish_all,
+    kv_stream_layout,
+    num_blocks,
+)
 from halfmoon.serve.worker.pipeline_job import StageJob, hidden_session, kv_session
 from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 from halfmoon.serve.worker.process import Handler, Worker
@@ -183,10 +189,11 @@ class PipelineStage:
         job.start = start
         self.num_prefix_tokens_reused += start
         n = num_blocks(len(job.tokens), self.block_size)
+        codec = self.worker.kv_codec
         job.kv_out = OutStream(
             self.transfer, job.decode.transfer, kv_session(job.rid, job.stage, job.num_stages),
-            (2 * job.executor.layers.size, n, self.half_block_bytes),
-            f"decode {job.decode.instance_id}", self.streamers,
+            kv_stream_layout(job.executor.layers.size, n, self.half_block_bytes, codec),
+            f"decode {job.decode.instance_id}", self.streamers, codec=codec,
         )  # fmt: skip
         chunk_bytes = job.chunk_tokens * job.executor.row_bytes
         if job.stage + 1 < job.num_stages:

@@ -41,7 +41,13 @@ from halfmoon.serve.control.messages import (
     Prefill,
     Replicate,
 )
-from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all, num_blocks
+from halfmoon.serve.worker.kvstream import (
+    OutStream,
+    StreamerPool,
+    finish_all,
+    kv_stream_layout,
+    num_blocks,
+)
 from halfmoon.serve.worker.pipeline import PipelineStage
 from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
 from halfmoon.serve.worker.process import Handler, Worker
@@ -94,7 +100,11 @@ class PrefillRole(TokenStreaming):
         self.num_layers = layout.num_layers
         self.bytes_per_block = layout.bytes_per_block
         self.half_block_bytes = layout.bytes_per_block // (2 * layout.num_layers)
+        #: KV streamed to decode workers: bytes on the wire, the raw KV they carried (more
+        #: with --kv-compression) and the seconds spent compressing it.
         self.kv_bytes_sent = 0
+        self.kv_raw_bytes_sent = 0
+        self.kv_encode_s = 0.0
         #: Its stage of chunked-pipeline (CPP) group requests.
         self.stage = PipelineStage(worker, transfer, cache, self.streamers)
         worker.engine.set_prompt_kv_hook(self.on_prompt_kv)
@@ -131,10 +141,11 @@ class PrefillRole(TokenStreaming):
         pulled_before = self.cache.num_blocks_pulled
         self.cache.load(tokens, self.transfer, remote, salt)
         decode = msg.decode
-        layout = (2 * self.num_layers, n, self.half_block_bytes)
+        codec = self.worker.kv_codec
+        layout = kv_stream_layout(self.num_layers, n, self.half_block_bytes, codec)
         stream = OutStream(
             self.transfer, decode.transfer, rid, layout, f"decode {decode.instance_id}",
-            self.streamers,
+            self.streamers, codec=codec,
         )  # fmt: skip
         p = _Prefill(identity, tokens, params, decode, n, stream, salt)
         p.pulled_bytes = (self.cache.num_blocks_pulled - pulled_before) * self.bytes_per_block
@@ -199,7 +210,9 @@ class PrefillRole(TokenStreaming):
                 self._fail(rid, p, str(exc))
                 return
             self.kv_bytes_sent += p.stream.bytes_sent
-            streamed = p.num_blocks * self.bytes_per_block
+            self.kv_raw_bytes_sent += p.stream.raw_bytes_sent
+            self.kv_encode_s += p.stream.encode_s
+            streamed = p.stream.bytes_sent
         else:
             self.worker.conductor.event("request_finished", request_id=rid)
         client = StreamClient(p.identity, p.prompt_token_ids)
@@ -255,6 +268,8 @@ class PrefillRole(TokenStreaming):
             "blocks_loaded": self.cache.num_blocks_loaded,
             "blocks_pulled": self.cache.num_blocks_pulled,
             "kv_bytes_streamed": self.kv_bytes_sent,
+            "kv_raw_bytes_streamed": self.kv_raw_bytes_sent,
+            "kv_encode_s": round(self.kv_encode_s, 6),
             "store_blocks": store.dram.num_blocks + store.ssd.num_blocks,
             "store_corrupt_blocks": store.num_corrupt,
             **self.stage.stats(),

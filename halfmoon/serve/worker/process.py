@@ -160,9 +160,10 @@ class ConductorLink:
         block_size: int | None = None,
         model: str | None = None,
         dtype: str | None = None,
+        kv_compression: str | None = None,
     ) -> None:
         """Announce this worker (with its measured cost profile and what the cluster must
-        agree on: block size, model identity, dtype); retries until the Conductor answers.
+        agree on: block size, model identity, dtype, KV compression); retries until the Conductor answers.
         Raises :class:`RegistrationRefused` when the Conductor refuses it."""
         msg = messages.Register(
             msg_id=0, instance_id=self._me.instance_id, role=self._me.role,
@@ -171,7 +172,7 @@ class ConductorLink:
             kv_capacity_tokens=kv_capacity_tokens, kv_bytes_per_token=kv_bytes_per_token,
             profile=profile, incarnation=self.incarnation,
             hidden_bytes_per_token=hidden_bytes_per_token, block_size=block_size, model=model,
-            dtype=dtype,
+            dtype=dtype, kv_compression=kv_compression,
         )  # fmt: skip
         self._registration = msg
         self._send_registration(msg, timeout_s)
@@ -288,6 +289,9 @@ class Worker:
         self.role: Role | None = None
         #: The block store whose counters ride on the load reports (a prefill worker's).
         self.store: TieredStore | None = None
+        #: How its KV streams are compressed on the wire (prefill and decode roles;
+        #: ``halfmoon.engine.kvcodec``); None: raw.
+        self.kv_codec: Any = None
         self._last_report_s = 0.0
         self.num_steps = 0
         #: Commands taken off the socket (signed or not).
