@@ -2,26 +2,34 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m benchmarks.dataplane.store [--sizes 4K,64K,1M,16M] [--batch 64M] [--reps 5]
-        [--rounds 1] [--no-mooncake] [--ceiling] [--json out.json] [--markdown]
+    .venv/bin/python -m benchmarks.dataplane.store [--sizes 4K,64K,1M,16M] [--batch 64M]
+        [--reps 5] [--rounds 1] [--latency-ops 200] [--ceiling]
+        [--mooncake-slice-bytes 1048576] [--mooncake-env K=V] [--no-mooncake]
+        [--json out.json] [--markdown]
 
-Two settings, each side by side:
+Settings, compared like with like (every summary line names both sides' transports):
 
-- remote (over 127.0.0.1): ours is a store in a peer process reached with
-  ``put_blocks`` / ``pull`` over tcp and shm; Mooncake is ``mooncake_master`` plus a
-  storage process that contributes the memory, and a client without its own segment
-  (put/get, put_batch/get_batch, zero-copy batch_put_from/batch_get_into).
-- local (in one process): ours is ``TieredStore.put`` / ``get_into``; Mooncake is a
-  client that mounts its own segment (it then copies with memcpy).
+- tcp vs tcp: ours is a store in a peer process reached with ``put_blocks`` / ``pull``
+  over tcp; Mooncake is ``mooncake_master`` plus a storage process that contributes the
+  memory, and a client without its own segment (put/get, put_batch/get_batch, zero-copy
+  batch_put_from/batch_get_into) over its TCP transport.
+- local (Mooncake): a client that mounts its own segment, alone with the master (the
+  storage process is stopped first), with ``MC_STORE_MEMCPY=1`` so it copies with memcpy.
+  It is compared with ours local (``TieredStore.put`` / ``get_into`` in one process) and
+  with ours shm (the store in another process, reached over shared memory).
 
-A batch is ``--batch`` bytes (at most 1024 blocks); ``put+get`` GiB/s is the batch size
-over the put time plus the get time. The one-block get median at 4 KiB is the latency
-figure. With ``--rounds N`` ours and Mooncake alternate N times (machine load shifts hit
-both) and every figure is the median over the rounds; the per-round 4 KiB latency ratios
-are printed too. ``--ceiling`` also measures, in every round, how fast one direction of
-loopback TCP goes without our code (benchmarks/dataplane/loopback_ceiling.py): half of it
-bounds any put+get over tcp. Mooncake runs from its own venv
-(benchmarks/dataplane/mooncake_env.sh, created on first use).
+A batch is ``--batch`` bytes (at most 1024 blocks, the same count on both sides);
+``put+get`` GiB/s is the batch over the put time plus the get time of the same
+repetition. Each repetition puts new bytes under new keys (untimed: a stamp in every
+block, earlier blocks removed) and reads them back; what comes back is compared with what
+was put, on both sides, and a missing or short block fails the run. One-block gets
+(``--latency-ops`` per round, fewer for large blocks) give p50 and p99, each reading a
+block put just before (untimed). With ``--rounds N`` ours and Mooncake alternate N times
+(machine load shifts hit both); the tables show medians over rounds, and every ratio
+prints per round. ``--ceiling`` also measures, in every round, how fast one direction of
+loopback TCP goes without our code (loopback_ceiling.py): half of it bounds any put+get
+over tcp. Mooncake runs from its own venv (mooncake_env.sh, created on first use) with
+its documented TCP tuning (``_common.mooncake_env``), printed and recorded.
 """
 
 from __future__ import annotations
@@ -33,37 +41,51 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import socket
-import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import asdict
 
 from halfmoon.transfer.microbench import (
-    GIB,
     BenchResult,
+    Step,
+    VerificationError,
     aggregate,
     bench_store_local,
     bench_store_remote,
     format_table,
+    make_plan,
+    plan_arg,
 )
 
 from ._common import (
     HERE,
-    MOONCAKE_ENV,
     MOONCAKE_VENV,
     JsonProcess,
+    Ratio,
+    add_mooncake_options,
     alternate_rounds,
+    ceiling_rows,
+    check_plan,
+    figure,
     find,
     finish,
     free_port,
+    mooncake_env,
     mooncake_python,
     parse_size,
+    print_env,
     processes,
+    ratio_report,
     results_from,
+    run_report,
+    size_label,
 )
-from .loopback_ceiling import pairs_gib_s
-from .transfer import markdown
 
 SEGMENT_BYTES = 1 << 30
+#: Only Mooncake's local client (its own segment, alone) copies with memcpy: its store
+#: documents the knob; the tcp client keeps the default (its object lives elsewhere).
+MOONCAKE_LOCAL_ENV = {"MC_STORE_MEMCPY": "1"}
 
 
 def wait_listening(port: int, timeout_s: float = 30.0) -> None:
@@ -78,10 +100,10 @@ def wait_listening(port: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-def run_mooncake(sizes: list[int], batch_bytes: int, reps: int) -> list[BenchResult]:
-    """Mooncake Store, remote (client without a segment) and local (client with one)."""
-    python = str(mooncake_python())
-    script = str(HERE / "mooncake_peer.py")
+def run_mooncake(plan: list[Step], reps: int, env: dict[str, str]) -> list[BenchResult]:
+    """Mooncake Store over tcp (a client without a segment, a storage process holding the
+    objects), then local (a client with its own segment, the storage process gone)."""
+    python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
     master_port, metadata_port, metrics_port = free_port(), free_port(), free_port()
     master = [
         str(MOONCAKE_VENV / "bin" / "mooncake_master"),
@@ -94,135 +116,124 @@ def run_mooncake(sizes: list[int], batch_bytes: int, reps: int) -> list[BenchRes
         f"-metrics_port={metrics_port}",
     ]
     common = ["--master-port", str(master_port), "--metadata-port", str(metadata_port)]
-    bench_args = [
-        "--sizes",
-        ",".join(map(str, sizes)),
-        "--batch-bytes",
-        str(batch_bytes),
-        "--reps",
-        str(reps),
-    ]
+    bench = [python, script, "store-bench", *common, "--plan", plan_arg(plan), "--reps", str(reps)]
     records: list[dict] = []
     with processes() as procs:
-        procs.append(JsonProcess(master, MOONCAKE_ENV))
+        procs.append(JsonProcess(master, env))
         wait_listening(master_port)
         wait_listening(metadata_port)
         node = JsonProcess(
-            [python, script, "store-node", *common, "--segment-bytes", str(SEGMENT_BYTES)],
-            MOONCAKE_ENV,
+            [python, script, "store-node", *common, "--segment-bytes", str(SEGMENT_BYTES)], env
         )
         procs.append(node)
         node.first("ready")
-        for segment_bytes in (0, SEGMENT_BYTES):  # remote first, then local
-            argv = [
-                python,
-                script,
-                "store-bench",
-                *common,
-                "--segment-bytes",
-                str(segment_bytes),
-                *bench_args,
+        remote = JsonProcess([*bench, "--segment-bytes", "0"], env)
+        procs.append(remote)
+        records += list(remote.records(timeout_s=900))
+        node.stop()  # local: the client's own segment is the only one left
+        local = JsonProcess(
+            [*bench, "--segment-bytes", str(SEGMENT_BYTES)], {**env, **MOONCAKE_LOCAL_ENV}
+        )
+        procs.append(local)
+        records += list(local.records(timeout_s=900))
+    results = results_from(records)
+    check_plan(results, plan)
+    return results
+
+
+def mooncake_put_get(transport: str, size: int):
+    """Mooncake's put+get GiB/s in one round with its fastest put API and its fastest get
+    API (mixed: the most favourable reading for Mooncake)."""
+
+    def read(results: Sequence[BenchResult]) -> float | None:
+        rates = {}
+        for op in ("put", "get"):
+            candidates = [
+                r.gib_per_s
+                for r in results
+                if r.system == "mooncake"
+                and r.op.split()[-1] == op
+                and r.transport == transport
+                and r.block_bytes == size
             ]
-            bench = JsonProcess(argv, MOONCAKE_ENV)
-            procs.append(bench)
-            records += list(bench.records(timeout_s=900))
-    return results_from(records)
+            if not candidates:
+                return None
+            rates[op] = max(candidates)
+        return 1.0 / (1.0 / rates["put"] + 1.0 / rates["get"])
+
+    return read
 
 
-def mooncake_best_put_get(results: list[BenchResult], transport: str, size: int) -> float | None:
-    """Mooncake's put+get GiB/s with its fastest put API and its fastest get API (mixed:
-    the most favourable reading for Mooncake)."""
-    rates = {}
-    for op in ("put", "get"):
-        candidates = [
-            r.gib_per_s
-            for r in results
-            if r.system == "mooncake"
-            and r.op.split()[-1] == op
-            and r.transport == transport
-            and r.block_bytes == size
-        ]
-        if not candidates:
-            return None
-        rates[op] = max(candidates)
-    return 1.0 / (1.0 / rates["put"] + 1.0 / rates["get"])
+def mooncake_get_latency(transport: str, size: int, attr: str):
+    """Mooncake's faster one-block read in one round: get (bytes) or get_into (zero-copy)."""
+
+    def read(results: Sequence[BenchResult]) -> float | None:
+        found = [find(results, "mooncake", op, transport, size) for op in ("get", "zero-copy get")]
+        values = [getattr(r, attr) for r in found if r is not None]
+        return min(values, default=None)
+
+    return read
 
 
-def fastest_mooncake_get(results: list[BenchResult], transport: str) -> BenchResult | None:
-    """Mooncake's faster one-block 4 KiB read: get (returns bytes) or get_into (zero-copy)."""
-    mc = [find(results, "mooncake", op, transport, 4096) for op in ("get", "zero-copy get")]
-    return min((r for r in mc if r is not None), key=lambda r: r.op_us_p50, default=None)
+#: (ours, Mooncake's, label): the pairings the summary prints, like with like.
+PAIRS = (
+    ("tcp", "tcp", "tcp vs tcp"),
+    ("local", "local", "local (ours, in-process) vs local (Mooncake, own segment)"),
+    ("shm", "local", "shm (ours, store in another process) vs local (Mooncake, own segment)"),
+)
 
 
-def latency_ratios(rounds: list[list[BenchResult]]) -> list[str]:
-    """Per round: our remote 4 KiB get p50 over Mooncake's fastest remote one."""
-    lines = []
-    for transport in ("tcp", "shm"):
-        ratios = []
-        for one_round in rounds:
-            ours = find(one_round, "halfmoon", "get", transport, 4096)
-            theirs = fastest_mooncake_get(one_round, "tcp")
-            if ours and theirs:
-                ratios.append(ours.op_us_p50 / theirs.op_us_p50)
-        if ratios:
-            listed = ", ".join(f"{r:.2f}" for r in ratios)
-            lines.append(
-                f"4K get p50, ours {transport} / Mooncake tcp per round: {listed} "
-                f"(median {statistics.median(ratios):.2f})"
+NOTE = (
+    "Mooncake's figure in each ratio: put+get with its fastest put API and its fastest get "
+    "API of that round; one-block get latency with the faster of get and get_into."
+)
+
+
+def ratios(sizes: list[int], ceiling: bool) -> list[Ratio]:
+    """What the summary compares, each ratio labelled with both sides' transports."""
+    out = []
+    for s in sizes:
+        for ours, theirs, label in PAIRS:
+            out.append(
+                Ratio(
+                    f"store put+get {size_label(s)} GiB/s, {label}: ours/Mooncake",
+                    figure("halfmoon", "put+get", ours, s),
+                    mooncake_put_get(theirs, s),
+                )
             )
-    return lines
-
-
-def ceiling_rows(seconds: float) -> list[BenchResult]:
-    """One-way loopback tcp of a cold 64 MiB batch without our code (two bare sender /
-    receiver process pairs, 1 MiB writes; loopback_ceiling.py), with and
-    without xxh3 on both sides; ``gib_per_s`` is the one-way figure."""
-    return [
-        ceiling_row("bare", pairs_gib_s(seconds, checksum=False)),
-        ceiling_row("bare+xxh3", pairs_gib_s(seconds, checksum=True)),
-    ]
-
-
-def ceiling_row(sender: str, gib_s: float) -> BenchResult:
-    return BenchResult(
-        "ceiling", "one-way", sender, 1 << 20, 1, gib_s, (1 << 20) / gib_s / GIB, 0.0
-    )
-
-
-def summary(results: list[BenchResult]) -> list[str]:
-    """The ratios the issue sets targets for (ours over Mooncake's fastest APIs)."""
-    lines = []
-    mib = 1 << 20
-    mooncake_tcp = mooncake_best_put_get(results, "tcp", mib)
-    for sender in ("bare", "bare+xxh3"):
-        ceiling = find(results, "ceiling", "one-way", sender, mib)
-        if ceiling and mooncake_tcp:
-            bound = ceiling.gib_per_s / 2
-            lines.append(
-                f"loopback tcp ceiling ({sender}): one way {ceiling.gib_per_s:.2f} GiB/s, so "
-                f"put+get over tcp <= {bound:.2f} GiB/s = {bound / mooncake_tcp:.1f}x Mooncake tcp"
+        for sender in ("bare", "bare+xxh3") if ceiling else ():
+            out.append(
+                Ratio(
+                    f"store put+get {size_label(s)} GiB/s, our tcp vs half the loopback tcp "
+                    f"one-way ceiling ({sender}): ours/bound",
+                    figure("halfmoon", "put+get", "tcp", s),
+                    lambda results, sender=sender: half(
+                        figure("ceiling", "one-way", sender, 1 << 20)(results)
+                    ),
+                    "%",
+                )
             )
-    for transport, theirs in (("local", "local"), ("shm", "tcp"), ("tcp", "tcp")):
-        ours = find(results, "halfmoon", "put+get", transport, mib)
-        best = mooncake_best_put_get(results, theirs, mib)
-        if ours and best:
-            label = "shm (auto's pick on one host)" if transport == "shm" else transport
-            lines.append(
-                f"1M put+get: ours {label} {ours.gib_per_s:.2f} GiB/s vs Mooncake {theirs} "
-                f"(fastest put + fastest get) {best:.2f} GiB/s = {ours.gib_per_s / best:.1f}x"
-            )
-    for transport, theirs in (("local", "local"), ("tcp", "tcp"), ("shm", "tcp")):
-        ours = find(results, "halfmoon", "get", transport, 4096)
-        fastest = fastest_mooncake_get(results, theirs)
-        if ours and fastest:
-            lines.append(
-                f"4K get p50: ours {transport} {ours.op_us_p50:.1f} us vs Mooncake {theirs} "
-                f"'{fastest.op}' {fastest.op_us_p50:.1f} us"
-            )
-    return lines
+    for s in (s for s in sizes if s <= 64 << 10):
+        for pct in ("p50", "p99"):
+            for ours, theirs, label in PAIRS:
+                out.append(
+                    Ratio(
+                        f"store one-block get {size_label(s)} {pct} latency, {label}: "
+                        "ours/Mooncake (lower is better)",
+                        figure("halfmoon", "get", ours, s, f"op_us_{pct}"),
+                        mooncake_get_latency(theirs, s, f"op_us_{pct}"),
+                    )
+                )
+    return out
 
 
-def main() -> int:
+def half(value: float | None) -> float | None:
+    """``value / 2`` (None stays None): put+get over tcp moves every byte both ways."""
+    return None if value is None else value / 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -234,31 +245,61 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="alternating rounds of ours and Mooncake"
     )
-    parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument(
+        "--latency-ops", type=int, default=200, help="one-block gets per round (p50, p99)"
+    )
     parser.add_argument(
         "--ceiling", action="store_true", help="also measure one-way loopback tcp each round"
     )
-    parser.add_argument("--json", help="write raw results here")
+    parser.add_argument("--ceiling-seconds", type=float, default=3.0)
+    add_mooncake_options(parser)
+    parser.add_argument("--json", help="write every round, the medians and the ratios here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    return parser
+
+
+def main() -> int:
+    """Run the rounds, print the table and the per-round ratios."""
+    parser = build_parser()
     args = parser.parse_args()
+    if args.latency_ops < 1 or args.reps < 1 or args.rounds < 1:
+        parser.error("--latency-ops, --reps and --rounds must be at least 1")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batch_bytes = parse_size(args.batch)
+    env = mooncake_env(args.mooncake_slice_bytes, args.mooncake_env)
+    plan = make_plan(sizes, batch_bytes, args.latency_ops)
+    if not args.no_mooncake:
+        print_env(env)
+        print_env(MOONCAKE_LOCAL_ENV, "Mooncake env, local client only")
     started = time.monotonic()
-    rounds, mooncake_error = alternate_rounds(
-        args.rounds,
-        lambda: (
-            bench_store_local(sizes, batch_bytes, args.reps)
-            + bench_store_remote(sizes, batch_bytes, args.reps)
-            + (ceiling_rows(3.0) if args.ceiling else [])
-        ),
-        None if args.no_mooncake else lambda: run_mooncake(sizes, batch_bytes, args.reps),
-    )
+    try:
+        rounds, mooncake_error = alternate_rounds(
+            args.rounds,
+            lambda: (
+                bench_store_local(sizes, batch_bytes, args.reps, args.latency_ops)
+                + bench_store_remote(sizes, batch_bytes, args.reps, latency_ops=args.latency_ops)
+                + (ceiling_rows(args.ceiling_seconds) if args.ceiling else [])
+            ),
+            None if args.no_mooncake else lambda: run_mooncake(plan, args.reps, env),
+        )
+    except VerificationError as exc:
+        print(f"VERIFICATION FAILED: {exc}", file=sys.stderr)
+        return 1
     results = aggregate(rounds)
     print(format_table(results))
-    print("\n".join(summary(results)))
-    if len(rounds) > 1:
-        print("\n".join(latency_ratios(rounds)))
-    finish(args, results, mooncake_error, started, markdown)
+    lines, per_round = ratio_report(ratios(sizes, args.ceiling), rounds)
+    print(f"\n{NOTE}\n" + "\n".join(lines))
+    report = run_report(
+        rounds,
+        results,
+        per_round,
+        plan=[asdict(s) for s in plan],
+        mooncake_env=None if args.no_mooncake else env,
+        mooncake_env_local_client=None if args.no_mooncake else MOONCAKE_LOCAL_ENV,
+        mooncake_error=mooncake_error,
+        note=NOTE,
+    )
+    finish(args, report, results, started)
     return 0
 
 

@@ -2,16 +2,27 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m benchmarks.dataplane.transfer [--sizes 64K,1M,16M] [--batch 64M] [--reps 5]
-        [--no-mooncake] [--json out.json] [--markdown]
+    .venv/bin/python -m benchmarks.dataplane.transfer [--sizes 64K,1M,16M] [--batch 64M]
+        [--reps 5] [--rounds 3] [--latency-sizes 4K,64K] [--latency-ops 200] [--ceiling]
+        [--mooncake-slice-bytes 1048576] [--mooncake-env K=V] [--no-mooncake]
+        [--json out.json] [--markdown]
 
 Every peer is a separate process bound to 127.0.0.1. Each configuration moves one batch
-of ``--batch`` bytes in blocks of each size from a sender process into a receiver's
-preallocated buffer; a round reports the median over ``--reps`` (after a warm-up) as
-GiB/s and the median latency of a one-block transfer, and the result is the median over
-``--rounds`` rounds that alternate ours and Mooncake. Block-by-block memcpy in one process,
-measured right before our transports at each size, is the physical limit. Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
-its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh.
+of ``--batch`` bytes (at most 1024 blocks; the same count on both sides) in blocks of
+each size from a sender process into a receiver's preallocated buffer; a round reports
+the median over ``--reps`` (after a warm-up) as GiB/s, and p50 / p99 of one-block
+transfers. Then single one-block writes at ``--latency-sizes`` (``--latency-ops`` per
+round, p50 and p99) get their own table. Before every timed repetition the source bytes
+change (untimed), and after every configuration the receiver's bytes are compared with
+what was sent, on both sides; a difference fails the run.
+
+``--rounds`` rounds alternate ours and Mooncake; every round's figures and every round's
+ratio go to ``--json``, and the ratios print per round. Block-by-block memcpy in one
+process, measured right before our transports at each size, is the physical limit;
+``--ceiling`` also measures bare loopback TCP each round (loopback_ceiling.py) and prints
+our tcp over it. Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
+its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh, with its
+documented TCP tuning (see ``_common.mooncake_env``), printed and recorded.
 """
 
 from __future__ import annotations
@@ -24,94 +35,133 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import sys
 import time
+from dataclasses import asdict
 
-from halfmoon.transfer.microbench import BenchResult, aggregate, bench_transfer, format_table
+from halfmoon.transfer.microbench import (
+    BenchResult,
+    Step,
+    VerificationError,
+    aggregate,
+    bench_transfer,
+    format_table,
+    make_plan,
+    plan_arg,
+)
 
 from ._common import (
     HERE,
-    MOONCAKE_ENV,
     JsonProcess,
+    Ratio,
+    add_mooncake_options,
     alternate_rounds,
-    find,
+    ceiling_rows,
+    check_plan,
+    figure,
     finish,
+    mooncake_env,
     mooncake_python,
     parse_size,
+    print_env,
     processes,
+    ratio_report,
     results_from,
+    run_report,
     size_label,
 )
 
 
-def run_mooncake(sizes: list[int], batch_bytes: int, reps: int) -> list[BenchResult]:
-    """Mooncake TransferEngine batch writes over tcp between two processes."""
-    python = str(mooncake_python())
-    script = str(HERE / "mooncake_peer.py")
+def run_mooncake(
+    plan: list[Step], latency: list[Step], reps: int, env: dict[str, str]
+) -> list[BenchResult]:
+    """Mooncake TransferEngine writes over tcp between two processes; the target's bytes
+    are compared with the sender's after every step."""
+    python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
+    buffer_bytes = max(s.block_bytes * s.num_blocks for s in [*plan, *latency])
+    records = []
     with processes() as procs:
         target = JsonProcess(
-            [python, script, "te-target", "--buffer-bytes", str(batch_bytes)], MOONCAKE_ENV
+            [python, script, "te-target", "--buffer-bytes", str(buffer_bytes)], env
         )
         procs.append(target)
         info = target.first("segment")
-        argv = [
-            python,
-            script,
-            "te-bench",
-            "--segment",
-            info["segment"],
-            "--addr",
-            str(info["addr"]),
-        ]
-        argv += [
-            "--sizes",
-            ",".join(map(str, sizes)),
-            "--batch-bytes",
-            str(batch_bytes),
-            "--reps",
-            str(reps),
-        ]
-        bench = JsonProcess(argv, MOONCAKE_ENV)
+        argv = [python, script, "te-bench", "--segment", info["segment"]]
+        argv += ["--addr", str(info["addr"]), "--plan", plan_arg(plan)]
+        argv += ["--latency", plan_arg(latency), "--reps", str(reps)]
+        bench = JsonProcess(argv, env)
         procs.append(bench)
-        records = list(bench.records(timeout_s=600))
-        target.send("digest")
-        digest = target.first("digest")["digest"]
-        sent = next(r["digest_src"] for r in records if "digest_src" in r)
-        if digest != sent:
-            raise RuntimeError("Mooncake's target buffer differs from what was written")
-    return results_from(records)
+        for record in bench.records(timeout_s=600):
+            if "verify" not in record:
+                records.append(record)
+                continue
+            target.send(f"digest {record['num_bytes']}")
+            if target.first("digest")["digest"] != record["digest"]:
+                raise VerificationError(
+                    f"Mooncake {record['verify']}: the target's bytes differ from those written"
+                )
+            bench.send("go")
+    results = results_from(records)
+    check_plan(results, plan)
+    return results
 
 
-def summary(results: list[BenchResult], sizes: list[int]) -> list[str]:
-    """Ratios the issue sets targets for."""
-    lines = []
-    for size in sizes:
-        tcp = find(results, "halfmoon", "push", "tcp", size)
-        shm = find(results, "halfmoon", "push", "shm", size)
-        mc = find(results, "mooncake", "batch_write", "tcp", size)
-        copy = find(results, "memcpy", "copy", "-", size)
-        parts = [f"{size_label(size)}:"]
-        if tcp and mc:
-            parts.append(f"our tcp / Mooncake tcp = {tcp.gib_per_s / mc.gib_per_s:.2f}x")
-        if shm and copy:
-            parts.append(f"our shm / memcpy = {100 * shm.gib_per_s / copy.gib_per_s:.0f}%")
-        lines.append("  ".join(parts))
-    return lines
-
-
-def markdown(results: list[BenchResult]) -> str:
-    """Results as a markdown table."""
-    rows = [
-        "| system | op | transport | block | GiB/s | batch ms (p50) | 1-block us (p50) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        rows.append(
-            f"| {r.system} | {r.op} | {r.transport} | {size_label(r.block_bytes)} | {r.gib_per_s:.2f} "
-            f"| {r.batch_s_p50 * 1e3:.1f} | {r.op_us_p50:.0f} |"
+def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ratio]:
+    """What the summary compares, like with like, each ratio labelled with both sides."""
+    out = []
+    for s in sizes:
+        label = f"push {size_label(s)} batch GiB/s"
+        ours_tcp = figure("halfmoon", "push", "tcp", s)
+        out.append(
+            Ratio(
+                f"{label}, tcp vs tcp: ours/Mooncake",
+                ours_tcp,
+                figure("mooncake", "batch_write", "tcp", s),
+            )
         )
-    return "\n".join(rows)
+        out.append(
+            Ratio(
+                f"{label}, shm (ours) vs in-process memcpy: ours/memcpy",
+                figure("halfmoon", "push", "shm", s),
+                figure("memcpy", "copy", "-", s),
+                "%",
+            )
+        )
+        for sender in ("bare", "bare+xxh3") if ceiling else ():
+            out.append(
+                Ratio(
+                    f"{label}, our tcp vs loopback tcp one way ({sender}): ours/ceiling",
+                    ours_tcp,
+                    figure("ceiling", "one-way", sender, 1 << 20),
+                    "%",
+                )
+            )
+    for s in latency_sizes:
+        for pct in ("p50", "p99"):
+            attr = f"op_us_{pct}"
+            out.append(
+                Ratio(
+                    f"single write {size_label(s)} {pct}, tcp vs tcp: ours/Mooncake "
+                    "(latency: lower is better)",
+                    figure("halfmoon", "write", "tcp", s, attr),
+                    figure("mooncake", "write", "tcp", s, attr),
+                )
+            )
+    return out
 
 
-def main() -> int:
+def latency_table(results: list[BenchResult]) -> str:
+    """The single-write rows: p50 and p99 over every write of a round."""
+    lines = [f"{'system':<10} {'transport':<10} {'block':>6} {'p50 us':>9} {'p99 us':>9}"]
+    for r in results:
+        if r.op == "write":
+            lines.append(
+                f"{r.system:<10} {r.transport:<10} {size_label(r.block_bytes):>6} "
+                f"{r.op_us_p50:>9.1f} {r.op_us_p99:>9.1f}"
+            )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -121,30 +171,82 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds of ours and Mooncake"
     )
+    parser.add_argument("--latency-sizes", default="4K,64K", help="single-write latency sizes")
+    parser.add_argument(
+        "--latency-ops", type=int, default=200, help="one-block writes per round (p50, p99)"
+    )
     parser.add_argument(
         "--connections",
         type=int,
         default=None,
         help="our parallel tcp connections (default: min(4, cores))",
     )
-    parser.add_argument("--no-mooncake", action="store_true")
-    parser.add_argument("--json", help="write raw results here")
+    parser.add_argument(
+        "--ceiling", action="store_true", help="also measure one-way loopback tcp each round"
+    )
+    parser.add_argument("--ceiling-seconds", type=float, default=3.0)
+    add_mooncake_options(parser)
+    parser.add_argument("--json", help="write every round, the medians and the ratios here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    return parser
+
+
+def main() -> int:
+    """Run the rounds, print the tables and the per-round ratios."""
+    parser = build_parser()
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    latency_sizes = [parse_size(s) for s in args.latency_sizes.split(",") if s]
     batch_bytes = parse_size(args.batch)
     if any(batch_bytes % s for s in sizes):
         parser.error("--batch must be a multiple of every block size")
+    if args.latency_ops < 1 or args.reps < 1 or args.rounds < 1:
+        parser.error("--latency-ops, --reps and --rounds must be at least 1")
+    env = mooncake_env(args.mooncake_slice_bytes, args.mooncake_env)
+    plan = make_plan(sizes, batch_bytes, args.latency_ops)
+    latency = [Step(s, 1, args.latency_ops) for s in latency_sizes]
+    if not args.no_mooncake:
+        print_env(env)
     started = time.monotonic()
-    rounds, mooncake_error = alternate_rounds(
-        args.rounds,
-        lambda: bench_transfer(sizes, batch_bytes, args.reps, num_connections=args.connections),
-        None if args.no_mooncake else lambda: run_mooncake(sizes, batch_bytes, args.reps),
-    )
+
+    def ours() -> list[BenchResult]:
+        results = bench_transfer(
+            sizes,
+            batch_bytes,
+            args.reps,
+            num_connections=args.connections,
+            latency_sizes=latency_sizes,
+            latency_ops=args.latency_ops,
+        )
+        return results + (ceiling_rows(args.ceiling_seconds) if args.ceiling else [])
+
+    try:
+        rounds, mooncake_error = alternate_rounds(
+            args.rounds,
+            ours,
+            None if args.no_mooncake else lambda: run_mooncake(plan, latency, args.reps, env),
+        )
+    except VerificationError as exc:
+        print(f"VERIFICATION FAILED: {exc}", file=sys.stderr)
+        return 1
     results = aggregate(rounds)
-    print(format_table(results))
-    print("\n".join(summary(results, sizes)))
-    finish(args, results, mooncake_error, started, markdown)
+    print(format_table([r for r in results if r.op != "write"]))
+    print(f"\nsingle one-block writes, {args.latency_ops} per round (median over rounds):")
+    print(latency_table(results))
+    print(
+        "(our shm has no counterpart: Mooncake's TransferEngine here has no shared-memory transport)"
+    )
+    lines, per_round = ratio_report(ratios(sizes, latency_sizes, args.ceiling), rounds)
+    print("\n" + "\n".join(lines))
+    report = run_report(
+        rounds,
+        results,
+        per_round,
+        plan=[asdict(s) for s in plan],
+        mooncake_env=None if args.no_mooncake else env,
+        mooncake_error=mooncake_error,
+    )
+    finish(args, report, results, started)
     return 0
 
 

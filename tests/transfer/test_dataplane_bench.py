@@ -1,0 +1,208 @@
+"""The data-plane benchmarks' honesty rules (benchmarks/dataplane, halfmoon.transfer.microbench):
+one block plan for both systems, fresh bytes every repetition, verified receivers, loud
+misses, and every round's figures and ratios kept. No Mooncake needed."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from benchmarks.dataplane import mooncake_peer
+from benchmarks.dataplane._common import (
+    JsonProcess,
+    Ratio,
+    alternate_rounds,
+    check_plan,
+    figure,
+    mooncake_env,
+    ratio_report,
+)
+from halfmoon.store import BlockMeta, StoreConfig, TieredStore
+from halfmoon.store.shm import attach_segment
+from halfmoon.transfer.engine import TransferEngine
+from halfmoon.transfer.microbench import (
+    MAX_BATCH_BLOCKS,
+    REGION_SEGMENT_PREFIX,
+    BenchResult,
+    VerificationError,
+    aggregate,
+    bench_transfer,
+    check_digest,
+    check_found,
+    check_same,
+    make_plan,
+    peer_process,
+    percentile,
+    plan_arg,
+    stamp_blocks,
+)
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def result(system: str, gib_s: float, p50_us: float = 10.0, reps=(0.1,)) -> BenchResult:
+    """A 1 MiB tcp push row of ``system``."""
+    return BenchResult(system, "push", "tcp", MIB, 16, gib_s, 0.01, p50_us, 2 * p50_us, reps)
+
+
+def test_one_plan_caps_both_systems_alike():
+    plan = make_plan([4 * KIB, 64 * KIB, MIB, 16 * MIB], 64 * MIB)
+    assert [s.num_blocks for s in plan] == [MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS, 64, 4]
+    assert [s.num_one_ops for s in plan] == [200, 200, 200, 20]  # large blocks: fewer
+    # Mooncake's peer receives the very same numbers, never recomputes them.
+    parsed = mooncake_peer.parse_plan(plan_arg(plan))
+    assert parsed == [(s.block_bytes, s.num_blocks, s.num_one_ops) for s in plan]
+
+
+def test_mooncake_rows_with_another_block_count_are_refused():
+    plan = make_plan([4 * KIB], 64 * MIB)
+    good = BenchResult("mooncake", "batch_write", "tcp", 4 * KIB, 1024, 1.0, 0.1, 1.0)
+    single = BenchResult("mooncake", "write", "tcp", 4 * KIB, 1, 1.0, 0.1, 1.0)
+    check_plan([good, single], plan)
+    uncapped = BenchResult("mooncake", "batch_write", "tcp", 4 * KIB, 16384, 1.0, 0.1, 1.0)
+    with pytest.raises(RuntimeError, match="16384 blocks"):
+        check_plan([uncapped], plan)
+
+
+def test_stamps_change_every_block_and_nothing_else():
+    blocks = np.zeros((4, 64), np.uint8)
+    stamp_blocks(blocks, 7)
+    first = blocks.copy()
+    stamp_blocks(blocks, 8)
+    assert all((first[i, :8] != blocks[i, :8]).any() for i in range(4))  # each block changed
+    assert len({bytes(row) for row in blocks}) == 4  # and the blocks differ from each other
+    assert not blocks[:, 8:].any()  # only the stamp bytes are touched
+
+
+def test_mooncake_side_stamps_alike():
+    blocks = np.zeros((3, 32), np.uint8)
+    stamp = mooncake_peer.stamper(blocks)
+    stamp()
+    before = blocks.copy()
+    stamp(1)
+    assert (blocks[0] != before[0]).any() and (blocks[1:] == before[1:]).all()
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 201)]
+    assert percentile(values, 50) == 100.0
+    assert percentile(values, 99) == 198.0
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_checks_raise_on_wrong_or_missing_bytes():
+    sent = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    check_same(sent.copy(), sent, "ok")
+    check_digest(xxhash.xxh3_64_hexdigest(sent), sent, "ok")
+    wrong = sent.copy()
+    wrong[1, 3] ^= 1
+    with pytest.raises(VerificationError):
+        check_same(wrong, sent, "one flipped bit")
+    with pytest.raises(VerificationError, match="1 of 2 blocks were missing"):
+        check_found([BlockMeta(16, 0), None], "get")
+
+
+def test_a_miss_in_our_store_raises_instead_of_timing():
+    store = TieredStore(StoreConfig(block_bytes=64, dram_capacity_bytes=4 * 64))
+    try:
+        with pytest.raises(VerificationError):
+            check_found([store.get_into(123, bytearray(64))], "get of an absent block")
+    finally:
+        store.close()
+
+
+def test_a_short_or_missing_mooncake_read_raises():
+    mooncake_peer.check_reads([b"x" * 4, 4], 4, "get")
+    for bad in ([b"", b"x" * 4], [b"x" * 3], [-704], [3]):
+        with pytest.raises(mooncake_peer.VerificationFailed):
+            mooncake_peer.check_reads(bad, 4, "get")
+
+
+def test_every_round_and_its_ratio_are_kept():
+    rounds = [
+        [result("halfmoon", 2.0, reps=(0.1, 0.2)), result("mooncake", 1.0)],
+        [result("halfmoon", 3.0, reps=(0.3,)), result("mooncake", 2.0)],
+    ]
+    ratio = Ratio(
+        "push 1M, tcp vs tcp: ours/Mooncake",
+        figure("halfmoon", "push", "tcp", MIB),
+        figure("mooncake", "push", "tcp", MIB),
+    )
+    lines, per_round = ratio_report([ratio], rounds)
+    assert per_round == {ratio.label: [2.0, 1.5]}
+    assert lines == [f"{ratio.label} = 1.75x  (per round: 2.00x, 1.50x)"]
+    ours = aggregate(rounds)[0]
+    assert ours.gib_per_s == 2.5 and ours.op_us_p99 == 20.0
+    assert ours.batch_s_reps == (0.1, 0.2, 0.3)  # every repetition of every round
+
+
+def test_wrong_bytes_are_never_skipped_past():
+    def ours():
+        return [result("halfmoon", 1.0)]
+
+    def broken():
+        raise RuntimeError("no libibverbs")
+
+    def lying():
+        raise VerificationError("target differs")
+
+    rounds, error = alternate_rounds(2, ours, broken)
+    assert error == "no libibverbs" and len(rounds) == 2
+    with pytest.raises(VerificationError):
+        alternate_rounds(1, ours, lying)
+
+
+def test_mooncake_env_is_tuned_and_overridable():
+    env = mooncake_env()
+    assert env["MC_TCP_SLICE_SIZE"] == str(MIB)
+    assert env["MC_TCP_ENABLE_CONNECTION_POOL"] == "1"
+    env = mooncake_env(65536, ["MC_TCP_LANES_PER_PEER=8"])
+    assert env["MC_TCP_SLICE_SIZE"] == "65536" and env["MC_TCP_LANES_PER_PEER"] == "8"
+    with pytest.raises(ValueError):
+        mooncake_env(extra=["MC_TCP_LANES_PER_PEER"])
+
+
+@pytest.mark.slow  # a child process
+def test_a_mooncake_verification_record_fails_the_run():
+    line = '{"verification_error": "get returned different bytes"}'
+    proc = JsonProcess([sys.executable, "-c", f"print({line!r})"])
+    try:
+        with pytest.raises(VerificationError, match="different bytes"):
+            list(proc.records(timeout_s=30))
+    finally:
+        proc.stop()
+
+
+@pytest.mark.slow  # a peer process
+def test_a_corrupted_receiver_byte_fails_our_verification():
+    src = np.random.default_rng(0).integers(0, 256, (4, 4096), dtype=np.uint8)
+    with peer_process("--region", f"kv:{src.nbytes}:shared") as peer:
+        engine = TransferEngine(peer.secret)
+        try:
+            client = engine.connect(peer.endpoint, "tcp")
+            client.push("kv", [(i * 4096, src[i]) for i in range(4)])
+        finally:
+            engine.close()
+        check_digest(peer.region_digest(src.nbytes), src, "push")
+        with open(f"/proc/{peer.pid}/maps", encoding="utf-8") as maps:
+            name = next(line for line in maps if REGION_SEGMENT_PREFIX in line).split("/")[-1]
+        segment = attach_segment(name.strip())
+        try:
+            segment.buf[5000] ^= 0xFF  # one byte of the second block, flipped behind its back
+        finally:
+            segment.close()
+        with pytest.raises(VerificationError):
+            check_digest(peer.region_digest(src.nbytes), src, "push")
+
+
+@pytest.mark.slow  # a peer process, ~1 s
+def test_our_transfer_bench_reports_write_latency_with_p99():
+    results = bench_transfer([64 * KIB], MIB, 1, latency_sizes=[4 * KIB], latency_ops=20)
+    writes = [r for r in results if r.op == "write"]
+    assert {(r.transport, r.block_bytes) for r in writes} == {("tcp", 4096), ("shm", 4096)}
+    for r in results:
+        assert 0 < r.op_us_p50 <= r.op_us_p99
+    assert all(len(r.batch_s_reps) == 20 for r in writes)
