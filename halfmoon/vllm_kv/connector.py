@@ -50,7 +50,7 @@ from halfmoon.serve.vllm.pd import KEY, ConnectorSettings
 from halfmoon.store import StoreConfig, TieredStore
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer import RemoteError, StreamLayout, StreamReceiver, TransferEngine
-from halfmoon.vllm_kv.inbox import Inbox
+from halfmoon.transfer.inbox import Inbox
 from halfmoon.vllm_kv.layout import (
     PagedLayout,
     check_config,

@@ -67,12 +67,17 @@ def test_finish_all_of_nothing_is_done_at_once():
     assert called
 
 
-@pytest.mark.parametrize("mode", ["int8", "zstd"])
-def test_compressed_stage_streams_land_decoded_in_the_export_layout(mode):
-    """A decode worker expecting a 2-stage (CPP) request with --kv-compression: each
-    stage's OutStream encodes its stream layers, the decode role decodes every one as it
-    lands, and its region holds the export layout ``[L, 2, n, B, H, D]`` as the codec
-    gives it back (bit for bit with zstd)."""
+@pytest.mark.parametrize(
+    ("mode", "transport", "inbox_bytes"),
+    [("none", "shm", 1 << 20), ("none", "tcp", 0), ("int8", "shm", 1 << 20),
+     ("zstd", "tcp", 1 << 20), ("zstd", "tcp", 0)],
+)  # fmt: skip
+def test_stage_streams_land_in_the_export_layout(mode, transport, inbox_bytes):
+    """A decode worker expecting a 2-stage (CPP) request: each stage's OutStream sends its
+    stream layers (encoded with --kv-compression), they land in the decode role's inbox
+    (shared memory: a co-located sender places them, no socket payload) or, without one,
+    in a region of the request's own, compressed ones are decoded as they land, and the
+    KV to import is the export layout ``[L, 2, n, B, H, D]`` as the codec gives it back."""
     import torch
 
     from halfmoon.core.request import SamplingParams
@@ -93,12 +98,13 @@ def test_compressed_stage_streams_land_decoded_in_the_export_layout(mode):
 
     Engine.layout = layout
     worker = type("W", (), {"engine": Engine(), "kv_codec": codec})()
-    sender, receiver = TransferEngine(SECRET), TransferEngine(SECRET)
+    sender = TransferEngine(SECRET, transport=transport)
+    receiver = TransferEngine(SECRET, transport=transport)
     sender.start()
     receiver.start()
     pool = StreamerPool()
     try:
-        role = DecodeRole(worker, receiver)
+        role = DecodeRole(worker, receiver, inbox_bytes=inbox_bytes)
         params = WireParams.of(SamplingParams(max_tokens=4))
         role._on_expect(b"gw", Expect(msg_id=1, request_id="r", params=params,
                                       num_prompt_tokens=40, num_stages=2))  # fmt: skip
@@ -121,18 +127,71 @@ def test_compressed_stage_streams_land_decoded_in_the_export_layout(mode):
         expected = role.expected["r"]
         for rx in expected.receivers:
             rx.wait(10)
-        got = torch.frombuffer(bytearray(receiver.regions.get(expected.region).view),
-                               dtype=torch.float32).view(kv.shape)  # fmt: skip
+        assert expected.landing.in_inbox == bool(inbox_bytes)
+        # Co-located over shm with an inbox: each layer copied straight into it.
+        placed = transport == "shm" and bool(inbox_bytes)
+        assert all(s._sender.placed == placed for s in streams)
+        raw = (
+            expected.landing.view(receiver)
+            if expected.raw_region is None
+            else receiver.regions.get(expected.raw_region).view
+        )
+        got = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(kv.shape)
         assert torch.equal(got, codec.encode_tensor(kv))
-        if mode == "zstd":
+        if mode in ("none", "zstd"):
             assert torch.equal(got, kv)
-        assert sum(s.bytes_sent for s in streams) < kv.numel() * 4
+        if mode != "none":
+            assert sum(s.bytes_sent for s in streams) < kv.numel() * 4
         assert sum(s.raw_bytes_sent for s in streams) == kv.numel() * 4
-        role._unregister(expected.region, expected.wire_region)  # what the handoff does
-        for name in (expected.region, expected.wire_region):
+        role._release(expected.landing, expected.raw_region, abandoned=False)  # the handoff's
+        if inbox_bytes:
+            assert role.inbox.used_bytes == 0
+        else:
             with pytest.raises(RemoteError, match="no region named"):
-                receiver.regions.get(name)
+                receiver.regions.get(expected.landing.region)
     finally:
         pool.close()
         sender.close()
+        receiver.close()
+
+
+def test_an_abandoned_streams_inbox_range_waits_in_quarantine(monkeypatch):
+    """An aborted request's inbox range is not handed out again at once (its sender may
+    still place a layer there); ``tick`` frees it after the quarantine."""
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine.kv_cache import KVLayout
+    from halfmoon.serve.control.messages import Expect, WireParams
+    from halfmoon.serve.worker import decode
+
+    layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32")
+
+    class Engine:
+        class config:  # noqa: N801
+            block_size = 16
+
+        def abort_request(self, rid):
+            return False
+
+    Engine.layout = layout
+    events = []
+    worker = type("W", (), {"engine": Engine(), "kv_codec": None, "send": None})()
+    worker.conductor = type("C", (), {"event": lambda self, *a, **k: events.append(a)})()
+    receiver = TransferEngine(SECRET)
+    receiver.start()
+    try:
+        role = decode.DecodeRole(worker, receiver, inbox_bytes=1 << 16)
+        params = WireParams.of(SamplingParams(max_tokens=4))
+        role._on_expect(b"gw", Expect(msg_id=1, request_id="r", params=params,
+                                      num_prompt_tokens=20))  # fmt: skip
+        used = role.inbox.used_bytes
+        assert used == 2 * layout.bytes_per_block
+        role.on_abort("r")
+        assert role.inbox.used_bytes == used and events  # still held
+        role.tick()
+        assert role.inbox.used_bytes == used
+        later = time.monotonic() + 60
+        monkeypatch.setattr(decode.time, "monotonic", lambda: later)
+        role.tick()
+        assert role.inbox.used_bytes == 0
+    finally:
         receiver.close()

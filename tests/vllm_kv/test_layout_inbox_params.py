@@ -16,7 +16,7 @@ from halfmoon.serve.vllm.pd import (
     kv_transfer_config,
     prefill_params,
 )
-from halfmoon.vllm_kv.inbox import Inbox
+from halfmoon.transfer.inbox import Inbox
 from halfmoon.vllm_kv.layout import (
     PagedLayout,
     UnsupportedLayout,

@@ -183,7 +183,9 @@ def start_cluster(
             group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
                         "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
                         "--conductor", endpoint, "--log-level", args.log_level,
-                        "--config-json", worker_doc, *extra)  # fmt: skip
+                        "--transport", getattr(args, "transport", "auto"),
+                        "--config-json", worker_doc,
+                        *extra)  # fmt: skip
             count += 1
     return endpoint, count
 
@@ -379,6 +381,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--internal-host", default="127.0.0.1", help="address of internal channels")
+    p.add_argument(
+        "--transport", default="auto", choices=("auto", "tcp", "shm"),
+        help="KV between workers: auto (default: shared memory between workers on one "
+        "host, else tcp), tcp, or shm (co-located workers only)",
+    )  # fmt: skip
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
         "--api-key",

@@ -5,6 +5,7 @@ See :mod:`halfmoon.serve.worker.prefill` for the whole handoff."""
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
 from halfmoon.engine.connector import HandoffState, LayerSlice
 from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
-from halfmoon.serve.worker.kvstream import num_blocks
+from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S, num_blocks
 from halfmoon.serve.worker.pipeline_job import kv_session
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import (
@@ -23,6 +24,31 @@ from halfmoon.serve.worker.tokens import (
     TokenStreaming,
 )
 from halfmoon.transfer import StreamLayout, StreamReceiver, TransferEngine, TransferError
+from halfmoon.transfer.inbox import Inbox
+
+log = logging.getLogger(__name__)
+
+#: The decode role's inbox region: arriving KV streams land in ranges of it (in shared
+#: memory unless the transport is tcp, so co-located prefill workers copy straight in).
+INBOX = "kv-inbox"
+#: A range of an abandoned stream goes back to the inbox only this long after: its sender
+#: may still place one more layer before it learns of the cancellation.
+INBOX_QUARANTINE_S = 2 * PEER_TIMEOUT_S
+
+
+@dataclass
+class _Landing:
+    """Where a request's streams land: a range of the inbox, or (the inbox full) a region
+    of its own, ``region`` either way; ``offset`` / ``size`` in it."""
+
+    region: str
+    offset: int
+    size: int
+    in_inbox: bool
+
+    def view(self, transfer: TransferEngine) -> memoryview:
+        """The landing bytes."""
+        return transfer.regions.get(self.region).view[self.offset : self.offset + self.size]
 
 
 @dataclass
@@ -30,10 +56,11 @@ class _Expected:
     identity: bytes
     params: SamplingParams
     num_prompt_tokens: int
-    region: str
+    #: Where the streams land: the KV in the export layout or, compressed, the payloads.
+    landing: _Landing
     receivers: list[Any]
-    #: Where compressed stream layers land before they are decoded into ``region``.
-    wire_region: str | None = None
+    #: With --kv-compression: the request's own region the payloads are decoded into.
+    raw_region: str | None = None
     prefill_instance: str = ""
     cache_salt: str | None = None
     since_s: float = field(default_factory=time.monotonic)
@@ -41,9 +68,15 @@ class _Expected:
 
 
 class DecodeRole(TokenStreaming):
-    """Decode only: receives KV streams, continues requests, streams tokens."""
+    """Decode only: receives KV streams, continues requests, streams tokens.
 
-    def __init__(self, worker: Worker, transfer: TransferEngine) -> None:
+    Streams land in the worker's inbox (:data:`INBOX`, ``inbox_bytes``; first fit, one
+    range per request), a shared-memory region unless the transport is tcp: a prefill
+    worker on the same host then copies each layer straight into it (the ``shm``
+    transport; ``auto`` picks it) instead of sending it through a socket. A request that
+    does not fit gets a region of its own (reached over the socket)."""
+
+    def __init__(self, worker: Worker, transfer: TransferEngine, inbox_bytes: int = 0) -> None:
         super().__init__(worker)
         self.transfer = transfer
         self.expected: dict[str, _Expected] = {}
@@ -54,61 +87,103 @@ class DecodeRole(TokenStreaming):
         self.codec = None if codec is None or codec.name == "none" else codec
         #: Seconds the transfer threads spent decompressing KV (--kv-compression).
         self.kv_decode_s = 0.0
+        self.inbox: Inbox | None = None
+        if inbox_bytes > 0:
+            shared = transfer.transport in ("auto", "shm")
+            try:
+                region = transfer.register_region(INBOX, inbox_bytes, shared=shared)
+            except HalfmoonError as exc:  # e.g. a small /dev/shm (containers: 64 MiB)
+                log.warning("KV inbox not in shared memory (%s): co-located prefill "
+                            "workers will send KV over the socket", exc)  # fmt: skip
+                region = transfer.register_region(INBOX, inbox_bytes, shared=False)
+            self.inbox = Inbox(region.size_bytes)
+        #: (free at, offset): inbox ranges of abandoned streams, in quarantine.
+        self._quarantine: list[tuple[float, int]] = []
+        #: Requests whose streams landed in the inbox / in a region of their own.
+        self.num_inbox_landings = 0
+        self.num_private_landings = 0
 
     def handlers(self) -> dict[str, Handler]:
         return {"expect": self._on_expect, "handoff": self._on_handoff}
+
+    def _land(self, rid: str, size: int) -> _Landing:
+        """A place for ``size`` bytes of ``rid``'s streams: the inbox when it has room."""
+        start = self.inbox.alloc(size) if self.inbox is not None else None
+        if start is not None:
+            self.num_inbox_landings += 1
+            return _Landing(INBOX, start, size, True)
+        self.num_private_landings += 1
+        region = f"kv-{rid}"
+        self.transfer.register_region(region, size)
+        return _Landing(region, 0, size, False)
+
+    def _release(self, landing: _Landing, raw_region: str | None, abandoned: bool) -> None:
+        """Give a request's memory back; an abandoned stream's inbox range only after
+        :data:`INBOX_QUARANTINE_S` (``tick`` frees it)."""
+        if landing.in_inbox:
+            assert self.inbox is not None
+            if abandoned:
+                self._quarantine.append((time.monotonic() + INBOX_QUARANTINE_S, landing.offset))
+            else:
+                self.inbox.free(landing.offset)
+        else:
+            self.transfer.unregister_region(landing.region)
+        if raw_region is not None:
+            self.transfer.unregister_region(raw_region)
 
     def _on_expect(self, identity: bytes, msg: Expect) -> None:
         rid, num_prompt, num_stages = msg.request_id, msg.num_prompt_tokens, msg.num_stages
         n = num_blocks(num_prompt, self.worker.engine.config.block_size)
         slices = LayerSlice.split(self.num_layers, num_stages)  # one KV stream per stage
-        region = f"kv-{rid}"
-        self.transfer.register_region(region, n * self.bytes_per_block)
         half = self.bytes_per_block // (2 * self.num_layers)
-        wire_region = None
+        raw_region = None
+        if self.codec is None:
+            landing = self._land(rid, n * self.bytes_per_block)
+        else:
+            # One payload per stream layer, each in a slot of the largest size it may
+            # have, decoded into ``raw_region`` (the export layout) as it lands.
+            slot = self.codec.max_encoded_bytes(n * half)
+            landing = self._land(rid, 2 * self.num_layers * slot)
+            raw_region = f"kv-raw-{rid}"
         receivers = []
+        raw_registered = False
         try:
-            if self.codec is not None:
-                # One payload per stream layer, each in a slot of the largest size it may
-                # have, decoded into ``region`` (the export layout) as it lands.
-                slot = self.codec.max_encoded_bytes(n * half)
-                wire_region = f"kvz-{rid}"
-                self.transfer.register_region(wire_region, 2 * self.num_layers * slot)
+            if raw_region is not None:
+                self.transfer.register_region(raw_region, n * self.bytes_per_block)
+                raw_registered = True
             for s, layers in enumerate(slices):
                 session = kv_session(rid, s, num_stages)
                 if self.codec is None:
-                    layout = StreamLayout.contiguous(
-                        2 * layers.size, n, half, base_offset=2 * layers.first * n * half
-                    )
-                    receiver = self.transfer.expect_stream(session, region, layout)
+                    base = landing.offset + 2 * layers.first * n * half
+                    layout = StreamLayout.contiguous(2 * layers.size, n, half, base_offset=base)
+                    receiver = self.transfer.expect_stream(session, landing.region, layout)
                 else:
-                    layout = StreamLayout.contiguous(
-                        2 * layers.size, 1, slot, base_offset=2 * layers.first * slot
-                    )
+                    base = landing.offset + 2 * layers.first * slot
+                    layout = StreamLayout.contiguous(2 * layers.size, 1, slot, base_offset=base)
                     decode = functools.partial(
-                        self._decode_layer, region, wire_region, 2 * layers.first, n * half
+                        self._decode_layer, raw_region, landing.region, 2 * layers.first, n * half
                     )
-                    receiver = self.transfer.expect_stream(session, wire_region, layout, decode)
+                    receiver = self.transfer.expect_stream(session, landing.region, layout, decode)
                 receivers.append(receiver)
         except Exception:
             for receiver in receivers:
                 receiver.cancel()
-            self._unregister(region, wire_region)
+            self._release(landing, raw_region if raw_registered else None, bool(receivers))
             raise
         self.expected[rid] = _Expected(
             identity,
             msg.params.to_params(),
             num_prompt,
-            region,
+            landing,
             receivers,
-            wire_region,
+            raw_region,
             msg.prefill_instance,
             msg.cache_salt,
             timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * msg.est_ttft_s,
         )
 
     def _decode_layer(
-        self, region: str, wire_region: str, first: int, raw_bytes: int,
+        self, raw_region: str, wire_region: str, first: int, raw_bytes: int,
         receiver: StreamReceiver, layer: int,
     ) -> None:  # fmt: skip
         """Decode stream layer ``first + layer`` (on the transfer thread, as it lands)."""
@@ -119,42 +194,42 @@ class DecodeRole(TokenStreaming):
         try:
             payload = self.transfer.regions.get(wire_region).view
             payload = payload[start : start + receiver.lengths(layer)[0]]
-            out = self.transfer.regions.get(region).view
+            out = self.transfer.regions.get(raw_region).view
             started = time.perf_counter()
             self.codec.decode(payload, out[index * raw_bytes : (index + 1) * raw_bytes])
             self.kv_decode_s += time.perf_counter() - started
         except HalfmoonError as exc:  # a bad payload, or the request went away (aborted)
             receiver.fail(TransferError(f"stream layer {index} ({slot}-byte slot): {exc}"))
 
-    def _unregister(self, region: str, wire_region: str | None) -> None:
-        self.transfer.unregister_region(region)
-        if wire_region is not None:
-            self.transfer.unregister_region(wire_region)
-
     def _on_handoff(self, identity: bytes, msg: Handoff) -> None:
         rid = msg.request_id
         e = self.expected.pop(rid, None)
         if e is None:
             return  # aborted meanwhile
+        done = False
         try:
             for receiver in e.receivers:
                 receiver.wait(10.0)
+            done = True
             state = HandoffState(
                 request_id=rid, token_ids=tuple(msg.token_ids),
                 num_prompt_tokens=msg.num_prompt_tokens,
                 num_computed_tokens=msg.num_computed_tokens, seed=msg.seed,
                 cache_salt=e.cache_salt,
             )  # fmt: skip
-            # The region's bytes are copied into the pool before this returns.
-            self.worker.engine.import_request(
-                state, e.params, self.transfer.regions.get(e.region).view
+            kv = (
+                e.landing.view(self.transfer)
+                if e.raw_region is None
+                else self.transfer.regions.get(e.raw_region).view
             )
+            # The bytes are copied into the pool before this returns.
+            self.worker.engine.import_request(state, e.params, kv)
         except Exception as exc:  # stream failed or no room: the client must hear of it
             self.worker.send(e.identity, Error(request_id=rid, error=str(exc)))
             self.worker.conductor.event("request_finished", request_id=rid)
             return
         finally:
-            self._unregister(e.region, e.wire_region)
+            self._release(e.landing, e.raw_region, abandoned=not done)
         self.clients[rid] = StreamClient(e.identity, [], index=1)
         self.worker.conductor.event("decode_started", request_id=rid)
 
@@ -174,7 +249,7 @@ class DecodeRole(TokenStreaming):
         if e is not None:
             for receiver in e.receivers:
                 receiver.cancel()
-            self._unregister(e.region, e.wire_region)
+            self._release(e.landing, e.raw_region, abandoned=True)
         self.clients.pop(request_id, None)
         if self.worker.engine.abort_request(request_id) or e is not None:
             self.worker.conductor.event("request_finished", request_id=request_id)
@@ -188,8 +263,13 @@ class DecodeRole(TokenStreaming):
         return len(self.expected)
 
     def tick(self) -> None:
-        """Expire expectations whose handoff never came (the prefill side died)."""
+        """Expire expectations whose handoff never came (the prefill side died); give
+        quarantined inbox ranges back."""
         now = time.monotonic()
+        if self._quarantine and self._quarantine[0][0] <= now:
+            assert self.inbox is not None
+            while self._quarantine and self._quarantine[0][0] <= now:
+                self.inbox.free(self._quarantine.pop(0)[1])
         for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected[rid]
             self.worker.send(e.identity, Error(
@@ -199,8 +279,13 @@ class DecodeRole(TokenStreaming):
             self.on_abort(rid)
 
     def stats(self) -> dict[str, Any]:
-        """Requests waiting for their KV; time spent decompressing it."""
-        return {"num_expected": len(self.expected), "kv_decode_s": round(self.kv_decode_s, 6)}
+        """Requests waiting for their KV; where streams landed; time spent decompressing."""
+        return {
+            "num_expected": len(self.expected), "kv_decode_s": round(self.kv_decode_s, 6),
+            "kv_inbox_landings": self.num_inbox_landings,
+            "kv_private_landings": self.num_private_landings,
+            "kv_inbox_used_bytes": self.inbox.used_bytes if self.inbox is not None else 0,
+        }  # fmt: skip
 
     def snapshot(self) -> list[HeldBlocks]:
         """A decode worker caches nothing the Conductor indexes."""

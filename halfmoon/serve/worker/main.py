@@ -23,6 +23,8 @@ from halfmoon.serve.runtime import (
 )
 
 ROLES = ("prefill", "decode", "coupled")
+#: Largest decode-worker KV inbox (shared memory, reserved at start), MiB.
+INBOX_MAX_MB = 512
 #: ``--kv-compression`` (halfmoon.engine.kvcodec.MODES; listed here to keep this torch-free).
 KV_COMPRESSION_MODES = ("none", "int8", "fp8", "zstd")
 ENGINES = ("halfmoon", "vllm")
@@ -289,7 +291,11 @@ def run_worker(args: argparse.Namespace) -> int:
         worker.set_role(role)
     else:
         assert transfer is not None
-        worker.set_role(DecodeRole(worker, transfer))
+        # The inbox holds the streams in flight (at most what the pool can take, and at
+        # most INBOX_MAX_MB: it is reserved up front; requests beyond get regions of their
+        # own).
+        inbox_bytes = int(min(options.kv_cache_mb, INBOX_MAX_MB) * 2**20)
+        worker.set_role(DecodeRole(worker, transfer, inbox_bytes=inbox_bytes))
     stats = engine.stats()
     if args.profile:
         profile = CostProfile.load(args.profile)

@@ -1,5 +1,7 @@
-"""The decode side's inbox: one preallocated region that KV streams land in, handed out
-first-fit in contiguous ranges, one per arriving stream (torch-free)."""
+"""A decode side's inbox: one preallocated region that KV streams land in, handed out
+first-fit in contiguous ranges, one per arriving stream. halfmoon's decode role
+(``halfmoon.serve.worker.decode``) and the vLLM KV connector (``halfmoon.vllm_kv``) both
+keep one, in shared memory, so that a co-located sender copies straight into it."""
 
 from __future__ import annotations
 
