@@ -131,11 +131,7 @@ def test_stage_streams_land_in_the_export_layout(mode, transport, inbox_bytes):
         # Co-located over shm with an inbox: each layer copied straight into it.
         placed = transport == "shm" and bool(inbox_bytes)
         assert all(s._sender.placed == placed for s in streams)
-        raw = (
-            expected.landing.view(receiver)
-            if expected.raw_region is None
-            else receiver.regions.get(expected.raw_region).view
-        )
+        raw = (expected.landing if expected.raw is None else expected.raw).view(receiver)
         got = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(kv.shape)
         assert torch.equal(got, codec.encode_tensor(kv))
         if mode in ("none", "zstd"):
@@ -143,9 +139,11 @@ def test_stage_streams_land_in_the_export_layout(mode, transport, inbox_bytes):
         if mode != "none":
             assert sum(s.bytes_sent for s in streams) < kv.numel() * 4
         assert sum(s.raw_bytes_sent for s in streams) == kv.numel() * 4
-        role._release(expected.landing, expected.raw_region, abandoned=False)  # the handoff's
+        role._release(expected.landing, abandoned=False)  # what the handoff does
+        role._release(expected.raw, abandoned=False)
         if inbox_bytes:
             assert role.inbox.used_bytes == 0
+            assert role.raw_inbox is None or role.raw_inbox.used_bytes == 0
         else:
             with pytest.raises(RemoteError, match="no region named"):
                 receiver.regions.get(expected.landing.region)

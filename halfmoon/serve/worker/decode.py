@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 #: The decode role's inbox region: arriving KV streams land in ranges of it (in shared
 #: memory unless the transport is tcp, so co-located prefill workers copy straight in).
 INBOX = "kv-inbox"
+#: With --kv-compression: where the payloads are decoded to (private memory, reused).
+RAW_INBOX = "kv-raw-inbox"
 #: A range of an abandoned stream goes back to the inbox only this long after: its sender
 #: may still place one more layer before it learns of the cancellation.
 INBOX_QUARANTINE_S = 2 * PEER_TIMEOUT_S
@@ -38,13 +40,18 @@ INBOX_QUARANTINE_S = 2 * PEER_TIMEOUT_S
 
 @dataclass
 class _Landing:
-    """Where a request's streams land: a range of the inbox, or (the inbox full) a region
-    of its own, ``region`` either way; ``offset`` / ``size`` in it."""
+    """A request's range of an inbox, or (the inbox full) a region of its own: ``region``
+    either way, ``offset`` / ``size`` in it."""
 
     region: str
     offset: int
     size: int
-    in_inbox: bool
+    inbox: Inbox | None
+
+    @property
+    def in_inbox(self) -> bool:
+        """Whether the range belongs to an inbox (else the region is the request's)."""
+        return self.inbox is not None
 
     def view(self, transfer: TransferEngine) -> memoryview:
         """The landing bytes."""
@@ -59,8 +66,8 @@ class _Expected:
     #: Where the streams land: the KV in the export layout or, compressed, the payloads.
     landing: _Landing
     receivers: list[Any]
-    #: With --kv-compression: the request's own region the payloads are decoded into.
-    raw_region: str | None = None
+    #: With --kv-compression: where the payloads are decoded to (the export layout).
+    raw: _Landing | None = None
     prefill_instance: str = ""
     cache_salt: str | None = None
     since_s: float = field(default_factory=time.monotonic)
@@ -88,6 +95,7 @@ class DecodeRole(TokenStreaming):
         #: Seconds the transfer threads spent decompressing KV (--kv-compression).
         self.kv_decode_s = 0.0
         self.inbox: Inbox | None = None
+        self.raw_inbox: Inbox | None = None
         if inbox_bytes > 0:
             shared = transfer.transport in ("auto", "shm")
             try:
@@ -97,8 +105,11 @@ class DecodeRole(TokenStreaming):
                             "workers will send KV over the socket", exc)  # fmt: skip
                 region = transfer.register_region(INBOX, inbox_bytes, shared=False)
             self.inbox = Inbox(region.size_bytes)
-        #: (free at, offset): inbox ranges of abandoned streams, in quarantine.
-        self._quarantine: list[tuple[float, int]] = []
+            if self.codec is not None:  # fresh buffers per request were page-faulted in
+                raw = transfer.register_region(RAW_INBOX, inbox_bytes, shared=False)
+                self.raw_inbox = Inbox(raw.size_bytes)
+        #: (free at, inbox, offset): ranges of abandoned streams, in quarantine.
+        self._quarantine: list[tuple[float, Inbox, int]] = []
         #: Requests whose streams landed in the inbox / in a region of their own.
         self.num_inbox_landings = 0
         self.num_private_landings = 0
@@ -106,51 +117,49 @@ class DecodeRole(TokenStreaming):
     def handlers(self) -> dict[str, Handler]:
         return {"expect": self._on_expect, "handoff": self._on_handoff}
 
-    def _land(self, rid: str, size: int) -> _Landing:
-        """A place for ``size`` bytes of ``rid``'s streams: the inbox when it has room."""
-        start = self.inbox.alloc(size) if self.inbox is not None else None
+    def _land(self, name: str, size: int, inbox: Inbox | None, inbox_region: str) -> _Landing:
+        """``size`` bytes in ``inbox`` when it has room, else a region ``name`` of its own."""
+        start = inbox.alloc(size) if inbox is not None else None
         if start is not None:
-            self.num_inbox_landings += 1
-            return _Landing(INBOX, start, size, True)
-        self.num_private_landings += 1
-        region = f"kv-{rid}"
-        self.transfer.register_region(region, size)
-        return _Landing(region, 0, size, False)
+            return _Landing(inbox_region, start, size, inbox)
+        self.transfer.register_region(name, size)
+        return _Landing(name, 0, size, None)
 
-    def _release(self, landing: _Landing, raw_region: str | None, abandoned: bool) -> None:
-        """Give a request's memory back; an abandoned stream's inbox range only after
-        :data:`INBOX_QUARANTINE_S` (``tick`` frees it)."""
-        if landing.in_inbox:
-            assert self.inbox is not None
-            if abandoned:
-                self._quarantine.append((time.monotonic() + INBOX_QUARANTINE_S, landing.offset))
-            else:
-                self.inbox.free(landing.offset)
-        else:
+    def _release(self, landing: _Landing | None, abandoned: bool) -> None:
+        """Give a range back; an abandoned stream's only after :data:`INBOX_QUARANTINE_S`
+        (``tick`` frees it: a late layer may still land in it)."""
+        if landing is None:
+            return
+        if landing.inbox is None:
             self.transfer.unregister_region(landing.region)
-        if raw_region is not None:
-            self.transfer.unregister_region(raw_region)
+        elif abandoned:
+            free_at = time.monotonic() + INBOX_QUARANTINE_S
+            self._quarantine.append((free_at, landing.inbox, landing.offset))
+        else:
+            landing.inbox.free(landing.offset)
 
     def _on_expect(self, identity: bytes, msg: Expect) -> None:
         rid, num_prompt, num_stages = msg.request_id, msg.num_prompt_tokens, msg.num_stages
         n = num_blocks(num_prompt, self.worker.engine.config.block_size)
         slices = LayerSlice.split(self.num_layers, num_stages)  # one KV stream per stage
         half = self.bytes_per_block // (2 * self.num_layers)
-        raw_region = None
+        raw = None
         if self.codec is None:
-            landing = self._land(rid, n * self.bytes_per_block)
+            landing = self._land(f"kv-{rid}", n * self.bytes_per_block, self.inbox, INBOX)
         else:
             # One payload per stream layer, each in a slot of the largest size it may
-            # have, decoded into ``raw_region`` (the export layout) as it lands.
+            # have, decoded into ``raw`` (the export layout) as it lands.
             slot = self.codec.max_encoded_bytes(n * half)
-            landing = self._land(rid, 2 * self.num_layers * slot)
-            raw_region = f"kv-raw-{rid}"
+            landing = self._land(f"kv-{rid}", 2 * self.num_layers * slot, self.inbox, INBOX)
+        if landing.in_inbox:
+            self.num_inbox_landings += 1
+        else:
+            self.num_private_landings += 1
         receivers = []
-        raw_registered = False
         try:
-            if raw_region is not None:
-                self.transfer.register_region(raw_region, n * self.bytes_per_block)
-                raw_registered = True
+            if self.codec is not None:
+                raw_name = f"kv-raw-{rid}"
+                raw = self._land(raw_name, n * self.bytes_per_block, self.raw_inbox, RAW_INBOX)
             for s, layers in enumerate(slices):
                 session = kv_session(rid, s, num_stages)
                 if self.codec is None:
@@ -161,14 +170,15 @@ class DecodeRole(TokenStreaming):
                     base = landing.offset + 2 * layers.first * slot
                     layout = StreamLayout.contiguous(2 * layers.size, 1, slot, base_offset=base)
                     decode = functools.partial(
-                        self._decode_layer, raw_region, landing.region, 2 * layers.first, n * half
+                        self._decode_layer, raw, landing.region, 2 * layers.first, n * half
                     )
                     receiver = self.transfer.expect_stream(session, landing.region, layout, decode)
                 receivers.append(receiver)
         except Exception:
             for receiver in receivers:
                 receiver.cancel()
-            self._release(landing, raw_region if raw_registered else None, bool(receivers))
+            self._release(landing, bool(receivers))
+            self._release(raw, bool(receivers))
             raise
         self.expected[rid] = _Expected(
             identity,
@@ -176,14 +186,14 @@ class DecodeRole(TokenStreaming):
             num_prompt,
             landing,
             receivers,
-            raw_region,
+            raw,
             msg.prefill_instance,
             msg.cache_salt,
             timeout_s=HANDOFF_TIMEOUT_S + HANDOFF_TTFT_FACTOR * msg.est_ttft_s,
         )
 
     def _decode_layer(
-        self, raw_region: str, wire_region: str, first: int, raw_bytes: int,
+        self, raw: _Landing, wire_region: str, first: int, raw_bytes: int,
         receiver: StreamReceiver, layer: int,
     ) -> None:  # fmt: skip
         """Decode stream layer ``first + layer`` (on the transfer thread, as it lands)."""
@@ -194,7 +204,7 @@ class DecodeRole(TokenStreaming):
         try:
             payload = self.transfer.regions.get(wire_region).view
             payload = payload[start : start + receiver.lengths(layer)[0]]
-            out = self.transfer.regions.get(raw_region).view
+            out = raw.view(self.transfer)
             started = time.perf_counter()
             self.codec.decode(payload, out[index * raw_bytes : (index + 1) * raw_bytes])
             self.kv_decode_s += time.perf_counter() - started
@@ -217,11 +227,7 @@ class DecodeRole(TokenStreaming):
                 num_computed_tokens=msg.num_computed_tokens, seed=msg.seed,
                 cache_salt=e.cache_salt,
             )  # fmt: skip
-            kv = (
-                e.landing.view(self.transfer)
-                if e.raw_region is None
-                else self.transfer.regions.get(e.raw_region).view
-            )
+            kv = (e.landing if e.raw is None else e.raw).view(self.transfer)
             # The bytes are copied into the pool before this returns.
             self.worker.engine.import_request(state, e.params, kv)
         except Exception as exc:  # stream failed or no room: the client must hear of it
@@ -229,7 +235,8 @@ class DecodeRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=rid)
             return
         finally:
-            self._release(e.landing, e.raw_region, abandoned=not done)
+            self._release(e.landing, abandoned=not done)
+            self._release(e.raw, abandoned=not done)
         self.clients[rid] = StreamClient(e.identity, [], index=1)
         self.worker.conductor.event("decode_started", request_id=rid)
 
@@ -249,7 +256,8 @@ class DecodeRole(TokenStreaming):
         if e is not None:
             for receiver in e.receivers:
                 receiver.cancel()
-            self._release(e.landing, e.raw_region, abandoned=True)
+            self._release(e.landing, abandoned=True)
+            self._release(e.raw, abandoned=True)
         self.clients.pop(request_id, None)
         if self.worker.engine.abort_request(request_id) or e is not None:
             self.worker.conductor.event("request_finished", request_id=request_id)
@@ -266,10 +274,9 @@ class DecodeRole(TokenStreaming):
         """Expire expectations whose handoff never came (the prefill side died); give
         quarantined inbox ranges back."""
         now = time.monotonic()
-        if self._quarantine and self._quarantine[0][0] <= now:
-            assert self.inbox is not None
-            while self._quarantine and self._quarantine[0][0] <= now:
-                self.inbox.free(self._quarantine.pop(0)[1])
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, inbox, offset = self._quarantine.pop(0)
+            inbox.free(offset)
         for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected[rid]
             self.worker.send(e.identity, Error(
