@@ -48,6 +48,7 @@ from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig, ModelConfig
 from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOutput
 from halfmoon.engine.kv_cache import KVCache, KVLayout
+from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
 from halfmoon.engine.profiler import cached_profile
 from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
 from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
@@ -93,6 +94,14 @@ def model_kv_layout(model_dir: str | Path, block_size: int, dtype: str) -> KVLay
     config = ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
     return KVLayout(num_layers=config.num_layers, block_size=block_size,
                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)  # fmt: skip
+
+
+def wire_codec(mode: str, layout: KVLayout, directions: Sequence[str]) -> KVCodec:
+    """The codec of ``--kv-compression MODE`` for KV of ``layout``, compiled for
+    ``directions`` (``encode`` on a prefill worker, ``decode`` on a decode worker) when it
+    builds, else eager (:mod:`halfmoon.engine.kvcodec`). It turns host bytes into host
+    bytes, so the serving side handles it like the KV views the connector hands out."""
+    return compiled_or_eager(KVCodec.make(mode, layout), directions)
 
 
 class StageConnector(ABC):

@@ -271,12 +271,11 @@ def run_worker(args: argparse.Namespace) -> int:
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
     if kv_connector is None and args.role != "coupled":
-        from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
+        from halfmoon.engine.connector import wire_codec
 
         # A prefill worker only encodes, a decode worker only decodes.
         direction = "encode" if args.role == "prefill" else "decode"
-        codec = KVCodec.make(options.kv_compression, engine.layout)
-        worker.kv_codec = compiled_or_eager(codec, [direction])
+        worker.kv_codec = codec = wire_codec(options.kv_compression, engine.layout, [direction])
         if codec.name != "none":
             log.info("KV compression on the wire: %s", codec.description)
     if kv_connector is not None:
