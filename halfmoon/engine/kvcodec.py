@@ -94,8 +94,8 @@ class KVCodec:
     name = "none"
     #: Whether ``decode(encode(x)) == x`` bit for bit.
     lossless = True
-    #: Whether every payload of ``n`` raw bytes has exactly ``max_encoded_bytes(n)`` bytes.
-    fixed_size = True
+    #: ``"eager"`` or ``"compiled"`` per direction, for codecs that can be compiled.
+    backend: dict[str, str] | None = None
 
     def __init__(self, dtype: torch.dtype, head_dim: int) -> None:
         if head_dim <= 0:
@@ -116,10 +116,9 @@ class KVCodec:
     @property
     def description(self) -> str:
         """The mode and how each direction runs, for logs."""
-        backend = getattr(self, "backend", None)
-        if not backend or self.name == "none":
+        if self.backend is None:
             return self.name
-        return f"{self.name} (encode {backend['encode']}, decode {backend['decode']})"
+        return f"{self.name} (encode {self.backend['encode']}, decode {self.backend['decode']})"
 
     def _check_raw(self, num_bytes: int) -> int:
         """Groups in ``num_bytes`` raw bytes (raises unless a whole number)."""
@@ -214,7 +213,6 @@ class _Scaled(KVCodec):
         )
         dequantize = DequantizeGroups(dtype)
         self._dequantize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = dequantize
-        #: ``"eager"`` or ``"compiled"`` per direction.
         self.backend = {"encode": "eager", "decode": "eager"}
 
     def max_encoded_bytes(self, raw_bytes: int) -> int:
@@ -298,7 +296,6 @@ class ZstdCodec(KVCodec):
     """``zstd``: byte planes, then Zstandard level 1 (lossless, variable size)."""
 
     name = "zstd"
-    fixed_size = False
 
     def __init__(self, dtype: torch.dtype, head_dim: int) -> None:
         super().__init__(dtype, head_dim)

@@ -15,6 +15,7 @@ different block raises :class:`VerificationError` instead of being timed.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -260,8 +261,8 @@ class PeerProcess:
 
 
 def _discard_lines(stream: IO[str]) -> None:
-    for _ in stream:
-        pass
+    """Read ``stream`` to its end, keeping nothing."""
+    collections.deque(stream, maxlen=0)
 
 
 @contextmanager
