@@ -318,6 +318,8 @@ class Link:
         Polls ``cancel`` every few milliseconds so a cancelled transfer stops promptly even
         while the peer is slow to answer.
         """
+        if self._closed or self._rend > self._rstart or self._poll_buffer():
+            return
         while not self.readable():
             if cancel.is_set():
                 self.close()
@@ -327,6 +329,16 @@ class Link:
                 self.close()
                 raise TransferTimeout(f"timed out waiting for peer {self.peer}")
             select.select([self._sock], [], [], min(_CANCEL_POLL_S, remaining or _CANCEL_POLL_S))
+
+    def _poll_buffer(self) -> bool:
+        """Busy-poll briefly for bytes into the empty receive buffer (the awaited reply of
+        a peer that is awake comes sooner than a sleeping thread would wake for it)."""
+        self._rstart = self._rend = 0
+        try:
+            self._rend = self._poller.poll_into(self._rbuf)
+        except EOFError:
+            return True  # the next receive reports the closed connection
+        return self._rend > 0
 
     def readable(self) -> bool:
         """Whether a frame (or EOF) is waiting, without blocking."""

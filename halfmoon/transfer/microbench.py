@@ -273,15 +273,16 @@ def peer_process(*args: str) -> Iterator[PeerProcess]:
     # machine they steal measurable CPU from the transfer being measured.
     env = {**os.environ, SECRET_ENV: secret.hex(), "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "halfmoon.transfer.peer", "serve", *args],
+        [sys.executable, "-m", "halfmoon.transfer.peer", "serve", "--quiet", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
     )
     assert proc.stdout is not None
-    # The peer prints a line per completed transfer: read them all (and drop them), or a
-    # full pipe stalls the peer mid-benchmark.
+    # The peer runs --quiet (a line per completed transfer, and this process reading it,
+    # would be timed with every operation); anything it still prints is read and dropped,
+    # or a full pipe would stall it mid-benchmark.
     drain = threading.Thread(target=_discard_lines, args=(proc.stdout,), daemon=True)
     try:
         line = proc.stdout.readline()

@@ -84,7 +84,11 @@ def _serve(args: argparse.Namespace) -> int:
         )
 
     engine = TransferEngine(
-        _secret(), port=args.port, transport=args.transport, store=store, on_complete=on_complete
+        _secret(),
+        port=args.port,
+        transport=args.transport,
+        store=store,
+        on_complete=None if args.quiet else on_complete,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -159,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--expect-stream", default="", help="SESSION:LAYERS:BLOCKS:BYTES:REGION")
     serve.add_argument(
         "--digests", action="store_true", help="print region xxh3 digests on completion"
+    )
+    serve.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print no line per completed transfer (benchmarks: the printing and its reader "
+        "would be timed with every operation)",
     )
     serve.set_defaults(func=_serve)
     send = sub.add_parser("stream-send", help="send a synthetic layer-wise stream")

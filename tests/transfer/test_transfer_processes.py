@@ -88,6 +88,21 @@ def _round_trip(client, peer) -> None:
         assert (dest == blocks[i]).all()
 
 
+def test_a_quiet_peer_prints_no_line_per_transfer(spawn_peer, make_engine):
+    """Benchmarks run the peer --quiet: a printed line per push (and the benchmark's reader
+    of it) would be timed with every operation."""
+    peer = spawn_peer(*serve_args("--quiet"))
+    client = make_engine(transport="tcp").connect(peer.next_line("endpoint")["endpoint"])
+    block = np.arange(BLOCK, dtype=np.uint8)
+    for _ in range(3):
+        client.push("kv", [(0, block)])
+    peer.kill()  # the reader thread has then read every line the peer printed
+    printed = []
+    while not peer._lines.empty():
+        printed.append(peer._lines.get_nowait())
+    assert printed == []
+
+
 def test_stream_into_a_peer_process(spawn_peer, make_engine):
     layers, blocks, size = 6, 2, 32 << 10
     peer = spawn_peer(*serve_args("--expect-stream", f"s1:{layers}:{blocks}:{size}:kv"))

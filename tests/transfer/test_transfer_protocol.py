@@ -126,6 +126,29 @@ def test_wait_readable_honours_cancel(link_pair):
     assert time.monotonic() - started < 2
 
 
+def test_wait_readable_polls_for_the_reply_before_sleeping(monkeypatch):
+    """An awaited ack is busy-polled for (a sleeping thread's wake-up cost a 4 KiB push
+    ~100 us more here); only once the poll finds nothing does the wait sleep in select."""
+    from halfmoon.transfer import link as link_module
+
+    a, b = socket.socketpair()
+    waiting, answering = Link(a, "waiting", busy_poll_s=5.0), Link(b, "answering")
+    try:
+
+        def no_select(*args):
+            raise AssertionError("wait_readable slept in select while polling")
+
+        monkeypatch.setattr(link_module.select, "select", no_select)
+        threading.Timer(0.01, lambda: answering.send(Kind.PUSH_ACK, {"ok": True})).start()
+        waiting.wait_readable(time.monotonic() + 5, threading.Event())
+        monkeypatch.undo()
+        assert waiting.recv(time.monotonic() + 5).meta == {"ok": True}
+        assert not waiting.readable()
+    finally:
+        waiting.close()
+        answering.close()
+
+
 def test_back_to_back_frames_split_correctly_from_one_read(link_pair):
     left, right = link_pair
     sizes = [0, 5, 4096, 70 << 10, 3, 200 << 10, 1]
