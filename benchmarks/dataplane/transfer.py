@@ -125,6 +125,14 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                 "%",
             )
         )
+        out.append(
+            Ratio(
+                f"{label}, shm (ours) vs in-process memcpy into shared memory: ours/memcpy",
+                figure("halfmoon", "push", "shm", s),
+                figure("memcpy", "copy", "shm", s),
+                "%",
+            )
+        )
         for sender in ("bare", "bare+xxh3") if ceiling else ():
             out.append(
                 Ratio(

@@ -28,6 +28,7 @@ from halfmoon.transfer.errors import ProtocolError, RemoteError
 from halfmoon.transfer.handles import TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
 from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
+from halfmoon.transfer.memcopy import copy_into
 from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
 from halfmoon.transfer.pool import (
     TRANSPORTS,
@@ -220,8 +221,7 @@ class PeerClient:
             inline = []
             for item, view in zip(items, views, strict=True):
                 if item[0] == SLOT_PLACE:
-                    start = int(item[2])
-                    self._segments.view(item[1])[start : start + view.nbytes] = view
+                    copy_into(self._segments.view(item[1]), int(item[2]), view)
                 elif item[0] == SLOT_INLINE:
                     inline.append(view)
             link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
@@ -383,6 +383,6 @@ def _placer(
 
     def place() -> None:
         for offset, view in chunk:
-            remote[offset : offset + view.nbytes] = view
+            copy_into(remote, offset, view)
 
     return place

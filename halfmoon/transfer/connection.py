@@ -141,23 +141,27 @@ class PeerConnection:
         """Write an inline or already placed batch into a region; ack it."""
         meta = frame.meta
         region = self.server.regions.get(meta["region"])
-        dests = [region.slice(int(off), int(length)) for off, length in meta["segs"]]
+        segs = meta["segs"]
         ack: dict[str, Any] = {"xfer": meta["xfer"], "ok": True}
-        try:
-            if not meta.get("placed"):
+        if meta.get("placed"):  # the sender copied the blocks in: check the ranges only
+            for off, length in segs:
+                region.check_range(int(off), int(length))
+        else:
+            dests = [region.slice(int(off), int(length)) for off, length in segs]
+            try:
                 self.link.recv_payload_into(frame, dests, self.deadline())
-        except TransferError as exc:
-            if self.link.closed:
-                raise
-            ack = {"xfer": meta["xfer"], "ok": False, "error": str(exc)}
+            except TransferError as exc:
+                if self.link.closed:
+                    raise
+                ack = {"xfer": meta["xfer"], "ok": False, "error": str(exc)}
         self.link.send(Kind.PUSH_ACK, ack, deadline=self.deadline())
         if ack["ok"]:
-            num_bytes = sum(d.nbytes for d in dests)
+            num_bytes = sum(int(length) for _, length in segs)
             self.server.pushes.add(
                 self.client_id,
                 meta["xfer"],
                 int(meta["parts"]),
-                len(dests),
+                len(segs),
                 num_bytes,
                 self.link.peer,
             )

@@ -86,6 +86,21 @@ class DeadlineSocket:
             if sent:
                 views[index] = views[index][sent:]
 
+    def recv_into_many(self, views: list[memoryview], deadline: float | None) -> int:
+        """One scatter receive (``recvmsg_into``) filling ``views`` in order (at most
+        ``IOV_BATCH`` of them) honouring the deadline; returns the bytes received."""
+        while True:
+            self._arm(deadline, socket.SO_RCVTIMEO)
+            try:
+                n = self._sock.recvmsg_into(views)[0]
+            except BlockingIOError:  # the kernel timeout fired
+                if self._expired(deadline):
+                    raise TimeoutError from None
+                continue
+            if n == 0:
+                raise EOFError
+            return n
+
     def recv_into(self, view: memoryview, deadline: float | None) -> int:
         """One ``recv_into`` honouring the deadline; EOF raises."""
         while True:

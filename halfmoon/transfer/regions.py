@@ -51,13 +51,17 @@ class MemoryRegion:
         """Shared-memory name for co-located writers, or None."""
         return self._segment.name if self._segment is not None else None
 
-    def slice(self, offset: int, length: int) -> memoryview:
-        """``[offset, offset+length)`` of the region; :class:`RemoteError` when out of range."""
+    def check_range(self, offset: int, length: int) -> None:
+        """:class:`RemoteError` unless ``[offset, offset+length)`` lies inside the region."""
         if offset < 0 or length < 0 or offset + length > self.view.nbytes:
             raise RemoteError(
                 f"range [{offset}, {offset + length}) is outside region {self.name!r} "
                 f"of {self.view.nbytes} bytes"
             )
+
+    def slice(self, offset: int, length: int) -> memoryview:
+        """``[offset, offset+length)`` of the region; :class:`RemoteError` when out of range."""
+        self.check_range(offset, length)
         return self.view[offset : offset + length]
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 from halfmoon.transfer.errors import ProtocolError, RemoteError, TransferError
 from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
+from halfmoon.transfer.memcopy import copy_into
 from halfmoon.transfer.protocol import Kind
 
 
@@ -85,8 +86,7 @@ class StreamSender:
             if self._remote is not None:
                 base = layer * self.num_blocks
                 for i, view in enumerate(views):
-                    start = self._offsets[base + i]
-                    self._remote[start : start + view.nbytes] = view
+                    copy_into(self._remote, self._offsets[base + i], view)
                 self._link.send(Kind.STREAM_LAYER, meta, deadline=deadline)
             else:
                 self._link.send(Kind.STREAM_LAYER, meta, views, deadline)

@@ -149,6 +149,33 @@ def test_wait_readable_polls_for_the_reply_before_sleeping(monkeypatch):
         answering.close()
 
 
+def test_payload_of_many_small_destinations_arrives_whole(link_pair):
+    """Scatter receives: more destinations than one recvmsg takes (IOV_BATCH), sizes that
+    do not divide a chunk, and a small frame queued before them (buffered bytes first)."""
+    from halfmoon.transfer.deadline_socket import IOV_BATCH
+
+    left, right = link_pair
+    sizes = [4096 + (i % 7) * 1000 for i in range(IOV_BATCH + 300)] + [3 << 20, 1]
+    payloads = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    sender = threading.Thread(
+        target=lambda: (
+            left.send(Kind.PUSH, {"first": True}, [memoryview(b"abc")]),
+            left.send(Kind.PUSH, {"many": True}, [memoryview(p) for p in payloads]),
+            left.send(Kind.PUSH_ACK, {"after": True}),
+        )
+    )
+    sender.start()
+    first = right.recv(time.monotonic() + 5)
+    small = memoryview(bytearray(3))
+    right.recv_payload_into(first, [small], time.monotonic() + 5)
+    frame = right.recv(time.monotonic() + 5)
+    dests = [memoryview(bytearray(size)) for size in sizes]
+    right.recv_payload_into(frame, dests, time.monotonic() + 5)
+    sender.join()
+    assert bytes(small) == b"abc" and [bytes(d) for d in dests] == payloads
+    assert right.recv(time.monotonic() + 5).meta == {"after": True}  # still aligned
+
+
 def test_back_to_back_frames_split_correctly_from_one_read(link_pair):
     left, right = link_pair
     sizes = [0, 5, 4096, 70 << 10, 3, 200 << 10, 1]
