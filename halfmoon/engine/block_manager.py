@@ -19,6 +19,7 @@ requests with different salts never share a block.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -52,6 +53,15 @@ class BlockManager:
         #: ``dram``) when a hash enters or leaves the prefix cache (a worker forwards these
         #: to the Conductor).
         self.listener: Callable[[CacheEvent], None] | None = None
+        #: Called as ``evict_hook(block_hash, parent_hash, position, block_id)`` when a
+        #: cached block is about to be reused, while its KV is still intact (a prefill
+        #: worker demotes it to its store then), before the listener hears the eviction.
+        self.evict_hook: Callable[[int, int, int, int], None] | None = None
+        #: Held while a cached block is evicted, and by :meth:`read_cached` (another
+        #: thread): a block being read is not handed out for new KV meanwhile.
+        self.evict_lock = threading.Lock()
+        # Parent hash and chain position of every registered block (for demotion).
+        self._origin_by_block: dict[int, tuple[int, int]] = {}
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -166,8 +176,10 @@ class BlockManager:
             block = table[i]
             # A block computed twice concurrently keeps its first copy registered.
             if h not in self._block_by_hash and block not in self._hash_by_block:
-                self._block_by_hash[h] = block
+                # Origin first: another thread's read_cached keys on _block_by_hash.
+                self._origin_by_block[block] = (parent, i)
                 self._hash_by_block[block] = h
+                self._block_by_hash[h] = block
                 if self.listener is not None:
                     self.listener(BlockStored(h))
 
@@ -195,13 +207,30 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
-        h = self._hash_by_block.pop(block, None)
-        if h is not None:
-            del self._block_by_hash[h]
+        if block in self._hash_by_block:
+            with self.evict_lock:
+                h = self._hash_by_block.pop(block)
+                parent, position = self._origin_by_block.pop(block)
+                del self._block_by_hash[h]
+                if self.evict_hook is not None:
+                    self.evict_hook(h, parent, position, block)
             if self.listener is not None:
                 self.listener(BlockEvicted(h))
         self._ref_counts[block] = 1
         return block
+
+    def read_cached(
+        self, block_hash: int, read: Callable[[int], object]
+    ) -> tuple[int, int, object] | None:
+        """``(parent_hash, position, read(block_id))`` of the cached block ``block_hash``,
+        or None; safe from another thread: the block is not reused while ``read`` runs
+        (a registered block's KV never changes until then)."""
+        with self.evict_lock:
+            block = self._block_by_hash.get(block_hash)
+            if block is None:
+                return None
+            parent, position = self._origin_by_block[block]
+            return parent, position, read(block)
 
     # -- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -221,6 +250,7 @@ class BlockManager:
         assert len(self._block_by_hash) == len(self._hash_by_block)
         for h, block in self._block_by_hash.items():
             assert self._hash_by_block.get(block) == h, f"hash maps disagree on block {block}"
+        assert self._origin_by_block.keys() == self._hash_by_block.keys(), "origins differ"
         for request_id, chain in self._chains.items():
             assert len(chain) <= len(self._tables[request_id]), f"{request_id}: chain too long"
         assert self._roots.keys() == self._tables.keys(), "chain roots differ from block tables"

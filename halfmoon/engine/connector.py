@@ -11,7 +11,9 @@ Threads
     (:meth:`EngineConnector.set_prompt_kv_hook`, :meth:`EngineConnector.set_cache_listener`)
     are called back on that thread, inside :meth:`~EngineConnector.step` (or a pipeline
     stage's :meth:`~StageConnector.run_chunk`): they must be quick (the forward pass
-    waits) and must not call back into the connector.
+    waits) and must not call back into the connector. So is the demote hook
+    (:meth:`EngineConnector.set_demote_hook`). :meth:`~EngineConnector.read_cached_block`
+    is the exception: any thread may call it.
 
 Who frees what
     - A request's blocks belong to the engine. ``add_request(keep_kv=True)`` keeps them
@@ -60,6 +62,10 @@ from halfmoon.engine.stage import StageExecutor
 PromptKVHook = Callable[[str, int, list[memoryview], list[memoryview]], None]
 #: Receives the engine pool's cache events (a block hash became reusable or went away).
 CacheListener = Callable[[CacheEvent], None]
+#: ``hook(block_hash, parent_hash, position, payload)``: a cached block is leaving the
+#: pool (its memory is about to hold new KV); ``payload`` is a host copy of its bytes in
+#: the export layout, the hook's to keep. Called on the engine thread, inside ``step``.
+DemoteHook = Callable[[int, int, int, memoryview], None]
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,17 @@ class EngineConnector(ABC):
     @abstractmethod
     def set_cache_listener(self, listener: CacheListener | None) -> None:
         """Receive the pool's cache events (tier ``dram``)."""
+
+    def set_demote_hook(self, hook: DemoteHook | None) -> None:
+        """Receive every cached block the pool evicts, with its bytes (see
+        :data:`DemoteHook`): a store can then keep blocks only once they leave the pool."""
+        raise HalfmoonError(f"{type(self).__name__} cannot report the blocks its pool evicts")
+
+    def read_cached_block(self, block_hash: int) -> tuple[int, int, memoryview] | None:
+        """``(parent_hash, position, host copy)`` of a block the pool holds cached, or
+        None. The one method any thread may call (a peer's pull of a block that lives
+        only in the pool); the block is not reused while it is copied."""
+        return None
 
     @abstractmethod
     def block_bytes(self, request_id: str, index: int) -> memoryview:
@@ -436,6 +453,28 @@ class LocalConnector(EngineConnector):
 
     def set_cache_listener(self, listener: CacheListener | None) -> None:
         self.engine.block_manager.listener = listener
+
+    def set_demote_hook(self, hook: DemoteHook | None) -> None:
+        bm, kv_cache = self.engine.block_manager, self.engine.kv_cache
+        if hook is None:
+            bm.evict_hook = None
+            return
+
+        def on_evict(block_hash: int, parent: int, position: int, block: int) -> None:
+            hook(block_hash, parent, position, kv_cache.export_bytes([block]))
+
+        bm.evict_hook = on_evict
+
+    def read_cached_block(self, block_hash: int) -> tuple[int, int, memoryview] | None:
+        kv_cache = self.engine.kv_cache
+        found = self.engine.block_manager.read_cached(
+            block_hash, lambda block: kv_cache.export_bytes([block])
+        )
+        if found is None:
+            return None
+        parent, position, payload = found
+        assert isinstance(payload, memoryview)
+        return parent, position, payload
 
     def block_bytes(self, request_id: str, index: int) -> memoryview:
         table = self.engine.block_manager.block_table(request_id)

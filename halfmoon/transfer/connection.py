@@ -80,8 +80,9 @@ class PeerConnection:
         self.streams: dict[str, StreamReceiver] = {}
         self.reported: set[str] = set()
         self.store_session = StoreSession(
-            link, server.require_store, self.deadline, server.on_complete
-        )
+            link, server.require_store, self.deadline, server.on_complete,
+            lambda: server.store_fallback,
+        )  # fmt: skip
 
     def run(self) -> None:
         """Authenticate, then serve requests until the peer leaves or misbehaves."""

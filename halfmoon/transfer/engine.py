@@ -23,6 +23,7 @@ from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.pool import TRANSPORTS
 from halfmoon.transfer.regions import MemoryRegion, RegionTable, SegmentCache
 from halfmoon.transfer.server import TransferServer
+from halfmoon.transfer.store_service import StoreFallback
 from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceiver, StreamTable
 
 #: Where an unannounced stream lands: ``(session_id, num_layers, num_blocks, block_bytes)
@@ -84,6 +85,11 @@ class TransferEngine:
         self._clients: dict[tuple[str, str], PeerClient] = {}
         self._lock = threading.Lock()
         self.endpoint = ""
+
+    def set_store_fallback(self, reader: StoreFallback | None) -> None:
+        """Serve peers' pulls of blocks the attached store lacks with ``reader`` (None:
+        such blocks are misses)."""
+        self._server.store_fallback = reader
 
     def start(self) -> str:
         """Start listening; returns this engine's ``host:port``."""

@@ -8,7 +8,11 @@ Placed puts take two round trips so the client can copy straight into reserved s
     (client copies the [1] blocks into the segment)
     PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
 
-Reserved slots of an unfinished put are aborted when the connection ends.
+Reserved slots of an unfinished put are aborted when the connection ends. A pull of a
+block the store lacks may be served by the engine's fallback reader
+(:meth:`~halfmoon.transfer.engine.TransferEngine.set_store_fallback`: a prefill worker
+whose blocks reach its store only when its pool evicts them reads the others from the
+pool), always inline.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from halfmoon.store import BlockRef, PendingPut, TieredStore
+from halfmoon.store import BlockMeta, BlockRef, PendingPut, TieredStore
 from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import (
@@ -27,6 +31,9 @@ from halfmoon.transfer.messages import (
 )
 from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
 
+#: ``reader(block_hash, dest)``: copy a block the store lacks into ``dest`` (the store's
+#: block size) and return its metadata, or None when it has none either.
+StoreFallback = Callable[[int, memoryview], BlockMeta | None]
 #: PUT_SLOTS item codes.
 SLOT_PRESENT, SLOT_PLACE, SLOT_INLINE = 0, 1, 2
 #: Inline pulls up to this size are copied out under the store lock instead of pinned.
@@ -45,9 +52,11 @@ class StoreSession:
         store: Callable[[], TieredStore],
         deadline: Callable[[], float],
         on_complete: CompletionListener | None,
+        fallback: Callable[[], StoreFallback | None] = lambda: None,
     ) -> None:
         self._link = link
         self._store = store
+        self._fallback = fallback
         self._deadline = deadline
         self._on_complete = on_complete
         self._reserved: dict[str, list[PendingPut | None]] = {}
@@ -165,11 +174,19 @@ class StoreSession:
         inline: list[memoryview] = []
         refs: list[BlockRef] = []
         in_place: list[int] = []
+        fallback = self._fallback()
         try:
             for raw_hash in hashes:
-                ref = store.acquire(hash_from_wire(raw_hash))
+                block_hash = hash_from_wire(raw_hash)
+                ref = store.acquire(block_hash)
                 if ref is None:
-                    items.append([False])
+                    buf = memoryview(bytearray(block_bytes)) if fallback is not None else None
+                    found = fallback(block_hash, buf) if fallback is not None else None
+                    if found is None or buf is None:
+                        items.append([False])
+                    else:
+                        inline.append(buf)
+                        items.append([True, meta_to_wire(found)])
                     continue
                 refs.append(ref)
                 if direct and ref.segment_name is not None:
@@ -197,9 +214,13 @@ class StoreSession:
         items: list[list[Any]] = []
         inline: list[memoryview] = []
         offset = 0
+        fallback = self._fallback()
         for raw_hash in hashes:
             dest = self._scratch[offset : offset + block_bytes]
-            block_meta = store.read_into(hash_from_wire(raw_hash), dest)
+            block_hash = hash_from_wire(raw_hash)
+            block_meta = store.read_into(block_hash, dest)
+            if block_meta is None and fallback is not None:
+                block_meta = fallback(block_hash, dest)
             if block_meta is None:
                 items.append([False])
                 continue

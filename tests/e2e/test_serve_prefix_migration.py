@@ -71,3 +71,40 @@ def test_hot_prefix_is_replicated_to_another_prefill_worker(two_prefill):
     after = {p.instance_id: p for p in two_prefill.ping_workers() if p.role == "prefill"}
     gained = {i: after[i].stats["blocks_pulled"] - before[i] for i in after}
     assert max(gained.values()) >= 20, after  # ~25 blocks of the hot prefix were copied
+
+
+@pytest.fixture(scope="module")
+def two_prefill_demote(cluster_factory):
+    return cluster_factory(
+        "--prefill", "2", "--decode", "1", "--kv-cache-mb", "64", "--prefix-store", "demote"
+    )  # fmt: skip
+
+
+def test_with_demote_a_prefix_in_a_peers_pool_is_pulled_from_the_pool(two_prefill_demote):
+    """--prefix-store demote: a prefill copies nothing into the store, the Conductor still
+    knows where the prefix is (the pool's own events), and a peer pulls it out of that
+    worker's pool."""
+    cluster = two_prefill_demote
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+
+    def complete(prompt, n=2):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    prefix = " ".join(f"pooled{i}" for i in range(500))
+    complete(prefix + " warm")
+    prefill = [p for p in cluster.ping_workers() if p.role == "prefill"]
+    assert [p.stats["store_blocks"] for p in prefill] == [0, 0]  # nothing copied
+    _until(lambda: cluster.ping_conductor().num_placements == 0)
+    busy = threading.Thread(target=complete, args=(" ".join(f"y{i}" for i in range(3000)), 1))
+    busy.start()
+    _until(lambda: cluster.ping_conductor().num_placements >= 1)
+    out = complete(prefix + " then a question")
+    busy.join()
+    pongs = [p for p in cluster.ping_workers() if p.role == "prefill"]
+    assert max(p.stats["blocks_pulled"] for p in pongs) > 0, pongs
+    assert max(p.stats["blocks_read_for_peers"] for p in pongs) > 0, pongs
+    assert out.usage.prompt_tokens_details.cached_tokens >= 900
+    assert all(p.integrity == "ok" for p in cluster.ping_workers())

@@ -137,6 +137,36 @@ def test_listener_hears_cached_and_evicted_hashes():
     bm.check_integrity()
 
 
+def test_evict_hook_sees_each_cached_block_before_its_reuse():
+    """Demotion: the hook gets hash, parent, position and the block id while the block
+    still holds its KV (before the listener hears the eviction); read_cached sees it until
+    then and never after."""
+    from halfmoon.core.events import BlockEvicted
+    from halfmoon.core.hashing import NONE_HASH, hash_blocks
+
+    bm = BlockManager(num_blocks=4, block_size=2)
+    order: list[tuple] = []
+    bm.evict_hook = lambda h, parent, pos, block: order.append(("hook", h, parent, pos, block))
+    bm.listener = lambda e: isinstance(e, BlockEvicted) and order.append(("evicted", e.block_hash))
+    tokens = [1, 2, 3, 4, 5]
+    bm.admit("a", tokens, 5)
+    bm.commit("a", tokens, 5)
+    table, chain = bm.block_table("a"), hash_blocks(tokens, 2).full
+    bm.free("a")
+    assert bm.read_cached(chain[1], lambda block: block * 10) == (chain[0], 1, table[1] * 10)
+    assert bm.read_cached(12345, lambda block: block) is None
+    assert bm.admit("b", [9] * 8, 8) == 0  # takes every block: both cached ones go
+    hooks = sorted(o for o in order if o[0] == "hook")
+    assert hooks == sorted(
+        [("hook", chain[0], NONE_HASH, 0, table[0]), ("hook", chain[1], chain[0], 1, table[1])]
+    )
+    for h in chain:  # each hook call came before its eviction event
+        assert order.index(("evicted", h)) > next(i for i, o in enumerate(order) if o[1] == h)
+        assert bm.read_cached(h, lambda block: block) is None
+    bm.free("b")
+    bm.check_integrity()
+
+
 def test_cache_salts_isolate_prefix_hits() -> None:
     from halfmoon.core.hashing import chain_root, hash_blocks
 

@@ -168,3 +168,68 @@ def _hash(prompt, index):
     from halfmoon.core.hashing import hash_blocks
 
     return hash_blocks(prompt, 16).full[index]
+
+
+def test_demote_stores_blocks_only_when_the_pool_evicts_them(engines):
+    """--prefix-store demote: nothing is copied after a prefill; the pool's blocks are
+    announced from the pool, read from it for a peer, and reach the store (still
+    announced, without a gap) when the pool evicts them; another engine then loads them
+    and computes exactly what computing them gives."""
+    from halfmoon.core.hashing import hash_blocks
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+
+    _, b = engines
+    a = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=2, num_threads=1))
+    events = _Events()
+    holdings = Holdings(events)
+    store = ClusterPrefixCache.make_store(LocalConnector(a), 16, None, 0, holdings)
+    cache = ClusterPrefixCache(LocalConnector(a), store, holdings, "demote")
+    prompt = [(i * 31) % 4000 + 5 for i in range(100)]
+    chain = hash_blocks(prompt, 16).full  # 6 full blocks
+    ref = _run(a, "d1", prompt)
+    computed = [bytes(LocalConnector(a).block_bytes("d1", i)) for i in range(6)]
+    assert cache.save("d1", prompt) == 0 and store.stats().dram.num_blocks == 0
+    a.export_kv("d1", release=True)
+    assert events.kinds.count("stored") == 6  # the pool's own events
+    dest = memoryview(bytearray(a.kv_bytes_per_block))
+    meta = cache.read_for_peer(chain[3], dest)
+    assert meta is not None and meta.parent_hash == chain[2] and bytes(dest) == computed[3]
+    # Other prompts fill the pool until it has evicted every block of the first.
+    for k in range(100):
+        if cache.num_blocks_demoted >= 6 and not a.block_manager.match_prefix(prompt):
+            break
+        other = [(i * 17 + k * 101) % 4000 + 3 for i in range(120)]
+        _run(a, f"fill{k}", other, n=1)
+        a.export_kv(f"fill{k}", release=True)
+    assert all(store.contains(h) for h in chain)
+    assert cache.read_for_peer(chain[3], dest) is None  # not in the pool any more
+    assert all(holdings.tiers[h] == {"dram": {"store"}} for h in chain)  # never announced gone
+    cache_b = ClusterPrefixCache(LocalConnector(b), store, events)
+    assert cache_b.load(prompt) == 6
+    out = _run(b, "d2", prompt)
+    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+    b.export_kv("d2", release=True)
+    a.check_integrity()
+    b.check_integrity()
+    store.check_integrity()
+
+
+def test_holdings_announce_a_block_while_either_source_holds_it():
+    from halfmoon.core.events import BlockEvicted, BlockStored
+    from halfmoon.serve.worker.prefix_cache import Holdings
+
+    events = _Events()
+    holdings = Holdings(events)
+    holdings.from_pool(BlockStored(7))
+    holdings(BlockStored(7))  # demoted into the store while the pool still has it
+    holdings(BlockStored(7))  # a source repeating itself changes nothing
+    holdings.from_pool(BlockEvicted(7))  # the pool reuses its block
+    assert events.kinds == ["stored"] and holdings.tiers == {7: {"dram": {"store"}}}
+    holdings(BlockStored(7, "ssd"))
+    holdings(BlockEvicted(7))
+    assert events.kinds == ["stored", "stored", "evicted"]
+    assert holdings.tiers == {7: {"ssd": {"store"}}}
+    assert [s.tier for s in holdings.snapshot()] == ["ssd"]
+    holdings(BlockEvicted(7, "ssd"))
+    assert holdings.tiers == {} and events.kinds[-1] == "evicted"

@@ -236,6 +236,45 @@ def test_a_single_small_pull_comes_inline_without_a_lease(store_peer, transport)
     assert client.pull([42], [untouched]) == [None] and (untouched == 7).all()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("num_pulled", [2, 6])  # inline copies / the pinned path
+def test_a_pull_falls_back_to_the_engines_reader_for_blocks_the_store_lacks(
+    pair, transport, num_pulled
+):
+    """A prefill worker with --prefix-store demote serves blocks that live only in its
+    engine's pool through the fallback reader; the store's own blocks and misses as ever."""
+    store = TieredStore(
+        StoreConfig(block_bytes=BLOCK, dram_capacity_bytes=8 * BLOCK, shared_dram=True)
+    )
+    try:
+        sender, receiver, _ = pair(transport, store=store)
+        store.put(50, block(50), BlockMeta(16, 49))
+        asked: list[int] = []
+
+        def reader(block_hash: int, dest: memoryview) -> BlockMeta | None:
+            asked.append(block_hash)
+            if block_hash >= 1000:
+                return None
+            dest[:] = block(block_hash).data
+            return BlockMeta(16, block_hash - 1)
+
+        receiver.set_store_fallback(reader)
+        hashes = [50, 60, 70, 80, 2000, 90][:num_pulled]
+        dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+        metas = sender.connect(receiver.endpoint).pull(hashes, dests)
+        expected = [h < 1000 for h in hashes]
+        assert [m is not None for m in metas] == expected
+        assert [m.parent_hash for m in metas if m] == [h - 1 for h in hashes if h < 1000]
+        for h, dest, found in zip(hashes, dests, expected, strict=True):
+            assert (dest == (h % 251 if found else 0)).all()
+        assert sorted(asked) == sorted(hashes[1:])  # only the store's misses (in any order)
+        assert eventually(lambda: store.stats().num_pinned == 0)
+        receiver.set_store_fallback(None)
+        assert sender.connect(receiver.endpoint).pull([60], [np.zeros(BLOCK, np.uint8)]) == [None]
+    finally:
+        store.close()
+
+
 def test_store_errors_reach_the_client(store_peer, pair):
     client, _, _, _ = store_peer("tcp")
     with pytest.raises(RemoteError, match="blocks have 65536 bytes"):

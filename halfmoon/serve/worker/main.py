@@ -28,6 +28,9 @@ INBOX_MAX_MB = 512
 #: ``--kv-compression`` (halfmoon.engine.kvcodec.MODES; listed here to keep this torch-free).
 KV_COMPRESSION_MODES = ("none", "int8", "fp8", "zstd")
 ENGINES = ("halfmoon", "vllm")
+#: ``--prefix-store``: when a prefill worker's block store gets a prompt's blocks
+#: (:mod:`halfmoon.serve.worker.prefix_cache`).
+PREFIX_STORE_POLICIES = ("copy", "demote")
 #: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: Exit status of a worker the Conductor refused (it disagrees with the cluster).
@@ -77,6 +80,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--store-dram-mb", type=float, default=256.0, help="prefill workers' DRAM block store, MiB"
     )
     parser.add_argument(
+        "--prefix-store", default="copy", choices=PREFIX_STORE_POLICIES,
+        help="when a prefill worker's block store gets a prompt's blocks: copy (default: "
+        "after every prefill, so the store also holds what the engine's pool holds) or "
+        "demote (only when the pool evicts them: no block held twice; docs/serving.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--store-ssd-dir",
         default=None,
         help="directory for the prefill workers' SSD tier (one subdirectory each)",
@@ -119,6 +128,7 @@ class EngineOptions:
     kv_compression: str = "none"
     prefix_caching: bool = True
     store_dram_mb: float = 256.0
+    prefix_store: str = "copy"
     store_ssd_dir: str | None = None
     store_ssd_mb: float = 0.0
     engine: str = "halfmoon"
@@ -130,6 +140,16 @@ class EngineOptions:
             raise HalfmoonError(
                 f"unknown --kv-compression {self.kv_compression!r}; use one of "
                 f"{', '.join(KV_COMPRESSION_MODES)}"
+            )
+        if self.prefix_store not in PREFIX_STORE_POLICIES:
+            raise HalfmoonError(
+                f"unknown --prefix-store {self.prefix_store!r}; use one of "
+                f"{', '.join(PREFIX_STORE_POLICIES)}"
+            )
+        if self.prefix_store != "copy" and self.engine != "halfmoon":
+            raise HalfmoonError(
+                f"--prefix-store {self.prefix_store} needs halfmoon's engine (its pool "
+                f"reports evictions); with --engine {self.engine} the engine keeps its own cache"
             )
         if self.kv_compression != "none" and self.engine != "halfmoon":
             raise HalfmoonError(
@@ -286,7 +306,10 @@ def run_worker(args: argparse.Namespace) -> int:
         worker.set_role(CoupledRole(worker))
     elif args.role == "prefill":
         assert transfer is not None and store is not None
-        role = PrefillRole(worker, transfer, ClusterPrefixCache(engine, store, link), holdings)
+        cache = ClusterPrefixCache(engine, store, holdings, options.prefix_store)
+        if options.prefix_store == "demote":  # blocks only in the pool are pulled from it
+            transfer.set_store_fallback(cache.read_for_peer)
+        role = PrefillRole(worker, transfer, cache, holdings)
         worker.set_role(role)
     else:
         assert transfer is not None

@@ -267,6 +267,8 @@ class PrefillRole(TokenStreaming):
         return {
             "blocks_loaded": self.cache.num_blocks_loaded,
             "blocks_pulled": self.cache.num_blocks_pulled,
+            "blocks_demoted": self.cache.num_blocks_demoted,
+            "blocks_read_for_peers": self.cache.num_blocks_read_for_peers,
             "kv_bytes_streamed": self.kv_bytes_sent,
             "kv_raw_bytes_streamed": self.kv_raw_bytes_sent,
             "kv_encode_s": round(self.kv_encode_s, 6),

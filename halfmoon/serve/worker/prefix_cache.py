@@ -1,10 +1,16 @@
 """A prefill worker's cluster cache: its engine's prefix cache backed by a tiered store
 (DRAM -> SSD) that other prefill workers can pull from.
 
-- After a prefill, every full prompt block the store lacks is copied out of the engine's
-  pool into the store (one block = the engine's export layout of that block,
-  ``[L, 2, 1, B, H_kv, D]``); the store's BlockStored / BlockEvicted events go to the
-  Conductor, so its index follows the store.
+- ``copy`` (``--prefix-store copy``, the default): after a prefill, every full prompt
+  block the store lacks is copied out of the engine's pool into the store (one block =
+  the engine's export layout of that block, ``[L, 2, 1, B, H_kv, D]``); the store's
+  BlockStored / BlockEvicted events go to the Conductor, so its index follows the store.
+- ``demote``: no copy after a prefill; a block goes to the store when the pool evicts it
+  (:meth:`~halfmoon.engine.connector.EngineConnector.set_demote_hook`), so the pool and
+  the store hold different blocks, not the same ones twice. The pool's own events go to
+  the Conductor too (:class:`Holdings` counts both sources), and a peer's pull of a block
+  that lives only in the pool is served from the pool
+  (:meth:`ClusterPrefixCache.read_for_peer`).
 - Before a prefill, the longest prefix available — in the engine, then the local store,
   then (when the Conductor names another source) that worker's store through the
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
@@ -28,6 +34,7 @@ from halfmoon.core.hashing import NONE_HASH, chain_root, hash_blocks
 from halfmoon.serve.control.messages import HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
+from halfmoon.serve.worker.main import PREFIX_STORE_POLICIES
 from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 
@@ -40,23 +47,43 @@ PULL_MIN_RATE = 100e6
 
 
 class Holdings:
-    """Which blocks a store holds, per tier, kept from the store's own events, which it
-    also forwards to the Conductor; :meth:`snapshot` re-announces them all (after the
-    Conductor restarted)."""
+    """Which blocks a worker holds, per tier, kept from the cache events of its store
+    (this object is the store's listener) and, with ``demote``, of its engine's pool
+    (:meth:`from_pool`), which it also forwards to the Conductor; :meth:`snapshot`
+    re-announces them all (after the Conductor restarted).
+
+    The pool and the store may hold the same block in the same tier (``dram``) while it
+    is demoted: the Conductor hears a block arrive in a tier when its first source gets it
+    and leave when no source holds it any more."""
 
     def __init__(self, events: Any) -> None:
         self.events = events
-        self.tiers: dict[int, set[str]] = {}
+        self.tiers: dict[int, dict[str, set[str]]] = {}  # hash -> tier -> sources
 
     def __call__(self, event: CacheEvent) -> None:
+        """An event of the store."""
+        self._heard(event, "store")
+
+    def from_pool(self, event: CacheEvent) -> None:
+        """An event of the engine's pool."""
+        self._heard(event, "pool")
+
+    def _heard(self, event: CacheEvent, source: str) -> None:
         h, tier = event.block_hash, event.tier
+        held = self.tiers.setdefault(h, {})
+        sources = held.setdefault(tier, set())
         if isinstance(event, BlockStored):
-            self.tiers.setdefault(h, set()).add(tier)
+            known = bool(sources)
+            sources.add(source)
+            if known:
+                return  # already announced
         else:
-            held = self.tiers.get(h, set())
-            held.discard(tier)
-            if not held:
-                self.tiers.pop(h, None)
+            sources.discard(source)
+            if sources:
+                return  # the other source still holds it
+            del held[tier]
+        if not held:
+            self.tiers.pop(h, None)
         self.events.cache_event(event)
 
     def snapshot(self) -> list[HeldBlocks]:
@@ -71,14 +98,51 @@ class Holdings:
 class ClusterPrefixCache:
     """Moves prompt blocks between one engine, its store and peers' stores."""
 
-    def __init__(self, engine: EngineConnector, store: TieredStore, events: Any) -> None:
+    def __init__(
+        self, engine: EngineConnector, store: TieredStore, events: Any, policy: str = "copy"
+    ) -> None:
+        """``policy``: ``copy`` or ``demote`` (see the module docstring); with ``demote``
+        the engine's evictions come here and ``events`` (then the worker's
+        :class:`Holdings`) also hears the pool's own cache events."""
+        if policy not in PREFIX_STORE_POLICIES:
+            raise ValueError(
+                f"unknown prefix-store policy {policy!r}; use {' or '.join(PREFIX_STORE_POLICIES)}"
+            )
         self.engine = engine
         self.store = store
         self.events = events
+        self.policy = policy
         self.block_size = engine.layout.block_size
         self.num_blocks_loaded = 0
         self.num_blocks_pulled = 0
+        self.num_blocks_demoted = 0
+        self.num_blocks_read_for_peers = 0  # out of the pool (demote), by transfer threads
         self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
+        if policy == "demote" and engine.config.enable_prefix_caching:
+            engine.set_demote_hook(self.demote)
+            engine.set_cache_listener(events.from_pool)
+
+    # -- demote: blocks leave the pool ----------------------------------------------------------
+    def demote(self, block_hash: int, parent: int, position: int, payload: memoryview) -> None:
+        """The pool evicts a cached block: keep it in the store (engine thread)."""
+        if self.store.contains(block_hash):
+            return
+        try:
+            self.store.put(block_hash, payload, BlockMeta(self.block_size, parent), position)
+            self.num_blocks_demoted += 1
+        except StoreError as exc:  # full of pinned blocks: caching is best effort
+            log.warning("store put of a demoted block failed: %s", exc)
+
+    def read_for_peer(self, block_hash: int, dest: memoryview) -> BlockMeta | None:
+        """A peer pulls a block the store lacks: copy it out of the engine's pool if it
+        is cached there (a transfer thread; see ``read_cached_block``)."""
+        found = self.engine.read_cached_block(block_hash)
+        if found is None:
+            return None
+        parent, _position, payload = found
+        dest[:] = payload
+        self.num_blocks_read_for_peers += 1
+        return BlockMeta(self.block_size, parent)
 
     @staticmethod
     def make_store(
@@ -102,8 +166,9 @@ class ClusterPrefixCache:
         self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None
     ) -> int:
         """Copy the request's full prompt blocks the store lacks into it; returns how many
-        (none when the engine runs without prefix caching)."""
-        if not self.engine.config.enable_prefix_caching:
+        (none when the engine runs without prefix caching, or with ``demote``: they go to
+        the store when the pool evicts them)."""
+        if not self.engine.config.enable_prefix_caching or self.policy == "demote":
             return 0
         parent = chain_root(cache_salt)
         hashes = hash_blocks(prompt_token_ids, self.block_size, parent).full
