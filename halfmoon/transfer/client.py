@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.errors import ProtocolError, RemoteError
@@ -37,10 +38,10 @@ from halfmoon.transfer.pool import (
     default_num_connections,
     split_batch,
 )
-from halfmoon.transfer.protocol import Kind, hash_to_wire
+from halfmoon.transfer.protocol import Frame, Kind, hash_to_wire
 from halfmoon.transfer.regions import SegmentCache
 from halfmoon.transfer.sender import StreamSender
-from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE
+from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE, PullDecoder
 
 __all__ = ["TRANSPORTS", "PeerClient"]
 
@@ -232,18 +233,27 @@ class PeerClient:
             self._links.checkin(link, ok)
 
     def pull(
-        self, block_hashes: Sequence[int], dests: Sequence[object], timeout_s: float | None = None
+        self,
+        block_hashes: Sequence[int],
+        dests: Sequence[object],
+        timeout_s: float | None = None,
+        decode: PullDecoder | None = None,
     ) -> list[BlockMeta | None]:
         """Read blocks of the peer's store into ``dests`` (one ``block_bytes`` buffer each).
 
         Returns each block's metadata, None where the peer lacks it (that dest is left
-        untouched). Large batches are split over several connections.
+        untouched). Large batches are split over several connections. With ``decode``
+        (over tcp) the peer may send its blocks encoded by its pull encoder (compressed KV:
+        :meth:`~halfmoon.transfer.engine.TransferEngine.set_pull_encoder`); ``decode``
+        turns each back into its destination.
         """
         if len(block_hashes) != len(dests):
             raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
         deadline = self._deadline(timeout_s)
+        if self.transport != "tcp":
+            decode = None  # blocks come through shared memory: nothing to save on the wire
         if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
-            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline)
+            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode)
         views = [as_bytes_view(d) for d in dests]
         if len({v.nbytes for v in views}) > 1:
             raise ValueError("pull destinations must all have the store's block size")
@@ -252,7 +262,7 @@ class PeerClient:
         def job(group: list[int]) -> Callable[[], None]:
             def run() -> None:
                 hashes = [block_hashes[i] for i in group]
-                metas = self._pull_group(hashes, [views[i] for i in group], deadline)
+                metas = self._pull_group(hashes, [views[i] for i in group], deadline, decode)
                 for i, meta in zip(group, metas, strict=True):
                     results[i] = meta
 
@@ -260,12 +270,16 @@ class PeerClient:
 
         groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         if len(groups) == 1:  # the common small pull: no thread hand-off
-            return self._pull_group(list(block_hashes), views, deadline)
+            return self._pull_group(list(block_hashes), views, deadline, decode)
         self._links.run_parallel([job(g) for g in groups])
         return results
 
     def _pull_group(
-        self, block_hashes: list[int], views: list[memoryview], deadline: float
+        self,
+        block_hashes: list[int],
+        views: list[memoryview],
+        deadline: float,
+        decode: PullDecoder | None = None,
     ) -> list[BlockMeta | None]:
         xfer = self._next_id()
         link = self._links.checkout(deadline)
@@ -277,6 +291,8 @@ class PeerClient:
                 "direct": self.transport != "tcp",  # blocks may be read in place
                 "block_bytes": views[0].nbytes,
             }
+            if decode is not None:
+                request["encoded"] = True  # the peer may encode (it has a pull encoder)
             link.send(Kind.PULL, request, deadline=deadline)
             reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
             items: list[list[Any]] = reply.meta["items"]
@@ -296,6 +312,9 @@ class PeerClient:
                     in_place.append(i)
                 else:
                     inline.append(views[i])
+            if reply.meta.get("encoded"):
+                ok = self._recv_encoded(link, reply, inline, decode, deadline)
+                return metas
             link.recv_payload_into(reply, inline, deadline)
             if in_place:
                 self._copy_in_place(link, xfer, views, items, in_place, deadline)
@@ -303,6 +322,31 @@ class PeerClient:
             return metas
         finally:
             self._links.checkin(link, ok)
+
+    def _recv_encoded(
+        self,
+        link: Link,
+        reply: Frame,
+        dests: list[memoryview],
+        decode: PullDecoder | None,
+        deadline: float,
+    ) -> bool:
+        """Receive encoded blocks (one payload each, sizes in the reply) and decode each
+        into its destination; True once the link is aligned on frames again."""
+        lengths = [int(n) for n in reply.meta.get("lengths", [])]
+        if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
+            link.close()  # an answer we cannot read: its payload's end is unknown
+            raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
+        payloads = [memoryview(bytearray(n)) for n in lengths]
+        link.recv_payload_into(reply, payloads, deadline)
+        for payload, dest in zip(payloads, dests, strict=True):
+            try:
+                decode(payload, dest)
+            except (HalfmoonError, ValueError) as exc:
+                raise ProtocolError(
+                    f"a block pulled from {self.endpoint} does not decode: {exc}"
+                ) from exc
+        return True
 
     def _copy_in_place(
         self,
@@ -317,7 +361,8 @@ class PeerClient:
         try:
             for i in in_place:
                 start = int(items[i][3])
-                views[i][:] = self._segments.view(items[i][2])[start : start + views[i].nbytes]
+                arena = self._segments.view(items[i][2])
+                copy_into(views[i], 0, arena[start : start + views[i].nbytes])
         finally:
             link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
 

@@ -81,7 +81,7 @@ class PeerConnection:
         self.reported: set[str] = set()
         self.store_session = StoreSession(
             link, server.require_store, self.deadline, server.on_complete,
-            lambda: server.store_fallback,
+            lambda: server.store_fallback, lambda: server.pull_encoder,
         )  # fmt: skip
 
     def run(self) -> None:

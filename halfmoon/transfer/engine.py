@@ -23,7 +23,7 @@ from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.pool import TRANSPORTS
 from halfmoon.transfer.regions import MemoryRegion, RegionTable, SegmentCache
 from halfmoon.transfer.server import TransferServer
-from halfmoon.transfer.store_service import StoreFallback
+from halfmoon.transfer.store_service import PullEncoder, StoreFallback
 from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceiver, StreamTable
 
 #: Where an unannounced stream lands: ``(session_id, num_layers, num_blocks, block_bytes)
@@ -90,6 +90,11 @@ class TransferEngine:
         """Serve peers' pulls of blocks the attached store lacks with ``reader`` (None:
         such blocks are misses)."""
         self._server.store_fallback = reader
+
+    def set_pull_encoder(self, encode: PullEncoder | None) -> None:
+        """Send the store's blocks encoded by ``encode`` (compressed KV) to tcp peers whose
+        ``pull`` can decode them (None: raw)."""
+        self._server.pull_encoder = encode
 
     def start(self) -> str:
         """Start listening; returns this engine's ``host:port``."""

@@ -22,7 +22,7 @@ from halfmoon.transfer.errors import RemoteError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.regions import RegionTable
-from halfmoon.transfer.store_service import StoreFallback
+from halfmoon.transfer.store_service import PullEncoder, StoreFallback
 from halfmoon.transfer.streams import StreamTable
 
 #: Connections served at once (each has a thread); more are closed as they come. A peer
@@ -54,6 +54,8 @@ class TransferServer:
         self.store = store
         #: Reads a pulled block the store lacks (see :mod:`~halfmoon.transfer.store_service`).
         self.store_fallback: StoreFallback | None = None
+        #: Encodes pulled blocks for clients that decode (compressed KV on the wire).
+        self.pull_encoder: PullEncoder | None = None
         self.on_complete = on_complete
         self.pushes = PushTracker(on_complete)
         self.handshake_timeout_s = handshake_timeout_s

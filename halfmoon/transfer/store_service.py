@@ -12,7 +12,8 @@ Reserved slots of an unfinished put are aborted when the connection ends. A pull
 block the store lacks may be served by the engine's fallback reader
 (:meth:`~halfmoon.transfer.engine.TransferEngine.set_store_fallback`: a prefill worker
 whose blocks reach its store only when its pool evicts them reads the others from the
-pool), always inline.
+pool), always inline. A tcp client that can decode may get its blocks encoded by the
+engine's pull encoder (``set_pull_encoder``: compressed KV), each with its size.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
 #: ``reader(block_hash, dest)``: copy a block the store lacks into ``dest`` (the store's
 #: block size) and return its metadata, or None when it has none either.
 StoreFallback = Callable[[int, memoryview], BlockMeta | None]
+#: ``encode(block) -> payload``: a pulled block as it goes on the wire (compressed KV),
+#: in new memory (the block's buffer is reused for the next one).
+PullEncoder = Callable[[memoryview], memoryview]
+#: ``decode(payload, dest)``: a :data:`PullEncoder`'s payload back into ``dest``.
+PullDecoder = Callable[[memoryview, memoryview], None]
 #: PUT_SLOTS item codes.
 SLOT_PRESENT, SLOT_PLACE, SLOT_INLINE = 0, 1, 2
 #: Inline pulls up to this size are copied out under the store lock instead of pinned.
@@ -53,10 +59,12 @@ class StoreSession:
         deadline: Callable[[], float],
         on_complete: CompletionListener | None,
         fallback: Callable[[], StoreFallback | None] = lambda: None,
+        encoder: Callable[[], PullEncoder | None] = lambda: None,
     ) -> None:
         self._link = link
         self._store = store
         self._fallback = fallback
+        self._encoder = encoder
         self._deadline = deadline
         self._on_complete = on_complete
         self._reserved: dict[str, list[PendingPut | None]] = {}
@@ -166,6 +174,10 @@ class StoreSession:
                 f"{meta['block_bytes']}"
             )
         hashes = meta["hashes"]
+        encoder = self._encoder() if meta.get("encoded") and not direct else None
+        if encoder is not None:
+            self._pull_encoded(store, xfer, hashes, encoder)
+            return
         num_bytes = len(hashes) * block_bytes
         if num_bytes <= (_DIRECT_INLINE_MAX_BYTES if direct else _COPY_PULL_MAX_BYTES):
             self._pull_copied(store, xfer, hashes)
@@ -228,6 +240,32 @@ class StoreSession:
             inline.append(dest)
             offset += block_bytes
         self._link.send(Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline())
+
+    def _pull_encoded(
+        self, store: TieredStore, xfer: str, hashes: list[bytes], encoder: PullEncoder
+    ) -> None:
+        """A pull whose client decodes: every hit copied out, encoded, sent inline with
+        its payload's size (``lengths``)."""
+        block_bytes = store.block_bytes
+        if self._scratch.nbytes < block_bytes:
+            self._scratch = memoryview(bytearray(block_bytes))
+        block = self._scratch[:block_bytes]
+        fallback = self._fallback()
+        items: list[list[Any]] = []
+        payloads: list[memoryview] = []
+        for raw_hash in hashes:
+            block_hash = hash_from_wire(raw_hash)
+            block_meta = store.read_into(block_hash, block)
+            if block_meta is None and fallback is not None:
+                block_meta = fallback(block_hash, block)
+            if block_meta is None:
+                items.append([False])
+                continue
+            items.append([True, meta_to_wire(block_meta)])
+            payloads.append(encoder(block))
+        reply = {"xfer": xfer, "items": items, "encoded": True,
+                 "lengths": [p.nbytes for p in payloads]}  # fmt: skip
+        self._link.send(Kind.PULL_REPLY, reply, payloads, self._deadline())
 
     def on_release(self, frame: Frame) -> None:
         """The client finished reading in place: drop the pull's lease."""

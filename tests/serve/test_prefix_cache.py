@@ -233,3 +233,49 @@ def test_holdings_announce_a_block_while_either_source_holds_it():
     assert [s.tier for s in holdings.snapshot()] == ["ssd"]
     holdings(BlockEvicted(7, "ssd"))
     assert holdings.tiers == {} and events.kinds[-1] == "evicted"
+
+
+def test_int8_prefix_pull_between_workers_sends_compressed_blocks(engines):
+    """--kv-compression int8 covers prefix pulls too: the source's store service encodes,
+    the puller decodes; the blocks land within int8's error, and the Conductor is told
+    the compressed size per token (its transfer estimates)."""
+    import numpy as np
+
+    from halfmoon.engine.connector import wire_codec
+    from halfmoon.serve.worker.main import wire_bytes_per_block
+    from halfmoon.transfer import TransferEngine
+
+    a, b = engines
+    events = _Events()
+    cache_a, _ = _cache(a, None, events)
+    cache_b, _ = _cache(b, None, events)
+    codec = wire_codec("int8", a.kv_layout, ["encode", "decode"])
+    sizes: list[int] = []
+
+    def encode(view):
+        payload = codec.encode(view)
+        sizes.append(payload.nbytes)
+        return payload
+
+    cache_b.pull_decode = codec.decode
+    secret = b"s" * 32
+    tcp = {"transport": "tcp"}  # between hosts (co-located workers pull through shm, raw)
+    with (
+        TransferEngine(secret, store=cache_a.store, **tcp) as source,
+        TransferEngine(secret, **tcp) as puller,
+    ):
+        source.set_pull_encoder(encode)
+        prompt = [(i * 43) % 4000 + 13 for i in range(100)]
+        _run(a, "p1", prompt)
+        assert cache_a.save("p1", prompt) == 6
+        raw = [bytes(LocalConnector(a).block_bytes("p1", i)) for i in range(6)]
+        a.export_kv("p1", release=True)
+        got = cache_b.fetch([_hash(prompt, i) for i in range(6)], puller, source.endpoint)
+    assert len(got) == 6 and cache_b.num_blocks_pulled == 6
+    per_block = wire_bytes_per_block(a.kv_bytes_per_block, codec)
+    assert sizes == [per_block] * 6 and per_block < a.kv_bytes_per_block / 3.5
+    for pulled, exact in zip(got, raw, strict=True):
+        x = np.frombuffer(exact, np.float32)
+        err = np.abs(np.frombuffer(pulled, np.float32) - x).max()
+        assert 0 < err <= np.abs(x).max() / 127  # int8: at most half a step per group
+    assert wire_bytes_per_block(a.kv_bytes_per_block, None) == a.kv_bytes_per_block

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from transfer_testing import SECRET
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.transfer import (
     AuthenticationError,
     PeerClient,
+    ProtocolError,
     PutBlock,
     RemoteError,
     TransferCancelled,
@@ -271,6 +273,58 @@ def test_a_pull_falls_back_to_the_engines_reader_for_blocks_the_store_lacks(
         assert eventually(lambda: store.stats().num_pinned == 0)
         receiver.set_store_fallback(None)
         assert sender.connect(receiver.endpoint).pull([60], [np.zeros(BLOCK, np.uint8)]) == [None]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("num_pulled", [1, 6])
+def test_pulled_blocks_go_encoded_over_tcp_to_a_client_that_decodes(pair, transport, num_pulled):
+    """Compressed KV on prefix pulls: over tcp the peer encodes each hit (its pull
+    encoder) and sends its size; the client decodes into the destinations. Through shared
+    memory nothing is encoded; a client that cannot decode gets raw blocks."""
+    import zlib
+
+    store = TieredStore(
+        StoreConfig(block_bytes=BLOCK, dram_capacity_bytes=8 * BLOCK, shared_dram=True)
+    )
+    try:
+        sender, receiver, _ = pair(transport, store=store)
+        hashes = [70 + i for i in range(num_pulled)]
+        for h in hashes[:-1] if num_pulled > 1 else hashes:  # the last one a miss (if 6)
+            store.put(h, block(h), BlockMeta(16, h - 1))
+        sent: list[int] = []
+
+        def encode(view: memoryview) -> memoryview:
+            payload = zlib.compress(bytes(view))
+            sent.append(len(payload))
+            return memoryview(payload)
+
+        def decode(payload: memoryview, dest: memoryview) -> None:
+            dest[:] = zlib.decompress(payload)
+
+        receiver.set_pull_encoder(encode)
+        client = sender.connect(receiver.endpoint)
+        for decoder in (decode, None):
+            sent.clear()
+            dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+            metas = client.pull(hashes, dests, decode=decoder)
+            found = [h in hashes[:-1] or num_pulled == 1 for h in hashes]
+            assert [m is not None for m in metas] == found
+            for h, dest, hit in zip(hashes, dests, found, strict=True):
+                assert (dest == (h % 251 if hit else 0)).all()
+            encoded = decoder is not None and transport == "tcp"
+            assert len(sent) == (sum(found) if encoded else 0)
+            assert all(n < BLOCK // 100 for n in sent)  # a repeated byte compresses well
+        if transport == "tcp":  # a payload that does not decode is a clear error
+
+            def refuse(payload: memoryview, dest: memoryview) -> None:
+                raise HalfmoonError("not a payload of this codec")
+
+            with pytest.raises(ProtocolError, match="does not decode: not a payload"):
+                client.pull(hashes, [np.zeros(BLOCK, np.uint8) for _ in hashes], decode=refuse)
+            assert client.pull(hashes[:1], [np.zeros(BLOCK, np.uint8)], decode=decode)[0]
+        assert eventually(lambda: store.stats().num_pinned == 0)
     finally:
         store.close()
 

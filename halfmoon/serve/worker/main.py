@@ -108,6 +108,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def wire_bytes_per_block(raw_bytes: int, codec: Any) -> int:
+    """Bytes a KV block of ``raw_bytes`` takes on the wire between workers, what the
+    Conductor's transfer estimates use: with ``--kv-compression`` (``codec``) the codec's
+    payload, at most the raw size; else the raw size."""
+    if codec is None or codec.name == "none":
+        return raw_bytes
+    return min(raw_bytes, codec.max_encoded_bytes(raw_bytes))
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """What :func:`add_engine_options` describes, frozen: the document ``halfmoon serve``
@@ -293,9 +302,10 @@ def run_worker(args: argparse.Namespace) -> int:
     if kv_connector is None and args.role != "coupled":
         from halfmoon.engine.connector import wire_codec
 
-        # A prefill worker only encodes, a decode worker only decodes.
-        direction = "encode" if args.role == "prefill" else "decode"
-        worker.kv_codec = codec = wire_codec(options.kv_compression, engine.layout, [direction])
+        # A decode worker only decodes; a prefill worker encodes its streams and the
+        # blocks peers pull from its store, and decodes the blocks it pulls.
+        directions = ["encode", "decode"] if args.role == "prefill" else ["decode"]
+        worker.kv_codec = codec = wire_codec(options.kv_compression, engine.layout, directions)
         if codec.name != "none":
             log.info("KV compression on the wire: %s", codec.description)
     if kv_connector is not None:
@@ -309,6 +319,9 @@ def run_worker(args: argparse.Namespace) -> int:
         cache = ClusterPrefixCache(engine, store, holdings, options.prefix_store)
         if options.prefix_store == "demote":  # blocks only in the pool are pulled from it
             transfer.set_store_fallback(cache.read_for_peer)
+        if worker.kv_codec.name != "none":  # prefix pulls between workers go compressed
+            transfer.set_pull_encoder(worker.kv_codec.encode)
+            cache.pull_decode = worker.kv_codec.decode
         role = PrefillRole(worker, transfer, cache, holdings)
         worker.set_role(role)
     else:
@@ -328,7 +341,8 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         link.register(
             kv_capacity_tokens=stats.num_blocks * options.block_size,
-            kv_bytes_per_token=engine.kv_bytes_per_block // options.block_size,
+            kv_bytes_per_token=wire_bytes_per_block(engine.kv_bytes_per_block, worker.kv_codec)
+            // options.block_size,
             profile=profile.to_dict(),
             hidden_bytes_per_token=engine.hidden_bytes_per_token,
             block_size=options.block_size,

@@ -37,6 +37,7 @@ from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
 from halfmoon.serve.worker.main import PREFIX_STORE_POLICIES
 from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
+from halfmoon.transfer.store_service import PullDecoder
 
 if TYPE_CHECKING:
     from halfmoon.engine.connector import EngineConnector
@@ -117,6 +118,8 @@ class ClusterPrefixCache:
         self.num_blocks_pulled = 0
         self.num_blocks_demoted = 0
         self.num_blocks_read_for_peers = 0  # out of the pool (demote), by transfer threads
+        #: Decodes blocks a peer sends compressed (``--kv-compression``; None: raw).
+        self.pull_decode: PullDecoder | None = None
         self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
         if policy == "demote" and engine.config.enable_prefix_caching:
             engine.set_demote_hook(self.demote)
@@ -238,7 +241,9 @@ class ClusterPrefixCache:
         dests = [bytearray(self.engine.kv_bytes_per_block) for _ in hashes]
         timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
-            metas = transfer.connect(endpoint).pull(hashes, dests, timeout_s=timeout_s)
+            metas = transfer.connect(endpoint).pull(
+                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode
+            )
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", endpoint, exc)
             if isinstance(exc, TransferTimeout):
