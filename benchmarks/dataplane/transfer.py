@@ -117,22 +117,15 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                 figure("mooncake", "batch_write", "tcp", s),
             )
         )
-        out.append(
-            Ratio(
-                f"{label}, shm (ours) vs in-process memcpy: ours/memcpy",
-                figure("halfmoon", "push", "shm", s),
-                figure("memcpy", "copy", "-", s),
-                "%",
+        for into, where in (("-", ""), ("shm", " into shared memory")):
+            out.append(
+                Ratio(
+                    f"{label}, shm (ours) vs in-process memcpy{where}: ours/memcpy",
+                    figure("halfmoon", "push", "shm", s),
+                    figure("memcpy", "copy", into, s),
+                    "%",
+                )
             )
-        )
-        out.append(
-            Ratio(
-                f"{label}, shm (ours) vs in-process memcpy into shared memory: ours/memcpy",
-                figure("halfmoon", "push", "shm", s),
-                figure("memcpy", "copy", "shm", s),
-                "%",
-            )
-        )
         for sender in ("bare", "bare+xxh3") if ceiling else ():
             out.append(
                 Ratio(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from halfmoon.transfer.errors import TransferTimeout
 
@@ -89,24 +90,19 @@ class DeadlineSocket:
     def recv_into_many(self, views: list[memoryview], deadline: float | None) -> int:
         """One scatter receive (``recvmsg_into``) filling ``views`` in order (at most
         ``IOV_BATCH`` of them) honouring the deadline; returns the bytes received."""
-        while True:
-            self._arm(deadline, socket.SO_RCVTIMEO)
-            try:
-                n = self._sock.recvmsg_into(views)[0]
-            except BlockingIOError:  # the kernel timeout fired
-                if self._expired(deadline):
-                    raise TimeoutError from None
-                continue
-            if n == 0:
-                raise EOFError
-            return n
+        return self._receive(lambda: self._sock.recvmsg_into(views)[0], deadline)
 
     def recv_into(self, view: memoryview, deadline: float | None) -> int:
         """One ``recv_into`` honouring the deadline; EOF raises."""
+        return self._receive(lambda: self._sock.recv_into(view), deadline)
+
+    def _receive(self, receive: Callable[[], int], deadline: float | None) -> int:
+        """``receive()`` (one receive call, returning its byte count) honouring the
+        deadline; EOF raises."""
         while True:
             self._arm(deadline, socket.SO_RCVTIMEO)
             try:
-                n = self._sock.recv_into(view)
+                n = receive()
             except BlockingIOError:  # the kernel timeout fired
                 if self._expired(deadline):
                     raise TimeoutError from None

@@ -229,10 +229,7 @@ class StoreSession:
         fallback = self._fallback()
         for raw_hash in hashes:
             dest = self._scratch[offset : offset + block_bytes]
-            block_hash = hash_from_wire(raw_hash)
-            block_meta = store.read_into(block_hash, dest)
-            if block_meta is None and fallback is not None:
-                block_meta = fallback(block_hash, dest)
+            block_meta = _read_block(store, hash_from_wire(raw_hash), dest, fallback)
             if block_meta is None:
                 items.append([False])
                 continue
@@ -254,10 +251,7 @@ class StoreSession:
         items: list[list[Any]] = []
         payloads: list[memoryview] = []
         for raw_hash in hashes:
-            block_hash = hash_from_wire(raw_hash)
-            block_meta = store.read_into(block_hash, block)
-            if block_meta is None and fallback is not None:
-                block_meta = fallback(block_hash, block)
+            block_meta = _read_block(store, hash_from_wire(raw_hash), block, fallback)
             if block_meta is None:
                 items.append([False])
                 continue
@@ -283,6 +277,16 @@ class StoreSession:
             store.release_lease(lease_id)
         self._reserved.clear()
         self._leases.clear()
+
+
+def _read_block(
+    store: TieredStore, block_hash: int, dest: memoryview, fallback: StoreFallback | None
+) -> BlockMeta | None:
+    """Copy a block into ``dest`` from the store, else through ``fallback``; its meta."""
+    block_meta = store.read_into(block_hash, dest)
+    if block_meta is None and fallback is not None:
+        block_meta = fallback(block_hash, dest)
+    return block_meta
 
 
 def _abort(store: TieredStore, pendings: list[PendingPut | None]) -> None:

@@ -29,14 +29,21 @@ def two_prefill(cluster_factory, tmp_path_factory):
     )  # fmt: skip
 
 
-def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
-    client = openai.OpenAI(base_url=two_prefill.base_url + "/v1", api_key="none", max_retries=0)
+def _completer(cluster) -> Callable[..., object]:
+    """``complete(prompt, n=2)``: a greedy completion of ``n`` tokens from ``cluster``."""
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
 
     def complete(prompt, n=2):
         return client.completions.create(
             model="tiny", prompt=prompt, max_tokens=n, temperature=0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
+
+    return complete
+
+
+def test_remote_prefix_is_pulled_not_recomputed(two_prefill):
+    complete = _completer(two_prefill)
 
     prefix = " ".join(f"shared{i}" for i in range(500))
     complete(prefix + " warm")  # the prefix now lives in one prefill worker's store
@@ -85,13 +92,7 @@ def test_with_demote_a_prefix_in_a_peers_pool_is_pulled_from_the_pool(two_prefil
     knows where the prefix is (the pool's own events), and a peer pulls it out of that
     worker's pool."""
     cluster = two_prefill_demote
-    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
-
-    def complete(prompt, n=2):
-        return client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
+    complete = _completer(cluster)
 
     prefix = " ".join(f"pooled{i}" for i in range(500))
     complete(prefix + " warm")

@@ -58,6 +58,16 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return True
 
 
+def test_the_gateway_keeps_idle_connections_longer_than_httpx_does():
+    """A pooled client must drop an idle connection before the gateway closes it, or a
+    request sent on it as it closes dies with a ReadError (the OpenAI SDK uses httpx)."""
+    import httpx
+
+    limits = ConnectionLimits()
+    assert limits.keep_alive_s > httpx.Limits().keepalive_expiry
+    assert limits.header_timeout_s > httpx.Limits().keepalive_expiry  # it closes idle ones too
+
+
 def test_silent_and_slow_header_connections_are_closed(server_port):
     silent = [socket.create_connection(("127.0.0.1", server_port)) for _ in range(20)]
     slow = socket.create_connection(("127.0.0.1", server_port))

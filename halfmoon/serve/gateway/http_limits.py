@@ -93,7 +93,10 @@ class ConnectionLimits:
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    keep_alive_s: int = 5
+    #: Longer than the 5 s httpx (the OpenAI SDK's client) keeps an idle connection, so a
+    #: client drops it before the gateway closes it: with both at 5 s, a pool reusing a
+    #: connection just as the server closed it saw a ReadError (docs/reliability.md).
+    keep_alive_s: int = 10
     max_connections: int = 2048
     #: A request refused beyond ``max_connections`` is read up to this much first.
     busy_drain_bytes: int = 4 * 1024 * 1024
