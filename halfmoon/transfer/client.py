@@ -29,7 +29,7 @@ from halfmoon.transfer.errors import ProtocolError, RemoteError
 from halfmoon.transfer.handles import TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
 from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
-from halfmoon.transfer.memcopy import copy_into
+from halfmoon.transfer.memcopy import copy_blocks, copy_into
 from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
 from halfmoon.transfer.pool import (
     TRANSPORTS,
@@ -427,7 +427,6 @@ def _placer(
             )
 
     def place() -> None:
-        for offset, view in chunk:
-            copy_into(remote, offset, view)
+        copy_blocks(remote, chunk)
 
     return place

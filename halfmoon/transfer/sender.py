@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from halfmoon.transfer.errors import ProtocolError, RemoteError, TransferError
 from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
-from halfmoon.transfer.memcopy import copy_into
+from halfmoon.transfer.memcopy import copy_blocks
 from halfmoon.transfer.protocol import Kind
 
 
@@ -85,8 +85,8 @@ class StreamSender:
                 meta["lengths"] = [v.nbytes for v in views]
             if self._remote is not None:
                 base = layer * self.num_blocks
-                for i, view in enumerate(views):
-                    copy_into(self._remote, self._offsets[base + i], view)
+                offsets = self._offsets[base : base + self.num_blocks]
+                copy_blocks(self._remote, zip(offsets, views, strict=True))
                 self._link.send(Kind.STREAM_LAYER, meta, deadline=deadline)
             else:
                 self._link.send(Kind.STREAM_LAYER, meta, views, deadline)

@@ -1,0 +1,25 @@
+"""Where a buffer's bytes lie, and a view over bytes that lie back to back.
+
+Used to treat blocks that are adjacent in memory (slices of one tensor or array, as an
+engine's KV blocks often are) as one span: one copy or one encode instead of one per
+block. Only writable buffers can be located (ctypes maps those).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of ``view``'s first byte, or None for a read-only or empty buffer
+    (~0.4 us)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
+
+
+def span_at(address: int, num_bytes: int) -> memoryview:
+    """A flat byte view of ``num_bytes`` from ``address``. The caller keeps the buffers
+    that own those bytes alive while the view is used."""
+    return memoryview((ctypes.c_char * num_bytes).from_address(address)).cast("B")
