@@ -117,11 +117,15 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                 figure("mooncake", "batch_write", "tcp", s),
             )
         )
-        for into, where in (("-", ""), ("shm", " into shared memory")):
+        for op, into, where in (
+            ("push", "-", ""),
+            ("push", "shm", " into shared memory"),
+            ("push scattered", "shm", " into shared memory, blocks not adjacent in memory"),
+        ):
             out.append(
                 Ratio(
                     f"{label}, shm (ours) vs in-process memcpy{where}: ours/memcpy",
-                    figure("halfmoon", "push", "shm", s),
+                    figure("halfmoon", op, "shm", s),
                     figure("memcpy", "copy", into, s),
                     "%",
                 )

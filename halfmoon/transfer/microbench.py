@@ -315,10 +315,20 @@ def peer_process(*args: str) -> Iterator[PeerProcess]:
 
 
 def _push_one(
-    client: PeerClient, peer: PeerProcess, step: Step, reps: int, stamps: Iterator[int]
+    client: PeerClient,
+    peer: PeerProcess,
+    step: Step,
+    reps: int,
+    stamps: Iterator[int],
+    scattered: bool = False,
 ) -> BenchResult:
+    """A batched push of ``step``'s blocks, then one-block pushes. The blocks are rows of
+    one array (back to back: a co-located push copies them as one span), or with
+    ``scattered`` rows with a gap after each (every block copied on its own: op ``push
+    scattered``)."""
     size, n = step.block_bytes, step.num_blocks
-    src = _pattern(n * size, 2).reshape(n, size)
+    gap = 4096 if scattered else 0
+    src = _pattern(n * (size + gap), 2).reshape(n, size + gap)[:, :size]
     blocks = [(i * size, src[i]) for i in range(n)]
     batch = timed_s(
         lambda: client.push("kv", blocks), reps, setup=lambda: stamp_blocks(src, next(stamps))
@@ -328,8 +338,9 @@ def _push_one(
         step.num_one_ops,
         setup=lambda: stamp_blocks(src[:1], next(stamps)),
     )
-    check_digest(peer.region_digest(n * size), src, f"push {size} B blocks over {client.transport}")
-    return _row("halfmoon", "push", client.transport, step, batch, one)
+    op = "push scattered" if scattered else "push"
+    check_digest(peer.region_digest(n * size), src, f"{op} {size} B blocks over {client.transport}")
+    return _row("halfmoon", op, client.transport, step, batch, one)
 
 
 def _write_latency(
@@ -374,6 +385,11 @@ def bench_transfer(
                 if with_memcpy:
                     results += _memcpy_rows(step, reps, stamps)
                 results += [_push_one(client, peer, step, reps, stamps) for client in clients]
+                results += [
+                    _push_one(client, peer, step, reps, stamps, scattered=True)
+                    for client in clients
+                    if client.transport == "shm"
+                ]
             for size in latency_sizes:
                 step = Step(size, 1, latency_ops)
                 results += [_write_latency(client, peer, step, stamps) for client in clients]
