@@ -22,10 +22,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import BlockEvicted, BlockStored, CacheEvent
 from halfmoon.core.hashing import chain_root, hash_blocks
+
+T = TypeVar("T")
 
 
 class BlockManager:
@@ -219,9 +222,7 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def read_cached(
-        self, block_hash: int, read: Callable[[int], object]
-    ) -> tuple[int, int, object] | None:
+    def read_cached(self, block_hash: int, read: Callable[[int], T]) -> tuple[int, int, T] | None:
         """``(parent_hash, position, read(block_id))`` of the cached block ``block_hash``,
         or None; safe from another thread: the block is not reused while ``read`` runs
         (a registered block's KV never changes until then)."""

@@ -63,9 +63,10 @@ PromptKVHook = Callable[[str, int, list[memoryview], list[memoryview]], None]
 #: Receives the engine pool's cache events (a block hash became reusable or went away).
 CacheListener = Callable[[CacheEvent], None]
 #: ``hook(block_hash, parent_hash, position, payload)``: a cached block is leaving the
-#: pool (its memory is about to hold new KV); ``payload`` is a host copy of its bytes in
-#: the export layout, the hook's to keep. Called on the engine thread, inside ``step``.
-DemoteHook = Callable[[int, int, int, memoryview], None]
+#: pool (its memory is about to hold new KV); ``payload()``, called during the hook if at
+#: all, makes a host copy of its bytes in the export layout, the hook's to keep (a hook
+#: that already has the block skips the copy). On the engine thread, inside ``step``.
+DemoteHook = Callable[[int, int, int, Callable[[], memoryview]], None]
 
 
 @dataclass(frozen=True)
@@ -461,20 +462,15 @@ class LocalConnector(EngineConnector):
             return
 
         def on_evict(block_hash: int, parent: int, position: int, block: int) -> None:
-            hook(block_hash, parent, position, kv_cache.export_bytes([block]))
+            hook(block_hash, parent, position, lambda: kv_cache.export_bytes([block]))
 
         bm.evict_hook = on_evict
 
     def read_cached_block(self, block_hash: int) -> tuple[int, int, memoryview] | None:
         kv_cache = self.engine.kv_cache
-        found = self.engine.block_manager.read_cached(
+        return self.engine.block_manager.read_cached(
             block_hash, lambda block: kv_cache.export_bytes([block])
         )
-        if found is None:
-            return None
-        parent, position, payload = found
-        assert isinstance(payload, memoryview)
-        return parent, position, payload
 
     def block_bytes(self, request_id: str, index: int) -> memoryview:
         table = self.engine.block_manager.block_table(request_id)

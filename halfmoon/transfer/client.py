@@ -313,7 +313,8 @@ class PeerClient:
                 else:
                     inline.append(views[i])
             if reply.meta.get("encoded"):
-                ok = self._recv_encoded(link, reply, inline, decode, deadline)
+                self._recv_encoded(link, reply, inline, decode, deadline)
+                ok = True
                 return metas
             link.recv_payload_into(reply, inline, deadline)
             if in_place:
@@ -330,9 +331,9 @@ class PeerClient:
         dests: list[memoryview],
         decode: PullDecoder | None,
         deadline: float,
-    ) -> bool:
+    ) -> None:
         """Receive encoded blocks (one payload each, sizes in the reply) and decode each
-        into its destination; True once the link is aligned on frames again."""
+        into its destination."""
         lengths = [int(n) for n in reply.meta.get("lengths", [])]
         if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
             link.close()  # an answer we cannot read: its payload's end is unknown
@@ -346,7 +347,6 @@ class PeerClient:
                 raise ProtocolError(
                     f"a block pulled from {self.endpoint} does not decode: {exc}"
                 ) from exc
-        return True
 
     def _copy_in_place(
         self,

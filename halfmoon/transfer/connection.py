@@ -79,10 +79,7 @@ class PeerConnection:
         self.client_id = ""
         self.streams: dict[str, StreamReceiver] = {}
         self.reported: set[str] = set()
-        self.store_session = StoreSession(
-            link, server.require_store, self.deadline, server.on_complete,
-            lambda: server.store_fallback, lambda: server.pull_encoder,
-        )  # fmt: skip
+        self.store_session = StoreSession(link, server, self.deadline)
 
     def run(self) -> None:
         """Authenticate, then serve requests until the peer leaves or misbehaves."""

@@ -19,18 +19,20 @@ engine's pull encoder (``set_pull_encoder``: compressed KV), each with its size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halfmoon.store import BlockMeta, BlockRef, PendingPut, TieredStore
 from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import (
-    CompletionListener,
     TransferCompleted,
     meta_from_wire,
     meta_to_wire,
 )
 from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
+
+if TYPE_CHECKING:
+    from halfmoon.transfer.server import TransferServer
 
 #: ``reader(block_hash, dest)``: copy a block the store lacks into ``dest`` (the store's
 #: block size) and return its metadata, or None when it has none either.
@@ -50,23 +52,15 @@ _DIRECT_INLINE_MAX_BYTES = 64 << 10
 
 
 class StoreSession:
-    """Executes one connection's store requests against ``store()``."""
+    """Executes one connection's store requests against its server's store (and its
+    fallback reader and pull encoder, read at each request: they may be set later)."""
 
-    def __init__(
-        self,
-        link: Link,
-        store: Callable[[], TieredStore],
-        deadline: Callable[[], float],
-        on_complete: CompletionListener | None,
-        fallback: Callable[[], StoreFallback | None] = lambda: None,
-        encoder: Callable[[], PullEncoder | None] = lambda: None,
-    ) -> None:
+    def __init__(self, link: Link, server: TransferServer, deadline: Callable[[], float]) -> None:
         self._link = link
-        self._store = store
-        self._fallback = fallback
-        self._encoder = encoder
+        self._server = server
+        self._store = server.require_store
         self._deadline = deadline
-        self._on_complete = on_complete
+        self._on_complete = server.on_complete
         self._reserved: dict[str, list[PendingPut | None]] = {}
         self._leases: dict[str, int] = {}
         self._scratch = memoryview(bytearray(0))  # reused by small inline pulls
@@ -174,7 +168,7 @@ class StoreSession:
                 f"{meta['block_bytes']}"
             )
         hashes = meta["hashes"]
-        encoder = self._encoder() if meta.get("encoded") and not direct else None
+        encoder = self._server.pull_encoder if meta.get("encoded") and not direct else None
         if encoder is not None:
             self._pull_encoded(store, xfer, hashes, encoder)
             return
@@ -186,7 +180,7 @@ class StoreSession:
         inline: list[memoryview] = []
         refs: list[BlockRef] = []
         in_place: list[int] = []
-        fallback = self._fallback()
+        fallback = self._server.store_fallback
         try:
             for raw_hash in hashes:
                 block_hash = hash_from_wire(raw_hash)
@@ -226,7 +220,7 @@ class StoreSession:
         items: list[list[Any]] = []
         inline: list[memoryview] = []
         offset = 0
-        fallback = self._fallback()
+        fallback = self._server.store_fallback
         for raw_hash in hashes:
             dest = self._scratch[offset : offset + block_bytes]
             block_meta = _read_block(store, hash_from_wire(raw_hash), dest, fallback)
@@ -247,7 +241,7 @@ class StoreSession:
         if self._scratch.nbytes < block_bytes:
             self._scratch = memoryview(bytearray(block_bytes))
         block = self._scratch[:block_bytes]
-        fallback = self._fallback()
+        fallback = self._server.store_fallback
         items: list[list[Any]] = []
         payloads: list[memoryview] = []
         for raw_hash in hashes:

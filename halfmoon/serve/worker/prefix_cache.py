@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.events import BlockStored, CacheEvent
@@ -126,12 +126,15 @@ class ClusterPrefixCache:
             engine.set_cache_listener(events.from_pool)
 
     # -- demote: blocks leave the pool ----------------------------------------------------------
-    def demote(self, block_hash: int, parent: int, position: int, payload: memoryview) -> None:
-        """The pool evicts a cached block: keep it in the store (engine thread)."""
+    def demote(
+        self, block_hash: int, parent: int, position: int, payload: Callable[[], memoryview]
+    ) -> None:
+        """The pool evicts a cached block: keep it in the store (engine thread; copied
+        out of the pool only when the store lacks it)."""
         if self.store.contains(block_hash):
             return
         try:
-            self.store.put(block_hash, payload, BlockMeta(self.block_size, parent), position)
+            self.store.put(block_hash, payload(), BlockMeta(self.block_size, parent), position)
             self.num_blocks_demoted += 1
         except StoreError as exc:  # full of pinned blocks: caching is best effort
             log.warning("store put of a demoted block failed: %s", exc)
