@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SLO = SLOConfig(ttft_s=2.0, tbt_s=0.1, tbt_metric="top10mean")
 LOOSE_SLO = SLOConfig(ttft_s=2.0, tbt_s=0.3, tbt_metric="top10mean")
 COMMON = ["--model", "tiny", "--num-threads", "1", "--kv-cache-mb", "256",
-          "--early-reject", "none", "--ttft-slo", "2", "--tbt-slo", "0.1"]  # fmt: skip
+          "--early-reject", "none", "--decode-guard", "off",
+          "--ttft-slo", "2", "--tbt-slo", "0.1"]  # fmt: skip
 SHAPES = {
     "2M": ["--mode", "coupled", "--instances", "2", *COMMON],
     "1P1D": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", *COMMON],

@@ -9,14 +9,16 @@ from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.costmodel.serving import ServingTerms
 
 #: ``8P8D`` (8 prefill + 8 decode instances) or ``16M`` (16 coupled, vLLM-like instances).
 _CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*P\s*(\d+)\s*D|(\d+)\s*M)\s*$", re.IGNORECASE)
 
-#: What a decode instance does with a request whose admission would break the TBT SLO.
+#: When a disaggregated request's first token counts as delivered (``first_token_at``).
 FIRST_TOKEN_AT = ("join", "kv")
-DECODE_GUARDS = ("reject", "wait", "off")
+# DECODE_GUARDS (what a decode instance does with a request whose admission would break
+# the TBT SLO) lives in halfmoon.costmodel.decode_guard: the live decode worker shares it.
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,13 @@ from collections.abc import Sequence
 
 from halfmoon.conductor.messages import DecodeStarted, RequestFinished
 from halfmoon.core.clock import Clock
+from halfmoon.costmodel.decode_guard import (
+    ADMIT,
+    REJECT,
+    decode_guard_verdict,
+    decode_step_estimate_s,
+    guard_refusal,
+)
 from halfmoon.sim.cache import Notify
 from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
@@ -94,15 +101,11 @@ class DecodeInstance:
 
     def _step_s(self, batch_size: int, context_tokens: int, imported_tokens: int = 0) -> float:
         """A step of the engine plus the serving path's per-step, per-sequence and import
-        terms."""
-        if batch_size == 0:
-            return 0.0
-        terms = self._serving
-        return (
-            self.cost_model.decode_step_time_s(batch_size, context_tokens)
-            + terms.decode_overhead_s(batch_size)
-            + imported_tokens * terms.kv_import_s_per_token
-        )
+        terms (the estimate the live decode worker's guard makes too)."""
+        return decode_step_estimate_s(
+            self.cost_model.decode_step_time_s, self._serving, batch_size, context_tokens,
+            imported_tokens,
+        )  # fmt: skip
 
     def kv_arrived(self, job: Job) -> Sequence[Event]:
         """The request's KV is here: refuse it, or queue it for the batch."""
@@ -122,14 +125,13 @@ class DecodeInstance:
                 f"decode {self.instance_id} refused: needs {need} KV tokens, "
                 f"capacity {self.kv_capacity_tokens}"
             )
-        if self._guard == "reject" and (self._running or self._waiting):
+        if self._guard == "reject" and (self._running or self._waiting):  # else: no estimate
             # the requests already waiting will join first, so they count
             step_s = self.step_estimate_s((*self._waiting, job))
-            if step_s > self._tbt_slo_s:
-                return (
-                    f"decode {self.instance_id} refused: step would take {step_s * 1e3:.1f}ms, "
-                    f"over the {self._tbt_slo_s * 1e3:g}ms TBT SLO"
-                )
+            verdict = decode_guard_verdict("reject", busy=True, step_s=step_s,
+                                           tbt_slo_s=self._tbt_slo_s)  # fmt: skip
+            if verdict == REJECT:
+                return guard_refusal(self.instance_id, step_s, self._tbt_slo_s)
         return ""
 
     def _refuse(self, job: Job, reason: str) -> None:
@@ -143,8 +145,11 @@ class DecodeInstance:
             return False
         if self.kv_used_tokens + job.kv_reserved_tokens > self.kv_capacity_tokens:
             return False
-        if self._guard == "wait" and self._running:
-            return self.step_estimate_s((job,)) <= self._tbt_slo_s
+        if self._guard == "wait" and self._running:  # an idle batch admits anything
+            step_s = self.step_estimate_s((job,))
+            verdict = decode_guard_verdict("wait", busy=True, step_s=step_s,
+                                           tbt_slo_s=self._tbt_slo_s)  # fmt: skip
+            return verdict == ADMIT
         return True
 
     def _admit_and_step(self) -> Sequence[Event]:

@@ -95,7 +95,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     dests = {a.dest for a in probe._actions if a.dest != "help"}  # noqa: SLF001
     assert dests == set(EngineOptions.__dataclass_fields__)
     flags = ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-mb", "64", "--max-num-seqs",
-             "8", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
+             "8", "--decode-guard", "wait", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
              "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8"]  # fmt: skip
@@ -108,7 +108,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
         argparse.Namespace(**{**vars(args), "model": "/models/x"})
     )
     assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
-    assert options.prefix_store == "demote"
+    assert options.prefix_store == "demote" and options.decode_guard == "wait"
     with pytest.raises(HalfmoonError, match="--prefix-store demote needs halfmoon's engine"):
         EngineOptions(prefix_store="demote", engine="vllm")
     path = tmp_path / "engine.json"

@@ -335,7 +335,7 @@ class ConductorService:
             for h in held.block_hashes:
                 self.conductor.handle(BlockStored(block_hash=h, tier=held.tier, instance_id=iid))
         log.info("registered %s %s at %s", role, iid, message.command_endpoint)
-        return Registered(instance_id=iid)
+        return Registered(instance_id=iid, tbt_slo_s=self.conductor.config.slo.tbt_s)
 
     def refusal(self, message: Register) -> str | None:
         """Why a registering worker cannot join (None: it agrees with the cluster). A worker

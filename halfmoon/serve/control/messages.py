@@ -333,10 +333,12 @@ class Register(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Registered(Message):
-    """Conductor -> worker: registration accepted."""
+    """Conductor -> worker: registration accepted. ``tbt_slo_s``: the cluster's TBT SLO,
+    which a decode worker's ``--decode-guard`` holds its steps to (0: not said)."""
 
     wire_name: ClassVar[str] = "registered"
     instance_id: str
+    tbt_slo_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,8 +12,10 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
+from halfmoon.costmodel.decode_guard import REJECT, WAIT
 from halfmoon.engine.connector import HandoffState, LayerSlice
 from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
+from halfmoon.serve.worker.decode_guard import DecodeGuard, Held
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S, num_blocks
 from halfmoon.serve.worker.pipeline_job import kv_session
 from halfmoon.serve.worker.process import Handler, Worker
@@ -81,11 +83,19 @@ class DecodeRole(TokenStreaming):
     range per request), a shared-memory region unless the transport is tcp: a prefill
     worker on the same host then copies each layer straight into it (the ``shm``
     transport; ``auto`` picks it) instead of sending it through a socket. A request that
-    does not fit gets a region of its own (reached over the socket)."""
+    does not fit gets a region of its own (reached over the socket).
 
-    def __init__(self, worker: Worker, transfer: TransferEngine, inbox_bytes: int = 0) -> None:
+    ``guard`` (``--decode-guard``; None: off) decides at the handoff whether the request
+    joins the batch, is refused or waits (:mod:`halfmoon.serve.worker.decode_guard`); a
+    waiting request keeps its landed KV until it joins."""
+
+    def __init__(
+        self, worker: Worker, transfer: TransferEngine, inbox_bytes: int = 0,
+        guard: DecodeGuard | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(worker)
         self.transfer = transfer
+        self.guard = guard or DecodeGuard.off()
         self.expected: dict[str, _Expected] = {}
         layout = worker.engine.layout
         self.bytes_per_block = layout.bytes_per_block
@@ -216,11 +226,33 @@ class DecodeRole(TokenStreaming):
         e = self.expected.pop(rid, None)
         if e is None:
             return  # aborted meanwhile
-        done = False
         try:
             for receiver in e.receivers:
                 receiver.wait(10.0)
-            done = True
+        except Exception as exc:  # the stream failed: the client must hear of it
+            self._fail(rid, e, str(exc), abandoned=True)
+            return
+        context_tokens = len(msg.token_ids)  # prompt + the first token, once it joins
+        verdict, step_s = self.guard.check(context_tokens)
+        if verdict == REJECT:
+            self._fail(rid, e, self.guard.refusal(self.worker.me.instance_id, step_s))
+        elif verdict == WAIT:
+            deadline_s = time.monotonic() + e.timeout_s
+            self.guard.hold(Held(rid, context_tokens, deadline_s, (e, msg)))
+        else:
+            self._join(rid, e, msg)
+
+    def _fail(self, rid: str, e: _Expected, error: str, abandoned: bool = False) -> None:
+        """The request ends here: its client hears ``error``, the Conductor that it
+        finished (its booking released); its landing goes back."""
+        self._release(e.landing, abandoned)
+        self._release(e.raw, abandoned)
+        self.worker.send(e.identity, Error(request_id=rid, error=error))
+        self.worker.conductor.event("request_finished", request_id=rid)
+
+    def _join(self, rid: str, e: _Expected, msg: Handoff) -> None:
+        """Import the landed KV: the request joins the engine's batch."""
+        try:
             state = HandoffState(
                 request_id=rid, token_ids=tuple(msg.token_ids),
                 num_prompt_tokens=msg.num_prompt_tokens,
@@ -230,14 +262,13 @@ class DecodeRole(TokenStreaming):
             kv = (e.landing if e.raw is None else e.raw).view(self.transfer)
             # The bytes are copied into the pool before this returns.
             self.worker.engine.import_request(state, e.params, kv)
-        except Exception as exc:  # stream failed or no room: the client must hear of it
-            self.worker.send(e.identity, Error(request_id=rid, error=str(exc)))
-            self.worker.conductor.event("request_finished", request_id=rid)
+        except Exception as exc:  # no room: the client must hear of it
+            self._fail(rid, e, str(exc))
             return
-        finally:
-            self._release(e.landing, abandoned=not done)
-            self._release(e.raw, abandoned=not done)
+        self._release(e.landing, abandoned=False)
+        self._release(e.raw, abandoned=False)
         self.clients[rid] = StreamClient(e.identity, [], index=1)
+        self.guard.joined(rid, len(msg.token_ids))
         self.worker.conductor.event("decode_started", request_id=rid)
 
     def on_outputs(self, outputs: list[Any]) -> None:
@@ -246,8 +277,10 @@ class DecodeRole(TokenStreaming):
             if client is None:
                 continue
             self.send_tokens(out.request_id, client, out, out.finish_reason, batch=True)
+            self.guard.advanced(out.request_id, len(out.new_token_ids))
             if out.finished:
                 del self.clients[out.request_id]
+                self.guard.left(out.request_id)
                 self.worker.conductor.event("request_finished", request_id=out.request_id)
         self.flush_tokens()
 
@@ -258,8 +291,13 @@ class DecodeRole(TokenStreaming):
                 receiver.cancel()
             self._release(e.landing, abandoned=True)
             self._release(e.raw, abandoned=True)
+        held = self.guard.left(request_id)
+        if held is not None:  # its KV had landed: nothing more can arrive
+            landed, _ = held.payload
+            self._release(landed.landing, abandoned=False)
+            self._release(landed.raw, abandoned=False)
         self.clients.pop(request_id, None)
-        if self.worker.engine.abort_request(request_id) or e is not None:
+        if self.worker.engine.abort_request(request_id) or e is not None or held is not None:
             self.worker.conductor.event("request_finished", request_id=request_id)
 
     def has_work(self) -> bool:
@@ -267,12 +305,18 @@ class DecodeRole(TokenStreaming):
         return False
 
     def num_pending(self) -> int:
-        """Requests whose KV is still on its way."""
-        return len(self.expected)
+        """Requests whose KV is still on its way, or held back by the guard."""
+        return len(self.expected) + len(self.guard.held)
 
     def tick(self) -> None:
-        """Expire expectations whose handoff never came (the prefill side died); give
-        quarantined inbox ranges back."""
+        """Join held requests that now fit, fail those held too long; expire expectations
+        whose handoff never came (the prefill side died); give quarantined inbox ranges
+        back."""
+        while (held := self.guard.ready()) is not None:
+            self._join(held.request_id, *held.payload)
+        for held in self.guard.expired():
+            self._fail(held.request_id, held.payload[0],
+                       self.guard.expiry(self.worker.me.instance_id, held))  # fmt: skip
         now = time.monotonic()
         while self._quarantine and self._quarantine[0][0] <= now:
             _, inbox, offset = self._quarantine.pop(0)
@@ -286,12 +330,14 @@ class DecodeRole(TokenStreaming):
             self.on_abort(rid)
 
     def stats(self) -> dict[str, Any]:
-        """Requests waiting for their KV; where streams landed; time spent decompressing."""
+        """Requests waiting for their KV; where streams landed; time spent decompressing;
+        the TBT guard's refusals and waits."""
         return {
             "num_expected": len(self.expected), "kv_decode_s": round(self.kv_decode_s, 6),
             "kv_inbox_landings": self.num_inbox_landings,
             "kv_private_landings": self.num_private_landings,
             "kv_inbox_used_bytes": self.inbox.used_bytes if self.inbox is not None else 0,
+            **self.guard.stats(),
         }  # fmt: skip
 
     def snapshot(self) -> list[HeldBlocks]:

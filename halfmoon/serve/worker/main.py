@@ -13,6 +13,7 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.jsonconfig import config_fields, config_to_json
+from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,
@@ -31,6 +32,11 @@ ENGINES = ("halfmoon", "vllm")
 #: ``--prefix-store``: when a prefill worker's block store gets a prompt's blocks
 #: (:mod:`halfmoon.serve.worker.prefix_cache`).
 PREFIX_STORE_POLICIES = ("copy", "demote")
+#: ``--decode-guard`` without the flag. ``reject``, as the simulator's default and the
+#: paper's decoding instance: a live and a simulated cluster given the same SLOs turn the
+#: same requests away. With the live preset's 1 s TBT SLO it binds only when a CPU decode
+#: step (~10-100 ms) is estimated ten times slower, a worker far past what it can serve.
+DEFAULT_DECODE_GUARD = "reject"
 #: What ``serve`` and ``worker`` run without ``--model``: a real, small instruct model.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: Exit status of a worker the Conductor refused (it disagrees with the cluster).
@@ -50,6 +56,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
     )
+    parser.add_argument(
+        "--decode-guard", default=DEFAULT_DECODE_GUARD, choices=DECODE_GUARDS,
+        help="what a decode worker does with a request whose joining would make its "
+        "estimated step exceed the cluster's TBT SLO (--tbt-slo): reject it (default; its "
+        "prefill is wasted, the client gets a 503 naming the guard), wait until the batch "
+        "has room, or admit it anyway (off); as `halfmoon simulate --decode-guard`",
+    )  # fmt: skip
     parser.add_argument(
         "--prefill-max-num-seqs", type=int, default=1,
         help="prompts a prefill worker computes per step; 1 (default): one at a time in "
@@ -127,6 +140,7 @@ class EngineOptions:
     dtype: str = "float32"
     kv_cache_mb: float = 256.0
     max_num_seqs: int = 64
+    decode_guard: str = DEFAULT_DECODE_GUARD
     prefill_max_num_seqs: int = 1
     max_model_len: int | None = None
     prefill_chunk_tokens: int | None = None
@@ -149,6 +163,11 @@ class EngineOptions:
             raise HalfmoonError(
                 f"unknown --kv-compression {self.kv_compression!r}; use one of "
                 f"{', '.join(KV_COMPRESSION_MODES)}"
+            )
+        if self.decode_guard not in DECODE_GUARDS:
+            raise HalfmoonError(
+                f"unknown --decode-guard {self.decode_guard!r}; use one of "
+                f"{', '.join(DECODE_GUARDS)}"
             )
         if self.prefix_store not in PREFIX_STORE_POLICIES:
             raise HalfmoonError(
@@ -254,6 +273,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from halfmoon.engine.connector import LocalConnector
     from halfmoon.serve.worker.coupled import CoupledRole
     from halfmoon.serve.worker.decode import DecodeRole
+    from halfmoon.serve.worker.decode_guard import DecodeGuard
     from halfmoon.serve.worker.prefill import PrefillRole
     from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
     from halfmoon.serve.worker.process import (
@@ -338,6 +358,10 @@ def run_worker(args: argparse.Namespace) -> int:
         from halfmoon.engine.catalog import cache_dir
 
         profile = engine.cost_profile(options.model, cache_dir() / "profiles")
+    if isinstance(worker.role, DecodeRole):
+        # Its steps estimated by the profile the Conductor gets; held to the TBT SLO the
+        # Conductor sends when it accepts this worker.
+        worker.role.guard = DecodeGuard(options.decode_guard, profile, lambda: link.tbt_slo_s)
     try:
         link.register(
             kv_capacity_tokens=stats.num_blocks * options.block_size,

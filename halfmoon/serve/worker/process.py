@@ -149,6 +149,9 @@ class ConductorLink:
         self._registration: messages.Register | None = None
         #: Tells this process apart from an earlier one with the same instance id.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        #: The cluster's TBT SLO, as the Conductor said when it accepted this worker (0
+        #: until then); a decode worker's TBT guard holds its steps to it.
+        self.tbt_slo_s = 0.0
 
     def register(
         self,
@@ -198,6 +201,7 @@ class ConductorLink:
             if self._sock.poll(1000):
                 reply = decode_message(self._sock.recv_multipart(), self._secret)
                 if isinstance(reply, Registered):
+                    self.tbt_slo_s = reply.tbt_slo_s
                     return
                 if isinstance(reply, Refused):
                     raise RegistrationRefused(f"the Conductor refused this worker: {reply.error}")
