@@ -8,6 +8,8 @@
 | ``longctx-32k`` | 32768     | 512        | same                                             |
 | ``longctx-64k`` | 65536     | 512        | same                                             |
 | ``longctx-128k``| 131072    | 512        | same                                             |
+| ``mixshift``    | ~1024, then ~12288 | ~768, then ~48 | none; the mix changes half-way (decode-   |
+|                 |           |            | heavy chat, then prefill-heavy summaries)        |
 
 Requests carry Mooncake-style integer block ids at 512 tokens per block (fresh ids count
 up from 0), so a dataset can be written as a Mooncake JSONL trace and
@@ -131,6 +133,29 @@ def _longctx_prompts(
     return prompts
 
 
+def _mixshift_prompts(
+    rng: np.random.Generator, num_requests: int, new_blocks: Callable[[int], tuple[int, ...]]
+) -> list[Prompt]:
+    # A workload whose mix changes half-way: chat first (short prompts, long answers:
+    # decode-heavy), then summaries (long prompts, short answers: prefill-heavy).
+    first = num_requests // 2
+    second = num_requests - first
+    shapes = [
+        (_calibrated_lengths(rng, n, mean_in, 0.4, lo_in, hi_in),
+         _calibrated_lengths(rng, n, mean_out, 0.4, lo_out, hi_out))
+        for n, mean_in, lo_in, hi_in, mean_out, lo_out, hi_out in (
+            (first, 1024, 128, 4096, 768, 64, 2048),
+            (second, 12288, 2048, 32768, 48, 8, 256),
+        )
+        if n > 0
+    ]  # fmt: skip
+    return [
+        Prompt(int(n_in), int(n_out), new_blocks(_num_blocks(int(n_in))))
+        for inputs, outputs in shapes
+        for n_in, n_out in zip(inputs, outputs, strict=True)
+    ]
+
+
 def _longctx_spec(context_k: int) -> DatasetSpec:
     return DatasetSpec(
         name=f"longctx-{context_k}k",
@@ -156,6 +181,12 @@ DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(
                 _leval_prompts,
             ),
             *(_longctx_spec(k) for k in (16, 32, 64, 128)),
+            DatasetSpec(
+                "mixshift",
+                "first half chat (~1024 input, ~768 output tokens), second half summaries "
+                "(~12288 input, ~48 output); no sharing: the best P:D split changes",
+                _mixshift_prompts,
+            ),
         )
     }
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 
 import numpy as np
@@ -47,8 +48,22 @@ def test_registry_names() -> None:
         "longctx-32k",
         "longctx-64k",
         "longctx-128k",
+        "mixshift",
     ]
     assert all(spec.description for spec in DATASETS.values())
+
+
+def test_mixshift_changes_its_mix_half_way() -> None:
+    requests = generate_dataset("mixshift", 4.0, 400, seed=0)
+    chat, summaries = requests[:200], requests[200:]
+    mean = statistics.mean
+    assert mean(r.input_length for r in chat) == pytest.approx(1024, rel=0.01)
+    assert mean(r.output_length for r in chat) == pytest.approx(768, rel=0.01)
+    assert mean(r.input_length for r in summaries) == pytest.approx(12288, rel=0.01)
+    assert mean(r.output_length for r in summaries) == pytest.approx(48, rel=0.02)
+    blocks = [h for r in requests for h in r.block_hashes]
+    assert len(blocks) == len(set(blocks))  # no prefix sharing
+    assert [r.arrival_time_s for r in requests] == sorted(r.arrival_time_s for r in requests)
 
 
 def test_arxiv_matches_table_2(arxiv: list[Request]) -> None:
