@@ -1,41 +1,122 @@
 """Decode-side estimates and early rejection (the paper's admission control).
 
 ``snapshot`` looks at the decode batch as it is now; ``predict`` forecasts it for the
-moment the request's prefill ends: running requests whose decode (assumed to last a
-uniform t_d) ends before then leave, placed requests whose prefill ends before then join.
+moment the request's prefill ends (the paper's load prediction)::
+
+    at ready = now + estimated TTFT, on each decode instance:
+      running request r (decoding for age_r):  stays with P(D > age_r + h | D > age_r),
+                                               h = ready - now, D a decode duration
+      placed request whose prefill ends at done <= ready:  joins, and stays with
+                                               P(D > ready - done)
+      context = what stays and joins, each grown by one token per step since it joined
+    reject when the step of that batch plus this request exceeds the TBT SLO
+
+The decode instance chosen is the one with the least predicted step among those whose KV
+can hold the request now (the KV check is the snapshot's: running plus placed prompts).
+
+The distribution of D is learned from observed decode durations (:class:`DecodeTimes`,
+the last ``DURATION_WINDOW``); with ``decode_time_estimate_s`` configured it is the
+paper's uniform t_d (a request leaves exactly t_d after it joined). Either way a request
+older than every duration seen (older than t_d) is *not* assumed gone: it is running, so
+it counts until it leaves.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
 
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.messages import DecodeCandidate, PrefillCandidate, RejectCode
 from halfmoon.conductor.state import DecodeState
 from halfmoon.core.request import Request
 
-
-def uniform_decode_time_s(request: Request, dstate: DecodeState, learned_s: float | None) -> float:
-    """t_d: the learned average, or before any observation this request's own estimate."""
-    if learned_s is not None:
-        return learned_s
-    step = dstate.step_time_s(dstate.num_running + 1, dstate.context_tokens)
-    return request.output_length * step
+#: Observed decode durations the prediction's distribution is drawn from: recent ones,
+#: since durations stretch as batches grow.
+DURATION_WINDOW = 64
+_TD_SMOOTHING = 0.05  # weight of a new observation in the moving average of t_d
 
 
-def decode_candidate(
-    request: Request, dstate: DecodeState, ready_s: float, predict: bool, t_d: float
-) -> DecodeCandidate:
-    """Estimated TBT on ``dstate`` once the request joins (predicted at ``ready_s`` when
-    ``predict``, else counting running and incoming requests as they are now)."""
-    if predict:
-        members = [c for start, c in dstate.running.values() if start + t_d > ready_s]
-        members += [c for done, c in dstate.incoming.values() if done <= ready_s]
-        num, ctx = len(members), sum(members)
-    else:
-        num = dstate.num_running + len(dstate.incoming)
-        ctx = dstate.committed_tokens
-    num += 1
-    ctx += request.input_length
+class DecodeTimes:
+    """Decode durations (join -> finish) as the Conductor learns them.
+
+    ``mean_s`` is t_d: the configured value, or a moving average of observations (None
+    before any). :meth:`stay_probability` draws on the last ``window`` observations.
+    """
+
+    def __init__(self, configured_s: float | None = None, window: int = DURATION_WINDOW):
+        self.configured_s = configured_s
+        self.mean_s = configured_s
+        self._window = window
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def observe(self, duration_s: float) -> None:
+        """A request finished decoding after ``duration_s`` (ignored when configured)."""
+        if self.configured_s is not None:
+            return
+        old = self.mean_s
+        self.mean_s = duration_s if old is None else old + _TD_SMOOTHING * (duration_s - old)
+        self._recent.append(duration_s)
+        insort(self._sorted, duration_s)
+        if len(self._recent) > self._window:
+            del self._sorted[bisect_left(self._sorted, self._recent.popleft())]
+
+    def stay_probability(self, age_s: float, horizon_s: float, fallback_s: float) -> float:
+        """P(a request decoding for ``age_s`` still decodes ``horizon_s`` later).
+
+        Uniform t_d (configured, or ``fallback_s`` before any observation): 1 or 0.
+        Learned: the share of the observed durations beyond ``age_s`` that also exceed
+        ``age_s + horizon_s``; 1 when none exceeds ``age_s`` (no evidence it ends soon).
+        """
+        sample = self._sorted
+        if self.configured_s is not None or not sample:
+            t_d = self.configured_s if self.configured_s is not None else fallback_s
+            return 0.0 if age_s < t_d <= age_s + horizon_s else 1.0
+        n = len(sample)
+        alive_now = n - bisect_right(sample, age_s)
+        if alive_now == 0:
+            return 1.0
+        return (n - bisect_right(sample, age_s + horizon_s)) / alive_now
+
+
+def decode_candidate(request: Request, dstate: DecodeState) -> DecodeCandidate:
+    """Estimated TBT on ``dstate`` once the request joins, counting its running and
+    incoming requests as they are now (the snapshot's choice of decode instance)."""
+    num = dstate.num_running + len(dstate.incoming) + 1
+    ctx = dstate.committed_tokens + request.input_length
     return DecodeCandidate(dstate.instance_id, num, ctx, dstate.step_time_s(num, ctx))
+
+
+def predicted_decode_candidate(
+    request: Request, dstate: DecodeState, now_s: float, ready_s: float, times: DecodeTimes
+) -> DecodeCandidate:
+    """Estimated TBT on ``dstate`` at ``ready_s`` (the request's prefill end) once it
+    joins: the expected batch of the module docstring's prediction."""
+    horizon_s = max(0.0, ready_s - now_s)
+    step_s = dstate.step_time_s(dstate.num_running, dstate.context_tokens)
+    fallback_s = request.output_length * step_s  # t_d before any observation
+    num, ctx = 1.0, float(request.input_length)
+    stay = times.stay_probability
+    for start_s, tokens in dstate.running.values():
+        p = stay(now_s - start_s, horizon_s, fallback_s)
+        if p > 0.0:
+            num += p
+            ctx += p * (tokens + (ready_s - start_s) / step_s)
+    for done_s, tokens in dstate.incoming.values():
+        if done_s <= ready_s:  # joins by then, and may already have left again
+            join_s = max(done_s, now_s)
+            p = stay(0.0, ready_s - join_s, fallback_s)
+            if p > 0.0:
+                num += p
+                ctx += p * (tokens + (ready_s - join_s) / step_s)
+    n, c = round(num), round(ctx)
+    need = request.input_length + request.output_length
+    if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
+        # the KV check (the same as the snapshot's) would reject it here: prefer any
+        # instance with room, however loaded it is predicted to be
+        return DecodeCandidate(dstate.instance_id, n, c, float("inf"))
+    return DecodeCandidate(dstate.instance_id, n, c, dstate.step_time_s(n, c))
 
 
 def rejection_reason(
@@ -44,9 +125,11 @@ def rejection_reason(
     chosen: PrefillCandidate,
     decode: DecodeCandidate,
     dstate: DecodeState,
+    now_s: float | None = None,
 ) -> tuple[str, str]:
     """Why the request must be rejected before any prefill work: (a
-    :class:`RejectCode`, the text), or ("", "") to admit it."""
+    :class:`RejectCode`, the text), or ("", "") to admit it. ``now_s`` (when given) lets
+    the snapshot count the tokens the running requests generated since they joined."""
     mode = config.early_reject
     if mode == "none":
         return "", ""
@@ -55,20 +138,21 @@ def rejection_reason(
         return RejectCode.TTFT, (
             f"estimated TTFT {chosen.ttft_s:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
+    need = request.input_length + request.output_length
+    if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
+        return RejectCode.KV_FULL, (
+            f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "
+            f"tokens > capacity {dstate.kv_capacity_tokens}"
+        )
     if mode == "snapshot":
         num = dstate.num_running + 1
-        tbt_s = dstate.step_time_s(num, dstate.context_tokens + request.input_length)
+        ctx = dstate.context_tokens if now_s is None else dstate.context_tokens_at(now_s)
+        tbt_s = dstate.step_time_s(num, ctx + request.input_length)
     else:
         tbt_s = decode.est_tbt_s
     if tbt_s > slo.tbt_s:
         return RejectCode.TBT, (
             f"estimated TBT {tbt_s * 1e3:.1f}ms on {decode.instance_id} ({mode}) "
             f"exceeds the {slo.tbt_s * 1e3:g}ms SLO"
-        )
-    need = request.input_length + request.output_length
-    if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
-        return RejectCode.KV_FULL, (
-            f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "
-            f"tokens > capacity {dstate.kv_capacity_tokens}"
         )
     return "", ""

@@ -3,12 +3,17 @@ step 3c) each instance fetching the longest prefix held anywhere first.
 
 Estimates go through a per-decision memo: most instances share a cost model and a
 cached length (often zero), so each distinct estimate is computed once.
+:func:`least_ttft_candidates` is the kvcache-centric choice's pruned equivalent: the same
+estimates for every instance at once, as arrays, keeping only those that can win.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
+from halfmoon.conductor.loads import PrefillLoads
 from halfmoon.conductor.messages import PrefillCandidate
 from halfmoon.conductor.state import PrefillState
 from halfmoon.core.request import Request
@@ -77,3 +82,91 @@ def remote_candidates(
             )
         )
     return out
+
+
+#: Candidates of each kind (local, remote) a pruned decision keeps for its explanation.
+KEEP_CANDIDATES = 4
+
+
+def least_ttft_candidates(
+    request: Request,
+    loads: PrefillLoads,
+    held_blocks: Mapping[str, int],
+    threshold: float,
+    now_s: float,
+    memo: Memo,
+) -> tuple[list[PrefillCandidate], int]:
+    """What ``local_candidates + remote_candidates`` over ``loads.ids`` would list, pruned
+    to the :data:`KEEP_CANDIDATES` least-TTFT ones of each kind (ties: instance order), in
+    that list's order; and the length of the full list.
+
+    ``held_blocks``: the instances holding a prefix (``PrefixIndex.match_holders``); the
+    others have nothing cached, so their estimates differ only by their queues. The full
+    list's first least-TTFT candidate is always kept, so ``min(ttft)`` picks the same one.
+    TTFTs are computed for every instance at once with the same float operations as
+    :attr:`PrefillCandidate.ttft_s` (queue + transfer, then + prefill).
+    """
+    ids, position = loads.ids, loads.position
+    block, length = request.block_size_tokens, request.input_length
+    queue = loads.queue_s(now_s)
+    local_s = loads.per_model(lambda cm: memo_prefill_s(memo, cm, length, 0))
+    cached = {}
+    for iid, num_blocks in held_blocks.items():
+        i = position[iid]
+        cached[i] = min(num_blocks * block, length - 1)
+        local_s[i] = memo_prefill_s(memo, loads.states[i].cost_model, length - cached[i], cached[i])
+    local_ttft = (queue + 0.0) + local_s
+    picked = np.argsort(local_ttft, kind="stable")[:KEEP_CANDIDATES]
+    out = [
+        PrefillCandidate(ids[i], cached.get(i, 0), ids[i], float(queue[i]), float(local_s[i]), 0.0)
+        for i in sorted(picked.tolist())
+    ]
+    best_blocks = max(held_blocks.values(), default=0)
+    if not best_blocks:
+        return out, len(ids)
+    remote, num_remote = _least_ttft_remote(
+        request, loads, held_blocks, best_blocks, threshold, queue, memo
+    )
+    return out + remote, len(ids) + num_remote
+
+
+def _least_ttft_remote(
+    request: Request,
+    loads: PrefillLoads,
+    held_blocks: Mapping[str, int],
+    best_blocks: int,
+    threshold: float,
+    queue: np.ndarray,
+    memo: Memo,
+) -> tuple[list[PrefillCandidate], int]:
+    """The remote half of :func:`least_ttft_candidates`: the least-TTFT candidates that
+    fetch the longest prefix (``best_blocks``) first, and how many there are in all."""
+    ids, position = loads.ids, loads.position
+    block, length = request.block_size_tokens, request.input_length
+    source = ids[min(position[iid] for iid, n in held_blocks.items() if n == best_blocks)]
+    best_cached = min(best_blocks * block, length - 1)
+    threshold_tokens = threshold * length
+
+    def transfer_s(cm: CostModel, missing_blocks: int) -> float:
+        return cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token)
+
+    # Instances holding nothing miss all best_blocks; holders are set one by one.
+    xfer_s = loads.per_model(lambda cm: transfer_s(cm, best_blocks))
+    eligible = np.full(len(ids), best_blocks * block > threshold_tokens)
+    for iid, num_blocks in held_blocks.items():
+        i, missing = position[iid], best_blocks - num_blocks
+        eligible[i] = missing > 0 and missing * block > threshold_tokens
+        xfer_s[i] = transfer_s(loads.states[i].cost_model, missing) if eligible[i] else 0.0
+    remote_s = loads.per_model(
+        lambda cm: memo_prefill_s(memo, cm, length - best_cached, best_cached)
+    )
+    remote_ttft = np.where(eligible, (queue + xfer_s) + remote_s, np.inf)
+    picked = np.argsort(remote_ttft, kind="stable")[:KEEP_CANDIDATES]
+    out = [
+        PrefillCandidate(
+            ids[i], best_cached, source, float(queue[i]), float(remote_s[i]), float(xfer_s[i])
+        )
+        for i in sorted(picked.tolist())
+        if eligible[i]
+    ]
+    return out, int(eligible.sum())

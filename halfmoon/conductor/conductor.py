@@ -24,46 +24,41 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from halfmoon.conductor.admission import decode_candidate, rejection_reason, uniform_decode_time_s
-from halfmoon.conductor.candidates import Memo, local_candidates, remote_candidates
+from halfmoon.conductor.admission import (
+    DecodeTimes,
+    decode_candidate,
+    predicted_decode_candidate,
+    rejection_reason,
+)
+from halfmoon.conductor.balancing import Balancer
+from halfmoon.conductor.candidates import (
+    Memo,
+    least_ttft_candidates,
+    local_candidates,
+    remote_candidates,
+)
+from halfmoon.conductor.cluster import Cluster
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.cpp import PipelineEstimator, cpp_groups, group_candidates
-from halfmoon.conductor.index import PrefixIndex
+from halfmoon.conductor.loads import DecodeLoads, PrefillLoads
 from halfmoon.conductor.messages import (
-    BlockEvicted,
-    BlockStored,
     Decision,
     DecodeCandidate,
-    DecodeStarted,
-    LoadReport,
     PrefillCandidate,
-    PrefillFinished,
-    PrefillStarted,
     RejectCode,
     ReplicationPlan,
-    RequestFinished,
 )
 from halfmoon.conductor.policies import COUPLED_ROUTERS, get_policy
 from halfmoon.conductor.replication import HotSpotPlanner
-from halfmoon.conductor.state import DecodeState, PrefillState, check_bookings
+from halfmoon.conductor.state import DecodeState
 from halfmoon.core.clock import Clock
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 
-Event = (
-    BlockStored
-    | BlockEvicted
-    | PrefillStarted
-    | PrefillFinished
-    | DecodeStarted
-    | RequestFinished
-    | LoadReport
-)
-_TD_SMOOTHING = 0.05  # weight of a new observation in the moving average of t_d
 
-
-class Conductor:
-    """Global scheduler shared by the live system and the simulator."""
+class Conductor(Cluster):
+    """Global scheduler shared by the live system and the simulator (its books, events
+    and membership: :class:`~halfmoon.conductor.cluster.Cluster`)."""
 
     def __init__(
         self,
@@ -77,161 +72,50 @@ class Conductor:
                 f"unknown coupled router {config.coupled_router!r}; "
                 f"choose from {', '.join(COUPLED_ROUTERS)}"
             )
+        super().__init__(cost_model, clock)
         self.config = config
         self.policy = get_policy(config.policy)
-        self.cost_model = cost_model
-        self.clock = clock
         self.rng = rng if rng is not None else random.Random(0)
-        self.index = PrefixIndex()
-        self._prefill: dict[str, PrefillState] = {}
-        self._decode: dict[str, DecodeState] = {}
-        self._coupled: set[str] = set()
-        self._placements: dict[str, tuple[str, str]] = {}
-        self._group_of: dict[str, tuple[str, ...]] = {}
         self._cpp = PipelineEstimator(config)
-        self._decode_time_s = config.decode_time_estimate_s
+        self._decode_times = DecodeTimes(config.decode_time_estimate_s)
         self._round_robin = 0
         self._hot = HotSpotPlanner(
             config.hot_min_requests, config.hot_window_s, config.hot_max_replicas
         )
+        self._balancer = Balancer(
+            config.kvcache_balancing_threshold, config.balancing == "adaptive"
+        )
+        # Summaries for pruned decisions, rebuilt lazily whenever the instances change.
+        self._loads: PrefillLoads | None = None
+        self._decode_loads: DecodeLoads | None = None
+        self._alive = 0  # the index's slot mask of the disaggregated prefill instances
 
-    # -- membership ----------------------------------------------------------------------
-    def add_prefill_instance(self, instance_id: str, cost_model: CostModel | None = None) -> None:
-        """Register a prefill instance (its own cost model, or the Conductor's)."""
-        self._prefill[instance_id] = PrefillState(instance_id, cost_model or self.cost_model)
-        self.index.add_instance(instance_id)
+    # -- the books' hooks (halfmoon.conductor.cluster) ------------------------------------
+    def _instances_changed(self) -> None:
+        super()._instances_changed()
+        if self._loads is not None:
+            self._loads.detach()
+        self._loads = self._decode_loads = None
 
-    def add_decode_instance(
-        self,
-        instance_id: str,
-        cost_model: CostModel | None = None,
-        kv_capacity_tokens: int | None = None,
-    ) -> None:
-        """Register a decode instance and its KV capacity in tokens."""
-        cm = cost_model or self.cost_model
-        capacity = cm.kv_capacity_tokens() if kv_capacity_tokens is None else kv_capacity_tokens
-        self._decode[instance_id] = DecodeState(instance_id, cm, capacity)
+    def _prefill_finished(self, request_id: str, now_s: float) -> None:
+        self._balancer.prefill_finished(request_id, now_s)
 
-    def add_coupled_instance(
-        self,
-        instance_id: str,
-        cost_model: CostModel | None = None,
-        kv_capacity_tokens: int | None = None,
-    ) -> None:
-        """Register an instance that does both prefill and decode (vLLM-like)."""
-        self.add_prefill_instance(instance_id, cost_model)
-        self.add_decode_instance(instance_id, cost_model, kv_capacity_tokens)
-        self._coupled.add(instance_id)
+    def _decode_started(self, request_id: str, now_s: float) -> None:
+        self._balancer.decode_started(request_id, now_s)
 
-    def remove_instance(self, instance_id: str) -> None:
-        """Stop placing on ``instance_id``, forget its blocks, and drop what its requests
-        had booked on other instances (they will be placed again, or fail)."""
-        for rid, (prefill_id, decode_id) in list(self._placements.items()):
-            members = self._group_of.get(rid, (prefill_id,))  # a CPP group: every stage
-            if instance_id in (*members, decode_id):
-                del self._placements[rid]
-                self._group_of.pop(rid, None)
-                for member in members:
-                    if (state := self._prefill.get(member)) is not None:
-                        state.finish(rid)
-                if (dstate := self._decode.get(decode_id)) is not None:
-                    dstate.finish(rid)  # no decode-time sample: it did not finish
-        self._prefill.pop(instance_id, None)
-        self._decode.pop(instance_id, None)
-        self._coupled.discard(instance_id)
-        self.index.remove_instance(instance_id)
+    def _finished(self, request_id: str, decode_s: float | None) -> None:
+        self._balancer.forget(request_id)
+        if decode_s is not None:
+            self._decode_times.observe(decode_s)
 
-    @property
-    def num_placements(self) -> int:
-        """Requests placed and not yet finished or released."""
-        return len(self._placements)
-
-    @property
-    def prefill_instances(self) -> tuple[str, ...]:
-        """Instances that accept prefill work (disaggregated ones only)."""
-        return tuple(i for i in self._prefill if i not in self._coupled)
-
-    @property
-    def decode_instances(self) -> tuple[str, ...]:
-        """Disaggregated decode instances."""
-        return tuple(i for i in self._decode if i not in self._coupled)
-
-    @property
-    def coupled_instances(self) -> tuple[str, ...]:
-        """Coupled instances."""
-        return tuple(i for i in self._prefill if i in self._coupled)
-
-    def queue_s(self, instance_id: str) -> float:
-        """Estimated prefill queue time on an instance now."""
-        return self._prefill[instance_id].queue_s(self.clock.now())
+    def _touched(self, instance_id: str) -> None:
+        if self._decode_loads is not None:
+            self._decode_loads.touch(instance_id)
 
     @property
     def decode_time_estimate_s(self) -> float | None:
-        """The uniform decode duration t_d used by prediction (configured or learned)."""
-        return self._decode_time_s
-
-    # -- events ----------------------------------------------------------------------------
-    def handle(self, event: Event) -> None:
-        """Apply one event from an instance."""
-        now = self.clock.now()
-        if isinstance(event, BlockStored):
-            if event.instance_id in self._prefill:
-                self.index.stored(event.instance_id, event.block_hash, event.tier)
-        elif isinstance(event, BlockEvicted):
-            self.index.evicted(event.instance_id, event.block_hash, event.tier)
-        elif isinstance(event, PrefillStarted):
-            if (state := self._prefill.get(event.instance_id)) is not None:
-                state.start(event.request_id, now)
-        elif isinstance(event, PrefillFinished):
-            if (state := self._prefill.get(event.instance_id)) is not None:
-                state.finish(event.request_id)
-        elif isinstance(event, DecodeStarted):
-            if (dstate := self._decode.get(event.instance_id)) is not None:
-                dstate.start(event.request_id, now)
-        elif isinstance(event, RequestFinished):
-            self._finish(event.request_id, now)
-        elif isinstance(event, LoadReport):
-            self._apply_report(event)
-        else:
-            raise TypeError(f"unknown event {event!r}")
-
-    def release(self, request_id: str) -> bool:
-        """Drop whatever ``request_id`` still has booked (its gateway saw it end without a
-        worker's RequestFinished: a failure before dispatch, a refusal, a hang-up).
-        Idempotent; True when something was booked. No decode-time sample is taken."""
-        booked = request_id in self._placements
-        self._finish(request_id, self.clock.now(), sample=False)
-        return booked
-
-    def check_integrity(self) -> None:
-        """Assert that placements and per-instance bookings agree both ways, and that each
-        instance's totals equal the sum of its parts (tests and the service's ping)."""
-        check_bookings(self._placements, self._group_of, self._prefill, self._decode)
-
-    def _finish(self, request_id: str, now_s: float, sample: bool = True) -> None:
-        prefill_id, decode_id = self._placements.pop(request_id, ("", ""))
-        for member in self._group_of.pop(request_id, (prefill_id,)):
-            if (state := self._prefill.get(member)) is not None:
-                state.finish(request_id)
-        if (dstate := self._decode.get(decode_id)) is not None:
-            started = dstate.finish(request_id)
-            if sample and started is not None and self.config.decode_time_estimate_s is None:
-                sample = now_s - started
-                old = self._decode_time_s
-                self._decode_time_s = (
-                    sample if old is None else old + _TD_SMOOTHING * (sample - old)
-                )
-
-    def _apply_report(self, report: LoadReport) -> None:
-        if (state := self._prefill.get(report.instance_id)) is not None:
-            state.report(report.queued_prefill_tokens, self.clock.now())
-        dstate = self._decode.get(report.instance_id)
-        if dstate is None:
-            return
-        dstate.reported_running = report.num_running
-        dstate.reported_context_tokens = report.context_tokens
-        if report.kv_capacity_tokens:
-            dstate.kv_capacity_tokens = report.kv_capacity_tokens
+        """The mean decode duration t_d of the prediction (configured or learned)."""
+        return self._decode_times.mean_s
 
     # -- placement -------------------------------------------------------------------------
     def prefill_candidates(self, request: Request) -> list[PrefillCandidate]:
@@ -244,7 +128,7 @@ class Conductor:
         local = local_candidates(request, self._prefill, ids, matched, now, memo)
         out = local
         if self.policy.uses_remote_prefixes and local:
-            threshold = self.config.kvcache_balancing_threshold
+            threshold = self._balancer.decision_threshold()
             out = local + remote_candidates(request, self._prefill, local, matched, threshold, memo)
         cfg = self.config
         groups = cpp_groups(ids, cfg.cpp_stages)
@@ -253,6 +137,53 @@ class Conductor:
             remote = self.policy.uses_remote_prefixes
             out += group_candidates(request, groups, self._prefill, matched, now, self._cpp, remote)
         return out
+
+    def _pruned_candidates(self, request: Request) -> tuple[list[PrefillCandidate], int]:
+        """What :meth:`prefill_candidates` lists, pruned to those that can win under
+        kvcache-centric and a few runners-up (:func:`least_ttft_candidates`), and the
+        number of candidates considered. O(prefix + holders) Python work, not O(instances)."""
+        if self._loads is None:
+            self._loads = PrefillLoads([self._prefill[i] for i in self.prefill_instances])
+            self._alive = self.index.mask(self._loads.ids)
+        loads, cfg, now = self._loads, self.config, self.clock.now()
+        hashes = request.block_hashes[: request.num_full_blocks]
+        held = self.index.match_holders(hashes, self._alive)
+        # Per decision (the balancer may change it), asked when prefill_candidates would be.
+        threshold = self._balancer.decision_threshold() if loads.ids else 0.0
+        memo: Memo = {}
+        out, num = least_ttft_candidates(request, loads, held, threshold, now, memo)
+        groups = cpp_groups(loads.ids, cfg.cpp_stages)
+        if groups and request.input_length >= cfg.cpp_min_tokens:
+            matched = dict.fromkeys(loads.ids, 0) | held
+            groups_out = group_candidates(
+                request, groups, self._prefill, matched, now, self._cpp, True
+            )
+            out += groups_out
+            num += len(groups_out)
+        return out, num
+
+    def _decode_choice(
+        self, request: Request, ready_s: float, exhaustive: bool
+    ) -> tuple[DecodeCandidate, list[DecodeCandidate]]:
+        """The decode instance with the least estimated TBT (ties: the earlier instance)
+        and the candidates evaluated: every instance, or (snapshot estimates, a shared
+        monotone cost model) only those whose lower bound can beat the best so far."""
+        if self._decode_loads is None:
+            self._decode_loads = DecodeLoads([self._decode[d] for d in self.decode_instances])
+        loads = self._decode_loads
+        if exhaustive or self.config.early_reject == "predict" or not loads.usable:
+            decodes = [
+                self._decode_candidate(request, self._decode[d], ready_s)
+                for d in self.decode_instances
+            ]
+            return min(decodes, key=lambda d: d.est_tbt_s), decodes
+        evaluated = loads.best(
+            request.input_length, lambda dstate: self._decode_candidate(request, dstate, ready_s)
+        )
+        rank = loads.rank
+        best = min(evaluated, key=lambda d: (d.est_tbt_s, rank[d.instance_id]))
+        evaluated.sort(key=lambda d: rank[d.instance_id])
+        return best, evaluated
 
     def _choose(self, candidates: Sequence[PrefillCandidate]) -> PrefillCandidate:
         """The policy's single-instance choice, or a CPP group when it lowers TTFT."""
@@ -267,20 +198,29 @@ class Conductor:
     def _decode_candidate(
         self, request: Request, dstate: DecodeState, ready_s: float
     ) -> DecodeCandidate:
-        predict = self.config.early_reject == "predict"
-        t_d = uniform_decode_time_s(request, dstate, self._decode_time_s) if predict else 0.0
-        return decode_candidate(request, dstate, ready_s, predict, t_d)
+        if self.config.early_reject == "predict":
+            now = self.clock.now()
+            return predicted_decode_candidate(request, dstate, now, ready_s, self._decode_times)
+        return decode_candidate(request, dstate)
 
     def _rejection(
         self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate
     ) -> tuple[str, str]:
         dstate = self._decode[decode.instance_id]
-        return rejection_reason(self.config, request, chosen, decode, dstate)
+        return rejection_reason(self.config, request, chosen, decode, dstate, self.clock.now())
 
-    def schedule(self, request: Request) -> Decision:
-        """Place ``request`` on a prefill and a decode instance, or reject it."""
+    def schedule(self, request: Request, *, exhaustive: bool = False) -> Decision:
+        """Place ``request`` on a prefill and a decode instance, or reject it.
+
+        The decision is the same with or without ``exhaustive``; without it, instances
+        that cannot win are pruned (kvcache-centric; snapshot decode estimates) and
+        ``Decision.candidates`` lists the best few (``num_candidates`` counts them all)."""
         policy = self.policy.name
-        candidates = self.prefill_candidates(request)
+        if exhaustive or policy != "kvcache-centric":
+            candidates = self.prefill_candidates(request)
+            num_candidates = len(candidates)
+        else:
+            candidates, num_candidates = self._pruned_candidates(request)
         if not candidates or not self.decode_instances:
             return Decision(
                 request_id=request.request_id,
@@ -295,10 +235,11 @@ class Conductor:
             )
         chosen = self._choose(candidates)
         ready_s = self.clock.now() + chosen.ttft_s
-        decodes = [
-            self._decode_candidate(request, self._decode[d], ready_s) for d in self.decode_instances
-        ]
-        decode = min(decodes, key=lambda d: d.est_tbt_s)
+        decode, decodes = self._decode_choice(request, ready_s, exhaustive)
+        counts = {
+            "num_candidates": num_candidates,
+            "num_decode_candidates": len(self.decode_instances),
+        }
         why = (
             f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
             f"est TTFT {chosen.ttft_s:.3f}s); decode {decode.instance_id} "
@@ -317,8 +258,10 @@ class Conductor:
                 decode_candidates=tuple(decodes),
                 why=why,
                 reject_code=code,
+                **counts,
             )
         replications = self._commit(request, chosen, decode.instance_id, ready_s)
+        self._observe_placement(request, chosen, candidates)
         return Decision(
             request_id=request.request_id,
             policy=policy,
@@ -329,6 +272,31 @@ class Conductor:
             decode_candidates=tuple(decodes),
             replications=replications,
             why=why,
+            **counts,
+        )
+
+    @property
+    def balancing(self) -> dict[str, object]:
+        """The cache-balancing threshold in use and how it was learned
+        (:class:`~halfmoon.conductor.balancing.Balancer`)."""
+        return self._balancer.state()
+
+    def _observe_placement(
+        self, request: Request, chosen: PrefillCandidate, candidates: Sequence[PrefillCandidate]
+    ) -> None:
+        """Hand the adaptive balancer what this placement assumed (single instances)."""
+        if not self._balancer.adaptive or chosen.group:
+            return
+        local = [c.ttft_s for c in candidates if not c.group and not c.is_remote]
+        best_local = min(local, default=chosen.ttft_s)
+        fraction = None
+        if chosen.is_remote:
+            hashes = request.block_hashes[: request.num_full_blocks]
+            own = self.index.match(hashes, (chosen.instance_id,))[chosen.instance_id]
+            own_tokens = min(own * request.block_size_tokens, chosen.cached_tokens)
+            fraction = (chosen.cached_tokens - own_tokens) / request.input_length
+        self._balancer.placed(
+            request.request_id, self.clock.now(), chosen.ttft_s, fraction, best_local
         )
 
     def route_coupled(self, request: Request) -> Decision:
@@ -407,7 +375,11 @@ class Conductor:
         else:
             self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
         self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
+        if self._decode_loads is not None:
+            self._decode_loads.touch(decode_id)
         self._placements[rid] = (chosen.instance_id, decode_id)
+        if chosen.is_remote:
+            self._sources[rid] = chosen.cache_source
         block = request.block_size_tokens
         num_cached_blocks = chosen.cached_tokens // block
         prefix = request.block_hashes[:num_cached_blocks]

@@ -8,6 +8,7 @@ from halfmoon.core.config import SLOConfig
 from halfmoon.core.jsonconfig import config_fields, config_to_json
 
 EARLY_REJECT_MODES = ("none", "snapshot", "predict")
+BALANCING_MODES = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,12 @@ class ConductorConfig:
       request's prefill would finish, from the paper's load prediction).
     - ``kvcache_balancing_threshold``: the kvcache-centric policy fetches a remote prefix
       only when it is longer than the local one by more than this fraction of the prompt.
+    - ``balancing``: ``fixed`` uses that threshold; ``adaptive`` learns it online from
+      the measured outcomes of its placements, starting from (and, without enough
+      outcomes, falling back to) the configured value (:mod:`halfmoon.conductor.balancing`).
     - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
-      None learns it as a moving average of observed decode durations.
+      None predicts from the distribution of recently observed decode durations
+      (:class:`~halfmoon.conductor.admission.DecodeTimes`; t_d is their moving average).
     - ``replicate_remote_prefixes``: plan a copy of remotely fetched blocks to the chosen
       instance (they arrive there anyway; the plan makes the copy a cached one).
     - Hot-spot replication: a prefix (identified by its last cached block) used by at least
@@ -48,6 +53,7 @@ class ConductorConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     early_reject: str = "none"
     kvcache_balancing_threshold: float = 0.1
+    balancing: str = "fixed"
     decode_time_estimate_s: float | None = None
     replicate_remote_prefixes: bool = True
     hot_min_requests: int = 8
@@ -69,6 +75,10 @@ class ConductorConfig:
             raise ValueError(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
         if not 0 <= self.kvcache_balancing_threshold <= 1:
             raise ValueError("kvcache_balancing_threshold must be in [0, 1]")
+        if self.balancing not in BALANCING_MODES:
+            raise ValueError(
+                f"unknown balancing mode {self.balancing!r}; choose from {', '.join(BALANCING_MODES)}"
+            )
         if self.hot_min_requests < 0 or self.hot_window_s <= 0 or self.hot_max_replicas < 0:
             raise ValueError("hot-spot parameters must be non-negative (window positive)")
         if self.cpp_stages < 1:

@@ -24,6 +24,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._slots: dict[str, int] = {}
+        self._ids_by_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._any: dict[int, int] = {}
         self._by_tier: dict[str, dict[int, int]] = {tier: {} for tier in TIERS}
@@ -37,6 +38,7 @@ class PrefixIndex:
             return
         slot = self._free_slots.pop() if self._free_slots else len(self._slots)
         self._slots[instance_id] = slot
+        self._ids_by_slot[slot] = instance_id
         self._held[instance_id] = 0
 
     def remove_instance(self, instance_id: str) -> None:
@@ -45,6 +47,7 @@ class PrefixIndex:
         if slot is None:
             return
         del self._held[instance_id]
+        del self._ids_by_slot[slot]
         keep = ~(1 << slot)
         for table in (self._any, *self._by_tier.values()):
             for h in [h for h, m in table.items() if m >> slot & 1]:
@@ -122,14 +125,19 @@ class PrefixIndex:
 
     def match(self, block_hashes: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
         """Number of leading ``block_hashes`` held by each of ``instance_ids`` (any tier)."""
-        slot_of = self._slots
-        alive = 0
-        for iid in instance_ids:
-            if iid in slot_of:
-                alive |= 1 << slot_of[iid]
         result = dict.fromkeys(instance_ids, 0)
-        if not alive:
-            return result
+        result.update(self.match_holders(block_hashes, self.mask(instance_ids)))
+        return result
+
+    def mask(self, instance_ids: Sequence[str]) -> int:
+        """The slot bitmask of the known ones of ``instance_ids`` (for :meth:`match_holders`)."""
+        slot_of = self._slots
+        return sum(1 << slot_of[iid] for iid in set(instance_ids) if iid in slot_of)
+
+    def match_holders(self, block_hashes: Sequence[int], alive: int) -> dict[str, int]:
+        """Number of leading ``block_hashes`` held by each instance of the slot mask
+        ``alive`` that holds at least the first one (the others match 0 blocks): O(prefix
+        length + holders), whatever the number of instances."""
         lengths: dict[int, int] = {}
         table = self._any
         position = 0
@@ -137,7 +145,7 @@ class PrefixIndex:
             still = table.get(h, 0) & alive
             if still != alive:
                 dropped = alive & ~still
-                while dropped:
+                while dropped and position:
                     low = dropped & -dropped
                     lengths[low.bit_length() - 1] = position
                     dropped ^= low
@@ -146,12 +154,9 @@ class PrefixIndex:
                     break
         else:
             position = len(block_hashes)
-        while alive:
+        while alive and position:
             low = alive & -alive
             lengths[low.bit_length() - 1] = position
             alive ^= low
-        for iid in instance_ids:
-            slot = slot_of.get(iid)
-            if slot is not None:
-                result[iid] = lengths.get(slot, 0)
-        return result
+        id_of = self._ids_by_slot
+        return {id_of[slot]: n for slot, n in lengths.items()}

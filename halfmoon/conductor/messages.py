@@ -146,6 +146,9 @@ class Decision:
 
     When ``accepted`` is False, ``reject_code`` (a :class:`RejectCode`) and
     ``reject_reason`` say why, and nothing was placed. Every field is keyword-only.
+    ``candidates`` / ``decode_candidates`` may be the best few of those considered (a
+    pruned decision); ``num_candidates`` / ``num_decode_candidates`` count them all
+    (0: all are listed).
     """
 
     request_id: str
@@ -159,6 +162,8 @@ class Decision:
     replications: tuple[ReplicationPlan, ...] = field(default=())
     why: str = ""
     reject_code: str = ""
+    num_candidates: int = 0
+    num_decode_candidates: int = 0
 
     @property
     def est_ttft_s(self) -> float | None:
@@ -178,12 +183,18 @@ class Decision:
                 f" {mark}{c.label:<10} {c.cache_source:<10} {c.cached_tokens:>8} "
                 f"{c.queue_s:>8.3f} {c.transfer_s:>8.3f} {c.prefill_s:>9.3f} {c.ttft_s:>8.3f}"
             )
+        if self.num_candidates > len(self.candidates):
+            more = self.num_candidates - len(self.candidates)
+            lines.append(f"  (+{more} prefill candidate(s) not listed: none beats the choice)")
         for d in self.decode_candidates:
             mark = "*" if d == self.decode else " "
             lines.append(
                 f" {mark}{d.instance_id:<10} running={d.num_running} "
                 f"context={d.context_tokens} est_tbt_s={d.est_tbt_s:.4f}"
             )
+        if self.num_decode_candidates > len(self.decode_candidates):
+            more = self.num_decode_candidates - len(self.decode_candidates)
+            lines.append(f"  (+{more} decode instance(s) not listed: none beats the choice)")
         if not self.accepted:
             lines.append(f"  REJECTED: {self.reject_reason}")
         for r in self.replications:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from halfmoon.conductor.config import EARLY_REJECT_MODES, ConductorConfig
+from halfmoon.conductor.config import BALANCING_MODES, EARLY_REJECT_MODES, ConductorConfig
 from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
@@ -38,6 +38,8 @@ _COMMON: dict[str, Any] = {
     "cpp_stages": 1,
     "cpp_chunk_tokens": 1024,
     "cpp_hidden_bytes_per_token": None,
+    "kvcache_balancing_threshold": 0.1,
+    "balancing": "fixed",
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -58,6 +60,16 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
     g.add_argument("--tbt-metric", default=d["tbt_metric"], help=f"one of {', '.join(TBT_METRICS)}")
     g.add_argument("--early-reject", default=d["early_reject"],
                    help=f"one of {', '.join(EARLY_REJECT_MODES)}")  # fmt: skip
+    g.add_argument(
+        "--kvcache-balancing-threshold", type=float, default=d["kvcache_balancing_threshold"],
+        metavar="F", help="fetch a longer prefix from another instance only when it is "
+        "longer than the local one by more than F x the prompt (0..1; 1: never fetch)",
+    )  # fmt: skip
+    g.add_argument(
+        "--balancing", default=d["balancing"],
+        help="fixed: use --kvcache-balancing-threshold; adaptive: learn the threshold "
+        "online from measured prefill times, starting from (and falling back to) it",
+    )  # fmt: skip
     g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
         help="chunked pipeline parallelism: prefill instances form groups of K consecutive "
@@ -87,6 +99,9 @@ def conductor_config_from_args(
     hidden = args.cpp_hidden_bytes_per_token
     if hidden is not None and hidden < 0:
         raise HalfmoonError(f"--cpp-hidden-bytes-per-token must be >= 0, got {hidden}")
+    threshold = args.kvcache_balancing_threshold
+    if not 0 <= threshold <= 1:
+        raise HalfmoonError(f"--kvcache-balancing-threshold must be in [0, 1], got {threshold}")
     return ConductorConfig(
         policy=check_choice("policy", args.policy, POLICIES),
         block_size_tokens=check_at_least("--block-size", block_size_tokens, 1),
@@ -96,6 +111,8 @@ def conductor_config_from_args(
             check_choice("tbt metric", args.tbt_metric, TBT_METRICS),
         ),
         early_reject=check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES),
+        kvcache_balancing_threshold=threshold,
+        balancing=check_choice("balancing mode", args.balancing, BALANCING_MODES),
         coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
         cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),

@@ -7,7 +7,7 @@ reports move requests along or correct the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from halfmoon.costmodel.base import CostModel
@@ -19,6 +19,8 @@ class PrefillState:
 
     ``queue_s(now)`` is the paper's T_queue: the estimated prefill time of everything
     ahead of a new request, less what the running ones have already done.
+    ``on_change`` (if set) is called after every change of the bookings; the Conductor's
+    :class:`~halfmoon.conductor.loads.PrefillLoads` keeps its queue arrays current with it.
     """
 
     instance_id: str
@@ -29,17 +31,26 @@ class PrefillState:
     total_pending_s: float = 0.0
     reported_queue_s: float = 0.0
     reported_at_s: float = 0.0
+    on_change: Callable[[PrefillState], None] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     def add(self, request_id: str, prefill_s: float, new_tokens: int) -> None:
         """Queue a placed request."""
         self.pending_s[request_id] = prefill_s
         self.pending_tokens[request_id] = new_tokens
         self.total_pending_s += prefill_s
+        self._changed()
 
     def start(self, request_id: str, now_s: float) -> None:
         """The instance began this request's prefill."""
         if request_id in self.pending_s:
             self.started_at_s[request_id] = now_s
+            self._changed()
 
     def finish(self, request_id: str) -> None:
         """The prefill is over (done, failed or aborted)."""
@@ -50,12 +61,14 @@ class PrefillState:
         self.started_at_s.pop(request_id, None)
         if not self.pending_s:
             self.total_pending_s = 0.0  # no float drift once empty
+        self._changed()
 
     def report(self, queued_prefill_tokens: int, now_s: float) -> None:
         """The instance says how many uncached tokens it has queued (work the Conductor
         may not know of, e.g. after a restart)."""
         self.reported_queue_s = self.cost_model.prefill_time_s(queued_prefill_tokens, 0)
         self.reported_at_s = now_s
+        self._changed()
 
     def queue_s(self, now_s: float) -> float:
         """Estimated seconds until a newly queued request could start.
@@ -108,6 +121,18 @@ class DecodeState:
     def committed_tokens(self) -> int:
         """KV tokens of running plus incoming requests."""
         return self.context_tokens + sum(ctx for _, ctx in self.incoming.values())
+
+    def context_tokens_at(self, now_s: float) -> int:
+        """``context_tokens`` with the tokens the running requests have generated since
+        they joined (one per step, at the batch's estimated step): the bookings hold
+        prompts only, and a long decode adds thousands. A load report already counts
+        them."""
+        if self.reported_context_tokens is not None or not self.running:
+            return self.context_tokens
+        ctx = self.context_tokens
+        step_s = self.step_time_s(len(self.running), ctx)
+        age_s = sum(now_s - start for start, _ in self.running.values())
+        return ctx + round(max(0.0, age_s) / step_s)
 
     def step_time_s(self, num_running: int, context_tokens: int) -> float:
         """Estimated decode step for a batch of that shape."""

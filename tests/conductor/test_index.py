@@ -28,6 +28,9 @@ def test_match_example_from_docstring():
     assert idx.match([0, 1, 2, 3], ["a", "b", "c", "d"]) == {"a": 3, "b": 1, "c": 0, "d": 2}
     assert idx.match([], ["a"]) == {"a": 0}
     assert idx.match([0], ["unknown"]) == {"unknown": 0}
+    # Only the holders of the first block, for the instances of the mask.
+    assert idx.match_holders([0, 1, 2, 3], idx.mask(["a", "b", "c"])) == {"a": 3, "b": 1}
+    assert idx.match_holders([5], idx.mask(["a", "b", "c", "d"])) == {}
 
 
 def test_tiers_count_as_held_until_gone_from_all():

@@ -46,7 +46,10 @@ def _register(client, iid, role):
             "kv_capacity_tokens": 100_000,
         }
     )
-    assert reply == {"type": "registered", "instance_id": iid, "msg_id": reply["msg_id"]}
+    # the cluster's TBT SLO comes back: a decode worker's guard holds its steps to it
+    assert reply == {
+        "type": "registered", "instance_id": iid, "msg_id": reply["msg_id"], "tbt_slo_s": 1.0,
+    }  # fmt: skip
 
 
 def test_register_events_schedule(spawn, port):

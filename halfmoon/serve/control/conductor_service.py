@@ -263,6 +263,7 @@ class ConductorService:
             store_stats={i: s for i, s in self.store_stats.items() if i in self.instances},
             cluster=self.cluster,
             index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
+            balancing=self.conductor.balancing,
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:

@@ -292,6 +292,8 @@ class ConductorPong(Message):
     cluster: ClusterIdentity | None = None
     #: Blocks the prefix index holds per instance (any tier): checks against the workers.
     index_blocks: dict[str, int] = field(default_factory=dict)
+    #: The cache-balancing threshold in use and how it was learned (``Conductor.balancing``).
+    balancing: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,195 @@
+"""A pruned decision equals the exhaustive one (every instance evaluated), on random
+clusters and event streams: same placement, same tie-breaking, same rejections."""
+
+import random
+
+import pytest
+
+from halfmoon.conductor import (
+    BlockEvicted,
+    BlockStored,
+    Conductor,
+    ConductorConfig,
+    DecodeStarted,
+    LoadReport,
+    PrefillFinished,
+    PrefillStarted,
+    RequestFinished,
+)
+from halfmoon.core.clock import ManualClock
+from halfmoon.core.config import SLOConfig
+from halfmoon.core.request import Request
+from halfmoon.costmodel import build_cost_model
+from halfmoon.costmodel.throughput import ThroughputCostModel
+
+BLOCK = 16
+
+
+def _cost_models(rng):
+    """Round numbers, so that estimates tie often; sometimes a roofline model."""
+    fast = ThroughputCostModel(1000.0, 1024, 1e9, 0.01, 1e-6)
+    slow = ThroughputCostModel(500.0, 2048, 1e9, 0.02, 2e-6)
+    roofline = build_cost_model("llama3-8b", "a800", 1)
+    return rng.choice([[fast], [fast, slow], [roofline], [roofline, fast]])
+
+
+class Twin:
+    """The same cluster twice: one Conductor prunes, the other evaluates everything."""
+
+    def __init__(self, rng, seed):
+        self.rng = rng
+        self.clock = ManualClock()
+        config = ConductorConfig(
+            block_size_tokens=BLOCK,
+            early_reject=rng.choice(["none", "snapshot", "predict"]),
+            kvcache_balancing_threshold=rng.choice([0.0, 0.1, 0.5]),
+            balancing=rng.choice(["fixed", "adaptive"]),
+            slo=SLOConfig(ttft_s=rng.choice([2.0, 30.0]), tbt_s=rng.choice([0.05, 1.0])),
+            cpp_stages=rng.choice([1, 1, 2]),
+            cpp_min_tokens=64,
+            cpp_hidden_bytes_per_token=512,
+            hot_min_requests=rng.choice([0, 2]),
+        )
+        models = _cost_models(rng)
+        self.pruned, self.full = (
+            Conductor(config, models[0], self.clock, random.Random(seed)) for _ in range(2)
+        )
+        self.models = models
+        self.prefill, self.decode = [], []
+        self.names = 0
+        for _ in range(rng.randint(1, 12)):
+            self.add("P", self.prefill)
+        for _ in range(rng.randint(1, 10)):
+            self.add("D", self.decode)
+        self.live: list[tuple[str, str, str]] = []  # (request, prefill, decode)
+        self.num = 0
+
+    def add(self, kind, names):
+        self.names += 1
+        iid = f"{kind}{self.names}"
+        cm = self.rng.choice(self.models)
+        capacity = self.rng.choice([2_000, 1_000_000])
+        for c in (self.pruned, self.full):
+            if kind == "P":
+                c.add_prefill_instance(iid, cm)
+            else:
+                c.add_decode_instance(iid, cm, kv_capacity_tokens=capacity)
+        names.append(iid)
+
+    def send(self, event):
+        self.pruned.handle(event)
+        self.full.handle(event)
+
+    def step(self):
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.25:
+            self.schedule()
+        elif roll < 0.45:
+            iid = rng.choice(self.prefill)
+            first = rng.randrange(4)  # a few shared document starts
+            for h in range(rng.randint(1, 12)):
+                self.send(BlockStored(first * 100 + h, instance_id=iid))
+        elif roll < 0.5:
+            h = rng.randrange(4) * 100 + rng.randrange(12)
+            self.send(BlockEvicted(h, instance_id=rng.choice(self.prefill)))
+        elif roll < 0.75 and self.live:
+            self.advance(self.live[rng.randrange(len(self.live))])
+        elif roll < 0.8:
+            iid = rng.choice(self.prefill + self.decode)
+            self.send(
+                LoadReport(
+                    iid,
+                    num_running=rng.randint(0, 4),
+                    context_tokens=rng.randint(0, 3000),
+                    queued_prefill_tokens=rng.choice([0, 0, rng.randint(1, 5000)]),
+                )
+            )
+        elif roll < 0.82 and len(self.prefill) > 1:
+            self.remove(self.prefill)
+        elif roll < 0.84 and len(self.decode) > 1:
+            self.remove(self.decode)
+        elif roll < 0.86:
+            kind = rng.choice("PD")
+            self.add(kind, self.prefill if kind == "P" else self.decode)
+        else:
+            self.clock.advance(rng.choice([0.0, 0.01, 0.25, 1.0]))
+
+    def remove(self, names):
+        iid = names.pop(self.rng.randrange(len(names)))
+        for c in (self.pruned, self.full):
+            c.remove_instance(iid)
+        self.live = [x for x in self.live if iid not in x[1:]]
+
+    def advance(self, entry):
+        rid, p, d = entry
+        kind = self.rng.randrange(3)
+        if kind == 0:
+            self.send(PrefillStarted(p, rid))
+        elif kind == 1:
+            self.send(PrefillFinished(p, rid))
+            self.send(DecodeStarted(d, rid))
+        else:
+            self.send(RequestFinished(d, rid))
+            self.live.remove(entry)
+
+    def schedule(self):
+        rng = self.rng
+        self.num += 1
+        first = rng.randrange(4) * 100
+        shared = tuple(range(first, first + rng.randint(0, 12)))
+        fresh = tuple(range(10**6 + self.num * 100, 10**6 + self.num * 100 + rng.randint(0, 8)))
+        hashes = shared + fresh
+        length = max(1, len(hashes) * BLOCK - rng.randrange(BLOCK))
+        request = Request(f"r{self.num}", 0.0, length, rng.randint(1, 50), hashes, BLOCK)
+        got = self.pruned.schedule(request)
+        want = self.full.schedule(request, exhaustive=True)
+        assert (got.accepted, got.reject_code, got.reject_reason) == (
+            want.accepted,
+            want.reject_code,
+            want.reject_reason,
+        )
+        assert got.prefill == want.prefill and got.decode == want.decode
+        assert got.replications == want.replications and got.why == want.why
+        assert set(got.candidates) <= set(want.candidates)
+        assert got.num_candidates == len(want.candidates)
+        assert set(got.decode_candidates) <= set(want.decode_candidates)
+        if got.accepted:
+            self.live.append((request.request_id, got.prefill.instance_id, got.decode.instance_id))
+        self.pruned.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_pruned_decisions_equal_exhaustive(seed):
+    rng = random.Random(seed)
+    twin = Twin(rng, seed)
+    for _ in range(150):
+        twin.step()
+    assert twin.num > 0
+
+
+def test_pruned_explanation_counts_the_rest(make_conductor):
+    c = make_conductor(num_prefill=12, num_decode=6)
+    for h in range(4):
+        c.handle(BlockStored(h, instance_id="P3"))
+    request = Request("r", 0.0, 20 * BLOCK, 8, tuple(range(20)), BLOCK)
+    d = c.schedule(request)
+    assert d.prefill.instance_id == "P3" and d.num_candidates == 12 + 11
+    assert len(d.candidates) < d.num_candidates and d.num_decode_candidates == 6
+    text = d.explain()
+    assert "prefill candidate(s) not listed" in text and "decode instance(s) not listed" in text
+
+
+def test_decode_tie_goes_to_the_earlier_instance(make_conductor):
+    # The worked example's model ignores the batch size: D1 (3 running, no context) and
+    # D2 (idle) tie; D2 sorts first in the pruned order, D1 still wins the tie.
+    pruned, full = make_conductor(num_prefill=1, num_decode=2), make_conductor(1, 2)
+    request = Request("r", 0.0, 4 * BLOCK, 8, tuple(range(4)), BLOCK)
+    for c in (pruned, full):
+        c.handle(LoadReport("D1", num_running=3, context_tokens=0))
+    got = pruned.schedule(request)
+    assert got.decode.instance_id == "D1" and [d.instance_id for d in got.decode_candidates] == [
+        "D1",
+        "D2",
+    ]
+    assert got.decode == full.schedule(request, exhaustive=True).decode
