@@ -21,6 +21,7 @@ from halfmoon.core.errors import HalfmoonError
 COMMAND_MODULES = (
     "halfmoon.workload.cli",
     "halfmoon.sim.cli",
+    "halfmoon.sim.plan",
     "halfmoon.bench.cli",
     "halfmoon.engine.cli",
     "halfmoon.demo",

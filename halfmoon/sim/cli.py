@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -19,12 +20,14 @@ from halfmoon.core.eviction import POLICY_NAMES
 from halfmoon.core.flags import check_choice, check_positive
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.hardware import get_gpu
 from halfmoon.costmodel.models import get_model
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
 from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
 from halfmoon.metrics.records import records_to_json
 from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimConfig
+from halfmoon.sim.replan import ReplanConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
 from halfmoon.workload.cli import add_workload_args
@@ -53,17 +56,27 @@ def parse_tokens(text: str) -> int | None:
 
 
 def make_cost_model(
-    model: str, gpu: str, gpus_per_instance: int, profile: str | None = None
+    model: str,
+    gpu: str,
+    gpus_per_instance: int,
+    profile: str | None = None,
+    nic_gbps: float | None = None,
 ) -> CostModel:
     """The roofline model of one instance, or a measured ``profile`` with the roofline's
-    KV size, link and capacity."""
-    roofline = build_cost_model(model, gpu, gpus_per_instance)
+    KV size, link and capacity; ``nic_gbps`` overrides the accelerator's network
+    bandwidth per GPU (Gbit/s)."""
+    spec = get_gpu(gpu)
+    if nic_gbps is not None:
+        if not (math.isfinite(nic_gbps) and nic_gbps > 0):
+            raise HalfmoonError(f"--nic-gbps must be a number > 0, got {nic_gbps}")
+        spec = dataclasses.replace(spec, nic_gbps_per_gpu=nic_gbps)
+    roofline = build_cost_model(model, spec, gpus_per_instance)
     if profile is None:
         return roofline
     return ProfileCostModel.from_roofline(CostProfile.load(profile), roofline)
 
 
-def _workload(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
+def workload_requests(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
     """The requests (length-scaled) and, when cheap to know, how many (progress bar)."""
     block_tokens = block_tokens_for_scale(args.length_scale)
     if args.trace is not None:
@@ -134,12 +147,21 @@ def run_simulate(args: argparse.Namespace) -> int:
     """Build the cluster, replay the workload, print the summary, write JSON / plot."""
     if args.gpus_per_instance < 1:
         raise HalfmoonError(f"--gpus-per-instance must be >= 1, got {args.gpus_per_instance}")
-    cost_model = make_cost_model(args.model, args.gpu, args.gpus_per_instance, args.profile)
+    cost_model = make_cost_model(
+        args.model, args.gpu, args.gpus_per_instance, args.profile, args.nic_gbps
+    )
     sim_config, conductor_config = _configs(args, serving_terms(args, cost_model))
-    requests, total = _workload(args)
+    requests, total = workload_requests(args)
     if total is not None and args.max_requests is not None:
         total = min(total, args.max_requests)
-    simulator = Simulator(sim_config, conductor_config, cost_model, seed=args.seed)
+    replan = None
+    if args.replan:
+        replan = ReplanConfig(
+            interval_s=check_positive("--replan-interval", args.replan_interval),
+            window_s=check_positive("--replan-window", args.replan_window),
+            cooldown_s=args.replan_interval,
+        )
+    simulator = Simulator(sim_config, conductor_config, cost_model, seed=args.seed, replan=replan)
     tick, close = _progress(total)
     start = time.perf_counter()
     try:
@@ -148,6 +170,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         close()
     wall_s = time.perf_counter() - start
     print(format_report(result.report))
+    for change in result.report["role_changes"]:
+        print(f"role change at {change['time_s']:.1f} s: {change['from']} -> {change['to']}")
     print(f"simulated {result.report['num_events']:,} events in {wall_s:.1f} s")
     _write_outputs(args, result)
     return 0
@@ -178,12 +202,21 @@ def _write_outputs(args: argparse.Namespace, result: SimResult) -> None:
         print(f"plot written to {args.plot}")
 
 
-def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="8P8D", help="xPyD (e.g. 8P8D) or xM (e.g. 16M)")
+def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
+    """What one instance is (``simulate`` and ``plan``): model, accelerator, network."""
     parser.add_argument("--model", default="llama2-70b", help="model name (costmodel registry)")
     parser.add_argument("--gpu", default="a800", help="accelerator name (costmodel registry)")
     parser.add_argument("--gpus-per-instance", type=int, default=8, help="GPUs per instance")
+    parser.add_argument(
+        "--nic-gbps", type=float, metavar="G",
+        help="network bandwidth per GPU, Gbit/s (default: the accelerator's; e.g. 100 for A800)",
+    )  # fmt: skip
     parser.add_argument("--profile", metavar="FILE", help="measured cost profile (JSON)")
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="8P8D", help="xPyD (e.g. 8P8D) or xM (e.g. 16M)")
+    add_cost_model_args(parser)
     parser.add_argument(
         "--cache-capacity-tokens",
         default="3000000",
@@ -209,6 +242,16 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--coupled-token-budget", type=int, default=2048, help="tokens per chunked coupled step"
     )
+    parser.add_argument(
+        "--replan", action="store_true",
+        help="re-plan the P:D split as the workload changes: every --replan-interval, "
+        "simulate the last --replan-window of arrivals on nearby splits and move up to 4 "
+        "instances (drained first) when one wins by 5%% in goodput",
+    )  # fmt: skip
+    parser.add_argument("--replan-interval", type=float, default=30.0, metavar="S",
+                        help="seconds between re-planning rounds (and after a move)")  # fmt: skip
+    parser.add_argument("--replan-window", type=float, default=60.0, metavar="S",
+                        help="seconds of recent arrivals a round simulates")  # fmt: skip
     parser.add_argument(
         "--no-coupled-prefix-caching",
         action="store_true",

@@ -71,6 +71,11 @@ class PrefillInstance:
         self.busy_s = 0.0
 
     @property
+    def busy(self) -> bool:
+        """Whether a request is in progress (or a CPP stage holds the instance)."""
+        return self._busy
+
+    @property
     def queue_length(self) -> int:
         """Requests waiting (not counting the one in progress)."""
         return len(self._queue)

@@ -27,8 +27,18 @@ _ROWS: tuple[tuple[str, Callable[[Report], str]], ...] = (
     ("SLO attainment", lambda r: fmt_num(r["slo_attainment"])),
     ("goodput (req/s)", lambda r: fmt_num(r["goodput_rps"], 2)),
     ("cache hit ratio", lambda r: fmt_num(r["cache_hit_ratio"])),
+    ("decode batch mean (CV)", lambda r: _decode_load(r, "batch_mean", "batch_cv", 1)),
+    ("decode step ms mean (CV)", lambda r: _decode_load(r, "step_ms_mean", "step_cv", 1)),
     ("duration (s)", lambda r: fmt_num(r["duration_s"], 1)),
 )
+
+
+def _decode_load(report: Report, mean_key: str, cv_key: str, digits: int) -> str:
+    """A decode-load sample's mean and coefficient of variation (see sim/loadtrace.py)."""
+    load = report.get("decode_load")
+    if not load:
+        return "-"
+    return f"{fmt_num(load[mean_key], digits)} ({fmt_num(load[cv_key], 2)})"
 
 
 def _slo_line(report: Report) -> str:

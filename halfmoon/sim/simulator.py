@@ -36,7 +36,9 @@ from halfmoon.sim.decode import DecodeInstance
 from halfmoon.sim.events import NO_EVENTS, Event, EventLoop
 from halfmoon.sim.host import Host
 from halfmoon.sim.job import Job
+from halfmoon.sim.loadtrace import DecodeLoadSampler
 from halfmoon.sim.prefill import PrefillInstance
+from halfmoon.sim.replan import ReplanConfig, Replanner
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Simulator:
         cost_model: CostModel,
         *,
         seed: int = 0,
+        replan: ReplanConfig | None = None,
     ) -> None:
         self.config = config
         self.cost_model = cost_model
@@ -90,6 +93,13 @@ class Simulator:
         self._requests: Iterator[Request] = iter(())
         self._on_arrival: Callable[[], None] | None = None
         self._build()
+        self.decode_load = DecodeLoadSampler(self.decode)
+        self.replanner: Replanner | None = None
+        #: Instances draining before a role change -> their new role ("P" or "D").
+        self._moving: dict[str, str] = {}
+        self.role_changes: list[dict[str, Any]] = []
+        if replan is not None:
+            self._start_replanning(replan)
 
     def _build(self) -> None:
         spec = self.config.cluster
@@ -114,6 +124,61 @@ class Simulator:
             self._add_decode(f"D{i}")
         for i in range(1, spec.num_coupled + 1):
             self._add_coupled(f"M{i}")
+
+    # -- re-planning: role changes ---------------------------------------------------------
+    def _start_replanning(self, replan: ReplanConfig) -> None:
+        spec = self.config.cluster
+        if spec.coupled or self.conductor.config.cpp_stages > 1:
+            raise HalfmoonError("re-planning moves disaggregated instances, without CPP groups")
+        self.replanner = Replanner(
+            replan, self.config, self.conductor.config, self.cost_model, spec.num_instances
+        )
+        self._next_index = {"P": spec.num_prefill + 1, "D": spec.num_decode + 1}
+
+    @property
+    def planned_prefill(self) -> int:
+        """Prefill instances once the moves under way are done."""
+        to_decode = sum(1 for role in self._moving.values() if role == "D")
+        return len(self.prefill) - to_decode + (len(self._moving) - to_decode)
+
+    def _replan(self, now_s: float) -> None:
+        """A re-planning round: drain the instances that change role."""
+        assert self.replanner is not None
+        target = self.replanner.target(now_s, self.planned_prefill)
+        if target is None:
+            return
+        moves = target - self.planned_prefill
+        if moves < 0:  # prefill -> decode: the least queued first
+            pool = [i for i in self.conductor.prefill_instances]
+            pool.sort(key=self.conductor.queue_s)
+            new_role = "D"
+        else:
+            pool = list(self.conductor.decode_instances)
+            pool.sort(key=lambda i: self.decode[i].num_running + self.decode[i].num_waiting)
+            new_role = "P"
+        for iid in pool[: min(abs(moves), len(pool) - 1)]:  # a role keeps one instance
+            self.conductor.drain(iid)
+            self._moving[iid] = new_role
+
+    def _change_roles(self, now_s: float) -> None:
+        """Instances drained and idle (nothing placed uses them, links free) change role."""
+        for iid, role in list(self._moving.items()):
+            old = self.prefill.get(iid) or self.decode.get(iid)
+            assert old is not None
+            if self.conductor.busy(iid) or old.nic.free_at_s > now_s:
+                continue
+            if isinstance(old, DecodeInstance) and (old.num_running or old.num_waiting):
+                continue
+            if isinstance(old, PrefillInstance) and (old.queue_length or old.busy):
+                continue
+            self.conductor.remove_instance(iid)
+            self.prefill.pop(iid, None)
+            self.decode.pop(iid, None)
+            del self._moving[iid]
+            new_id = f"{role}{self._next_index[role]}"
+            self._next_index[role] += 1
+            (self._add_prefill if role == "P" else self._add_decode)(new_id)
+            self.role_changes.append({"time_s": round(now_s, 3), "from": iid, "to": new_id})
 
     def _add_prefill(self, iid: str) -> None:
         cfg = self.config
@@ -191,6 +256,14 @@ class Simulator:
             request.request_id, self.clock.now(), request.input_length, request.output_length
         )
         self.records.append(record)
+        self.decode_load.sample(record.arrival_s)
+        if self.replanner is not None:
+            now = record.arrival_s
+            if self._moving:
+                self._change_roles(now)
+            self.replanner.observe(request, now)
+            if self.replanner.due(now) and not self._moving:
+                self._replan(now)
         if self._on_arrival is not None:
             self._on_arrival()
         job = Job(request, record)
@@ -285,7 +358,9 @@ class Simulator:
         ``early_reject``, ``time_scale``, ``num_rejected_early``,
         ``num_refused_after_prefill``, ``effective_request_capacity``, ``num_remote_fetches``,
         ``num_replications``, ``num_cpp_prefills`` (requests prefilled by a CPP group),
-        ``num_events``."""
+        ``num_events``, ``decode_load`` (the decode instances' load sampled at arrivals,
+        :mod:`halfmoon.sim.loadtrace`), ``balancing`` (the cache-balancing threshold at the
+        end and how it was learned)."""
         if self.records:
             raise HalfmoonError("a Simulator runs once; build a new one for another run")
         limit = self.config.max_requests
@@ -330,6 +405,10 @@ class Simulator:
                 "num_replications": self.num_replications,
                 "num_cpp_prefills": self.num_cpp_prefills,
                 "num_events": self.loop.num_fired,
+                "decode_load": self.decode_load.summary(),
+                "role_changes": self.role_changes,
+                "replans": None if self.replanner is None else self.replanner.summary(),
+                "balancing": self.conductor.balancing,
             },
         )
         report["effective_request_capacity"] = report["slo_attainment"]
@@ -343,6 +422,8 @@ def simulate(
     cost_model: CostModel,
     *,
     seed: int = 0,
+    replan: ReplanConfig | None = None,
 ) -> SimResult:
-    """Build a :class:`Simulator` and run ``requests`` through it once."""
-    return Simulator(config, conductor_config, cost_model, seed=seed).run(requests)
+    """Build a :class:`Simulator` and run ``requests`` through it once (``replan``:
+    re-plan the P:D split as it runs, :mod:`halfmoon.sim.replan`)."""
+    return Simulator(config, conductor_config, cost_model, seed=seed, replan=replan).run(requests)

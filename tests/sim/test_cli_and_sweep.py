@@ -113,6 +113,7 @@ def test_simulate_trace_with_time_scale(capsys, tmp_path: Path) -> None:
     report = json.loads(out_json.read_text())
     assert report["num_requests"] == 60 and report["time_scale"] == 2.0
     assert report["early_reject"] == "predict"
+    assert report["balancing"]["mode"] == "fixed" and report["balancing"]["threshold"] == 0.1
 
 
 @pytest.mark.parametrize(
@@ -123,6 +124,9 @@ def test_simulate_trace_with_time_scale(capsys, tmp_path: Path) -> None:
         (["--cluster", ""], "cluster"),
         (["--policy", "fastest"], "policy"),
         (["--early-reject", "maybe"], "early-reject"),
+        (["--balancing", "magic"], "balancing mode"),
+        (["--kvcache-balancing-threshold", "1.5"], "--kvcache-balancing-threshold"),
+        (["--nic-gbps", "0"], "--nic-gbps"),
         (["--cache-policy", "fifo"], "cache policy"),
         (["--tbt-metric", "p50"], "tbt metric"),
         (["--ttft-slo", "-1"], "ttft"),

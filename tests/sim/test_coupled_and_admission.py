@@ -157,3 +157,22 @@ def test_first_token_at_kv_arrival_moves_the_wait_into_the_first_gap(run_sim, ma
     assert kv["r1"].tbt_gaps_s[0] > join["r1"].tbt_gaps_s[0] + 0.04
     with pytest.raises(HalfmoonError, match="first_token_at"):
         SimConfig(ClusterSpec.parse("1P1D"), first_token_at="prefill")
+
+
+def test_prediction_wastes_fewer_prefills_when_decode_binds(run_sim) -> None:
+    """Decode-bound (one decode instance, 20 ms TBT, 16k prompts taking 4 s of prefill,
+    512-token outputs): the snapshot admits requests whose prefill ends on a batch that
+    has filled up meanwhile; the prediction counts who joins and leaves by then."""
+    requests = generate_dataset("longctx-16k", 2.0, 200, seed=0)
+    slo = SLOConfig(ttft_s=30.0, tbt_s=0.02)
+    runs = {
+        mode: run_sim("10P1D", requests, slo=slo, early_reject=mode)[0].report
+        for mode in ("none", "snapshot", "predict")
+    }
+    none, snap, pred = runs["none"], runs["snapshot"], runs["predict"]
+    assert snap["num_refused_after_prefill"] > 0  # decode does bind
+    assert none["num_wasted_prefill"] > snap["num_wasted_prefill"] > 2 * pred["num_wasted_prefill"]
+    assert pred["goodput_rps"] > snap["goodput_rps"]
+    load = pred["decode_load"]  # sampled at arrivals, at most once a second
+    assert 50 <= load["num_samples"] <= 100 and 0 < load["step_ms_mean"] <= 20.0
+    assert load["batch_mean"] > 1 and 0 < load["step_cv_window"] <= load["step_cv"] + 0.1
