@@ -173,42 +173,70 @@ def table_long_context(result: Mapping[str, Any], paper: Mapping[int, float]) ->
 
 # -- 4: early rejection ----------------------------------------------------------------------
 def plot_wasted(result: Mapping[str, Any], img_dir: Path) -> Path:
-    """Wasted prefills per early-rejection mode, one group per (cluster, speed)."""
-    rows = list(result.values())
-    groups = list(dict.fromkeys((r["cluster"], r["time_scale"]) for r in rows))
+    """Wasted prefills per early-rejection mode, one group per (workload, speed); and the
+    decode-bound run's decode load over time (``sim_decode_load.png``)."""
+    rows = list(result["rows"].values())
+    groups = list(dict.fromkeys((r["workload"], r["cluster"], r["time_scale"]) for r in rows))
     figure, (axes,) = _figure(1)
+    figure.set_figwidth(9.0)
     width = 0.8 / len(MODES)
     for m, mode in enumerate(MODES):
         heights = [
-            next(
-                r["wasted"]
-                for r in rows
-                if (r["cluster"], r["time_scale"]) == g and r["mode"] == mode
-            )
+            next(r["wasted"] for r in rows if (r["workload"], r["cluster"], r["time_scale"]) == g
+                 and r["mode"] == mode)
             for g in groups
-        ]
+        ]  # fmt: skip
         bars = axes.bar([i + m * width for i in range(len(groups))], heights, width, label=mode)
-        axes.bar_label(bars, fontsize=8)
-    axes.set_xticks([i + width for i in range(len(groups))], [f"{c} x{s:g}" for c, s in groups])
+        axes.bar_label(bars, fontsize=7)
+    labels = [f"{c} x{s:g}\n{w}" for w, c, s in groups]
+    axes.set_xticks([i + width for i in range(len(groups))], labels, fontsize=8)
+    axes.set_yscale("symlog", linthresh=10)
     axes.set_ylabel("requests with wasted prefill")
     axes.set_title("overload: prefill done, then SLO missed")
     axes.grid(True, axis="y", alpha=0.3)
-    axes.legend(title="early reject")
+    axes.legend(title="early reject", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path = img_dir / "sim_early_rejection.png"
+    figure.savefig(path)
+    plot_decode_load(result.get("decode_load_series", {}), img_dir)
+    return path
+
+
+def plot_decode_load(series: Mapping[str, Any], img_dir: Path) -> Path | None:
+    """Each decode instance's estimated step over time, one panel per mode (the paper's
+    decode-load figure)."""
+    if not series:
+        return None
+    figure, panels = _figure(len(series))
+    for axes, (mode, s) in zip(panels, series.items(), strict=True):
+        for iid in (k for k in s if k.startswith("D")):
+            axes.plot(s["t_s"], s[iid], lw=0.9, label=iid)
+        axes.axhline(s["slo_ms"], color="k", ls="--", lw=0.8, label="TBT SLO")
+        axes.set_title(f"early reject: {mode} (x{s['scale']:g})")
+        axes.set_xlabel("time (s)")
+        axes.set_ylabel("decode step, 10 s mean (ms)")
+        axes.grid(True, alpha=0.3)
+    panels[0].legend(fontsize=7)
+    path = img_dir / "sim_decode_load.png"
     figure.savefig(path)
     return path
 
 
 def table_wasted(result: Mapping[str, Any], paper: Mapping[str, int]) -> str:
-    """Wasted prefills, early rejections and goodput per mode."""
+    """Wasted prefills, early rejections, goodput and decode-load fluctuation per mode."""
     lines = [
-        "| cluster | speed | early reject | wasted prefill | rejected early | refused after prefill | goodput req/s | paper wasted |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| workload | cluster, TBT SLO | speed | early reject | wasted prefill | rejected early "
+        "| refused after prefill | goodput req/s | decode batch mean (CV) | decode step ms "
+        "mean (CV, CV within 30 s) | paper wasted |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result.values():
+    for r in result["rows"].values():
+        paper_cell = paper[r["mode"]] if r["workload"] == "trace" and r["time_scale"] == 2 else ""
         lines.append(
-            f"| {r['cluster']} | x{r['time_scale']:g} | {r['mode']} | {r['wasted']} | "
-            f"{r['rejected_early']} | {r['refused_after_prefill']} | {_fmt(r['goodput_rps'])} | "
-            f"{paper[r['mode']] if r['cluster'] == '8P8D' and r['time_scale'] == 2 else ''} |"
+            f"| {r['workload']} | {r['cluster']}, {r['tbt_ms']:g} ms | x{r['time_scale']:g} | "
+            f"{r['mode']} | {r['wasted']} | {r['rejected_early']} | "
+            f"{r['refused_after_prefill']} | {_fmt(r['goodput_rps'])} | "
+            f"{_fmt(r['decode_batch_mean'], 1)} ({_fmt(r['decode_batch_cv'])}) | "
+            f"{_fmt(r['decode_step_ms_mean'], 1)} ({_fmt(r['decode_step_cv'])}, "
+            f"{_fmt(r['decode_step_cv_window'])}) | {paper_cell} |"
         )
     return "### 4. Early rejection under overload\n\n" + "\n".join(lines)

@@ -16,7 +16,8 @@ first-principles roofline cost model at its default efficiencies, default SimCon
    requests within SLOs of 10x TTFT / 5x TBT of one request alone, for both TBT metrics.
 4. Overload: wasted prefills without early rejection, with snapshot and with prediction,
    at x2 (the paper's setting) and around x3 (three nearby speeds show how much the
-   snapshot/predict difference moves from run to run).
+   snapshot/predict difference moves from run to run), then decode-bound (outputs x4,
+   13P3D, TBT 40 ms) at x3.5-x4.5, with the decode instances' load fluctuation.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from halfmoon.conductor import ConductorConfig
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.request import Request
 from halfmoon.costmodel import build_cost_model
 from halfmoon.costmodel.base import CostModel
-from halfmoon.sim import ClusterSpec, SimConfig, max_rate_within_slo, simulate
+from halfmoon.sim import ClusterSpec, SimConfig, Simulator, max_rate_within_slo, simulate
 from halfmoon.workload import generate_dataset, read_trace
 
 from .experiment_report import (
@@ -156,24 +160,50 @@ def exp3_long_context(cost_model, contexts_k, num_requests, metrics) -> dict[str
     return out
 
 
-def exp4_early_rejection(requests, cost_model, scales, clusters) -> dict[str, Any]:
-    """Wasted prefills per early-rejection mode under overload."""
-    slo = SLOConfig(ttft_s=30.0, tbt_s=0.1)
-    out = {}
-    for cluster in clusters:
-        for scale in scales:
-            for mode in ("none", "snapshot", "predict"):
-                report = run(requests, cluster, cost_model, slo, scale, early_reject=mode)
-                out[f"{cluster}/{scale:g}/{mode}"] = {
-                    "cluster": cluster,
-                    "time_scale": scale,
-                    "mode": mode,
-                    "wasted": report["num_wasted_prefill"],
-                    "rejected_early": report["num_rejected_early"],
-                    "refused_after_prefill": report["num_refused_after_prefill"],
-                    "goodput_rps": report["goodput_rps"],
-                    "attainment": report["slo_attainment"],
-                }
+def exp4_early_rejection(requests, cost_model, scales, bound_scales) -> dict[str, Any]:
+    """Wasted prefills and decode-load fluctuation per early-rejection mode under overload:
+    the trace on 8P8D at TBT 100 ms (decode never binds: all waste is TTFT misses) and a
+    decode-bound case (outputs x4, 13P3D, TBT 40 ms: decode instances refuse after
+    prefill). The decode-bound run at the middle load keeps its load series (10 s means)."""
+    long_out = [replace(r, output_length=4 * r.output_length) for r in requests]
+    cases = [("trace", requests, "8P8D", 0.1, s) for s in scales]
+    cases += [("outputs x4", long_out, "13P3D", 0.04, s) for s in bound_scales]
+    rows, series = {}, {}
+    for workload, reqs, cluster, tbt_s, scale in cases:
+        slo = SLOConfig(ttft_s=30.0, tbt_s=tbt_s)
+        config = SimConfig(ClusterSpec.parse(cluster), slo=slo, time_scale=scale)
+        for mode in ("none", "snapshot", "predict"):
+            conductor = ConductorConfig(slo=slo, early_reject=mode)
+            sim = Simulator(config, conductor, cost_model)
+            report, load = sim.run(reqs).report, sim.decode_load
+            rows[f"{workload}/{scale:g}/{mode}"] = {
+                "workload": workload,
+                "cluster": cluster,
+                "tbt_ms": tbt_s * 1e3,
+                "time_scale": scale,
+                "mode": mode,
+                "wasted": report["num_wasted_prefill"],
+                "rejected_early": report["num_rejected_early"],
+                "refused_after_prefill": report["num_refused_after_prefill"],
+                "goodput_rps": report["goodput_rps"],
+                "attainment": report["slo_attainment"],
+                **{f"decode_{k}": v for k, v in report["decode_load"].items()},
+            }
+            if workload != "trace" and scale == bound_scales[len(bound_scales) // 2]:
+                series[mode] = {"slo_ms": tbt_s * 1e3, "scale": scale, **_step_series(load)}
+    return {"rows": rows, "decode_load_series": series}
+
+
+def _step_series(load, bucket_s: float = 10.0) -> dict[str, Any]:
+    """Each decode instance's sampled step time (ms), averaged over ``bucket_s`` windows."""
+    times = np.array(load.times_s)
+    bucket = (times // bucket_s).astype(int)
+    counts = np.bincount(bucket)
+    keep = counts > 0
+    out = {"t_s": ((np.arange(len(counts)) + 0.5) * bucket_s)[keep].tolist()}
+    for iid, steps in load.step_s.items():
+        sums = np.bincount(bucket, weights=np.array(steps) * 1e3, minlength=len(counts))
+        out[iid] = (sums[keep] / counts[keep]).round(2).tolist()
     return out
 
 
@@ -220,7 +250,10 @@ def main() -> None:
             cost_model, (16, 32, 64, 128), 200 if quick else 1000, ("p90", "top10mean")
         ),
         "4": lambda: exp4_early_rejection(
-            requests, cost_model, (2.0,) if quick else (2.0, 2.9, 3.0, 3.1), ("8P8D",)
+            requests,
+            cost_model,
+            (2.0,) if quick else (2.0, 2.9, 3.0, 3.1),
+            (4.0,) if quick else (3.5, 4.0, 4.5),
         ),
     }
     plots = {"1": plot_policies, "2": plot_capacity, "3": plot_long_context, "4": plot_wasted}

@@ -1,16 +1,23 @@
 """Simulator speed on the whole synthetic trace, and the Conductor's decision latency.
 
 Run: .venv/bin/python -m benchmarks.sim.speed [--trace FILE] [--repeats R]
-                                              [--instances 64] [--blocks 1000000]
+         [--sizes 8 32 64 128 256] [--instances 64 256] [--blocks 1000000]
+         [--decisions 5000] [--cpu-time] [--skip-simulate] [--skip-schedule]
 
 1. ``simulate``: the whole trace on 8P8D and on 16M (LLaMA2-70B, 8xA800 per instance),
    median wall time over ``--repeats`` runs, then one run under tracemalloc for the peak
    Python heap; the process's peak RSS is printed at the end. Target: < 30 s for 8P8D.
-2. ``schedule``: a Conductor with ``--instances`` prefill and as many (then 8) decode instances,
-   whose index holds ``--blocks`` distinct blocks (filled through BlockStored events),
-   places requests shaped like the trace (30 blocks on average, half of them a cached
-   document prefix). About 256 requests stay in flight (their lifecycle events are sent),
-   so queue and decode bookkeeping is realistic. Target: p99 < 1 ms.
+2. ``scaling`` (with ``--sizes``): the whole trace on NPND for each N, the arrival rate
+   scaled with the cluster (``time_scale`` = 1.5 x N / 8, so every size is as loaded as
+   8P8D at 1.5); process CPU microseconds per event (a busy machine inflates wall
+   time), best of ``--repeats``. Target: flat (within 1.5x) from 8P8D to 256P256D.
+3. ``schedule``: for each ``--instances`` N, a Conductor with N prefill and N (then 8)
+   decode instances, whose index holds ``--blocks`` distinct blocks (filled through
+   BlockStored events), places requests shaped like the trace (30 blocks on average, a
+   cached document prefix of 1-30 blocks). About 256 requests stay in flight (their
+   lifecycle events are sent), so queue and decode bookkeeping is realistic. Wall time
+   per decision, or thread CPU time with ``--cpu-time`` (what a busy machine's other
+   processes do not inflate). Targets: p99 < 1 ms at 64+64, < 2 ms at 256+256.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import statistics
 import time
 import tracemalloc
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from halfmoon.conductor import (
@@ -72,6 +80,32 @@ def bench_simulate(trace: Path, repeats: int) -> None:
         )
 
 
+def bench_scaling(trace: Path, sizes: list[int], repeats: int) -> None:
+    """Microseconds per event of whole-trace runs on NPND clusters of each size, the
+    arrival rate scaled with the cluster (time_scale 1.5 at 8P8D, proportional to the
+    instance count) so every size is equally loaded; print a markdown table."""
+    requests = read_trace(trace)
+    cost_model = build_cost_model("llama2-70b", "a800", 8)
+    print(f"scaling: {len(requests)} requests from {trace.name}, best of {repeats}\n")
+    print("| cluster | time scale | wall s | CPU s | events | us/event (CPU) | SLO attainment |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        config = SimConfig(ClusterSpec.parse(f"{n}P{n}D"), time_scale=1.5 * n / 8)
+        wall_s, cpu_s = [], []
+        for _ in range(repeats):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            result = simulate(requests, config, ConductorConfig(), cost_model)
+            wall_s.append(time.perf_counter() - start)
+            cpu_s.append(time.process_time() - start_cpu)
+        events = result.report["num_events"]
+        print(
+            f"| {n}P{n}D | {config.time_scale:g} | {min(wall_s):.2f} | {min(cpu_s):.2f} | "
+            f"{events:,} | {min(cpu_s) / events * 1e6:.1f} | "
+            f"{result.report['slo_attainment']:.3f} |",
+            flush=True,
+        )
+
+
 def _fill_index(conductor: Conductor, num_blocks: int, rng: random.Random) -> list[list[int]]:
     """Documents of DOC_BLOCKS chained blocks, each cached whole on one instance and as a
     prefix of random length on 0-2 more; returns the documents."""
@@ -84,7 +118,7 @@ def _fill_index(conductor: Conductor, num_blocks: int, rng: random.Random) -> li
         for n, iid in enumerate(holders):
             length = DOC_BLOCKS if n == 0 else rng.randint(1, DOC_BLOCKS)
             for h in doc[:length]:
-                conductor.handle(BlockStored(iid, h))
+                conductor.handle(BlockStored(h, instance_id=iid))
     return documents
 
 
@@ -98,7 +132,11 @@ def _request(rid: int, documents: list[list[int]], rng: random.Random, fresh: in
 
 
 def bench_schedule(
-    num_instances: int, num_decode: int, num_blocks: int, num_decisions: int
+    num_instances: int,
+    num_decode: int,
+    num_blocks: int,
+    num_decisions: int,
+    clock_ns: Callable[[], int] = time.perf_counter_ns,
 ) -> None:
     """Time Conductor.schedule with a large index; print markdown table rows."""
     rng = random.Random(0)
@@ -126,9 +164,9 @@ def bench_schedule(
             request = _request(n, documents, rng, fresh)
             fresh += len(request.block_hashes)
             clock.advance(0.05)
-            start = time.perf_counter_ns()
+            start = clock_ns()
             decision = conductor.schedule(request)
-            times_ns.append(time.perf_counter_ns() - start)
+            times_ns.append(clock_ns() - start)
             if decision.accepted:
                 _advance_lifecycle(conductor, decision, in_flight)
         times_ns.sort()
@@ -158,22 +196,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--instances", type=int, default=64)
+    parser.add_argument("--instances", type=int, nargs="+", default=[64])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[])
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--decisions", type=int, default=5000)
     parser.add_argument("--skip-simulate", action="store_true")
+    parser.add_argument("--skip-schedule", action="store_true")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time decisions in thread CPU time (robust to a busy machine) instead of wall time",
+    )
     args = parser.parse_args()
     if not args.skip_simulate:
         bench_simulate(args.trace, args.repeats)
         print()
-    print(f"schedule: {args.decisions} decisions, kvcache-centric\n")
+    if args.sizes:
+        bench_scaling(args.trace, args.sizes, args.repeats)
+        print()
+    if args.skip_schedule:
+        return
+    clock_ns = time.thread_time_ns if args.cpu_time else time.perf_counter_ns
+    clock_name = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"schedule: {args.decisions} decisions, kvcache-centric, {clock_name}\n")
     print(
         "| prefill instances | decode instances | indexed blocks | early reject | "
         "p50 us | p99 us | mean us | index MiB |"
     )
     print("|---:|---:|---:|---|---:|---:|---:|---:|")
-    for num_decode in sorted({args.instances, 8}):
-        bench_schedule(args.instances, num_decode, args.blocks, args.decisions)
+    for num_instances in args.instances:
+        for num_decode in sorted({num_instances, 8}):
+            bench_schedule(num_instances, num_decode, args.blocks, args.decisions, clock_ns)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak RSS of the whole benchmark process: {peak_rss_mib:.0f} MiB")
 
