@@ -10,6 +10,8 @@ test tiers: markers given by directory and by fixture (README, "Tests").
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if item.get_closest_marker("e2e") or fixtures & PROCESS_FIXTURES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One directory of compiled kernel packages for every process the tests start
+    (``HALFMOON_KERNEL_CACHE``): each cluster otherwise builds its four packages again
+    under its own cache dir (60-150 s of every start here). Builds are locked and atomic
+    (``halfmoon.engine.kernels.load_package``), so concurrent clusters share safely. A
+    value already set (a developer's warm cache) is kept."""
+    if os.environ.get("HALFMOON_KERNEL_CACHE"):
+        yield Path(os.environ["HALFMOON_KERNEL_CACHE"])
+        return
+    path = tmp_path_factory.mktemp("kernels")
+    os.environ["HALFMOON_KERNEL_CACHE"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("HALFMOON_KERNEL_CACHE", None)
 
 
 @pytest.fixture(scope="session")

@@ -134,6 +134,7 @@ def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+    monkeypatch.delenv("HALFMOON_KERNEL_CACHE", raising=False)  # a fresh, empty cache
 
     def broken(shape: KernelShape, path: Path) -> None:
         path.write_bytes(b"half a package")
@@ -164,6 +165,7 @@ def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.Monke
     built = kernels.kernel_dir() / f"{SHAPE.key()}.pt2"
     load_decode_kernel(SHAPE)  # the real package, built or cached
     monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+    monkeypatch.delenv("HALFMOON_KERNEL_CACHE", raising=False)  # a fresh, empty cache
     calls: list[int] = []
     release = threading.Event()
 

@@ -25,7 +25,7 @@ from halfmoon.costmodel import CostProfile, fit_profile
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 PREFILL_POINTS = ((32, 0), (256, 0), (1024, 0), (256, 512), (128, 1024))
 DECODE_POINTS = ((1, 64), (4, 256), (8, 256), (16, 128), (4, 1024))
 #: Used when fewer than three of DECODE_POINTS fit the pool.
@@ -86,10 +86,15 @@ def measure_server_profile(connector: Any, model_name: str, vocab: int) -> CostP
         prompts = {f"d{k}-{i}": _tokens(vocab, ctx, 1000 + 100 * k + i) for i in range(batch)}
         times = _run(connector, prompts, params)
         all_started = max(t[0] for t in times.values())
-        gaps = [b - a for t in times.values() for a, b in zip(t, t[1:], strict=False)
-                if a >= all_started]  # fmt: skip
-        if gaps:
-            decode.append((batch, batch * ctx, statistics.median(gaps)))
+        # Each sequence's mean gap once all run (not the median of single gaps: on a
+        # loaded machine tokens arrive in bursts, and most single gaps are then 0).
+        steps = []
+        for t in times.values():
+            running = [a for a in t if a >= all_started]
+            if len(running) >= 2 and running[-1] > running[0]:
+                steps.append((running[-1] - running[0]) / (len(running) - 1))
+        if steps:
+            decode.append((batch, batch * ctx, statistics.median(steps)))
     return fit_profile(prefill, decode, model_name=model_name, device="vllm")
 
 
