@@ -143,6 +143,7 @@ class Balancer:
         self._handoff: dict[bool, deque[float]] = {a: deque(maxlen=window) for a in (True, False)}
         self._own_gain: deque[float] = deque(maxlen=window)
         self._since_refit = 0
+        self._since_decide = 0
         self.num_explorations = 0
 
     @property
@@ -218,7 +219,10 @@ class Balancer:
         if placed is None or placed.prefill_end_s is None:
             return
         self._handoff[placed.fetch_arm].append(now_s - placed.prefill_end_s)
-        self._decide_fetching()
+        self._since_decide += 1
+        if self._since_decide >= self._refit_every:  # O(window): not on every event
+            self._since_decide = 0
+            self._decide_fetching()
 
     def forget(self, request_id: str) -> None:
         """The request ended without (all) its outcomes (released, failed)."""
