@@ -28,7 +28,7 @@ from halfmoon.conductor.config import BALANCING_MODES, EARLY_REJECT_MODES, Condu
 from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.flags import check_at_least, check_choice, check_positive
+from halfmoon.core.flags import check_at_least, check_choice, check_fraction, check_positive
 
 _COMMON: dict[str, Any] = {
     "policy": "kvcache-centric",
@@ -99,9 +99,7 @@ def conductor_config_from_args(
     hidden = args.cpp_hidden_bytes_per_token
     if hidden is not None and hidden < 0:
         raise HalfmoonError(f"--cpp-hidden-bytes-per-token must be >= 0, got {hidden}")
-    threshold = args.kvcache_balancing_threshold
-    if not 0 <= threshold <= 1:
-        raise HalfmoonError(f"--kvcache-balancing-threshold must be in [0, 1], got {threshold}")
+    threshold = check_fraction("--kvcache-balancing-threshold", args.kvcache_balancing_threshold)
     return ConductorConfig(
         policy=check_choice("policy", args.policy, POLICIES),
         block_size_tokens=check_at_least("--block-size", block_size_tokens, 1),

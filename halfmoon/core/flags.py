@@ -30,3 +30,10 @@ def check_at_least(flag: str, value: int, least: int) -> int:
     if value < least:
         raise HalfmoonError(f"{flag} must be >= {least}, got {value}")
     return value
+
+
+def check_fraction(flag: str, value: float) -> float:
+    """``value`` if it is a number in [0, 1]."""
+    if not 0 <= value <= 1:  # (NaN fails too)
+        raise HalfmoonError(f"{flag} must be in [0, 1], got {value}")
+    return value

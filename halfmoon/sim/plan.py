@@ -35,7 +35,7 @@ from typing import Any
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.flags import check_at_least, check_choice, check_positive
+from halfmoon.core.flags import check_at_least, check_choice, check_fraction, check_positive
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.models import get_model
@@ -155,7 +155,8 @@ def coarse_splits(instances: int) -> list[int]:
 
 
 class Planner:
-    """Runs the staged search (:func:`plan` is the one-call form)."""
+    """Runs the staged search of configurations of ``instances`` instances for ``requests``
+    (:meth:`run`: every configuration simulated, best first)."""
 
     def __init__(
         self,
@@ -254,19 +255,6 @@ class Planner:
         return combined
 
 
-def plan(
-    requests: Sequence[Request],
-    cost_model: CostModel,
-    sim: SimConfig,
-    conductor: ConductorConfig,
-    instances: int,
-    processes: int | None = None,
-    log: Callable[[str], None] | None = None,
-) -> list[PlanResult]:
-    """Search configurations of ``instances`` instances for ``requests``; best first."""
-    return Planner(requests, cost_model, sim, conductor, instances, processes, log).run()
-
-
 def format_plan(results: Sequence[PlanResult], top: int) -> str:
     """The best ``top`` configurations as a table."""
     from halfmoon.workload.report import format_table
@@ -298,9 +286,7 @@ def run_plan(args: argparse.Namespace) -> int:
         check_positive("--tbt-slo", args.tbt_slo),
         check_choice("tbt metric", args.tbt_metric, TBT_METRICS),
     )
-    threshold = args.kvcache_balancing_threshold
-    if not 0 <= threshold <= 1:
-        raise HalfmoonError(f"--kvcache-balancing-threshold must be in [0, 1], got {threshold}")
+    threshold = check_fraction("--kvcache-balancing-threshold", args.kvcache_balancing_threshold)
     if args.gpus_per_instance < 1:
         raise HalfmoonError(f"--gpus-per-instance must be >= 1, got {args.gpus_per_instance}")
     cost_model = make_cost_model(
@@ -328,7 +314,7 @@ def run_plan(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     log = (lambda line: print(line, file=sys.stderr)) if not args.quiet else None
-    results = plan(requests, cost_model, sim, conductor, instances, processes, log)
+    results = Planner(requests, cost_model, sim, conductor, instances, processes, log).run()
     print(format_plan(results, top))
     best = results[0]
     print(f"\nbest: {best.point.cluster}, {best.report['goodput_rps']:.3f} req/s within SLO "
