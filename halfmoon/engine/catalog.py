@@ -29,6 +29,19 @@ from halfmoon.core.errors import HalfmoonError
 
 PRESETS = ("tiny", "small")
 Progress = Callable[[str], None]
+#: (tensors done, tensors in all), called after each tensor of an import is dequantized.
+TensorProgress = Callable[[int, int], None]
+
+
+def tensor_lines(say: Progress, every: int = 50) -> TensorProgress:
+    """A :data:`TensorProgress` that says ``dequantized i/total tensors`` every ``every``
+    tensors and at the last (where no progress bar is drawn)."""
+
+    def tick(done: int, total: int) -> None:
+        if done % every == 0 or done == total:
+            say(f"dequantized {done}/{total} tensors")
+
+    return tick
 
 
 @dataclass(frozen=True)
@@ -96,13 +109,17 @@ def _complete(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
 
 
-def _import_once(gguf_file: Path, out: Path, progress: Progress | None) -> Path:
+def _import_once(
+    gguf_file: Path, out: Path, progress: Progress | None, tensors: TensorProgress | None
+) -> Path:
     if _complete(out):
         return out
+    if progress is not None:  # loading torch and gguf takes seconds on a cold machine
+        progress(f"{gguf_file.name} is not in the model cache yet: loading the importer")
     from halfmoon.engine.gguf_import import import_gguf
 
     tmp = out.with_name(f"{out.name}.part{os.getpid()}")
-    import_gguf(gguf_file, tmp, "float32", progress)
+    import_gguf(gguf_file, tmp, "float32", progress, tensors)
     try:
         tmp.rename(out)
     except OSError:  # another process finished first: keep its copy
@@ -137,16 +154,24 @@ def unknown_model_error(model: str) -> HalfmoonError:
     )
 
 
-def resolve_model(model: str, seed: int = 0, progress: Progress | None = None) -> Path:
+def resolve_model(
+    model: str,
+    seed: int = 0,
+    progress: Progress | None = None,
+    tensor_progress: TensorProgress | None = None,
+) -> Path:
     """The HF-format directory ``model`` names, importing or writing it once if needed
-    (``seed``: weights of a preset)."""
+    (``seed``: weights of a preset; ``progress`` and ``tensor_progress``: those of an
+    import, :func:`halfmoon.engine.gguf_import.import_gguf`)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _import_once(path, cache_dir() / "models" / _gguf_cache_name(path), progress)
+        out = cache_dir() / "models" / _gguf_cache_name(path)
+        return _import_once(path, out, progress, tensor_progress)
     if model in NAMED_MODELS:
-        return _import_once(named_model_file(model), cache_dir() / "models" / model, progress)
+        out = cache_dir() / "models" / model
+        return _import_once(named_model_file(model), out, progress, tensor_progress)
     if model in PRESETS:
         return _preset_once(model, seed)
     raise unknown_model_error(model)

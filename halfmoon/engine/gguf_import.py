@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.engine.catalog import TensorProgress, tensor_lines
 from halfmoon.engine.config import DTYPES, ModelConfig, RopeScaling
 from halfmoon.engine.gguf_tokenizer import build_tokenizer
 from halfmoon.engine.kv_cache import torch_dtype
@@ -245,11 +246,14 @@ def import_gguf(
     out: str | Path,
     dtype: str = "float32",
     progress: Progress | None = None,
+    tensor_progress: TensorProgress | None = None,
 ) -> Path:
     """Write the GGUF file ``path`` as an HF directory ``out``; returns ``out``.
 
     ``out`` must not exist (or be empty). Everything is written to a temporary sibling
     first and renamed at the end, so an error leaves no half-written directory.
+    ``progress`` gets what is happening as lines; ``tensor_progress`` gets (tensors done,
+    tensors in all) after each tensor (without it, ``progress`` gets a line every 50).
     """
     if dtype not in DTYPES:
         raise HalfmoonError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
@@ -257,6 +261,8 @@ def import_gguf(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HalfmoonError(f"{out} already exists and is not empty")
     say = progress or (lambda _msg: None)
+    if path.is_file():
+        say(f"reading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     gguf = GGUFFile(path)
     config = model_config(gguf, dtype)
     gguf.check_tensor_types()
@@ -270,7 +276,8 @@ def import_gguf(
     tmp.mkdir()
     try:
         tokenizer, tokenizer_config = build_tokenizer(gguf, config.max_position)
-        _write_weights(gguf, config, tmp, dtype, say)
+        tick = tensor_progress or tensor_lines(say)
+        _write_weights(gguf, config, tmp, dtype, tick)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         generation = {
             "bos_token_id": config.bos_token_id,
@@ -289,7 +296,7 @@ def import_gguf(
 
 
 def _write_weights(
-    gguf: GGUFFile, config: ModelConfig, out: Path, dtype: str, say: Progress
+    gguf: GGUFFile, config: ModelConfig, out: Path, dtype: str, tick: TensorProgress
 ) -> None:
     """Safetensors files (sharded past ``SHARD_BYTES``) holding every expected tensor."""
     from safetensors.torch import save_file
@@ -307,8 +314,7 @@ def _write_weights(
         shards[-1][name] = tensor
         shard_bytes += tensor.nbytes
         seen.add(name)
-        if (i + 1) % 50 == 0:
-            say(f"  dequantized {i + 1}/{len(gguf.tensors)} tensors")
+        tick(i + 1, len(gguf.tensors))
     missing = sorted(expected - seen)
     if missing:
         raise HalfmoonError(

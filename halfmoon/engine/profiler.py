@@ -13,15 +13,21 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel import CostProfile, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
+
+log = logging.getLogger(__name__)
+#: Where the profiler says how far it is (one line per point measured).
+Say = Callable[[str], None]
 
 #: Bumped when what is measured changes (or the engine gets faster), so cached profiles of
 #: older code are not reused. 4: the compiled decode attention, packed LM head.
@@ -109,15 +115,18 @@ def _time_kv_import(engine: Any, num_tokens: int, salt: int) -> float:
     return elapsed
 
 
-def measure_profile(engine: Any, model_name: str) -> CostProfile:
-    """Time the engine and fit a cost profile (a few seconds on the tiny preset)."""
+def measure_profile(engine: Any, model_name: str, say: Say | None = None) -> CostProfile:
+    """Time the engine and fit a cost profile (a few seconds on the tiny preset, about a
+    minute for a 135M model on a small CPU); ``say`` (default: this module's logger) gets
+    a line per point measured, ``profiling prefill 3/8 ...``."""
+    say = say or log.info
     _time_prefill(engine, 16, 0, 999)  # warm-up
     limit = engine.max_model_len - 8
     # A prompt or a batch must fit in the KV pool at once, or it would be refused or
     # timed smaller than asked.
     pool_tokens = engine.stats().num_blocks * engine.config.block_size
-    prefill = [
-        (n, c, _time_prefill(engine, n, c, 10 * k))
+    prefill_points = [
+        (k, n, c)  # k: the salt's index in PREFILL_POINTS
         for k, (n, c) in enumerate(PREFILL_POINTS)
         if n + c + 16 <= min(limit, pool_tokens - 2 * engine.config.block_size)
     ]
@@ -128,11 +137,21 @@ def measure_profile(engine: Any, model_name: str) -> CostProfile:
     points = [(b, ctx) for b, ctx in DECODE_POINTS if fits(b, ctx)]
     if len(points) < 3:  # a small pool (a real model's KV is large): short contexts instead
         points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
-    decode = [
-        (b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k))
-        for k, (b, ctx) in enumerate(points)
-    ]
     sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
+    say(
+        f"measuring the cost profile of {model_name}: {len(prefill_points)} prefills, "
+        f"{len(points)} decode batches, {len(sizes)} KV imports (once per engine shape)"
+    )
+    prefill = []
+    for i, (k, n, c) in enumerate(prefill_points):
+        prefill.append((n, c, _time_prefill(engine, n, c, 10 * k)))
+        say(f"profiling prefill {i + 1}/{len(prefill_points)}: {n} new + {c} cached tokens "
+            f"in {prefill[-1][2]:.2f}s")  # fmt: skip
+    decode = []
+    for k, (b, ctx) in enumerate(points):
+        decode.append((b, b * ctx, _time_decode(engine, b, ctx, 1000 + 100 * k)))
+        say(f"profiling decode {k + 1}/{len(points)}: batch {b} x {ctx} tokens, "
+            f"{decode[-1][2] * 1e3:.1f} ms a step")  # fmt: skip
     import_s = sum(_time_kv_import(engine, n, 5000 + k) for k, n in enumerate(sizes))
     serving = ServingTerms(kv_import_s_per_token=import_s / max(1, sum(sizes)))
     return fit_profile(
@@ -160,11 +179,17 @@ def cached_profile(engine: Any, model: str, cache_dir: Path) -> CostProfile:
     # Workers of one cluster start together: one measures (alone, so the others' start-up
     # does not disturb its timings) while the rest wait on the lock and read its result.
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another worker measuring the same cost profile")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             return CostProfile.load(path)
+        start_s = time.monotonic()
         profile = measure_profile(engine, Path(model).name)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         profile.save(tmp)
         tmp.replace(path)
+    log.info("measured the cost profile in %.1fs (cached in %s)", time.monotonic() - start_s, path)
     return profile

@@ -1,6 +1,11 @@
 """Tokenizers: loading a model directory's ``tokenizer.json`` (+ chat template), building
 the presets' byte-level BPE locally, and incremental detokenization for streaming.
 
+The chat template comes from, in order: the one given (``--chat-template``, a file or the
+template text, :func:`load_chat_template`), the model directory's ``chat_template.jinja``
+(what recent transformers writes), ``tokenizer_config.json``'s ``chat_template`` (a
+string, or a list of named templates: ``default`` else the first).
+
 The preset tokenizer is trained with ``tokenizers`` on a corpus generated from a seeded
 RNG (pseudo-words, numbers, punctuation, a little code), so it is the same on every
 machine and needs no download. Its vocabulary is exactly the preset's ``vocab_size``.
@@ -95,6 +100,41 @@ def preset_tokenizer_config(max_length: int) -> dict[str, Any]:
     }
 
 
+#: The file recent transformers versions write the chat template to (beside tokenizer.json).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def chat_template_from_config(value: Any) -> str | None:
+    """The chat template of a ``tokenizer_config.json`` ``chat_template`` entry: a string,
+    or a list of ``{"name", "template"}`` (the ``default`` one, else the first: a
+    ``tool_use`` one needs tools this server does not take); None when there is none."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, list):
+        named = {e.get("name"): e.get("template") for e in value if isinstance(e, Mapping)}
+        chosen = named.get("default") or next(iter(named.values()), None)
+        return chosen if isinstance(chosen, str) and chosen else None
+    return None
+
+
+def load_chat_template(value: str) -> str:
+    """The template ``--chat-template`` names: a file's text, or ``value`` itself when it
+    is template text (it holds ``{{`` or ``{%``), as vLLM's flag takes both; else a
+    HalfmoonError naming it."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # unreadable, or a name too long to be a file
+        if "{{" not in value and "{%" not in value:
+            raise HalfmoonError(f"--chat-template {value!r}: cannot read it: {exc}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise HalfmoonError(
+        f"--chat-template {value!r}: no such file, and not a Jinja template either"
+    )
+
+
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json spells special tokens as strings or {"content": ...} objects.
     if isinstance(value, Mapping):
@@ -105,18 +145,28 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     """Text <-> token ids for one model, with its chat template."""
 
-    def __init__(self, tokenizer: HFTokenizer, config: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ):
+        """``chat_template`` replaces the one ``config`` (a ``tokenizer_config.json``) has."""
         config = config or {}
         self._tok = tokenizer
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = chat_template or chat_template_from_config(
+            config.get("chat_template")
+        )
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_id: int | None = eos_id
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> Tokenizer:
-        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (optional) from a model dir."""
+    def from_dir(cls, model_dir: Path, chat_template: str | None = None) -> Tokenizer:
+        """Load ``tokenizer.json``, ``tokenizer_config.json`` (optional) and the chat
+        template (see the module docstring; ``chat_template``: the one given) from a
+        model dir."""
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise HalfmoonError(f"no tokenizer.json in {model_dir}")
@@ -126,7 +176,10 @@ class Tokenizer:
             raise HalfmoonError(f"cannot load {path}: {exc}") from None
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        return cls(tok, config)
+        template_path = model_dir / CHAT_TEMPLATE_FILE
+        if chat_template is None and template_path.is_file():
+            chat_template = template_path.read_text(encoding="utf-8")
+        return cls(tok, config, chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -150,7 +203,10 @@ class Tokenizer:
     ) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result."""
         if not self.chat_template:
-            raise HalfmoonError("this tokenizer has no chat template")
+            raise HalfmoonError(
+                "this model has no chat template: give one with --chat-template (a file or "
+                f"the template text), or add {CHAT_TEMPLATE_FILE} to the model directory"
+            )
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

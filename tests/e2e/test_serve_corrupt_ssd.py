@@ -63,7 +63,8 @@ def _corrupt_count(cluster) -> float:
     with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     m = re.search(
-        r'^halfmoon:kv_store_corrupt_blocks_total\{instance="prefill-0"\} ([0-9.e+]+)$', text, re.M
+        r'^halfmoon:kv_store_corrupt_blocks_total\{[^}]*worker="prefill-0"[^}]*\} ([0-9.e+]+)$',
+        text, re.M,
     )
     return float(m.group(1)) if m else 0.0
 

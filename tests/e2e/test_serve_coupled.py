@@ -97,7 +97,10 @@ def test_metrics_and_health(coupled):
         text = r.read().decode()
     assert "halfmoon:time_to_first_token_seconds_count" in text
     assert "halfmoon:prefix_cache_queries_total" in text
-    decisions = re.search(r"^halfmoon:conductor_decision_seconds_count ([0-9.e+]+)$", text, re.M)
+    decisions = re.search(
+        r'^halfmoon:conductor_decision_seconds_count\{[^}]*role="gateway"[^}]*\} ([0-9.e+]+)$',
+        text, re.M,
+    )  # fmt: skip
     assert decisions and float(decisions.group(1)) > 0  # timed by the Conductor itself
     assert "halfmoon:conductor_rtt_seconds_count" in text
 

@@ -35,7 +35,8 @@ def _greedy(cluster, prompt, n=8):
 def _metric(cluster, name):
     with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    # The gateway's own series (labelled role="gateway", worker, model_name).
+    m = re.search(rf'^{re.escape(name)}\{{[^}}]*role="gateway"[^}}]*\}} ([0-9.e+]+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

@@ -20,6 +20,7 @@ from halfmoon.metrics.records import RequestRecord
 from halfmoon.serve.control.messages import Error, Expect, Handoff, WireParams
 from halfmoon.serve.worker.decode import DecodeRole
 from halfmoon.serve.worker.decode_guard import DecodeGuard, Held
+from halfmoon.serve.worker.metrics import WorkerMetrics
 from halfmoon.sim.config import ClusterSpec, InstanceSpec, SimConfig
 from halfmoon.sim.decode import DecodeInstance
 from halfmoon.sim.job import Job
@@ -160,6 +161,7 @@ class _Worker:
     def __init__(self) -> None:
         self.engine = _Engine()
         self.kv_codec = None
+        self.metrics = WorkerMetrics()
         self.me = SimpleNamespace(instance_id="decode-0")
         self.sent: list[tuple[bytes, object]] = []
         self.events: list[tuple[str, str]] = []
@@ -187,7 +189,7 @@ def _hand_off(role: DecodeRole, rid: str, prompt: int = 40) -> None:
 
 def _finish(role: DecodeRole, rid: str) -> None:
     out = SimpleNamespace(request_id=rid, new_token_ids=(7,), finished=True, finish_reason="length",
-                          new_logprobs=(), num_cached_tokens=0)  # fmt: skip
+                          new_logprobs=(), num_cached_tokens=0, token_ids=(7,))  # fmt: skip
     role.on_outputs([out])
 
 
@@ -203,6 +205,19 @@ def test_reject_refuses_a_request_that_would_slow_the_batch_and_tells_both_sides
     assert ("request_finished", "b") in worker.events  # the Conductor's booking released
     assert list(transfer.registered) == []  # both landings given back
     assert role.stats()["guard_refused"] == 1
+
+
+def test_the_metrics_count_the_guard_the_worker_set_after_the_profile_loaded():
+    """The worker builds its role with the guard off and sets the real one once its cost
+    profile is known: ``/metrics`` reads that one."""
+    worker, transfer = _Worker(), _Transfer()
+    role = DecodeRole(worker, transfer)
+    role.guard = DecodeGuard("reject", _profile(), lambda: 0.001)
+    _hand_off(role, "a")
+    _hand_off(role, "b")
+    get = worker.metrics.registry.get_sample_value
+    assert get("halfmoon:decode_guard_refused_total") == 1
+    assert get("halfmoon:decode_guard_waiting") == 0
 
 
 def test_wait_holds_a_request_until_the_batch_has_room():

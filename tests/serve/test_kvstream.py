@@ -10,6 +10,7 @@ import time
 import pytest
 
 from halfmoon.serve.worker.kvstream import OutStream, StreamerPool, finish_all
+from halfmoon.serve.worker.metrics import WorkerMetrics
 from halfmoon.transfer import RemoteError, StreamLayout, TransferEngine
 
 SECRET = bytes(range(7, 39))
@@ -97,7 +98,7 @@ def test_stage_streams_land_in_the_export_layout(mode, transport, inbox_bytes):
             block_size = 16
 
     Engine.layout = layout
-    worker = type("W", (), {"engine": Engine(), "kv_codec": codec})()
+    worker = type("W", (), {"engine": Engine(), "kv_codec": codec, "metrics": WorkerMetrics()})()
     sender = TransferEngine(SECRET, transport=transport)
     receiver = TransferEngine(SECRET, transport=transport)
     sender.start()
@@ -172,7 +173,8 @@ def test_an_abandoned_streams_inbox_range_waits_in_quarantine(monkeypatch):
 
     Engine.layout = layout
     events = []
-    worker = type("W", (), {"engine": Engine(), "kv_codec": None, "send": None})()
+    worker = type("W", (), {"engine": Engine(), "kv_codec": None, "send": None,
+                            "metrics": WorkerMetrics()})()  # fmt: skip
     worker.conductor = type("C", (), {"event": lambda self, *a, **k: events.append(a)})()
     receiver = TransferEngine(SECRET)
     receiver.start()

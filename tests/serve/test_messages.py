@@ -89,6 +89,15 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.WorkerPong(instance_id="p0", role="prefill", num_running=1, num_waiting=0,
                  num_free_blocks=12, num_steps=40, integrity="ok",
                  stats={"blocks_pulled": 3, "ratio": 0.5}, msg_id=2),
+    m.StatusQuery(num_decisions=5, msg_id=4),
+    m.ClusterStatus(instances=[m.InstanceStatus(instance_id="p0", role="prefill",
+                                                state="healthy", seen_s_ago=0.1, num_waiting=2,
+                                                store={"dram_blocks": 3})],
+                    conductor={"policy": "kvcache-centric", "slo": {"ttft_s": 30.0}},
+                    decisions=[{"request_id": "r", "accepted": False, "candidates": []}],
+                    msg_id=4),
+    m.MetricsQuery(msg_id=5),
+    m.MetricsText(instance_id="p0", role="prefill", text="halfmoon:x 1.0\n", msg_id=5),
 ]}  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from halfmoon.serve.launch.launcher import ProcessGroup
+from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.worker.main import REFUSED_EXIT_CODE
 
 

@@ -16,8 +16,12 @@ and logged either way. What it answers:
 - ``heartbeat``: no reply; ``register_again`` when the instance is unknown (e.g. after
   this process restarted: the worker then registers with a snapshot of the blocks it
   holds, which rebuilds the index), ``drain`` when it is draining
+- ``metrics_query`` -> ``metrics_text``: its Prometheus metrics
+  (:mod:`halfmoon.serve.control.conductor_metrics`)
 - ``ping`` -> ``pong`` with the registered instances (and the draining ones) and the
-  block-store counters their last load reports carried (``store_stats``, for ``/metrics``)
+  block-store counters their last load reports carried (``store_stats``)
+- ``status_query`` -> ``cluster_status``: instances, Conductor state and latest decisions
+  for the live cluster page (:mod:`halfmoon.serve.control.status`)
 - ``drain`` -> ``draining``; the instance leaves placement but stays alive and known (its
   requests finish); its heartbeats are answered ``drain``, so the worker exits once it
   has no unfinished request (scale-down, :mod:`halfmoon.deploy`)
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +58,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import Request
 from halfmoon.costmodel import CostProfile, ProfileCostModel
 from halfmoon.costmodel.base import CostModel
+from halfmoon.serve.control.conductor_metrics import ConductorMetrics, InstanceFigures
 from halfmoon.serve.control.messages import (
     BlockEvent,
     ClusterIdentity,
@@ -70,6 +76,8 @@ from halfmoon.serve.control.messages import (
     MalformedMessage,
     Member,
     Message,
+    MetricsQuery,
+    MetricsText,
     Ping,
     PlacementDecision,
     Refused,
@@ -79,10 +87,12 @@ from halfmoon.serve.control.messages import (
     Release,
     Replication,
     Schedule,
+    StatusQuery,
     decode_message,
     encode_message,
 )
 from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
+from halfmoon.serve.control.status import cluster_status
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
 log = logging.getLogger(__name__)
@@ -144,9 +154,16 @@ class ConductorService:
         self.num_auth_failures = 0
         #: Block-store counters per instance from its last load report (prefill workers).
         self.store_stats: dict[str, dict[str, int]] = {}
+        #: Each instance's last load report (for the cluster page and ``/metrics``).
+        self.last_load: dict[str, LoadEvent] = {}
+        #: The latest placement decisions, newest last: (wall time, decision, seconds the
+        #: Conductor took). Kept as objects; turned into maps only when someone asks.
+        self.recent_decisions: deque[tuple[float, Decision, float]] = deque(maxlen=100)
         #: What every worker must compute with: block size (from the Conductor's config),
         #: model identity and dtype (None until the first worker declaring them registers).
         self.cluster = ClusterIdentity(block_size=conductor.config.block_size_tokens)
+        #: Its Prometheus metrics (``metrics_query``).
+        self.metrics = ConductorMetrics(self._instance_figures)
         self._sock = bind_router(endpoint)
         self._rejections = RateLimitedLog(log)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -161,6 +178,10 @@ class ConductorService:
             if self._sock.poll(poll_ms):
                 self.handle_one()
             self.expire_silent_instances()
+
+    def seen_s_ago(self, iid: str) -> float:
+        """Seconds since registered instance ``iid`` was last heard from."""
+        return time.monotonic() - self._last_seen_s.get(iid, time.monotonic())
 
     def expire_silent_instances(self) -> list[str]:
         """Drop instances not heard from within ``heartbeat_timeout_s`` from placement
@@ -209,7 +230,17 @@ class ConductorService:
         reply = dataclasses.replace(reply, msg_id=msg_id)
         self._sock.send_multipart([identity, *encode_message(reply, self.secret)])
 
-    def _integrity(self) -> str:
+    def _instance_figures(self) -> InstanceFigures:
+        """Registered instances, the draining ones, index blocks and the cache-balancing
+        state (for ``/metrics``)."""
+        return InstanceFigures(
+            roles={i: e.role for i, e in self.instances.items()},
+            draining=frozenset(self.draining),
+            index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
+            balancing=dict(self.conductor.balancing),
+        )
+
+    def integrity(self) -> str:
         """``ok``, or what :meth:`Conductor.check_integrity` found wrong."""
         try:
             self.conductor.check_integrity()
@@ -242,8 +273,13 @@ class ConductorService:
             return self._register(message)
         if isinstance(message, Drain):
             return self._drain(message.instance_id)
+        if isinstance(message, MetricsQuery):
+            return MetricsText(instance_id="conductor", role="conductor",
+                               text=self.metrics.render())  # fmt: skip
         if isinstance(message, Ping):
             return self._pong()
+        if isinstance(message, StatusQuery):
+            return cluster_status(self, message.num_decisions)
         raise ProtocolError(f"the Conductor does not take {message.wire_name!r} messages")
 
     def _pong(self) -> ConductorPong:
@@ -258,7 +294,7 @@ class ConductorService:
                 if i not in self.draining
             },
             draining=sorted(self.draining),
-            integrity=self._integrity(),
+            integrity=self.integrity(),
             num_placements=self.conductor.num_placements,
             store_stats={i: s for i, s in self.store_stats.items() if i in self.instances},
             cluster=self.cluster,
@@ -267,10 +303,13 @@ class ConductorService:
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:
-        """Keep the store counters of ``iid``'s latest load report that carries them."""
+        """Keep ``iid``'s latest load report, and the store counters of the latest that
+        carries them."""
         for entry in entries:
-            if isinstance(entry, LoadEvent) and entry.store is not None:
-                self.store_stats[iid] = dict(entry.store)
+            if isinstance(entry, LoadEvent):
+                self.last_load[iid] = entry
+                if entry.store is not None:
+                    self.store_stats[iid] = dict(entry.store)
 
     def _instance_failed(self, iid: str, incarnation: str) -> None:
         """A gateway could not use ``iid``: drop it from placement now rather than after
@@ -319,6 +358,7 @@ class ConductorService:
             log.warning("%s restarted: forgetting its previous state", iid)
             self.conductor.remove_instance(iid)
             self.store_stats.pop(iid, None)
+            self.last_load.pop(iid, None)
             self.draining.discard(iid)
         if message.draining:
             self.draining.add(iid)  # a draining worker re-registering: keep it out
@@ -385,6 +425,8 @@ class ConductorService:
         else:
             decision = self.conductor.schedule(request)
         elapsed_s = time.perf_counter() - start
+        self.recent_decisions.append((time.time(), decision, elapsed_s))
+        self.metrics.observe_decision(decision, elapsed_s)
         log.debug("%s", decision.explain())
         return dataclasses.replace(self.decision_message(decision), decision_s=elapsed_s)
 

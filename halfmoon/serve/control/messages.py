@@ -10,11 +10,12 @@ block hashes one ``bytes`` of 16 little-endian bytes each (``block_hashes`` unpa
 them); sampling parameters a :class:`WireParams`; log-probabilities
 ``[[logprob, [[token, logprob], ...]], ...]``::
 
-    gateway --schedule, release, instance_failed, ping--> Conductor --decision, pong, error-->
+    gateway --schedule, release, instance_failed, ping, status_query, metrics_query--> Conductor
+            Conductor --decision, pong, cluster_status, metrics_text, error--> gateway
     worker  --register, events, heartbeat-->  Conductor --registered, refused, register_again, drain-->
     deploy  --drain, ping-->                  Conductor --draining, pong-->
-    gateway --generate, expect, prefill, cpp_prefill, replicate, abort, ping--> worker
-    worker  --tokens, batch, error, worker_pong--> gateway
+    gateway --generate, expect, prefill, cpp_prefill, replicate, abort, ping, metrics_query--> worker
+    worker  --tokens, batch, error, worker_pong, metrics_text--> gateway
     worker  --handoff, cpp_offer, cpp_start--> worker
 """
 
@@ -191,6 +192,8 @@ class LoadEvent(Record):
     kv_capacity_tokens: int = 0
     queued_prefill_tokens: int = 0
     store: dict[str, int] | None = None
+    #: Requests accepted but not yet running (the engine's waiting queue).
+    num_waiting: int = 0
 
 
 Event = BlockEvent | LifecycleEvent | LoadEvent
@@ -294,6 +297,68 @@ class ConductorPong(Message):
     index_blocks: dict[str, int] = field(default_factory=dict)
     #: The cache-balancing threshold in use and how it was learned (``Conductor.balancing``).
     balancing: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceStatus(Record):
+    """One registered instance as the Conductor sees it (a :class:`ClusterStatus` row):
+    ``state`` is ``healthy``, ``draining`` or ``silent`` (no heartbeat for over a second);
+    the load fields are its last load report's, ``store`` its block store's figures."""
+
+    instance_id: str
+    role: str
+    state: str
+    seen_s_ago: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    #: The Conductor's estimate of a new prompt's queueing time there (prefill, coupled).
+    est_queue_s: float = 0.0
+    index_blocks: int = 0
+    store: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusQuery(Message):
+    """Gateway -> Conductor: the cluster's state and the last ``num_decisions`` placement
+    decisions (``cluster_status``), for the live cluster page."""
+
+    wire_name: ClassVar[str] = "status_query"
+    num_decisions: int = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterStatus(Message):
+    """Conductor -> gateway: every registered instance, the Conductor's own state
+    (``conductor``: placements, rejections by code, SLOs, balancing, integrity) and its
+    latest decisions, newest first (``decisions``: each a map with the request id, its
+    time, outcome, reason, candidates with their estimates, and the explanation text)."""
+
+    wire_name: ClassVar[str] = "cluster_status"
+    instances: list[InstanceStatus] = field(default_factory=list)
+    conductor: dict[str, Any] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsQuery(Message):
+    """Gateway -> Conductor or worker: your Prometheus metrics (``metrics_text``)."""
+
+    wire_name: ClassVar[str] = "metrics_query"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsText(Message):
+    """Conductor or worker -> gateway: its metrics in Prometheus' text exposition format,
+    without ``role`` / ``worker`` labels (the gateway adds them when it merges every
+    process's metrics into its one ``/metrics``)."""
+
+    wire_name: ClassVar[str] = "metrics_text"
+    instance_id: str
+    role: str
+    text: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -630,12 +695,12 @@ def logprobs_from_wire(data: Any) -> tuple[TokenLogprob, ...]:
 
 __all__ = [
     "LIFECYCLE_KINDS", "MESSAGE_TYPES", "NO_ENDPOINTS", "Abort", "Batch", "BlockEvent",
-    "ClusterIdentity", "ConductorPong", "CppOffer", "CppPrefill", "CppStart", "Drain",
+    "ClusterIdentity", "ClusterStatus", "ConductorPong", "CppOffer", "CppPrefill", "CppStart", "Drain",
     "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "Generate", "Handoff",
-    "Heartbeat", "HeldBlocks", "InstanceFailed", "LifecycleEvent", "LoadEvent", "Lost",
-    "MalformedMessage", "Member", "Message", "Ping", "PlacementDecision", "Prefill",
+    "Heartbeat", "HeldBlocks", "InstanceFailed", "InstanceStatus", "LifecycleEvent", "LoadEvent", "Lost",
+    "MalformedMessage", "Member", "Message", "MetricsQuery", "MetricsText", "Ping", "PlacementDecision", "Prefill",
     "PrefillDone", "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",
-    "Replication", "Schedule", "Tokens", "WireLogprobs", "WireParams", "WorkerPong",
+    "Replication", "Schedule", "StatusQuery", "Tokens", "WireLogprobs", "WireParams", "WorkerPong",
     "check_cache_salt", "decode_message", "encode_message", "event_entry", "from_wire",
     "logprobs_from_wire", "logprobs_to_wire", "params_from_wire", "params_to_wire",
     "record_from_wire", "record_to_wire", "to_wire",

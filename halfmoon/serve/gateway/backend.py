@@ -50,8 +50,9 @@ class BackendError(HalfmoonError):
 
 
 class Backend(Protocol):
-    """Generates tokens for the gateway. A backend may also offer ``async store_stats()``:
-    its workers' block-store counters by instance, which ``/metrics`` shows."""
+    """Generates tokens for the gateway. A backend may also offer ``async
+    metrics_texts(timeout_s)``: the metrics of every process of its cluster, which
+    ``/metrics`` merges with the gateway's own (:mod:`halfmoon.serve.gateway.scrape`)."""
 
     def generate(
         self,

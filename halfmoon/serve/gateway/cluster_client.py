@@ -36,6 +36,7 @@ from halfmoon.serve.control.messages import (
     NO_ENDPOINTS,
     Abort,
     Batch,
+    ClusterStatus,
     ConductorPong,
     CppPrefill,
     Endpoints,
@@ -47,12 +48,15 @@ from halfmoon.serve.control.messages import (
     MalformedMessage,
     Member,
     Message,
+    MetricsQuery,
+    MetricsText,
     Ping,
     PlacementDecision,
     Prefill,
     Release,
     Replicate,
     Schedule,
+    StatusQuery,
     Tokens,
     WireParams,
     decode_message,
@@ -118,8 +122,6 @@ class ClusterBackend:
         self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
         self._attempts: dict[str, str] = {}
         self._incarnations: dict[str, str] = {}
-        #: Workers' block-store counters as the Conductor last reported them (None: not yet).
-        self._store_stats: dict[str, dict[str, int]] | None = None
         self._watcher: asyncio.Task | None = None
         self.max_attempts = 3
         self.conductor_wait_s = 20.0
@@ -311,18 +313,44 @@ class ClusterBackend:
                     queue.put_nowait(Lost(instance_id=gone[0]))
             self._incarnations = alive
             self._members = pong.members
-            self._store_stats = pong.store_stats
 
-    async def store_stats(self, timeout_s: float = 1.0) -> dict[str, dict[str, int]]:
-        """Block-store counters per worker, as the instance watcher last saw them (about a
-        second old); the first call asks the Conductor once, waiting at most ``timeout_s``
-        (``{}`` if it does not answer), and starts the watcher."""
-        if self._store_stats is None:
-            try:
-                self._store_stats = (await self._ping(timeout_s)).store_stats
-            except BackendError:
-                return {}
-        return self._store_stats
+    async def metrics_texts(self, timeout_s: float = 0.5) -> tuple[list[MetricsText], list[str]]:
+        """Every process's Prometheus metrics: the Conductor's and those of each instance
+        its pong lists, asked at once, each answer awaited at most ``timeout_s``. Returns
+        the answers and the ids of the processes that gave none (``conductor`` for it)."""
+
+        async def ask(endpoint: str) -> MetricsText:
+            reply = await self._call(endpoint, MetricsQuery(), timeout_s)
+            if not isinstance(reply, MetricsText):
+                raise BackendError(f"{endpoint} answered a metrics query with {reply.wire_name}")
+            return reply
+
+        pong, conductor = await asyncio.gather(
+            self._ping(timeout_s), ask(self._conductor_endpoint), return_exceptions=True
+        )
+        ids = ["conductor"]
+        asks = [conductor]
+        if isinstance(pong, ConductorPong):
+            ids += list(pong.endpoints)
+            asks += await asyncio.gather(
+                *(ask(endpoint) for endpoint in pong.endpoints.values()), return_exceptions=True
+            )
+        texts = [a for a in asks if isinstance(a, MetricsText)]
+        failed = [i for i, a in zip(ids, asks, strict=True) if not isinstance(a, MetricsText)]
+        for answer in asks:
+            if isinstance(answer, BaseException) and not isinstance(answer, BackendError):
+                raise answer
+        return texts, failed
+
+    async def cluster_status(self, num_decisions: int = 20, timeout_s: float = 2.0) -> ClusterStatus:
+        """The Conductor's view of the cluster and its latest ``num_decisions`` decisions
+        (for the live cluster page); BackendError when it does not answer in ``timeout_s``."""
+        msg = StatusQuery(num_decisions=num_decisions)
+        status = await self._call(self._conductor_endpoint, msg, timeout_s)
+        if not isinstance(status, ClusterStatus):
+            error = status.error if isinstance(status, Error) else status.wire_name
+            raise BackendError(f"the Conductor answered a status query with {error}")
+        return status
 
     async def _in_order(
         self,

@@ -1,16 +1,13 @@
 """Prometheus metrics of the gateway, with vLLM-style names under the ``halfmoon:`` prefix.
 
-Each gateway owns its registry (no global state), exposed at ``/metrics``. Besides its own
-counters it shows the prefill workers' block-store counters (``instance`` label), which
-reach it through the workers' load reports to the Conductor (about a second old).
+Each gateway owns its registry (no global state). Its ``/metrics`` serves them merged with
+the Conductor's and every worker's (:mod:`halfmoon.serve.gateway.scrape`; a worker's block
+store figures come from the worker itself, :mod:`halfmoon.serve.worker.metrics`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS_S = (
     0.005,
@@ -32,37 +29,6 @@ _LATENCY_BUCKETS_S = (
     40.0,
     80.0,
 )
-
-
-class StoreCollector:
-    """Block-store counters of the workers (per ``instance``), as last reported."""
-
-    def __init__(self) -> None:
-        self.stats: dict[str, dict[str, int]] = {}
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """One family per counter, one sample per worker (and tier)."""
-        corrupt = CounterMetricFamily(
-            "halfmoon:kv_store_corrupt_blocks",
-            "SSD blocks that failed their checksum: dropped, their tokens recomputed.",
-            labels=["instance"],
-        )
-        hits = CounterMetricFamily(
-            "halfmoon:kv_store_hits",
-            "Block-store reads served, per tier.",
-            labels=["instance", "tier"],
-        )
-        misses = CounterMetricFamily(
-            "halfmoon:kv_store_misses",
-            "Block-store reads that found no intact block.",
-            labels=["instance"],
-        )
-        for instance, s in sorted(self.stats.items()):
-            corrupt.add_metric([instance], s.get("corrupt", 0))
-            misses.add_metric([instance], s.get("misses", 0))
-            for tier in ("dram", "ssd"):
-                hits.add_metric([instance, tier], s.get(f"{tier}_hits", 0))
-        yield from (corrupt, hits, misses)
 
 
 class GatewayMetrics:
@@ -143,8 +109,13 @@ class GatewayMetrics:
         self.running = Gauge(
             "halfmoon:num_requests_running", "Requests being generated.", registry=r
         )
-        self.store = StoreCollector()
-        r.register(self.store)
+        self.scrape_errors = Counter(
+            "halfmoon:scrape_errors",
+            "Processes (worker: its instance id, or conductor) that did not answer a /metrics "
+            "scrape in time: skipped.",
+            ["worker"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -31,11 +31,16 @@ from halfmoon.serve.gateway.prom import GatewayMetrics
 
 
 class HTTPError(Exception):
-    """An error answered as an OpenAI error body with this status (and headers)."""
+    """An error answered as an OpenAI error body with this status (and headers); ``param``
+    names the request field at fault, when one is."""
 
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, kind: str, headers: dict | None = None,
+        param: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+        self.param = param
 
 
 #: What :meth:`Gateway.run` yields: text delta, finish reason, usage, and the

@@ -15,129 +15,39 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
+from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.runtime import (
     SECRET_ENV,
-    die_with_parent,
     free_port,
     new_secret,
     settle_gc,
     setup_logging,
     warn_if_public,
 )
-from halfmoon.serve.worker.main import (
-    REFUSED_EXIT_CODE,
-    EngineOptions,
-    add_engine_options,
-    engine_config,
-)
+from halfmoon.serve.worker.main import EngineOptions, add_engine_options, engine_config
 
 log = logging.getLogger("serve")
-
-
-@dataclass
-class Child:
-    """One supervised child process and its restart bookkeeping."""
-
-    name: str
-    argv: tuple[str, ...]
-    proc: subprocess.Popen
-    started_s: float = field(default_factory=time.monotonic)
-    num_restarts: int = 0
-    restart_at_s: float | None = None
-
-
-class ProcessGroup:
-    """The child processes of one cluster, restarted with backoff when they crash."""
-
-    #: Restart delays double from this up to ``MAX_BACKOFF_S``; a child that stayed up
-    #: for ``STABLE_S`` starts over at the first delay.
-    FIRST_BACKOFF_S = 0.5
-    MAX_BACKOFF_S = 30.0
-    STABLE_S = 60.0
-
-    def __init__(self, secret: str) -> None:
-        self.env = {**os.environ, SECRET_ENV: secret}
-        self.children: list[Child] = []
-
-    @property
-    def procs(self) -> list[tuple[str, subprocess.Popen]]:
-        """(name, process) of every child."""
-        return [(c.name, c.proc) for c in self.children]
-
-    def _popen(self, argv: tuple[str, ...]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "halfmoon.cli", *argv]
-        return subprocess.Popen(cmd, env=self.env, preexec_fn=die_with_parent)  # noqa: PLW1509
-
-    def spawn(self, name: str, *argv: str) -> subprocess.Popen:
-        """Start ``halfmoon ARGV...`` as a child."""
-        child = Child(name, tuple(argv), self._popen(tuple(argv)))
-        self.children.append(child)
-        return child.proc
-
-    def check_alive(self) -> None:
-        """Raise if any child has exited (used while the cluster starts)."""
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise HalfmoonError(f"{name} exited with code {proc.returncode}")
-
-    def supervise(self, now_s: float | None = None) -> list[str]:
-        """Restart children that died, each after its backoff; returns who restarted."""
-        now_s = time.monotonic() if now_s is None else now_s
-        restarted = []
-        for child in self.children:
-            if child.proc.poll() is None:
-                if now_s - child.started_s > self.STABLE_S:
-                    child.num_restarts = 0
-                continue
-            if child.proc.returncode == REFUSED_EXIT_CODE:
-                if child.restart_at_s != float("inf"):  # said once; never restarted
-                    child.restart_at_s = float("inf")
-                    log.error("%s was refused by the Conductor (see its log): not restarted",
-                              child.name)  # fmt: skip
-                continue
-            if child.restart_at_s is None:
-                delay = min(self.MAX_BACKOFF_S, self.FIRST_BACKOFF_S * 2**child.num_restarts)
-                child.restart_at_s = now_s + delay
-                log.warning("%s exited with code %s; restarting in %.1fs",
-                            child.name, child.proc.returncode, delay)  # fmt: skip
-            elif now_s >= child.restart_at_s:
-                child.proc = self._popen(child.argv)
-                child.started_s, child.restart_at_s = now_s, None
-                child.num_restarts += 1
-                restarted.append(child.name)
-        return restarted
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every child, then SIGKILL the ones still running after ``timeout_s``."""
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def prepare_model(model: str, seed: int) -> Path:
     """The model directory ``model`` names (:func:`halfmoon.engine.catalog.resolve_model`):
     a directory as it is; a named model, a .gguf file or a preset imported or written once
-    into the cache, printing progress while that runs."""
+    into the cache, saying so while that runs (a bar over the tensors on a terminal)."""
     from halfmoon.engine.catalog import resolve_model
+    from halfmoon.serve.launch.startup import tensor_progress
 
-    return resolve_model(model, seed, progress=lambda msg: print(f"halfmoon: {msg}", flush=True))
+    log.info("model %s", model)
+    with tensor_progress(log) as tick:
+        model_dir = resolve_model(model, seed, progress=log.info, tensor_progress=tick)
+    log.info("model directory %s", model_dir)
+    return model_dir
 
 
 def engine_json(args: argparse.Namespace, model: str) -> str:
@@ -165,8 +75,11 @@ def start_cluster(
     args: argparse.Namespace, group: ProcessGroup, model_dir: Path
 ) -> tuple[str, int]:
     """Spawn the Conductor and the workers; returns (conductor endpoint, worker count)."""
+    from halfmoon.serve.launch.startup import waiting_line
+
     conductor_port = free_port(args.internal_host)
     endpoint = f"tcp://{args.internal_host}:{conductor_port}"
+    log.info("starting the Conductor on %s", endpoint)
     group.spawn("conductor", "conductor", "--host", args.internal_host,
                 "--port", str(conductor_port), "--log-level", args.log_level,
                 "--config-json", conductor_json(args))  # fmt: skip
@@ -187,56 +100,75 @@ def start_cluster(
                         "--config-json", worker_doc,
                         *extra)  # fmt: skip
             count += 1
+    log.info("started %s", ", ".join(f"{c.name} (pid {c.proc.pid})" for c in group.children))
+    log.info("%s", waiting_line(count))
     return endpoint, count
 
 
 async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_dir: Path,
                          conductor: str, num_workers: int) -> None:  # fmt: skip
-    from halfmoon.engine.tokenizer import Tokenizer
+    from halfmoon.engine.tokenizer import Tokenizer, load_chat_template
 
     _QuietServer = _make_quiet_server()  # noqa: N806
     from halfmoon.serve.gateway.app import GatewayConfig, create_app
     from halfmoon.serve.gateway.cluster_client import ClusterBackend
     from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
+    from halfmoon.serve.gateway.limits import served_context
+    from halfmoon.serve.launch.startup import announce_when_listening, has_page, ready_line
 
-    tokenizer = Tokenizer.from_dir(model_dir)
+    given = getattr(args, "chat_template", None)
+    template = load_chat_template(given) if given else None
+    tokenizer = Tokenizer.from_dir(model_dir, template)
+    vllm = getattr(args, "engine", "halfmoon") == "vllm"  # (its own pool: max_model_len fits)
+    limit = served_context(model_dir, args.max_model_len, None if vllm else args.kv_cache_mb,
+                           args.block_size, args.dtype)  # fmt: skip
     backend = ClusterBackend(conductor, group.env[SECRET_ENV].encode(), args.block_size,
                              args.mode, expected_instances=num_workers)  # fmt: skip
     await _wait_ready(backend, group, args.startup_timeout, num_workers)
-    max_len = args.max_model_len or _max_model_len(model_dir)
     config = GatewayConfig(
         args.served_model_name or model_dir.name.split("-seed")[0],
-        max_len,
+        limit.max_model_len,
+        max_tokens_limit=getattr(args, "max_tokens_limit", None),
         api_keys=api_keys(args.api_key, os.environ.get(API_KEY_ENV)),
         max_concurrent_requests=args.max_concurrent_requests,
         cache_salt_from_api_key=args.cache_salt_from_api_key,
         public=tuple(args.public or ()),
+        access_log=not getattr(args, "disable_access_log", False),
     )
-    app = create_app(backend, tokenizer, config)
+    app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
-    print(f"halfmoon: serving {config.model_name!r} at http://{args.host}:{args.port}/v1 "
-          f"({args.mode}, {num_workers} workers)", flush=True)  # fmt: skip
+    log.info(
+        "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
+        limit.max_model_len, limit.source, config.max_tokens_limit,
+    )  # fmt: skip
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
     supervisor = loop.create_task(_supervise(group))
+    page = has_page(app)
+    announce = loop.create_task(announce_when_listening(  # the URL, once it answers
+        server, args.host, args.port,
+        lambda url: ready_line(config.model_name, url, args.mode, num_workers, page), log,
+    ))  # fmt: skip
     settle_gc()
     try:
         await server.serve()
     finally:
         supervisor.cancel()
+        announce.cancel()
         await backend.close()
 
 
 async def _wait_ready(
     backend: Any, group: ProcessGroup, timeout_s: float, num_workers: int
 ) -> None:
-    """Wait until every worker has registered, printing how many have (loading the model
-    and measuring its cost profile takes a while on a real model)."""
+    """Wait until every worker has registered, saying how many have when that changes and
+    every few seconds (loading the model, building kernels and measuring its cost profile
+    take a while the first time: halfmoon.serve.launch.startup)."""
+    from halfmoon.serve.launch.startup import WaitReport
+
     start = time.monotonic()
-    print(f"halfmoon: starting the Conductor and {num_workers} workers (loading the model)",
-          flush=True)  # fmt: skip
-    last_report = ""
+    wait = WaitReport()
     while True:
         group.check_alive()
         try:
@@ -246,12 +178,12 @@ async def _wait_ready(
             waited_s = time.monotonic() - start
             if waited_s > timeout_s:
                 raise HalfmoonError(f"cluster not ready after {timeout_s:g}s: {exc}") from None
-            report = str(exc)
-            if report != last_report and "registered" in report:
-                print(f"halfmoon: {report} ({waited_s:.0f}s)", flush=True)
-                last_report = report
+            report = str(exc) if "registered" in str(exc) else "waiting for the Conductor"
+            line = wait.line(report, waited_s)
+            if line:
+                log.info("%s", line)
             await asyncio.sleep(0.2)
-    print(f"halfmoon: cluster ready in {time.monotonic() - start:.1f}s", flush=True)
+    log.info("cluster ready in %.1fs", time.monotonic() - start)
 
 
 async def _supervise(group: ProcessGroup, interval_s: float = 0.5) -> None:
@@ -274,13 +206,6 @@ def _make_quiet_server() -> type:
             yield
 
     return QuietServer
-
-
-def _max_model_len(model_dir: Path) -> int:
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
 
 
 def check_shape(args: argparse.Namespace) -> None:
@@ -329,6 +254,12 @@ def check_shape(args: argparse.Namespace) -> None:
             "--cache-salt-from-api-key needs API keys: give --api-key once per tenant "
             f"(or ${API_KEY_ENV}, comma-separated)"
         )
+    if (getattr(args, "max_tokens_limit", None) or 1) < 1:
+        raise HalfmoonError("--max-tokens-limit must be >= 1")
+    if getattr(args, "chat_template", None):
+        from halfmoon.engine.tokenizer import load_chat_template
+
+        load_chat_template(args.chat_template)  # a missing file fails here, by its name
     roles = ("prefill", "decode") if args.mode == "disaggregated" else ("coupled",)
     for role in roles:  # the workers' engine options, checked before any process starts
         try:
@@ -342,7 +273,9 @@ def run_serve(args: argparse.Namespace) -> int:
     check_shape(args)
     args.host = args.host or "127.0.0.1"
     if args.startup_timeout is None:
-        args.startup_timeout = 900.0 if args.engine == "vllm" else 180.0
+        # A first start on a busy 2-core machine compiles kernels and measures the cost
+        # profile for minutes (later starts take both from the cache in seconds).
+        args.startup_timeout = 900.0 if args.engine == "vllm" else 600.0
     log = setup_logging("serve", args.log_level)
     warn_if_public(args.host, log)
     model_dir = prepare_model(args.model, args.seed)
@@ -416,7 +349,7 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument(
         "--startup-timeout", type=float, default=None,
-        help="seconds to wait for every worker (default 180; 900 with --engine vllm)",
+        help="seconds to wait for every worker (default 600; 900 with --engine vllm)",
     )  # fmt: skip
     p.add_argument(
         "--max-concurrent-requests",
@@ -424,6 +357,20 @@ def register(subparsers: Any) -> None:
         default=512,
         help="requests in flight beyond this get HTTP 429",
     )
+    p.add_argument(
+        "--max-tokens-limit", type=int, default=None,
+        help="most output tokens one request may ask for (default: the served context, "
+        "i.e. the smallest of the model's context, one worker's KV pool and --max-model-len)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+        help="the chat template (a Jinja file, or the template text itself), instead of the "
+        "model's chat_template.jinja or tokenizer_config.json's",
+    )  # fmt: skip
+    p.add_argument(
+        "--disable-access-log", action="store_true",
+        help="no log line per request (method, path, status, tokens, TTFT, total time)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
     add_conductor_options(p, "live")

@@ -244,6 +244,9 @@ class VllmServerConnector(EngineConnector):
         self.subscriber: KVEventSubscriber | None = None
         self._warned_topic = False
         self._load = {WAITING: 0.0, KV_USAGE: 0.0}
+        #: The server's own ``/metrics`` text as last polled (vLLM's names): the worker's
+        #: answer to a ``metrics_query`` carries it after its own.
+        self.metrics_text = ""
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._client: httpx.AsyncClient | None = None
@@ -284,6 +287,8 @@ class VllmServerConnector(EngineConnector):
             try:
                 resp = await self._client.get("/metrics", timeout=2.0)
                 self._load.update(parse_metric_values(resp.text, (WAITING, KV_USAGE)))
+                if resp.status_code == 200:
+                    self.metrics_text = resp.text
             except httpx.HTTPError as exc:
                 log.debug("metrics of %s: %s", self.endpoints.url, exc)
             await asyncio.sleep(METRICS_INTERVAL_S)

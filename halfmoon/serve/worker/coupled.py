@@ -40,6 +40,7 @@ class CoupledRole(TokenStreaming):
         rid = msg.request_id
         params = msg.params.to_params()
         self.worker.engine.add_request(rid, msg.token_ids, params, cache_salt=msg.cache_salt)
+        self.worker.metrics.request_queued(rid, len(msg.token_ids))
         self.clients[rid] = StreamClient(identity, msg.token_ids)
         self.worker.conductor.event("prefill_started", request_id=rid)
 
@@ -58,10 +59,12 @@ class CoupledRole(TokenStreaming):
                              cached_at_finish=self.worker.engine.cached_tokens_at_finish)  # fmt: skip
             if out.finished:
                 del self.clients[out.request_id]
+                self.worker.metrics.request_finished(out.request_id, len(out.token_ids))
                 events.event("request_finished", request_id=out.request_id)
         self.flush_tokens()
 
     def on_abort(self, request_id: str) -> None:
+        self.worker.metrics.request_dropped(request_id)
         self.clients.pop(request_id, None)
         if self.worker.engine.abort_request(request_id):
             self.worker.conductor.event("request_finished", request_id=request_id)
@@ -71,6 +74,7 @@ class CoupledRole(TokenStreaming):
         e.g. a vLLM server, can lose one): retryable ones go to another instance."""
         for failure in self.worker.engine.take_failures():
             client = self.clients.pop(failure.request_id, None)
+            self.worker.metrics.request_dropped(failure.request_id)
             if client is None:
                 continue
             self.worker.send(client.identity, Error(

@@ -96,6 +96,8 @@ class DecodeRole(TokenStreaming):
         super().__init__(worker)
         self.transfer = transfer
         self.guard = guard or DecodeGuard.off()
+        # (read through the role: the worker sets its real guard after the profile loads)
+        worker.metrics.add_guard(lambda: self.guard.stats())
         self.expected: dict[str, _Expected] = {}
         layout = worker.engine.layout
         self.bytes_per_block = layout.bytes_per_block
@@ -265,11 +267,21 @@ class DecodeRole(TokenStreaming):
         except Exception as exc:  # no room: the client must hear of it
             self._fail(rid, e, str(exc))
             return
+        self.worker.metrics.observe_kv_received(self._wire_bytes(e))
+        self.worker.metrics.request_joined(rid)
         self._release(e.landing, abandoned=False)
         self._release(e.raw, abandoned=False)
         self.clients[rid] = StreamClient(e.identity, [], index=1)
         self.guard.joined(rid, len(msg.token_ids))
         self.worker.conductor.event("decode_started", request_id=rid)
+
+    def _wire_bytes(self, e: _Expected) -> int:
+        """Bytes a request's streams brought: its whole landing, or with --kv-compression
+        the payloads' lengths (each shorter than its slot)."""
+        if self.codec is None:
+            return e.landing.size
+        return sum(sum(r.lengths(layer)) for r in e.receivers
+                   for layer in range(r.layout.num_layers))  # fmt: skip
 
     def on_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
@@ -280,11 +292,13 @@ class DecodeRole(TokenStreaming):
             self.guard.advanced(out.request_id, len(out.new_token_ids))
             if out.finished:
                 del self.clients[out.request_id]
+                self.worker.metrics.request_finished(out.request_id, len(out.token_ids))
                 self.guard.left(out.request_id)
                 self.worker.conductor.event("request_finished", request_id=out.request_id)
         self.flush_tokens()
 
     def on_abort(self, request_id: str) -> None:
+        self.worker.metrics.request_dropped(request_id)
         e = self.expected.pop(request_id, None)
         if e is not None:
             for receiver in e.receivers:

@@ -149,6 +149,8 @@ class OutStream:
         self.raw_bytes_sent = 0
         #: Seconds spent encoding on the streamer thread.
         self.encode_s = 0.0
+        #: Seconds spent on the wire: opening, sending each layer, finishing.
+        self.send_s = 0.0
         self.streamer = streamers.get(endpoint)
         self._sender: Any = None
 
@@ -177,7 +179,9 @@ class OutStream:
                 started = time.perf_counter()
                 blocks = [self.codec.encode(blocks)]
                 self.encode_s += time.perf_counter() - started
+            started = time.perf_counter()
             self._sender.send_layer(layer, blocks)
+            self.send_s += time.perf_counter() - started
             self.bytes_sent += sum(len(b) for b in blocks)
             self.raw_bytes_sent += raw
         except (TransferError, OSError, ValueError, HalfmoonError) as exc:
@@ -197,7 +201,9 @@ class OutStream:
             self.error = f"nothing was streamed to {self.peer}"
             return
         try:
+            started = time.perf_counter()
             self._sender.finish()
+            self.send_s += time.perf_counter() - started
         except (TransferError, OSError) as exc:
             self._failed(exc)
 

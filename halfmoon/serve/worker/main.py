@@ -299,6 +299,8 @@ def run_worker(args: argparse.Namespace) -> int:
             kv_connector = vllm_connector_settings(args, options, name)
         engine = vllm_engine(options, name, args.vllm_url, stop.is_set, kv_connector)
     else:
+        log.info("%s: loading the model (%s, %s) and building its kernels", name,
+                 Path(options.model).name, options.dtype)  # fmt: skip
         engine = LocalConnector.create(options.engine_config(args.role))
     endpoint = f"tcp://{args.host}:{args.port}"
     me = WorkerIdentity(args.role, name, endpoint)

@@ -92,6 +92,7 @@ class PrefillRole(TokenStreaming):
         self.cache = cache
         self.holdings = holdings
         worker.store = cache.store  # its counters go out with the load reports
+        worker.metrics.add_store(cache.store.stats, cache.store.config.block_bytes)
         self.streamers = StreamerPool()
         self.prefills: dict[str, _Prefill] = {}
         #: First token out, stream still finishing (blocks held until it has).
@@ -149,8 +150,11 @@ class PrefillRole(TokenStreaming):
         )  # fmt: skip
         p = _Prefill(identity, tokens, params, decode, n, stream, salt)
         p.pulled_bytes = (self.cache.num_blocks_pulled - pulled_before) * self.bytes_per_block
+        if p.pulled_bytes:
+            self.worker.metrics.observe_kv_received(p.pulled_bytes)
         self.prefills[rid] = p
         self.worker.engine.add_request(rid, tokens, first_only, keep_kv=True, cache_salt=salt)
+        self.worker.metrics.request_queued(rid, len(tokens))
         self.worker.conductor.event("prefill_started", request_id=rid)
 
     # -- the prompt-KV hook (engine thread) -------------------------------------------------------
@@ -192,6 +196,10 @@ class PrefillRole(TokenStreaming):
         # The KV went by the stream: only the request's state is needed here (no copy of
         # its KV, off a GPU or not). Its cached blocks stay cached.
         handoff = self.worker.engine.take_handoff(rid)
+        if finish is None or p.error:  # its decode worker counts its tokens
+            self.worker.metrics.request_dropped(rid)
+        else:
+            self.worker.metrics.request_finished(rid, len(p.out.token_ids))
         if p.error:  # aborted while its stream ended
             self.worker.conductor.event("request_finished", request_id=rid)
             return
@@ -212,6 +220,7 @@ class PrefillRole(TokenStreaming):
             self.kv_bytes_sent += p.stream.bytes_sent
             self.kv_raw_bytes_sent += p.stream.raw_bytes_sent
             self.kv_encode_s += p.stream.encode_s
+            self.worker.metrics.observe_kv_sent(p.stream.bytes_sent, p.stream.send_s)
             streamed = p.stream.bytes_sent
         else:
             self.worker.conductor.event("request_finished", request_id=rid)
@@ -228,6 +237,7 @@ class PrefillRole(TokenStreaming):
         self.worker.conductor.event("request_finished", request_id=rid)
 
     def on_abort(self, request_id: str) -> None:
+        self.worker.metrics.request_dropped(request_id)
         p = self.prefills.pop(request_id, None) or self.handing.get(request_id)
         if p is not None:
             p.error = "aborted"

@@ -39,6 +39,8 @@ from halfmoon.serve.control.messages import (
     HeldBlocks,
     MalformedMessage,
     Message,
+    MetricsQuery,
+    MetricsText,
     Ping,
     Refused,
     Registered,
@@ -50,6 +52,7 @@ from halfmoon.serve.control.messages import (
 )
 from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
+from halfmoon.serve.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from halfmoon.engine.connector import EngineConnector, RequestOutput
@@ -287,7 +290,7 @@ class Worker:
         self._peers: dict[str, zmq.Socket] = {}
         #: The worker's own commands; the role's (its ``handlers()``) by wire name.
         self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
-            Ping: self._on_ping, Abort: self._on_abort,
+            Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -298,6 +301,8 @@ class Worker:
         self.kv_codec: Any = None
         self._last_report_s = 0.0
         self.num_steps = 0
+        #: Its Prometheus metrics (the roles feed the request clocks), sent when asked.
+        self.metrics = WorkerMetrics()
         #: Commands taken off the socket (signed or not).
         self.num_handled = 0
         self.heartbeat: Heartbeat | None = None
@@ -325,8 +330,12 @@ class Worker:
                 self._handle(self._sock.recv_multipart())
                 timeout_ms = 0
             if self.engine.has_unfinished_requests():
+                started_s = time.monotonic()
                 outputs = self.engine.step()
+                step_s = time.monotonic() - started_s
                 self.num_steps += 1
+                waiting = self.engine.stats().num_waiting
+                self.metrics.observe_step(started_s, step_s, outputs, waiting)
                 self.role.on_outputs(outputs)
             self.role.tick()
             if self.heartbeat is not None and self.heartbeat.register_again.is_set():
@@ -441,6 +450,14 @@ class Worker:
             integrity=integrity, stats=self.role.stats() if self.role is not None else {},
         ))  # fmt: skip
 
+    def _on_metrics(self, identity: bytes, msg: MetricsQuery) -> None:
+        text = self.metrics.render(self.engine.stats())
+        # An engine in a server of its own (vLLM) adds that server's metrics, as polled.
+        text += getattr(self.engine, "metrics_text", "")
+        self.send(identity, MetricsText(
+            msg_id=msg.msg_id, instance_id=self.me.instance_id, role=self.me.role, text=text,
+        ))  # fmt: skip
+
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         assert self.role is not None
         self.role.on_abort(msg.request_id)
@@ -457,13 +474,17 @@ class Worker:
         self.conductor.event(
             "load", num_running=stats.num_running, context_tokens=used_blocks * block,
             kv_used_tokens=used_blocks * block, kv_capacity_tokens=stats.num_blocks * block,
-            **extra,
+            num_waiting=stats.num_waiting, **extra,
         )  # fmt: skip
 
 
 def store_counters(stats: StoreStats) -> dict[str, int]:
-    """The store counters a load report carries to the Conductor (and on to ``/metrics``)."""
-    return {
-        "corrupt": stats.num_corrupt, "misses": stats.num_misses,
-        "dram_hits": stats.dram.num_hits, "ssd_hits": stats.ssd.num_hits,
-    }  # fmt: skip
+    """The store counters a load report carries to the Conductor (for its cluster page;
+    ``/metrics`` reads the store itself: :mod:`halfmoon.serve.worker.metrics`)."""
+    figures = {"corrupt": stats.num_corrupt, "misses": stats.num_misses}
+    for tier, t in (("dram", stats.dram), ("ssd", stats.ssd)):
+        figures |= {
+            f"{tier}_hits": t.num_hits, f"{tier}_blocks": t.num_blocks,
+            f"{tier}_capacity_blocks": t.capacity_blocks, f"{tier}_evictions": t.num_evictions,
+        }  # fmt: skip
+    return figures

@@ -1,0 +1,335 @@
+"""The gateway's OpenAPI schema as the server behaves, and its docs pages served offline.
+
+FastAPI's generated schema documents a 422 with its own ``{"detail": ...}`` body and an
+untyped 200 for routes that return dicts. :func:`install_openapi` rewrites it once:
+every refusal is a 400 (or 401/404/413/429/503 where they apply) with OpenAI's error
+object, each route's 200 body is described (:data:`RESPONSE_MODELS`), the streaming
+routes also answer ``text/event-stream`` and ``/metrics`` ``text/plain``; the request
+bodies' ``model`` is pinned to the served model and ``max_tokens`` to the server's cap.
+
+:func:`install_docs` serves ``/docs`` (Swagger UI) and ``/redoc`` from the JavaScript and
+CSS files that the ``fastapi-offline`` package ships, under ``/docs/assets``: the pages
+load nothing from outside the server (FastAPI's defaults come from a CDN and are blank
+offline).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict
+
+#: Where the docs pages' scripts and styles are served (under /docs: public with it).
+DOCS_ASSETS_PATH = "/docs/assets"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Open):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(_Open):
+    """Every error body the server answers."""
+
+    error: ErrorDetail
+
+
+class Usage(_Open):
+    """Token counts of a response (``prompt_tokens_details.cached_tokens``: prefix-cache hits)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(_Open):
+    """One choice of a text completion."""
+
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Open):
+    """Body of a non-streaming ``POST /v1/completions``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(_Open):
+    """The generated message of a chat choice."""
+
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(_Open):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Open):
+    """Body of a non-streaming ``POST /v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Open):
+    """One served model; ``max_model_len`` (prompt + output tokens) and
+    ``max_tokens_limit`` (output tokens) are the limits the server enforces."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    max_tokens_limit: int
+
+
+class ModelList(_Open):
+    """Body of ``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(_Open):
+    """Body of ``GET /version``."""
+
+    version: str
+
+
+class HealthResponse(_Open):
+    """Body of ``GET /health`` when ready (``mode``, ``instances``: the backend's view)."""
+
+    status: Literal["ok"]
+
+
+class TokenizeResponse(_Open):
+    """Body of ``POST /tokenize``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Open):
+    """Body of ``POST /detokenize``."""
+
+    prompt: str
+
+
+#: The 200 body of each (path, method).
+RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/completions", "post"): CompletionResponse,
+    ("/v1/chat/completions", "post"): ChatCompletionResponse,
+    ("/v1/models", "get"): ModelList,
+    ("/v1/models/{model}", "get"): ModelCard,
+    ("/version", "get"): VersionResponse,
+    ("/health", "get"): HealthResponse,
+    ("/tokenize", "post"): TokenizeResponse,
+    ("/detokenize", "post"): DetokenizeResponse,
+}
+#: Error statuses each (path, method) may answer besides 400 (bodies) and 401 (API keys).
+ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
+    ("/v1/completions", "post"): (404, 413, 429, 503),
+    ("/v1/chat/completions", "post"): (404, 413, 429, 503),
+    ("/v1/models/{model}", "get"): (404,),
+    ("/tokenize", "post"): (404, 413),
+    ("/detokenize", "post"): (404, 413),
+    ("/health", "get"): (503,),
+}
+STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post")}
+_DESCRIPTIONS = {
+    400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
+    "max_tokens exceed the context): ``param`` names the field",
+    401: "Missing or invalid API key",
+    404: "Unknown model (or path)",
+    413: "Request body too large",
+    429: "Server busy or request rejected by the Conductor (see Retry-After)",
+    503: "Cluster not ready or the request failed",
+}
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+#: One server-sent event of a streaming completion.
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk object as JSON (the "
+                            "shape of the JSON response, with ``delta`` for chat), or [DONE]"}},
+}  # fmt: skip
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s schema added to ``schemas`` (with the models it uses); its $ref."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _operation_responses(
+    path: str, method: str, op: dict[str, Any], schemas: dict[str, Any], guarded: bool
+) -> None:
+    """Rewrite ``op["responses"]`` (see the module docstring)."""
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    key = (path, method)
+    ok = responses.setdefault("200", {"description": "Successful Response"})
+    if key in RESPONSE_MODELS:
+        ok["content"] = _json(_ref(RESPONSE_MODELS[key], schemas))
+    if key in STREAMING:  # (before OpenAPI 3.2, an SSE ``schema`` describes one event)
+        ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
+        ok["description"] = "The completion (a JSON object, or SSE chunks when streaming)"
+    if path == "/metrics":
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        ok["description"] = "Prometheus metrics (text exposition format)"
+    statuses = list(ERROR_STATUSES.get(key, ()))
+    if "requestBody" in op:
+        statuses.append(400)
+    if guarded:
+        statuses.append(401)
+    for status in sorted(set(statuses)):
+        responses[str(status)] = {
+            "description": _DESCRIPTIONS[status],
+            "content": _json(_ERROR_REF),
+        }
+
+
+def _cap_integers(schema: dict[str, Any], maximum: int) -> None:
+    """Set ``maximum`` on ``schema`` or its integer alternatives."""
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == "integer":
+            option["maximum"] = maximum
+
+
+def _bound_token_ids(schema: dict[str, Any], vocab_size: int) -> None:
+    """Token id arrays in ``schema`` (or its alternatives) take ids of the vocabulary."""
+    for option in schema.get("anyOf", [schema]):
+        items = option.get("items", {})
+        if option.get("type") == "array" and items.get("type") == "integer":
+            items.update(minimum=0, maximum=vocab_size - 1)
+
+
+def _pin_requests(
+    schemas: dict[str, Any], model_name: str, max_tokens_limit: int, vocab_size: int
+) -> None:
+    """The request bodies' ``model`` can only be the served model; output lengths are
+    capped at the server's limit, token ids at the vocabulary (what the gateway enforces
+    with a 400)."""
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
+                 "DetokenizeRequest"):  # fmt: skip
+        props = schemas.get(name, {}).get("properties", {})
+        if "model" in props:
+            pinned = {"type": "string", "enum": [model_name]}
+            nullable = any(o.get("type") == "null" for o in props["model"].get("anyOf", []))
+            props["model"] = {"anyOf": [pinned, {"type": "null"}]} if nullable else pinned
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                _cap_integers(props[field], max_tokens_limit)
+        for field in ("prompt", "tokens", "stop_token_ids"):
+            if field in props:
+                _bound_token_ids(props[field], vocab_size)
+
+
+def build_openapi(
+    app: FastAPI, model_name: str, max_tokens_limit: int, guarded_paths: tuple[str, ...],
+    vocab_size: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The schema of ``app`` rewritten as the module docstring says; ``guarded_paths``:
+    path prefixes that answer 401 without an API key (empty: the server is open)."""
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)  # fmt: skip
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    _ref(ErrorResponse, schemas)
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            guarded = path.startswith(guarded_paths) if guarded_paths else False
+            _operation_responses(path, method, op, schemas, guarded)
+    _pin_requests(schemas, model_name, max_tokens_limit, vocab_size)
+    if guarded_paths:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+    return schema
+
+
+def install_openapi(
+    app: FastAPI, model_name: str, max_tokens_limit: int, guarded_paths: tuple[str, ...],
+    vocab_size: int,
+) -> None:  # fmt: skip
+    """Serve :func:`build_openapi`'s schema at ``app.openapi_url`` (built once, on first use)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(
+                app, model_name, max_tokens_limit, guarded_paths, vocab_size
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def docs_assets_dir() -> Path:
+    """The directory of Swagger UI's and ReDoc's files in the ``fastapi-offline`` package."""
+    import fastapi_offline
+
+    return Path(fastapi_offline.__file__).parent / "static"
+
+
+def install_docs(app: FastAPI, openapi_url: str = "/openapi.json") -> None:
+    """Serve ``/docs`` and ``/redoc`` from local assets (create ``app`` with
+    ``docs_url=None, redoc_url=None``)."""
+    app.mount(DOCS_ASSETS_PATH, StaticFiles(directory=docs_assets_dir()), name="docs-assets")
+    title = f"{app.title} API"
+    favicon = f"{DOCS_ASSETS_PATH}/favicon.png"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=openapi_url, title=title, swagger_favicon_url=favicon,
+            swagger_js_url=f"{DOCS_ASSETS_PATH}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS_PATH}/swagger-ui.css",
+        )  # fmt: skip
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=openapi_url, title=title, redoc_favicon_url=favicon,
+            redoc_js_url=f"{DOCS_ASSETS_PATH}/redoc.standalone.js", with_google_fonts=False,
+        )  # fmt: skip

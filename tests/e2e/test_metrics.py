@@ -1,0 +1,118 @@
+"""One scrape target for the whole cluster (issue #23): the gateway's ``/metrics`` carries
+the gateway's, the Conductor's and every worker's series, labelled ``role`` / ``worker``
+/ ``model_name``; and every metric the Grafana dashboard (docs/grafana/halfmoon.json)
+queries is one the running cluster exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "halfmoon.json"
+#: vLLM's names (under halfmoon:) that every cluster must export.
+VLLM_NAMES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "num_preemptions", "time_per_output_token_seconds", "time_to_first_token_seconds",
+    "e2e_request_latency_seconds",
+)  # fmt: skip
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7"]
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    """One prefill and one decode worker (the default), after three requests."""
+    cluster = cluster_factory("--kv-cache-mb", "64", "--prefill", "1", "--decode", "1")
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    cluster.prompt_tokens = 0
+    for prompt in PROMPTS:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        cluster.prompt_tokens += out.usage.prompt_tokens
+    cluster.model = model
+    return cluster
+
+
+def _scrape(cluster) -> tuple[str, float]:
+    start = time.monotonic()
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return text, time.monotonic() - start
+
+
+def _by_role(families, sample_name: str) -> dict[str, float]:
+    """A sample's value summed per role."""
+    out: dict[str, float] = defaultdict(float)
+    for family in families:
+        for s in family.samples:
+            if s.name == sample_name:
+                out[s.labels["role"]] += s.value
+    return out
+
+
+def test_one_scrape_carries_every_process(cluster):
+    text, took_s = _scrape(cluster)
+    assert took_s < 1.0
+    families = list(text_string_to_metric_families(text))
+    roles = {s.labels.get("role") for f in families for s in f.samples}
+    assert {"gateway", "conductor", "prefill", "decode"} <= roles
+    unlabelled = [
+        s for f in families for s in f.samples if s.labels.get("model_name") != cluster.model
+    ]
+    assert not unlabelled, unlabelled[:3]
+    names = {f.name for f in families}
+    missing = [n for n in VLLM_NAMES if f"halfmoon:{n}" not in names]
+    assert not missing
+    assert "halfmoon:scrape_errors_total" not in {s.name for f in families for s in f.samples}
+
+
+def test_values_moved(cluster):
+    families = list(text_string_to_metric_families(_scrape(cluster)[0]))
+    n = len(PROMPTS)
+    prompts = _by_role(families, "halfmoon:request_prompt_tokens_count")
+    assert prompts["prefill"] == n and prompts.get("decode", 0) == 0
+    assert (
+        _by_role(families, "halfmoon:request_prompt_tokens_sum")["prefill"] == cluster.prompt_tokens
+    )
+    generated = _by_role(families, "halfmoon:request_generation_tokens_sum")
+    assert generated["decode"] == n * MAX_TOKENS
+    assert _by_role(families, "halfmoon:request_decode_time_seconds_count")["decode"] == n
+    assert _by_role(families, "halfmoon:request_queue_time_seconds_count")["prefill"] == n
+    assert _by_role(families, "halfmoon:time_per_output_token_seconds_count")["decode"] > 0
+    sent = _by_role(families, "halfmoon:kv_transfer_sent_bytes_total")
+    received = _by_role(families, "halfmoon:kv_transfer_received_bytes_total")
+    assert sent["prefill"] > 0 and received["decode"] == sent["prefill"]
+    assert _by_role(families, "halfmoon:kv_transfer_seconds_count")["prefill"] == n
+    accepted = [
+        s.value for f in families for s in f.samples
+        if s.name == "halfmoon:conductor_decisions_total" and s.labels["outcome"] == "accepted"
+    ]  # fmt: skip
+    assert accepted == [n]
+    steps = _by_role(families, "halfmoon:engine_step_seconds_count")
+    assert steps["prefill"] > 0 and steps["decode"] > 0
+    assert _by_role(families, "halfmoon:kv_store_blocks")["prefill"] > 0
+
+
+def test_every_dashboard_metric_is_exported(cluster):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    used = {name for expr in exprs for name in re.findall(r"halfmoon:[A-Za-z0-9_:]+", expr)}
+    text, _ = _scrape(cluster)
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert used - exported == set()

@@ -1,0 +1,89 @@
+"""The Conductor's registry (halfmoon.serve.control.conductor_metrics), and the service
+answering ``metrics_query`` with decisions it really made."""
+
+from __future__ import annotations
+
+import random
+
+import zmq
+
+from halfmoon.conductor import Conductor, ConductorConfig
+from halfmoon.conductor.messages import RejectCode
+from halfmoon.core.clock import WallClock
+from halfmoon.core.hashing import hash_blocks
+from halfmoon.serve.control.conductor_main import load_cost_model
+from halfmoon.serve.control.conductor_metrics import ConductorMetrics, InstanceFigures
+from halfmoon.serve.control.conductor_service import ConductorService
+from halfmoon.serve.control.messages import (
+    MetricsQuery,
+    MetricsText,
+    Schedule,
+    decode_message,
+    encode_message,
+)
+from halfmoon.serve.control.protocol import hashes_to_wire
+
+SECRET = b"conductor-metrics-secret"
+
+
+class _Decision:
+    def __init__(self, accepted: bool, reject_code: str = "") -> None:
+        self.accepted = accepted
+        self.reject_code = reject_code
+
+
+def test_decisions_by_outcome_and_reason_and_instances():
+    figures = InstanceFigures(
+        roles={"p0": "prefill", "p1": "prefill", "d0": "decode"},
+        draining=frozenset({"p1"}),
+        index_blocks={"p0": 12, "p1": 0},
+    )
+    m = ConductorMetrics(lambda: figures)
+    m.observe_decision(_Decision(True), 0.001)
+    m.observe_decision(_Decision(True), 0.002)
+    m.observe_decision(_Decision(False, RejectCode.TTFT), 0.0005)
+    get = m.registry.get_sample_value
+    assert get("halfmoon:conductor_decisions_total", {"outcome": "accepted", "reason": ""}) == 2
+    assert get("halfmoon:conductor_decisions_total", {"outcome": "rejected", "reason": "ttft"}) == 1
+    # Every reject code has its series from the start.
+    assert get("halfmoon:conductor_decisions_total",
+               {"outcome": "rejected", "reason": RejectCode.KV_FULL}) == 0  # fmt: skip
+    assert get("halfmoon:conductor_decision_time_seconds_count") == 3
+    instances = "halfmoon:conductor_instances"
+    assert get(instances, {"instance_role": "prefill", "state": "placeable"}) == 1
+    assert get(instances, {"instance_role": "prefill", "state": "draining"}) == 1
+    assert get(instances, {"instance_role": "decode", "state": "placeable"}) == 1
+    assert get(instances, {"instance_role": "coupled", "state": "placeable"}) == 0
+    assert get("halfmoon:conductor_index_blocks", {"instance_id": "p0"}) == 12
+
+
+def test_the_service_counts_its_decisions_and_answers_metrics_query():
+    config = ConductorConfig(block_size_tokens=16)
+    core = Conductor(config, load_cost_model(None, 16384), WallClock(), random.Random(0))
+    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        tokens = list(range(32))
+        schedule = Schedule(
+            request_id="r0", input_length=32, output_length=4, block_size=16,
+            hashes=hashes_to_wire(hash_blocks(tokens, 16).hashes), msg_id=1,
+        )  # fmt: skip
+        for msg in (schedule, MetricsQuery(msg_id=2)):
+            sock.send_multipart(encode_message(msg, SECRET))
+            service.handle_one()
+        decision = decode_message(sock.recv_multipart(), SECRET)
+        assert not decision.accepted and decision.reject_code == RejectCode.NO_INSTANCE, decision
+        reply = decode_message(sock.recv_multipart(), SECRET)
+        assert isinstance(reply, MetricsText) and reply.msg_id == 2
+        assert reply.role == "conductor" and reply.instance_id == "conductor"
+        assert ('halfmoon:conductor_decisions_total{outcome="rejected",reason="no_instance"} 1.0'
+                in reply.text)  # fmt: skip
+        assert "halfmoon:conductor_decision_time_seconds_count 1.0" in reply.text
+        # The cache-balancing state (the default: fixed at 0.1, fetching on).
+        assert 'halfmoon:conductor_balancing_threshold{mode="fixed"} 0.1' in reply.text
+        assert 'halfmoon:conductor_balancing_fetching{mode="fixed"} 1.0' in reply.text
+    finally:
+        sock.close(0)
+        service.close()
