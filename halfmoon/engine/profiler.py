@@ -10,6 +10,7 @@ directory, engine shape and :data:`PROFILER_VERSION`, so restarts are instant.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 
 #: Bumped when what is measured changes (or the engine gets faster), so cached profiles of
-#: older code are not reused. 4: the compiled decode attention, packed LM head.
-PROFILER_VERSION = 4
+#: older code are not reused. 4: the compiled decode attention, packed LM head. 5: decode
+#: batches built by KV imports (no mixed prefill steps before the timed ones).
+PROFILER_VERSION = 5
 #: (new, cached) prompt tokens; up to 2k-token prompts and 1.5k-token cached prefixes (a
 #: fit extrapolated beyond its points was 10-20% short there).
 PREFILL_POINTS = (
@@ -66,24 +68,25 @@ def _time_prefill(engine: Any, new: int, cached: int, salt: int) -> float:
 def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
     """Median seconds of a decode step of ``batch`` sequences of ``context`` tokens each.
 
-    The prompts go in one after another (a step computes at most its token budget), so
-    the first ones decode while later ones are still prefilling. Timing starts once every
-    prompt is through (a step that still carries a prompt chunk is a mixed step, up to 2x
-    a decode step), and no sequence may finish before the timed steps are over: with a
-    short ``max_tokens`` the early ones did, and the "batch of 16" timed was a batch of a
-    few (its steps came out at half the real ones)."""
-    ids = {f"profile-{salt}-{i}" for i in range(batch)}
-    # Steps until the last prompt is through: at most one per budget's worth of prompt
-    # tokens, plus one per prompt (a prompt cut at the end of a step).
-    setup_steps = batch - (-batch * context // engine.config.max_num_batched_tokens)
-    params = SamplingParams(
-        max_tokens=setup_steps + _DECODE_STEPS + 2, temperature=0, ignore_eos=True
-    )
-    for i in range(batch):
-        engine.add_request(f"profile-{salt}-{i}", _tokens(engine, context, salt + i), params)
-    started: set[str] = set()
-    while started != ids and engine.has_unfinished_requests():
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    One prompt of ``context`` tokens is prefilled and its KV exported; the batch is that
+    KV imported ``batch`` times, each copy under its own cache salt (its own blocks: no
+    copy shares another's), so every timed step is a pure decode step of the whole batch.
+    A step's time depends on the shapes, not on the values in the KV; prefilling every
+    sequence took most of a first start (8 x 512 and 16 x 256 tokens: 35-60 s each on 2
+    cores; in one process both ways gave the same steps within 10%). ``max_tokens``
+    leaves room for every timed step: with a short one the early sequences ended and the
+    "batch of 16" timed was a batch of a few."""
+    source = f"profile-{salt}-kv"
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(source, _tokens(engine, context, salt), once, keep_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    handoff = engine.export_kv(source, release=True)
+    params = SamplingParams(max_tokens=_DECODE_STEPS + 4, temperature=0, ignore_eos=True)
+    ids = [f"profile-{salt}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        copy = dataclasses.replace(handoff, cache_salt=f"profile-{salt}-{i}")
+        engine.import_request(copy, params, request_id=request_id)
     # The median step: one step slowed by another process on a shared machine must not
     # move the profile (the mean of 4 did, by up to 2x on a busy 2-core box).
     times = []

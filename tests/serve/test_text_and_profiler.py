@@ -55,8 +55,9 @@ def test_profile_is_measured_fitted_and_cached(engine, tmp_path):
 
 
 def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
-    """A decode point is timed only once every prompt of its batch is through: a step
-    that still computes a prompt chunk (a mixed step) must not be in the median."""
+    """A decode point's batch is one prefilled prompt's KV imported once per sequence:
+    every timed step decodes the whole batch, none computes a prompt chunk (a mixed
+    step must not be in the median)."""
     from halfmoon.engine import profiler
 
     events: list[str] = []
@@ -78,12 +79,12 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
     monkeypatch.setattr(profiler, "time", Clock)
-    # 3 prompts of 1,000 tokens in 2,048-token steps: the third is admitted in the first
-    # step with 48 tokens and still prefills in the second, beside two decodes.
     assert profiler._time_decode(engine, 3, 1000, 4242) > 0
     timed = [b for a, b in itertools.pairwise(events) if a == "clock" and b != "clock"]
     assert len(timed) == profiler._DECODE_STEPS and set(timed) == {"decode-step-3"}
-    assert "prompt-step" in events  # the prompts did run, before the clock started
+    # the one prompt ran before the clock started, and only it (1,000 tokens: one step)
+    assert events.index("clock") > events.index("prompt-step")
+    assert events.count("prompt-step") == 1
     engine.check_integrity()
 
 
