@@ -65,6 +65,16 @@ def _time_prefill(engine: Any, new: int, cached: int, salt: int) -> float:
     return time.perf_counter() - start
 
 
+def _prefilled(engine: Any, request_id: str, num_tokens: int, salt: int) -> Any:
+    """The exported KV (a ``KVHandoff``) of a ``num_tokens`` prompt prefilled here, its
+    blocks given back."""
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(request_id, _tokens(engine, num_tokens, salt), once, keep_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.export_kv(request_id, release=True)
+
+
 def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
     """Median seconds of a decode step of ``batch`` sequences of ``context`` tokens each.
 
@@ -76,12 +86,7 @@ def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
     cores; in one process both ways gave the same steps within 10%). ``max_tokens``
     leaves room for every timed step: with a short one the early sequences ended and the
     "batch of 16" timed was a batch of a few."""
-    source = f"profile-{salt}-kv"
-    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.add_request(source, _tokens(engine, context, salt), once, keep_kv=True)
-    while engine.has_unfinished_requests():
-        engine.step()
-    handoff = engine.export_kv(source, release=True)
+    handoff = _prefilled(engine, f"profile-{salt}-kv", context, salt)
     params = SamplingParams(max_tokens=_DECODE_STEPS + 4, temperature=0, ignore_eos=True)
     ids = [f"profile-{salt}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
@@ -105,11 +110,7 @@ def _time_kv_import(engine: Any, num_tokens: int, salt: int) -> float:
     """Seconds to import the KV of a ``num_tokens`` prompt handed off by a prefill (the
     decode worker's ``import_request``), exported from this same engine."""
     rid = f"profile-import-{salt}"
-    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.add_request(rid, _tokens(engine, num_tokens, salt), once, keep_kv=True)
-    while engine.has_unfinished_requests():
-        engine.step()
-    handoff = engine.export_kv(rid, release=True)
+    handoff = _prefilled(engine, rid, num_tokens, salt)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     engine.import_request(handoff, params, request_id=f"{rid}-in")

@@ -30,6 +30,9 @@ class SlowBackend:
     """Emits token 65 ``max_tokens`` times, two per chunk, the first after FIRST_TOKEN_S;
     a prompt starting with token id 7 is rejected."""
 
+    def __init__(self) -> None:
+        self.aborted: list[str] = []  # request ids the gateway aborted
+
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
@@ -42,7 +45,7 @@ class SlowBackend:
             yield GenerationChunk((65,) * n, "length" if last else None, 0 if i == 0 else None)
 
     async def abort(self, request_id: str) -> None:
-        pass
+        self.aborted.append(request_id)
 
     async def health(self) -> dict[str, Any]:
         return {"mode": "slow"}

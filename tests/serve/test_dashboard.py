@@ -55,6 +55,9 @@ class FixedBackend:
     """Generates 3 tokens in one chunk per request (``cached_tokens`` 2, 100 KV bytes);
     the prompt ``REJECTED`` is refused as the Conductor would."""
 
+    def __init__(self) -> None:
+        self.aborted: list[str] = []  # request ids the gateway aborted
+
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
@@ -63,7 +66,7 @@ class FixedBackend:
         yield GenerationChunk((65, 66, 67), "length", 2, kv_transfer_bytes=100)
 
     async def abort(self, request_id: str) -> None:
-        pass
+        self.aborted.append(request_id)
 
     async def health(self) -> dict[str, Any]:
         return {"mode": "fixed"}

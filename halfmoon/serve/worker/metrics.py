@@ -135,6 +135,9 @@ class WorkerMetrics:
         self._timings: dict[str, _Timing] = {}
         #: Requests queued in the engine and not yet scheduled, in arrival order (FCFS).
         self._pending: deque[str] = deque()
+        #: Requests scheduled whose first token is not out yet (their prompt is computing):
+        #: kept as a set, so a step does not walk every tracked request.
+        self._prefilling: set[str] = set()
         self._num_preemptions = 0
         self._define_gauges()
         self._define_requests()
@@ -232,6 +235,7 @@ class WorkerMetrics:
     def request_finished(self, rid: str, num_generated_tokens: int) -> None:
         """``rid`` ended on this worker after ``num_generated_tokens`` in all."""
         t = self._timings.pop(rid, None)
+        self._prefilling.discard(rid)
         if t is None:
             return
         if t.first_token_s is not None and t.last_token_s is not None:
@@ -241,6 +245,7 @@ class WorkerMetrics:
     def request_dropped(self, rid: str) -> None:
         """Forget ``rid`` (aborted, failed, or handed over to a decode worker)."""
         self._timings.pop(rid, None)
+        self._prefilling.discard(rid)
 
     # -- steps ----------------------------------------------------------------------------------
     def observe_step(
@@ -249,12 +254,8 @@ class WorkerMetrics:
         """One engine step that started at ``started_s`` and took ``step_s``, its outputs
         (``request_id``, ``new_token_ids``) and the requests still waiting after it."""
         self._mark_scheduled(started_s, num_waiting)
-        prefilling = False
-        in_batch = set()
-        for rid, t in self._timings.items():
-            if t.scheduled_s is not None and t.first_token_s is None:
-                prefilling = True
-                in_batch.add(rid)
+        prefilling = bool(self._prefilling)  # a prompt was in this step (before outputs)
+        in_batch = set(self._prefilling)
         now = started_s + step_s
         for out in outputs:
             in_batch.add(out.request_id)
@@ -262,6 +263,7 @@ class WorkerMetrics:
             if t is None or not out.new_token_ids:
                 continue
             if t.first_token_s is None:
+                self._prefilling.discard(out.request_id)
                 self._first_token(t, now)
             else:
                 self.tpot.observe((now - (t.last_token_s or now)) / len(out.new_token_ids))
@@ -277,6 +279,7 @@ class WorkerMetrics:
             t = self._timings.get(rid)
             if t is not None:
                 t.scheduled_s = started_s
+                self._prefilling.add(rid)
 
     def _first_token(self, t: _Timing, now_s: float) -> None:
         scheduled_s = t.arrived_s if t.scheduled_s is None else t.scheduled_s
