@@ -211,6 +211,15 @@ class GatewayHost:
         app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
         self._server = uvicorn.Server(server_config(app, self.host, spec.port, ConnectionLimits()))
+        replanning = None
+        if spec.replan is not None:  # each worker on CPUs of its own: host_cores None
+            from halfmoon.deploy.replan import PoolMover
+            from halfmoon.serve.launch.replan import LiveReplanner, replan_base
+
+            base = replan_base(model_dir, spec.max_num_seqs, spec.decode_guard, None)
+            replanner = LiveReplanner(backend, PoolMover(controller.scale, backend),
+                                      spec.replan, base)  # fmt: skip
+            replanning = asyncio.get_running_loop().create_task(replanner.run())
         settle_gc()
         serving = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started and not serving.done():
@@ -219,6 +228,8 @@ class GatewayHost:
         try:
             await serving
         finally:
+            if replanning is not None:
+                replanning.cancel()
             await backend.close()
 
     def wait_ready(self, timeout_s: float) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.gateway.tenancy import api_keys
+from halfmoon.serve.launch.replan import replan_config_from_args
+from halfmoon.sim.replan import ReplanConfig
 
 POOL_ROLES = ("prefill", "decode", "coupled")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -167,6 +169,12 @@ class GatewaySpec:
     #: The workers' pool and dtype: the served context must fit one worker's KV pool.
     kv_cache_mb: float | None = None
     dtype: str = "float32"
+    #: ``--replan``: the gateway re-plans the P:D split (None: the pools keep their
+    #: sizes unless scaled); with the workers' batch limit and decode guard, which the
+    #: simulated instances need.
+    replan: ReplanConfig | None = None
+    max_num_seqs: int = 64
+    decode_guard: str = "reject"
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,8 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         max_tokens_limit=getattr(args, "max_tokens_limit", None),
         access_log=not getattr(args, "disable_access_log", False),
         kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
+        replan=replan_config_from_args(args), max_num_seqs=getattr(args, "max_num_seqs", 64),
+        decode_guard=getattr(args, "decode_guard", "reject"),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

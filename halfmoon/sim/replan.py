@@ -113,17 +113,24 @@ class Replanner:
         """Whether a round is due (its interval passed and no cooldown holds)."""
         return now_s >= self._next_s and now_s >= self._quiet_until_s
 
-    def target(self, now_s: float, prefill: int) -> int | None:
+    def target(
+        self, now_s: float, prefill: int, window: list[Request] | None = None
+    ) -> int | None:
         """Run a round: the prefill count to move towards (at most ``max_moves`` from
-        ``prefill``), or None to stay."""
+        ``prefill``), or None to stay. ``window``: the recent requests with their arrival
+        times from 0 (a live cluster's, from its Conductor); by default the ones
+        :meth:`observe` saw in the last ``window_s``."""
         cfg = self.config
         self._next_s = now_s + cfg.interval_s
-        if len(self._recent) < cfg.min_requests:
+        if window is None:
+            if len(self._recent) < cfg.min_requests:
+                return None
+            start = self._recent[0][0]
+            window = [
+                replace(r, arrival_time_s=max(0.0, t - start)) for t, r in self._recent
+            ]  # arrival times as seen by the cluster (scaled), from 0
+        elif len(window) < cfg.min_requests:
             return None
-        start = self._recent[0][0]
-        window = [
-            replace(r, arrival_time_s=max(0.0, t - start)) for t, r in self._recent
-        ]  # arrival times as seen by the cluster (scaled), from 0
         n = self.instances
         splits = sorted(
             {prefill} | {p for d in cfg.steps for p in (prefill - d, prefill + d) if 0 < p < n}

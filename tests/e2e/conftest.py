@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,19 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and int(entry.name) != os.getpid():
             pids.append(int(entry.name))
     return pids
+
+
+def wait_for_log(cluster: LocalCluster, pattern: str, timeout_s: float = 10.0) -> re.Match:
+    """The first match of ``pattern`` (multi-line) in the cluster's log, waiting for it to
+    appear: a line the launcher writes just after ``/health`` answers may lag it a little."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log = cluster.log_path.read_text()
+        match = re.search(pattern, log, re.M)
+        if match or time.monotonic() > deadline:
+            assert match, f"{pattern!r} not in:\n{log[-3000:]}"
+            return match
+        time.sleep(0.1)
 
 
 def link_shared_cache(cache: Path, shared: Path) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from .conftest import wait_for_log
+
 MODEL = "smollm2-135m-instruct"
 CPP_MIN_TOKENS = 200
 
@@ -24,9 +26,11 @@ def _client(cluster):
 
 
 def test_start_up_imports_the_named_model_with_progress(real):
+    # The URL line follows /health's first answer by up to one poll of the launcher.
+    served = wait_for_log(real, rf"serving '{MODEL}' at http://127\.0\.0\.1:")
     log = real.log_path.read_text()
     assert "importing SmolLM2-135M-Instruct.Q4_1.gguf" in log
-    assert log.index("cluster ready") < log.index(f"serving '{MODEL}' at http://127.0.0.1:")
+    assert log.index("cluster ready") < served.start()
     assert (real.cache / "models" / MODEL / "model.safetensors").is_file()
     assert [m.id for m in _client(real).models.list().data] == [MODEL]
 

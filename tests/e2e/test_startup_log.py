@@ -4,30 +4,19 @@ with the URL it listens on, and then one access-log line per request."""
 from __future__ import annotations
 
 import re
-import time
 
 import openai
 import pytest
 
+from .conftest import wait_for_log
+
 pytestmark = pytest.mark.slow
-
-
-def _wait_for(cluster, pattern: str, timeout_s: float = 10.0) -> re.Match:
-    """The first match of ``pattern`` in the cluster's log, waiting for it to appear."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        log = cluster.log_path.read_text()
-        match = re.search(pattern, log, re.M)
-        if match or time.monotonic() > deadline:
-            assert match, f"{pattern!r} not in:\n{log[-3000:]}"
-            return match
-        time.sleep(0.1)
 
 
 def test_the_log_tells_each_phase_then_the_url_then_each_request(cluster_factory):
     cluster = cluster_factory("--kv-cache-mb", "64")
     url = re.escape(cluster.base_url)
-    ready = _wait_for(cluster, rf"serving 'tiny' at {url} \(OpenAI API {url}/v1\b.*\)$")
+    ready = wait_for_log(cluster, rf"serving 'tiny' at {url} \(OpenAI API {url}/v1\b.*\)$")
     log = cluster.log_path.read_text()
     phases = [
         "serve INFO model tiny",
@@ -44,7 +33,7 @@ def test_the_log_tells_each_phase_then_the_url_then_each_request(cluster_factory
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
     out = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4,
                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-    line = _wait_for(
+    line = wait_for_log(
         cluster,
         r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 prompt_tokens=(\d+) '
         r"completion_tokens=4 ttft=([0-9.]+)s total=([0-9.]+)s$",
@@ -53,4 +42,4 @@ def test_the_log_tells_each_phase_then_the_url_then_each_request(cluster_factory
     assert 0 < float(line.group(2)) <= float(line.group(3))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=-1)
-    _wait_for(cluster, r'"POST /v1/completions" 400 prompt_tokens=- completion_tokens=- ttft=-')
+    wait_for_log(cluster, r'"POST /v1/completions" 400 prompt_tokens=- completion_tokens=- ttft=-')

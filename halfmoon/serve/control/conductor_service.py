@@ -22,6 +22,9 @@ and logged either way. What it answers:
   block-store counters their last load reports carried (``store_stats``)
 - ``status_query`` -> ``cluster_status``: instances, Conductor state and latest decisions
   for the live cluster page (:mod:`halfmoon.serve.control.status`)
+- ``workload_query`` -> ``workload_window``: the requests placed in the last seconds and
+  what a simulation of the cluster needs, for live re-planning
+  (:mod:`halfmoon.serve.control.workload`)
 - ``drain`` -> ``draining``; the instance leaves placement but stays alive and known (its
   requests finish); its heartbeats are answered ``drain``, so the worker exits once it
   has no unfinished request (scale-down, :mod:`halfmoon.deploy`)
@@ -88,11 +91,13 @@ from halfmoon.serve.control.messages import (
     Replication,
     Schedule,
     StatusQuery,
+    WorkloadQuery,
     decode_message,
     encode_message,
 )
 from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
 from halfmoon.serve.control.status import cluster_status
+from halfmoon.serve.control.workload import ArrivalLog, workload_window
 from halfmoon.serve.runtime import RateLimitedLog, bind_router
 
 log = logging.getLogger(__name__)
@@ -162,6 +167,10 @@ class ConductorService:
         #: What every worker must compute with: block size (from the Conductor's config),
         #: model identity and dtype (None until the first worker declaring them registers).
         self.cluster = ClusterIdentity(block_size=conductor.config.block_size_tokens)
+        #: Each registered instance's registration (its profile, KV pool: re-planning).
+        self.registrations: dict[str, Register] = {}
+        #: The disaggregated requests placed recently (``workload_query``: re-planning).
+        self.arrivals = ArrivalLog()
         #: Its Prometheus metrics (``metrics_query``).
         self.metrics = ConductorMetrics(self._instance_figures)
         self._sock = bind_router(endpoint)
@@ -197,6 +206,7 @@ class ConductorService:
             )
             del self._last_seen_s[iid]
             self.instances.pop(iid, None)
+            self.registrations.pop(iid, None)
             self.draining.discard(iid)
             self.conductor.remove_instance(iid)
         return dead
@@ -280,6 +290,8 @@ class ConductorService:
             return self._pong()
         if isinstance(message, StatusQuery):
             return cluster_status(self, message.num_decisions)
+        if isinstance(message, WorkloadQuery):
+            return workload_window(self, message.window_s)
         raise ProtocolError(f"the Conductor does not take {message.wire_name!r} messages")
 
     def _pong(self) -> ConductorPong:
@@ -320,6 +332,7 @@ class ConductorService:
         log.warning("%s reported failed: removed from placement", iid)
         self._last_seen_s.pop(iid, None)
         del self.instances[iid]
+        self.registrations.pop(iid, None)
         self.draining.discard(iid)
         self.conductor.remove_instance(iid)
 
@@ -371,6 +384,7 @@ class ConductorService:
         self.instances[iid] = InstanceEndpoints(
             iid, role, message.command_endpoint, message.transfer_endpoint, incarnation
         )
+        self.registrations[iid] = dataclasses.replace(message, blocks=[])
         self._last_seen_s[iid] = time.monotonic()
         for held in message.blocks:  # what it already holds (re-registration)
             for h in held.block_hashes:
@@ -423,6 +437,7 @@ class ConductorService:
         if message.coupled:
             decision = self.conductor.route_coupled(request)
         else:
+            self.arrivals.record(message.input_length, message.output_length, message.hashes)
             decision = self.conductor.schedule(request)
         elapsed_s = time.perf_counter() - start
         self.recent_decisions.append((time.time(), decision, elapsed_s))

@@ -10,8 +10,10 @@ block hashes one ``bytes`` of 16 little-endian bytes each (``block_hashes`` unpa
 them); sampling parameters a :class:`WireParams`; log-probabilities
 ``[[logprob, [[token, logprob], ...]], ...]``::
 
-    gateway --schedule, release, instance_failed, ping, status_query, metrics_query--> Conductor
-            Conductor --decision, pong, cluster_status, metrics_text, error--> gateway
+    gateway --schedule, release, instance_failed, ping, status_query, metrics_query,
+            workload_query--> Conductor
+            Conductor --decision, pong, cluster_status, metrics_text, workload_window,
+            error--> gateway
     worker  --register, events, heartbeat-->  Conductor --registered, refused, register_again, drain-->
     deploy  --drain, ping-->                  Conductor --draining, pong-->
     gateway --generate, expect, prefill, cpp_prefill, replicate, abort, ping, metrics_query--> worker
@@ -340,6 +342,52 @@ class ClusterStatus(Message):
     instances: list[InstanceStatus] = field(default_factory=list)
     conductor: dict[str, Any] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arrival(Record):
+    """One request the Conductor was asked to place (a :class:`WorkloadWindow` row):
+    ``age_s`` seconds before the window's end, its prompt length, the output length it
+    asked for (``max_tokens``) and its prompt's block hashes (packed as in ``schedule``)."""
+
+    age_s: float
+    input_length: int
+    output_length: int
+    hashes: bytes = b""
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The 128-bit hashes ``hashes`` packs."""
+        return hashes_from_wire(self.hashes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadQuery(Message):
+    """Gateway (its re-planner) -> Conductor: the requests of the last ``window_s`` seconds
+    and what a simulation of this cluster needs (``workload_window``)."""
+
+    wire_name: ClassVar[str] = "workload_query"
+    window_s: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadWindow(Message):
+    """Conductor -> gateway: the recent arrivals, oldest first; the placeable prefill and
+    decode instances and the draining ones; a registered worker's measured cost profile
+    (``CostProfile.to_dict()``, None before one registers) with its KV bytes per token;
+    the smallest decode KV pool (tokens); the Conductor's config (``ConductorConfig`` JSON)."""
+
+    wire_name: ClassVar[str] = "workload_window"
+    window_s: float
+    arrivals: list[Arrival] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
+    profile: dict[str, Any] | None = None
+    kv_bytes_per_token: int = 0
+    hidden_bytes_per_token: int = 0
+    decode_kv_capacity_tokens: int = 0
+    conductor: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -694,13 +742,14 @@ def logprobs_from_wire(data: Any) -> tuple[TokenLogprob, ...]:
 
 
 __all__ = [
-    "LIFECYCLE_KINDS", "MESSAGE_TYPES", "NO_ENDPOINTS", "Abort", "Batch", "BlockEvent",
+    "LIFECYCLE_KINDS", "MESSAGE_TYPES", "NO_ENDPOINTS", "Abort", "Arrival", "Batch", "BlockEvent",
     "ClusterIdentity", "ClusterStatus", "ConductorPong", "CppOffer", "CppPrefill", "CppStart", "Drain",
     "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "Generate", "Handoff",
     "Heartbeat", "HeldBlocks", "InstanceFailed", "InstanceStatus", "LifecycleEvent", "LoadEvent", "Lost",
     "MalformedMessage", "Member", "Message", "MetricsQuery", "MetricsText", "Ping", "PlacementDecision", "Prefill",
     "PrefillDone", "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",
     "Replication", "Schedule", "StatusQuery", "Tokens", "WireLogprobs", "WireParams", "WorkerPong",
+    "WorkloadQuery", "WorkloadWindow",
     "check_cache_salt", "decode_message", "encode_message", "event_entry", "from_wire",
     "logprobs_from_wire", "logprobs_to_wire", "params_from_wire", "params_to_wire",
     "record_from_wire", "record_to_wire", "to_wire",

@@ -39,6 +39,8 @@ from halfmoon.serve.control.messages import (
     ClusterStatus,
     ConductorPong,
     CppPrefill,
+    Drain,
+    Draining,
     Endpoints,
     Error,
     Expect,
@@ -59,6 +61,8 @@ from halfmoon.serve.control.messages import (
     StatusQuery,
     Tokens,
     WireParams,
+    WorkloadQuery,
+    WorkloadWindow,
     decode_message,
     encode_message,
 )
@@ -351,6 +355,26 @@ class ClusterBackend:
             error = status.error if isinstance(status, Error) else status.wire_name
             raise BackendError(f"the Conductor answered a status query with {error}")
         return status
+
+    async def workload_window(self, window_s: float, timeout_s: float = 5.0) -> WorkloadWindow:
+        """The requests the Conductor placed in the last ``window_s`` seconds and what a
+        simulation of the cluster needs (live re-planning); BackendError when it does not
+        answer in ``timeout_s``."""
+        reply = await self._call(self._conductor_endpoint, WorkloadQuery(window_s=window_s),
+                                 timeout_s)  # fmt: skip
+        if not isinstance(reply, WorkloadWindow):
+            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            raise BackendError(f"the Conductor answered a workload query with {error}")
+        return reply
+
+    async def drain(self, instance_id: str, timeout_s: float = 5.0) -> None:
+        """Take ``instance_id`` out of placement; it exits once its requests finish
+        (BackendError when the Conductor refuses, e.g. it does not know the instance)."""
+        reply = await self._call(self._conductor_endpoint, Drain(instance_id=instance_id),
+                                 timeout_s)  # fmt: skip
+        if not isinstance(reply, Draining):
+            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            raise BackendError(f"the Conductor did not drain {instance_id}: {error}")
 
     async def _in_order(
         self,

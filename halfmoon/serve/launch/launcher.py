@@ -71,6 +71,17 @@ def conductor_json(args: argparse.Namespace) -> str:
     return conductor_config_from_args(args, args.block_size).to_json()
 
 
+def worker_argv(
+    args: argparse.Namespace, role: str, index: int, conductor: str, worker_doc: str
+) -> tuple[str, ...]:
+    """``halfmoon`` arguments of worker ``role-index`` (a fresh port for its commands)."""
+    return ("worker", "--role", role, "--index", str(index),
+            "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
+            "--conductor", conductor, "--log-level", args.log_level,
+            "--transport", getattr(args, "transport", "auto"),
+            "--config-json", worker_doc)  # fmt: skip
+
+
 def start_cluster(
     args: argparse.Namespace, group: ProcessGroup, model_dir: Path
 ) -> tuple[str, int]:
@@ -93,12 +104,7 @@ def start_cluster(
     for role, n in roles:
         for i in range(n):
             extra = ("--vllm-url", attach[i]) if attach else ()
-            group.spawn(f"{role}-{i}", "worker", "--role", role, "--index", str(i),
-                        "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
-                        "--conductor", endpoint, "--log-level", args.log_level,
-                        "--transport", getattr(args, "transport", "auto"),
-                        "--config-json", worker_doc,
-                        *extra)  # fmt: skip
+            group.spawn(f"{role}-{i}", *worker_argv(args, role, i, endpoint, worker_doc), *extra)
             count += 1
     log.info("started %s", ", ".join(f"{c.name} (pid {c.proc.pid})" for c in group.children))
     log.info("%s", waiting_line(count))
@@ -145,6 +151,8 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
     supervisor = loop.create_task(_supervise(group))
+    replanner = _replanner(args, group, backend, model_dir, conductor)
+    replanning = None if replanner is None else loop.create_task(replanner.run())
     page = has_page(app)
     announce = loop.create_task(announce_when_listening(  # the URL, once it answers
         server, args.host, args.port,
@@ -156,7 +164,34 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     finally:
         supervisor.cancel()
         announce.cancel()
+        if replanning is not None:
+            replanning.cancel()
         await backend.close()
+
+
+def _replanner(args: argparse.Namespace, group: ProcessGroup, backend: Any, model_dir: Path,
+               conductor: str) -> Any:  # fmt: skip
+    """The live re-planner of ``--replan`` (None without it)."""
+    from halfmoon.serve.launch.replan import (
+        LiveReplanner,
+        LocalMover,
+        replan_base,
+        replan_config_from_args,
+    )
+
+    config = replan_config_from_args(args)
+    if config is None:
+        return None
+    worker_doc = engine_json(args, str(model_dir))
+    mover = LocalMover(group, backend,
+                       lambda role, index: worker_argv(args, role, index, conductor, worker_doc),
+                       start_timeout_s=args.startup_timeout)  # fmt: skip
+    # Every worker of a local cluster shares this machine's cores.
+    base = replan_base(model_dir, args.max_num_seqs, args.decode_guard,
+                       float(os.cpu_count() or 1))  # fmt: skip
+    log.info("re-planning every %gs over the last %gs of requests (margin %g)",
+             config.interval_s, config.window_s, config.margin)  # fmt: skip
+    return LiveReplanner(backend, mover, config, base)
 
 
 async def _wait_ready(
@@ -242,6 +277,9 @@ def check_shape(args: argparse.Namespace) -> None:
             "--cpp-stages and --cpp-chunk-tokens must be >= 1, --cpp-min-tokens >= 0"
         )
     conductor_json(args)  # every Conductor option, checked before any process starts
+    from halfmoon.serve.launch.replan import replan_config_from_args
+
+    replan_config_from_args(args)  # --replan's options too
     if args.cpp_stages > 1 and (args.mode != "disaggregated" or args.prefill < args.cpp_stages):
         raise HalfmoonError(
             f"--cpp-stages {args.cpp_stages} needs --mode disaggregated and at least "
@@ -374,4 +412,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="INFO")
     add_engine_options(p)
     add_conductor_options(p, "live")
+    from halfmoon.serve.launch.replan import add_replan_options
+
+    add_replan_options(p)
     p.set_defaults(func=run_serve, coupled_router=None)  # check_shape: by --engine

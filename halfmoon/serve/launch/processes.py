@@ -30,6 +30,8 @@ class Child:
     started_s: float = field(default_factory=time.monotonic)
     num_restarts: int = 0
     restart_at_s: float | None = None
+    #: Told to leave (a drain): its exit is expected, so it is not restarted.
+    retiring: bool = False
 
 
 class ProcessGroup:
@@ -71,6 +73,8 @@ class ProcessGroup:
         now_s = time.monotonic() if now_s is None else now_s
         restarted = []
         for child in self.children:
+            if child.retiring:
+                continue
             if child.proc.poll() is None:
                 if now_s - child.started_s > self.STABLE_S:
                     child.num_restarts = 0
@@ -93,13 +97,34 @@ class ProcessGroup:
                 restarted.append(child.name)
         return restarted
 
+    def retire(self, name: str) -> Child:
+        """Expect ``name`` to exit (it was told to drain): it is no longer restarted, and
+        :meth:`forget` drops it once gone. Raises HalfmoonError for an unknown name."""
+        for child in self.children:
+            if child.name == name:
+                child.retiring = True
+                return child
+        raise HalfmoonError(f"no child process named {name!r}")
+
+    def forget(self, name: str) -> None:
+        """Drop the retired child ``name`` from the group (SIGKILL it if still running)."""
+        for child in list(self.children):
+            if child.name == name and child.retiring:
+                if child.proc.poll() is None:
+                    child.proc.kill()
+                    child.proc.wait()
+                self.children.remove(child)
+
     def states(self) -> dict[str, dict[str, Any]]:
         """Each child's process state by name (for the live cluster page): ``running``,
-        ``restarting`` (exited; restarted once its backoff is over) or ``stopped`` (refused
-        by the Conductor: never restarted), with its pid and restart count."""
+        ``restarting`` (exited; restarted once its backoff is over), ``draining`` (told
+        to leave, still finishing) or ``stopped`` (refused by the Conductor, or gone after
+        a drain: never restarted), with its pid and restart count."""
         out = {}
         for c in self.children:
-            if c.proc.poll() is None:
+            if c.retiring:
+                state = "draining" if c.proc.poll() is None else "stopped"
+            elif c.proc.poll() is None:
                 state = "running"
             else:
                 state = "stopped" if c.restart_at_s == float("inf") else "restarting"

@@ -1,0 +1,88 @@
+"""The recent workload as the Conductor service saw it, for live re-planning.
+
+:class:`ArrivalLog` keeps every disaggregated request the service was asked to place
+(time, prompt and output lengths, block hashes) for the last ``keep_s`` seconds, within
+``max_entries``. :func:`workload_window` answers a ``workload_query``
+(:class:`WorkloadWindow`): the last ``window_s`` of arrivals, oldest first, with what a
+simulation of this cluster needs (the placeable and draining instances, a worker's
+measured cost profile, the decode KV pool, the Conductor's config). The re-planner
+(:mod:`halfmoon.serve.launch.replan`) replays it on other P:D splits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from halfmoon.serve.control.messages import Arrival, Register, WorkloadWindow
+
+if TYPE_CHECKING:
+    from halfmoon.serve.control.conductor_service import ConductorService
+
+
+@dataclass(frozen=True)
+class _Entry:
+    at_s: float
+    input_length: int
+    output_length: int
+    hashes: bytes
+
+
+class ArrivalLog:
+    """Requests placed in the last ``keep_s`` seconds (at most ``max_entries``)."""
+
+    def __init__(self, keep_s: float = 600.0, max_entries: int = 100_000) -> None:
+        self.keep_s = keep_s
+        self._entries: deque[_Entry] = deque(maxlen=max_entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, input_length: int, output_length: int, hashes: bytes,
+               now_s: float | None = None) -> None:  # fmt: skip
+        """A request arrived (``now_s``: monotonic seconds, now by default)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        self._entries.append(_Entry(now_s, input_length, output_length, hashes))
+        while self._entries and self._entries[0].at_s < now_s - self.keep_s:
+            self._entries.popleft()
+
+    def window(self, window_s: float, now_s: float | None = None) -> list[Arrival]:
+        """The arrivals of the last ``window_s`` seconds, oldest first."""
+        now_s = time.monotonic() if now_s is None else now_s
+        since = now_s - window_s
+        recent = [e for e in reversed(self._entries) if e.at_s >= since]
+        return [
+            Arrival(age_s=round(now_s - e.at_s, 6), input_length=e.input_length,
+                    output_length=e.output_length, hashes=e.hashes)  # fmt: skip
+            for e in reversed(recent)
+        ]
+
+
+def workload_window(service: ConductorService, window_s: float) -> WorkloadWindow:
+    """The answer to a ``workload_query`` for the last ``window_s`` seconds."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    draining = service.draining
+    prefill = sorted(i for i, e in service.instances.items()
+                     if e.role == "prefill" and i not in draining)  # fmt: skip
+    decode = sorted(i for i, e in service.instances.items()
+                    if e.role == "decode" and i not in draining)  # fmt: skip
+    registrations = [service.registrations[i] for i in (*prefill, *decode)
+                     if i in service.registrations]  # fmt: skip
+    profiled: Register | None = next((r for r in registrations if r.profile), None)
+    capacities = [service.registrations[i].kv_capacity_tokens for i in decode
+                  if i in service.registrations and service.registrations[i].kv_capacity_tokens]  # fmt: skip
+    return WorkloadWindow(
+        window_s=window_s,
+        arrivals=service.arrivals.window(window_s),
+        prefill=prefill,
+        decode=decode,
+        draining=sorted(draining),
+        profile=None if profiled is None else profiled.profile,
+        kv_bytes_per_token=0 if profiled is None else profiled.kv_bytes_per_token,
+        hidden_bytes_per_token=0 if profiled is None else profiled.hidden_bytes_per_token,
+        decode_kv_capacity_tokens=min(capacities, default=0),
+        conductor=service.conductor.config.to_json(),
+    )
