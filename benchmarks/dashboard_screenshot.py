@@ -29,8 +29,10 @@ CHROMIUM_FLAGS = (
     "--no-first-run", "--disable-background-networking", "--disable-component-update",
     "--disable-sync",
 )  # fmt: skip
-#: The tiny cluster: its TTFT SLO refuses the long prompts of :func:`send_traffic`.
-SERVE_ARGS = ("--kv-cache-mb", "64", "--ttft-slo", "0.8", "--early-reject", "snapshot")
+#: The tiny cluster: its TTFT SLO refuses the long prompts of :func:`send_traffic` (their
+#: prefill takes ~0.3-0.7 s by the measured profile, depending on the machine) and admits
+#: the short ones (~15-30 ms).
+SERVE_ARGS = ("--kv-cache-mb", "64", "--ttft-slo", "0.2", "--early-reject", "snapshot")
 SHARED_PREFIX = "You are a helpful assistant. Answer briefly and precisely. " * 4
 
 

@@ -219,6 +219,8 @@ class GatewayHost:
             base = replan_base(model_dir, spec.max_num_seqs, spec.decode_guard, None)
             replanner = LiveReplanner(backend, PoolMover(controller.scale, backend),
                                       spec.replan, base)  # fmt: skip
+            gateway = app.state.gateway  # its /metrics and cluster page show the rounds
+            replanner.metrics, gateway.replan_rounds = gateway.metrics, replanner.rounds
             replanning = asyncio.get_running_loop().create_task(replanner.run())
         settle_gc()
         serving = asyncio.get_running_loop().create_task(self._server.serve())

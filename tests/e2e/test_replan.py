@@ -114,6 +114,15 @@ def test_a_shift_to_long_prompts_moves_a_decode_worker_to_prefill(cluster_factor
     assert set(after) == {200}
     with httpx.Client(base_url=cluster.base_url, timeout=30, trust_env=False) as client:
         assert client.get("/health").json()["status"] == "ok"
+        # The operator sees it: /metrics counts the rounds and the move, the cluster page
+        # shows the latest round.
+        metrics = client.get("/metrics").text
+        assert re.search(r'^halfmoon:replan_rounds_total\{.*outcome="move".*\} 1\.0$', metrics,
+                         re.M), metrics  # fmt: skip
+        assert re.search(r'^halfmoon:replan_moves_total\{.*to_role="prefill".*\} 1\.0$', metrics,
+                         re.M), metrics  # fmt: skip
+        (latest,) = client.get("/dashboard/state").json()["replan"]
+        assert latest["split"] == "2P1D" and latest["goodput_rps"]["2P1D"] > 0
     deadline = time.monotonic() + 30
     while (pong := cluster.ping_conductor()).num_placements:
         assert time.monotonic() < deadline, pong

@@ -172,7 +172,11 @@ def test_a_round_moves_towards_the_split_that_wins_by_the_margin():
     config = ReplanConfig(interval_s=0.01, window_s=30, margin=0.05, max_moves=1,
                           cooldown_s=0, min_requests=10)  # fmt: skip
     goodput = {1: 1.0, 2: 2.0, 3: 2.5}
-    planner = LiveReplanner(backend, mover, config, evaluate=_scripted_evaluate(goodput, seen))
+    from halfmoon.serve.gateway.prom import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    planner = LiveReplanner(backend, mover, config, evaluate=_scripted_evaluate(goodput, seen),
+                            metrics=metrics)  # fmt: skip
     import time
 
     time.sleep(0.02)
@@ -181,6 +185,9 @@ def test_a_round_moves_towards_the_split_that_wins_by_the_margin():
     assert record["split"] == "1P3D" and record["target"] == "2P2D"  # one move at most
     assert mover.calls == [("decode", "prefill", 1, ["decode-0", "decode-1", "decode-2"])]
     assert record["goodput_rps"]["3P1D"] == 2.5 and record["requests"] == 40
+    text = metrics.render().decode()
+    assert 'halfmoon:replan_rounds_total{outcome="move"} 1.0' in text
+    assert 'halfmoon:replan_moves_total{to_role="prefill"} 1.0' in text
 
     # While a move is in progress, or an instance drains, no round runs.
     mover.busy = True

@@ -145,6 +145,7 @@ def dashboard_router(
             "decisions": status.decisions if status is not None else [],
             "series": gateway.series.snapshot(),
             "processes": processes,
+            "replan": list(gateway.replan_rounds)[-1:],
         })  # fmt: skip
 
     return router

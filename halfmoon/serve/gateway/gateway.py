@@ -110,6 +110,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         #: Recent history for the live cluster page (halfmoon.serve.gateway.dashboard).
         self.series = TimeSeries()
+        #: The re-planner's latest rounds, newest last (``--replan``; empty without it).
+        self.replan_rounds: Sequence[dict[str, Any]] = ()
         # Request ids are unique across gateways and restarts (a random prefix per
         # gateway); the OpenAI responses show them as cmpl-<id> / chatcmpl-<id>.
         self._ids = IdGenerator(secrets.token_hex(4))

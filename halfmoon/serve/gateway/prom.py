@@ -117,6 +117,19 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.replan_rounds = Counter(
+            "halfmoon:replan_rounds",
+            "Re-planning rounds (--replan) by outcome: stay, or move to another P:D split.",
+            ["outcome"],
+            registry=r,
+        )
+        self.replan_moves = Counter(
+            "halfmoon:replan_moves",
+            "Workers re-planning moved to another role, by the role they moved to.",
+            ["to_role"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)

@@ -152,7 +152,11 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
     supervisor = loop.create_task(_supervise(group))
     replanner = _replanner(args, group, backend, model_dir, conductor)
-    replanning = None if replanner is None else loop.create_task(replanner.run())
+    replanning = None
+    if replanner is not None:
+        gateway = app.state.gateway  # its /metrics and cluster page show the rounds
+        replanner.metrics, gateway.replan_rounds = gateway.metrics, replanner.rounds
+        replanning = loop.create_task(replanner.run())
     page = has_page(app)
     announce = loop.create_task(announce_when_listening(  # the URL, once it answers
         server, args.host, args.port,

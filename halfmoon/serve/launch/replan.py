@@ -257,6 +257,8 @@ class LiveReplanner:
     #: layers, shared host cores); the split, SLOs, KV pool and cost come from the window.
     base: SimConfig = field(default_factory=lambda: SimConfig(cluster=ClusterSpec(1, 1)))
     evaluate: Any = None
+    #: The gateway's metrics (``halfmoon:replan_rounds``, ``halfmoon:replan_moves``).
+    metrics: Any = None
     #: Every round: when, the split, the goodput of each simulated split, what it chose.
     rounds: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=100))
     _replanner: Replanner | None = None
@@ -324,6 +326,8 @@ class LiveReplanner:
             "target": None if target is None else f"{target}P{p + d - target}D",
         }  # fmt: skip
         self.rounds.append(record)
+        if self.metrics is not None:
+            self.metrics.replan_rounds.labels("stay" if target is None else "move").inc()
         if target is None:
             log.info("re-plan: %s stays (%d requests; goodput %s)", record["split"],
                      record["requests"], json.dumps(record["goodput_rps"]))  # fmt: skip
@@ -333,6 +337,8 @@ class LiveReplanner:
                  record["target"], record["requests"],
                  json.dumps(record["goodput_rps"]))  # fmt: skip
         record["leaving"] = await self.mover.move(from_role, to_role, abs(target - p), window)
+        if self.metrics is not None:
+            self.metrics.replan_moves.labels(to_role).inc(abs(target - p))
         return record
 
 

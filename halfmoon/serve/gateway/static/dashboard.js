@@ -153,11 +153,17 @@ function conductorTile(c, state) {
 
 function gatewayTile(state) {
   const g = state.gateway;
-  return el("div", { class: "tile role-gateway", "data-testid": "gateway-tile" },
+  const tile = el("div", { class: "tile role-gateway", "data-testid": "gateway-tile" },
     el("div", { class: "head" }, el("span", { class: "name", text: "Gateway" }), badge("ok")),
     row("requests in flight", `${g.in_flight} / ${g.max_concurrent_requests}`),
     row("model", state.model),
     row("up", fmtUptime(state.uptime_s)));
+  const last = (state.replan || [])[0];
+  if (last) {  // --replan: the latest round
+    tile.append(row("re-planning", last.target ? `${last.split} → ${last.target}`
+                                               : `${last.split} stays`));
+  }
+  return tile;
 }
 
 function renderTiles(state) {
