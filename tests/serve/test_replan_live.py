@@ -6,19 +6,14 @@ where a real one would make the test about timing."""
 from __future__ import annotations
 
 import asyncio
-import random
 import subprocess
 import sys
 
 import pytest
 
-from halfmoon.conductor import Conductor, ConductorConfig
-from halfmoon.core.clock import WallClock
-from halfmoon.core.config import SLOConfig
+from halfmoon.conductor import ConductorConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.costmodel.profile import fit_profile
-from halfmoon.serve.control.conductor_main import load_cost_model
-from halfmoon.serve.control.conductor_service import ConductorService
 from halfmoon.serve.control.messages import (
     Arrival,
     Register,
@@ -38,7 +33,7 @@ from halfmoon.serve.launch.replan import (
 from halfmoon.sim.config import ClusterSpec, SimConfig
 from halfmoon.sim.replan import ReplanConfig
 
-from .test_dashboard import SECRET, Peer
+from .test_dashboard import Peer, service  # noqa: F401 - the fixture: a real service
 
 PROFILE = fit_profile(
     [(n, 0, n / 1000.0 + 0.01) for n in (100, 400, 1600)],
@@ -57,22 +52,13 @@ def test_arrival_log_keeps_a_window_oldest_first_and_forgets_old_entries():
     assert [a.age_s for a in window] == [3.0, 2.0, 1.0, 0.0]
 
 
-@pytest.fixture
-def service():
-    config = ConductorConfig(block_size_tokens=16, slo=SLOConfig(ttft_s=5.0, tbt_s=0.2))
-    core = Conductor(config, load_cost_model(None, 16384), WallClock(), random.Random(0))
-    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
-    yield service
-    service.close()
-
-
 def _register(peer: Peer, iid: str, role: str, profile: dict | None = None) -> None:
     peer.call(Register(instance_id=iid, role=role, command_endpoint=f"tcp://127.0.0.1:1/{iid}",
                        transfer_endpoint=f"127.0.0.1:2/{iid}", kv_capacity_tokens=4096,
                        kv_bytes_per_token=2048, profile=profile))  # fmt: skip
 
 
-def test_the_conductor_answers_a_workload_query_with_what_a_simulation_needs(service):
+def test_the_conductor_answers_a_workload_query_with_what_a_simulation_needs(service):  # noqa: F811
     peer = Peer(service)
     empty = peer.call(WorkloadQuery(window_s=60))
     assert isinstance(empty, WorkloadWindow) and empty.profile is None and not empty.arrivals
