@@ -283,3 +283,29 @@ def test_the_ray_pool_mover_resizes_both_pools_and_settles_when_the_conductor_ag
         assert not mover.moving() and mover.moves[0]["done"]
 
     asyncio.run(scenario())
+
+
+def test_a_refused_drain_leaves_the_worker_as_it_was(monkeypatch):
+    group = ProcessGroup("secret")
+    monkeypatch.setattr(group, "_popen", lambda argv: subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"]))  # fmt: skip
+    group.spawn("decode-0", "x")
+    backend = GroupBackend(group)
+    backend.expected_instances = 2
+
+    async def refuse(instance_id, timeout_s=5.0):
+        raise HalfmoonError(f"the Conductor did not drain {instance_id}: unknown")
+
+    backend.drain = refuse
+    mover = LocalMover(group, backend, lambda role, index: ("60",))
+
+    async def scenario():
+        with pytest.raises(HalfmoonError, match="did not drain"):
+            await mover.move("decode", "prefill", 1, await backend.workload_window(1))
+
+    try:
+        asyncio.run(scenario())
+        assert not mover.moving() and backend.expected_instances == 2
+        assert not group.children[0].retiring  # still supervised (restarted if it crashes)
+    finally:
+        group.stop(1.0)

@@ -205,13 +205,12 @@ class LocalMover:
         placeable = window.prefill if from_role == "prefill" else window.decode
         leaving = sorted(placeable, key=_index, reverse=True)[:count]
         for name in leaving:
+            # Drained first (a refusal leaves the worker as it was), then not restarted
+            # when it exits: it stays up at least DRAIN_QUIET_S after the drain, and the
+            # supervisor runs on this event loop, so it cannot restart it in between.
+            await self.backend.drain(name)
             self.group.retire(name)
             self.backend.expected_instances -= 1
-            try:
-                await self.backend.drain(name)
-            except Exception:
-                self.backend.expected_instances += 1
-                raise
             new = f"{to_role}-{self._next_index(to_role)}"
             record = {"leaving": name, "started": new, "at": time.time(), "done": False}
             self.moves.append(record)
