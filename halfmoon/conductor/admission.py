@@ -26,6 +26,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
+import numpy as np
+
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.messages import DecodeCandidate, PrefillCandidate, RejectCode
 from halfmoon.conductor.state import DecodeState
@@ -50,6 +52,7 @@ class DecodeTimes:
         self._window = window
         self._recent: deque[float] = deque()
         self._sorted: list[float] = []
+        self._sorted_array: np.ndarray | None = None  # _sorted for the vector form
 
     def observe(self, duration_s: float) -> None:
         """A request finished decoding after ``duration_s`` (ignored when configured)."""
@@ -61,6 +64,7 @@ class DecodeTimes:
         insort(self._sorted, duration_s)
         if len(self._recent) > self._window:
             del self._sorted[bisect_left(self._sorted, self._recent.popleft())]
+        self._sorted_array = None
 
     def stay_probability(self, age_s: float, horizon_s: float, fallback_s: float) -> float:
         """P(a request decoding for ``age_s`` still decodes ``horizon_s`` later).
@@ -79,6 +83,23 @@ class DecodeTimes:
             return 1.0
         return (n - bisect_right(sample, age_s + horizon_s)) / alive_now
 
+    def stay_probabilities(
+        self, age_s: np.ndarray | float, horizon_s: np.ndarray | float, fallback_s: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`stay_probability` of many requests at once (arrays, or a value shared
+        by all), the same floats element by element."""
+        end_s = age_s + horizon_s
+        if self.configured_s is not None or not self._sorted:
+            t_d = self.configured_s if self.configured_s is not None else fallback_s
+            return np.where((age_s < t_d) & (t_d <= end_s), 0.0, 1.0)
+        if self._sorted_array is None:
+            self._sorted_array = np.array(self._sorted)
+        sample = self._sorted_array
+        n = len(sample)
+        alive_now = n - np.searchsorted(sample, age_s, side="right")
+        left = n - np.searchsorted(sample, end_s, side="right")
+        return np.where(alive_now > 0, left / np.maximum(alive_now, 1), 1.0)
+
 
 def decode_candidate(request: Request, dstate: DecodeState) -> DecodeCandidate:
     """Estimated TBT on ``dstate`` once the request joins, counting its running and
@@ -92,7 +113,8 @@ def predicted_decode_candidate(
     request: Request, dstate: DecodeState, now_s: float, ready_s: float, times: DecodeTimes
 ) -> DecodeCandidate:
     """Estimated TBT on ``dstate`` at ``ready_s`` (the request's prefill end) once it
-    joins: the expected batch of the module docstring's prediction."""
+    joins: the expected batch of the module docstring's prediction. The reference: a
+    decision evaluates it on every instance at once (``loads.DecodeForecast``)."""
     horizon_s = max(0.0, ready_s - now_s)
     step_s = dstate.step_time_s(dstate.num_running, dstate.context_tokens)
     fallback_s = request.output_length * step_s  # t_d before any observation

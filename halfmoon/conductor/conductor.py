@@ -166,12 +166,19 @@ class Conductor(Cluster):
         self, request: Request, ready_s: float, exhaustive: bool
     ) -> tuple[DecodeCandidate, list[DecodeCandidate]]:
         """The decode instance with the least estimated TBT (ties: the earlier instance)
-        and the candidates evaluated: every instance, or (snapshot estimates, a shared
-        monotone cost model) only those whose lower bound can beat the best so far."""
+        and the candidates evaluated: every instance; or (snapshot estimates, a shared
+        monotone cost model) only those whose lower bound can beat the best so far; or
+        (prediction) every instance at once as arrays, keeping the best few."""
         if self._decode_loads is None:
             self._decode_loads = DecodeLoads([self._decode[d] for d in self.decode_instances])
         loads = self._decode_loads
-        if exhaustive or self.config.early_reject == "predict" or not loads.usable:
+        predict = self.config.early_reject == "predict"
+        if predict and not exhaustive:
+            now = self.clock.now()
+            chosen = loads.forecast.choose(request, now, ready_s, self._decode_times)
+            if chosen is not None:
+                return chosen
+        if exhaustive or predict or not loads.usable:
             decodes = [
                 self._decode_candidate(request, self._decode[d], ready_s)
                 for d in self.decode_instances

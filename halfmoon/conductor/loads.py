@@ -13,6 +13,19 @@ whose lower bound can beat the best estimate so far::
     sorted by (context, requests, rank):  D7 (0, 0)  D2 (9k, 3)  D5 (12k, 1)  D1 (80k, 9) ...
     bound(D) = step(min requests + 1, context(D) + prompt) <= est(D)   (step is monotone)
     evaluate D7, D2, ...; stop once bound(next) > best est: no later instance can beat it
+
+The prediction (``early_reject="predict"``) weighs each request by time, so it has no
+such order; :class:`DecodeForecast` instead evaluates it for every instance at once, as
+arrays (``admission.predicted_decode_candidate`` stays the reference, one instance at a
+time). Its sums must be the scalar's to the last bit (an expected batch is rounded to
+whole requests and tokens), so they are accumulated in the same order::
+
+    idx     = [0 1 .. D-1 | 0    0    0   | 1    1   | ...]   (instance of each weight)
+    weights = [1 1 .. 1   | p_r1 p_r2 p_i1 | p_r1 p_i1 | ...]   (running, then incoming)
+    requests(i) = bincount(idx, weights)[i] = ((1 + p_r1) + p_r2) + p_i1
+
+(bincount adds in array order; an instance's running and then incoming requests are
+listed in their dicts' order, as the scalar loops visit them.)
 """
 
 from __future__ import annotations
@@ -22,14 +35,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from halfmoon.conductor.admission import DecodeTimes
 from halfmoon.conductor.messages import DecodeCandidate
 from halfmoon.conductor.state import DecodeState, PrefillState
+from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.roofline import RooflineCostModel
 from halfmoon.costmodel.throughput import ThroughputCostModel
 
 #: Cost models whose decode step time never decreases with the batch or its context.
 MONOTONE_DECODE_MODELS = (RooflineCostModel, ThroughputCostModel)
+#: Decode candidates a forecast decision keeps for its explanation.
+KEEP_DECODE_CANDIDATES = 4
 
 
 class PrefillLoads:
@@ -110,7 +127,8 @@ class DecodeLoads:
     each instance they concern and the order is brought up to date before the next
     choice. Only valid when every instance shares one cost model whose step time is
     monotone (:attr:`usable`). The prediction (``early_reject="predict"``) weighs each
-    request by time, so it has no such summary: the Conductor evaluates every instance.
+    request by time, so it has no such summary: :attr:`forecast` evaluates every
+    instance at once instead (touched alongside).
     """
 
     def __init__(self, states: Sequence[DecodeState]) -> None:
@@ -123,12 +141,14 @@ class DecodeLoads:
         self._keys: list[tuple[int, int, int]] = []  # (context, requests, rank), sorted
         self._nums: list[int] = []  # requests per instance, sorted
         self._dirty: set[int] = set(range(len(states)))
+        self.forecast = DecodeForecast(states)
 
     def touch(self, instance_id: str) -> None:
         """``instance_id``'s batch may have changed."""
         rank = self.rank.get(instance_id)
         if rank is not None:
             self._dirty.add(rank)
+            self.forecast.touch(rank)
 
     def _update(self) -> None:
         for rank in self._dirty:
@@ -168,3 +188,148 @@ class DecodeLoads:
             # The same batch on a later instance has the same estimate and loses the tie.
             i = bisect_right(keys, (context, requests, len(keys)), i + 1)
         return out
+
+
+def decode_step_times_s(
+    cost_model: CostModel, batch_sizes: np.ndarray, contexts: np.ndarray
+) -> np.ndarray:
+    """``cost_model.decode_step_time_s`` of each (batch, context) pair: its vector method
+    (``decode_step_times_s``) when it has one, else one call per pair."""
+    vector = getattr(cost_model, "decode_step_times_s", None)
+    if vector is not None:
+        return vector(batch_sizes, contexts)
+    step = cost_model.decode_step_time_s
+    return np.array(
+        [step(b, c) for b, c in zip(batch_sizes.tolist(), contexts.tolist(), strict=True)]
+    )
+
+
+class DecodeForecast:
+    """``admission.predicted_decode_candidate`` on every decode instance at once.
+
+    Per instance it keeps what changes only by events and placements (its running and
+    incoming requests, the step of its batch now, its free KV); :meth:`touch` marks an
+    instance stale and it is re-read before the next :meth:`choose`. Only the
+    time-dependent part (who stays, who joins, what they generated) is computed per
+    decision, with vector operations that repeat the scalar's floats exactly.
+    """
+
+    def __init__(self, states: Sequence[DecodeState]) -> None:
+        self.states = tuple(states)
+        self.ids = tuple(s.instance_id for s in states)
+        n = len(states)
+        self._stale: set[int] = set(range(n))
+        self._requests = _Entries(n)
+        self._step_s = np.zeros(n)  # step of the batch as it is now (t_d fallback, rate)
+        self._free = np.zeros(n, dtype=np.int64)  # KV capacity - committed tokens
+        self._init_ones = np.ones(n)
+        models: dict[int, list[int]] = {}
+        for i, state in enumerate(states):
+            models.setdefault(id(state.cost_model), []).append(i)
+        self._models = [(states[ix[0]].cost_model, np.array(ix)) for ix in models.values()]
+        self._update()
+
+    def touch(self, position: int) -> None:
+        """The instance at ``position`` (in the states' order) may have changed."""
+        self._stale.add(position)
+
+    def _update(self) -> None:
+        entries = {}
+        for i in sorted(self._stale):
+            s = self.states[i]
+            entries[i] = [(t, k, 1.0) for t, k in s.running.values()]
+            entries[i] += [(t, k, 0.0) for t, k in s.incoming.values()]
+            self._step_s[i] = s.step_time_s(s.num_running, s.context_tokens)
+            self._free[i] = s.kv_capacity_tokens - s.committed_tokens
+        self._stale.clear()
+        requests = self._requests
+        requests.replace(entries)
+        self._idx = np.concatenate((np.arange(len(self.states)), requests.inst))
+        self._is_running = requests.kinds > 0.0
+        self._entry_step_s = self._step_s[requests.inst]
+        self._all_steps = bool((self._step_s > 0.0).all())
+
+    def choose(
+        self, request: Request, now_s: float, ready_s: float, times: DecodeTimes
+    ) -> tuple[DecodeCandidate, list[DecodeCandidate]] | None:
+        """The instance with the least predicted step (ties: the earlier instance) and the
+        :data:`KEEP_DECODE_CANDIDATES` best candidates in instance order; None when some
+        batch's step is zero (then the scalar path decides, with its own divisions)."""
+        if self._stale:
+            self._update()
+        if not len(self.states) or not self._all_steps:
+            return None
+        num, ctx = self._expected_batches(request, now_s, ready_s, times)
+        n = np.maximum(np.rint(num).astype(np.int64), 1)  # num >= 1 (the request itself)
+        c = np.rint(ctx).astype(np.int64)
+        if len(self._models) == 1:
+            est = decode_step_times_s(self._models[0][0], n, c)
+        else:
+            est = np.empty(len(n))
+            for cm, ix in self._models:
+                est[ix] = decode_step_times_s(cm, n[ix], c[ix])
+        need = request.input_length + request.output_length
+        est[need > self._free] = np.inf  # the KV check rejects it there
+        kept = np.sort(np.argsort(est, kind="stable")[:KEEP_DECODE_CANDIDATES]).tolist()
+        out = [DecodeCandidate(self.ids[i], int(n[i]), int(c[i]), float(est[i])) for i in kept]
+        best = min(out, key=lambda d: d.est_tbt_s)  # argmin of est is always kept
+        return best, out
+
+    def _expected_batches(
+        self, request: Request, now_s: float, ready_s: float, times: DecodeTimes
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Expected requests and context tokens of every instance's batch at ``ready_s``
+        with the request in it (the scalar's ``num`` and ``ctx``, before rounding)::
+
+            running (since t):        age = now - t, span = ready - t,
+                                      stays with P(D > age + h | D > age)
+            incoming (prefill end t): joins if t <= ready, age = 0, span = ready - max(t, now),
+                                      stays with P(D > 0 + span)
+            weight p, tokens p * (its tokens + span / step)   (one per step since)
+        """
+        requests, running = self._requests, self._is_running
+        t, step_s = requests.times, self._entry_step_s
+        age_s = np.where(running, now_s - t, 0.0)
+        span_s = ready_s - np.where(running, t, np.maximum(t, now_s))
+        horizon_s = np.where(running, max(0.0, ready_s - now_s), span_s)
+        fallback_s = request.output_length * step_s  # t_d before any observation
+        p = times.stay_probabilities(age_s, horizon_s, fallback_s)
+        p = np.where(running | (t <= ready_s), p, 0.0)
+        tokens = p * (requests.tokens + span_s / step_s)
+        length = np.full(len(self.states), float(request.input_length))
+        num = np.bincount(self._idx, np.concatenate((self._init_ones, p)))
+        ctx = np.bincount(self._idx, np.concatenate((length, tokens)))
+        return num, ctx
+
+
+class _Entries:
+    """(time, tokens, kind) of the requests of every instance, flat in instance order
+    (each instance's in the order given) with ``inst``, the instance of each::
+
+        counts  [2, 0, 1]          times  [t0a t0b | t2a]   inst  [0 0 | 2]
+        replace({1: [(t1a, k, 1.0)]})   times  [t0a t0b | t1a | t2a]   (one splice)
+    """
+
+    def __init__(self, num_instances: int) -> None:
+        self.counts = np.zeros(num_instances, dtype=np.intp)
+        self._table = np.zeros((0, 3))
+        self.times, self.tokens, self.kinds = self._table.T
+        self.inst = np.zeros(0, dtype=np.intp)
+
+    def replace(self, entries: dict[int, list[tuple[float, int, float]]]) -> None:
+        """Set the entries of some instances (``entries`` in ascending instance order)."""
+        if not entries:
+            return
+        ends = np.cumsum(self.counts).tolist()
+        old = self._table
+        parts, pos = [], 0
+        for i, new in entries.items():
+            parts.append(old[pos : ends[i] - int(self.counts[i])])
+            if new:
+                parts.append(np.array(new, dtype=np.float64))
+            self.counts[i] = len(new)
+            pos = ends[i]
+        parts.append(old[pos:])
+        self._table = np.concatenate(parts)
+        self.times, self.tokens, self.kinds = self._table.T
+        self.inst = np.repeat(np.arange(len(self.counts)), self.counts)

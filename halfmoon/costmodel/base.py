@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 
 @runtime_checkable
 class CostModel(Protocol):
@@ -57,6 +59,20 @@ def check_count(name: str, value: int) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def check_counts(name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as an int64 array if every one is a non-negative integer, else raise
+    ``ValueError`` naming them (the vector form of :func:`check_count`)."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        as_int = array.astype(np.int64)
+        if array.dtype.kind not in "f" or not np.array_equal(as_int, array):
+            raise ValueError(f"{name} must be integers, got {values!r}")
+        array = as_int
+    if array.size and array.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got {array.min()}")
+    return array.astype(np.int64, copy=False)
 
 
 def check_amount(name: str, value: float) -> float:

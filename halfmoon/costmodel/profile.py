@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.costmodel.base import check_amount, check_count, check_positive
+from halfmoon.costmodel.base import check_amount, check_count, check_counts, check_positive
 from halfmoon.costmodel.roofline import RooflineCostModel
 from halfmoon.costmodel.serving import ServingTerms, is_number
 
@@ -362,6 +362,17 @@ class ProfileCostModel:
     def decode_step_time_s(self, batch_size: int, total_context_tokens: int) -> float:
         """The profile's decode-step prediction."""
         return self.profile.decode_step_s(batch_size, total_context_tokens)
+
+    def decode_step_times_s(
+        self, batch_sizes: np.ndarray, total_context_tokens: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`decode_step_time_s` of many batches at once: the profile's sum, term by
+        term in the same order, so the same values."""
+        b = check_counts("batch_sizes", batch_sizes)
+        ctx = check_counts("total_context_tokens", total_context_tokens)
+        k_one, k_batch, k_context = self.profile.decode.coefficients
+        step_s = (1.0 * k_one + b * k_batch) + ctx * k_context
+        return np.where(b == 0, 0.0, np.maximum(step_s, 0.0))
 
     def transfer_time_s(self, num_bytes: float) -> float:
         """``latency + num_bytes / link`` (0 for nothing to move)."""

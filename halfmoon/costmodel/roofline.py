@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from halfmoon.costmodel.base import (
     causal_attention_pairs,
     check_amount,
     check_count,
+    check_counts,
     check_fraction,
     check_positive,
 )
@@ -141,6 +144,21 @@ class RooflineCostModel:
         moved_bytes = m.step_weight_read_bytes + (ctx + b) * self.kv_bytes_per_token
         memory_s = moved_bytes / self.memory_bytes_per_s
         return max(compute_s, memory_s) + self.decode_overhead_s
+
+    def decode_step_times_s(
+        self, batch_sizes: np.ndarray, total_context_tokens: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`decode_step_time_s` of many batches at once: the same float operations
+        in the same order, so the same values."""
+        b = check_counts("batch_sizes", batch_sizes)
+        ctx = check_counts("total_context_tokens", total_context_tokens)
+        m = self.model
+        dense = 2.0 * (m.num_non_embedding_params + m.vocab_size * m.hidden_size) * b
+        attention = 4.0 * m.num_layers * m.attention_dim * ctx
+        compute_s = (dense + attention) / self.flops_per_s
+        moved_bytes = m.step_weight_read_bytes + (ctx + b) * self.kv_bytes_per_token
+        memory_s = moved_bytes / self.memory_bytes_per_s
+        return np.where(b == 0, 0.0, np.maximum(compute_s, memory_s) + self.decode_overhead_s)
 
     def transfer_time_s(self, num_bytes: float) -> float:
         """Seconds to move ``num_bytes`` over the instance's NICs (latency + size/bandwidth)."""

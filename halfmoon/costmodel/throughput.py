@@ -8,7 +8,9 @@ exactly and as a cheap, predictable model in Conductor and simulator tests.
 
 from __future__ import annotations
 
-from halfmoon.costmodel.base import check_amount, check_count, check_positive
+import numpy as np
+
+from halfmoon.costmodel.base import check_amount, check_count, check_counts, check_positive
 
 #: Worked-example settings (LLaMA2-70B on 8xA800): 2,000 tok/s prefill, 320 KiB of KV per
 #: token (16-token blocks are 5 MiB), 100 GB/s RDMA.
@@ -77,6 +79,15 @@ class ThroughputCostModel:
         if b == 0:
             return 0.0
         return self.decode_step_base_s + self.decode_step_per_token_s * ctx
+
+    def decode_step_times_s(
+        self, batch_sizes: np.ndarray, total_context_tokens: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`decode_step_time_s` of many batches at once (the same values)."""
+        b = check_counts("batch_sizes", batch_sizes)
+        ctx = check_counts("total_context_tokens", total_context_tokens)
+        step_s = self.decode_step_base_s + self.decode_step_per_token_s * ctx
+        return np.where(b == 0, 0.0, step_s)
 
     def transfer_time_s(self, num_bytes: float) -> float:
         """``latency + num_bytes / link`` (0 for nothing to move)."""
