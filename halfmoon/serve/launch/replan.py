@@ -49,6 +49,8 @@ log = logging.getLogger("replan")
 
 #: Bandwidth assumed between workers in the simulated cluster (as the Conductor's).
 LINK_BYTES_PER_S = 1e9
+#: Rounds kept for the cluster page and the logs' readers.
+KEEP_ROUNDS = 100
 
 
 def window_requests(window: WorkloadWindow, block_size: int) -> list[Request]:
@@ -235,12 +237,12 @@ class LocalMover:
                 with contextlib.suppress(Exception):
                     window = await self.backend.workload_window(1.0)
                     if new in (*window.prefill, *window.decode):
-                        break
+                        log.info("%s serves as %s (was %s)", new, role, old)
+                        record["done"] = True
+                        return
                 await asyncio.sleep(0.5)
-            else:
-                log.error("%s did not register within %gs", new, self.start_timeout_s)
-            log.info("%s serves as %s (was %s)", new, role, old)
-            record["done"] = True
+            log.error("%s did not register within %gs (it is restarted if it exits)", new,
+                      self.start_timeout_s)  # fmt: skip
         finally:
             self.backend.expected_instances += 1
 
@@ -259,7 +261,7 @@ class LiveReplanner:
     #: The gateway's metrics (``halfmoon:replan_rounds``, ``halfmoon:replan_moves``).
     metrics: Any = None
     #: Every round: when, the split, the goodput of each simulated split, what it chose.
-    rounds: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=100))
+    rounds: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=KEEP_ROUNDS))
     _replanner: Replanner | None = None
     _started_s: float = field(default_factory=time.monotonic)
 
@@ -318,6 +320,7 @@ class LiveReplanner:
         if len(planner.decisions) == num_rounds:
             return None  # too few requests in the window to say
         decision = planner.decisions[-1]
+        del planner.decisions[:-KEEP_ROUNDS]  # (a server runs for days: keep the latest)
         record = {
             "time": time.time(), "split": f"{p}P{d}D", "requests": len(inputs.requests),
             "goodput_rps": {f"{q}P{p + d - q}D": round(g, 4)
