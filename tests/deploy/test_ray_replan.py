@@ -15,9 +15,8 @@ import subprocess
 import time
 
 import pytest
-from e2e.test_replan import CHAT, SUMMARY, _phase, _ttft_slo_s
+from e2e.test_replan import CHAT, SUMMARY, _phase, _profile, _ttft_slo_s
 
-from halfmoon.costmodel import CostProfile
 from halfmoon.serve.launch.local import LocalCluster
 from halfmoon.serve.runtime import free_port
 
@@ -44,10 +43,8 @@ def test_the_pools_follow_the_traffic(ray_nodes: RayNodes, tmp_path):
 
     cache = ray_nodes.root / "cache"
     with LocalCluster(["--model", "tiny", "--kv-cache-mb", "64", "--attention", "reference"],
-                      cache, secrets.token_hex(16), tmp_path / "probe.log"):  # fmt: skip
-        pass
-    (profile,) = (cache / "profiles").glob("*.json")
-    slo = _ttft_slo_s(CostProfile.load(profile))
+                      cache, secrets.token_hex(16), tmp_path / "probe.log") as probe:  # fmt: skip
+        slo = _ttft_slo_s(_profile(probe))
 
     log = tmp_path / "serve.log"
     serve = ray_nodes.halfmoon(

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from halfmoon.costmodel import CostProfile
+from halfmoon.serve.control.messages import WorkloadQuery, WorkloadWindow
 
 #: Short rounds and a short window, so that the test sees a decision within seconds.
 REPLAN_ARGS = ("--kv-cache-mb", "64", "--attention", "reference", "--early-reject", "none",
@@ -33,8 +34,11 @@ BURST = 4
 
 
 def _profile(cluster) -> CostProfile:
-    (path,) = (cluster.cache / "profiles").glob("*.json")
-    return CostProfile.load(path)
+    """The measured profile the cluster's workers registered with (its cache may hold
+    others, measured by clusters of other settings)."""
+    window = cluster.call_conductor(WorkloadQuery(window_s=1.0))
+    assert isinstance(window, WorkloadWindow) and window.profile, window
+    return CostProfile.from_dict(window.profile)
 
 
 def _ttft_slo_s(profile: CostProfile) -> float:

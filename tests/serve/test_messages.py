@@ -98,6 +98,12 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
                     msg_id=4),
     m.MetricsQuery(msg_id=5),
     m.MetricsText(instance_id="p0", role="prefill", text="halfmoon:x 1.0\n", msg_id=5),
+    m.WorkloadQuery(window_s=30.0, msg_id=6),
+    m.WorkloadWindow(window_s=30.0, arrivals=[m.Arrival(age_s=1.5, input_length=40,
+                                                        output_length=8, hashes=HASHES)],
+                     prefill=["prefill-0"], decode=["decode-0"], draining=[],
+                     profile={"model_name": "tiny"}, kv_bytes_per_token=2048,
+                     decode_kv_capacity_tokens=4096, conductor="{}", msg_id=6),
 ]}  # fmt: skip
 
 

@@ -144,15 +144,25 @@ class LocalCluster:
         assert isinstance(pong, ConductorPong), pong
         return pong
 
+    def call_conductor(self, msg: Message, timeout_ms: int = 10_000) -> Message:
+        """The Conductor's answer to ``msg`` (signed with the cluster's secret)."""
+        return self._call(self.conductor_endpoint(), msg, timeout_ms)
+
     def _ping(self, endpoint: str, timeout_ms: int) -> Message:
+        return self._call(endpoint, Ping(), timeout_ms)
+
+    def _call(self, endpoint: str, msg: Message, timeout_ms: int) -> Message:
+        import dataclasses
+
         import zmq
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         try:
-            sock.send_multipart(encode_message(Ping(msg_id=1), self.secret.encode()))
-            assert sock.poll(timeout_ms), f"{endpoint} did not answer a ping"
+            msg = dataclasses.replace(msg, msg_id=1)
+            sock.send_multipart(encode_message(msg, self.secret.encode()))
+            assert sock.poll(timeout_ms), f"{endpoint} did not answer a {msg.wire_name}"
             return decode_message(sock.recv_multipart(), self.secret.encode())
         finally:
             sock.close(0)
