@@ -24,6 +24,7 @@ schedules a chunked pipeline over instances built on this model).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -137,12 +138,7 @@ class RooflineCostModel:
         ctx = check_count("total_context_tokens", total_context_tokens)
         if b == 0:
             return 0.0
-        m = self.model
-        dense = 2.0 * (m.num_non_embedding_params + m.vocab_size * m.hidden_size) * b
-        attention = 4.0 * m.num_layers * m.attention_dim * ctx
-        compute_s = (dense + attention) / self.flops_per_s
-        moved_bytes = m.step_weight_read_bytes + (ctx + b) * self.kv_bytes_per_token
-        memory_s = moved_bytes / self.memory_bytes_per_s
+        compute_s, memory_s = self._decode_terms(b, ctx)
         return max(compute_s, memory_s) + self.decode_overhead_s
 
     def decode_step_times_s(
@@ -152,13 +148,18 @@ class RooflineCostModel:
         in the same order, so the same values."""
         b = check_counts("batch_sizes", batch_sizes)
         ctx = check_counts("total_context_tokens", total_context_tokens)
+        compute_s, memory_s = self._decode_terms(b, ctx)
+        return np.where(b == 0, 0.0, np.maximum(compute_s, memory_s) + self.decode_overhead_s)
+
+    def _decode_terms(self, b: Any, ctx: Any) -> tuple[Any, Any]:
+        """(compute, memory) seconds of a decode step of ``b`` sequences reading ``ctx``
+        tokens of KV: numbers, or arrays of them (the same operations either way)."""
         m = self.model
         dense = 2.0 * (m.num_non_embedding_params + m.vocab_size * m.hidden_size) * b
         attention = 4.0 * m.num_layers * m.attention_dim * ctx
         compute_s = (dense + attention) / self.flops_per_s
         moved_bytes = m.step_weight_read_bytes + (ctx + b) * self.kv_bytes_per_token
-        memory_s = moved_bytes / self.memory_bytes_per_s
-        return np.where(b == 0, 0.0, np.maximum(compute_s, memory_s) + self.decode_overhead_s)
+        return compute_s, moved_bytes / self.memory_bytes_per_s
 
     def transfer_time_s(self, num_bytes: float) -> float:
         """Seconds to move ``num_bytes`` over the instance's NICs (latency + size/bandwidth)."""
