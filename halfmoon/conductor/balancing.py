@@ -2,11 +2,13 @@
 
 The kvcache-centric policy considers fetching a longer prefix from another instance only
 when it is longer than the local one by more than ``threshold`` x the prompt
-(``kvcache_balancing_threshold``; the paper leaves its choice open). The Conductor's
+(``kvcache_balancing_threshold``; the paper leaves its choice open). The paper's
 estimate of a fetch assumes an idle link and an exact queue; when links are contended,
 or the estimates are off, fetches that look good on paper lose time, their own and that
 of the KV streams they delay. A fixed threshold is right for one network and one
-workload only.
+workload only. With adaptive balancing the Conductor also books its planned transfers
+on the instances' links (:mod:`halfmoon.conductor.links`), so a fetch's estimate
+includes its wait for them; what that view still misses is learned here.
 
 :class:`Balancer` with ``adaptive`` learns it from outcomes, on two levels.
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import PrefillLoads
 from halfmoon.conductor.messages import PrefillCandidate
 from halfmoon.conductor.state import PrefillState
@@ -57,9 +58,12 @@ def remote_candidates(
     matched_blocks: Mapping[str, int],
     threshold: float,
     memo: Memo,
+    links: LinkBook | None = None,
+    now_s: float = 0.0,
 ) -> list[PrefillCandidate]:
     """Candidates that first fetch the longest prefix held anywhere, for instances whose
-    own prefix is shorter by more than ``threshold`` x prompt length."""
+    own prefix is shorter by more than ``threshold`` x prompt length. With ``links``, a
+    fetch (ready when the instance's queue is through) also waits for both links."""
     block = request.block_size_tokens
     source = max(matched_blocks, key=matched_blocks.__getitem__)  # first on ties
     best_blocks = matched_blocks[source]
@@ -71,6 +75,9 @@ def remote_candidates(
             continue
         cm = states[cand.instance_id].cost_model
         cached = min(best_blocks * block, request.input_length - 1)
+        transfer_s = cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token)
+        if links is not None:
+            transfer_s = links.wait_s(now_s + cand.queue_s, source, cand.instance_id) + transfer_s
         out.append(
             PrefillCandidate(
                 cand.instance_id,
@@ -78,7 +85,7 @@ def remote_candidates(
                 source,
                 cand.queue_s,
                 memo_prefill_s(memo, cm, request.input_length - cached, cached),
-                cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token),
+                transfer_s,
             )
         )
     return out
@@ -95,6 +102,7 @@ def least_ttft_candidates(
     threshold: float,
     now_s: float,
     memo: Memo,
+    links: LinkBook | None = None,
 ) -> tuple[list[PrefillCandidate], int]:
     """What ``local_candidates + remote_candidates`` over ``loads.ids`` would list, pruned
     to the :data:`KEEP_CANDIDATES` least-TTFT ones of each kind (ties: instance order), in
@@ -125,7 +133,7 @@ def least_ttft_candidates(
     if not best_blocks:
         return out, len(ids)
     remote, num_remote = _least_ttft_remote(
-        request, loads, held_blocks, best_blocks, threshold, queue, memo
+        request, loads, held_blocks, best_blocks, threshold, queue, memo, links, now_s
     )
     return out + remote, len(ids) + num_remote
 
@@ -138,6 +146,8 @@ def _least_ttft_remote(
     threshold: float,
     queue: np.ndarray,
     memo: Memo,
+    links: LinkBook | None,
+    now_s: float,
 ) -> tuple[list[PrefillCandidate], int]:
     """The remote half of :func:`least_ttft_candidates`: the least-TTFT candidates that
     fetch the longest prefix (``best_blocks``) first, and how many there are in all."""
@@ -157,6 +167,11 @@ def _least_ttft_remote(
         i, missing = position[iid], best_blocks - num_blocks
         eligible[i] = missing > 0 and missing * block > threshold_tokens
         xfer_s[i] = transfer_s(loads.states[i].cost_model, missing) if eligible[i] else 0.0
+    if links is not None:  # the same float operations as LinkBook.wait_s, at once
+        free = np.fromiter((links.free_at_s(iid) for iid in ids), float, len(ids))
+        wait = np.maximum(0.0, np.maximum(links.free_at_s(source), free) - (now_s + queue))
+        wait[position[source]] = 0.0
+        xfer_s = wait + xfer_s
     remote_s = loads.per_model(
         lambda cm: memo_prefill_s(memo, cm, length - best_cached, best_cached)
     )

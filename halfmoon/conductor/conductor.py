@@ -40,6 +40,7 @@ from halfmoon.conductor.candidates import (
 from halfmoon.conductor.cluster import Cluster
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.cpp import PipelineEstimator, cpp_groups, group_candidates
+from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import DecodeLoads, PrefillLoads
 from halfmoon.conductor.messages import (
     Decision,
@@ -85,6 +86,8 @@ class Conductor(Cluster):
         self._balancer = Balancer(
             config.kvcache_balancing_threshold, config.balancing == "adaptive"
         )
+        # Planned transfers per instance link (config.prices_links; links.py).
+        self._links = LinkBook() if config.prices_links else None
         # Summaries for pruned decisions, rebuilt lazily whenever the instances change.
         self._loads: PrefillLoads | None = None
         self._decode_loads: DecodeLoads | None = None
@@ -108,6 +111,11 @@ class Conductor(Cluster):
         if decode_s is not None:
             self._decode_times.observe(decode_s)
 
+    def remove_instance(self, instance_id: str) -> None:
+        super().remove_instance(instance_id)
+        if self._links is not None:
+            self._links.forget(instance_id)
+
     def _touched(self, instance_id: str) -> None:
         if self._decode_loads is not None:
             self._decode_loads.touch(instance_id)
@@ -129,7 +137,9 @@ class Conductor(Cluster):
         out = local
         if self.policy.uses_remote_prefixes and local:
             threshold = self._balancer.decision_threshold()
-            out = local + remote_candidates(request, self._prefill, local, matched, threshold, memo)
+            out = local + remote_candidates(
+                request, self._prefill, local, matched, threshold, memo, self._links, now
+            )
         cfg = self.config
         groups = cpp_groups(ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
@@ -151,7 +161,7 @@ class Conductor(Cluster):
         # Per decision (the balancer may change it), asked when prefill_candidates would be.
         threshold = self._balancer.decision_threshold() if loads.ids else 0.0
         memo: Memo = {}
-        out, num = least_ttft_candidates(request, loads, held, threshold, now, memo)
+        out, num = least_ttft_candidates(request, loads, held, threshold, now, memo, self._links)
         groups = cpp_groups(loads.ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
             matched = dict.fromkeys(loads.ids, 0) | held
@@ -285,8 +295,13 @@ class Conductor(Cluster):
     @property
     def balancing(self) -> dict[str, object]:
         """The cache-balancing threshold in use and how it was learned
-        (:class:`~halfmoon.conductor.balancing.Balancer`)."""
-        return self._balancer.state()
+        (:class:`~halfmoon.conductor.balancing.Balancer`); with link pricing, also the
+        longest backlog booked on an instance's link, in seconds from now."""
+        state = self._balancer.state()
+        if self._links is not None:
+            backlog = self._links.state(self.clock.now()).values()
+            state["max_link_backlog_s"] = round(max(backlog, default=0.0), 6)
+        return state
 
     def _observe_placement(
         self, request: Request, chosen: PrefillCandidate, candidates: Sequence[PrefillCandidate]
@@ -379,6 +394,11 @@ class Conductor(Cluster):
             for member, held_s in zip(chosen.group, est.stage_end_s, strict=True):
                 self._prefill[member].add(rid, held_s, new_tokens)
             self._group_of[rid] = chosen.group
+        elif self._links is not None:  # the fetch holds the instance too
+            self._prefill[chosen.instance_id].add(
+                rid, chosen.transfer_s + chosen.prefill_s, new_tokens
+            )
+            self._book_links(request, chosen, decode_id, ready_s)
         else:
             self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
         self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
@@ -405,4 +425,29 @@ class Conductor(Cluster):
             )
             if hot is not None:
                 plans.append(hot)
+                if self._links is not None:
+                    cm = self._prefill[hot.source].cost_model
+                    num_bytes = len(hot.block_hashes) * block * cm.kv_bytes_per_token
+                    self._links.reserve(
+                        self.clock.now(), cm.transfer_time_s(num_bytes), hot.source, hot.target
+                    )
         return tuple(plans)
+
+    def _book_links(
+        self, request: Request, chosen: PrefillCandidate, decode_id: str, ready_s: float
+    ) -> None:
+        """Book a single-instance placement's transfers: the prefix fetch (it starts when
+        the queue is through and both links are free: the candidate's transfer time ends
+        it), and the KV hand-off to decode. The hand-off streams layer by layer during the
+        prefill; only what the compute cannot hide, ``transfer(prompt) - prefill``, is
+        left on the links at its end (the simulator's tail when the link is the bound)."""
+        links = self._links
+        assert links is not None
+        now, p = self.clock.now(), chosen.instance_id
+        if chosen.is_remote:
+            ready = now + chosen.queue_s
+            fetch_s = chosen.transfer_s - links.wait_s(ready, chosen.cache_source, p)
+            links.reserve(ready, fetch_s, chosen.cache_source, p)
+        cm = self._prefill[p].cost_model
+        stream_s = cm.transfer_time_s(request.input_length * cm.kv_bytes_per_token)
+        links.reserve(ready_s, stream_s - chosen.prefill_s, p, decode_id)

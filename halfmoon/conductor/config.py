@@ -27,6 +27,11 @@ class ConductorConfig:
     - ``balancing``: ``fixed`` uses that threshold; ``adaptive`` learns it online from
       the measured outcomes of its placements, starting from (and, without enough
       outcomes, falling back to) the configured value (:mod:`halfmoon.conductor.balancing`).
+    - ``link_backlog``: book every transfer the Conductor plans (prefix fetches, KV
+      hand-offs to decode, hot-spot copies) on the instances' links
+      (:mod:`halfmoon.conductor.links`), price a fetch by its wait for both links, and
+      count it in the fetching instance's queue. Off, a fetch is priced as if the network
+      were idle (the paper's estimate). ``balancing="adaptive"`` turns it on.
     - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
       None predicts from the distribution of recently observed decode durations
       (:class:`~halfmoon.conductor.admission.DecodeTimes`; t_d is their moving average).
@@ -54,6 +59,7 @@ class ConductorConfig:
     early_reject: str = "none"
     kvcache_balancing_threshold: float = 0.1
     balancing: str = "fixed"
+    link_backlog: bool = False
     decode_time_estimate_s: float | None = None
     replicate_remote_prefixes: bool = True
     hot_min_requests: int = 8
@@ -89,6 +95,12 @@ class ConductorConfig:
             raise ValueError(f"cpp_min_tokens must be >= 0, got {self.cpp_min_tokens}")
         if self.cpp_hidden_bytes_per_token is not None and self.cpp_hidden_bytes_per_token < 0:
             raise ValueError("cpp_hidden_bytes_per_token must be >= 0")
+
+    @property
+    def prices_links(self) -> bool:
+        """Whether placements price fetches by the links' backlog (``link_backlog``, or
+        the adaptive balancing that relies on it)."""
+        return self.link_backlog or self.balancing == "adaptive"
 
     def to_json(self) -> str:
         """The config as one JSON document (what a launcher hands a Conductor process)."""

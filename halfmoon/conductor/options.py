@@ -40,6 +40,7 @@ _COMMON: dict[str, Any] = {
     "cpp_hidden_bytes_per_token": None,
     "kvcache_balancing_threshold": 0.1,
     "balancing": "fixed",
+    "link_backlog": False,
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -69,6 +70,12 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         "--balancing", default=d["balancing"],
         help="fixed: use --kvcache-balancing-threshold; adaptive: learn the threshold "
         "online from measured prefill times, starting from (and falling back to) it",
+    )  # fmt: skip
+    g.add_argument(
+        "--link-backlog", action="store_true", default=d["link_backlog"],
+        help="price a prefix fetch by the planned backlog of both instances' links (every "
+        "fetch, KV hand-off and copy the Conductor plans is booked on them) instead of as "
+        "if the network were idle; --balancing adaptive always does",
     )  # fmt: skip
     g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
@@ -111,6 +118,7 @@ def conductor_config_from_args(
         early_reject=check_choice("early-reject mode", args.early_reject, EARLY_REJECT_MODES),
         kvcache_balancing_threshold=threshold,
         balancing=check_choice("balancing mode", args.balancing, BALANCING_MODES),
+        link_backlog=bool(args.link_backlog),
         coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
         cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),

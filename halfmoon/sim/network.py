@@ -3,7 +3,8 @@
 Each instance has one :class:`Nic` (the sum of its GPUs' RDMA NICs). A transfer reserves
 the sender's and the receiver's NIC for ``bytes / bandwidth`` seconds, first come first
 served: it starts when both are free and the data is ready. This is a conservative
-store-and-forward view of contention (no fair sharing).
+store-and-forward view of contention (no fair sharing), the same one the Conductor's
+link books use (:mod:`halfmoon.conductor.links`).
 
 Prefill-to-decode KV is streamed layer by layer while the prefill computes, so only part
 of it is left when the compute ends; :func:`kv_stream_tail_s` gives that tail, and only
@@ -13,25 +14,13 @@ share of the link; its contention is not modelled).
 
 from __future__ import annotations
 
+from halfmoon.conductor.links import Link, reserve_transfer
 
-class Nic:
-    """An instance's network interface, busy until ``free_at_s``."""
-
-    __slots__ = ("free_at_s",)
-
-    def __init__(self) -> None:
-        self.free_at_s = 0.0
+__all__ = ["Nic", "kv_stream_tail_s", "reserve_transfer"]
 
 
-def reserve_transfer(ready_s: float, duration_s: float, sender: Nic, receiver: Nic) -> float:
-    """Book a transfer of ``duration_s`` that may start at ``ready_s`` on both NICs;
-    returns when it ends."""
-    start_s = max(ready_s, sender.free_at_s, receiver.free_at_s)
-    end_s = start_s + duration_s
-    if sender is not receiver:  # a local "transfer" occupies no link
-        sender.free_at_s = end_s
-        receiver.free_at_s = end_s
-    return end_s
+#: An instance's NIC: the Conductor's link model (one definition for both).
+Nic = Link
 
 
 def kv_stream_tail_s(

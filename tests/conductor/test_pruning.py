@@ -49,6 +49,7 @@ class Twin:
             cpp_min_tokens=64,
             cpp_hidden_bytes_per_token=512,
             hot_min_requests=rng.choice([0, 2]),
+            link_backlog=rng.choice([False, True]),
         )
         models = _cost_models(rng)
         self.pruned, self.full = (

@@ -12,7 +12,11 @@ from halfmoon.conductor.messages import RejectCode
 from halfmoon.core.clock import WallClock
 from halfmoon.core.hashing import hash_blocks
 from halfmoon.serve.control.conductor_main import load_cost_model
-from halfmoon.serve.control.conductor_metrics import ConductorMetrics, InstanceFigures
+from halfmoon.serve.control.conductor_metrics import (
+    ConductorMetrics,
+    InstanceFigures,
+    balancing_families,
+)
 from halfmoon.serve.control.conductor_service import ConductorService
 from halfmoon.serve.control.messages import (
     MetricsQuery,
@@ -57,6 +61,13 @@ def test_decisions_by_outcome_and_reason_and_instances():
     assert get("halfmoon:conductor_index_blocks", {"instance_id": "p0"}) == 12
 
 
+def test_the_link_backlog_is_a_gauge():
+    state = {"mode": "adaptive", "threshold": 0.1, "fetching": True, "max_link_backlog_s": 1.5}
+    families = {f.name: f for f in balancing_families(state)}
+    (sample,) = families["halfmoon:conductor_balancing_link_backlog_seconds"].samples
+    assert sample.value == 1.5 and sample.labels == {"mode": "adaptive"}
+
+
 def test_the_service_counts_its_decisions_and_answers_metrics_query():
     config = ConductorConfig(block_size_tokens=16)
     core = Conductor(config, load_cost_model(None, 16384), WallClock(), random.Random(0))
@@ -84,6 +95,7 @@ def test_the_service_counts_its_decisions_and_answers_metrics_query():
         # The cache-balancing state (the default: fixed at 0.1, fetching on).
         assert 'halfmoon:conductor_balancing_threshold{mode="fixed"} 0.1' in reply.text
         assert 'halfmoon:conductor_balancing_fetching{mode="fixed"} 1.0' in reply.text
+        assert 'halfmoon:conductor_balancing_link_backlog_seconds{mode="fixed"} 0.0' in reply.text
     finally:
         sock.close(0)
         service.close()

@@ -114,6 +114,17 @@ def test_simulate_trace_with_time_scale(capsys, tmp_path: Path) -> None:
     assert report["num_requests"] == 60 and report["time_scale"] == 2.0
     assert report["early_reject"] == "predict"
     assert report["balancing"]["mode"] == "fixed" and report["balancing"]["threshold"] == 0.1
+    assert "max_link_backlog_s" not in report["balancing"]  # idle-link pricing
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="shared trace not present")
+def test_simulate_prices_fetches_by_link_backlog_on_request(tmp_path, capsys):
+    out_json = tmp_path / "report.json"
+    args = ["--trace", str(TRACE), "--max-requests", "60", "--cluster", "2P2D"]
+    code, _, _ = _run(capsys, *args, "--nic-gbps", "5", "--link-backlog", "--json", str(out_json))
+    assert code == 0
+    balancing = json.loads(out_json.read_text())["balancing"]
+    assert balancing["mode"] == "fixed" and balancing["max_link_backlog_s"] >= 0.0
 
 
 @pytest.mark.parametrize(

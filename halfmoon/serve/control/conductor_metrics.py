@@ -83,6 +83,9 @@ def balancing_families(state: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
          "Measured fetch outcomes the adaptive learner holds (0 with --balancing fixed)."),
         ("explorations", "halfmoon:conductor_balancing_explorations",
          "Placements the adaptive learner explored at threshold 0."),
+        ("max_link_backlog_s", "halfmoon:conductor_balancing_link_backlog_seconds",
+         "The longest transfer backlog the Conductor has booked on an instance's link, "
+         "seconds from now (fetches priced by link backlog only; else 0)."),
     )  # fmt: skip
     for key, name, text in gauges:
         family = GaugeMetricFamily(name, text, labels=["mode"])
