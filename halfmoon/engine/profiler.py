@@ -45,7 +45,11 @@ DECODE_POINTS = (
 )  # fmt: skip
 #: Used when fewer than three of DECODE_POINTS fit the KV pool (at most 1k tokens at once).
 SMALL_DECODE_POINTS = ((1, 64), (2, 128), (4, 64), (2, 256), (4, 192))
+#: Used when fewer than three of PREFILL_POINTS fit (a short --max-model-len, a small pool).
+SMALL_PREFILL_POINTS = ((16, 0), (32, 0), (64, 0), (128, 0), (256, 0), (64, 64), (128, 128))
+#: Prompts whose KV is imported; SMALL_IMPORT_POINTS when none fits.
 IMPORT_POINTS = (256, 1024)
+SMALL_IMPORT_POINTS = (64, 128)
 _DECODE_STEPS = 8
 
 
@@ -129,11 +133,18 @@ def measure_profile(engine: Any, model_name: str, say: Say | None = None) -> Cos
     # A prompt or a batch must fit in the KV pool at once, or it would be refused or
     # timed smaller than asked.
     pool_tokens = engine.stats().num_blocks * engine.config.block_size
+    prompt_limit = min(limit, pool_tokens - 2 * engine.config.block_size)
     prefill_points = [
         (k, n, c)  # k: the salt's index in PREFILL_POINTS
         for k, (n, c) in enumerate(PREFILL_POINTS)
-        if n + c + 16 <= min(limit, pool_tokens - 2 * engine.config.block_size)
+        if n + c + 16 <= prompt_limit
     ]
+    if len(prefill_points) < 3:  # a short context or a small pool: short prompts instead
+        prefill_points = [
+            (len(PREFILL_POINTS) + k, n, c)
+            for k, (n, c) in enumerate(SMALL_PREFILL_POINTS)
+            if n + c + 16 <= prompt_limit
+        ]
 
     def fits(batch: int, ctx: int) -> bool:
         return ctx + 64 <= limit and batch * (ctx + 4 * engine.config.block_size) <= pool_tokens
@@ -141,7 +152,10 @@ def measure_profile(engine: Any, model_name: str, say: Say | None = None) -> Cos
     points = [(b, ctx) for b, ctx in DECODE_POINTS if fits(b, ctx)]
     if len(points) < 3:  # a small pool (a real model's KV is large): short contexts instead
         points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
-    sizes = [n for n in IMPORT_POINTS if n + 8 <= limit]
+    # An imported prompt holds its KV in the pool too.
+    sizes = [n for n in IMPORT_POINTS if n + 8 <= prompt_limit] or [
+        n for n in SMALL_IMPORT_POINTS if n + 8 <= prompt_limit
+    ]
     say(
         f"measuring the cost profile of {model_name}: {len(prefill_points)} prefills, "
         f"{len(points)} decode batches, {len(sizes)} KV imports (once per engine shape)"

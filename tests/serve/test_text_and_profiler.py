@@ -106,3 +106,33 @@ def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
     assert len(timed) >= 3 and set(timed) <= set(profiler.SMALL_DECODE_POINTS)
     assert profile.decode_step_s(4, 512) > 0
     small.check_integrity()
+
+
+def test_a_short_context_and_a_tiny_pool_are_profiled_with_short_prompts(monkeypatch):
+    """--max-model-len 512 leaves two of the usual prefill points and a 4 MiB pool (1,024
+    tokens) no room for the 1,024-token KV import: short prompts and imports instead."""
+    from halfmoon.engine import EngineConfig, LLMEngine, profiler
+
+    engine = LLMEngine(
+        EngineConfig(model="tiny", kv_cache_mb=4, max_model_len=512, num_threads=1)
+    )
+    prefills: list[tuple[int, int]] = []
+    imports: list[int] = []
+    real_prefill, real_import = profiler._time_prefill, profiler._time_kv_import
+
+    def record_prefill(engine, new, cached, salt):
+        prefills.append((new, cached))
+        return real_prefill(engine, new, cached, salt)
+
+    def record_import(engine, n, salt):
+        imports.append(n)
+        return real_import(engine, n, salt)
+
+    monkeypatch.setattr(profiler, "_time_prefill", record_prefill)
+    monkeypatch.setattr(profiler, "_time_kv_import", record_import)
+    profile = profiler.measure_profile(engine, "tiny")
+    timed = prefills[1:]  # the first is the warm-up
+    assert len(timed) >= 3 and set(timed) <= set(profiler.SMALL_PREFILL_POINTS)
+    assert imports and all(n + 8 <= 512 for n in imports)
+    assert profile.prefill_s(128, 0) > 0 and profile.serving.kv_import_s_per_token > 0
+    engine.check_integrity()
