@@ -33,8 +33,11 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    """One prefill and one decode worker (the default), after three requests."""
-    cluster = cluster_factory("--kv-cache-mb", "64", "--prefill", "1", "--decode", "1")
+    """One prefill and one decode worker (the default), after three requests; the store
+    gets every prompt's blocks (``--prefix-store copy``), so its gauges move."""
+    cluster = cluster_factory(
+        "--kv-cache-mb", "64", "--prefill", "1", "--decode", "1", "--prefix-store", "copy"
+    )
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     cluster.prompt_tokens = 0

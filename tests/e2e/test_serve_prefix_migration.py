@@ -25,7 +25,7 @@ def two_prefill(cluster_factory, tmp_path_factory):
     ssd = tmp_path_factory.mktemp("ssd")
     return cluster_factory(
         "--prefill", "2", "--decode", "1", "--kv-cache-mb", "64",
-        "--store-ssd-dir", str(ssd), "--store-ssd-mb", "32",
+        "--store-ssd-dir", str(ssd), "--store-ssd-mb", "32", "--prefix-store", "copy",
     )  # fmt: skip
 
 

@@ -111,6 +111,10 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     with pytest.raises(HalfmoonError, match="--prefix-store demote needs halfmoon's engine"):
         EngineOptions(prefix_store="demote", engine="vllm")
+    # Without the flag: demote with halfmoon's engine, copy with vLLM's.
+    assert EngineOptions().prefix_store == "demote"
+    assert EngineOptions(engine="vllm").prefix_store == "copy"
+    assert EngineOptions.from_json(EngineOptions().to_json()).prefix_store == "demote"
     path = tmp_path / "engine.json"
     path.write_text(doc)
     worker.config_json = str(path)

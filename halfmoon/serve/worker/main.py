@@ -30,7 +30,9 @@ INBOX_MAX_MB = 512
 KV_COMPRESSION_MODES = ("none", "int8", "fp8", "zstd")
 ENGINES = ("halfmoon", "vllm")
 #: ``--prefix-store``: when a prefill worker's block store gets a prompt's blocks
-#: (:mod:`halfmoon.serve.worker.prefix_cache`).
+#: (:mod:`halfmoon.serve.worker.prefix_cache`). Without the flag: ``demote`` with
+#: halfmoon's engine (more hits from the same store, measured live in docs/benchmarks.md,
+#: "Prefix store: copy or demote"), ``copy`` with vLLM's (which cannot demote).
 PREFIX_STORE_POLICIES = ("copy", "demote")
 #: ``--decode-guard`` without the flag. ``reject``, as the simulator's default and the
 #: paper's decoding instance: a live and a simulated cluster given the same SLOs turn the
@@ -93,10 +95,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--store-dram-mb", type=float, default=256.0, help="prefill workers' DRAM block store, MiB"
     )
     parser.add_argument(
-        "--prefix-store", default="copy", choices=PREFIX_STORE_POLICIES,
-        help="when a prefill worker's block store gets a prompt's blocks: copy (default: "
-        "after every prefill, so the store also holds what the engine's pool holds) or "
-        "demote (only when the pool evicts them: no block held twice; docs/serving.md)",
+        "--prefix-store", default=None, choices=PREFIX_STORE_POLICIES,
+        help="when a prefill worker's block store gets a prompt's blocks: demote (the "
+        "default with halfmoon's engine: only when the pool evicts them, no block held "
+        "twice) or copy (after every prefill, so the store also holds what the pool "
+        "holds; the default and only choice with --engine vllm); docs/serving.md",
     )  # fmt: skip
     parser.add_argument(
         "--store-ssd-dir",
@@ -151,7 +154,7 @@ class EngineOptions:
     kv_compression: str = "none"
     prefix_caching: bool = True
     store_dram_mb: float = 256.0
-    prefix_store: str = "copy"
+    prefix_store: str | None = None  # None: demote with halfmoon's engine, else copy
     store_ssd_dir: str | None = None
     store_ssd_mb: float = 0.0
     engine: str = "halfmoon"
@@ -169,6 +172,9 @@ class EngineOptions:
                 f"unknown --decode-guard {self.decode_guard!r}; use one of "
                 f"{', '.join(DECODE_GUARDS)}"
             )
+        if self.prefix_store is None:
+            default = "demote" if self.engine == "halfmoon" else "copy"
+            object.__setattr__(self, "prefix_store", default)
         if self.prefix_store not in PREFIX_STORE_POLICIES:
             raise HalfmoonError(
                 f"unknown --prefix-store {self.prefix_store!r}; use one of "
