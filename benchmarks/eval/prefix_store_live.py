@@ -32,7 +32,6 @@ import concurrent.futures
 import hashlib
 import http.client
 import json
-import random
 import secrets
 import statistics
 import sys
@@ -44,7 +43,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.micro.prefix_store import equal_hit_savings
+from benchmarks.micro.prefix_store import add_workload_options, equal_hit_savings, workload
 from halfmoon.serve.launch.local import LocalCluster
 
 POLICIES = ("copy", "demote")
@@ -61,20 +60,6 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
-
-
-def workload(args: argparse.Namespace) -> list[list[int]]:
-    """``args.requests`` prompts: a Zipf-picked document, then a question of its own."""
-    rng = random.Random(args.seed)
-    docs = [
-        [rng.randrange(10, 4000) for _ in range(args.doc_tokens)] for _ in range(args.documents)
-    ]
-    weights = [1 / (rank + 1) ** args.zipf for rank in range(args.documents)]
-    prompts = []
-    for _ in range(args.requests):
-        doc = rng.choices(docs, weights)[0]
-        prompts.append(doc + [rng.randrange(10, 4000) for _ in range(args.question_tokens)])
-    return prompts
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:
@@ -289,20 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--store-mb", default="1,2,4,6,8,12,16", help="store DRAM sizes (per worker) to sweep"
     )
-    # Under 1,040 the cost profile skips its 1,024-token KV import, which a 4 MiB pool (1,024
-    # tokens of the tiny preset) cannot hold; from 536 on it keeps the 3 prefill points it
-    # needs. Outside that range `serve` exits while profiling.
-    p.add_argument("--max-model-len", type=int, default=1000)
-    p.add_argument("--documents", type=int, default=24)
-    p.add_argument("--doc-tokens", type=int, default=128)
-    p.add_argument("--question-tokens", type=int, default=20)
-    p.add_argument("--zipf", type=float, default=0.8)
-    p.add_argument("--requests", type=int, default=600)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--max-model-len", type=int, default=1000, help="as the measured run")
+    add_workload_options(p, requests=600, warmup=100)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--sample-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--work-dir", default="/tmp/halfmoon-prefix-store-live")
     p.add_argument("--json", default=None, help="write every number here")

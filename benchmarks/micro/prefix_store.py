@@ -43,6 +43,17 @@ class _NoConductor:
         self.num_events += 1
 
 
+def add_workload_options(parser: argparse.ArgumentParser, requests: int, warmup: int) -> None:
+    """The shared-documents workload's options (this benchmark's and the live one's)."""
+    parser.add_argument("--documents", type=int, default=24)
+    parser.add_argument("--doc-tokens", type=int, default=128)
+    parser.add_argument("--question-tokens", type=int, default=20)
+    parser.add_argument("--zipf", type=float, default=0.8)
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def workload(args: argparse.Namespace) -> list[list[int]]:
     """``args.requests`` prompts: a Zipf-picked document, then a question of its own."""
     rng = random.Random(args.seed)
@@ -136,13 +147,7 @@ def main() -> int:
     parser.add_argument(
         "--store-mb", default="1,2,3,4,5,6,8,10,12,16", help="store DRAM sizes to sweep"
     )
-    parser.add_argument("--documents", type=int, default=24)
-    parser.add_argument("--doc-tokens", type=int, default=128)
-    parser.add_argument("--question-tokens", type=int, default=20)
-    parser.add_argument("--zipf", type=float, default=0.8)
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_options(parser, requests=400, warmup=50)
     parser.add_argument("--json", help="write every record here")
     args = parser.parse_args()
     prompts = workload(args)
