@@ -112,18 +112,19 @@ class PeerClient:
         groups = split_batch([v.nbytes for _, v in items], self._links.num_connections)
         frames = []
         for group in groups:
-            chunk = [items[i] for i in group]
-            meta = {
+            chunk = items[group.start : group.stop]
+            meta: dict[str, Any] = {
                 "xfer": xfer,
                 "region": region,
-                "segs": [[off, v.nbytes] for off, v in chunk],
                 "parts": len(groups),
                 "placed": remote is not None,
             }
             if remote is None:
+                meta["segs"] = [[off, v.nbytes] for off, v in chunk]
                 frames.append(OutFrame(Kind.PUSH, meta, [v for _, v in chunk]))
-            else:
-                frames.append(OutFrame(Kind.PUSH, meta, [], _placer(remote, chunk, region)))
+            else:  # the bytes are in place before the frame goes: it only counts them
+                place, meta["blocks"], meta["bytes"] = _placer(remote, chunk, region)
+                frames.append(OutFrame(Kind.PUSH, meta, [], place))
         return frames
 
     def _push(
@@ -190,7 +191,7 @@ class PeerClient:
             def job(k: int) -> Callable[[], None]:
                 def run() -> None:
                     group = groups[k]
-                    chunk = ([wire[i] for i in group], [views[i] for i in group])
+                    chunk = (wire[group.start : group.stop], views[group.start : group.stop])
                     stored[k] = self._put_placed(f"{xfer}.{k}", *chunk, deadline)
 
                 return run
@@ -259,7 +260,7 @@ class PeerClient:
             raise ValueError("pull destinations must all have the store's block size")
         results: list[BlockMeta | None] = [None] * len(views)
 
-        def job(group: list[int]) -> Callable[[], None]:
+        def job(group: range) -> Callable[[], None]:
             def run() -> None:
                 hashes = [block_hashes[i] for i in group]
                 metas = self._pull_group(hashes, [views[i] for i in group], deadline, decode)
@@ -417,16 +418,21 @@ class PeerClient:
 
 def _placer(
     remote: memoryview, chunk: list[tuple[int, memoryview]], region: str
-) -> Callable[[], None]:
-    """Copy ``chunk`` into the peer's mapped region (bounds-checked: slices never clip)."""
+) -> tuple[Callable[[], None], int, int]:
+    """A function that copies ``chunk`` into the peer's mapped region, the number of
+    blocks and of bytes. Every range is checked first (no block of a push is copied if
+    one is out of range)."""
+    num_bytes, low, high = 0, 0, 0
     for offset, view in chunk:
-        if offset < 0 or offset + view.nbytes > remote.nbytes:
-            raise RemoteError(
-                f"range [{offset}, {offset + view.nbytes}) is outside region {region!r} "
-                f"of {remote.nbytes} bytes"
-            )
+        num_bytes += view.nbytes
+        low, high = min(low, offset), max(high, offset + view.nbytes)
+    if low < 0 or high > remote.nbytes:
+        bad = next((o, o + v.nbytes) for o, v in chunk if o < 0 or o + v.nbytes > remote.nbytes)
+        raise RemoteError(
+            f"range [{bad[0]}, {bad[1]}) is outside region {region!r} of {remote.nbytes} bytes"
+        )
 
     def place() -> None:
         copy_blocks(remote, chunk)
 
-    return place
+    return place, len(chunk), num_bytes

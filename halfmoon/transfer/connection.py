@@ -139,12 +139,12 @@ class PeerConnection:
         """Write an inline or already placed batch into a region; ack it."""
         meta = frame.meta
         region = self.server.regions.get(meta["region"])
-        segs = meta["segs"]
         ack: dict[str, Any] = {"xfer": meta["xfer"], "ok": True}
-        if meta.get("placed"):  # the sender copied the blocks in: check the ranges only
-            for off, length in segs:
-                region.check_range(int(off), int(length))
+        if meta.get("placed"):  # the sender copied the blocks in (ranges checked there)
+            num_blocks, num_bytes = int(meta["blocks"]), int(meta["bytes"])
         else:
+            segs = meta["segs"]
+            num_blocks, num_bytes = len(segs), sum(int(length) for _, length in segs)
             dests = [region.slice(int(off), int(length)) for off, length in segs]
             try:
                 self.link.recv_payload_into(frame, dests, self.deadline())
@@ -154,12 +154,11 @@ class PeerConnection:
                 ack = {"xfer": meta["xfer"], "ok": False, "error": str(exc)}
         self.link.send(Kind.PUSH_ACK, ack, deadline=self.deadline())
         if ack["ok"]:
-            num_bytes = sum(int(length) for _, length in segs)
             self.server.pushes.add(
                 self.client_id,
                 meta["xfer"],
                 int(meta["parts"]),
-                len(segs),
+                num_blocks,
                 num_bytes,
                 self.link.peer,
             )

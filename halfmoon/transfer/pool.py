@@ -53,17 +53,19 @@ class OutFrame:
     acks: list[dict[str, Any]] = field(default_factory=list)
 
 
-def split_batch(sizes: Sequence[int], num_connections: int) -> list[list[int]]:
-    """Cut item indices into consecutive groups of about ``sum(sizes)/num_connections`` bytes."""
+def split_batch(sizes: Sequence[int], num_connections: int) -> list[range]:
+    """Cut item indices into consecutive groups of about ``sum(sizes)/num_connections``
+    bytes (at most ``MAX_FRAME_SEGMENTS`` items each)."""
     target = max(1, min(MAX_FRAME_BYTES, math.ceil(sum(sizes) / max(1, num_connections))))
-    groups: list[list[int]] = []
-    group_bytes = 0
+    groups: list[range] = []
+    start = group_bytes = 0
     for i, size in enumerate(sizes):
-        if not groups or group_bytes + size > target or len(groups[-1]) >= MAX_FRAME_SEGMENTS:
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(i)
+        if i > start and (group_bytes + size > target or i - start >= MAX_FRAME_SEGMENTS):
+            groups.append(range(start, i))
+            start, group_bytes = i, 0
         group_bytes += size
+    if sizes:
+        groups.append(range(start, len(sizes)))
     return groups
 
 

@@ -50,3 +50,68 @@ def test_copy_blocks_joins_runs_adjacent_in_memory_and_at_the_destination(monkey
     assert bytes(dest[300:400]) == bytes(100)  # untouched
     assert calls == [(0, 300), (400, 200), (600, 100), (700, 100), (800, 100), (900, 100),
                      (1000, 100)]  # fmt: skip
+
+
+def test_copy_blocks_copies_a_strided_run_with_one_call(monkeypatch):
+    from halfmoon.transfer import memcopy
+
+    copies: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = np.copyto
+    monkeypatch.setattr(
+        memcopy.np,
+        "copyto",
+        lambda out, src: (copies.append((out.shape, out.strides)), real(out, src)),
+    )
+    monkeypatch.setattr(memcopy, "copy_into", lambda *a: pytest.fail("copied block by block"))
+    pool = np.random.default_rng(3).integers(0, 256, (10, 2, 64), dtype=np.uint8)  # K, V
+    keys = [pool[i, 0] for i in range(2, 7)]  # every other 64 B of the pool
+    dest = memoryview(bytearray(5 * 96))
+    memcopy.copy_blocks(dest, [(i * 96, memoryview(k)) for i, k in enumerate(keys)])
+    assert copies == [((5, 64), (96, 1))]
+    for i, k in enumerate(keys):
+        assert bytes(dest[i * 96 : i * 96 + 64]) == k.tobytes()
+        assert bytes(dest[i * 96 + 64 : (i + 1) * 96]) == bytes(32)  # the gaps untouched
+
+
+@pytest.mark.parametrize("size", [4096, GIL_FREE_BYTES])
+def test_copy_blocks_matches_a_block_by_block_copy_on_random_layouts(size):
+    from halfmoon.transfer.memcopy import copy_blocks
+
+    rng = np.random.default_rng(size)
+    src = rng.integers(0, 256, (24, size), dtype=np.uint8)
+    for _ in range(20):
+        n = int(rng.integers(1, 12))
+        rows = rng.choice(24, n, replace=False)
+        if rng.random() < 0.5:  # often a stride in memory
+            start, step = int(rng.integers(0, 6)), int(rng.integers(1, 4))
+            rows = np.arange(start, start + step * n, step)[
+                : min(n, (24 - start + step - 1) // step)
+            ]
+        slots = (
+            rng.choice(16, len(rows), replace=False)
+            if rng.random() < 0.5
+            else np.arange(len(rows)) * 2
+        )
+        dest = bytearray(16 * 2 * size)
+        want = bytearray(dest)
+        blocks = [(int(s) * size, memoryview(src[r])) for s, r in zip(slots, rows, strict=True)]
+        for offset, view in blocks:
+            want[offset : offset + size] = view
+        copy_blocks(memoryview(dest), blocks)
+        assert dest == want
+
+
+@pytest.mark.parametrize("size", [100, GIL_FREE_BYTES])
+def test_copy_blocks_refuses_a_range_past_the_end_before_copying_a_run(size):
+    from halfmoon.transfer.memcopy import copy_blocks
+
+    src = np.ones((8, 2 * size), np.uint8)
+    dest = memoryview(bytearray(4 * size))
+    for blocks in (
+        [(3 * size + 1, memoryview(src[0, :size]))],  # one block
+        [(i * size, memoryview(src.reshape(-1)[i * size : (i + 1) * size])) for i in range(5)],
+        [(i * size, memoryview(src[i, :size])) for i in range(5)],  # strided in memory
+        [(-size, memoryview(src[0, :size]))],
+    ):
+        with pytest.raises(ValueError):
+            copy_blocks(dest, blocks)
