@@ -123,8 +123,8 @@ class PeerClient:
                 meta["segs"] = [[off, v.nbytes] for off, v in chunk]
                 frames.append(OutFrame(Kind.PUSH, meta, [v for _, v in chunk]))
             else:  # the bytes are in place before the frame goes: it only counts them
-                place, meta["blocks"], meta["bytes"] = _placer(remote, chunk, region)
-                frames.append(OutFrame(Kind.PUSH, meta, [], place))
+                meta["blocks"] = len(chunk)
+                frames.append(OutFrame(Kind.PUSH, meta, [], _placer(remote, chunk, region, meta)))
         return frames
 
     def _push(
@@ -417,22 +417,20 @@ class PeerClient:
 
 
 def _placer(
-    remote: memoryview, chunk: list[tuple[int, memoryview]], region: str
-) -> tuple[Callable[[], None], int, int]:
-    """A function that copies ``chunk`` into the peer's mapped region, the number of
-    blocks and of bytes. Every range is checked first (no block of a push is copied if
-    one is out of range)."""
-    num_bytes, low, high = 0, 0, 0
-    for offset, view in chunk:
-        num_bytes += view.nbytes
-        low, high = min(low, offset), max(high, offset + view.nbytes)
-    if low < 0 or high > remote.nbytes:
-        bad = next((o, o + v.nbytes) for o, v in chunk if o < 0 or o + v.nbytes > remote.nbytes)
-        raise RemoteError(
-            f"range [{bad[0]}, {bad[1]}) is outside region {region!r} of {remote.nbytes} bytes"
-        )
+    remote: memoryview, chunk: list[tuple[int, memoryview]], region: str, meta: dict[str, Any]
+) -> Callable[[], None]:
+    """A function, run on the frame's connection thread, that copies ``chunk`` into the
+    peer's mapped region and counts its bytes into ``meta``. Every range is checked first:
+    nothing of the frame is copied if one is out of range (as a tcp receiver does)."""
 
     def place() -> None:
-        copy_blocks(remote, chunk)
+        try:
+            meta["bytes"] = copy_blocks(remote, chunk)
+        except ValueError:
+            offset, view = next((o, v) for o, v in chunk if o < 0 or o + v.nbytes > remote.nbytes)
+            raise RemoteError(
+                f"range [{offset}, {offset + view.nbytes}) is outside region {region!r} "
+                f"of {remote.nbytes} bytes"
+            ) from None
 
-    return place, len(chunk), num_bytes
+    return place

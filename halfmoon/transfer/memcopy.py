@@ -85,13 +85,17 @@ class _Run:
         self.blocks.append(src)
         return True
 
+    def check(self, dest: memoryview) -> None:
+        """``ValueError`` unless every block of the run fits in ``dest``."""
+        _check_range(dest, self.offset, (len(self.blocks) - 1) * self.dest_stride + self.size)
+
     def copy(self, dest: memoryview, dest_address: int | None) -> None:
+        """Copy the run into ``dest`` (its range checked)."""
         count, size = len(self.blocks), self.size
         if count == 1:
             copy_into(dest, self.offset, self.blocks[0])
             return
         assert self.address is not None  # runs of more than one block know their address
-        _check_range(dest, self.offset, (count - 1) * self.dest_stride + size)
         if self.src_stride == size and self.dest_stride == size:  # back to back: one span
             copy_into(dest, self.offset, span_at(self.address, count * size))
         elif count >= MIN_STRIDED_BLOCKS:
@@ -113,19 +117,22 @@ def _copy_block(dest: memoryview, dest_address: int | None, offset: int, src: me
         copy_into(dest, offset, src)
 
 
-def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> None:
-    """Copy every ``(offset, src)`` into ``dest`` (flat byte views; a range past either
-    end of ``dest`` raises ``ValueError``). Blocks of one size at a constant stride in
-    memory whose destinations are at a constant stride too are copied as one run: one
-    call (and, from 64 KiB, without the GIL) instead of one per block."""
-    dest_address = buffer_address(dest)
-    run: _Run | None = None
+def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> int:
+    """Copy every ``(offset, src)`` into ``dest`` (flat byte views) and return the bytes
+    copied. Every range is checked before anything is copied: one past either end of
+    ``dest`` raises ``ValueError`` and leaves ``dest`` untouched. Blocks of one size at a
+    constant stride in memory whose destinations are at a constant stride too are copied
+    as one run: one call (and, from 64 KiB, without the GIL) instead of one per block."""
+    runs: list[_Run] = []
+    num_bytes = 0
     for offset, src in blocks:
+        num_bytes += src.nbytes
         address = buffer_address(src)
-        if run is not None and run.extend(offset, address, src):
-            continue
-        if run is not None:
-            run.copy(dest, dest_address)
-        run = _Run(offset, address, src)
-    if run is not None:
+        if not runs or not runs[-1].extend(offset, address, src):
+            runs.append(_Run(offset, address, src))
+    for run in runs:
+        run.check(dest)
+    dest_address = buffer_address(dest)
+    for run in runs:
         run.copy(dest, dest_address)
+    return num_bytes

@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import IO
 
 import numpy as np
@@ -207,38 +207,77 @@ def _row(
     )  # fmt: skip
 
 
-def _memcpy_rows(step: Step, reps: int, stamps: Iterator[int]) -> list[BenchResult]:
+@dataclass
+class _Arm:
+    """One configuration of a step, timed in turn with the step's other configurations."""
+
+    system: str
+    op: str
+    transport: str
+    batch: Callable[[], object]  # move the whole batch
+    one: Callable[[], object]  # move the first block alone
+    stamp: Callable[[int], None]  # new bytes in the first ``n`` source blocks (untimed)
+    verify: Callable[[int], None]  # the receiver holds the first ``n`` blocks sent
+    times: list[float] = field(default_factory=list)
+
+
+def _run_interleaved(arms: Sequence[_Arm], step: Step, reps: int) -> list[BenchResult]:
+    """Every arm's batch in turn, ``reps`` times after a warm-up turn, then each arm's
+    one-block operations. Taking turns puts the machine's drift (a neighbour's load, a
+    frequency change) on every arm alike, so a round's ratios compare like moments. Each
+    arm's receiver is checked after its last batch and after its one-block operations."""
+    n = step.num_blocks
+    for rep in range(reps + 1):
+        for arm in arms:
+            arm.stamp(n)
+            started = time.perf_counter()
+            arm.batch()
+            elapsed = time.perf_counter() - started
+            if rep:
+                arm.times.append(elapsed)
+            if rep == reps:
+                arm.verify(n)
+    rows = []
+    for arm in arms:
+        one = timed_s(arm.one, step.num_one_ops, setup=lambda arm=arm: arm.stamp(1))
+        arm.verify(1)
+        rows.append(_row(arm.system, arm.op, arm.transport, step, arm.times, one))
+    return rows
+
+
+def _memcpy_arms(step: Step, stamps: Iterator[int], stack: ExitStack) -> list[_Arm]:
     """Block-by-block memcpy in this process: into private memory (transport ``-``) and
     into a shared-memory segment (``shm``: the kind of memory a co-located push writes,
     which here has 4 KiB pages while a large private buffer gets huge pages)."""
     size, n = step.block_bytes, step.num_blocks
     src = _pattern(n * size, 1).reshape(n, size)
     src_view = memoryview(src.reshape(-1))
-    rows = []
     segment = create_segment(n * size, prefix="hm-bench")
-    try:
-        private = np.zeros((n, size), np.uint8)
-        for transport, dst_view in (("-", memoryview(private.reshape(-1))), ("shm", segment.buf)):
+    stack.callback(segment.close, unlink=True)
+    private = np.zeros((n, size), np.uint8)
+    arms = []
+    for transport, dst_view in (("-", memoryview(private.reshape(-1))), ("shm", segment.buf)):
 
-            def copy_batch(dst_view: memoryview = dst_view) -> None:
-                for i in range(0, n * size, size):
-                    dst_view[i : i + size] = src_view[i : i + size]
+        def copy_batch(dst_view: memoryview = dst_view) -> None:
+            for i in range(0, n * size, size):
+                dst_view[i : i + size] = src_view[i : i + size]
 
-            def copy_one(dst_view: memoryview = dst_view) -> None:
-                dst_view[:size] = src_view[:size]
+        def copy_one(dst_view: memoryview = dst_view) -> None:
+            dst_view[:size] = src_view[:size]
 
-            copy_batch()  # untimed: fault the destination's pages in, as a warm region is
-            batch = timed_s(copy_batch, reps, setup=lambda: stamp_blocks(src, next(stamps)))
-            one = timed_s(
-                copy_one, step.num_one_ops, setup=lambda: stamp_blocks(src[:1], next(stamps))
-            )
-            got = np.frombuffer(dst_view, np.uint8, n * size).reshape(n, size)
-            check_same(got, src, f"memcpy {size} B blocks ({transport})")
-            del got
-            rows.append(_row("memcpy", "copy", transport, step, batch, one))
-    finally:
-        segment.close(unlink=True)
-    return rows
+        def verify(count: int, dst_view: memoryview = dst_view, transport: str = transport) -> None:
+            got = np.frombuffer(dst_view, np.uint8, count * size).reshape(count, size)
+            check_same(got, src[:count], f"memcpy {size} B blocks ({transport})")
+
+        copy_batch()  # untimed: fault the destination's pages in, as a warm region is
+        stamp = _stamper(src, stamps)
+        arms.append(_Arm("memcpy", "copy", transport, copy_batch, copy_one, stamp, verify))
+    return arms
+
+
+def _stamper(src: np.ndarray, stamps: Iterator[int]) -> Callable[[int], None]:
+    """``stamp(n)``: new bytes at the start of the first ``n`` rows of ``src``."""
+    return lambda count: stamp_blocks(src[:count], next(stamps))
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -314,33 +353,35 @@ def peer_process(*args: str) -> Iterator[PeerProcess]:
         proc.stdout.close()
 
 
-def _push_one(
+def _push_arm(
     client: PeerClient,
     peer: PeerProcess,
     step: Step,
-    reps: int,
     stamps: Iterator[int],
     scattered: bool = False,
-) -> BenchResult:
-    """A batched push of ``step``'s blocks, then one-block pushes. The blocks are rows of
+) -> _Arm:
+    """A batched push of ``step``'s blocks, and one-block pushes. The blocks are rows of
     one array (back to back: a co-located push copies them as one span), or with
-    ``scattered`` rows with a gap after each (every block copied on its own: op ``push
-    scattered``)."""
+    ``scattered`` rows with a gap after each (op ``push scattered``)."""
     size, n = step.block_bytes, step.num_blocks
     gap = 4096 if scattered else 0
     src = _pattern(n * (size + gap), 2).reshape(n, size + gap)[:, :size]
     blocks = [(i * size, src[i]) for i in range(n)]
-    batch = timed_s(
-        lambda: client.push("kv", blocks), reps, setup=lambda: stamp_blocks(src, next(stamps))
-    )
-    one = timed_s(
-        lambda: client.push("kv", blocks[:1]),
-        step.num_one_ops,
-        setup=lambda: stamp_blocks(src[:1], next(stamps)),
-    )
     op = "push scattered" if scattered else "push"
-    check_digest(peer.region_digest(n * size), src, f"{op} {size} B blocks over {client.transport}")
-    return _row("halfmoon", op, client.transport, step, batch, one)
+
+    def verify(count: int) -> None:
+        what = f"{op} {size} B blocks over {client.transport}"
+        check_digest(peer.region_digest(count * size), src[:count], what)
+
+    return _Arm(
+        "halfmoon",
+        op,
+        client.transport,
+        lambda: client.push("kv", blocks),
+        lambda: client.push("kv", blocks[:1]),
+        _stamper(src, stamps),
+        verify,
+    )
 
 
 def _write_latency(
@@ -371,9 +412,9 @@ def bench_transfer(
     """Batched push of ``batch_bytes`` into a peer process's region, per block size, then
     ``latency_ops`` single one-block writes per size in ``latency_sizes`` (``write`` rows).
 
-    With ``with_memcpy`` each size is bracketed by the memcpy baseline, measured right
-    before our transports so machine load affects both alike. The region is checked
-    against what was sent after every configuration.
+    With ``with_memcpy`` the memcpy baselines take turns with our transports at each
+    size, repetition by repetition, so machine load affects all alike. The receiver is
+    checked against what was sent after every configuration.
     """
     results, stamps = [], new_stamps()
     region_bytes = max([batch_bytes, *latency_sizes])
@@ -382,14 +423,15 @@ def bench_transfer(
         try:
             clients = [engine.connect(peer.endpoint, transport) for transport in transports]
             for step in make_plan(sizes, batch_bytes, latency_ops):
-                if with_memcpy:
-                    results += _memcpy_rows(step, reps, stamps)
-                results += [_push_one(client, peer, step, reps, stamps) for client in clients]
-                results += [
-                    _push_one(client, peer, step, reps, stamps, scattered=True)
-                    for client in clients
-                    if client.transport == "shm"
-                ]
+                with ExitStack() as stack:
+                    arms = _memcpy_arms(step, stamps, stack) if with_memcpy else []
+                    arms += [_push_arm(client, peer, step, stamps) for client in clients]
+                    arms += [
+                        _push_arm(client, peer, step, stamps, scattered=True)
+                        for client in clients
+                        if client.transport == "shm"
+                    ]
+                    results += _run_interleaved(arms, step, reps)
             for size in latency_sizes:
                 step = Step(size, 1, latency_ops)
                 results += [_write_latency(client, peer, step, stamps) for client in clients]

@@ -107,10 +107,15 @@ def test_bad_region_and_out_of_range_push_are_remote_errors(pair):
 
 
 def test_shm_push_checks_bounds_before_copying(pair):
-    sender, receiver, _ = pair("shm")
+    """A frame with a block out of range copies none of its blocks (a push cut into
+    several frames fails the same way, though other frames may have landed, as over tcp)."""
+    sender, receiver, _ = pair("shm", num_connections=1)
     region = receiver.register_region("kv", 2 * BLOCK, shared=True)
+    client = sender.connect(receiver.endpoint)
     with pytest.raises(RemoteError, match="outside region"):
-        sender.connect(receiver.endpoint).push("kv", [(BLOCK + 1, block(7))])
+        client.push("kv", [(BLOCK + 1, block(7))])
+    with pytest.raises(RemoteError, match=rf"range \[{2 * BLOCK}, {3 * BLOCK}\) is outside"):
+        client.push("kv", [(0, block(1)), (BLOCK, block(2)), (2 * BLOCK, block(3))])
     assert bytes(region.view) == bytes(2 * BLOCK)
 
 

@@ -102,16 +102,27 @@ def test_copy_blocks_matches_a_block_by_block_copy_on_random_layouts(size):
 
 
 @pytest.mark.parametrize("size", [100, GIL_FREE_BYTES])
-def test_copy_blocks_refuses_a_range_past_the_end_before_copying_a_run(size):
+def test_copy_blocks_refuses_a_range_past_the_end_and_copies_nothing(size):
     from halfmoon.transfer.memcopy import copy_blocks
 
     src = np.ones((8, 2 * size), np.uint8)
     dest = memoryview(bytearray(4 * size))
+    fits = [(0, memoryview(src[7, :size]))]  # a first run that fits: not copied either
     for blocks in (
         [(3 * size + 1, memoryview(src[0, :size]))],  # one block
         [(i * size, memoryview(src.reshape(-1)[i * size : (i + 1) * size])) for i in range(5)],
         [(i * size, memoryview(src[i, :size])) for i in range(5)],  # strided in memory
         [(-size, memoryview(src[0, :size]))],
     ):
-        with pytest.raises(ValueError):
-            copy_blocks(dest, blocks)
+        with pytest.raises(ValueError, match="outside the destination"):
+            copy_blocks(dest, fits + blocks)
+        assert not any(dest)
+
+
+def test_copy_blocks_returns_the_bytes_copied():
+    from halfmoon.transfer.memcopy import copy_blocks
+
+    dest = memoryview(bytearray(1000))
+    blocks = [(0, memoryview(bytes(10))), (100, memoryview(bytearray(300)))]
+    assert copy_blocks(dest, blocks) == 310
+    assert copy_blocks(dest, []) == 0
