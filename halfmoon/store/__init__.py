@@ -19,7 +19,7 @@ from halfmoon.store.errors import (
     UnknownBlockError,
 )
 from halfmoon.store.events import TIER_DRAM, TIER_SSD, BlockEvicted, BlockStored, StoreEvent
-from halfmoon.store.handles import BlockRef, PendingPut
+from halfmoon.store.handles import BlockRef, LeasedBlock, PendingPut
 from halfmoon.store.lease import Lease
 from halfmoon.store.meta import LAYOUT_VERSION, BlockMeta, StoreConfig, StoreStats, TierStats
 from halfmoon.store.store import TieredStore
@@ -32,6 +32,7 @@ __all__ = [
     "BlockMeta",
     "BlockPinnedError",
     "BlockRef",
+    "LeasedBlock",
     "BlockStored",
     "IntegrityError",
     "Lease",

@@ -1,4 +1,5 @@
-"""Handles the store gives out: a pinned zero-copy block reference and a pending put."""
+"""Handles the store gives out: a pinned zero-copy block reference, a block read under a
+lease, and a pending put."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ class PendingPut(NamedTuple):
     position: int
     view: memoryview
     dram_slot: int | None
+
+
+class LeasedBlock(NamedTuple):
+    """A block found by :meth:`~halfmoon.store.TieredStore.lease_reads`.
+
+    ``view`` holds its bytes: its DRAM slot, pinned by the lease, or a private copy read
+    from SSD when DRAM had no room (pinned by nothing). ``arena_offset`` is where the slot
+    lies in the shared arena, for a co-located reader; None for a private copy or an
+    arena that is not shared.
+    """
+
+    meta: BlockMeta
+    view: memoryview
+    arena_offset: int | None

@@ -221,11 +221,17 @@ class PeerClient:
                     f"peer {self.endpoint} reserved {len(items)} of {len(views)} slots"
                 )
             inline = []
+            placed: dict[str, list[tuple[int, memoryview]]] = {}  # by segment
             for item, view in zip(items, views, strict=True):
                 if item[0] == SLOT_PLACE:
-                    copy_into(self._segments.view(item[1]), int(item[2]), view)
+                    placed.setdefault(item[1], []).append((int(item[2]), view))
                 elif item[0] == SLOT_INLINE:
                     inline.append(view)
+            for segment, blocks in placed.items():
+                try:  # slots reserved back to back take one copy (see copy_blocks)
+                    copy_blocks(self._segments.view(segment), blocks)
+                except ValueError as exc:
+                    raise ProtocolError(f"peer {self.endpoint} reserved a bad slot: {exc}") from exc
             link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
             stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
             ok = True
@@ -360,10 +366,15 @@ class PeerClient:
     ) -> None:
         """Copy blocks out of the peer's shared arena, then let the peer drop their lease."""
         try:
+            arenas: dict[str, memoryview] = {}
             for i in in_place:
-                start = int(items[i][3])
-                arena = self._segments.view(items[i][2])
-                copy_into(views[i], 0, arena[start : start + views[i].nbytes])
+                name, start, dest = items[i][2], int(items[i][3]), views[i]
+                arena = arenas.get(name)
+                if arena is None:
+                    arena = arenas[name] = self._segments.view(name)
+                if start < 0 or start + dest.nbytes > arena.nbytes:
+                    raise ProtocolError(f"peer {self.endpoint} pointed past its arena's end")
+                copy_into(dest, 0, arena[start : start + dest.nbytes])
         finally:
             link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from halfmoon.store import BlockMeta, BlockRef, PendingPut, TieredStore
+from halfmoon.store import BlockMeta, PendingPut, TieredStore
 from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import (
@@ -67,15 +67,9 @@ class StoreSession:
 
     def _begin(self, store: TieredStore, blocks: list[list[Any]]) -> list[PendingPut | None]:
         """Reserve a slot per block (None: already stored); all or nothing."""
-        pendings: list[PendingPut | None] = []
-        try:
-            for raw_hash, raw_meta, position in blocks:
-                h = hash_from_wire(raw_hash)
-                pendings.append(store.begin_put(h, meta_from_wire(raw_meta), int(position)))
-        except BaseException:
-            _abort(store, pendings)
-            raise
-        return pendings
+        return store.begin_puts(
+            [(hash_from_wire(h), meta_from_wire(m), int(position)) for h, m, position in blocks]
+        )
 
     def _finish(
         self,
@@ -93,12 +87,8 @@ class StoreSession:
             if self._link.closed:
                 raise
             raise RemoteError(f"put {xfer} failed its checksum; nothing stored") from None
-        stored = [p for p in pendings if p is not None]
-        for pending in stored:
-            store.commit_put(pending)
-        self._link.send(
-            Kind.PUT_ACK, {"xfer": xfer, "stored": len(stored)}, deadline=self._deadline()
-        )
+        stored = store.commit_puts(pendings)
+        self._link.send(Kind.PUT_ACK, {"xfer": xfer, "stored": stored}, deadline=self._deadline())
         if self._on_complete is not None:
             num_bytes = len(pendings) * store.block_bytes
             self._on_complete(
@@ -176,16 +166,16 @@ class StoreSession:
         if num_bytes <= (_DIRECT_INLINE_MAX_BYTES if direct else _COPY_PULL_MAX_BYTES):
             self._pull_copied(store, xfer, hashes)
             return
-        items: list[list[Any]] = []
-        inline: list[memoryview] = []
-        refs: list[BlockRef] = []
-        in_place: list[int] = []
-        fallback = self._server.store_fallback
+        block_hashes = [hash_from_wire(raw_hash) for raw_hash in hashes]
+        lease, blocks = store.lease_reads(block_hashes)
+        keep_lease = False
         try:
-            for raw_hash in hashes:
-                block_hash = hash_from_wire(raw_hash)
-                ref = store.acquire(block_hash)
-                if ref is None:
+            items: list[list[Any]] = []
+            inline: list[memoryview] = []
+            segment = store.segment_name
+            fallback = self._server.store_fallback
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                if block is None:
                     buf = memoryview(bytearray(block_bytes)) if fallback is not None else None
                     found = fallback(block_hash, buf) if fallback is not None else None
                     if found is None or buf is None:
@@ -193,22 +183,26 @@ class StoreSession:
                     else:
                         inline.append(buf)
                         items.append([True, meta_to_wire(found)])
-                    continue
-                refs.append(ref)
-                if direct and ref.segment_name is not None:
-                    in_place.append(ref.block_hash)
-                    items.append([True, meta_to_wire(ref.meta), ref.segment_name, ref.arena_offset])
+                elif direct and block.arena_offset is not None:
+                    keep_lease = True  # the client reads it in place, then releases
+                    items.append([True, meta_to_wire(block.meta), segment, block.arena_offset])
                 else:
-                    inline.append(ref.view)
-                    items.append([True, meta_to_wire(ref.meta)])
-            if in_place:
-                self._leases[xfer] = store.lease(in_place).lease_id
+                    inline.append(block.view)
+                    items.append([True, meta_to_wire(block.meta)])
+            if keep_lease:
+                assert lease is not None
+                self._leases[xfer] = lease.lease_id
             self._link.send(
                 Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline()
             )
+        except BaseException:
+            if keep_lease:
+                self._leases.pop(xfer, None)
+            keep_lease = False
+            raise
         finally:
-            for ref in refs:  # inline bytes are in the socket now; in-place ones hold the lease
-                ref.release()
+            if lease is not None and not keep_lease:  # inline bytes are in the socket now
+                store.release_lease(lease.lease_id)
 
     def _pull_copied(self, store: TieredStore, xfer: str, hashes: list[bytes]) -> None:
         """Small inline pulls: copy the hits into a reused buffer under one store lock each

@@ -219,6 +219,90 @@ def test_begin_put_then_abort_or_commit(make_store, events):
     assert store.get(H[0])[1] == payload(0)
 
 
+def test_begin_puts_and_commit_puts_batch_under_one_lock(make_store, events):
+    store = make_store(dram_capacity_bytes=3 * BLOCK_BYTES)
+    put_all(store, [1])
+    pendings = store.begin_puts([(H[i], meta(i), i) for i in (0, 1, 2)])
+    assert pendings[1] is None  # already stored: only an access
+    for i in (0, 2):
+        pendings[i].view[:] = payload(i)
+    store.check_integrity()
+    assert store.commit_puts(pendings) == 2
+    assert [store.get(H[i])[1] for i in (0, 1, 2)] == [payload(i) for i in (0, 1, 2)]
+    assert events.of(BlockStored, "dram") == [H[1], H[0], H[2]]
+    assert store.commit_puts([]) == 0 and store.begin_puts([]) == []
+
+
+def test_begin_puts_is_all_or_nothing(make_store, events):
+    store = make_store(dram_capacity_bytes=2 * BLOCK_BYTES)
+    put_all(store, [0])
+    store.pin(H[0])  # one free slot left, and no victim
+    with pytest.raises(StoreFullError):
+        store.begin_puts([(H[1], meta(1), 1), (H[2], meta(2), 2)])
+    store.check_integrity()  # the first reservation was given back
+    assert store.stats().num_reserved == 0
+    with pytest.raises(ValueError, match="must be an int"):
+        store.begin_puts([(H[1], meta(1), 1), ("abc", meta(2), 2)])
+    assert store.stats().num_reserved == 0
+    [pending] = store.begin_puts([(H[1], meta(1), 1)])  # the slot is free again
+    store.abort_put(pending)
+
+
+def test_commit_puts_aborts_the_rest_when_one_fails(make_store, tmp_path):
+    store = make_store(
+        dram_capacity_bytes=BLOCK_BYTES, ssd_dir=str(tmp_path), ssd_capacity_bytes=BLOCK_BYTES
+    )
+    put_all(store, [0])
+    store.pin(H[0])
+    [to_ssd] = store.begin_puts([(H[1], meta(1), 1)])  # DRAM all pinned: bound for SSD
+    assert to_ssd.dram_slot is None
+    to_ssd.view[:] = payload(1)
+    assert store.put(H[3], payload(3), meta(3)) == "ssd"  # fills the SSD...
+    store.pin(H[3])  # ... with a pinned block
+    store.unpin(H[0])
+    [to_dram] = store.begin_puts([(H[2], meta(2), 2)])  # evicts block 0 for a DRAM slot
+    assert to_dram.dram_slot is not None
+    with pytest.raises(StoreFullError):
+        store.commit_puts([to_ssd, to_dram])
+    assert store.stats().num_reserved == 0  # the DRAM slot after the failure was given back
+    assert not store.contains(H[1]) and not store.contains(H[2])
+    store.unpin(H[3])
+
+
+def test_lease_reads_pins_dram_hits_under_one_lease(make_store, tmp_path):
+    clock = ManualClock()
+    store = make_store(
+        clock=clock,
+        dram_capacity_bytes=2 * BLOCK_BYTES,
+        ssd_dir=str(tmp_path),
+        ssd_capacity_bytes=4 * BLOCK_BYTES,
+        shared_dram=True,
+    )
+    put_all(store, [0, 1, 2])  # block 0 was demoted to SSD
+    assert store.tiers(H[0]) == ("ssd",)
+    lease, blocks = store.lease_reads([H[1], H[9], H[2], H[1]], ttl_s=5.0)
+    assert blocks[1] is None
+    for i, block in zip((1, 2, 1), (blocks[0], blocks[2], blocks[3]), strict=True):
+        assert block.meta == meta(i) and bytes(block.view) == payload(i)
+        assert block.arena_offset is not None
+        assert store.is_pinned(H[i])
+    assert lease.block_hashes == (H[1], H[2], H[1])  # pins nest: read twice, pinned twice
+    assert store.stats().num_misses == 1
+    store.pin(H[1])
+    store.pin(H[2])  # DRAM is now all pinned: an SSD hit comes as a private copy
+    lease2, [copy] = store.lease_reads([H[0]])
+    assert lease2 is None and copy.arena_offset is None and bytes(copy.view) == payload(0)
+    store.unpin(H[1])
+    store.unpin(H[2])
+    assert store.release_lease(lease.lease_id)
+    assert not store.is_pinned(H[1]) and not store.is_pinned(H[2])
+    lease, _ = store.lease_reads([H[1]], ttl_s=5.0)
+    clock.advance(6.0)
+    assert not store.is_pinned(H[1])  # expired
+    assert not store.release_lease(lease.lease_id)
+    store.check_integrity()
+
+
 def test_match_prefix_and_listener_may_reenter(make_store):
     seen = []
     holder = {}
