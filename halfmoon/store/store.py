@@ -157,6 +157,18 @@ class TieredStore:
         pending.view[:] = view
         return self.commit_put(pending)
 
+    def put_many(self, blocks: Sequence[tuple[int, object, BlockMeta, int]]) -> int:
+        """:meth:`put` for many ``(hash, payload, meta, position)`` under one lock per
+        phase (reserve all, copy, commit all); returns how many were new. All or nothing:
+        a bad payload or a full store raises before anything is stored."""
+        size = self.config.block_bytes
+        views = [as_block_view(payload, "payload", size) for _, payload, _, _ in blocks]
+        pendings = self.begin_puts([(h, meta, position) for h, _, meta, position in blocks])
+        for pending, view in zip(pendings, views, strict=True):
+            if pending is not None:
+                pending.view[:] = view
+        return self.commit_puts(pendings)
+
     def delete(self, block_hash: int) -> bool:
         """Remove a block from every tier; False if absent. A pinned block raises."""
         with self._locked() as t:
@@ -174,6 +186,28 @@ class TieredStore:
                 return None
             out_view[:] = found.view
             return found.meta
+
+    def get_many_into(
+        self, block_hashes: Sequence[int], outs: Sequence[object]
+    ) -> list[BlockMeta | None]:
+        """:meth:`get_into` for many blocks under one lock: each payload copied into its
+        ``out``; a miss gives None and leaves its ``out`` untouched."""
+        if len(block_hashes) != len(outs):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(outs)} output buffers")
+        size = self.config.block_bytes
+        views = [as_block_view(out, "output buffer", size) for out in outs]
+        if any(view.readonly for view in views):
+            raise ValueError("output buffers must be writable")
+        metas: list[BlockMeta | None] = []
+        with self._locked() as t:
+            for block_hash, view in zip(block_hashes, views, strict=True):
+                found = t.lookup(block_hash)
+                if found is None:
+                    metas.append(None)
+                else:
+                    view[:] = found.view
+                    metas.append(found.meta)
+        return metas
 
     def read_into(self, block_hash: int, out: memoryview) -> BlockMeta | None:
         """:meth:`get_into` for a caller that already holds a flat byte view of exactly

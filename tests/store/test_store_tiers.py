@@ -233,6 +233,32 @@ def test_begin_puts_and_commit_puts_batch_under_one_lock(make_store, events):
     assert store.commit_puts([]) == 0 and store.begin_puts([]) == []
 
 
+def test_put_many_and_get_many_into(make_store, events):
+    store = make_store(dram_capacity_bytes=3 * BLOCK_BYTES)
+    put_all(store, [1])
+    blocks = [(H[i], payload(i), meta(i), i) for i in (0, 1, 2)]
+    assert store.put_many(blocks) == 2  # block 1 was there
+    outs = [bytearray(BLOCK_BYTES) for _ in range(4)]
+    metas = store.get_many_into([H[2], H[9], H[0], H[1]], outs)
+    assert metas == [meta(2), None, meta(0), meta(1)]
+    assert [bytes(o) for o in outs] == [payload(2), bytes(BLOCK_BYTES), payload(0), payload(1)]
+    assert store.stats().num_misses == 1 and store.stats().dram.num_hits == 3
+    assert events.of(BlockStored, "dram") == [H[1], H[0], H[2]]
+
+
+def test_put_many_and_get_many_into_check_everything_first(make_store, events):
+    store = make_store()
+    with pytest.raises(ValueError, match="4095 bytes"):
+        store.put_many([(H[0], payload(0), meta(0), 0), (H[1], bytes(BLOCK_BYTES - 1), meta(1), 1)])
+    assert not store.contains(H[0]) and store.stats().num_reserved == 0
+    store.put_many([(H[0], payload(0), meta(0), 0)])
+    with pytest.raises(ValueError, match="writable"):
+        store.get_many_into([H[0], H[0]], [bytearray(BLOCK_BYTES), bytes(BLOCK_BYTES)])
+    with pytest.raises(ValueError, match="2 hashes but 1 output"):
+        store.get_many_into([H[0], H[1]], [bytearray(BLOCK_BYTES)])
+    assert store.stats().dram.num_hits == 0  # nothing was read
+
+
 def test_begin_puts_is_all_or_nothing(make_store, events):
     store = make_store(dram_capacity_bytes=2 * BLOCK_BYTES)
     put_all(store, [0])
