@@ -15,12 +15,16 @@ streaming one hot 1 MiB buffer (what iperf3 does) measures caches, not the trans
 A put then a get moves each byte once each way, so the best put+get GiB/s over tcp is
 half the one-way figure (``1 / (1/x + 1/x)``); the script prints that bound. Medians over
 ``--rounds`` rounds.
+
+:class:`BarePairs` keeps such pairs alive to move one batch at a time, so the transfer
+benchmark can time bare loopback and our tcp in turns, batch by batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -107,6 +111,129 @@ def pairs_gib_s(seconds: float, checksum: bool, num_pairs: int = 2) -> float:
     if failed or len(reports) != num_pairs:
         raise RuntimeError(f"{len(failed)} of the ceiling's processes failed")
     return sum(int(n) / float(s) for n, s in reports) / GIB
+
+
+class BarePairs:
+    """Bare sender/receiver process pairs kept alive for one batch after another, so
+    bare loopback can take turns with our tcp transport in the same run, batch by batch
+    (``benchmarks.dataplane.transfer --ceiling``).
+
+    ``batch()`` has each of ``num_pairs`` senders stream ``batch_bytes / num_pairs`` from
+    its cold span (1 MiB writes, xxh3 of every MiB on both sides with ``checksum``) and
+    returns when every receiver has its share. The processes are spawned, not forked (the
+    caller may run threads), and wait on a pipe between batches, using no CPU.
+    """
+
+    def __init__(self, batch_bytes: int, checksum: bool, num_pairs: int = 2) -> None:
+        if batch_bytes <= 0 or batch_bytes % num_pairs:
+            raise ValueError(f"batch_bytes must be a positive multiple of {num_pairs}")
+        self.batch_bytes = batch_bytes
+        ctx = multiprocessing.get_context("spawn")
+        share = batch_bytes // num_pairs
+        self._senders: list = []
+        self._receivers: list = []
+        self._procs: list = []
+        try:
+            for _ in range(num_pairs):
+                rx_parent, rx_child = ctx.Pipe()
+                self._start(ctx, _pair_receiver, rx_child, share, checksum)
+                port = rx_parent.recv()  # listening
+                tx_parent, tx_child = ctx.Pipe()
+                self._start(ctx, _pair_sender, tx_child, port, share, checksum)
+                self._receivers.append(rx_parent)
+                self._senders.append(tx_parent)
+            for receiver in self._receivers:
+                if receiver.recv() != "connected":
+                    raise RuntimeError("a bare receiver did not connect")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ctx, target, *args) -> None:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        self._procs.append(proc)
+
+    def batch(self) -> None:
+        """Move one batch; raises if a pair failed."""
+        for sender in self._senders:
+            sender.send("go")
+        for receiver in self._receivers:
+            if not receiver.poll(60.0) or receiver.recv() != "done":
+                raise RuntimeError("a bare pair failed to move its share")
+
+    def close(self) -> None:
+        """Stop every process."""
+        for conn in self._senders + self._receivers:
+            conn.close()
+        for proc in self._procs:
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> BarePairs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pair_receiver(conn, share: int, checksum: bool) -> None:
+    """Listen, tell the port, accept; then receive ``share`` bytes per batch into a cold
+    span and say "done", until the parent hangs up (in a spawned child)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(30.0)
+    conn.send(listener.getsockname()[1])
+    sock, _ = listener.accept()
+    sock.settimeout(None)
+    conn.send("connected")
+    span = memoryview(bytearray(min(share, SPAN_BYTES)))
+    position = 0
+    while True:
+        received = 0
+        while received < share:
+            start = position % span.nbytes
+            end = min(start + MIB, span.nbytes, start + share - received)
+            got = start
+            while got < end:
+                n = sock.recv_into(span[got:end])
+                if not n:
+                    return  # the sender is gone: the parent is closing
+                got += n
+            if checksum:
+                xxhash.xxh3_64_intdigest(span[start:end])
+            received += end - start
+            position += end - start
+        try:
+            conn.send("done")
+        except OSError:
+            return
+
+
+def _pair_sender(conn, port: int, share: int, checksum: bool) -> None:
+    """Connect; on every "go" stream ``share`` bytes of a cold span in 1 MiB writes
+    (in a spawned child)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    span = memoryview(bytearray(os.urandom(min(share, SPAN_BYTES))))
+    position = 0
+    while True:
+        try:
+            conn.recv()
+        except EOFError:
+            sock.close()
+            return
+        sent = 0
+        while sent < share:
+            start = position % span.nbytes
+            piece = span[start : min(start + MIB, span.nbytes, start + share - sent)]
+            if checksum:
+                xxhash.xxh3_64_intdigest(piece)
+            sock.sendall(piece)
+            sent += piece.nbytes
+            position += piece.nbytes
 
 
 def main() -> int:

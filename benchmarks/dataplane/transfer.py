@@ -18,9 +18,11 @@ what was sent, on both sides; a difference fails the run.
 
 ``--rounds`` rounds alternate ours and Mooncake; every round's figures and every round's
 ratio go to ``--json``, and the ratios print per round. Block-by-block memcpy in one
-process, measured right before our transports at each size, is the physical limit;
-``--ceiling`` also measures bare loopback TCP each round (loopback_ceiling.py) and prints
-our tcp over it. Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
+process, taking turns with our transports repetition by repetition at each size, is the
+physical limit for shared memory. ``--ceiling`` measures bare loopback tcp two ways and
+prints our tcp over each (loopback_ceiling.py): streaming for ``--ceiling-seconds`` each
+round (rows ``ceiling one-way``), and bare process pairs moving the same batch over two
+connections, taking turns with ours batch by batch (rows ``ceiling batch``). Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
 its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh, with its
 documented TCP tuning (see ``_common.mooncake_env``), printed and recorded.
 """
@@ -35,9 +37,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict
 
 from halfmoon.transfer.microbench import (
+    Arm,
     BenchResult,
     Step,
     VerificationError,
@@ -68,6 +73,7 @@ from ._common import (
     run_report,
     size_label,
 )
+from .loopback_ceiling import BarePairs
 
 
 def run_mooncake(
@@ -104,6 +110,24 @@ def run_mooncake(
     return results
 
 
+def bare_batches(stack: ExitStack) -> Callable[[Step], list[Arm]]:
+    """Arms that move each step's batch over bare loopback (two process pairs, without
+    and with xxh3), kept alive in ``stack`` and shared by steps of one batch size."""
+    pairs: dict[tuple[int, bool], BarePairs] = {}
+
+    def arms(step: Step) -> list[Arm]:
+        out = []
+        for checksum in (False, True):
+            key = (step.num_blocks * step.block_bytes, checksum)
+            if key not in pairs:
+                pairs[key] = stack.enter_context(BarePairs(key[0], checksum))
+            sender = "bare+xxh3" if checksum else "bare"
+            out.append(Arm("ceiling", "batch", sender, pairs[key].batch))
+        return out
+
+    return arms
+
+
 def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ratio]:
     """What the summary compares, like with like, each ratio labelled with both sides."""
     out = []
@@ -136,6 +160,14 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                     f"{label}, our tcp vs loopback tcp one way ({sender}): ours/ceiling",
                     ours_tcp,
                     figure("ceiling", "one-way", sender, 1 << 20),
+                    "%",
+                )
+            )
+            out.append(
+                Ratio(
+                    f"{label}, our tcp vs bare batches in turn ({sender}): ours/bare",
+                    ours_tcp,
+                    figure("ceiling", "batch", sender, s),
                     "%",
                 )
             )
@@ -215,14 +247,16 @@ def main() -> int:
     started = time.monotonic()
 
     def ours() -> list[BenchResult]:
-        results = bench_transfer(
-            sizes,
-            batch_bytes,
-            args.reps,
-            num_connections=args.connections,
-            latency_sizes=latency_sizes,
-            latency_ops=args.latency_ops,
-        )
+        with ExitStack() as stack:
+            results = bench_transfer(
+                sizes,
+                batch_bytes,
+                args.reps,
+                num_connections=args.connections,
+                latency_sizes=latency_sizes,
+                latency_ops=args.latency_ops,
+                baselines=bare_batches(stack) if args.ceiling else None,
+            )
         return results + (ceiling_rows(args.ceiling_seconds) if args.ceiling else [])
 
     try:

@@ -208,20 +208,24 @@ def _row(
 
 
 @dataclass
-class _Arm:
-    """One configuration of a step, timed in turn with the step's other configurations."""
+class Arm:
+    """One configuration of a step, timed in turn with the step's other configurations:
+    ``batch`` moves the step's whole batch. ``stamp(n)`` (untimed) puts new bytes in the
+    first ``n`` source blocks, ``verify(n)`` checks that the receiver holds them, and
+    ``one`` moves the first block alone (one-block latency); a baseline that only times
+    batches (bare loopback) leaves those None."""
 
     system: str
     op: str
     transport: str
-    batch: Callable[[], object]  # move the whole batch
-    one: Callable[[], object]  # move the first block alone
-    stamp: Callable[[int], None]  # new bytes in the first ``n`` source blocks (untimed)
-    verify: Callable[[int], None]  # the receiver holds the first ``n`` blocks sent
+    batch: Callable[[], object]
+    one: Callable[[], object] | None = None
+    stamp: Callable[[int], None] | None = None
+    verify: Callable[[int], None] | None = None
     times: list[float] = field(default_factory=list)
 
 
-def _run_interleaved(arms: Sequence[_Arm], step: Step, reps: int) -> list[BenchResult]:
+def run_interleaved(arms: Sequence[Arm], step: Step, reps: int) -> list[BenchResult]:
     """Every arm's batch in turn, ``reps`` times after a warm-up turn, then each arm's
     one-block operations. Taking turns puts the machine's drift (a neighbour's load, a
     frequency change) on every arm alike, so a round's ratios compare like moments. Each
@@ -229,23 +233,28 @@ def _run_interleaved(arms: Sequence[_Arm], step: Step, reps: int) -> list[BenchR
     n = step.num_blocks
     for rep in range(reps + 1):
         for arm in arms:
-            arm.stamp(n)
+            if arm.stamp is not None:
+                arm.stamp(n)
             started = time.perf_counter()
             arm.batch()
             elapsed = time.perf_counter() - started
             if rep:
                 arm.times.append(elapsed)
-            if rep == reps:
+            if rep == reps and arm.verify is not None:
                 arm.verify(n)
     rows = []
     for arm in arms:
-        one = timed_s(arm.one, step.num_one_ops, setup=lambda arm=arm: arm.stamp(1))
-        arm.verify(1)
+        one: list[float] = []
+        if arm.one is not None:
+            stamp = arm.stamp
+            one = timed_s(arm.one, step.num_one_ops, setup=lambda s=stamp: s and s(1))
+            if arm.verify is not None:
+                arm.verify(1)
         rows.append(_row(arm.system, arm.op, arm.transport, step, arm.times, one))
     return rows
 
 
-def _memcpy_arms(step: Step, stamps: Iterator[int], stack: ExitStack) -> list[_Arm]:
+def _memcpy_arms(step: Step, stamps: Iterator[int], stack: ExitStack) -> list[Arm]:
     """Block-by-block memcpy in this process: into private memory (transport ``-``) and
     into a shared-memory segment (``shm``: the kind of memory a co-located push writes,
     which here has 4 KiB pages while a large private buffer gets huge pages)."""
@@ -271,7 +280,7 @@ def _memcpy_arms(step: Step, stamps: Iterator[int], stack: ExitStack) -> list[_A
 
         copy_batch()  # untimed: fault the destination's pages in, as a warm region is
         stamp = _stamper(src, stamps)
-        arms.append(_Arm("memcpy", "copy", transport, copy_batch, copy_one, stamp, verify))
+        arms.append(Arm("memcpy", "copy", transport, copy_batch, copy_one, stamp, verify))
     return arms
 
 
@@ -359,7 +368,7 @@ def _push_arm(
     step: Step,
     stamps: Iterator[int],
     scattered: bool = False,
-) -> _Arm:
+) -> Arm:
     """A batched push of ``step``'s blocks, and one-block pushes. The blocks are rows of
     one array (back to back: a co-located push copies them as one span), or with
     ``scattered`` rows with a gap after each (op ``push scattered``)."""
@@ -373,7 +382,7 @@ def _push_arm(
         what = f"{op} {size} B blocks over {client.transport}"
         check_digest(peer.region_digest(count * size), src[:count], what)
 
-    return _Arm(
+    return Arm(
         "halfmoon",
         op,
         client.transport,
@@ -408,13 +417,15 @@ def bench_transfer(
     with_memcpy: bool = True,
     latency_sizes: Sequence[int] = (),
     latency_ops: int = DEFAULT_LATENCY_OPS,
+    baselines: Callable[[Step], list[Arm]] | None = None,
 ) -> list[BenchResult]:
     """Batched push of ``batch_bytes`` into a peer process's region, per block size, then
     ``latency_ops`` single one-block writes per size in ``latency_sizes`` (``write`` rows).
 
     With ``with_memcpy`` the memcpy baselines take turns with our transports at each
     size, repetition by repetition, so machine load affects all alike. The receiver is
-    checked against what was sent after every configuration.
+    checked against what was sent after every configuration. ``baselines(step)`` adds
+    more arms that take turns with ours (bare loopback batches).
     """
     results, stamps = [], new_stamps()
     region_bytes = max([batch_bytes, *latency_sizes])
@@ -425,13 +436,14 @@ def bench_transfer(
             for step in make_plan(sizes, batch_bytes, latency_ops):
                 with ExitStack() as stack:
                     arms = _memcpy_arms(step, stamps, stack) if with_memcpy else []
+                    arms += baselines(step) if baselines is not None else []
                     arms += [_push_arm(client, peer, step, stamps) for client in clients]
                     arms += [
                         _push_arm(client, peer, step, stamps, scattered=True)
                         for client in clients
                         if client.transport == "shm"
                     ]
-                    results += _run_interleaved(arms, step, reps)
+                    results += run_interleaved(arms, step, reps)
             for size in latency_sizes:
                 step = Step(size, 1, latency_ops)
                 results += [_write_latency(client, peer, step, stamps) for client in clients]

@@ -206,3 +206,45 @@ def test_our_transfer_bench_reports_write_latency_with_p99():
     for r in results:
         assert 0 < r.op_us_p50 <= r.op_us_p99
     assert all(len(r.batch_s_reps) == 20 for r in writes)
+
+
+def test_arms_take_turns_repetition_by_repetition():
+    """Interleaving: every arm's batch in turn, so drift falls on all alike; a warm-up turn
+    first; receivers checked after the last batch and after the one-block operations."""
+    from halfmoon.transfer.microbench import Arm, Step, run_interleaved
+
+    calls: list[str] = []
+
+    def arm(name: str, with_one: bool) -> Arm:
+        return Arm(
+            name,
+            "op",
+            "-",
+            lambda: calls.append(f"{name} batch"),
+            (lambda: calls.append(f"{name} one")) if with_one else None,
+            (lambda n: calls.append(f"{name} stamp {n}")) if with_one else None,
+            (lambda n: calls.append(f"{name} verify {n}")) if with_one else None,
+        )
+
+    rows = run_interleaved([arm("a", True), arm("bare", False)], Step(MIB, 4, 2), reps=2)
+    turn = ["a stamp 4", "a batch", "bare batch"]
+    assert calls[:10] == turn + turn + turn[:2] + ["a verify 4"] + ["bare batch"]
+    assert calls[10:] == ["a stamp 1", "a one"] * 3 + ["a verify 1"]  # warm-up + 2
+    assert [(r.system, len(r.batch_s_reps)) for r in rows] == [("a", 2), ("bare", 2)]
+    assert rows[1].op_us_p50 == 0.0  # no one-block operations for a batch-only baseline
+
+
+@pytest.mark.slow  # spawns four processes, ~2 s
+def test_bare_pairs_move_batch_after_batch():
+    import time
+
+    from benchmarks.dataplane.loopback_ceiling import BarePairs
+
+    with pytest.raises(ValueError, match="multiple of 2"):
+        BarePairs(3, checksum=False)
+    with BarePairs(8 * MIB, checksum=True) as pairs:
+        started = time.perf_counter()
+        for _ in range(3):
+            pairs.batch()
+        assert time.perf_counter() - started < 30
+    assert all(not proc.is_alive() for proc in pairs._procs)
