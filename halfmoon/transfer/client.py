@@ -438,7 +438,10 @@ def _placer(
         try:
             meta["bytes"] = copy_blocks(remote, chunk)
         except ValueError:
-            offset, view = next((o, v) for o, v in chunk if o < 0 or o + v.nbytes > remote.nbytes)
+            bad = next((b for b in chunk if b[0] < 0 or b[0] + b[1].nbytes > remote.nbytes), None)
+            if bad is None:
+                raise
+            offset, view = bad
             raise RemoteError(
                 f"range [{offset}, {offset + view.nbytes}) is outside region {region!r} "
                 f"of {remote.nbytes} bytes"

@@ -117,6 +117,8 @@ def test_shm_push_checks_bounds_before_copying(pair):
     with pytest.raises(RemoteError, match=rf"range \[{2 * BLOCK}, {3 * BLOCK}\) is outside"):
         client.push("kv", [(0, block(1)), (BLOCK, block(2)), (2 * BLOCK, block(3))])
     assert bytes(region.view) == bytes(2 * BLOCK)
+    client.push("kv", [(BLOCK, block(4))])  # the connection pool recovered
+    assert bytes(region.view[BLOCK:]) == bytes(block(4))
 
 
 def test_wrong_secret_is_refused_with_a_clear_error(make_engine):
