@@ -281,10 +281,7 @@ class TieredStore:
                     pinned.append(h)
                     offset = arena.offset(found.dram_slot) if shared else None
                     blocks.append(LeasedBlock(found.meta, found.view, offset))
-            if not pinned:
-                return None, blocks
-            ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
-            return self._leases.add(tuple(pinned), self._clock.now() + ttl_s), blocks
+            return (self._add_lease(pinned, ttl_s) if pinned else None), blocks
 
     # ---------------------------------------------------------------- pins and leases
     def pin(self, block_hash: int) -> None:
@@ -312,8 +309,12 @@ class TieredStore:
                 )
             for h in block_hashes:
                 t.pin(h)
-            ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
-            return self._leases.add(tuple(block_hashes), self._clock.now() + ttl_s)
+            return self._add_lease(block_hashes, ttl_s)
+
+    def _add_lease(self, pinned: Sequence[int], ttl_s: float | None) -> Lease:
+        """Record a lease over blocks the caller pinned (under the lock)."""
+        ttl_s = self.config.lease_ttl_s if ttl_s is None else ttl_s
+        return self._leases.add(tuple(pinned), self._clock.now() + ttl_s)
 
     def release_lease(self, lease_id: int) -> bool:
         """Unpin a lease's blocks; False if it already expired or was released."""

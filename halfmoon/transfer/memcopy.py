@@ -89,7 +89,7 @@ class _Run:
         """``ValueError`` unless every block of the run fits in ``dest``."""
         _check_range(dest, self.offset, (len(self.blocks) - 1) * self.dest_stride + self.size)
 
-    def copy(self, dest: memoryview, dest_address: int | None) -> None:
+    def copy(self, dest: memoryview) -> None:
         """Copy the run into ``dest`` (its range checked)."""
         count, size = len(self.blocks), self.size
         if count == 1:
@@ -105,16 +105,7 @@ class _Run:
             np.copyto(out, src)
         else:
             for i, block in enumerate(self.blocks):
-                _copy_block(dest, dest_address, self.offset + i * self.dest_stride, block)
-
-
-def _copy_block(dest: memoryview, dest_address: int | None, offset: int, src: memoryview) -> None:
-    """One block whose range is checked; ``memmove`` straight from known addresses."""
-    src_address = buffer_address(src) if src.nbytes >= GIL_FREE_BYTES else None
-    if dest_address is not None and src_address is not None:
-        ctypes.memmove(dest_address + offset, src_address, src.nbytes)
-    else:
-        copy_into(dest, offset, src)
+                copy_into(dest, self.offset + i * self.dest_stride, block)
 
 
 def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> int:
@@ -132,7 +123,6 @@ def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> i
             runs.append(_Run(offset, address, src))
     for run in runs:
         run.check(dest)
-    dest_address = buffer_address(dest)
     for run in runs:
-        run.copy(dest, dest_address)
+        run.copy(dest)
     return num_bytes

@@ -247,7 +247,8 @@ def run_interleaved(arms: Sequence[Arm], step: Step, reps: int) -> list[BenchRes
         one: list[float] = []
         if arm.one is not None:
             stamp = arm.stamp
-            one = timed_s(arm.one, step.num_one_ops, setup=lambda s=stamp: s and s(1))
+            setup = None if stamp is None else (lambda stamp=stamp: stamp(1))
+            one = timed_s(arm.one, step.num_one_ops, setup=setup)
             if arm.verify is not None:
                 arm.verify(1)
         rows.append(_row(arm.system, arm.op, arm.transport, step, arm.times, one))

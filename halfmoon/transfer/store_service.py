@@ -168,7 +168,7 @@ class StoreSession:
             return
         block_hashes = [hash_from_wire(raw_hash) for raw_hash in hashes]
         lease, blocks = store.lease_reads(block_hashes)
-        keep_lease = False
+        in_place = False  # the client reads some blocks in place, then sends RELEASE
         try:
             items: list[list[Any]] = []
             inline: list[memoryview] = []
@@ -184,24 +184,22 @@ class StoreSession:
                         inline.append(buf)
                         items.append([True, meta_to_wire(found)])
                 elif direct and block.arena_offset is not None:
-                    keep_lease = True  # the client reads it in place, then releases
+                    in_place = True
                     items.append([True, meta_to_wire(block.meta), segment, block.arena_offset])
                 else:
                     inline.append(block.view)
                     items.append([True, meta_to_wire(block.meta)])
-            if keep_lease:
-                assert lease is not None
-                self._leases[xfer] = lease.lease_id
             self._link.send(
                 Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline()
             )
         except BaseException:
-            if keep_lease:
-                self._leases.pop(xfer, None)
-            keep_lease = False
+            if lease is not None:
+                store.release_lease(lease.lease_id)
             raise
-        finally:
-            if lease is not None and not keep_lease:  # inline bytes are in the socket now
+        if lease is not None:  # the client's RELEASE comes on this connection, after this
+            if in_place:
+                self._leases[xfer] = lease.lease_id
+            else:  # inline bytes are in the socket now
                 store.release_lease(lease.lease_id)
 
     def _pull_copied(self, store: TieredStore, xfer: str, hashes: list[bytes]) -> None:
