@@ -37,11 +37,48 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+#: Where the kernel hands out ports for ``bind(0)`` and outgoing connections.
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: Lowest port :func:`free_port` draws from.
+_LOWEST_DRAWN_PORT = 20000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
+    """A TCP port that is free right now on ``host`` and on every interface.
+
+    Drawn at random below the kernel's ephemeral range where it can: a port that
+    ``bind(0)`` returns is free only until the kernel hands it to the next ``bind(0)`` or
+    outgoing connection, and a process started later (vLLM binding its KV-event
+    endpoints on every interface) lost such a race. Falls back to ``bind(0)``.
+    """
+    low, high = _LOWEST_DRAWN_PORT, _ephemeral_start()
+    for _ in range(64 if high - low >= 1000 else 0):
+        port = low + secrets.randbelow(high - low)
+        if _bindable(host, port):
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unknown)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` and on the wildcard address now."""
+    for address in {host, "0.0.0.0"}:
+        with socket.socket() as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+    return True
 
 
 def stop_event_on_signals() -> threading.Event:
