@@ -6,15 +6,14 @@ transfer receiving straight into it): it is neither free nor visible to readers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from halfmoon.store.meta import BlockMeta
 from halfmoon.store.slab import SlabArena, SlotAllocator
 
 
-@dataclass(frozen=True)
-class DRAMEntry:
-    """A resident block: its slot and metadata."""
+class DRAMEntry(NamedTuple):
+    """A resident block: its slot and metadata (a tuple: one is made per stored block)."""
 
     slot: int
     meta: BlockMeta
@@ -47,6 +46,11 @@ class DRAMTier:
     def num_free(self) -> int:
         """Slots neither holding a block nor reserved."""
         return self._allocator.num_free
+
+    @property
+    def index(self) -> dict[int, DRAMEntry]:
+        """The resident blocks by hash (read it; change it only through this class)."""
+        return self._entries
 
     def entry(self, block_hash: int) -> DRAMEntry | None:
         """The index entry of ``block_hash``, or None."""

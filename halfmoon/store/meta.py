@@ -9,17 +9,17 @@ from halfmoon.core.eviction import POLICY_NAMES
 #: Version of the KV byte layout inside a block; bumped when the engine changes it.
 LAYOUT_VERSION = 1
 HASH_BITS = 128
-_HASH_LIMIT = 2**HASH_BITS
+HASH_LIMIT = 2**HASH_BITS
 _U32_MAX = 2**32 - 1
 
 
 def check_block_hash(block_hash: object) -> int:
     """Return ``block_hash`` if it is a valid 128-bit block hash, else raise ``ValueError``."""
-    if type(block_hash) is int and 0 <= block_hash < _HASH_LIMIT:  # the common case, fast
+    if type(block_hash) is int and 0 <= block_hash < HASH_LIMIT:  # the common case, fast
         return block_hash
     if isinstance(block_hash, bool) or not isinstance(block_hash, int):
         raise ValueError(f"block hash must be an int, got {type(block_hash).__name__}")
-    if not 0 <= block_hash < _HASH_LIMIT:
+    if not 0 <= block_hash < HASH_LIMIT:
         raise ValueError(f"block hash {block_hash} is outside [0, 2**128)")
     return block_hash
 
@@ -36,7 +36,7 @@ class BlockMeta:
         if not 0 <= self.num_tokens <= _U32_MAX:
             raise ValueError(f"num_tokens must lie in [0, 2**32), got {self.num_tokens}")
         parent = self.parent_hash
-        if type(parent) is not int or not 0 <= parent < _HASH_LIMIT:
+        if type(parent) is not int or not 0 <= parent < HASH_LIMIT:
             check_block_hash(parent)  # raises, naming the problem
         if not 0 <= self.layout_version <= 0xFFFF:
             raise ValueError(f"layout_version must lie in [0, 65535], got {self.layout_version}")

@@ -17,11 +17,11 @@ import threading
 from collections.abc import Sequence
 
 from halfmoon.core.clock import Clock, WallClock
-from halfmoon.store.errors import BlockPinnedError, StoreError, StoreFullError, UnknownBlockError
+from halfmoon.store.errors import BlockPinnedError, StoreError, UnknownBlockError
 from halfmoon.store.events import TIER_DRAM, TIER_SSD, EventListener, StoreEvent
 from halfmoon.store.handles import BlockRef, LeasedBlock, PendingPut
 from halfmoon.store.lease import Lease, LeaseTable
-from halfmoon.store.meta import BlockMeta, StoreConfig, StoreStats, check_block_hash
+from halfmoon.store.meta import BlockMeta, StoreConfig, StoreStats
 from halfmoon.store.tiering import TierSet
 
 
@@ -68,76 +68,27 @@ class TieredStore:
         Raises :class:`StoreFullError` when every block is pinned.
         """
         with self._locked() as t:
-            return self._begin_locked(t, block_hash, meta, position)
+            return t.begin_puts(((block_hash, meta, position),))[0]
 
     def begin_puts(self, blocks: Sequence[tuple[int, BlockMeta, int]]) -> list[PendingPut | None]:
         """:meth:`begin_put` for many ``(hash, meta, position)`` under one lock, all or
         nothing: if one fails (:class:`StoreFullError`, a bad hash) the slots reserved
         before it are given back and the error raised."""
-        pendings: list[PendingPut | None] = []
         with self._locked() as t:
-            try:
-                for block_hash, meta, position in blocks:
-                    pendings.append(self._begin_locked(t, block_hash, meta, position))
-            except BaseException:
-                for pending in pendings:
-                    if pending is not None and pending.dram_slot is not None:
-                        t.dram.unreserve(pending.dram_slot)
-                raise
-        return pendings
-
-    def _begin_locked(
-        self, t: TierSet, block_hash: int, meta: BlockMeta, position: int
-    ) -> PendingPut | None:
-        check_block_hash(block_hash)
-        if t.contains(block_hash):
-            for tier in t.tiers(block_hash):
-                t.track(tier, block_hash)
-            return None
-        slot = t.reserve_dram()
-        if slot is not None:
-            return PendingPut(block_hash, meta, position, t.dram.arena.view(slot), slot)
-        if t.ssd_has_room():
-            staging = memoryview(bytearray(self.config.block_bytes))
-            return PendingPut(block_hash, meta, position, staging, None)
-        raise StoreFullError(
-            f"store is full: all {len(t.dram)} DRAM blocks"
-            + (f" and {len(t.ssd)} SSD blocks" if t.ssd is not None else "")
-            + " are pinned or being written"
-        )
+            return t.begin_puts(blocks)
 
     def commit_put(self, pending: PendingPut) -> str:
         """Publish a filled ``PendingPut``; returns the tier it landed in."""
         with self._locked() as t:
-            return self._commit_locked(t, pending)
+            t.commit_puts((pending,))
+        return TIER_DRAM if pending.dram_slot is not None else TIER_SSD
 
     def commit_puts(self, pendings: Sequence[PendingPut | None]) -> int:
         """:meth:`commit_put` for every pending that is not None, under one lock; returns
         how many. If one fails (every SSD block pinned) the ones after it are aborted and
         the error raised."""
-        todo = [p for p in pendings if p is not None]
         with self._locked() as t:
-            for i, pending in enumerate(todo):
-                try:
-                    self._commit_locked(t, pending)
-                except BaseException:
-                    for rest in todo[i + 1 :]:
-                        if rest.dram_slot is not None:
-                            t.dram.unreserve(rest.dram_slot)
-                    raise
-        return len(todo)
-
-    def _commit_locked(self, t: TierSet, pending: PendingPut) -> str:
-        h = pending.block_hash
-        if pending.dram_slot is not None:
-            if h in t.dram:  # a concurrent writer won; same hash, same contents
-                t.dram.unreserve(pending.dram_slot)
-            else:
-                t.commit_dram(pending.dram_slot, h, pending.meta, pending.position)
-            return TIER_DRAM
-        if not t.in_ssd(h) and not t.write_ssd(h, pending.view, pending.meta, pending.position):
-            raise StoreFullError("store is full: every SSD block is pinned")
-        return TIER_SSD
+            return t.commit_puts(pendings)
 
     def abort_put(self, pending: PendingPut) -> None:
         """Give back the slot of a put that will not be committed."""
@@ -265,22 +216,8 @@ class TieredStore:
         arena is shared); an SSD hit that found no DRAM room comes as a private copy,
         pinned by nothing; a miss as None. Hits and misses count as reads do.
         """
-        blocks: list[LeasedBlock | None] = []
-        pinned: list[int] = []
         with self._locked() as t:
-            arena = t.dram.arena
-            shared = arena.segment_name is not None
-            for h in block_hashes:
-                found = t.lookup(h)
-                if found is None:
-                    blocks.append(None)
-                elif found.dram_slot is None:
-                    blocks.append(LeasedBlock(found.meta, found.view, None))
-                else:
-                    t.pin(h)
-                    pinned.append(h)
-                    offset = arena.offset(found.dram_slot) if shared else None
-                    blocks.append(LeasedBlock(found.meta, found.view, offset))
+            pinned, blocks = t.lease_reads(block_hashes)
             return (self._add_lease(pinned, ttl_s) if pinned else None), blocks
 
     # ---------------------------------------------------------------- pins and leases
@@ -322,8 +259,7 @@ class TieredStore:
             lease = self._leases.pop(lease_id)
             if lease is None:
                 return False
-            for h in lease.block_hashes:
-                t.unpin(h)
+            t.unpin_many(lease.block_hashes)
             return True
 
     # ---------------------------------------------------------------- queries
@@ -425,8 +361,7 @@ class _Guard:
         if self._depth == 1 and len(self._leases):
             try:
                 for lease in self._leases.pop_expired(self._clock.now()):
-                    for h in lease.block_hashes:
-                        self._tiers.unpin(h)
+                    self._tiers.unpin_many(lease.block_hashes)
             except BaseException:
                 self.__exit__()
                 raise

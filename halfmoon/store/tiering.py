@@ -18,14 +18,23 @@ Rules (tiers are inclusive: a block may sit in both):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from halfmoon.core.eviction import EvictionPolicy, make_policy
 from halfmoon.store.dram import DRAMTier
-from halfmoon.store.errors import IntegrityError, StoreError
+from halfmoon.store.errors import IntegrityError, StoreError, StoreFullError
 from halfmoon.store.events import TIER_DRAM, TIER_SSD, BlockEvicted, BlockStored, StoreEvent
-from halfmoon.store.meta import BlockMeta, StoreConfig, StoreStats, TierStats
+from halfmoon.store.handles import LeasedBlock, PendingPut
+from halfmoon.store.meta import (
+    HASH_LIMIT,
+    BlockMeta,
+    StoreConfig,
+    StoreStats,
+    TierStats,
+    check_block_hash,
+)
 from halfmoon.store.ssd import SSDTier
 
 log = logging.getLogger(__name__)
@@ -167,13 +176,6 @@ class TierSet:
         return self.dram.reserve()
 
     # ------------------------------------------------------------ writes
-    def commit_dram(self, slot: int, h: int, meta: BlockMeta, position: int) -> None:
-        """Publish a filled reserved slot as ``h``."""
-        self.dram.commit(slot, h, meta, position)
-        self._counters[TIER_DRAM].bytes_written += self.block_bytes
-        self.track(TIER_DRAM, h, position)
-        self.events.append(BlockStored(h, TIER_DRAM))
-
     def write_ssd(self, h: int, payload: memoryview, meta: BlockMeta, position: int) -> bool:
         """Write ``h`` straight to SSD; False if every SSD block is pinned."""
         assert self.ssd is not None
@@ -241,6 +243,160 @@ class TierSet:
         if found is None:
             self._num_misses += 1
         return found
+
+    # ------------------------------------------------------------ batches
+    # The transfer server's puts and pulls come in batches of up to 1,024 blocks. These
+    # loops do what the per-block methods above do, block by block in the same order,
+    # with the per-block calls inlined (at 4 KiB a block's bookkeeping costs more than
+    # its copy).
+
+    def begin_puts(self, blocks: Sequence[tuple[int, BlockMeta, int]]) -> list[PendingPut | None]:
+        """Reserve a slot per ``(hash, meta, position)`` (None: already stored, counted as
+        an access); all or nothing: on an error every slot reserved here is given back."""
+        dram, ssd, size, events = self.dram, self.ssd, self.block_bytes, self.events
+        index, reserve, buffer = dram.index, dram.reserve, dram.arena.buffer
+        pop_victim = self._policies[TIER_DRAM].pop_victim
+        pendings: list[PendingPut | None] = []
+        num_dropped = 0
+        try:
+            for h, meta, position in blocks:
+                if type(h) is not int or not 0 <= h < HASH_LIMIT:
+                    check_block_hash(h)  # raises, naming the problem
+                if h in index or (ssd is not None and h in ssd):
+                    for tier in self.tiers(h):
+                        self.track(tier, h)
+                    pendings.append(None)
+                    continue
+                slot = reserve()
+                if slot is None and ssd is None and dram.num_slots:
+                    # reserve_dram() without an SSD tier: drop the victim, take its slot
+                    try:
+                        victim = pop_victim()
+                    except KeyError:
+                        pass  # every block is pinned or being written
+                    else:
+                        dram.remove(victim)
+                        num_dropped += 1
+                        events.append(BlockEvicted(victim, TIER_DRAM))
+                        slot = reserve()
+                elif slot is None:
+                    slot = self.reserve_dram()  # demotes to SSD to make room
+                if slot is not None:
+                    start = slot * size
+                    pendings.append(
+                        PendingPut(h, meta, position, buffer[start : start + size], slot)
+                    )
+                elif self.ssd_has_room():
+                    staging = memoryview(bytearray(size))
+                    pendings.append(PendingPut(h, meta, position, staging, None))
+                else:
+                    raise StoreFullError(
+                        f"store is full: all {len(dram)} DRAM blocks"
+                        + (f" and {len(ssd)} SSD blocks" if ssd is not None else "")
+                        + " are pinned or being written"
+                    )
+        except BaseException:
+            for pending in pendings:
+                if pending is not None and pending.dram_slot is not None:
+                    dram.unreserve(pending.dram_slot)
+            raise
+        finally:
+            self._counters[TIER_DRAM].num_evictions += num_dropped
+        return pendings
+
+    def commit_puts(self, pendings: Sequence[PendingPut | None]) -> int:
+        """Publish every filled pending that is not None; how many. If one fails (every
+        SSD block pinned) the ones after it are given back and the error raised."""
+        todo = [p for p in pendings if p is not None]
+        dram, pins, events = self.dram, self.pins, self.events
+        index, commit = dram.index, dram.commit
+        record = self._policies[TIER_DRAM].record_access
+        num_dram = done = 0
+        try:
+            for pending in todo:
+                h, slot = pending.block_hash, pending.dram_slot
+                if slot is None:
+                    if not self.in_ssd(h) and not self.write_ssd(
+                        h, pending.view, pending.meta, pending.position
+                    ):
+                        raise StoreFullError("store is full: every SSD block is pinned")
+                elif h in index:  # a concurrent writer won; same hash, same contents
+                    dram.unreserve(slot)
+                else:
+                    commit(slot, h, pending.meta, pending.position)
+                    num_dram += 1
+                    if h not in pins:
+                        record(h, pending.position)
+                    events.append(BlockStored(h, TIER_DRAM))
+                done += 1
+        except BaseException:
+            for rest in todo[done + 1 :]:
+                if rest.dram_slot is not None:
+                    dram.unreserve(rest.dram_slot)
+            raise
+        finally:
+            self._counters[TIER_DRAM].bytes_written += num_dram * self.block_bytes
+        return len(todo)
+
+    def lease_reads(self, hashes: Sequence[int]) -> tuple[list[int], list[LeasedBlock | None]]:
+        """Look up blocks for a reader, pinning every DRAM hit (:meth:`lookup` then
+        :meth:`pin` per block); returns the pinned hashes and the blocks (None: a miss;
+        an SSD hit DRAM had no room for comes as a private copy, pinned by nothing)."""
+        dram, pins, size = self.dram, self.pins, self.block_bytes
+        index, buffer = dram.index, dram.arena.buffer
+        shared = dram.arena.segment_name is not None
+        discard_dram = self._policies[TIER_DRAM].discard
+        discard_ssd = self._policies[TIER_SSD].discard
+        blocks: list[LeasedBlock | None] = []
+        pinned: list[int] = []
+        num_hits = 0
+        for h in hashes:
+            entry = index.get(h)
+            if entry is None:  # SSD, or a miss: the general path
+                found = self.lookup(h)
+                if found is None:
+                    blocks.append(None)
+                elif found.dram_slot is None:
+                    blocks.append(LeasedBlock(found.meta, found.view, None))
+                else:
+                    self.pin(h)
+                    pinned.append(h)
+                    offset = found.dram_slot * size if shared else None
+                    blocks.append(LeasedBlock(found.meta, found.view, offset))
+                continue
+            num_hits += 1
+            # lookup() records the access and pin() takes the block out of the policies,
+            # which also forgets that access: pinning alone leaves the same state.
+            count = pins.get(h, 0)
+            if count == 0:
+                discard_dram(h)
+                discard_ssd(h)
+            pins[h] = count + 1
+            pinned.append(h)
+            start = entry.slot * size
+            blocks.append(
+                LeasedBlock(entry.meta, buffer[start : start + size], start if shared else None)
+            )
+        counters = self._counters[TIER_DRAM]
+        counters.num_hits += num_hits
+        counters.bytes_read += num_hits * size
+        return pinned, blocks
+
+    def unpin_many(self, hashes: Sequence[int]) -> None:
+        """:meth:`unpin` each of ``hashes`` in order."""
+        pins, index, ssd = self.pins, self.dram.index, self.ssd
+        record_dram = self._policies[TIER_DRAM].record_access
+        for h in hashes:
+            count = pins.get(h, 0)
+            if count != 1:
+                self.unpin(h)  # nested pins, or an error for a block not pinned
+                continue
+            del pins[h]
+            entry = index.get(h)
+            if entry is not None:
+                record_dram(h, entry.position)
+            if ssd is not None and h in ssd:
+                self.track(TIER_SSD, h)
 
     # ------------------------------------------------------------ bookkeeping
     def stats(self) -> StoreStats:
