@@ -22,15 +22,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from halfmoon.core.errors import HalfmoonError
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
-from halfmoon.transfer.errors import ProtocolError, RemoteError
+from halfmoon.transfer.errors import RemoteError
 from halfmoon.transfer.handles import TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
-from halfmoon.transfer.link import Link, as_bytes_view, deadline_after
-from halfmoon.transfer.memcopy import copy_blocks, copy_into
-from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
+from halfmoon.transfer.link import as_bytes_view, deadline_after
+from halfmoon.transfer.memcopy import copy_blocks
+from halfmoon.transfer.messages import PutBlock
 from halfmoon.transfer.pool import (
     TRANSPORTS,
     LinkPool,
@@ -38,10 +37,11 @@ from halfmoon.transfer.pool import (
     default_num_connections,
     split_batch,
 )
-from halfmoon.transfer.protocol import Frame, Kind, hash_to_wire
+from halfmoon.transfer.protocol import Kind
 from halfmoon.transfer.regions import SegmentCache
 from halfmoon.transfer.sender import StreamSender
-from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE, PullDecoder
+from halfmoon.transfer.store_client import StoreClient
+from halfmoon.transfer.store_service import PullDecoder
 
 __all__ = ["TRANSPORTS", "PeerClient"]
 
@@ -72,6 +72,9 @@ class PeerClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
         self._region_views: dict[str, memoryview | None] = {}
+        self._store = StoreClient(
+            self._links, self._segments, lambda: self.transport, self._next_id
+        )
 
     @property
     def transport(self) -> str:
@@ -177,67 +180,11 @@ class PeerClient:
         """Store blocks in the peer's store, received straight into its slots.
 
         Over ``shm`` / ``inproc`` the blocks are copied straight into the store's shared
-        DRAM arena (two small round trips per group, no bytes through the socket).
+        DRAM arena (two small round trips per group, no bytes through the socket; small
+        blocks pipelined on one connection, see :mod:`halfmoon.transfer.store_client`).
         Returns how many were new there (hashes already present are skipped).
         """
-        xfer = self._next_id()
-        deadline = self._deadline(timeout_s)
-        views = [as_bytes_view(b.payload) for b in blocks]
-        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
-        wire = [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
-        if self.transport != "tcp":
-            stored = [0] * len(groups)
-
-            def job(k: int) -> Callable[[], None]:
-                def run() -> None:
-                    group = groups[k]
-                    chunk = (wire[group.start : group.stop], views[group.start : group.stop])
-                    stored[k] = self._put_placed(f"{xfer}.{k}", *chunk, deadline)
-
-                return run
-
-            self._links.run_parallel([job(k) for k in range(len(groups))])
-            return sum(stored)
-        frames = [
-            OutFrame(
-                Kind.PUT, {"xfer": xfer, "blocks": [wire[i] for i in g]}, [views[i] for i in g]
-            )
-            for g in groups
-        ]
-        self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
-        return sum(int(f.acks[0]["stored"]) for f in frames)
-
-    def _put_placed(
-        self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
-    ) -> int:
-        """Reserve slots, copy into the shared arena, commit (inline for the rest)."""
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
-            link.send(Kind.PUT_RESERVE, {"xfer": xfer, "blocks": wire}, deadline=deadline)
-            items = self._links.expect(link, Kind.PUT_SLOTS, deadline).meta["items"]
-            if len(items) != len(views):
-                raise ProtocolError(
-                    f"peer {self.endpoint} reserved {len(items)} of {len(views)} slots"
-                )
-            inline = []
-            placed: dict[str, list[tuple[int, memoryview]]] = {}  # by segment
-            for item, view in zip(items, views, strict=True):
-                if item[0] == SLOT_PLACE:
-                    placed.setdefault(item[1], []).append((int(item[2]), view))
-                elif item[0] == SLOT_INLINE:
-                    inline.append(view)
-            for segment, blocks in placed.items():
-                try:  # slots reserved back to back take one copy (see copy_blocks)
-                    copy_blocks(self._segments.view(segment), blocks)
-                except ValueError as exc:
-                    raise ProtocolError(f"peer {self.endpoint} reserved a bad slot: {exc}") from exc
-            link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
-            stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
-            ok = True
-            return stored
-        finally:
-            self._links.checkin(link, ok)
+        return self._store.put_blocks(blocks, self._deadline(timeout_s))
 
     def pull(
         self,
@@ -254,129 +201,7 @@ class PeerClient:
         :meth:`~halfmoon.transfer.engine.TransferEngine.set_pull_encoder`); ``decode``
         turns each back into its destination.
         """
-        if len(block_hashes) != len(dests):
-            raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
-        deadline = self._deadline(timeout_s)
-        if self.transport != "tcp":
-            decode = None  # blocks come through shared memory: nothing to save on the wire
-        if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
-            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode)
-        views = [as_bytes_view(d) for d in dests]
-        if len({v.nbytes for v in views}) > 1:
-            raise ValueError("pull destinations must all have the store's block size")
-        results: list[BlockMeta | None] = [None] * len(views)
-
-        def job(group: range) -> Callable[[], None]:
-            def run() -> None:
-                hashes = [block_hashes[i] for i in group]
-                metas = self._pull_group(hashes, [views[i] for i in group], deadline, decode)
-                for i, meta in zip(group, metas, strict=True):
-                    results[i] = meta
-
-            return run
-
-        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
-        if len(groups) == 1:  # the common small pull: no thread hand-off
-            return self._pull_group(list(block_hashes), views, deadline, decode)
-        self._links.run_parallel([job(g) for g in groups])
-        return results
-
-    def _pull_group(
-        self,
-        block_hashes: list[int],
-        views: list[memoryview],
-        deadline: float,
-        decode: PullDecoder | None = None,
-    ) -> list[BlockMeta | None]:
-        xfer = self._next_id()
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
-            request = {
-                "xfer": xfer,
-                "hashes": [hash_to_wire(h) for h in block_hashes],
-                "direct": self.transport != "tcp",  # blocks may be read in place
-                "block_bytes": views[0].nbytes,
-            }
-            if decode is not None:
-                request["encoded"] = True  # the peer may encode (it has a pull encoder)
-            link.send(Kind.PULL, request, deadline=deadline)
-            reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
-            items: list[list[Any]] = reply.meta["items"]
-            if len(items) != len(views):
-                raise ProtocolError(
-                    f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls"
-                )
-            metas: list[BlockMeta | None] = []
-            inline: list[memoryview] = []
-            in_place: list[int] = []
-            for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, seg, off]
-                if not item[0]:
-                    metas.append(None)
-                    continue
-                metas.append(meta_from_wire(item[1]))
-                if len(item) == 4:  # in the peer's shared arena: copied out below
-                    in_place.append(i)
-                else:
-                    inline.append(views[i])
-            if reply.meta.get("encoded"):
-                self._recv_encoded(link, reply, inline, decode, deadline)
-                ok = True
-                return metas
-            link.recv_payload_into(reply, inline, deadline)
-            if in_place:
-                self._copy_in_place(link, xfer, views, items, in_place, deadline)
-            ok = True
-            return metas
-        finally:
-            self._links.checkin(link, ok)
-
-    def _recv_encoded(
-        self,
-        link: Link,
-        reply: Frame,
-        dests: list[memoryview],
-        decode: PullDecoder | None,
-        deadline: float,
-    ) -> None:
-        """Receive encoded blocks (one payload each, sizes in the reply) and decode each
-        into its destination."""
-        lengths = [int(n) for n in reply.meta.get("lengths", [])]
-        if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
-            link.close()  # an answer we cannot read: its payload's end is unknown
-            raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
-        payloads = [memoryview(bytearray(n)) for n in lengths]
-        link.recv_payload_into(reply, payloads, deadline)
-        for payload, dest in zip(payloads, dests, strict=True):
-            try:
-                decode(payload, dest)
-            except (HalfmoonError, ValueError) as exc:
-                raise ProtocolError(
-                    f"a block pulled from {self.endpoint} does not decode: {exc}"
-                ) from exc
-
-    def _copy_in_place(
-        self,
-        link: Link,
-        xfer: str,
-        views: list[memoryview],
-        items: list[list[Any]],
-        in_place: list[int],
-        deadline: float,
-    ) -> None:
-        """Copy blocks out of the peer's shared arena, then let the peer drop their lease."""
-        try:
-            arenas: dict[str, memoryview] = {}
-            for i in in_place:
-                name, start, dest = items[i][2], int(items[i][3]), views[i]
-                arena = arenas.get(name)
-                if arena is None:
-                    arena = arenas[name] = self._segments.view(name)
-                if start < 0 or start + dest.nbytes > arena.nbytes:
-                    raise ProtocolError(f"peer {self.endpoint} pointed past its arena's end")
-                copy_into(dest, 0, arena[start : start + dest.nbytes])
-        finally:
-            link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
+        return self._store.pull(block_hashes, dests, self._deadline(timeout_s), decode)
 
     # ------------------------------------------------------------ streams
     def open_stream(

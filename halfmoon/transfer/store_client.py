@@ -1,0 +1,389 @@
+"""The requesting side of store puts and pulls (the peer's side is
+:mod:`halfmoon.transfer.store_service`).
+
+Two ways to move a batch:
+
+- **In parallel** (``tcp``, and large blocks over shared memory): the batch is cut into
+  one group per connection and the groups run at once, each on its own link and thread.
+  Large blocks are bound by copies, which run outside the GIL, so two copying threads
+  keep two cores busy.
+- **Pipelined on one link** (small blocks over shared memory): the batch is cut into
+  groups of ``PIPELINE_GROUP_BLOCKS`` that follow each other on one connection, with the
+  next group's request in flight while this one is copied::
+
+      client: RESERVE 0, RESERVE 1 | copy 0, COMMIT 0, RESERVE 2 | copy 1, COMMIT 1, ...
+      peer:   slots 0, slots 1 (while the client copies 0) | ack 0, slots 2 | ...
+
+  A small block's cost is Python bookkeeping on both sides, not its copy. Run on two
+  connections, the peer's two connection threads take turns on one GIL: a thread that
+  sent a reply waits for the other's switch interval (5 ms) before it reads the next
+  request, and the client waits with it. On one link each side runs one thread and the
+  two processes overlap. Measured: benchmarks/dataplane/store.py, docs/benchmarks.md.
+
+Replies come in the order of the requests, so the pipelined client reads them from a
+queue of what it sent. An error reply for one request closes the link (the peer aborts
+the reservations it still holds when the connection ends) and raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.store.meta import BlockMeta
+from halfmoon.transfer.errors import ProtocolError
+from halfmoon.transfer.link import Link, as_bytes_view
+from halfmoon.transfer.memcopy import copy_blocks, copy_into
+from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
+from halfmoon.transfer.pool import LinkPool, OutFrame, split_batch
+from halfmoon.transfer.protocol import Frame, Kind, hash_to_wire
+from halfmoon.transfer.regions import SegmentCache
+from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE, PullDecoder
+
+#: Blocks up to this size move pipelined on one link over shared memory (see above).
+PIPELINE_MAX_BLOCK_BYTES = 256 << 10
+#: Blocks per pipelined request.
+PIPELINE_GROUP_BLOCKS = 128
+#: Pipelined requests sent ahead of the group being copied.
+PIPELINE_DEPTH = 2
+
+
+class StoreClient:
+    """Puts into and pulls from one peer's store over a :class:`LinkPool` (thread-safe).
+
+    ``transport`` reads the pool's resolved transport (``tcp``, ``shm``, ``inproc``);
+    ``next_id`` gives a fresh transfer id.
+    """
+
+    def __init__(
+        self,
+        links: LinkPool,
+        segments: SegmentCache,
+        transport: Callable[[], str],
+        next_id: Callable[[], str],
+    ) -> None:
+        self._links = links
+        self._segments = segments
+        self._transport = transport
+        self._next_id = next_id
+        self.endpoint = links.endpoint
+
+    # ------------------------------------------------------------ put
+    def put_blocks(self, blocks: Sequence[PutBlock], deadline: float) -> int:
+        """Store ``blocks`` in the peer's store; how many were new there."""
+        if not blocks:
+            return 0
+        xfer = self._next_id()
+        views = [as_bytes_view(b.payload) for b in blocks]
+        wire = [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
+        if self._transport() == "tcp":
+            groups = split_batch([v.nbytes for v in views], self._links.num_connections)
+            frames = [
+                OutFrame(
+                    Kind.PUT, {"xfer": xfer, "blocks": [wire[i] for i in g]}, [views[i] for i in g]
+                )
+                for g in groups
+            ]
+            self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
+            return sum(int(f.acks[0]["stored"]) for f in frames)
+        if _pipelined(views):
+            return self._put_pipelined(xfer, wire, views, deadline)
+        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
+        stored = [0] * len(groups)
+
+        def job(k: int) -> Callable[[], None]:
+            def run() -> None:
+                g = groups[k]
+                stored[k] = self._put_group(
+                    f"{xfer}.{k}", wire[g.start : g.stop], views[g.start : g.stop], deadline
+                )
+
+            return run
+
+        self._links.run_parallel([job(k) for k in range(len(groups))])
+        return sum(stored)
+
+    def _put_group(
+        self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
+    ) -> int:
+        """Reserve slots, copy into the shared arena, commit (inline for the rest)."""
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            link.send(Kind.PUT_RESERVE, {"xfer": xfer, "blocks": wire}, deadline=deadline)
+            slots = self._links.expect(link, Kind.PUT_SLOTS, deadline)
+            inline = self._place(slots.meta["items"], views)
+            link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
+            stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
+            ok = True
+            return stored
+        finally:
+            self._links.checkin(link, ok)
+
+    def _put_pipelined(
+        self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
+    ) -> int:
+        """The put's groups one after another on one link, ``PIPELINE_DEPTH`` ahead."""
+        groups = _groups(len(views))
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            expected: deque[tuple[Kind, int]] = deque()  # replies due, in request order
+
+            def reserve(k: int) -> None:
+                g = groups[k]
+                meta = {"xfer": f"{xfer}.{k}", "blocks": wire[g.start : g.stop]}
+                link.send(Kind.PUT_RESERVE, meta, deadline=deadline)
+                expected.append((Kind.PUT_SLOTS, k))
+
+            ahead = min(PIPELINE_DEPTH, len(groups))
+            for k in range(ahead):
+                reserve(k)
+            stored = 0
+            while expected:
+                kind, k = expected.popleft()
+                reply = self._links.expect(link, kind, deadline)
+                if reply.meta.get("xfer") != f"{xfer}.{k}":
+                    raise ProtocolError(f"peer {self.endpoint} answered out of order")
+                if kind == Kind.PUT_ACK:
+                    stored += int(reply.meta["stored"])
+                    continue
+                g = groups[k]
+                inline = self._place(reply.meta["items"], views[g.start : g.stop])
+                link.send(Kind.PUT_COMMIT, {"xfer": f"{xfer}.{k}"}, inline, deadline)
+                expected.append((Kind.PUT_ACK, k))
+                if ahead < len(groups):
+                    reserve(ahead)
+                    ahead += 1
+            ok = True
+            return stored
+        finally:
+            self._links.checkin(link, ok)
+
+    def _place(self, items: list[list[Any]], views: list[memoryview]) -> list[memoryview]:
+        """Copy the blocks the peer gave slots in its shared arena; the rest, to send
+        inline with the commit."""
+        if len(items) != len(views):
+            raise ProtocolError(f"peer {self.endpoint} reserved {len(items)} of {len(views)} slots")
+        inline = []
+        placed: dict[str, list[tuple[int, memoryview]]] = {}  # by segment
+        for item, view in zip(items, views, strict=True):
+            if item[0] == SLOT_PLACE:
+                placed.setdefault(item[1], []).append((int(item[2]), view))
+            elif item[0] == SLOT_INLINE:
+                inline.append(view)
+        for segment, blocks in placed.items():
+            try:  # slots reserved back to back take one copy (see copy_blocks)
+                copy_blocks(self._segments.view(segment), blocks)
+            except ValueError as exc:
+                raise ProtocolError(f"peer {self.endpoint} reserved a bad slot: {exc}") from exc
+        return inline
+
+    # ------------------------------------------------------------ pull
+    def pull(
+        self,
+        block_hashes: Sequence[int],
+        dests: Sequence[object],
+        deadline: float,
+        decode: PullDecoder | None = None,
+    ) -> list[BlockMeta | None]:
+        """Read blocks of the peer's store into ``dests``; each one's metadata or None."""
+        if len(block_hashes) != len(dests):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
+        if not dests:
+            return []
+        if self._transport() != "tcp":
+            decode = None  # blocks come through shared memory: nothing to save on the wire
+        if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
+            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode)
+        views = [as_bytes_view(d) for d in dests]
+        if len({v.nbytes for v in views}) > 1:
+            raise ValueError("pull destinations must all have the store's block size")
+        if self._transport() != "tcp" and _pipelined(views):
+            return self._pull_pipelined(list(block_hashes), views, deadline)
+        results: list[BlockMeta | None] = [None] * len(views)
+
+        def job(group: range) -> Callable[[], None]:
+            def run() -> None:
+                hashes = [block_hashes[i] for i in group]
+                metas = self._pull_group(hashes, [views[i] for i in group], deadline, decode)
+                for i, meta in zip(group, metas, strict=True):
+                    results[i] = meta
+
+            return run
+
+        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
+        if len(groups) == 1:  # the common small pull: no thread hand-off
+            return self._pull_group(list(block_hashes), views, deadline, decode)
+        self._links.run_parallel([job(g) for g in groups])
+        return results
+
+    def _pull_group(
+        self,
+        block_hashes: list[int],
+        views: list[memoryview],
+        deadline: float,
+        decode: PullDecoder | None = None,
+    ) -> list[BlockMeta | None]:
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            xfer = self._send_pull(link, block_hashes, views[0].nbytes, deadline, decode)
+            reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
+            metas = self._finish_pull(link, xfer, reply, views, deadline, decode)
+            ok = True
+            return metas
+        finally:
+            self._links.checkin(link, ok)
+
+    def _pull_pipelined(
+        self, block_hashes: list[int], views: list[memoryview], deadline: float
+    ) -> list[BlockMeta | None]:
+        """The pull's groups one after another on one link, ``PIPELINE_DEPTH`` ahead."""
+        groups = _groups(len(views))
+        block_bytes = views[0].nbytes
+        link = self._links.checkout(deadline)
+        ok = False
+        try:
+            expected: deque[tuple[str, int]] = deque()  # (xfer, group) of replies due
+
+            def request(k: int) -> None:
+                g = groups[k]
+                xfer = self._send_pull(link, block_hashes[g.start : g.stop], block_bytes, deadline)
+                expected.append((xfer, k))
+
+            ahead = min(PIPELINE_DEPTH, len(groups))
+            for k in range(ahead):
+                request(k)
+            metas: list[BlockMeta | None] = []
+            while expected:
+                xfer, k = expected.popleft()
+                reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
+                if reply.meta.get("xfer") != xfer:
+                    raise ProtocolError(f"peer {self.endpoint} answered out of order")
+                if ahead < len(groups):  # the peer reads the next group while we copy
+                    request(ahead)
+                    ahead += 1
+                g = groups[k]
+                metas += self._finish_pull(link, xfer, reply, views[g.start : g.stop], deadline)
+            ok = True
+            return metas
+        finally:
+            self._links.checkin(link, ok)
+
+    def _send_pull(
+        self,
+        link: Link,
+        block_hashes: list[int],
+        block_bytes: int,
+        deadline: float,
+        decode: PullDecoder | None = None,
+    ) -> str:
+        """Send one PULL request; its transfer id."""
+        xfer = self._next_id()
+        request = {
+            "xfer": xfer,
+            "hashes": [hash_to_wire(h) for h in block_hashes],
+            "direct": self._transport() != "tcp",  # blocks may be read in place
+            "block_bytes": block_bytes,
+        }
+        if decode is not None:
+            request["encoded"] = True  # the peer may encode (it has a pull encoder)
+        link.send(Kind.PULL, request, deadline=deadline)
+        return xfer
+
+    def _finish_pull(
+        self,
+        link: Link,
+        xfer: str,
+        reply: Frame,
+        views: list[memoryview],
+        deadline: float,
+        decode: PullDecoder | None = None,
+    ) -> list[BlockMeta | None]:
+        """Take a PULL_REPLY's blocks into ``views``: inline payloads, encoded ones, or
+        copies out of the peer's shared arena (then RELEASE); each one's metadata."""
+        items: list[list[Any]] = reply.meta["items"]
+        if len(items) != len(views):
+            raise ProtocolError(f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls")
+        metas: list[BlockMeta | None] = []
+        inline: list[memoryview] = []
+        in_place: list[int] = []
+        for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, seg, off]
+            if not item[0]:
+                metas.append(None)
+                continue
+            metas.append(meta_from_wire(item[1]))
+            if len(item) == 4:  # in the peer's shared arena: copied out below
+                in_place.append(i)
+            else:
+                inline.append(views[i])
+        if reply.meta.get("encoded"):
+            self._recv_encoded(link, reply, inline, decode, deadline)
+            return metas
+        link.recv_payload_into(reply, inline, deadline)
+        if in_place:
+            self._copy_in_place(link, xfer, views, items, in_place, deadline)
+        return metas
+
+    def _recv_encoded(
+        self,
+        link: Link,
+        reply: Frame,
+        dests: list[memoryview],
+        decode: PullDecoder | None,
+        deadline: float,
+    ) -> None:
+        """Receive encoded blocks (one payload each, sizes in the reply) and decode each
+        into its destination."""
+        lengths = [int(n) for n in reply.meta.get("lengths", [])]
+        if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
+            link.close()  # an answer we cannot read: its payload's end is unknown
+            raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
+        payloads = [memoryview(bytearray(n)) for n in lengths]
+        link.recv_payload_into(reply, payloads, deadline)
+        for payload, dest in zip(payloads, dests, strict=True):
+            try:
+                decode(payload, dest)
+            except (HalfmoonError, ValueError) as exc:
+                raise ProtocolError(
+                    f"a block pulled from {self.endpoint} does not decode: {exc}"
+                ) from exc
+
+    def _copy_in_place(
+        self,
+        link: Link,
+        xfer: str,
+        views: list[memoryview],
+        items: list[list[Any]],
+        in_place: list[int],
+        deadline: float,
+    ) -> None:
+        """Copy blocks out of the peer's shared arena, then let the peer drop their lease."""
+        try:
+            arenas: dict[str, memoryview] = {}
+            for i in in_place:
+                name, start, dest = items[i][2], int(items[i][3]), views[i]
+                arena = arenas.get(name)
+                if arena is None:
+                    arena = arenas[name] = self._segments.view(name)
+                if start < 0 or start + dest.nbytes > arena.nbytes:
+                    raise ProtocolError(f"peer {self.endpoint} pointed past its arena's end")
+                copy_into(dest, 0, arena[start : start + dest.nbytes])
+        finally:
+            link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
+
+
+def _pipelined(views: list[memoryview]) -> bool:
+    """Whether a batch of these blocks goes pipelined on one link (small blocks, and
+    more than one group's worth)."""
+    return len(views) > PIPELINE_GROUP_BLOCKS and views[0].nbytes <= PIPELINE_MAX_BLOCK_BYTES
+
+
+def _groups(num_blocks: int) -> list[range]:
+    """Consecutive groups of ``PIPELINE_GROUP_BLOCKS``."""
+    step = PIPELINE_GROUP_BLOCKS
+    return [range(start, min(start + step, num_blocks)) for start in range(0, num_blocks, step)]

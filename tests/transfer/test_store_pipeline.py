@@ -1,0 +1,129 @@
+"""Co-located puts and pulls of small blocks, pipelined on one connection
+(halfmoon.transfer.store_client): the same results as the parallel path, replies matched
+to their requests, and nothing reserved or pinned left behind, errors included."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import halfmoon.transfer.store_client as store_client
+from halfmoon.store import BlockMeta, StoreConfig, TieredStore
+from halfmoon.transfer import PutBlock, RemoteError
+
+BLOCK = 4096
+
+
+def eventually(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def block(i: int) -> np.ndarray:
+    out = np.full(BLOCK, i % 251, dtype=np.uint8)
+    out[:8] = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)  # unique per block
+    return out
+
+
+@pytest.fixture
+def co_located(make_engine, hub):
+    """(client, store) of a store served by an engine, reached over ``transport``."""
+    stores: list[TieredStore] = []
+
+    def make(transport: str, num_slots: int, num_connections: int = 2):
+        config = StoreConfig(BLOCK, num_slots * BLOCK, shared_dram=True)
+        store = TieredStore(config)
+        stores.append(store)
+        receiver = make_engine(hub=hub, store=store)
+        sender = make_engine(hub=hub, transport=transport, num_connections=num_connections)
+        return sender.connect(receiver.endpoint), store
+
+    yield make
+    for store in stores:
+        store.check_integrity()
+        store.close()
+
+
+def _puts(first: int, count: int) -> list[PutBlock]:
+    return [
+        PutBlock(2**100 + i, block(i), BlockMeta(16, 2**100 + i - 1), position=i)
+        for i in range(first, first + count)
+    ]
+
+
+@pytest.mark.parametrize("transport", ["shm", "inproc"])
+def test_a_pipelined_put_and_pull_match_what_was_put(co_located, transport):
+    group = store_client.PIPELINE_GROUP_BLOCKS
+    count = 2 * group + 37  # three groups, the last one short
+    assert store_client._pipelined([memoryview(block(0))] * count)
+    client, store = co_located(transport, num_slots=4 * group)
+    assert client.put_blocks(_puts(0, 40)) == 40  # some of the batch is there already
+    assert client.put_blocks(_puts(0, count)) == count - 40
+    wanted = [2**100 + i for i in range(count)][::-1] + [7]  # reversed, and one miss
+    dests = np.zeros((len(wanted), BLOCK), np.uint8)
+    metas = client.pull(wanted, list(dests))
+    assert metas[-1] is None and not dests[-1].any()
+    for h, meta, dest in zip(wanted[:-1], metas, dests, strict=False):
+        i = h - 2**100
+        assert meta == BlockMeta(16, h - 1)
+        assert bytes(dest) == bytes(block(i))
+    stats = store.stats()
+    assert stats.num_reserved == 0
+    assert stats.dram.num_blocks == count
+
+
+@pytest.mark.parametrize("transport", ["shm", "inproc"])
+def test_pipelined_puts_evict_and_pulls_release_every_lease(co_located, transport):
+    group = store_client.PIPELINE_GROUP_BLOCKS
+    client, store = co_located(transport, num_slots=2 * group + 8)
+    for round_ in range(3):  # each put evicts the older blocks
+        puts = _puts(round_ * 1000, 2 * group)
+        assert client.put_blocks(puts) == 2 * group
+        dests = np.zeros((len(puts), BLOCK), np.uint8)
+        assert all(client.pull([p.block_hash for p in puts], list(dests)))
+        assert all(bytes(d) == bytes(p.payload) for d, p in zip(dests, puts, strict=True))
+    # RELEASE has no reply: the peer drops the last lease a moment after pull() returns.
+    assert eventually(lambda: store.stats().num_pinned == 0)
+    stats = store.stats()
+    assert stats.num_reserved == 0
+    assert stats.dram.num_evictions >= 4 * group - 8
+
+
+def test_a_pipelined_put_that_finds_the_store_full_midway_fails_cleanly(co_located):
+    group = store_client.PIPELINE_GROUP_BLOCKS
+    client, store = co_located("shm", num_slots=2 * group + 10)
+    pinned = _puts(0, group)
+    assert client.put_blocks(pinned) == group
+    for p in pinned:
+        store.pin(p.block_hash)  # group + 10 slots take new blocks: the second group fails
+    with pytest.raises(RemoteError, match="store is full"):
+        client.put_blocks(_puts(5000, 3 * group))
+    # The failed put's link was dropped; the peer gives back what it still held reserved
+    # when it sees the connection end.
+    assert eventually(lambda: store.stats().num_reserved == 0)
+    for p in pinned:
+        store.unpin(p.block_hash)
+    stored = [h for h in range(2**100 + 5000, 2**100 + 5000 + 3 * group) if store.contains(h)]
+    assert len(stored) <= group  # only the first group could be committed
+    for h in stored:
+        assert store.get(h)[1] == bytes(block(h - 2**100))
+    assert client.put_blocks(_puts(9000, group + 1)) == group + 1  # on a fresh link
+    fresh = [2**100 + 9000 + i for i in range(group + 1)]
+    dests = np.zeros((len(fresh), BLOCK), np.uint8)
+    assert all(client.pull(fresh, list(dests)))
+    assert bytes(dests[3]) == bytes(block(9003))
+    assert eventually(lambda: store.stats().num_pinned == 0)
+
+
+def test_large_blocks_and_small_batches_keep_the_parallel_path():
+    small = [memoryview(bytes(BLOCK))] * (store_client.PIPELINE_GROUP_BLOCKS + 1)
+    assert store_client._pipelined(small)
+    assert not store_client._pipelined(small[:-1])  # one group: nothing to overlap
+    big = [memoryview(bytes(store_client.PIPELINE_MAX_BLOCK_BYTES + 1))] * 1000
+    assert not store_client._pipelined(big)
