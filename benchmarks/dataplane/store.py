@@ -46,6 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from halfmoon.core.heap import settle_gc
 from halfmoon.transfer.microbench import (
     BenchResult,
     Step,
@@ -271,6 +272,7 @@ def main() -> int:
     if not args.no_mooncake:
         print_env(env)
         print_env(MOONCAKE_LOCAL_ENV, "Mooncake env, local client only")
+    settle_gc()  # as every halfmoon server process does; the Mooncake side does too
     started = time.monotonic()
     try:
         rounds, mooncake_error = alternate_rounds(

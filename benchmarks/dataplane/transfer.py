@@ -41,6 +41,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
 
+from halfmoon.core.heap import settle_gc
 from halfmoon.transfer.microbench import (
     Arm,
     BenchResult,
@@ -244,6 +245,7 @@ def main() -> int:
     latency = [Step(s, 1, args.latency_ops) for s in latency_sizes]
     if not args.no_mooncake:
         print_env(env)
+    settle_gc()  # as every halfmoon server process does; the Mooncake side does too
     started = time.monotonic()
 
     def ours() -> list[BenchResult]:

@@ -31,10 +31,11 @@ import warnings
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.heap import settle_gc
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
 from halfmoon.serve.launch.launcher import prepare_model
 from halfmoon.serve.launch.processes import ProcessGroup
-from halfmoon.serve.runtime import free_port, load_secret, settle_gc
+from halfmoon.serve.runtime import free_port, load_secret
 from halfmoon.serve.worker.main import with_model
 
 log = logging.getLogger("deploy")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import secrets
@@ -107,17 +106,6 @@ def warn_if_public(host: str, log: logging.Logger) -> None:
     """Say so when a server binds beyond the loopback interface."""
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: reachable from other machines; protect it", host)
-
-
-def settle_gc() -> None:
-    """Call once start-up is done: collect, then move every object that exists now (the
-    model, imported modules, the tokenizer, the web framework) out of the cyclic garbage
-    collector's reach (:func:`gc.freeze`). A full collection while serving then scans
-    only what serving created. Without it a full collection took 100-230 ms in the
-    gateway and in the workers (tiny preset, measured), and every token stream of that
-    process stalled for as long: a TBT spike that no model of the engine predicts."""
-    gc.collect()
-    gc.freeze()
 
 
 #: Largest control message a ROUTER socket accepts (a 128k-token prompt with its block

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from halfmoon.core.heap import settle_gc
 from halfmoon.store import StoreConfig, TieredStore
 from halfmoon.transfer.engine import TransferEngine
 from halfmoon.transfer.errors import TransferError
@@ -102,6 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
             layout = StreamLayout.contiguous(int(layers), int(blocks), int(size))
             receiver = engine.expect_stream(session, region, layout, on_layer=_emit_layer)
             threading.Thread(target=_watch_stream, args=(receiver,), daemon=True).start()
+        settle_gc()  # full collections would stall the requests (see settle_gc)
         _emit({"endpoint": engine.endpoint, "pid": os.getpid()})
         threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
         stop.wait()

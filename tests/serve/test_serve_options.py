@@ -47,7 +47,7 @@ def test_prefill_workers_take_one_prompt_per_step_by_default():
 def test_settle_gc_takes_start_up_objects_out_of_the_collector():
     import gc
 
-    from halfmoon.serve.runtime import settle_gc
+    from halfmoon.core.heap import settle_gc
 
     survivor = [[i] for i in range(1000)]  # tracked containers made "at start-up"
     try:

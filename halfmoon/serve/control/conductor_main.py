@@ -10,13 +10,13 @@ from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.clock import WallClock
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.heap import settle_gc
 from halfmoon.costmodel import CostProfile, ProfileCostModel, ThroughputCostModel
 from halfmoon.costmodel.base import CostModel
 from halfmoon.serve.control.conductor_service import ConductorService
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,
-    settle_gc,
     setup_logging,
     stop_event_on_signals,
     warn_if_public,

@@ -21,13 +21,13 @@ from typing import Any
 
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.heap import settle_gc
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
     new_secret,
-    settle_gc,
     setup_logging,
     warn_if_public,
 )

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,
-    settle_gc,
     setup_logging,
     stop_event_on_signals,
     warn_if_public,
