@@ -1,4 +1,5 @@
 import socket
+import struct
 import threading
 import time
 
@@ -12,6 +13,7 @@ from halfmoon.transfer import (
     TransferCancelled,
     TransferTimeout,
 )
+from halfmoon.transfer.deadline_socket import DeadlineSocket
 from halfmoon.transfer.endpoint import Endpoint
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.protocol import (
@@ -237,3 +239,32 @@ def test_small_payload_corruption_is_detected_from_the_buffer():
     finally:
         raw.close()
         receiver.close()
+
+
+def test_a_wait_without_deadline_keeps_a_long_armed_timeout_and_clears_a_short_one():
+    mine, theirs = socket.socketpair()
+    try:
+        io = DeadlineSocket(mine, "pair")
+
+        def armed_s() -> float:
+            sec, usec = struct.unpack(
+                "ll", mine.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+            )
+            return sec + usec / 1e6
+
+        buf = memoryview(bytearray(4))
+        theirs.sendall(b"abcd")
+        io.recv_into(buf, time.monotonic() + 30)  # a server's request deadline
+        assert 25 < armed_s() <= 31
+        threading.Timer(0.05, theirs.sendall, (b"efgh",)).start()
+        assert io.recv_into(buf, None) == 4 and bytes(buf) == b"efgh"  # the idle wait
+        assert 25 < armed_s() <= 31  # left armed: no setsockopt per request
+        with pytest.raises(TimeoutError):
+            io.recv_into(buf, time.monotonic() + 0.02)  # nothing comes
+        assert 0 < armed_s() < 1
+        threading.Timer(0.05, theirs.sendall, (b"ijkl",)).start()
+        assert io.recv_into(buf, None) == 4 and bytes(buf) == b"ijkl"
+        assert armed_s() == 0  # a short timeout would wake an idle wait often: cleared
+    finally:
+        mine.close()
+        theirs.close()
