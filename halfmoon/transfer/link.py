@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from halfmoon.core.buffers import buffer_address, span_at
 from halfmoon.transfer.busypoll import BusyPoller
 from halfmoon.transfer.deadline_socket import IOV_BATCH, DeadlineSocket
 from halfmoon.transfer.errors import (
@@ -50,6 +51,34 @@ _DISCARD_CHUNK_BYTES = 1 << 20
 _CHUNK_BYTES = 1 << 20
 _CANCEL_POLL_S = 0.02
 _RBUF_BYTES = 64 << 10
+
+
+#: xxhash releases the GIL only for inputs larger than this (python-xxhash 4.1, measured:
+#: two threads hashing 64 KiB pieces took twice one thread's time, 96 KiB pieces the same).
+_HASH_GIL_FREE_BYTES = 64 << 10
+
+
+def hash_pieces(hasher: Any, pieces: Sequence[memoryview]) -> None:
+    """``hasher.update`` with each piece in order; pieces of up to 64 KiB that lie back to
+    back in memory (blocks of one array or pool) are hashed as one span. Hashed one by
+    one, such pieces held the GIL: a batch's other connection thread, back from its
+    ``sendmsg`` / ``recvmsg_into``, waited, and 64 KiB blocks moved 20-25% slower than
+    1 MiB ones over the same connections."""
+    start = end = 0  # the current run of adjacent small pieces: [start, end)
+    for piece in pieces:
+        address = buffer_address(piece) if piece.nbytes <= _HASH_GIL_FREE_BYTES else None
+        if address is not None and address == end and end:
+            end += piece.nbytes
+            continue
+        if end:
+            hasher.update(span_at(start, end - start))
+            start = end = 0
+        if address is None:
+            hasher.update(piece)
+        else:
+            start, end = address, address + piece.nbytes
+    if end:
+        hasher.update(span_at(start, end - start))
 
 
 def as_bytes_view(buffer: object) -> memoryview:
@@ -140,8 +169,7 @@ class Link:
             checksum = xxhash.xxh3_64_intdigest(payloads[0])
         else:
             hasher = xxhash.xxh3_64()
-            for view in payloads:
-                hasher.update(view)
+            hash_pieces(hasher, payloads)
             checksum = hasher.intdigest()
         self._io.send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
 
@@ -154,12 +182,13 @@ class Link:
         for view in payloads:
             for start in range(0, view.nbytes, _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
-                hasher.update(chunk)
                 batch.append(chunk)
                 batch_bytes += chunk.nbytes
                 if batch_bytes >= _CHUNK_BYTES or len(batch) >= IOV_BATCH:
+                    hash_pieces(hasher, batch[1:] if batch[0] is header else batch)
                     self._io.send_all(batch, deadline)
                     batch, batch_bytes = [], 0
+        hash_pieces(hasher, batch[1:] if batch and batch[0] is header else batch)
         batch.append(memoryview(encode_trailer(hasher.intdigest())))
         self._io.send_all(batch, deadline)
 
@@ -317,12 +346,10 @@ class Link:
                     group_bytes += chunk.nbytes
                     if group_bytes >= _CHUNK_BYTES or len(group) >= IOV_BATCH:
                         self._recv_scatter(group, deadline)
-                        for piece in group:
-                            hasher.update(piece)  # still in cache from the kernel's copy
+                        hash_pieces(hasher, group)  # still in cache from the kernel's copy
                         group, group_bytes = [], 0
             self._recv_scatter([*group, trailer], deadline)
-            for piece in group:
-                hasher.update(piece)
+            hash_pieces(hasher, group)
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
         if hasher.intdigest() != decode_trailer(trailer):

@@ -3,6 +3,7 @@ import struct
 import threading
 import time
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -15,7 +16,7 @@ from halfmoon.transfer import (
 )
 from halfmoon.transfer.deadline_socket import DeadlineSocket
 from halfmoon.transfer.endpoint import Endpoint
-from halfmoon.transfer.link import Link
+from halfmoon.transfer.link import Link, hash_pieces
 from halfmoon.transfer.protocol import (
     HEADER_BYTES,
     Kind,
@@ -268,3 +269,32 @@ def test_a_wait_without_deadline_keeps_a_long_armed_timeout_and_clears_a_short_o
     finally:
         mine.close()
         theirs.close()
+
+
+def test_hash_pieces_equals_hashing_each_piece_in_order():
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    views = memoryview(pool)
+    pieces = [
+        views[0:4096],  # a run of adjacent small pieces ...
+        views[4096:8192],
+        views[8192:73728],
+        views[100000:104096],  # ... a gap, then another
+        memoryview(b"read-only bytes are hashed as they are"),
+        views[200000:400000],  # larger than 64 KiB: hashed on its own
+        views[400000:401000],
+        views[401000:401001],
+        memoryview(bytearray(0)),
+    ]
+    expected = xxhash.xxh3_64()
+    for piece in pieces:
+        expected.update(piece)
+    got = xxhash.xxh3_64()
+    hash_pieces(got, pieces)
+    assert got.intdigest() == expected.intdigest()
+    for subset in (pieces[:1], pieces[3:5], [], pieces[::-1]):
+        one, many = xxhash.xxh3_64(), xxhash.xxh3_64()
+        for piece in subset:
+            one.update(piece)
+        hash_pieces(many, subset)
+        assert one.intdigest() == many.intdigest()
