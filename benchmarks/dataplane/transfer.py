@@ -22,7 +22,10 @@ process, taking turns with our transports repetition by repetition at each size,
 physical limit for shared memory. ``--ceiling`` measures bare loopback tcp two ways and
 prints our tcp over each (loopback_ceiling.py): streaming for ``--ceiling-seconds`` each
 round (rows ``ceiling one-way``), and bare process pairs moving the same batch over two
-connections, taking turns with ours batch by batch (rows ``ceiling batch``). Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
+connections, taking turns with ours batch by batch (rows ``ceiling batch``); a second set
+of bare pairs takes its turn too, and bare over bare (an A/A ratio) shows how far one
+round's ratio strays on this machine when both sides are the same. Mooncake
+(``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
 its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh, with its
 documented TCP tuning (see ``_common.mooncake_env``), printed and recorded.
 """
@@ -111,18 +114,23 @@ def run_mooncake(
     return results
 
 
+#: Bare batches without a checksum, a second set of process pairs: bare against bare, in
+#: turns like ours, gives the spread a per-round ratio has when both sides are the same.
+BARE_AGAIN = "bare again"
+
+
 def bare_batches(stack: ExitStack) -> Callable[[Step], list[Arm]]:
     """Arms that move each step's batch over bare loopback (two process pairs, without
-    and with xxh3), kept alive in ``stack`` and shared by steps of one batch size."""
-    pairs: dict[tuple[int, bool], BarePairs] = {}
+    and with xxh3, and a second pair without: :data:`BARE_AGAIN`), kept alive in
+    ``stack`` and shared by steps of one batch size."""
+    pairs: dict[tuple[int, str], BarePairs] = {}
 
     def arms(step: Step) -> list[Arm]:
         out = []
-        for checksum in (False, True):
-            key = (step.num_blocks * step.block_bytes, checksum)
+        for sender in ("bare", "bare+xxh3", BARE_AGAIN):
+            key = (step.num_blocks * step.block_bytes, sender)
             if key not in pairs:
-                pairs[key] = stack.enter_context(BarePairs(key[0], checksum))
-            sender = "bare+xxh3" if checksum else "bare"
+                pairs[key] = stack.enter_context(BarePairs(key[0], sender == "bare+xxh3"))
             out.append(Arm("ceiling", "batch", sender, pairs[key].batch))
         return out
 
@@ -169,6 +177,16 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                     f"{label}, our tcp vs bare batches in turn ({sender}): ours/bare",
                     ours_tcp,
                     figure("ceiling", "batch", sender, s),
+                    "%",
+                )
+            )
+        if ceiling:
+            out.append(
+                Ratio(
+                    f"{label}, bare batches vs bare batches in turn (A/A: how far one "
+                    "round's ratio strays when both sides are the same): bare/bare",
+                    figure("ceiling", "batch", BARE_AGAIN, s),
+                    figure("ceiling", "batch", "bare", s),
                     "%",
                 )
             )
