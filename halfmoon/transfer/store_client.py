@@ -78,7 +78,12 @@ class StoreClient:
             return 0
         xfer = self._next_id()
         views = [as_bytes_view(b.payload) for b in blocks]
-        wire = [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
+        block_bytes = views[0].nbytes
+        if any(v.nbytes != block_bytes for v in views):
+            raise ValueError("put payloads must all have the store's block size")
+        if self._transport() != "tcp" and _pipelined(len(blocks), block_bytes):
+            return self._put_pipelined(xfer, blocks, views, deadline)
+        wire = _wire(blocks)
         if self._transport() == "tcp":
             groups = split_batch([v.nbytes for v in views], self._links.num_connections)
             frames = [
@@ -89,8 +94,6 @@ class StoreClient:
             ]
             self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
             return sum(int(f.acks[0]["stored"]) for f in frames)
-        if _pipelined(views):
-            return self._put_pipelined(xfer, wire, views, deadline)
         groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         stored = [0] * len(groups)
 
@@ -113,7 +116,8 @@ class StoreClient:
         link = self._links.checkout(deadline)
         ok = False
         try:
-            link.send(Kind.PUT_RESERVE, {"xfer": xfer, "blocks": wire}, deadline=deadline)
+            request = {"xfer": xfer, "blocks": wire, "block_bytes": views[0].nbytes}
+            link.send(Kind.PUT_RESERVE, request, deadline=deadline)
             slots = self._links.expect(link, Kind.PUT_SLOTS, deadline)
             inline = self._place(slots.meta["items"], views)
             link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
@@ -124,10 +128,11 @@ class StoreClient:
             self._links.checkin(link, ok)
 
     def _put_pipelined(
-        self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
+        self, xfer: str, blocks: Sequence[PutBlock], views: list[memoryview], deadline: float
     ) -> int:
-        """The put's groups one after another on one link, ``PIPELINE_DEPTH`` ahead."""
-        groups = _groups(len(views))
+        """The put's groups one after another on one link, ``PIPELINE_DEPTH`` ahead (each
+        group's request is encoded as it goes out, not all before the first)."""
+        groups = _groups(len(blocks))
         link = self._links.checkout(deadline)
         ok = False
         try:
@@ -135,7 +140,11 @@ class StoreClient:
 
             def reserve(k: int) -> None:
                 g = groups[k]
-                meta = {"xfer": f"{xfer}.{k}", "blocks": wire[g.start : g.stop]}
+                meta = {
+                    "xfer": f"{xfer}.{k}",
+                    "blocks": _wire(blocks[g.start : g.stop]),
+                    "block_bytes": views[0].nbytes,
+                }
                 link.send(Kind.PUT_RESERVE, meta, deadline=deadline)
                 expected.append((Kind.PUT_SLOTS, k))
 
@@ -202,7 +211,7 @@ class StoreClient:
         views = [as_bytes_view(d) for d in dests]
         if len({v.nbytes for v in views}) > 1:
             raise ValueError("pull destinations must all have the store's block size")
-        if self._transport() != "tcp" and _pipelined(views):
+        if self._transport() != "tcp" and _pipelined(len(views), views[0].nbytes):
             return self._pull_pipelined(list(block_hashes), views, deadline)
         results: list[BlockMeta | None] = [None] * len(views)
 
@@ -377,10 +386,15 @@ class StoreClient:
             link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
 
 
-def _pipelined(views: list[memoryview]) -> bool:
-    """Whether a batch of these blocks goes pipelined on one link (small blocks, and
-    more than one group's worth)."""
-    return len(views) > PIPELINE_GROUP_BLOCKS and views[0].nbytes <= PIPELINE_MAX_BLOCK_BYTES
+def _wire(blocks: Sequence[PutBlock]) -> list[list[Any]]:
+    """The blocks' hashes, metadata and positions as a put request carries them."""
+    return [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
+
+
+def _pipelined(num_blocks: int, block_bytes: int) -> bool:
+    """Whether a co-located batch goes pipelined on one link (small blocks, and more
+    than one group's worth)."""
+    return num_blocks > PIPELINE_GROUP_BLOCKS and block_bytes <= PIPELINE_MAX_BLOCK_BYTES
 
 
 def _groups(num_blocks: int) -> list[range]:

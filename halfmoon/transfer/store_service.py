@@ -3,8 +3,8 @@ pulls (inline, or read in place from the store's shared DRAM arena).
 
 Placed puts take two round trips so the client can copy straight into reserved slots::
 
-    PUT_RESERVE {xfer, blocks}  ->  PUT_SLOTS {items}   item: [0] present, [1, seg, off] place it,
-                                                              [2] send it inline
+    PUT_RESERVE {xfer, blocks, block_bytes}  ->  PUT_SLOTS {items}
+        item: [0] present, [1, seg, off] place it, [2] send it inline
     (client copies the [1] blocks into the segment)
     PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
 
@@ -110,9 +110,15 @@ class StoreSession:
         self._finish(store, frame.meta["xfer"], frame, pendings, dests)
 
     def on_put_reserve(self, frame: Frame) -> None:
-        """Reserve slots and tell the client where to place each block."""
+        """Reserve slots and tell the client where to place each block (blocks of the
+        store's size only: the client copies them into slots of that size)."""
         store = self._store()
         xfer = frame.meta["xfer"]
+        if int(frame.meta["block_bytes"]) != store.block_bytes:
+            raise RemoteError(
+                f"this store's blocks have {store.block_bytes} bytes, the put's "
+                f"{frame.meta['block_bytes']}"
+            )
         pendings = self._begin(store, frame.meta["blocks"])
         self._reserved[xfer] = pendings
         segment = store.segment_name

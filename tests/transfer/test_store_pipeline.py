@@ -61,7 +61,7 @@ def _puts(first: int, count: int) -> list[PutBlock]:
 def test_a_pipelined_put_and_pull_match_what_was_put(co_located, transport):
     group = store_client.PIPELINE_GROUP_BLOCKS
     count = 2 * group + 37  # three groups, the last one short
-    assert store_client._pipelined([memoryview(block(0))] * count)
+    assert store_client._pipelined(count, BLOCK)
     client, store = co_located(transport, num_slots=4 * group)
     assert client.put_blocks(_puts(0, 40)) == 40  # some of the batch is there already
     assert client.put_blocks(_puts(0, count)) == count - 40
@@ -126,8 +126,7 @@ def test_a_pipelined_put_that_finds_the_store_full_midway_fails_cleanly(co_locat
 
 
 def test_large_blocks_and_small_batches_keep_the_parallel_path():
-    small = [memoryview(bytes(BLOCK))] * (store_client.PIPELINE_GROUP_BLOCKS + 1)
-    assert store_client._pipelined(small)
-    assert not store_client._pipelined(small[:-1])  # one group: nothing to overlap
-    big = [memoryview(bytes(store_client.PIPELINE_MAX_BLOCK_BYTES + 1))] * 1000
-    assert not store_client._pipelined(big)
+    group = store_client.PIPELINE_GROUP_BLOCKS
+    assert store_client._pipelined(group + 1, BLOCK)
+    assert not store_client._pipelined(group, BLOCK)  # one group: nothing to overlap
+    assert not store_client._pipelined(1000, store_client.PIPELINE_MAX_BLOCK_BYTES + 1)

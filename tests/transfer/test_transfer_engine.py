@@ -336,10 +336,16 @@ def test_pulled_blocks_go_encoded_over_tcp_to_a_client_that_decodes(pair, transp
         store.close()
 
 
-def test_store_errors_reach_the_client(store_peer, pair):
-    client, _, _, _ = store_peer("tcp")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_store_errors_reach_the_client(store_peer, pair, transport):
+    client, store, _, _ = store_peer(transport)
     with pytest.raises(RemoteError, match="blocks have 65536 bytes"):
         client.put_blocks([PutBlock(1, bytes(100), BlockMeta(1, 0))])
+    with pytest.raises(RemoteError, match="blocks have 65536 bytes"):  # never into a slot
+        client.put_blocks([PutBlock(1, bytes(2 * BLOCK), BlockMeta(1, 0))] * 2)
+    with pytest.raises(ValueError, match="the store's block size"):
+        client.put_blocks([PutBlock(1, block(1), BlockMeta(1, 0)), PutBlock(2, bytes(9), None)])
+    assert store.stats().dram.num_blocks == 0
     with pytest.raises(RemoteError, match="blocks have 65536 bytes"):
         client.pull([1], [bytearray(100)])
     with pytest.raises(ValueError, match="2 hashes but 1"):
@@ -377,7 +383,8 @@ def test_a_client_that_vanishes_after_reserving_leaks_no_slot(store_peer):
     link = Link(socket.create_connection((host, int(port))), endpoint)  # a hand-driven client
     client_handshake(link, SECRET, "raw-client", time.monotonic() + 5)
     wire = [[hash_to_wire(9), meta_to_wire(BlockMeta(16, 0)), 0]]
-    link.send(Kind.PUT_RESERVE, {"xfer": "x", "blocks": wire}, deadline=time.monotonic() + 5)
+    request = {"xfer": "x", "blocks": wire, "block_bytes": BLOCK}
+    link.send(Kind.PUT_RESERVE, request, deadline=time.monotonic() + 5)
     assert link.recv(time.monotonic() + 5).kind == Kind.PUT_SLOTS
     assert store.stats().num_reserved == 1
     link.close()  # gone without PUT_COMMIT
