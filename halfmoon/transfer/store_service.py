@@ -26,8 +26,8 @@ from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import (
     TransferCompleted,
-    meta_from_wire,
     meta_to_wire,
+    put_items_from_wire,
 )
 from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
 
@@ -67,9 +67,7 @@ class StoreSession:
 
     def _begin(self, store: TieredStore, blocks: list[list[Any]]) -> list[PendingPut | None]:
         """Reserve a slot per block (None: already stored); all or nothing."""
-        return store.begin_puts(
-            [(hash_from_wire(h), meta_from_wire(m), int(position)) for h, m, position in blocks]
-        )
+        return store.begin_puts(put_items_from_wire(blocks))
 
     def _finish(
         self,

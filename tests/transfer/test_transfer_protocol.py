@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from halfmoon.store import BlockMeta
 from halfmoon.transfer import (
     ChecksumError,
     PeerClosedError,
@@ -17,6 +18,7 @@ from halfmoon.transfer import (
 from halfmoon.transfer.deadline_socket import DeadlineSocket
 from halfmoon.transfer.endpoint import Endpoint
 from halfmoon.transfer.link import Link, hash_pieces
+from halfmoon.transfer.messages import meta_from_wire, meta_to_wire, put_items_from_wire
 from halfmoon.transfer.protocol import (
     HEADER_BYTES,
     Kind,
@@ -298,3 +300,23 @@ def test_hash_pieces_equals_hashing_each_piece_in_order():
             one.update(piece)
         hash_pieces(many, subset)
         assert one.intdigest() == many.intdigest()
+
+
+def test_put_items_decode_like_their_per_field_codecs_and_reject_malformed_ones():
+    wire = [
+        [hash_to_wire(2**128 - 1 - i), meta_to_wire(BlockMeta(16, 2**127 + i, 3)), i]
+        for i in range(5)
+    ]
+    expected = [(hash_from_wire(h), meta_from_wire(m), p) for h, m, p in wire]
+    assert put_items_from_wire(wire) == expected
+    good = wire[0]
+    for bad in (
+        [b"short", good[1], 0],
+        [good[0], [16, b"short", 1], 0],
+        [good[0], [16, 0, 1], 0],  # the parent as an int, not 16 bytes
+        [good[0], [-1, good[1][1], 1], 0],  # BlockMeta's own range check
+        [good[0], good[1]],  # no position
+        "not a list",
+    ):
+        with pytest.raises(ProtocolError):
+            put_items_from_wire([good, bad])
