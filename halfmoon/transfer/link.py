@@ -53,32 +53,42 @@ _CANCEL_POLL_S = 0.02
 _RBUF_BYTES = 64 << 10
 
 
-#: xxhash releases the GIL only for inputs larger than this (python-xxhash 4.1, measured:
+#: Pieces up to this size are joined with their neighbours in memory (:func:`coalesce`).
+#: It is also the size up to which xxhash keeps the GIL (python-xxhash 4.1, measured:
 #: two threads hashing 64 KiB pieces took twice one thread's time, 96 KiB pieces the same).
-_HASH_GIL_FREE_BYTES = 64 << 10
+_COALESCE_MAX_BYTES = 64 << 10
 
 
-def hash_pieces(hasher: Any, pieces: Sequence[memoryview]) -> None:
-    """``hasher.update`` with each piece in order; pieces of up to 64 KiB that lie back to
-    back in memory (blocks of one array or pool) are hashed as one span. Hashed one by
-    one, such pieces held the GIL: a batch's other connection thread, back from its
-    ``sendmsg`` / ``recvmsg_into``, waited, and 64 KiB blocks moved 20-25% slower than
-    1 MiB ones over the same connections."""
-    start = end = 0  # the current run of adjacent small pieces: [start, end)
+def coalesce(pieces: Sequence[memoryview]) -> list[memoryview]:
+    """``pieces`` with every run of pieces of up to 64 KiB that lie back to back in
+    writable memory (blocks of one array, slices of one region) joined into one view.
+
+    The joined views point at the pieces' memory without owning it: use them only while
+    ``pieces`` are alive (within the send or receive). A payload of 1,024 blocks of
+    64 KiB is then a few views, not 1,024: one slice, one hash call and one iovec per
+    MiB instead of sixteen, and the hash of a joined run (over 64 KiB) runs without the
+    GIL, where a 64 KiB piece's held it while the batch's other connection thread waited
+    to return from its ``sendmsg`` / ``recvmsg_into``.
+    """
+    out: list[memoryview] = []
+    start = end = 0  # the current run: [start, end)
+    run: list[memoryview] = []
     for piece in pieces:
-        address = buffer_address(piece) if piece.nbytes <= _HASH_GIL_FREE_BYTES else None
+        address = buffer_address(piece) if piece.nbytes <= _COALESCE_MAX_BYTES else None
         if address is not None and address == end and end:
             end += piece.nbytes
+            run.append(piece)
             continue
-        if end:
-            hasher.update(span_at(start, end - start))
-            start = end = 0
+        if run:
+            out.append(run[0] if len(run) == 1 else span_at(start, end - start))
+            run, start, end = [], 0, 0
         if address is None:
-            hasher.update(piece)
+            out.append(piece)
         else:
-            start, end = address, address + piece.nbytes
-    if end:
-        hasher.update(span_at(start, end - start))
+            run, start, end = [piece], address, address + piece.nbytes
+    if run:
+        out.append(run[0] if len(run) == 1 else span_at(start, end - start))
+    return out
 
 
 def as_bytes_view(buffer: object) -> memoryview:
@@ -165,11 +175,14 @@ class Link:
         self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
     ) -> None:
         """A payload of at most one chunk: hash it, then one ``sendmsg`` for the whole frame."""
+        if len(payloads) > 1:
+            payloads = coalesce(payloads)
         if len(payloads) == 1:
             checksum = xxhash.xxh3_64_intdigest(payloads[0])
         else:
             hasher = xxhash.xxh3_64()
-            hash_pieces(hasher, payloads)
+            for view in payloads:
+                hasher.update(view)
             checksum = hasher.intdigest()
         self._io.send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
 
@@ -179,16 +192,15 @@ class Link:
         """Hash each chunk right before the kernel copies it, then send the checksum trailer."""
         hasher = xxhash.xxh3_64()
         batch, batch_bytes = [header], 0
-        for view in payloads:
+        for view in coalesce(payloads) if len(payloads) > 1 else payloads:
             for start in range(0, view.nbytes, _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
+                hasher.update(chunk)
                 batch.append(chunk)
                 batch_bytes += chunk.nbytes
                 if batch_bytes >= _CHUNK_BYTES or len(batch) >= IOV_BATCH:
-                    hash_pieces(hasher, batch[1:] if batch[0] is header else batch)
                     self._io.send_all(batch, deadline)
                     batch, batch_bytes = [], 0
-        hash_pieces(hasher, batch[1:] if batch and batch[0] is header else batch)
         batch.append(memoryview(encode_trailer(hasher.intdigest())))
         self._io.send_all(batch, deadline)
 
@@ -339,17 +351,19 @@ class Link:
         group: list[memoryview] = []  # about a chunk's bytes, received in one go, then hashed
         group_bytes = 0
         try:
-            for dest in dests:
+            for dest in coalesce(dests) if len(dests) > 1 else dests:
                 for start in range(0, dest.nbytes, _CHUNK_BYTES):
                     chunk = dest[start : start + _CHUNK_BYTES]
                     group.append(chunk)
                     group_bytes += chunk.nbytes
                     if group_bytes >= _CHUNK_BYTES or len(group) >= IOV_BATCH:
                         self._recv_scatter(group, deadline)
-                        hash_pieces(hasher, group)  # still in cache from the kernel's copy
+                        for piece in group:
+                            hasher.update(piece)  # still in cache from the kernel's copy
                         group, group_bytes = [], 0
             self._recv_scatter([*group, trailer], deadline)
-            hash_pieces(hasher, group)
+            for piece in group:
+                hasher.update(piece)
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
         if hasher.intdigest() != decode_trailer(trailer):

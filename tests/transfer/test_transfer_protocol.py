@@ -17,7 +17,7 @@ from halfmoon.transfer import (
 )
 from halfmoon.transfer.deadline_socket import DeadlineSocket
 from halfmoon.transfer.endpoint import Endpoint
-from halfmoon.transfer.link import Link, hash_pieces
+from halfmoon.transfer.link import Link, coalesce
 from halfmoon.transfer.messages import meta_from_wire, meta_to_wire, put_items_from_wire
 from halfmoon.transfer.protocol import (
     HEADER_BYTES,
@@ -273,33 +273,43 @@ def test_a_wait_without_deadline_keeps_a_long_armed_timeout_and_clears_a_short_o
         theirs.close()
 
 
-def test_hash_pieces_equals_hashing_each_piece_in_order():
+def test_coalesce_joins_small_pieces_that_lie_back_to_back():
     rng = np.random.default_rng(7)
     pool = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     views = memoryview(pool)
     pieces = [
-        views[0:4096],  # a run of adjacent small pieces ...
+        views[0:4096],  # a run of three adjacent small pieces ...
         views[4096:8192],
         views[8192:73728],
-        views[100000:104096],  # ... a gap, then another
-        memoryview(b"read-only bytes are hashed as they are"),
-        views[200000:400000],  # larger than 64 KiB: hashed on its own
-        views[400000:401000],
+        views[100000:104096],  # ... a gap, then a piece alone
+        memoryview(b"read-only bytes stay as they are"),
+        views[200000:400000],  # larger than 64 KiB: never joined
+        views[400000:401000],  # adjacent to the large one but joined only with the next
         views[401000:401001],
-        memoryview(bytearray(0)),
+        views[401001:401001],  # empty: kept as it is
     ]
-    expected = xxhash.xxh3_64()
-    for piece in pieces:
-        expected.update(piece)
-    got = xxhash.xxh3_64()
-    hash_pieces(got, pieces)
-    assert got.intdigest() == expected.intdigest()
-    for subset in (pieces[:1], pieces[3:5], [], pieces[::-1]):
-        one, many = xxhash.xxh3_64(), xxhash.xxh3_64()
-        for piece in subset:
-            one.update(piece)
-        hash_pieces(many, subset)
-        assert one.intdigest() == many.intdigest()
+    joined = coalesce(pieces)
+    assert [p.nbytes for p in joined] == [73728, 4096, 32, 200000, 1001, 0]
+    assert b"".join(bytes(p) for p in joined) == b"".join(bytes(p) for p in pieces)
+    joined[0][5000:5004] = b"abcd"  # a joined view is the pieces' own memory
+    assert bytes(pieces[1][904:908]) == b"abcd"
+    assert coalesce([]) == [] and coalesce(pieces[3:4])[0] is pieces[3]
+    swapped = coalesce([views[4096:8192], views[0:4096]])  # adjacent, but in reverse order
+    assert [p.nbytes for p in swapped] == [4096, 4096]
+
+
+def test_a_payload_of_adjacent_blocks_arrives_whole_in_adjacent_destinations(link_pair):
+    a, b = link_pair
+    src = np.arange(64 * 4096, dtype=np.uint8).reshape(64, 4096) ^ 0x5A
+    dest = np.zeros_like(src)
+    sender = threading.Thread(
+        target=a.send, args=(Kind.PUSH, {"x": 1}, [memoryview(r) for r in src])
+    )
+    sender.start()
+    frame = b.recv(time.monotonic() + 5)
+    b.recv_payload_into(frame, [memoryview(r) for r in dest], time.monotonic() + 5)
+    sender.join()
+    assert (dest == src).all()
 
 
 def test_put_items_decode_like_their_per_field_codecs_and_reject_malformed_ones():
