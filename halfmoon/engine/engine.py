@@ -86,6 +86,10 @@ class EngineStats:
     num_free_blocks: int
     num_cached_blocks: int
     num_preemptions: int
+    #: Prompt tokens still to compute: every token of a waiting request (a preempted one
+    #: recomputes its output too), the rest of a running prompt. Prefix-cache hits of
+    #: waiting requests are not known before they are scheduled, so they count.
+    num_prefill_tokens: int = 0
 
 
 class LLMEngine:
@@ -169,6 +173,7 @@ class LLMEngine:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_cached_blocks=self.block_manager.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_tokens=self.scheduler.num_prefill_tokens(),
         )
 
     # -- requests ---------------------------------------------------------------------------

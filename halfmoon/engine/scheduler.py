@@ -121,6 +121,17 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def num_prefill_tokens(self) -> int:
+        """Tokens still to prefill: all of each waiting sequence's, the rest of each
+        running prompt (see :class:`~halfmoon.engine.engine.EngineStats`)."""
+        waiting = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+        running = sum(
+            seq.num_prompt_tokens - seq.num_computed_tokens
+            for seq in self.running
+            if seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+        return waiting + running
+
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
         return bool(self.waiting or self.running)

@@ -43,6 +43,23 @@ def test_step_streams_tokens_until_length(llama_ref: Reference, prompts) -> None
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
+def test_stats_count_the_prompt_tokens_still_to_prefill(llama_ref: Reference, prompts) -> None:
+    engine = LLMEngine(engine_config(llama_ref.path, prefill_chunk_tokens=16))
+    a, b = prompts(13, [40, 24], llama_ref.vocab_size)
+    assert engine.stats().num_prefill_tokens == 0
+    engine.add_request("a", a, GREEDY)
+    engine.add_request("b", b, GREEDY)
+    assert engine.stats().num_prefill_tokens == 64
+    left = [engine.stats().num_prefill_tokens]
+    while engine.stats().num_prefill_tokens:
+        engine.step()
+        left.append(engine.stats().num_prefill_tokens)
+    assert left == sorted(left, reverse=True) and len(left) > 2  # chunk by chunk
+    assert engine.has_unfinished_requests()  # decoding now: no prompt left to compute
+    run_checked(engine)
+    assert engine.stats().num_prefill_tokens == 0
+
+
 def test_shared_prefix_is_served_from_cache(llama_ref: Reference, prompts) -> None:
     engine = LLMEngine(engine_config(llama_ref.path))
     base, tail = prompts(11, [40, 9], llama_ref.vocab_size)

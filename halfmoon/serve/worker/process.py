@@ -474,7 +474,8 @@ class Worker:
         self.conductor.event(
             "load", num_running=stats.num_running, context_tokens=used_blocks * block,
             kv_used_tokens=used_blocks * block, kv_capacity_tokens=stats.num_blocks * block,
-            num_waiting=stats.num_waiting, **extra,
+            num_waiting=stats.num_waiting, queued_prefill_tokens=stats.num_prefill_tokens,
+            **extra,
         )  # fmt: skip
 
 
