@@ -84,8 +84,8 @@ class StoreClient:
         if self._transport() != "tcp" and _pipelined(len(blocks), block_bytes):
             return self._put_pipelined(xfer, blocks, views, deadline)
         wire = _wire(blocks)
+        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         if self._transport() == "tcp":
-            groups = split_batch([v.nbytes for v in views], self._links.num_connections)
             frames = [
                 OutFrame(
                     Kind.PUT, {"xfer": xfer, "blocks": [wire[i] for i in g]}, [views[i] for i in g]
@@ -94,7 +94,6 @@ class StoreClient:
             ]
             self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
             return sum(int(f.acks[0]["stored"]) for f in frames)
-        groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         stored = [0] * len(groups)
 
         def job(k: int) -> Callable[[], None]:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import zmq
 
+from halfmoon.engine.engine import EngineStats
 from halfmoon.serve.worker.process import COMMANDS_PER_STEP, Worker, WorkerIdentity
 
 SECRET = b"worker-loop-secret-0123456789abc"
@@ -32,8 +33,8 @@ class _Engine:
         self.steps += 1
         return []
 
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=1, num_waiting=0, num_blocks=8, num_free_blocks=8)
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 1, 8, 8, 0, 0)
 
     def close(self) -> None:
         return None
@@ -100,8 +101,8 @@ class _IdleEngine:
     def has_unfinished_requests(self) -> bool:
         return False
 
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=0, num_waiting=0, num_blocks=8, num_free_blocks=8)
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 8, 8, 0, 0)
 
     def check_integrity(self) -> None:
         return None
