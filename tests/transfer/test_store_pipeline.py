@@ -4,25 +4,15 @@ to their requests, and nothing reserved or pinned left behind, errors included."
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
+from transfer_testing import eventually
 
 import halfmoon.transfer.store_client as store_client
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.transfer import PutBlock, RemoteError
 
 BLOCK = 4096
-
-
-def eventually(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def block(i: int) -> np.ndarray:

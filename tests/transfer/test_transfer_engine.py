@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from transfer_testing import SECRET
+from transfer_testing import SECRET, eventually
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
@@ -42,16 +42,6 @@ BLOCK = 64 << 10
 
 def block(i: int, size: int = BLOCK) -> np.ndarray:
     return np.full(size, i % 251, dtype=np.uint8)
-
-
-def eventually(predicate, timeout_s: float = 5.0) -> bool:
-    """Poll ``predicate``: receiver notifications run just after the sender's ack."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 @pytest.fixture
