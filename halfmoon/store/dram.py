@@ -20,6 +20,10 @@ class DRAMEntry(NamedTuple):
     position: int
 
 
+#: A NamedTuple built without its Python-level ``__new__`` (one per stored block).
+_new_tuple = tuple.__new__
+
+
 class DRAMTier:
     """``num_slots`` blocks of ``block_bytes`` in one preallocated (optionally shared) arena."""
 
@@ -74,7 +78,7 @@ class DRAMTier:
     def commit(self, slot: int, block_hash: int, meta: BlockMeta, position: int) -> None:
         """Publish a reserved slot as ``block_hash``."""
         self._reserved.remove(slot)
-        self._entries[block_hash] = DRAMEntry(slot, meta, position)
+        self._entries[block_hash] = _new_tuple(DRAMEntry, (slot, meta, position))  # fast
 
     def unreserve(self, slot: int) -> None:
         """Give a reserved slot back unused."""
@@ -84,6 +88,13 @@ class DRAMTier:
     def remove(self, block_hash: int) -> None:
         """Forget the block and free its slot."""
         self._allocator.free(self._entries.pop(block_hash).slot)
+
+    def take_slot(self, block_hash: int) -> int:
+        """Forget the block and reserve its slot for a block being written (eviction
+        straight into a put: the slot never passes through the free list)."""
+        slot = self._entries.pop(block_hash).slot
+        self._reserved.add(slot)
+        return slot
 
     def check_integrity(self) -> None:
         """Raise :class:`~halfmoon.store.errors.IntegrityError` on a leaked or shared slot."""

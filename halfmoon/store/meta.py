@@ -42,6 +42,21 @@ class BlockMeta:
             raise ValueError(f"layout_version must lie in [0, 65535], got {self.layout_version}")
 
 
+def trusted_meta(num_tokens: int, parent_hash: int, layout_version: int) -> BlockMeta:
+    """``BlockMeta(...)`` for decoders that have checked the three ranges themselves: the
+    same frozen value without ``__init__`` and ``__post_init__`` (about 1 us a block here,
+    this 0.35; a store batch decodes one per block)."""
+    meta = _new(BlockMeta)
+    fields = meta.__dict__
+    fields["num_tokens"] = num_tokens
+    fields["parent_hash"] = parent_hash
+    fields["layout_version"] = layout_version
+    return meta
+
+
+_new = object.__new__
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Sizes and policy of a :class:`~halfmoon.store.TieredStore`.
