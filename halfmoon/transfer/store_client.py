@@ -37,11 +37,11 @@ from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.errors import ProtocolError
 from halfmoon.transfer.link import Link, as_bytes_view
 from halfmoon.transfer.memcopy import copy_blocks, copy_into
-from halfmoon.transfer.messages import PutBlock, meta_from_wire, meta_to_wire
+from halfmoon.transfer.messages import PutBlock, meta_from_wire, put_items_to_wire
 from halfmoon.transfer.pool import LinkPool, OutFrame, split_batch
 from halfmoon.transfer.protocol import Frame, Kind, hash_to_wire
 from halfmoon.transfer.regions import SegmentCache
-from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PLACE, PullDecoder
+from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PRESENT, PullDecoder
 
 #: Blocks up to this size move pipelined on one link over shared memory (see above).
 PIPELINE_MAX_BLOCK_BYTES = 256 << 10
@@ -83,7 +83,7 @@ class StoreClient:
             raise ValueError("put payloads must all have the store's block size")
         if self._transport() != "tcp" and _pipelined(len(blocks), block_bytes):
             return self._put_pipelined(xfer, blocks, views, deadline)
-        wire = _wire(blocks)
+        wire = put_items_to_wire(blocks)
         groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         if self._transport() == "tcp":
             frames = [
@@ -118,7 +118,7 @@ class StoreClient:
             request = {"xfer": xfer, "blocks": wire, "block_bytes": views[0].nbytes}
             link.send(Kind.PUT_RESERVE, request, deadline=deadline)
             slots = self._links.expect(link, Kind.PUT_SLOTS, deadline)
-            inline = self._place(slots.meta["items"], views)
+            inline = self._place(slots.meta, views)
             link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
             stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
             ok = True
@@ -141,7 +141,7 @@ class StoreClient:
                 g = groups[k]
                 meta = {
                     "xfer": f"{xfer}.{k}",
-                    "blocks": _wire(blocks[g.start : g.stop]),
+                    "blocks": put_items_to_wire(blocks[g.start : g.stop]),
                     "block_bytes": views[0].nbytes,
                 }
                 link.send(Kind.PUT_RESERVE, meta, deadline=deadline)
@@ -160,7 +160,7 @@ class StoreClient:
                     stored += int(reply.meta["stored"])
                     continue
                 g = groups[k]
-                inline = self._place(reply.meta["items"], views[g.start : g.stop])
+                inline = self._place(reply.meta, views[g.start : g.stop])
                 link.send(Kind.PUT_COMMIT, {"xfer": f"{xfer}.{k}"}, inline, deadline)
                 expected.append((Kind.PUT_ACK, k))
                 if ahead < len(groups):
@@ -171,23 +171,27 @@ class StoreClient:
         finally:
             self._links.checkin(link, ok)
 
-    def _place(self, items: list[list[Any]], views: list[memoryview]) -> list[memoryview]:
+    def _place(self, reply: dict[str, Any], views: list[memoryview]) -> list[memoryview]:
         """Copy the blocks the peer gave slots in its shared arena; the rest, to send
         inline with the commit."""
-        if len(items) != len(views):
-            raise ProtocolError(f"peer {self.endpoint} reserved {len(items)} of {len(views)} slots")
-        inline = []
-        placed: dict[str, list[tuple[int, memoryview]]] = {}  # by segment
-        for item, view in zip(items, views, strict=True):
-            if item[0] == SLOT_PLACE:
-                placed.setdefault(item[1], []).append((int(item[2]), view))
-            elif item[0] == SLOT_INLINE:
-                inline.append(view)
-        for segment, blocks in placed.items():
-            try:  # slots reserved back to back take one copy (see copy_blocks)
-                copy_blocks(self._segments.view(segment), blocks)
-            except ValueError as exc:
-                raise ProtocolError(f"peer {self.endpoint} reserved a bad slot: {exc}") from exc
+        slots = reply.get("slots")
+        if not isinstance(slots, list) or len(slots) != len(views):
+            got = len(slots) if isinstance(slots, list) else "no"
+            raise ProtocolError(f"peer {self.endpoint} reserved {got} of {len(views)} slots")
+        inline: list[memoryview] = []
+        placed: list[tuple[int, memoryview]] = []
+        try:
+            for offset, view in zip(slots, views, strict=True):
+                if offset >= 0:
+                    placed.append((offset, view))
+                elif offset == SLOT_INLINE:
+                    inline.append(view)
+                elif offset != SLOT_PRESENT:
+                    raise ValueError(f"unknown slot {offset}")
+            if placed:  # slots reserved back to back take one copy (see copy_blocks)
+                copy_blocks(self._segments.view(str(reply["segment"])), placed)
+        except (TypeError, ValueError, KeyError, OSError) as exc:  # OSError: no such segment
+            raise ProtocolError(f"peer {self.endpoint} reserved a bad slot: {exc}") from exc
         return inline
 
     # ------------------------------------------------------------ pull
@@ -383,11 +387,6 @@ class StoreClient:
                 copy_into(dest, 0, arena[start : start + dest.nbytes])
         finally:
             link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
-
-
-def _wire(blocks: Sequence[PutBlock]) -> list[list[Any]]:
-    """The blocks' hashes, metadata and positions as a put request carries them."""
-    return [[hash_to_wire(b.block_hash), meta_to_wire(b.meta), b.position] for b in blocks]
 
 
 def _pipelined(num_blocks: int, block_bytes: int) -> bool:

@@ -3,8 +3,9 @@ pulls (inline, or read in place from the store's shared DRAM arena).
 
 Placed puts take two round trips so the client can copy straight into reserved slots::
 
-    PUT_RESERVE {xfer, blocks, block_bytes}  ->  PUT_SLOTS {items}
-        item: [0] present, [1, seg, off] place it, [2] send it inline
+    PUT_RESERVE {xfer, blocks, block_bytes}  ->  PUT_SLOTS {xfer, segment, slots}
+        slot: an offset >= 0 in the shared segment (place it there), -1 present,
+        -2 send it inline
     (client copies the [1] blocks into the segment)
     PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
 
@@ -42,8 +43,9 @@ StoreFallback = Callable[[int, memoryview], BlockMeta | None]
 PullEncoder = Callable[[memoryview], memoryview]
 #: ``decode(payload, dest)``: a :data:`PullEncoder`'s payload back into ``dest``.
 PullDecoder = Callable[[memoryview, memoryview], None]
-#: PUT_SLOTS item codes.
-SLOT_PRESENT, SLOT_PLACE, SLOT_INLINE = 0, 1, 2
+#: PUT_SLOTS entries other than an offset in the shared segment (one int per block: a
+#: list of small ints costs a fraction of per-block lists on both sides).
+SLOT_PRESENT, SLOT_INLINE = -1, -2
 #: Inline pulls up to this size are copied out under the store lock instead of pinned.
 _COPY_PULL_MAX_BYTES = 256 << 10
 #: A co-located client's pull up to this size comes inline too: for a few small blocks the
@@ -120,15 +122,17 @@ class StoreSession:
         pendings = self._begin(store, frame.meta["blocks"])
         self._reserved[xfer] = pendings
         segment = store.segment_name
-        items: list[list[Any]] = []
+        slots: list[int] = []
+        size = store.block_bytes  # a slot's offset in the arena is slot * block_bytes
         for p in pendings:
             if p is None:
-                items.append([SLOT_PRESENT])
+                slots.append(SLOT_PRESENT)
             elif segment is not None and p.dram_slot is not None:
-                items.append([SLOT_PLACE, segment, store.arena_offset(p.dram_slot)])
+                slots.append(p.dram_slot * size)
             else:
-                items.append([SLOT_INLINE])
-        self._link.send(Kind.PUT_SLOTS, {"xfer": xfer, "items": items}, deadline=self._deadline())
+                slots.append(SLOT_INLINE)
+        reply = {"xfer": xfer, "segment": segment, "slots": slots}
+        self._link.send(Kind.PUT_SLOTS, reply, deadline=self._deadline())
 
     def on_put_commit(self, frame: Frame) -> None:
         """The client placed its blocks: take the inline rest, commit, ack."""

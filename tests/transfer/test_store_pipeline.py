@@ -10,7 +10,7 @@ from transfer_testing import eventually
 
 import halfmoon.transfer.store_client as store_client
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
-from halfmoon.transfer import PutBlock, RemoteError
+from halfmoon.transfer import ProtocolError, PutBlock, RemoteError
 
 BLOCK = 4096
 
@@ -120,3 +120,53 @@ def test_large_blocks_and_small_batches_keep_the_parallel_path():
     assert store_client._pipelined(group + 1, BLOCK)
     assert not store_client._pipelined(group, BLOCK)  # one group: nothing to overlap
     assert not store_client._pipelined(1000, store_client.PIPELINE_MAX_BLOCK_BYTES + 1)
+
+
+class _Arena:
+    """A stand-in for the client's segment cache: one named arena."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.buf = bytearray(num_bytes)
+
+    def view(self, name: str) -> memoryview:
+        if name != "arena":
+            raise FileNotFoundError(f"no segment {name}")  # as attach_segment does
+        return memoryview(self.buf)
+
+
+class _NoLinks:
+    endpoint = "127.0.0.1:1"
+
+
+def _placing_client(arena: _Arena) -> store_client.StoreClient:
+    return store_client.StoreClient(_NoLinks(), arena, lambda: "shm", lambda: "x")  # type: ignore[arg-type]
+
+
+def test_placing_copies_into_offered_slots_and_returns_the_inline_rest():
+    arena = _Arena(4 * 8)
+    client = _placing_client(arena)
+    views = [memoryview(bytes([i + 1]) * 8) for i in range(4)]
+    slots = [16, store_client.SLOT_PRESENT, store_client.SLOT_INLINE, 0]
+    inline = client._place({"segment": "arena", "slots": slots}, views)
+    assert [bytes(v) for v in inline] == [bytes(views[2])]
+    assert arena.buf == bytes([4]) * 8 + bytes(8) + bytes([1]) * 8 + bytes(8)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"segment": "arena", "slots": [0]},  # fewer slots than blocks
+        {"segment": "arena"},  # no slots
+        {"segment": "arena", "slots": [0, 32]},  # past the arena's end
+        {"segment": "arena", "slots": [0, -7]},  # an unknown code
+        {"segment": "arena", "slots": [0, "8"]},  # not an offset
+        {"slots": [0, 8]},  # no segment
+        {"segment": "elsewhere", "slots": [0, 8]},
+    ],
+)
+def test_a_bad_slot_reply_is_a_protocol_error_and_copies_nothing(reply):
+    arena = _Arena(4 * 8)
+    client = _placing_client(arena)
+    with pytest.raises(ProtocolError):
+        client._place(reply, [memoryview(b"\x01" * 8), memoryview(b"\x02" * 8)])
+    assert arena.buf == bytes(32)

@@ -1,3 +1,4 @@
+import dataclasses
 import socket
 import struct
 import threading
@@ -324,9 +325,27 @@ def test_put_items_decode_like_their_per_field_codecs_and_reject_malformed_ones(
         [b"short", good[1], 0],
         [good[0], [16, b"short", 1], 0],
         [good[0], [16, 0, 1], 0],  # the parent as an int, not 16 bytes
-        [good[0], [-1, good[1][1], 1], 0],  # BlockMeta's own range check
+        [good[0], [-1, good[1][1], 1], 0],  # BlockMeta's ranges, checked by the decoder
+        [good[0], [2**32, good[1][1], 1], 0],
+        [good[0], [16, good[1][1], 2**16], 0],
+        [good[0], [16, good[1][1], -1], 0],
+        [good[0], ["16", good[1][1], 1], 0],
+        [good[0], [True, good[1][1], 1], 0],
+        [good[0], good[1], "0"],  # a position that is not an integer
         [good[0], good[1]],  # no position
         "not a list",
     ):
         with pytest.raises(ProtocolError):
             put_items_from_wire([good, bad])
+        if isinstance(bad, list) and len(bad) == 3 and bad[2] == 0 and len(bad[0]) == 16:
+            with pytest.raises(ProtocolError):
+                meta_from_wire(bad[1])
+
+
+def test_decoded_metadata_is_an_ordinary_block_meta():
+    meta = meta_from_wire(meta_to_wire(BlockMeta(7, 2**128 - 1, 65535)))
+    assert meta == BlockMeta(7, 2**128 - 1, 65535)
+    assert hash(meta) == hash(BlockMeta(7, 2**128 - 1, 65535))
+    assert repr(meta) == repr(BlockMeta(7, 2**128 - 1, 65535))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.num_tokens = 8  # type: ignore[misc]
