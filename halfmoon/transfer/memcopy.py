@@ -107,6 +107,25 @@ class _Run:
             for i, block in enumerate(self.blocks):
                 copy_into(dest, self.offset + i * self.dest_stride, block)
 
+    def copy_out(self, src: memoryview) -> None:
+        """The reverse of :meth:`copy`: the run's ranges of ``src`` into its blocks (its
+        range checked)."""
+        count, size, start = len(self.blocks), self.size, self.offset
+        if count == 1:
+            copy_into(self.blocks[0], 0, src[start : start + size])
+            return
+        assert self.address is not None
+        if self.src_stride == size and self.dest_stride == size:
+            copy_into(span_at(self.address, count * size), 0, src[start : start + count * size])
+        elif count >= MIN_STRIDED_BLOCKS:
+            span = span_at(self.address, (count - 1) * self.src_stride + size)
+            out = np.ndarray((count, size), np.uint8, span, 0, (self.src_stride, 1))
+            np.copyto(out, np.ndarray((count, size), np.uint8, src, start, (self.dest_stride, 1)))
+        else:
+            for i, block in enumerate(self.blocks):
+                at = start + i * self.dest_stride
+                copy_into(block, 0, src[at : at + size])
+
 
 def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> int:
     """Copy every ``(offset, src)`` into ``dest`` (flat byte views) and return the bytes
@@ -125,4 +144,22 @@ def copy_blocks(dest: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> i
         run.check(dest)
     for run in runs:
         run.copy(dest)
+    return num_bytes
+
+
+def copy_out_blocks(src: memoryview, blocks: Iterable[tuple[int, memoryview]]) -> int:
+    """The reverse of :func:`copy_blocks`: copy ``src[offset : offset + n]`` into each
+    ``(offset, dest)`` (``dest`` writable, of ``n`` bytes), runs at constant strides as one
+    call; every range is checked before anything is copied (``ValueError``)."""
+    runs: list[_Run] = []
+    num_bytes = 0
+    for offset, dest in blocks:
+        num_bytes += dest.nbytes
+        address = buffer_address(dest)
+        if not runs or not runs[-1].extend(offset, address, dest):
+            runs.append(_Run(offset, address, dest))
+    for run in runs:
+        run.check(src)
+    for run in runs:
+        run.copy_out(src)
     return num_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from halfmoon.store.meta import BlockMeta, trusted_meta
 from halfmoon.transfer.errors import ProtocolError
@@ -31,9 +31,10 @@ class TransferCompleted:
 CompletionListener = Callable[[TransferCompleted], None]
 
 
-@dataclass(frozen=True)
-class PutBlock:
-    """One block to store remotely: hash, payload (``block_bytes``), metadata, position."""
+class PutBlock(NamedTuple):
+    """One block to store remotely: hash, payload (``block_bytes``), metadata, position
+    (a tuple: a put makes one per block, and a tuple costs less than half a frozen
+    dataclass to build)."""
 
     block_hash: int
     payload: Any

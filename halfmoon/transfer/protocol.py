@@ -20,7 +20,7 @@ little-endian ``bin`` values (:func:`hash_to_wire`).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -87,6 +87,25 @@ def hash_from_wire(raw: bytes) -> int:
     if not isinstance(raw, bytes) or len(raw) != 16:
         raise ProtocolError("a block hash on the wire must be 16 bytes")
     return int.from_bytes(raw, "little")
+
+
+def hashes_to_wire(block_hashes: Iterable[int]) -> list[bytes]:
+    """:func:`hash_to_wire` of each (one loop: a request carries up to 1,024)."""
+    return [h.to_bytes(16, "little") for h in block_hashes]
+
+
+def hashes_from_wire(raw: Any) -> list[int]:
+    """:func:`hash_from_wire` of each; :class:`ProtocolError` unless ``raw`` is a list of
+    16-byte strings."""
+    if not isinstance(raw, list):
+        raise ProtocolError("block hashes on the wire must be a list")
+    from_bytes = int.from_bytes
+    out = []
+    for h in raw:
+        if type(h) is not bytes or len(h) != 16:
+            raise ProtocolError("a block hash on the wire must be 16 bytes")
+        out.append(from_bytes(h, "little"))
+    return out
 
 
 def encode_trailer(checksum: int) -> bytes:

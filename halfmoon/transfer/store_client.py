@@ -36,10 +36,10 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.errors import ProtocolError
 from halfmoon.transfer.link import Link, as_bytes_view
-from halfmoon.transfer.memcopy import copy_blocks, copy_into
+from halfmoon.transfer.memcopy import copy_blocks, copy_out_blocks
 from halfmoon.transfer.messages import PutBlock, meta_from_wire, put_items_to_wire
 from halfmoon.transfer.pool import LinkPool, OutFrame, split_batch
-from halfmoon.transfer.protocol import Frame, Kind, hash_to_wire
+from halfmoon.transfer.protocol import Frame, Kind, hashes_to_wire
 from halfmoon.transfer.regions import SegmentCache
 from halfmoon.transfer.store_service import SLOT_INLINE, SLOT_PRESENT, PullDecoder
 
@@ -245,7 +245,9 @@ class StoreClient:
         try:
             xfer = self._send_pull(link, block_hashes, views[0].nbytes, deadline, decode)
             reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
-            metas = self._finish_pull(link, xfer, reply, views, deadline, decode)
+            if reply.meta.get("xfer") != xfer:
+                raise ProtocolError(f"peer {self.endpoint} answered another pull")
+            metas = self._finish_pull(link, reply, views, deadline, decode)
             ok = True
             return metas
         finally:
@@ -280,7 +282,7 @@ class StoreClient:
                     request(ahead)
                     ahead += 1
                 g = groups[k]
-                metas += self._finish_pull(link, xfer, reply, views[g.start : g.stop], deadline)
+                metas += self._finish_pull(link, reply, views[g.start : g.stop], deadline)
             ok = True
             return metas
         finally:
@@ -298,7 +300,7 @@ class StoreClient:
         xfer = self._next_id()
         request = {
             "xfer": xfer,
-            "hashes": [hash_to_wire(h) for h in block_hashes],
+            "hashes": hashes_to_wire(block_hashes),
             "direct": self._transport() != "tcp",  # blocks may be read in place
             "block_bytes": block_bytes,
         }
@@ -310,7 +312,6 @@ class StoreClient:
     def _finish_pull(
         self,
         link: Link,
-        xfer: str,
         reply: Frame,
         views: list[memoryview],
         deadline: float,
@@ -324,12 +325,12 @@ class StoreClient:
         metas: list[BlockMeta | None] = []
         inline: list[memoryview] = []
         in_place: list[int] = []
-        for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, seg, off]
+        for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, offset]
             if not item[0]:
                 metas.append(None)
                 continue
             metas.append(meta_from_wire(item[1]))
-            if len(item) == 4:  # in the peer's shared arena: copied out below
+            if len(item) == 3:  # in the peer's shared arena (reply["segment"]): copied below
                 in_place.append(i)
             else:
                 inline.append(views[i])
@@ -338,7 +339,7 @@ class StoreClient:
             return metas
         link.recv_payload_into(reply, inline, deadline)
         if in_place:
-            self._copy_in_place(link, xfer, views, items, in_place, deadline)
+            self._copy_in_place(link, reply, views, in_place, deadline)
         return metas
 
     def _recv_encoded(
@@ -368,25 +369,24 @@ class StoreClient:
     def _copy_in_place(
         self,
         link: Link,
-        xfer: str,
+        reply: Frame,
         views: list[memoryview],
-        items: list[list[Any]],
         in_place: list[int],
         deadline: float,
     ) -> None:
-        """Copy blocks out of the peer's shared arena, then let the peer drop their lease."""
+        """Copy blocks out of the peer's shared arena (runs of slots as one copy, see
+        :func:`copy_out_blocks`), then let the peer drop their lease."""
         try:
-            arenas: dict[str, memoryview] = {}
-            for i in in_place:
-                name, start, dest = items[i][2], int(items[i][3]), views[i]
-                arena = arenas.get(name)
-                if arena is None:
-                    arena = arenas[name] = self._segments.view(name)
-                if start < 0 or start + dest.nbytes > arena.nbytes:
-                    raise ProtocolError(f"peer {self.endpoint} pointed past its arena's end")
-                copy_into(dest, 0, arena[start : start + dest.nbytes])
+            items = reply.meta["items"]
+            try:
+                arena = self._segments.view(str(reply.meta["segment"]))
+                copy_out_blocks(arena, [(items[i][2], views[i]) for i in in_place])
+            except (TypeError, ValueError, KeyError, OSError) as exc:  # OSError: no segment
+                raise ProtocolError(
+                    f"peer {self.endpoint} pointed at a bad place in its arena: {exc}"
+                ) from exc
         finally:
-            link.send(Kind.RELEASE, {"xfer": xfer}, deadline=deadline)
+            link.send(Kind.RELEASE, {"xfer": reply.meta["xfer"]}, deadline=deadline)
 
 
 def _pipelined(num_blocks: int, block_bytes: int) -> bool:

@@ -9,6 +9,12 @@ Placed puts take two round trips so the client can copy straight into reserved s
     (client copies the [1] blocks into the segment)
     PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
 
+Pulls take one round trip, plus a RELEASE when blocks are read in place::
+
+    PULL {xfer, hashes, direct, block_bytes}  ->  PULL_REPLY {xfer, items, segment} + inline
+        item: [False] missing, [True, meta] inline, [True, meta, offset] in place
+        (at ``offset`` in the shared ``segment``, leased until the client's RELEASE)
+
 Reserved slots of an unfinished put are aborted when the connection ends. A pull of a
 block the store lacks may be served by the engine's fallback reader
 (:meth:`~halfmoon.transfer.engine.TransferEngine.set_store_fallback`: a prefill worker
@@ -30,7 +36,7 @@ from halfmoon.transfer.messages import (
     meta_to_wire,
     put_items_from_wire,
 )
-from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire
+from halfmoon.transfer.protocol import Frame, Kind, hash_from_wire, hashes_from_wire
 
 if TYPE_CHECKING:
     from halfmoon.transfer.server import TransferServer
@@ -174,7 +180,7 @@ class StoreSession:
         if num_bytes <= (_DIRECT_INLINE_MAX_BYTES if direct else _COPY_PULL_MAX_BYTES):
             self._pull_copied(store, xfer, hashes)
             return
-        block_hashes = [hash_from_wire(raw_hash) for raw_hash in hashes]
+        block_hashes = hashes_from_wire(hashes)
         lease, blocks = store.lease_reads(block_hashes)
         in_place = False  # the client reads some blocks in place, then sends RELEASE
         try:
@@ -193,13 +199,12 @@ class StoreSession:
                         items.append([True, meta_to_wire(found)])
                 elif direct and block.arena_offset is not None:
                     in_place = True
-                    items.append([True, meta_to_wire(block.meta), segment, block.arena_offset])
+                    items.append([True, meta_to_wire(block.meta), block.arena_offset])
                 else:
                     inline.append(block.view)
                     items.append([True, meta_to_wire(block.meta)])
-            self._link.send(
-                Kind.PULL_REPLY, {"xfer": xfer, "items": items}, inline, self._deadline()
-            )
+            reply = {"xfer": xfer, "items": items, "segment": segment if in_place else None}
+            self._link.send(Kind.PULL_REPLY, reply, inline, self._deadline())
         except BaseException:
             if lease is not None:
                 store.release_lease(lease.lease_id)

@@ -11,6 +11,7 @@ from transfer_testing import eventually
 import halfmoon.transfer.store_client as store_client
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.transfer import ProtocolError, PutBlock, RemoteError
+from halfmoon.transfer.protocol import Frame, Kind
 
 BLOCK = 4096
 
@@ -170,3 +171,38 @@ def test_a_bad_slot_reply_is_a_protocol_error_and_copies_nothing(reply):
     with pytest.raises(ProtocolError):
         client._place(reply, [memoryview(b"\x01" * 8), memoryview(b"\x02" * 8)])
     assert arena.buf == bytes(32)
+
+
+class _RecordingLink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, dict]] = []
+
+    def send(self, kind, meta, payloads=(), deadline=None) -> None:
+        self.sent.append((kind, meta))
+
+
+@pytest.mark.parametrize(
+    ("segment", "offsets", "error"),
+    [
+        ("arena", [16, 0], None),  # good: both copied, then RELEASE
+        ("arena", [0, 32], "bad place"),  # past the arena's end
+        ("arena", [0, "8"], "bad place"),
+        (None, [0, 8], "bad place"),
+        ("elsewhere", [0, 8], "bad place"),
+    ],
+)
+def test_pulled_blocks_are_copied_out_of_the_arena_and_always_released(segment, offsets, error):
+    arena = _Arena(4 * 8)
+    arena.buf[:] = bytes(range(32))
+    client = _placing_client(arena)
+    link = _RecordingLink()
+    items = [[True, [16, bytes(16), 1], offset] for offset in offsets]
+    reply = Frame(Kind.PULL_REPLY, {"xfer": "p1", "items": items, "segment": segment}, 0)
+    dests = [memoryview(bytearray(8)) for _ in offsets]
+    if error is None:
+        client._copy_in_place(link, reply, dests, [0, 1], deadline=1e12)  # type: ignore[arg-type]
+        assert [bytes(d) for d in dests] == [bytes(range(16, 24)), bytes(range(8))]
+    else:
+        with pytest.raises(ProtocolError, match=error):
+            client._copy_in_place(link, reply, dests, [0, 1], deadline=1e12)  # type: ignore[arg-type]
+    assert link.sent == [(Kind.RELEASE, {"xfer": "p1"})]

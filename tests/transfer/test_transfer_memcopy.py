@@ -126,3 +126,43 @@ def test_copy_blocks_returns_the_bytes_copied():
     blocks = [(0, memoryview(bytes(10))), (100, memoryview(bytearray(300)))]
     assert copy_blocks(dest, blocks) == 310
     assert copy_blocks(dest, []) == 0
+
+
+@pytest.mark.parametrize("size", [4096, GIL_FREE_BYTES])
+def test_copy_out_blocks_matches_a_block_by_block_copy_on_random_layouts(size):
+    from halfmoon.transfer.memcopy import copy_out_blocks
+
+    rng = np.random.default_rng(size + 1)
+    arena = rng.integers(0, 256, 16 * 2 * size, dtype=np.uint8)
+    for _ in range(20):
+        n = int(rng.integers(1, 12))
+        dests = np.zeros((24, size), np.uint8)
+        rows = rng.choice(24, n, replace=False)
+        if rng.random() < 0.5:  # often a stride in memory
+            start, step = int(rng.integers(0, 6)), int(rng.integers(1, 4))
+            rows = np.arange(start, start + step * n, step)[
+                : min(n, (24 - start + step - 1) // step)
+            ]
+        slots = (
+            rng.choice(32, len(rows), replace=False)
+            if rng.random() < 0.5
+            else np.arange(len(rows)) * int(rng.integers(1, 3))
+        )
+        blocks = [(int(s) * size, memoryview(dests[r])) for s, r in zip(slots, rows, strict=True)]
+        want = np.zeros_like(dests)
+        for s, r in zip(slots, rows, strict=True):
+            want[r] = arena[int(s) * size : (int(s) + 1) * size]
+        assert copy_out_blocks(memoryview(arena), blocks) == len(blocks) * size
+        assert (dests == want).all()
+
+
+def test_copy_out_blocks_refuses_a_range_past_the_end_and_copies_nothing():
+    from halfmoon.transfer.memcopy import copy_out_blocks
+
+    arena = memoryview(bytes(range(256)) * 4)
+    dests = np.zeros((5, 256), np.uint8)
+    with pytest.raises(ValueError, match="outside the destination"):
+        copy_out_blocks(arena, [(i * 256, memoryview(dests[i])) for i in range(5)])
+    with pytest.raises(ValueError, match="outside the destination"):
+        copy_out_blocks(arena, [(0, memoryview(dests[0])), (-256, memoryview(dests[1]))])
+    assert not dests.any()
