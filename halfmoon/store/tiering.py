@@ -352,7 +352,7 @@ class TierSet:
         index, buffer = dram.index, dram.arena.buffer
         shared = dram.arena.segment_name is not None
         discard_dram = self._policies[TIER_DRAM].discard
-        discard_ssd = self._policies[TIER_SSD].discard
+        discard_ssd, has_ssd = self._policies[TIER_SSD].discard, self.ssd is not None
         blocks: list[LeasedBlock | None] = []
         pinned: list[int] = []
         num_hits = 0
@@ -376,13 +376,13 @@ class TierSet:
             count = pins.get(h, 0)
             if count == 0:
                 discard_dram(h)
-                discard_ssd(h)
+                if has_ssd:  # (without an SSD tier its policy is empty)
+                    discard_ssd(h)
             pins[h] = count + 1
             pinned.append(h)
             start = entry.slot * size
-            blocks.append(
-                LeasedBlock(entry.meta, buffer[start : start + size], start if shared else None)
-            )
+            view = buffer[start : start + size]
+            blocks.append(new_tuple(LeasedBlock, (entry.meta, view, start if shared else None)))
         counters = self._counters[TIER_DRAM]
         counters.num_hits += num_hits
         counters.bytes_read += num_hits * size
