@@ -30,7 +30,9 @@ import xxhash
 from halfmoon.transfer.errors import ProtocolError
 
 MAGIC = b"HMT1"
-VERSION = 1
+#: Bumped when a message's fields change meaning (2: PUT_SLOTS as one offset per block,
+#: pull replies that name the shared segment once); peers of another version are refused.
+VERSION = 2
 _PREFIX = struct.Struct("<4sBBHIQ")
 _CHECK = struct.Struct("<Q")
 HEADER_BYTES = _PREFIX.size + _CHECK.size
