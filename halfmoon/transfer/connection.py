@@ -144,8 +144,8 @@ class PeerConnection:
             num_blocks, num_bytes = int(meta["blocks"]), int(meta["bytes"])
         else:
             segs = meta["segs"]
-            num_blocks, num_bytes = len(segs), sum(int(length) for _, length in segs)
-            dests = [region.slice(int(off), int(length)) for off, length in segs]
+            dests, num_bytes = region.slices(segs)
+            num_blocks = len(segs)
             try:
                 self.link.recv_payload_into(frame, dests, self.deadline())
             except TransferError as exc:

@@ -38,7 +38,9 @@ def default_num_connections() -> int:
 
 
 MAX_FRAME_BYTES = 64 << 20
-MAX_FRAME_SEGMENTS = 256
+#: Blocks per frame at most: 1,024 (a 64 MiB batch of 64 KiB blocks is one frame per
+#: connection, as one of 1 MiB blocks is; at 256 it took two, ~5% slower).
+MAX_FRAME_SEGMENTS = 1024
 _ACK_WINDOW = 8
 
 

@@ -64,6 +64,32 @@ class MemoryRegion:
         self.check_range(offset, length)
         return self.view[offset : offset + length]
 
+    def slices(self, segments: list[list[int]]) -> tuple[list[memoryview], int]:
+        """Views of ``[[offset, length], ...]`` for a payload that fills them in order,
+        and their total bytes; a segment that starts where the one before it ended joins
+        it (a frame of 256 blocks of 64 KiB back to back is one slice and one receive
+        buffer, not 256: the per-block slicing cost ~1 ms a 64 MiB batch).
+        :class:`RemoteError` when a segment is malformed or out of range."""
+        size = self.view.nbytes
+        runs: list[list[int]] = []
+        total = 0
+        for segment in segments:
+            try:
+                offset, length = segment
+            except (TypeError, ValueError):
+                raise RemoteError(f"malformed segment {segment!r}") from None
+            if type(offset) is not int or type(length) is not int:
+                raise RemoteError(f"malformed segment {segment!r}")
+            if offset < 0 or length < 0 or offset + length > size:
+                self.check_range(offset, length)  # raises, naming the range
+            total += length
+            if runs and runs[-1][1] == offset:
+                runs[-1][1] = offset + length
+            else:
+                runs.append([offset, offset + length])
+        view = self.view
+        return [view[start:end] for start, end in runs], total
+
     def close(self) -> None:
         """Release the memory (a shared region's name is removed)."""
         try:
