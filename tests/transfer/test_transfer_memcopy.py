@@ -29,32 +29,34 @@ def test_copy_into_refuses_a_range_past_the_end(size):
 def test_copy_blocks_joins_runs_adjacent_in_memory_and_at_the_destination(monkeypatch):
     from halfmoon.transfer import memcopy
 
+    b = GIL_FREE_BYTES  # runs are looked for among blocks this large
     calls: list[tuple[int, int]] = []
     real = memcopy.copy_into
     monkeypatch.setattr(
         memcopy, "copy_into", lambda d, o, s: (calls.append((o, s.nbytes)), real(d, o, s))
     )
-    rows = np.arange(8 * 100, dtype=np.uint8).reshape(8, 100) % 251  # back to back
-    loose = [np.full(100, 200 + i, np.uint8) for i in range(2)]  # each its own buffer
+    rows = (np.arange(8 * b, dtype=np.int64) % 251).astype(np.uint8).reshape(8, b)
+    loose = [np.full(b, 200 + i, np.uint8) for i in range(2)]  # each its own buffer
     blocks = [
-        (0, rows[0]), (100, rows[1]), (200, rows[2]),  # one run of three
-        (400, rows[3]),  # adjacent in memory, not at the destination: a new run
-        (500, rows[4]), (600, loose[0]), (700, loose[1]),
-        (800, memoryview(bytes([9]) * 100)),  # read-only: alone
-        (900, rows[6]), (1000, rows[5]),  # destination order against memory order
+        (0, rows[0]), (b, rows[1]), (2 * b, rows[2]),  # one run of three
+        (4 * b, rows[3]),  # adjacent in memory, not at the destination: a new run
+        (5 * b, rows[4]), (6 * b, loose[0]), (7 * b, loose[1]),
+        (8 * b, memoryview(bytes([9]) * b)),  # read-only: alone
+        (9 * b, rows[6]), (10 * b, rows[5]),  # destination order against memory order
     ]  # fmt: skip
-    dest = memoryview(bytearray(1100))
-    memcopy.copy_blocks(dest, [(o, memoryview(b)) for o, b in blocks])
+    dest = memoryview(bytearray(11 * b))
+    memcopy.copy_blocks(dest, [(o, memoryview(x)) for o, x in blocks])
     for offset, src in blocks:
-        assert bytes(dest[offset : offset + 100]) == bytes(memoryview(src))
-    assert bytes(dest[300:400]) == bytes(100)  # untouched
-    assert calls == [(0, 300), (400, 200), (600, 100), (700, 100), (800, 100), (900, 100),
-                     (1000, 100)]  # fmt: skip
+        assert bytes(dest[offset : offset + b]) == bytes(memoryview(src))
+    assert bytes(dest[3 * b : 4 * b]) == bytes(b)  # untouched
+    assert calls == [(0, 3 * b), (4 * b, 2 * b), (6 * b, b), (7 * b, b), (8 * b, b), (9 * b, b),
+                     (10 * b, b)]  # fmt: skip
 
 
 def test_copy_blocks_copies_a_strided_run_with_one_call(monkeypatch):
     from halfmoon.transfer import memcopy
 
+    b = GIL_FREE_BYTES
     copies: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real = np.copyto
     monkeypatch.setattr(
@@ -63,14 +65,29 @@ def test_copy_blocks_copies_a_strided_run_with_one_call(monkeypatch):
         lambda out, src: (copies.append((out.shape, out.strides)), real(out, src)),
     )
     monkeypatch.setattr(memcopy, "copy_into", lambda *a: pytest.fail("copied block by block"))
-    pool = np.random.default_rng(3).integers(0, 256, (10, 2, 64), dtype=np.uint8)  # K, V
-    keys = [pool[i, 0] for i in range(2, 7)]  # every other 64 B of the pool
-    dest = memoryview(bytearray(5 * 96))
-    memcopy.copy_blocks(dest, [(i * 96, memoryview(k)) for i, k in enumerate(keys)])
-    assert copies == [((5, 64), (96, 1))]
+    pool = np.random.default_rng(3).integers(0, 256, (10, 2, b), dtype=np.uint8)  # K, V
+    keys = [pool[i, 0] for i in range(2, 7)]  # every other block of the pool
+    stride = b + b // 2
+    dest = memoryview(bytearray(5 * stride))
+    memcopy.copy_blocks(dest, [(i * stride, memoryview(k)) for i, k in enumerate(keys)])
+    assert copies == [((5, b), (stride, 1))]
     for i, k in enumerate(keys):
-        assert bytes(dest[i * 96 : i * 96 + 64]) == k.tobytes()
-        assert bytes(dest[i * 96 + 64 : (i + 1) * 96]) == bytes(32)  # the gaps untouched
+        assert bytes(dest[i * stride : i * stride + b]) == k.tobytes()
+        assert bytes(dest[i * stride + b : (i + 1) * stride]) == bytes(b // 2)  # gaps untouched
+
+
+def test_small_blocks_are_copied_one_by_one_without_looking_for_runs(monkeypatch):
+    from halfmoon.transfer import memcopy
+
+    monkeypatch.setattr(memcopy, "buffer_address", lambda v: pytest.fail("looked for runs"))
+    rows = np.arange(4 * 4096, dtype=np.int64).astype(np.uint8).reshape(4, 4096)
+    arena = memoryview(bytearray(8 * 4096))
+    blocks = [(o * 4096, memoryview(rows[i])) for i, o in enumerate((3, 0, 5, 6))]
+    assert memcopy.copy_blocks(arena, blocks) == 4 * 4096
+    back = np.zeros_like(rows)
+    outs = [(o, memoryview(back[i])) for i, (o, _) in enumerate(blocks)]
+    assert memcopy.copy_out_blocks(arena, outs) == 4 * 4096
+    assert (back == rows).all()
 
 
 @pytest.mark.parametrize("size", [4096, GIL_FREE_BYTES])
