@@ -10,9 +10,11 @@ import pytest
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.vllm.connector import (
+    _Request,
     parse_completion,
     parse_event,
     parse_logprobs,
+    prefill_tokens,
     request_body,
 )
 from halfmoon.serve.vllm.server import (
@@ -229,3 +231,9 @@ def test_stopping_a_dead_server_still_ends_its_process_group(tmp_path) -> None:
     while alive(child):
         assert time.monotonic() < deadline, "the server's child outlived stop()"
         time.sleep(0.01)
+
+
+def test_requests_without_a_token_yet_count_as_prefill_work() -> None:
+    requests = [_Request(prompt_len=300), _Request(prompt_len=50, tokens=[7]), _Request(40)]
+    assert prefill_tokens(requests) == 340  # the one that has a token is decoding
+    assert prefill_tokens([]) == 0

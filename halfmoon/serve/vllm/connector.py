@@ -36,7 +36,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,13 @@ class _Request:
     future: Any = None
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
+
+
+def prefill_tokens(requests: Iterable[_Request]) -> int:
+    """Prompt tokens of the requests that have no token yet: the server is still to
+    prefill them, as far as its answers tell (its metrics count requests, not tokens;
+    prefix-cache hits are only known once a request finishes)."""
+    return sum(req.prompt_len for req in requests if not req.tokens)
 
 
 @dataclass
@@ -506,6 +513,7 @@ class VllmServerConnector(EngineConnector):
             num_waiting=int(self._load.get(WAITING, 0.0)), num_running=len(self._requests),
             num_blocks=self._num_blocks, num_free_blocks=max(0, self._num_blocks - used),
             num_cached_blocks=self._translator.num_held(self.instance_id), num_preemptions=0,
+            num_prefill_tokens=prefill_tokens(self._requests.values()),
         )  # fmt: skip
 
     def check_integrity(self) -> None:

@@ -300,6 +300,7 @@ class Worker:
         #: ``halfmoon.engine.kvcodec``); None: raw.
         self.kv_codec: Any = None
         self._last_report_s = 0.0
+        self._reported_prefill = 0  # queued prefill tokens in the last load report
         self.num_steps = 0
         #: Its Prometheus metrics (the roles feed the request clocks), sent when asked.
         self.metrics = WorkerMetrics()
@@ -463,11 +464,19 @@ class Worker:
         self.role.on_abort(msg.request_id)
 
     def _maybe_report(self) -> None:
+        """A load report every ``LOAD_REPORT_INTERVAL_S``, and at once when the prefill
+        queue the last one named has emptied: the Conductor drains a reported queue only
+        at a second of work per second, so a report left standing after its work ended
+        would steer requests away from an idle instance."""
         now = time.monotonic()
-        if now - self._last_report_s < LOAD_REPORT_INTERVAL_S:
+        due = now - self._last_report_s >= LOAD_REPORT_INTERVAL_S
+        if not due and not self._reported_prefill:
+            return
+        stats = self.engine.stats()
+        if not due and stats.num_prefill_tokens:
             return
         self._last_report_s = now
-        stats = self.engine.stats()
+        self._reported_prefill = stats.num_prefill_tokens
         block = self.engine.config.block_size
         used_blocks = stats.num_blocks - stats.num_free_blocks
         extra = {} if self.store is None else {"store": store_counters(self.store.stats())}
