@@ -9,6 +9,7 @@ pool to the index unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 #: Tier names of events and statistics (an engine's own pool reports as ``dram``).
 TIER_DRAM = "dram"
@@ -45,28 +46,26 @@ class BlockEvicted:
 
 
 CacheEvent = BlockStored | BlockEvicted
+_Event = TypeVar("_Event", BlockStored, BlockEvicted)
+_new = object.__new__
 
 
 def block_stored(block_hash: int, tier: str) -> BlockStored:
     """``BlockStored(block_hash, tier)`` for hot loops (the store's batch paths make one
     per block): the same frozen event, built without the dataclass ``__init__`` (which
-    sets each field through ``object.__setattr__``: about 0.9 us here, this 0.35)."""
-    event = _new(BlockStored)
-    fields = event.__dict__
-    fields["block_hash"] = block_hash
-    fields["tier"] = tier
-    fields["instance_id"] = ""
-    return event
+    sets each field through ``object.__setattr__``: about 0.9 us here, this 0.4)."""
+    return _built(BlockStored, block_hash, tier)
 
 
 def block_evicted(block_hash: int, tier: str) -> BlockEvicted:
     """``BlockEvicted(block_hash, tier)`` for hot loops (see :func:`block_stored`)."""
-    event = _new(BlockEvicted)
+    return _built(BlockEvicted, block_hash, tier)
+
+
+def _built(cls: type[_Event], block_hash: int, tier: str) -> _Event:
+    event = _new(cls)
     fields = event.__dict__
     fields["block_hash"] = block_hash
     fields["tier"] = tier
     fields["instance_id"] = ""
     return event
-
-
-_new = object.__new__

@@ -97,18 +97,7 @@ def test_copy_blocks_matches_a_block_by_block_copy_on_random_layouts(size):
     rng = np.random.default_rng(size)
     src = rng.integers(0, 256, (24, size), dtype=np.uint8)
     for _ in range(20):
-        n = int(rng.integers(1, 12))
-        rows = rng.choice(24, n, replace=False)
-        if rng.random() < 0.5:  # often a stride in memory
-            start, step = int(rng.integers(0, 6)), int(rng.integers(1, 4))
-            rows = np.arange(start, start + step * n, step)[
-                : min(n, (24 - start + step - 1) // step)
-            ]
-        slots = (
-            rng.choice(16, len(rows), replace=False)
-            if rng.random() < 0.5
-            else np.arange(len(rows)) * 2
-        )
+        rows, slots = _random_layout(rng, 16)
         dest = bytearray(16 * 2 * size)
         want = bytearray(dest)
         blocks = [(int(s) * size, memoryview(src[r])) for s, r in zip(slots, rows, strict=True)]
@@ -152,19 +141,8 @@ def test_copy_out_blocks_matches_a_block_by_block_copy_on_random_layouts(size):
     rng = np.random.default_rng(size + 1)
     arena = rng.integers(0, 256, 16 * 2 * size, dtype=np.uint8)
     for _ in range(20):
-        n = int(rng.integers(1, 12))
         dests = np.zeros((24, size), np.uint8)
-        rows = rng.choice(24, n, replace=False)
-        if rng.random() < 0.5:  # often a stride in memory
-            start, step = int(rng.integers(0, 6)), int(rng.integers(1, 4))
-            rows = np.arange(start, start + step * n, step)[
-                : min(n, (24 - start + step - 1) // step)
-            ]
-        slots = (
-            rng.choice(32, len(rows), replace=False)
-            if rng.random() < 0.5
-            else np.arange(len(rows)) * int(rng.integers(1, 3))
-        )
+        rows, slots = _random_layout(rng, 32)
         blocks = [(int(s) * size, memoryview(dests[r])) for s, r in zip(slots, rows, strict=True)]
         want = np.zeros_like(dests)
         for s, r in zip(slots, rows, strict=True):
@@ -183,3 +161,18 @@ def test_copy_out_blocks_refuses_a_range_past_the_end_and_copies_nothing():
     with pytest.raises(ValueError, match="outside the destination"):
         copy_out_blocks(arena, [(0, memoryview(dests[0])), (-256, memoryview(dests[1]))])
     assert not dests.any()
+
+
+def _random_layout(rng: np.random.Generator, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to 11 of 24 rows (often at a stride in memory) and a distinct slot for each of
+    ``num_slots`` (often every other one or back to back)."""
+    n = int(rng.integers(1, 12))
+    rows = rng.choice(24, n, replace=False)
+    if rng.random() < 0.5:  # often a stride in memory
+        start, step = int(rng.integers(0, 6)), int(rng.integers(1, 4))
+        rows = np.arange(start, start + step * n, step)[: min(n, (24 - start + step - 1) // step)]
+    if rng.random() < 0.5:
+        slots = rng.choice(num_slots, len(rows), replace=False)
+    else:
+        slots = np.arange(len(rows)) * int(rng.integers(1, 3))
+    return rows, slots
