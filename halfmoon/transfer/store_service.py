@@ -6,7 +6,7 @@ Placed puts take two round trips so the client can copy straight into reserved s
     PUT_RESERVE {xfer, blocks, block_bytes}  ->  PUT_SLOTS {xfer, segment, slots}
         slot: an offset >= 0 in the shared segment (place it there), -1 present,
         -2 send it inline
-    (client copies the [1] blocks into the segment)
+    (client copies the blocks with an offset into the segment)
     PUT_COMMIT {xfer} + inline payloads  ->  PUT_ACK {stored}
 
 Pulls take one round trip, plus a RELEASE when blocks are read in place::
