@@ -27,7 +27,7 @@ from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.errors import RemoteError
 from halfmoon.transfer.handles import TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
-from halfmoon.transfer.link import as_bytes_view, deadline_after
+from halfmoon.transfer.link import as_bytes_view, coalesce, deadline_after
 from halfmoon.transfer.memcopy import copy_blocks
 from halfmoon.transfer.messages import PutBlock
 from halfmoon.transfer.pool import (
@@ -122,11 +122,12 @@ class PeerClient:
                 "parts": len(groups),
                 "placed": remote is not None,
             }
-            if remote is None:
-                meta["segs"] = [[off, v.nbytes] for off, v in chunk]
-                frames.append(OutFrame(Kind.PUSH, meta, [v for _, v in chunk]))
+            meta["blocks"] = len(chunk)
+            if remote is None:  # the blocks are the payload, gathered on the frame's thread
+                payloads: list[memoryview] = []
+                prepare = _inliner(chunk, meta, payloads)
+                frames.append(OutFrame(Kind.PUSH, meta, payloads, prepare, joined=True))
             else:  # the bytes are in place before the frame goes: it only counts them
-                meta["blocks"] = len(chunk)
                 frames.append(OutFrame(Kind.PUSH, meta, [], _placer(remote, chunk, region, meta)))
         return frames
 
@@ -250,6 +251,32 @@ class PeerClient:
         self._links.close()
         if self._owns_segments:
             self._segments.close()
+
+
+def _inliner(
+    chunk: list[tuple[int, memoryview]], meta: dict[str, Any], payloads: list[memoryview]
+) -> Callable[[], None]:
+    """A function, run on the frame's connection thread, that puts ``chunk``'s views
+    (joined where they lie back to back: :func:`~halfmoon.transfer.link.coalesce`) into
+    ``payloads`` and its destinations into ``meta["segs"]`` as ``[offset, length]`` runs:
+    blocks that land back to back in the region make one run, so a frame of 512
+    adjacent 64 KiB blocks names one segment, not 512 (the receiver reads the count
+    from ``meta["blocks"]``)."""
+
+    def gather() -> None:
+        segs: list[list[int]] = []
+        end = -1
+        for offset, view in chunk:
+            if offset == end:
+                end += view.nbytes
+                segs[-1][1] += view.nbytes
+            else:
+                end = offset + view.nbytes
+                segs.append([offset, view.nbytes])
+        meta["segs"] = segs
+        payloads.extend(coalesce([view for _, view in chunk]))
+
+    return gather
 
 
 def _placer(

@@ -145,7 +145,9 @@ class PeerConnection:
         else:
             segs = meta["segs"]
             dests, num_bytes = region.slices(segs)
-            num_blocks = len(segs)
+            num_blocks = meta.get("blocks", len(segs))  # a segment may hold many blocks
+            if type(num_blocks) is not int or num_blocks < 0:
+                raise RemoteError(f"malformed block count {num_blocks!r}")
             try:
                 self.link.recv_payload_into(frame, dests, self.deadline())
             except TransferError as exc:

@@ -47,12 +47,16 @@ _ACK_WINDOW = 8
 
 @dataclass(frozen=True)
 class OutFrame:
-    """A request frame of a batch; ``place`` copies its blocks in place first (shm)."""
+    """A request frame of a batch. ``prepare``, when set, runs on the frame's connection
+    thread right before it is sent (so one frame is prepared while another is on the
+    wire): it may copy the blocks in place (shm) or fill ``meta`` and ``payloads``.
+    ``joined``: the payloads went through :func:`~halfmoon.transfer.link.coalesce`."""
 
     kind: Kind
     meta: dict[str, Any]
     payloads: list[memoryview]
-    place: Callable[[], None] | None = None
+    prepare: Callable[[], None] | None = None
+    joined: bool = False
     acks: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -235,9 +239,9 @@ class LinkPool:
                 if cancel.is_set():
                     link.send(Kind.CANCEL, {"xfer": xfer}, deadline=deadline)
                     raise TransferCancelled(f"transfer {xfer} to {self.endpoint} was cancelled")
-                if frame.place is not None:
-                    frame.place()
-                link.send(frame.kind, frame.meta, frame.payloads, deadline)
+                if frame.prepare is not None:
+                    frame.prepare()
+                link.send(frame.kind, frame.meta, frame.payloads, deadline, frame.joined)
                 unacked.append(frame)
                 if len(unacked) >= _ACK_WINDOW:
                     unacked.pop(0).acks.append(self._ack(link, ack_kind, deadline, cancel))

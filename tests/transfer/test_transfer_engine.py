@@ -73,6 +73,56 @@ def test_batched_push_lands_in_the_receiver_region(pair, transport):
     assert done[0].transfer_id == result.transfer_id
 
 
+def test_a_tcp_push_of_adjacent_blocks_names_their_runs_not_each_block(pair, monkeypatch):
+    """Blocks that land back to back travel as one ``[offset, length]`` segment per run
+    (the receiver counts blocks from the frame's ``blocks``), and their bytes land right."""
+    sent: list[dict] = []
+    real_send = Link.send
+
+    def spy(self, kind, meta, *args, **kwargs):
+        if kind == Kind.PUSH:
+            sent.append(dict(meta))
+        return real_send(self, kind, meta, *args, **kwargs)
+
+    monkeypatch.setattr(Link, "send", spy)
+    sender, receiver, done = pair("tcp", num_connections=1)
+    region = receiver.register_region("kv", 16 * BLOCK)
+    rows = np.stack([block(i) for i in range(8)])
+    # rows 0-4 back to back from offset 0, then rows 5-7 back to back after a gap
+    blocks = [(i * BLOCK, rows[i]) for i in range(5)] + [
+        ((i + 3) * BLOCK, rows[i]) for i in (5, 6, 7)
+    ]
+    result = sender.connect(receiver.endpoint).push("kv", blocks)
+    assert (result.num_blocks, result.num_bytes) == (8, 8 * BLOCK)
+    assert [m["segs"] for m in sent] == [[[0, 5 * BLOCK], [8 * BLOCK, 3 * BLOCK]]]
+    assert [m["blocks"] for m in sent] == [8]
+    for offset, row in blocks:
+        assert bytes(region.view[offset : offset + BLOCK]) == bytes(row)
+    assert eventually(lambda: done)
+    assert [(d.num_blocks, d.num_bytes) for d in done] == [(8, 8 * BLOCK)]
+
+
+def test_a_push_with_a_malformed_block_count_is_refused(pair):
+    _, receiver, done = pair("tcp")
+    receiver.register_region("kv", 2 * BLOCK)
+    host, port = receiver.endpoint.rsplit(":", 1)
+    link = Link(socket.create_connection((host, int(port))), receiver.endpoint)
+    client_handshake(link, SECRET, "raw-client", time.monotonic() + 5)
+    try:
+        for count in ("many", -1):
+            meta = {"xfer": "x", "region": "kv", "parts": 1, "segs": [[0, BLOCK]], "blocks": count}
+            link.send(Kind.PUSH, meta, [memoryview(block(1))], time.monotonic() + 5)
+            reply = link.recv(time.monotonic() + 5)
+            assert reply.kind == Kind.ERROR and "malformed block count" in reply.meta["message"]
+        meta = {"xfer": "y", "region": "kv", "parts": 1, "segs": [[0, BLOCK]], "blocks": 1}
+        link.send(Kind.PUSH, meta, [memoryview(block(2))], time.monotonic() + 5)
+        assert link.recv(time.monotonic() + 5).kind == Kind.PUSH_ACK  # still aligned on frames
+    finally:
+        link.close()
+    assert eventually(lambda: done)
+    assert [d.num_blocks for d in done] == [1]
+
+
 def test_push_async_reports_through_its_handle(pair):
     sender, receiver, _ = pair("tcp")
     receiver.register_region("kv", 4 * BLOCK)
