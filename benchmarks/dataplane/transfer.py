@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python -m benchmarks.dataplane.transfer [--sizes 64K,1M,16M] [--batch 64M]
         [--reps 5] [--rounds 3] [--latency-sizes 4K,64K] [--latency-ops 200] [--ceiling]
+        [--unchecked]
         [--mooncake-slice-bytes 1048576] [--mooncake-env K=V] [--no-mooncake]
         [--json out.json] [--markdown]
 
@@ -24,7 +25,10 @@ prints our tcp over each (loopback_ceiling.py): streaming for ``--ceiling-second
 round (rows ``ceiling one-way``), and bare process pairs moving the same batch over two
 connections, taking turns with ours batch by batch (rows ``ceiling batch``); a second set
 of bare pairs takes its turn too, and bare over bare (an A/A ratio) shows how far one
-round's ratio strays on this machine when both sides are the same. Mooncake
+round's ratio strays on this machine when both sides are the same. ``--unchecked`` adds
+our tcp push from an engine that does not checksum its payloads (``checksum=False``;
+rows ``tcp unchecked``), the like-for-like match for bare batches and for Mooncake, which
+checksum nothing either. Mooncake
 (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
 its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh, with its
 documented TCP tuning (see ``_common.mooncake_env``), printed and recorded.
@@ -46,6 +50,7 @@ from dataclasses import asdict
 
 from halfmoon.core.heap import settle_gc
 from halfmoon.transfer.microbench import (
+    TCP_UNCHECKED,
     Arm,
     BenchResult,
     Step,
@@ -137,7 +142,9 @@ def bare_batches(stack: ExitStack) -> Callable[[Step], list[Arm]]:
     return arms
 
 
-def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ratio]:
+def ratios(
+    sizes: list[int], latency_sizes: list[int], ceiling: bool, unchecked: bool = False
+) -> list[Ratio]:
     """What the summary compares, like with like, each ratio labelled with both sides."""
     out = []
     for s in sizes:
@@ -150,6 +157,26 @@ def ratios(sizes: list[int], latency_sizes: list[int], ceiling: bool) -> list[Ra
                 figure("mooncake", "batch_write", "tcp", s),
             )
         )
+        quick = figure("halfmoon", "push", TCP_UNCHECKED, s)
+        if unchecked:
+            out.append(
+                Ratio(
+                    f"{label}, tcp vs tcp, neither side checksumming its payloads: "
+                    "ours unchecked/Mooncake",
+                    quick,
+                    figure("mooncake", "batch_write", "tcp", s),
+                )
+            )
+        if unchecked and ceiling:
+            out.append(
+                Ratio(
+                    f"{label}, our tcp without payload checksums vs bare batches in turn "
+                    "(bare): ours unchecked/bare",
+                    quick,
+                    figure("ceiling", "batch", "bare", s),
+                    "%",
+                )
+            )
         for op, into, where in (
             ("push", "-", ""),
             ("push", "shm", " into shared memory"),
@@ -241,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ceiling", action="store_true", help="also measure one-way loopback tcp each round"
     )
     parser.add_argument("--ceiling-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--unchecked",
+        action="store_true",
+        help=f"also push from an engine without payload checksums (rows '{TCP_UNCHECKED}')",
+    )
     add_mooncake_options(parser)
     parser.add_argument("--json", help="write every round, the medians and the ratios here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -276,6 +308,7 @@ def main() -> int:
                 latency_sizes=latency_sizes,
                 latency_ops=args.latency_ops,
                 baselines=bare_batches(stack) if args.ceiling else None,
+                unchecked=args.unchecked,
             )
         return results + (ceiling_rows(args.ceiling_seconds) if args.ceiling else [])
 
@@ -295,7 +328,9 @@ def main() -> int:
     print(
         "(our shm has no counterpart: Mooncake's TransferEngine here has no shared-memory transport)"
     )
-    lines, per_round = ratio_report(ratios(sizes, latency_sizes, args.ceiling), rounds)
+    lines, per_round = ratio_report(
+        ratios(sizes, latency_sizes, args.ceiling, args.unchecked), rounds
+    )
     print("\n" + "\n".join(lines))
     report = run_report(
         rounds,

@@ -59,11 +59,16 @@ class PeerClient:
         hub: InProcessHub | None = None,
         segments: SegmentCache | None = None,
         busy_poll_s: float = DEFAULT_BUSY_POLL_S,
+        checksum: bool = True,
     ) -> None:
+        """``checksum``: hash the payloads this client sends (False: TCP's own checks only;
+        see :mod:`halfmoon.transfer.protocol`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         num_connections = default_num_connections() if num_connections is None else num_connections
-        self._links = LinkPool(endpoint, secret, transport, num_connections, hub, busy_poll_s)
+        self._links = LinkPool(
+            endpoint, secret, transport, num_connections, hub, busy_poll_s, checksum
+        )
         self.endpoint = self._links.endpoint
         self.timeout_s = timeout_s
         self._hub = hub

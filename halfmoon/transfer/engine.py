@@ -40,6 +40,10 @@ class TransferEngine:
     (default: 4, or the number of cores if fewer). ``busy_poll_s`` is how long a
     connection polls for an awaited frame before sleeping (0 turns polling off; it backs
     off by itself when polling finds nothing, see :class:`~halfmoon.transfer.link.Link`).
+    ``checksum`` (default on): hash every payload this engine sends with xxh3, checked by
+    the receiver; off, payloads rely on TCP's own checksums and cost ~10% less CPU a
+    batch on a small host (see :mod:`halfmoon.transfer.protocol`). Payloads are verified
+    whenever their sender hashed them, whatever this setting.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class TransferEngine:
         timeout_s: float = 30.0,
         on_complete: CompletionListener | None = None,
         busy_poll_s: float = DEFAULT_BUSY_POLL_S,
+        checksum: bool = True,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -80,8 +85,10 @@ class TransferEngine:
             on_complete=on_complete,
             io_timeout_s=timeout_s,
             busy_poll_s=busy_poll_s,
+            checksum=checksum,
         )
         self.busy_poll_s = busy_poll_s
+        self.checksum = checksum
         self._clients: dict[tuple[str, str], PeerClient] = {}
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -180,6 +187,7 @@ class TransferEngine:
                     hub=self._hub,
                     segments=self._segments,
                     busy_poll_s=self.busy_poll_s,
+                    checksum=self.checksum,
                 )
                 self._clients[key] = client
         return client

@@ -3,7 +3,7 @@
 Sends are zero-copy scatter-gather (``sendmsg`` of the header plus the caller's
 memoryviews); payloads are received with ``recv_into`` straight into the caller's
 preallocated buffers and verified against the frame's xxh3 checksum (hashed chunk by
-chunk while the data is in cache). Small frames (the latency-critical requests and
+chunk while the data is in cache), unless the sender's link runs ``checksum=False``. Small frames (the latency-critical requests and
 replies) go out in one ``sendmsg`` and come in whole through one ``recv`` into a receive
 buffer. Every blocking call takes a deadline (``time.monotonic()`` seconds), so a silent
 or dead peer produces :class:`TransferTimeout` or :class:`PeerClosedError`, never a hang.
@@ -34,6 +34,7 @@ from halfmoon.transfer.errors import (
     TransferTimeout,
 )
 from halfmoon.transfer.protocol import (
+    FLAG_UNCHECKED,
     HEADER_BYTES,
     MAX_META_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -52,6 +53,7 @@ _DISCARD_CHUNK_BYTES = 1 << 20
 _CHUNK_BYTES = 1 << 20
 _CANCEL_POLL_S = 0.02
 _RBUF_BYTES = 64 << 10
+_ZERO_TRAILER = encode_trailer(0)
 
 
 #: Pieces up to this size are joined with their neighbours in memory (:func:`coalesce`).
@@ -114,10 +116,15 @@ def deadline_after(timeout_s: float) -> float:
 class Link:
     """One authenticated-or-not connection; safe for one sender and one receiver thread."""
 
-    def __init__(self, sock: socket.socket, peer: str, busy_poll_s: float = 0.0) -> None:
+    def __init__(
+        self, sock: socket.socket, peer: str, busy_poll_s: float = 0.0, checksum: bool = True
+    ) -> None:
         """``busy_poll_s``: poll this long for an awaited frame before sleeping (0: never;
-        see :mod:`halfmoon.transfer.busypoll`)."""
+        see :mod:`halfmoon.transfer.busypoll`). ``checksum``: hash the payloads this link
+        sends (False: they go unchecked, see :data:`~halfmoon.transfer.protocol.FLAG_UNCHECKED`;
+        received payloads are verified whenever their sender hashed them)."""
         self.peer = peer
+        self.checksum = checksum
         self._poller = BusyPoller(sock, busy_poll_s)
         self._sock = sock
         self._send_lock = threading.Lock()
@@ -171,14 +178,17 @@ class Link:
             if self._closed:
                 raise PeerClosedError(f"connection to peer {self.peer} is closed")
             # The packer is reused (it is not thread-safe: only under the send lock).
-            header = memoryview(encode_header(kind, meta, total, self._packer.pack))
+            flags = 0 if self.checksum or not total else FLAG_UNCHECKED
+            header = memoryview(encode_header(kind, meta, total, self._packer.pack, flags))
             try:
                 if not total:
                     self._io.send_all([header], deadline)
                 else:
                     if len(payloads) > 1 and not joined:
                         payloads = coalesce(payloads)
-                    if total <= _CHUNK_BYTES:
+                    if not self.checksum:
+                        self._send_unchecked(header, payloads, deadline)
+                    elif total <= _CHUNK_BYTES:
                         self._send_small(header, payloads, deadline)
                     else:
                         self._send_payload(header, payloads, deadline)
@@ -197,6 +207,13 @@ class Link:
                 hasher.update(view)
             checksum = hasher.intdigest()
         self._io.send_all([header, *payloads, memoryview(encode_trailer(checksum))], deadline)
+
+    def _send_unchecked(
+        self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
+    ) -> None:
+        """The payload without hashing (``IOV_BATCH`` pieces per ``sendmsg``), then a
+        zero trailer."""
+        self._io.send_all([header, *payloads, memoryview(_ZERO_TRAILER)], deadline)
 
     def _send_payload(
         self, header: memoryview, payloads: Sequence[memoryview], deadline: float | None
@@ -289,7 +306,7 @@ class Link:
                 self._buffer_at_least(HEADER_BYTES, deadline)
             start = self._rstart
             header = bytes(self._rbuf[start : start + HEADER_BYTES])
-            kind, meta_len, payload_len, head_check = decode_prefix(
+            kind, meta_len, payload_len, head_check, flags = decode_prefix(
                 header, max_meta_bytes, max_payload_bytes
             )
             self._rstart = start + HEADER_BYTES
@@ -307,31 +324,36 @@ class Link:
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
         self._unread_bytes = payload_len
-        return Frame(kind, meta, payload_len)
+        return Frame(kind, meta, payload_len, not flags & FLAG_UNCHECKED)
 
-    def _take_buffered_payload(self, dests: Sequence[memoryview], total: int) -> int:
+    def _take_buffered_payload(self, dests: Sequence[memoryview], total: int, checked: bool) -> int:
         """Copy a payload that is entirely buffered (with its trailer) into ``dests``;
-        returns its checksum as computed over the destinations."""
+        returns its checksum as computed over the destinations (0 unless ``checked``)."""
         rbuf, start = self._rbuf, self._rstart
+        checksum = 0
         if len(dests) == 1:
             dest = dests[0]
             dest[:] = rbuf[start : start + total]
-            checksum = xxhash.xxh3_64_intdigest(dest)
+            if checked:
+                checksum = xxhash.xxh3_64_intdigest(dest)
         else:
-            hasher = xxhash.xxh3_64()
+            hasher = xxhash.xxh3_64() if checked else None
             offset = start
             for dest in dests:
                 dest[:] = rbuf[offset : offset + dest.nbytes]
-                hasher.update(dest)
+                if hasher is not None:
+                    hasher.update(dest)
                 offset += dest.nbytes
-            checksum = hasher.intdigest()
+            if hasher is not None:
+                checksum = hasher.intdigest()
         self._rstart = start + total
         return checksum
 
     def recv_payload_into(
         self, frame: Frame, dests: Sequence[memoryview], deadline: float | None = None
     ) -> None:
-        """Receive the frame's payload into ``dests`` in order and verify its checksum.
+        """Receive the frame's payload into ``dests`` in order and verify its checksum
+        (when its sender hashed it: ``frame.checked``).
 
         The sizes of ``dests`` must add up to the payload length (else the link is closed:
         the stream position would be lost). A checksum mismatch raises
@@ -352,11 +374,14 @@ class Link:
                     self._buffer_at_least(total + TRAILER_BYTES, deadline)
             except (OSError, EOFError, TransferError) as exc:
                 raise self._fail(exc, "receiving from") from exc
-            checksum = self._take_buffered_payload(dests, total)
+            checksum = self._take_buffered_payload(dests, total, frame.checked)
             expected = decode_trailer(self._rbuf[self._rstart : self._rstart + TRAILER_BYTES])
             self._rstart += TRAILER_BYTES
-            if checksum != expected:
+            if frame.checked and checksum != expected:
                 raise ChecksumError(f"payload from {self.peer} failed its xxh3 checksum")
+            return
+        if not frame.checked:
+            self._recv_unchecked(dests, deadline)
             return
         hasher = xxhash.xxh3_64()
         trailer = memoryview(bytearray(TRAILER_BYTES))
@@ -380,6 +405,15 @@ class Link:
             raise self._fail(exc, "receiving from") from exc
         if hasher.intdigest() != decode_trailer(trailer):
             raise ChecksumError(f"payload from {self.peer} failed its xxh3 checksum")
+
+    def _recv_unchecked(self, dests: Sequence[memoryview], deadline: float | None) -> None:
+        """An unchecked payload straight into ``dests`` (scatter receives of up to
+        ``IOV_BATCH`` pieces, joined where they lie back to back), then its zero trailer."""
+        trailer = memoryview(bytearray(TRAILER_BYTES))
+        try:
+            self._recv_scatter([*(coalesce(dests) if len(dests) > 1 else dests), trailer], deadline)
+        except (OSError, EOFError, TransferError) as exc:
+            raise self._fail(exc, "receiving from") from exc
 
     def discard_pending(self, deadline: float | None = None) -> None:
         """Read and drop the unread payload of the last frame (after rejecting it)."""

@@ -104,6 +104,10 @@ class Step:
     num_one_ops: int
 
 
+#: The transport label of pushes from an engine without payload checksums.
+TCP_UNCHECKED = "tcp unchecked"
+
+
 def num_blocks_for(block_bytes: int, batch_bytes: int) -> int:
     """Blocks per batch: ``batch_bytes`` worth, at least 1, at most ``MAX_BATCH_BLOCKS``."""
     return max(1, min(MAX_BATCH_BLOCKS, batch_bytes // block_bytes))
@@ -369,10 +373,12 @@ def _push_arm(
     step: Step,
     stamps: Iterator[int],
     scattered: bool = False,
+    transport: str | None = None,
 ) -> Arm:
     """A batched push of ``step``'s blocks, and one-block pushes. The blocks are rows of
     one array (back to back: a co-located push copies them as one span), or with
-    ``scattered`` rows with a gap after each (op ``push scattered``)."""
+    ``scattered`` rows with a gap after each (op ``push scattered``). ``transport``
+    labels the rows (default: the client's)."""
     size, n = step.block_bytes, step.num_blocks
     gap = 4096 if scattered else 0
     src = _pattern(n * (size + gap), 2).reshape(n, size + gap)[:, :size]
@@ -386,7 +392,7 @@ def _push_arm(
     return Arm(
         "halfmoon",
         op,
-        client.transport,
+        transport or client.transport,
         lambda: client.push("kv", blocks),
         lambda: client.push("kv", blocks[:1]),
         _stamper(src, stamps),
@@ -419,6 +425,7 @@ def bench_transfer(
     latency_sizes: Sequence[int] = (),
     latency_ops: int = DEFAULT_LATENCY_OPS,
     baselines: Callable[[Step], list[Arm]] | None = None,
+    unchecked: bool = False,
 ) -> list[BenchResult]:
     """Batched push of ``batch_bytes`` into a peer process's region, per block size, then
     ``latency_ops`` single one-block writes per size in ``latency_sizes`` (``write`` rows).
@@ -426,19 +433,25 @@ def bench_transfer(
     With ``with_memcpy`` the memcpy baselines take turns with our transports at each
     size, repetition by repetition, so machine load affects all alike. The receiver is
     checked against what was sent after every configuration. ``baselines(step)`` adds
-    more arms that take turns with ours (bare loopback batches).
+    more arms that take turns with ours (bare loopback batches). ``unchecked`` adds our
+    tcp push from an engine with ``checksum=False`` (rows of transport
+    :data:`TCP_UNCHECKED`), taking turns with the rest.
     """
     results, stamps = [], new_stamps()
     region_bytes = max([batch_bytes, *latency_sizes])
     with peer_process("--region", f"kv:{region_bytes}:shared") as peer:
         engine = TransferEngine(peer.secret, num_connections=num_connections)
+        bare = TransferEngine(peer.secret, num_connections=num_connections, checksum=False)
         try:
             clients = [engine.connect(peer.endpoint, transport) for transport in transports]
+            quick = bare.connect(peer.endpoint, "tcp") if unchecked else None
             for step in make_plan(sizes, batch_bytes, latency_ops):
                 with ExitStack() as stack:
                     arms = _memcpy_arms(step, stamps, stack) if with_memcpy else []
                     arms += baselines(step) if baselines is not None else []
                     arms += [_push_arm(client, peer, step, stamps) for client in clients]
+                    if quick is not None:
+                        arms.append(_push_arm(quick, peer, step, stamps, transport=TCP_UNCHECKED))
                     arms += [
                         _push_arm(client, peer, step, stamps, scattered=True)
                         for client in clients
@@ -450,6 +463,7 @@ def bench_transfer(
                 results += [_write_latency(client, peer, step, stamps) for client in clients]
         finally:
             engine.close()
+            bare.close()
     return results
 
 

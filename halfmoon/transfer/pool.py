@@ -87,6 +87,7 @@ class LinkPool:
         num_connections: int,
         hub: InProcessHub | None,
         busy_poll_s: float = 0.0,
+        checksum: bool = True,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -101,6 +102,7 @@ class LinkPool:
         self._resolved: str | None = None if transport == "auto" else transport
         self.num_connections = num_connections
         self.busy_poll_s = busy_poll_s  # for replies, before sleeping (see Link)
+        self.checksum = checksum  # hash the payloads we send (see Link)
         self.client_id = secrets.token_hex(8)
         self._secret = check_secret(secret)
         self._hub = hub
@@ -117,7 +119,7 @@ class LinkPool:
             assert self._hub is not None
             mine, theirs = socket.socketpair()
             self._hub.get(self.endpoint).serve_socket(theirs, f"inproc:{self.client_id}")
-            link = Link(mine, self.endpoint, self.busy_poll_s)
+            link = Link(mine, self.endpoint, self.busy_poll_s, self.checksum)
         else:
             address = Endpoint.parse(self.endpoint)
             timeout_s = max(0.01, deadline - time.monotonic())
@@ -126,7 +128,7 @@ class LinkPool:
             except OSError as exc:
                 reason = exc.strerror or str(exc) or type(exc).__name__
                 raise TransferError(f"cannot connect to peer {self.endpoint}: {reason}") from exc
-            link = Link(sock, self.endpoint, self.busy_poll_s)
+            link = Link(sock, self.endpoint, self.busy_poll_s, self.checksum)
         hello = client_handshake(link, self._secret, self.client_id, deadline)
         if self._resolved is None:
             self._resolved = "shm" if hello.shares_memory() else "tcp"

@@ -47,6 +47,7 @@ class TransferServer:
         io_timeout_s: float = 30.0,
         busy_poll_s: float = DEFAULT_BUSY_POLL_S,
         max_connections: int = MAX_CONNECTIONS,
+        checksum: bool = True,
     ) -> None:
         self.secret = check_secret(secret)
         self.regions = regions
@@ -62,6 +63,7 @@ class TransferServer:
         self.io_timeout_s = io_timeout_s
         self.busy_poll_s = busy_poll_s  # for the next request, before sleeping (see Link)
         self.max_connections = max_connections
+        self.checksum = checksum  # hash the payloads we send (pull replies; see Link)
         self.num_refused = 0
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
@@ -102,7 +104,7 @@ class TransferServer:
 
     def serve_socket(self, sock: socket.socket, peer: str) -> None:
         """Serve one connected socket on a new thread (TCP accept or in-process pair)."""
-        connection = PeerConnection(self, Link(sock, peer, self.busy_poll_s))
+        connection = PeerConnection(self, Link(sock, peer, self.busy_poll_s, self.checksum))
         with self._lock:
             full = len(self._connections) >= self.max_connections
             if self._closed or full:

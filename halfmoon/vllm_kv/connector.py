@@ -373,7 +373,7 @@ class _WorkerSide:
         ))  # fmt: skip
         self.engine = TransferEngine(
             load_secret(), host=s.host, port=s.port, transport=s.transport, store=self.store,
-            timeout_s=s.timeout_s,
+            timeout_s=s.timeout_s, checksum=s.checksum,
         )  # fmt: skip
         self.engine.start()
         region = self.engine.register_region(INBOX, int(s.inbox_mb * 2**20), shared=True)

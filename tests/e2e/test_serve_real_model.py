@@ -1,6 +1,9 @@
 """``halfmoon serve`` with the real default model, SmolLM2-135M-Instruct, named on the
 command line: imported from its GGUF into a fresh cache by the launcher, then served by
-separate prefill and decode processes (and a 2-stage CPP group for long prompts)."""
+separate prefill and decode processes (and a 2-stage CPP group for long prompts). The KV
+between them goes over tcp without payload checksums (``--transport tcp --wire-checksum
+none``; the other live tests run the default, shared memory between co-located workers):
+the streamed answer must still equal the offline engine's, token for token."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ def real(cluster_factory):
     return cluster_factory(
         "--model", MODEL, "--prefill", "2", "--decode", "1", "--cpp-stages", "2",
         "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "96",
+        "--transport", "tcp", "--wire-checksum", "none",
     )  # fmt: skip
 
 

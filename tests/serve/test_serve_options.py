@@ -124,6 +124,29 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
         worker_options(worker)
 
 
+def test_the_transfer_options_of_serve_reach_the_workers():
+    """``--transport`` and ``--wire-checksum`` travel on each worker's command line, and
+    the vLLM connector's settings carry the checksum choice through vLLM's extra config."""
+
+    from halfmoon.cli import build_parser
+    from halfmoon.serve.launch.launcher import worker_argv
+    from halfmoon.serve.vllm.pd import ConnectorSettings
+    from halfmoon.serve.worker.main import EngineOptions, vllm_connector_settings
+
+    for flags, transport, checksum in (([], "auto", "xxh3"),
+                                       (["--transport", "tcp", "--wire-checksum", "none"],
+                                        "tcp", "none")):  # fmt: skip
+        args = build_parser().parse_args(["serve", *flags])
+        argv = worker_argv(args, "prefill", 0, "tcp://127.0.0.1:1", "{}")
+        worker = build_parser().parse_args(list(argv))
+        assert (worker.transport, worker.wire_checksum) == (transport, checksum)
+        settings = vllm_connector_settings(worker, EngineOptions(), "prefill-0")
+        assert settings.checksum is (checksum == "xxh3")
+        assert ConnectorSettings.from_extra(settings.to_extra()) == settings
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--wire-checksum", "crc32"])
+
+
 def test_presets_keep_each_commands_defaults():
     """The simulator replays the paper's settings; the live commands use the CPU preset."""
     from halfmoon.cli import build_parser

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import xxhash
 from transfer_testing import SECRET, eventually
 
 from halfmoon.core.errors import HalfmoonError
@@ -21,6 +22,7 @@ from halfmoon.transfer import (
     TransferError,
     TransferTimeout,
 )
+from halfmoon.transfer import link as link_module
 from halfmoon.transfer.auth import client_handshake
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import meta_to_wire
@@ -34,7 +36,7 @@ from halfmoon.transfer.protocol import (
 )
 from halfmoon.transfer.regions import RegionTable
 from halfmoon.transfer.server import TransferServer
-from halfmoon.transfer.streams import StreamTable
+from halfmoon.transfer.streams import StreamLayout, StreamTable
 
 TRANSPORTS = ("tcp", "shm", "inproc")
 BLOCK = 64 << 10
@@ -439,7 +441,7 @@ def _stranger(endpoint: str) -> socket.socket:
     got = b""
     while len(got) < HEADER_BYTES:
         got += sock.recv(HEADER_BYTES - len(got))
-    _kind, meta_len, _payload, _check = decode_prefix(got)
+    _kind, meta_len, _payload, _check, _flags = decode_prefix(got)
     while meta_len:
         meta_len -= len(sock.recv(meta_len))
     return sock
@@ -490,3 +492,60 @@ def test_connections_beyond_the_limit_are_closed_at_once():
             sock.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    "sender_checks, receiver_checks", [(False, False), (False, True), (True, False)]
+)
+def test_engines_without_payload_checksums_push_put_pull_and_stream(
+    make_engine, tmp_path, monkeypatch, sender_checks, receiver_checks
+):
+    """``checksum=False`` drops the xxh3 of the payloads an engine sends (pushes, puts,
+    stream layers from a client; pull replies from a server) and nothing else: every
+    operation lands the same bytes, whatever the other side does."""
+    hashed: list[str] = []  # payload hashes begun by either side (links hash payloads only)
+
+    class Counting:
+        @staticmethod
+        def xxh3_64_intdigest(data):
+            hashed.append("one")
+            return xxhash.xxh3_64_intdigest(data)
+
+        @staticmethod
+        def xxh3_64():
+            hashed.append("chunked")
+            return xxhash.xxh3_64()
+
+    monkeypatch.setattr(link_module, "xxhash", Counting)
+    store = TieredStore(StoreConfig(block_bytes=BLOCK, dram_capacity_bytes=8 * BLOCK))
+    try:
+        receiver = make_engine(transport="tcp", store=store, checksum=receiver_checks)
+        sender = make_engine(transport="tcp", checksum=sender_checks)
+        region = receiver.register_region("kv", 8 * BLOCK)
+        client = sender.connect(receiver.endpoint)
+        client.push("kv", [(i * BLOCK, block(i)) for i in range(3)])
+        assert bytes(region.view[: 3 * BLOCK]) == b"".join(bytes(block(i)) for i in range(3))
+        client.push("kv", [(5 * BLOCK, np.full(100, 7, dtype=np.uint8))])  # a small frame
+        assert bytes(region.view[5 * BLOCK : 5 * BLOCK + 100]) == bytes([7] * 100)
+        blocks = [PutBlock(100 + i, block(10 + i), BlockMeta(16, 0)) for i in range(2)]
+        assert client.put_blocks(blocks) == 2
+        dests = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(3)]
+        metas = client.pull([100, 101, 999], dests)
+        assert metas[2] is None and [m.num_tokens for m in metas[:2]] == [16, 16]
+        assert bytes(dests[0]) == bytes(block(10)) and bytes(dests[1]) == bytes(block(11))
+        layout = StreamLayout.contiguous(2, 2, BLOCK, base_offset=4 * BLOCK)
+        rx = receiver.expect_stream("s", "kv", layout)
+        with client.open_stream("s", 2, 2, BLOCK, timeout_s=5) as tx:
+            for layer in range(2):
+                tx.send_layer(layer, [block(20 + 2 * layer + b) for b in range(2)])
+        rx.wait(5)
+        assert bytes(region.view[4 * BLOCK : 8 * BLOCK]) == b"".join(
+            bytes(block(20 + k)) for k in range(4)
+        )
+    finally:
+        store.check_integrity()
+        store.close()
+    if not (sender_checks or receiver_checks):
+        assert not hashed  # no payload was hashed, on either side
+    else:
+        assert hashed  # the checking side hashed its own payloads (and the other verified)

@@ -21,6 +21,7 @@ from halfmoon.transfer.endpoint import Endpoint
 from halfmoon.transfer.link import Link, coalesce
 from halfmoon.transfer.messages import meta_from_wire, meta_to_wire, put_items_from_wire
 from halfmoon.transfer.protocol import (
+    FLAG_UNCHECKED,
     HEADER_BYTES,
     Kind,
     decode_meta,
@@ -43,15 +44,17 @@ def link_pair():
 
 def test_header_round_trip():
     raw = encode_header(Kind.PUSH, {"xfer": "x1", "segs": [[0, 4]]}, 4)
-    kind, meta_len, payload_len, head_check = decode_prefix(raw)
-    assert (kind, payload_len) == (Kind.PUSH, 4)
+    kind, meta_len, payload_len, head_check, flags = decode_prefix(raw)
+    assert (kind, payload_len, flags) == (Kind.PUSH, 4, 0)
     meta = decode_meta(raw, raw[HEADER_BYTES : HEADER_BYTES + meta_len], head_check)
     assert meta == {"xfer": "x1", "segs": [[0, 4]]}
+    unchecked = encode_header(Kind.PUSH, {}, 4, flags=FLAG_UNCHECKED)
+    assert decode_prefix(unchecked)[4] == FLAG_UNCHECKED
 
 
 def test_corrupt_or_foreign_headers_are_rejected():
     raw = bytearray(encode_header(Kind.PUSH, {"xfer": "x1"}, 0))
-    _, meta_len, _, head_check = decode_prefix(raw)
+    _, meta_len, _, head_check, _ = decode_prefix(raw)
     raw[-2] ^= 0x01
     with pytest.raises(ProtocolError, match="header checksum"):
         decode_meta(raw, bytes(raw[HEADER_BYTES:]), head_check)
@@ -61,6 +64,8 @@ def test_corrupt_or_foreign_headers_are_rejected():
     bad_kind[5] = 250
     with pytest.raises(ProtocolError, match="unknown frame kind"):
         decode_prefix(bad_kind)
+    with pytest.raises(ProtocolError, match="unknown frame flags 0x4"):
+        decode_prefix(encode_header(Kind.PUSH, {}, 0, flags=4))  # a future flag: not misread
 
 
 def test_128_bit_hashes_survive_the_wire():
@@ -106,6 +111,49 @@ def test_payload_checksum_mismatch_is_detected_and_link_survives():
             receiver.recv_payload_into(frame, [memoryview(bytearray(64))], time.monotonic() + 5)
         raw.sendall(encode_header(Kind.RELEASE, {"xfer": "next"}, 0))
         assert receiver.recv(time.monotonic() + 5).meta == {"xfer": "next"}
+    finally:
+        raw.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("num_bytes", [100, 48 << 10, 3 << 20])
+def test_an_unchecking_sender_skips_the_hash_on_both_ends(num_bytes):
+    """A link with ``checksum=False`` marks its payloads unchecked and sends a zero
+    trailer; the receiver takes them without hashing (a flipped bit passes: TCP's own
+    checks are all that guard them), and checks the next sender's checked payload again."""
+    a, b = socket.socketpair()
+    sender, receiver = Link(a, "unchecked", checksum=False), Link(b, "receiver")
+    try:
+        src = np.arange(num_bytes, dtype=np.uint64).astype(np.uint8)
+        rows = [memoryview(src[i : i + 4096]) for i in range(0, num_bytes, 4096)]
+        thread = threading.Thread(target=sender.send, args=(Kind.PUSH, {"n": 1}, rows))
+        thread.start()
+        frame = receiver.recv(time.monotonic() + 5)
+        assert not frame.checked
+        dest = np.zeros(num_bytes, dtype=np.uint8)
+        receiver.recv_payload_into(frame, [memoryview(dest)], time.monotonic() + 5)
+        thread.join()
+        assert (dest == src).all()
+        assert frame.meta == {"n": 1}
+    finally:
+        sender.close()
+        receiver.close()
+    raw, other = socket.socketpair()  # unchecked and corrupted in flight: not detected
+    receiver = Link(other, "peer")
+    try:
+        payload = bytes(range(256)) * 16
+        header = encode_header(Kind.PUSH, {}, len(payload), flags=FLAG_UNCHECKED)
+        raw.sendall(header + payload[:-1] + b"X" + encode_trailer(0))
+        frame = receiver.recv(time.monotonic() + 5)
+        dest = bytearray(len(payload))
+        receiver.recv_payload_into(frame, [memoryview(dest)], time.monotonic() + 5)
+        assert dest[-1:] == b"X"
+        good = encode_trailer(xxhash.xxh3_64_intdigest(payload))
+        raw.sendall(encode_header(Kind.PUSH, {}, len(payload)) + payload[:-1] + b"X" + good)
+        frame = receiver.recv(time.monotonic() + 5)
+        assert frame.checked
+        with pytest.raises(ChecksumError):
+            receiver.recv_payload_into(frame, [memoryview(dest)], time.monotonic() + 5)
     finally:
         raw.close()
         receiver.close()

@@ -31,7 +31,12 @@ from halfmoon.serve.runtime import (
     setup_logging,
     warn_if_public,
 )
-from halfmoon.serve.worker.main import EngineOptions, add_engine_options, engine_config
+from halfmoon.serve.worker.main import (
+    WIRE_CHECKSUMS,
+    EngineOptions,
+    add_engine_options,
+    engine_config,
+)
 
 log = logging.getLogger("serve")
 
@@ -79,6 +84,7 @@ def worker_argv(
             "--host", args.internal_host, "--port", str(free_port(args.internal_host)),
             "--conductor", conductor, "--log-level", args.log_level,
             "--transport", getattr(args, "transport", "auto"),
+            "--wire-checksum", getattr(args, "wire_checksum", "xxh3"),
             "--config-json", worker_doc)  # fmt: skip
 
 
@@ -360,6 +366,11 @@ def register(subparsers: Any) -> None:
         "--transport", default="auto", choices=("auto", "tcp", "shm"),
         help="KV between workers: auto (default: shared memory between workers on one "
         "host, else tcp), tcp, or shm (co-located workers only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--wire-checksum", default="xxh3", choices=WIRE_CHECKSUMS,
+        help="KV sent inline over tcp: xxh3 (default: every payload checksummed and "
+        "verified) or none (TCP's own checks only; ~10%% less CPU per byte)",
     )  # fmt: skip
     p.add_argument("--served-model-name", default=None)
     p.add_argument(

@@ -47,6 +47,7 @@ class ConnectorSettings:
     hash_block_size: int = 16
     stats_path: str = ""
     timeout_s: float = 30.0
+    checksum: bool = True
 
     @property
     def endpoint(self) -> str:
@@ -59,7 +60,7 @@ class ConnectorSettings:
             "host": self.host, "port": self.port, "transport": self.transport,
             "inbox_mb": self.inbox_mb, "store_mb": self.store_mb,
             "hash_block_size": self.hash_block_size, "stats_path": self.stats_path,
-            "timeout_s": self.timeout_s,
+            "timeout_s": self.timeout_s, "checksum": self.checksum,
         }  # fmt: skip
 
     @classmethod
@@ -74,6 +75,7 @@ class ConnectorSettings:
                 hash_block_size=int(extra.get("hash_block_size", 16)),
                 stats_path=str(extra.get("stats_path", "")),
                 timeout_s=float(extra.get("timeout_s", 30.0)),
+                checksum=bool(extra.get("checksum", True)),
             )  # fmt: skip
         except KeyError as exc:
             raise ValueError(

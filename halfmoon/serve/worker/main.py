@@ -28,6 +28,8 @@ ROLES = ("prefill", "decode", "coupled")
 INBOX_MAX_MB = 512
 #: ``--kv-compression`` (halfmoon.engine.kvcodec.MODES; listed here to keep this torch-free).
 KV_COMPRESSION_MODES = ("none", "int8", "fp8", "zstd")
+#: ``--wire-checksum``: what guards KV payloads sent over tcp (see halfmoon.transfer.protocol).
+WIRE_CHECKSUMS = ("xxh3", "none")
 ENGINES = ("halfmoon", "vllm")
 #: ``--prefix-store``: when a prefill worker's block store gets a prompt's blocks
 #: (:mod:`halfmoon.serve.worker.prefix_cache`). Without the flag: ``demote`` with
@@ -267,6 +269,7 @@ def vllm_connector_settings(args: argparse.Namespace, options: EngineOptions, na
     stats_dir = os.environ.get(KV_STATS_DIR_ENV, "")
     return ConnectorSettings(
         host=args.host, port=free_port(args.host), transport=args.transport,
+        checksum=getattr(args, "wire_checksum", "xxh3") != "none",
         inbox_mb=options.kv_cache_mb, store_mb=options.store_dram_mb,
         hash_block_size=options.block_size,
         stats_path=str(Path(stats_dir) / f"{name}.jsonl") if stats_dir else "",
@@ -324,7 +327,10 @@ def run_worker(args: argparse.Namespace) -> int:
         )
     transfer = None
     if args.role != "coupled" and kv_connector is None:
-        transfer = TransferEngine(secret, host=args.host, transport=args.transport, store=store)
+        transfer = TransferEngine(
+            secret, host=args.host, transport=args.transport, store=store,
+            checksum=args.wire_checksum != "none",
+        )  # fmt: skip
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
     if kv_connector is None and args.role != "coupled":
@@ -420,6 +426,12 @@ def register(subparsers: Any) -> None:
         default="auto",
         choices=("auto", "tcp", "shm"),
         help="KV transfer transport to peers (auto: shared memory with co-located peers, else tcp)",
+    )
+    p.add_argument(
+        "--wire-checksum",
+        default="xxh3",
+        choices=WIRE_CHECKSUMS,
+        help="payloads this worker sends: xxh3-checksummed (default) or none",
     )
     p.add_argument(
         "--vllm-url", default=None, metavar="URL,EVENTS[,REPLAY[,TOPIC]]",
