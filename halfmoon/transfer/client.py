@@ -25,7 +25,7 @@ from typing import Any
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
 from halfmoon.transfer.errors import RemoteError
-from halfmoon.transfer.handles import TransferHandle, TransferResult
+from halfmoon.transfer.handles import CancelFlag, TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
 from halfmoon.transfer.link import as_bytes_view, coalesce, deadline_after
 from halfmoon.transfer.memcopy import copy_blocks
@@ -142,7 +142,7 @@ class PeerClient:
         items: list[tuple[int, memoryview]],
         xfer: str,
         deadline: float,
-        cancel: threading.Event,
+        cancel: CancelFlag,
     ) -> TransferResult:
         started = time.perf_counter()
         frames = self._push_frames(region, items, xfer, deadline)
@@ -155,9 +155,7 @@ class PeerClient:
     ) -> TransferResult:
         """Write ``blocks`` (``(offset in the peer's region, buffer)``) and wait for the acks."""
         items = [(int(off), as_bytes_view(buf)) for off, buf in blocks]
-        return self._push(
-            region, items, self._next_id(), self._deadline(timeout_s), threading.Event()
-        )
+        return self._push(region, items, self._next_id(), self._deadline(timeout_s), CancelFlag())
 
     def push_async(
         self, region: str, blocks: Sequence[tuple[int, object]], timeout_s: float | None = None
@@ -167,7 +165,7 @@ class PeerClient:
         Source buffers must stay unchanged until the handle is done. The peer reports one
         ``TransferCompleted("push")`` once every byte has landed.
         """
-        xfer, cancel = self._next_id(), threading.Event()
+        xfer, cancel = self._next_id(), CancelFlag()
         items = [(int(off), as_bytes_view(buf)) for off, buf in blocks]
         deadline = self._deadline(timeout_s)
         future: Future[TransferResult] = Future()

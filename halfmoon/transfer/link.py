@@ -33,6 +33,7 @@ from halfmoon.transfer.errors import (
     TransferError,
     TransferTimeout,
 )
+from halfmoon.transfer.handles import CancelFlag
 from halfmoon.transfer.protocol import (
     FLAG_UNCHECKED,
     HEADER_BYTES,
@@ -432,7 +433,7 @@ class Link:
         except (OSError, EOFError, TransferError) as exc:
             raise self._fail(exc, "receiving from") from exc
 
-    def wait_readable(self, deadline: float | None, cancel: threading.Event) -> None:
+    def wait_readable(self, deadline: float | None, cancel: CancelFlag) -> None:
         """Block until a frame (or EOF) is waiting; raise on timeout or once ``cancel`` is set.
 
         Polls ``cancel`` every few milliseconds so a cancelled transfer stops promptly even

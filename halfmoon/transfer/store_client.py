@@ -27,7 +27,6 @@ the reservations it still holds when the connection ends) and raises.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.errors import ProtocolError
+from halfmoon.transfer.handles import CancelFlag
 from halfmoon.transfer.link import Link, as_bytes_view
 from halfmoon.transfer.memcopy import copy_blocks, copy_out_blocks
 from halfmoon.transfer.messages import PutBlock, meta_from_wire, put_items_to_wire
@@ -92,7 +92,7 @@ class StoreClient:
                 )
                 for g in groups
             ]
-            self._links.send_frames(frames, Kind.PUT_ACK, deadline, threading.Event(), xfer)
+            self._links.send_frames(frames, Kind.PUT_ACK, deadline, CancelFlag(), xfer)
             return sum(int(f.acks[0]["stored"]) for f in frames)
         stored = [0] * len(groups)
 
