@@ -208,6 +208,28 @@ def test_our_transfer_bench_reports_write_latency_with_p99():
     assert all(len(r.batch_s_reps) == 20 for r in writes)
 
 
+@pytest.mark.slow  # a peer process, ~1 s
+def test_the_unchecked_arm_pushes_verified_bytes_without_checksums(monkeypatch):
+    """``--unchecked``: a second engine with ``checksum=False`` pushes in turn with ours;
+    its receiver's bytes are verified like every arm's, and its rows are labelled."""
+    from halfmoon.transfer import link as link_module
+    from halfmoon.transfer.microbench import TCP_UNCHECKED
+
+    unchecked_sends = []
+    real_send = link_module.Link._send_unchecked
+
+    def spy(self, *args):
+        unchecked_sends.append(1)
+        return real_send(self, *args)
+
+    monkeypatch.setattr(link_module.Link, "_send_unchecked", spy)
+    results = bench_transfer([64 * KIB], MIB, 1, transports=("tcp",), unchecked=True)
+    pushes = {r.transport: r for r in results if r.op == "push"}
+    assert set(pushes) == {"tcp", TCP_UNCHECKED}
+    assert pushes[TCP_UNCHECKED].num_blocks == pushes["tcp"].num_blocks == 16
+    assert unchecked_sends  # the unchecked engine's payloads went without a hash
+
+
 def test_arms_take_turns_repetition_by_repetition():
     """Interleaving: every arm's batch in turn, so drift falls on all alike; a warm-up turn
     first; receivers checked after the last batch and after the one-block operations."""
