@@ -277,7 +277,10 @@ def _inliner(
                 end = offset + view.nbytes
                 segs.append([offset, view.nbytes])
         meta["segs"] = segs
-        payloads.extend(coalesce([view for _, view in chunk]))
+        if len(chunk) == 1:
+            payloads.append(chunk[0][1])
+        else:
+            payloads.extend(coalesce([view for _, view in chunk]))
 
     return gather
 

@@ -52,6 +52,10 @@ class PushTracker:
         self, client_id: str, xfer: str, num_parts: int, num_blocks: int, num_bytes: int, peer: str
     ) -> None:
         """Count one acked frame of push ``xfer``; notify when all ``num_parts`` arrived."""
+        if num_parts == 1:  # the whole push in one frame: nothing to count
+            if self._notify is not None:
+                self._notify(TransferCompleted("push", xfer, peer, num_blocks, num_bytes))
+            return
         key = (client_id, xfer)
         with self._lock:
             done = self._pending.setdefault(key, [0, 0, 0])

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from halfmoon.transfer.auth import check_secret, client_handshake
@@ -45,19 +44,27 @@ MAX_FRAME_SEGMENTS = 1024
 _ACK_WINDOW = 8
 
 
-@dataclass(frozen=True)
 class OutFrame:
     """A request frame of a batch. ``prepare``, when set, runs on the frame's connection
     thread right before it is sent (so one frame is prepared while another is on the
     wire): it may copy the blocks in place (shm) or fill ``meta`` and ``payloads``.
-    ``joined``: the payloads went through :func:`~halfmoon.transfer.link.coalesce`."""
+    ``joined``: the payloads went through :func:`~halfmoon.transfer.link.coalesce`.
+    ``acks`` collects the peer's ack of the frame. (A plain class: a frozen dataclass
+    cost ~1.4 us to build, a one-block write builds one.)"""
 
-    kind: Kind
-    meta: dict[str, Any]
-    payloads: list[memoryview]
-    prepare: Callable[[], None] | None = None
-    joined: bool = False
-    acks: list[dict[str, Any]] = field(default_factory=list)
+    __slots__ = ("kind", "meta", "payloads", "prepare", "joined", "acks")
+
+    def __init__(
+        self,
+        kind: Kind,
+        meta: dict[str, Any],
+        payloads: list[memoryview],
+        prepare: Callable[[], None] | None = None,
+        joined: bool = False,
+    ) -> None:
+        self.kind, self.meta, self.payloads = kind, meta, payloads
+        self.prepare, self.joined = prepare, joined
+        self.acks: list[dict[str, Any]] = []
 
 
 def split_batch(sizes: Sequence[int], num_connections: int) -> list[range]:
