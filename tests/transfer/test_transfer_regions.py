@@ -23,9 +23,19 @@ def test_segments_back_to_back_join_into_one_view():
         [[0, "10"]],
         [[0.0, 10]],
         ["ab"],
+        [[95, 10]],  # one segment (the fast path), past the end
+        [[True, 10]],
+        [[0, 10, 1]],
     ],
 )
 def test_a_bad_segment_is_a_remote_error(segments):
     region = MemoryRegion.wrap("r", bytearray(100))
     with pytest.raises(RemoteError):
         region.slices(segments)
+
+
+def test_one_segment_is_one_view_of_the_region():
+    region = MemoryRegion.wrap("r", bytearray(range(100)))
+    views, total = region.slices([[90, 10]])
+    assert total == 10 and [bytes(v) for v in views] == [bytes(range(90, 100))]
+    assert region.slices([[100, 0]])[1] == 0
