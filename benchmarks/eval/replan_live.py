@@ -130,16 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=4)
     p.add_argument("--interval", type=float, default=5.0)
     p.add_argument("--window", type=float, default=15.0)
-    p.add_argument("--ttft-factor", type=float, default=2.2,
-                   help="TTFT SLO = this x the profile's prefill of one summary prompt")
-    p.add_argument("--ttft-slo", type=float, default=None,
-                   help="TTFT SLO in seconds (instead of --ttft-factor)")
-    p.add_argument("--report-ttft-slos", default="0.5,0.6,0.8",
-                   help="also report each phase's goodput at these TTFT SLOs (seconds)")
+    p.add_argument(
+        "--ttft-factor",
+        type=float,
+        default=2.2,
+        help="TTFT SLO = this x the profile's prefill of one summary prompt",
+    )
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=None,
+        help="TTFT SLO in seconds (instead of --ttft-factor)",
+    )
+    p.add_argument(
+        "--report-ttft-slos",
+        default="0.5,0.6,0.8",
+        help="also report each phase's goodput at these TTFT SLOs (seconds)",
+    )
     p.add_argument("--tbt-slo", type=float, default=0.5)
     p.add_argument("--json", default=None)
-    p.add_argument("--records", default=None, metavar="OUT",
-                   help="also write every cluster's request records here (JSON)")
+    p.add_argument(
+        "--records",
+        default=None,
+        metavar="OUT",
+        help="also write every cluster's request records here (JSON)",
+    )
     a = p.parse_args(argv)
     planned = workload(a.chat_s, a.summary_s, a.burst)
     with tempfile.TemporaryDirectory(prefix="replan-live-") as tmp_dir:
@@ -152,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = _profile(cache)
         ttft_s = a.ttft_slo or round(a.ttft_factor * profile.prefill_s(SUMMARY[0]), 3)
         slo = SLOConfig(ttft_s=ttft_s, tbt_s=a.tbt_slo)
-        print(f"TTFT SLO {slo.ttft_s}s (profile: a {SUMMARY[0]}-token prefill takes "
-              f"{profile.prefill_s(SUMMARY[0]):.3f}s), TBT SLO {slo.tbt_s}s", flush=True)
+        print(
+            f"TTFT SLO {slo.ttft_s}s (profile: a {SUMMARY[0]}-token prefill takes "
+            f"{profile.prefill_s(SUMMARY[0]):.3f}s), TBT SLO {slo.tbt_s}s",
+            flush=True,
+        )
         runs = {}
         for name, split, replan in (("1P2D+replan", (1, 2), True), ("1P2D", (1, 2), False),
                                     ("2P1D", (2, 1), False)):  # fmt: skip

@@ -130,9 +130,7 @@ def load_chat_template(value: str) -> str:
             raise HalfmoonError(f"--chat-template {value!r}: cannot read it: {exc}") from None
     if "{{" in value or "{%" in value:
         return value
-    raise HalfmoonError(
-        f"--chat-template {value!r}: no such file, and not a Jinja template either"
-    )
+    raise HalfmoonError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
 
 
 def _token_text(value: Any) -> str | None:

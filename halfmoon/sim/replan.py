@@ -113,9 +113,7 @@ class Replanner:
         """Whether a round is due (its interval passed and no cooldown holds)."""
         return now_s >= self._next_s and now_s >= self._quiet_until_s
 
-    def target(
-        self, now_s: float, prefill: int, window: list[Request] | None = None
-    ) -> int | None:
+    def target(self, now_s: float, prefill: int, window: list[Request] | None = None) -> int | None:
         """Run a round: the prefill count to move towards (at most ``max_moves`` from
         ``prefill``), or None to stay. ``window``: the recent requests with their arrival
         times from 0 (a live cluster's, from its Conductor); by default the ones

@@ -113,7 +113,9 @@ def test_page_shows_workers_charts_and_explained_decisions(cluster_factory, driv
     assert explain.startswith(f"request {request_id} policy=")
     assert "*prefill-0" in explain and "*decode-0" in explain
 
-    loaded = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    loaded = driver.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name)"
+    )
     assert loaded and all(url.startswith(cluster.base_url) for url in loaded), loaded
     shot = tmp_path / "dashboard.png"
     assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

@@ -64,7 +64,8 @@ def _corrupt_count(cluster) -> float:
         text = r.read().decode()
     m = re.search(
         r'^halfmoon:kv_store_corrupt_blocks_total\{[^}]*worker="prefill-0"[^}]*\} ([0-9.e+]+)$',
-        text, re.M,
+        text,
+        re.M,
     )
     return float(m.group(1)) if m else 0.0
 

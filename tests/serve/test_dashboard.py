@@ -156,8 +156,10 @@ def test_state_merges_the_conductors_view_with_the_launchers_processes(gateways)
 
 
 def test_merge_and_finite_helpers():
-    assert finite({"a": [1.0, float("nan"), -float("inf")], "b": "x"}) == {"a": [1.0, None, None],
-                                                                           "b": "x"}
+    assert finite({"a": [1.0, float("nan"), -float("inf")], "b": "x"}) == {
+        "a": [1.0, None, None],
+        "b": "x",
+    }
     assert merge_workers(None, {"coupled-1": {"state": "stopped"}}) == [
         {"instance_id": "coupled-1", "role": "coupled", "state": "stopped",
          "process": {"state": "stopped"}, "registered": False}
@@ -280,8 +282,15 @@ def test_cluster_status_from_a_real_service(service):
     assert not _schedule(peer, "r1", [1, 2, 3, 4]).accepted  # no decode instance yet
     _register(peer, "d0", "decode")
     _register(peer, "d1", "decode")
-    load = event_entry("load", num_running=2, num_waiting=1, kv_used_tokens=32,
-                       kv_capacity_tokens=4096, queued_prefill_tokens=48, store={"misses": 3})
+    load = event_entry(
+        "load",
+        num_running=2,
+        num_waiting=1,
+        kv_used_tokens=32,
+        kv_capacity_tokens=4096,
+        queued_prefill_tokens=48,
+        store={"misses": 3},
+    )
     stored = event_entry("stored", hashes=hashes_to_wire([1, 2]), tier="dram")
     peer.send(Events(instance_id="p0", events=[stored, load]))
     assert _schedule(peer, "r2", [1, 2, 3, 4]).accepted

@@ -148,8 +148,6 @@ def test_store_figures_per_tier(metrics):
         store.close()
 
 
-
-
 def test_a_worker_answers_metrics_query_with_its_engine_servers_metrics_after_its_own():
     """A worker whose engine runs in a server of its own (vLLM) sends that server's
     metrics text after its registry's."""

@@ -50,8 +50,6 @@ def _store_with_a_corrupt_block(directory: str) -> TieredStore:
     return store
 
 
-
-
 @pytest.fixture
 def prefill_worker(conductor):
     """Starts registered prefill worker ``p0`` exporting a store's figures, its loop on a

@@ -113,9 +113,7 @@ def test_a_short_context_and_a_tiny_pool_are_profiled_with_short_prompts(monkeyp
     tokens) no room for the 1,024-token KV import: short prompts and imports instead."""
     from halfmoon.engine import EngineConfig, LLMEngine, profiler
 
-    engine = LLMEngine(
-        EngineConfig(model="tiny", kv_cache_mb=4, max_model_len=512, num_threads=1)
-    )
+    engine = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=4, max_model_len=512, num_threads=1))
     prefills: list[tuple[int, int]] = []
     imports: list[int] = []
     real_prefill, real_import = profiler._time_prefill, profiler._time_kv_import

@@ -87,8 +87,11 @@ def conductor_state(
     took = [s for _, _, s in recent]
     return {
         "policy": config.policy,
-        "slo": {"ttft_s": config.slo.ttft_s, "tbt_s": config.slo.tbt_s,
-                "tbt_metric": config.slo.tbt_metric},  # fmt: skip
+        "slo": {
+            "ttft_s": config.slo.ttft_s,
+            "tbt_s": config.slo.tbt_s,
+            "tbt_metric": config.slo.tbt_metric,
+        },  # fmt: skip
         "num_placements": conductor.num_placements,
         "num_instances": len(service.instances),
         "draining": sorted(service.draining),
@@ -121,22 +124,36 @@ def decision_record(at_s: float, decision: Decision, decision_s: float) -> dict[
         "est_ttft_s": decision.est_ttft_s,
         "est_tbt_s": None if chosen_d is None else chosen_d.est_tbt_s,
         "candidates": [
-            {"instance": c.label, "cache_source": c.cache_source,
-             "cached_tokens": c.cached_tokens, "queue_s": c.queue_s,
-             "transfer_s": c.transfer_s, "prefill_s": c.prefill_s, "ttft_s": c.ttft_s,
-             "chosen": c == chosen_p}  # fmt: skip
+            {
+                "instance": c.label,
+                "cache_source": c.cache_source,
+                "cached_tokens": c.cached_tokens,
+                "queue_s": c.queue_s,
+                "transfer_s": c.transfer_s,
+                "prefill_s": c.prefill_s,
+                "ttft_s": c.ttft_s,
+                "chosen": c == chosen_p,
+            }  # fmt: skip
             for c in decision.candidates
         ],
         "num_candidates": decision.num_candidates or len(decision.candidates),
         "decode_candidates": [
-            {"instance": d.instance_id, "num_running": d.num_running,
-             "context_tokens": d.context_tokens, "est_tbt_s": d.est_tbt_s,
-             "chosen": d == chosen_d}  # fmt: skip
+            {
+                "instance": d.instance_id,
+                "num_running": d.num_running,
+                "context_tokens": d.context_tokens,
+                "est_tbt_s": d.est_tbt_s,
+                "chosen": d == chosen_d,
+            }  # fmt: skip
             for d in decision.decode_candidates
         ],
         "replications": [
-            {"source": r.source, "target": r.target, "num_blocks": len(r.block_hashes),
-             "reason": r.reason}  # fmt: skip
+            {
+                "source": r.source,
+                "target": r.target,
+                "num_blocks": len(r.block_hashes),
+                "reason": r.reason,
+            }  # fmt: skip
             for r in decision.replications
         ],
         "explain": decision.explain(),

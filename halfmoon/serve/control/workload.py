@@ -54,8 +54,12 @@ class ArrivalLog:
         since = now_s - window_s
         recent = [e for e in reversed(self._entries) if e.at_s >= since]
         return [
-            Arrival(age_s=round(now_s - e.at_s, 6), input_length=e.input_length,
-                    output_length=e.output_length, hashes=e.hashes)  # fmt: skip
+            Arrival(
+                age_s=round(now_s - e.at_s, 6),
+                input_length=e.input_length,
+                output_length=e.output_length,
+                hashes=e.hashes,
+            )  # fmt: skip
             for e in reversed(recent)
         ]
 

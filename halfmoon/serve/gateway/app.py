@@ -73,8 +73,9 @@ def create_app(
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
         if request.url.path.startswith("/admin/") and not config.keys:
-            return error_response(403, "admin endpoints need an API key (--api-key)",
-                                  "PermissionDenied")
+            return error_response(
+                403, "admin endpoints need an API key (--api-key)", "PermissionDenied"
+            )
         if config.keys and request.url.path.startswith(guarded):
             key = matching_key(request.headers.get("authorization"), config.keys)
             if key is None:

@@ -346,7 +346,9 @@ class ClusterBackend:
                 raise answer
         return texts, failed
 
-    async def cluster_status(self, num_decisions: int = 20, timeout_s: float = 2.0) -> ClusterStatus:
+    async def cluster_status(
+        self, num_decisions: int = 20, timeout_s: float = 2.0
+    ) -> ClusterStatus:
         """The Conductor's view of the cluster and its latest ``num_decisions`` decisions
         (for the live cluster page); BackendError when it does not answer in ``timeout_s``."""
         msg = StatusQuery(num_decisions=num_decisions)

@@ -137,7 +137,9 @@ class Gateway:
         unsupported = body.unsupported()
         if unsupported:
             raise HTTPError(
-                400, f"not supported by this server: {', '.join(unsupported)}", "BadRequestError",
+                400,
+                f"not supported by this server: {', '.join(unsupported)}",
+                "BadRequestError",
                 param=unsupported[0].split()[0],
             )
         chat = isinstance(body, ChatCompletionRequest)
@@ -152,8 +154,10 @@ class Gateway:
             raise HTTPError(
                 400,
                 f"max_tokens {max_tokens} exceeds this server's limit of {cfg.max_tokens_limit}",
-                "BadRequestError", param="max_completion_tokens"
-                if chat and body.max_completion_tokens is not None else "max_tokens",
+                "BadRequestError",
+                param="max_completion_tokens"
+                if chat and body.max_completion_tokens is not None
+                else "max_tokens",
             )
         if len(prompt_ids) + max_tokens > cfg.max_model_len:
             raise HTTPError(
@@ -161,7 +165,8 @@ class Gateway:
                 f"this model's maximum context length is {cfg.max_model_len} tokens; the "
                 f"request has {len(prompt_ids)} prompt tokens and asks for {max_tokens} "
                 "output tokens",
-                "BadRequestError", param="messages" if chat else "prompt",
+                "BadRequestError",
+                param="messages" if chat else "prompt",
             )
         params = self._sampling_params(body, max_tokens)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -254,7 +259,8 @@ class Gateway:
             raise HTTPError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                "NotFoundError", param="model",
+                "NotFoundError",
+                param="model",
             )
 
     # -- generation --------------------------------------------------------------------------

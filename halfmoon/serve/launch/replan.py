@@ -196,8 +196,12 @@ class LocalMover:
 
     def _next_index(self, role: str) -> int:
         used = [_index(c.name) for c in self.group.children if c.name.startswith(role + "-")]
-        used += [_index(name) for m in self.moves for name in (m["started"], m["leaving"])
-                 if name.startswith(role + "-")]  # (a name is never used twice)
+        used += [
+            _index(name)
+            for m in self.moves
+            for name in (m["started"], m["leaving"])
+            if name.startswith(role + "-")
+        ]  # (a name is never used twice)
         return max(used, default=-1) + 1
 
     async def move(self, from_role: str, to_role: str, count: int,
