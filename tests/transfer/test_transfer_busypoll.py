@@ -45,13 +45,33 @@ def test_the_pause_is_a_time_not_a_number_of_frames(sock_pair, monkeypatch):
     (counted in frames, a burst's misses kept the next phase's round trips from polling)."""
     from halfmoon.transfer import busypoll
 
-    monkeypatch.setattr(busypoll, "_PAUSE_S", 0.05)
+    monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 0.05)
     a, b = sock_pair
     poller, view = paused_poller(b)
     a.sendall(b"x")
     assert poller.poll_into(view) == 0  # within the pause: nothing is polled
     time.sleep(0.1)
     assert poller.poll_into(view) == 1 and bytes(view[:1]) == b"x"  # the pause is over
+
+
+def test_pauses_grow_while_polls_keep_missing_and_a_hit_starts_over(sock_pair):
+    """A busy peer that was slow a few times costs a short pause; an idle one is polled
+    less and less often (pauses of 0.5, 1, 2, 4, then 5 ms between fruitless polls)."""
+    a, b = sock_pair
+    poller, view = paused_poller(b)
+    lengths = [poller._pause_s]  # noqa: SLF001  (the next pause, after the first 0.5 ms)
+    for _ in range(4):
+        time.sleep(max(0.0, poller._paused_until - time.perf_counter()))  # noqa: SLF001
+        assert poller.poll_into(view) == 0  # one more miss after a pause: a longer pause
+        assert poller._paused_until > time.perf_counter() - 1e-3  # noqa: SLF001
+        lengths.append(poller._pause_s)  # noqa: SLF001
+    assert lengths == [1e-3, 2e-3, 4e-3, 5e-3, 5e-3]
+    time.sleep(max(0.0, poller._paused_until - time.perf_counter()))  # noqa: SLF001
+    a.sendall(b"y")
+    assert poller.poll_into(view) == 1  # a hit: the next run of misses starts short again
+    for _ in range(3):
+        assert poller.poll_into(view) == 0
+    assert poller._pause_s == 1e-3  # noqa: SLF001  (it paused 0.5 ms and doubled once)
 
 
 def test_polling_off_eof_and_bad_budget(sock_pair):
