@@ -24,7 +24,7 @@ from typing import Any
 
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.busypoll import DEFAULT_BUSY_POLL_S
-from halfmoon.transfer.errors import RemoteError
+from halfmoon.transfer.errors import RemoteError, TransferCancelled
 from halfmoon.transfer.handles import CancelFlag, TransferHandle, TransferResult
 from halfmoon.transfer.hub import InProcessHub
 from halfmoon.transfer.link import as_bytes_view, coalesce, deadline_after
@@ -145,10 +145,33 @@ class PeerClient:
         cancel: CancelFlag,
     ) -> TransferResult:
         started = time.perf_counter()
+        if len(items) == 1 and self._remote_region(region, deadline) is None:
+            self._push_one(region, items[0], xfer, deadline, cancel)
+            return TransferResult(xfer, 1, items[0][1].nbytes, time.perf_counter() - started)
         frames = self._push_frames(region, items, xfer, deadline)
         self._links.send_frames(frames, Kind.PUSH_ACK, deadline, cancel, xfer)
         num_bytes = sum(v.nbytes for _, v in items)
         return TransferResult(xfer, len(items), num_bytes, time.perf_counter() - started)
+
+    def _push_one(
+        self,
+        region: str,
+        item: tuple[int, memoryview],
+        xfer: str,
+        deadline: float,
+        cancel: CancelFlag,
+    ) -> None:
+        """One block inline: one frame on one link, sent and acknowledged on this thread.
+        (The batch path's frame objects, gathering and runner cost ~5 us, an eighth of a
+        one-block write's round trip here.)"""
+        offset, view = item
+        meta = {"xfer": xfer, "region": region, "parts": 1, "placed": False, "blocks": 1,
+                "segs": [[offset, view.nbytes]]}  # fmt: skip
+        if cancel.is_set():
+            raise TransferCancelled(f"transfer {xfer} to {self.endpoint} was cancelled")
+        with self._links.borrowed(deadline) as link:
+            link.send(Kind.PUSH, meta, (view,), deadline)
+            self._links.ack(link, Kind.PUSH_ACK, deadline, cancel)
 
     def push(
         self, region: str, blocks: Sequence[tuple[int, object]], timeout_s: float | None = None

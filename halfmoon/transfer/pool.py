@@ -251,13 +251,15 @@ class LinkPool:
                 link.send(frame.kind, frame.meta, frame.payloads, deadline, frame.joined)
                 unacked.append(frame)
                 if len(unacked) >= _ACK_WINDOW:
-                    unacked.pop(0).acks.append(self._ack(link, ack_kind, deadline, cancel))
+                    unacked.pop(0).acks.append(self.ack(link, ack_kind, deadline, cancel))
             while unacked:
-                unacked.pop(0).acks.append(self._ack(link, ack_kind, deadline, cancel))
+                unacked.pop(0).acks.append(self.ack(link, ack_kind, deadline, cancel))
 
-    def _ack(
+    def ack(
         self, link: Link, ack_kind: Kind, deadline: float, cancel: CancelFlag
     ) -> dict[str, Any]:
+        """Wait for a sent frame's ack (``ack_kind``); :class:`TransferCancelled` once
+        ``cancel`` is set, the peer's refusal as an error."""
         link.wait_readable(deadline, cancel)
         meta = self.expect(link, ack_kind, deadline).meta
         if not meta.get("ok", True):
