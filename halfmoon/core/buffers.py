@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ctypes
 
+_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
+
 
 def buffer_address(view: memoryview) -> int | None:
     """The address of ``view``'s first byte, or None for a read-only or empty buffer
-    (~0.4 us)."""
+    (~0.3 us; it runs per block where blocks are joined)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return _addressof(_from_buffer(view))
     except (TypeError, ValueError):
         return None
 

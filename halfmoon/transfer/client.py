@@ -121,13 +121,7 @@ class PeerClient:
         frames = []
         for group in groups:
             chunk = items[group.start : group.stop]
-            meta: dict[str, Any] = {
-                "xfer": xfer,
-                "region": region,
-                "parts": len(groups),
-                "placed": remote is not None,
-            }
-            meta["blocks"] = len(chunk)
+            meta = _push_meta(xfer, region, len(groups), len(chunk), remote is not None)
             if remote is None:  # the blocks are the payload, gathered on the frame's thread
                 payloads: list[memoryview] = []
                 prepare = _inliner(chunk, meta, payloads)
@@ -165,8 +159,8 @@ class PeerClient:
         (The batch path's frame objects, gathering and runner cost ~5 us, an eighth of a
         one-block write's round trip here.)"""
         offset, view = item
-        meta = {"xfer": xfer, "region": region, "parts": 1, "placed": False, "blocks": 1,
-                "segs": [[offset, view.nbytes]]}  # fmt: skip
+        meta = _push_meta(xfer, region, 1, 1, False)
+        meta["segs"] = [[offset, view.nbytes]]
         if cancel.is_set():
             raise TransferCancelled(f"transfer {xfer} to {self.endpoint} was cancelled")
         with self._links.borrowed(deadline) as link:
@@ -279,6 +273,11 @@ class PeerClient:
             self._segments.close()
 
 
+def _push_meta(xfer: str, region: str, parts: int, num_blocks: int, placed: bool) -> dict[str, Any]:
+    """A PUSH frame's meta (an inline frame adds its ``segs``)."""
+    return {"xfer": xfer, "region": region, "parts": parts, "placed": placed, "blocks": num_blocks}
+
+
 def _inliner(
     chunk: list[tuple[int, memoryview]], meta: dict[str, Any], payloads: list[memoryview]
 ) -> Callable[[], None]:
@@ -300,10 +299,7 @@ def _inliner(
                 end = offset + view.nbytes
                 segs.append([offset, view.nbytes])
         meta["segs"] = segs
-        if len(chunk) == 1:
-            payloads.append(chunk[0][1])
-        else:
-            payloads.extend(coalesce([view for _, view in chunk]))
+        payloads.extend(coalesce([view for _, view in chunk]))
 
     return gather
 

@@ -71,13 +71,6 @@ class MemoryRegion:
         buffer, not 256: the per-block slicing cost ~1 ms a 64 MiB batch).
         :class:`RemoteError` when a segment is malformed or out of range."""
         size = self.view.nbytes
-        if len(segments) == 1:  # a one-block write, or blocks that the sender joined
-            segment = segments[0]
-            if type(segment) is list and len(segment) == 2:
-                offset, length = segment
-                if type(offset) is int and type(length) is int and 0 <= offset:
-                    if 0 <= length and offset + length <= size:
-                        return [self.view[offset : offset + length]], length
         runs: list[list[int]] = []
         total = 0
         for segment in segments:
