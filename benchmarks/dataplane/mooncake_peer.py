@@ -11,6 +11,10 @@ halfmoon, whose packages this venv lacks). Roles, each printing JSON lines on st
   (``transfer_sync_write``). After each step it prints {"verify", "num_bytes", "digest"}
   of what it sent and waits for a stdin line "go" (the parent compares the target's
   digest first).
+- ``te-writer``: single writes on command, so the parent can interleave them with ours:
+  prints {"ready"}; each stdin line "write SIZE WARMUP OPS" makes WARMUP untimed, then
+  OPS timed writes of one SIZE-byte block (a fresh stamp before each) and prints the
+  ``write`` row with every time and {"digest"} of the block as last written.
 - ``store-node``: a MooncakeDistributedStore client that only contributes memory.
 - ``store-bench``: put/get, put_batch/get_batch and the zero-copy
   batch_put_from/batch_get_into against ``mooncake_master``; prints one result per op.
@@ -178,6 +182,36 @@ def te_bench(args: argparse.Namespace) -> None:
         verified(f"single write {size} B", one_block)
 
 
+def te_writer(args: argparse.Namespace) -> None:
+    """Single writes on command ("write SIZE WARMUP OPS"), one row per command."""
+    engine = new_engine()
+    src = np.random.default_rng(5).integers(0, 256, args.max_bytes, np.uint8)
+    if engine.register_memory(src.ctypes.data, src.nbytes) != 0:
+        raise SystemExit("register_memory failed")
+    emit({"ready": True})
+    for line in sys.stdin:
+        word, *numbers = line.split()
+        if word != "write" or len(numbers) != 3:
+            raise SystemExit(f"te-writer: unknown command {line.strip()!r}")
+        size, warmup, ops = (int(x) for x in numbers)
+        if not 0 < size <= args.max_bytes:
+            raise SystemExit(f"te-writer: block of {size} B outside the {args.max_bytes} B buffer")
+        block = src[:size].reshape(1, size)
+        stamp = stamper(block)
+
+        def write_one(size: int = size) -> None:
+            rc = engine.transfer_sync_write(args.segment, src.ctypes.data, args.addr, size)
+            if rc != 0:
+                raise SystemExit(f"transfer_sync_write failed with {rc}")
+
+        for _ in range(warmup):
+            stamp()
+            write_one()
+        times = timed_s(write_one, ops, setup=stamp)
+        record = row("write", "tcp", (size, 1, ops), times, times, num_blocks=1)
+        emit({**record, "digest": xxhash.xxh3_64_hexdigest(block)})
+
+
 def new_store(args: argparse.Namespace, segment_bytes: int):
     """A MooncakeDistributedStore client over tcp (``segment_bytes`` 0: no own segment)."""
     from mooncake.store import MooncakeDistributedStore
@@ -339,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plan", required=True, help="SIZE:BLOCKS:OPS,... batch writes")
     bench.add_argument("--latency", default="", help="SIZE:1:OPS,... single writes")
     bench.add_argument("--reps", type=int, default=5)
+    writer = sub.add_parser("te-writer")
+    writer.add_argument("--segment", required=True)
+    writer.add_argument("--addr", type=int, required=True)
+    writer.add_argument("--max-bytes", type=int, required=True, help="largest block written")
     for name in ("store-node", "store-bench"):
         p = sub.add_parser(name)
         p.add_argument("--master-port", type=int, required=True)
@@ -357,6 +395,7 @@ def main() -> None:
     role = {
         "te-target": te_target,
         "te-bench": te_bench,
+        "te-writer": te_writer,
         "store-node": store_node,
         "store-bench": store_bench,
     }[args.role]

@@ -4,7 +4,7 @@ Run from the repository root::
 
     .venv/bin/python -m benchmarks.dataplane.transfer [--sizes 64K,1M,16M] [--batch 64M]
         [--reps 5] [--rounds 3] [--latency-sizes 4K,64K] [--latency-ops 200] [--ceiling]
-        [--unchecked]
+        [--unchecked] [--write-turns 20 [--write-warmup 100]]
         [--mooncake-slice-bytes 1048576] [--mooncake-env K=V] [--no-mooncake]
         [--json out.json] [--markdown]
 
@@ -27,9 +27,12 @@ connections, taking turns with ours batch by batch (rows ``ceiling batch``); a s
 of bare pairs takes its turn too, and bare over bare (an A/A ratio) shows how far one
 round's ratio strays on this machine when both sides are the same. ``--unchecked`` adds
 our tcp push from an engine that does not checksum its payloads (``checksum=False``;
-rows ``tcp unchecked``), the like-for-like match for bare batches and for Mooncake, which
-checksum nothing either. Mooncake
-(``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
+rows ``tcp unchecked``, batches and single writes), the like-for-like match for bare
+batches and for Mooncake, which checksum nothing either. ``--write-turns N`` takes the
+single writes out of the rounds: ours and Mooncake's take N turns of ``--latency-ops``
+writes each (after ``--write-warmup`` untimed ones; who goes first alternates), so a slow
+moment of the machine falls on both; p50 and p99 are reported per turn and pooled over
+every turn. ``--sizes ''`` runs the single writes alone. Mooncake (``mooncake-transfer-engine-non-cuda==0.3.13.post1``) runs from
 its own venv, created on first use by benchmarks/dataplane/mooncake_env.sh, with its
 documented TCP tuning (see ``_common.mooncake_env``), printed and recorded.
 """
@@ -49,6 +52,7 @@ from contextlib import ExitStack
 from dataclasses import asdict
 
 from halfmoon.core.heap import settle_gc
+from halfmoon.transfer import TransferEngine
 from halfmoon.transfer.microbench import (
     TCP_UNCHECKED,
     Arm,
@@ -59,7 +63,11 @@ from halfmoon.transfer.microbench import (
     bench_transfer,
     format_table,
     make_plan,
+    new_stamps,
+    peer_process,
+    percentile,
     plan_arg,
+    write_latency,
 )
 
 from ._common import (
@@ -142,6 +150,148 @@ def bare_batches(stack: ExitStack) -> Callable[[Step], list[Arm]]:
     return arms
 
 
+def interleaved_writes(
+    sizes: list[int],
+    turns: int,
+    ops: int,
+    warmup: int,
+    env: dict[str, str] | None,
+    unchecked: bool,
+) -> tuple[list[list[BenchResult]], str]:
+    """Single one-block writes, ours and Mooncake's taking turns: per turn and size,
+    ``warmup`` untimed and ``ops`` timed writes from each system in turn (who goes first
+    alternates), so a slow moment of the machine falls on both instead of on one
+    system's whole round. Every turn checks both receivers against the last bytes
+    written. Returns one list of ``write`` rows per turn (``env`` None: ours only) and
+    why Mooncake could not start ("" if it did; then ours run alone)."""
+    largest = max(sizes)
+    out: list[list[BenchResult]] = []
+    stamps = new_stamps()
+    with ExitStack() as stack:
+        peer = stack.enter_context(peer_process("--region", f"kv:{largest}:shared"))
+        clients = []
+        for label, checksum in (("tcp", True), (TCP_UNCHECKED, False)):
+            if checksum or unchecked:
+                engine = TransferEngine(peer.secret, checksum=checksum)
+                stack.callback(engine.close)
+                clients.append((label, engine.connect(peer.endpoint, "tcp")))
+        target = writer = None
+        mooncake_error = ""
+        if env is not None:
+            procs = stack.enter_context(processes())
+            try:
+                python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
+                argv = [python, script, "te-target", "--buffer-bytes", str(largest)]
+                target = JsonProcess(argv, env)
+                procs.append(target)
+                info = target.first("segment")
+                argv = [python, script, "te-writer", "--segment", info["segment"]]
+                argv += ["--addr", str(info["addr"]), "--max-bytes", str(largest)]
+                writer = JsonProcess(argv, env)
+                procs.append(writer)
+                writer.first("ready")
+            except (RuntimeError, OSError) as exc:
+                mooncake_error, target, writer = str(exc), None, None
+                print(f"Mooncake could not run: {exc}", file=sys.stderr)
+
+        def ours(step: Step) -> list[BenchResult]:
+            return [write_latency(c, peer, step, stamps, label, warmup) for label, c in clients]
+
+        def theirs(step: Step) -> list[BenchResult]:
+            if writer is None or target is None:
+                return []
+            writer.send(f"write {step.block_bytes} {warmup} {step.num_one_ops}")
+            record = writer.first("digest", timeout_s=600)
+            target.send(f"digest {step.block_bytes}")
+            if target.first("digest")["digest"] != record["digest"]:
+                raise VerificationError(
+                    f"Mooncake single {step.block_bytes} B write: the target's bytes differ"
+                )
+            return results_from([record])
+
+        for turn in range(turns):
+            rows: list[BenchResult] = []
+            for size in sizes:
+                first, second = (ours, theirs) if turn % 2 == 0 else (theirs, ours)
+                rows += first(Step(size, 1, ops)) + second(Step(size, 1, ops))
+            out.append(rows)
+    return out, mooncake_error
+
+
+def pooled_writes(turns: list[list[BenchResult]]) -> list[dict[str, object]]:
+    """Every turn's writes of one system, transport and size pooled: p50 and p99 over all."""
+    pooled: dict[tuple[str, str, int], list[float]] = {}
+    for rows in turns:
+        for r in rows:
+            pooled.setdefault((r.system, r.transport, r.block_bytes), []).extend(r.batch_s_reps)
+    return [
+        {
+            "system": system,
+            "transport": transport,
+            "block_bytes": size,
+            "writes": len(times),
+            "p50_us": percentile(times, 50) * 1e6,
+            "p99_us": percentile(times, 99) * 1e6,
+        }
+        for (system, transport, size), times in pooled.items()
+    ]
+
+
+def pooled_table(pooled: list[dict[str, object]]) -> str:
+    """The pooled single-write rows."""
+    lines = [
+        f"{'system':<10} {'transport':<14} {'block':>6} {'writes':>7} {'p50 us':>9} {'p99 us':>9}"
+    ]
+    for p in pooled:
+        lines.append(
+            f"{p['system']:<10} {p['transport']:<14} {size_label(int(p['block_bytes'])):>6} "
+            f"{p['writes']:>7} {p['p50_us']:>9.1f} {p['p99_us']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def pooled_ratio_lines(pooled: list[dict[str, object]]) -> list[str]:
+    """Ours over Mooncake's, p50 and p99 of the pooled writes, per transport and size."""
+    theirs = {p["block_bytes"]: p for p in pooled if p["system"] == "mooncake"}
+    lines = []
+    for p in pooled:
+        other = theirs.get(p["block_bytes"])
+        if p["system"] != "halfmoon" or other is None:
+            continue
+        lines.append(
+            f"single write {size_label(int(p['block_bytes']))}, pooled, ours {p['transport']} / "
+            f"Mooncake tcp: p50 {p['p50_us'] / other['p50_us']:.2f}x, "
+            f"p99 {p['p99_us'] / other['p99_us']:.2f}x (lower is better)"
+        )
+    return lines
+
+
+def latency_ratios(latency_sizes: list[int], unchecked: bool) -> list[Ratio]:
+    """Our single writes over Mooncake's, p50 and p99 (lower is better)."""
+    out = []
+    for s in latency_sizes:
+        for pct in ("p50", "p99"):
+            attr = f"op_us_{pct}"
+            out.append(
+                Ratio(
+                    f"single write {size_label(s)} {pct}, tcp vs tcp: ours/Mooncake "
+                    "(latency: lower is better)",
+                    figure("halfmoon", "write", "tcp", s, attr),
+                    figure("mooncake", "write", "tcp", s, attr),
+                )
+            )
+            if unchecked:
+                out.append(
+                    Ratio(
+                        f"single write {size_label(s)} {pct}, tcp vs tcp, neither side "
+                        "checksumming its payloads: ours unchecked/Mooncake (lower is better)",
+                        figure("halfmoon", "write", TCP_UNCHECKED, s, attr),
+                        figure("mooncake", "write", "tcp", s, attr),
+                    )
+                )
+    return out
+
+
 def ratios(
     sizes: list[int], latency_sizes: list[int], ceiling: bool, unchecked: bool = False
 ) -> list[Ratio]:
@@ -217,18 +367,7 @@ def ratios(
                     "%",
                 )
             )
-    for s in latency_sizes:
-        for pct in ("p50", "p99"):
-            attr = f"op_us_{pct}"
-            out.append(
-                Ratio(
-                    f"single write {size_label(s)} {pct}, tcp vs tcp: ours/Mooncake "
-                    "(latency: lower is better)",
-                    figure("halfmoon", "write", "tcp", s, attr),
-                    figure("mooncake", "write", "tcp", s, attr),
-                )
-            )
-    return out
+    return out + latency_ratios(latency_sizes, unchecked)
 
 
 def latency_table(results: list[BenchResult]) -> str:
@@ -248,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", default="64K,1M,16M")
+    parser.add_argument(
+        "--sizes", default="64K,1M,16M", help="batch block sizes ('': only the single writes)"
+    )
     parser.add_argument("--batch", default="64M", help="bytes moved per measured transfer")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per round")
     parser.add_argument(
@@ -273,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"also push from an engine without payload checksums (rows '{TCP_UNCHECKED}')",
     )
+    parser.add_argument(
+        "--write-turns",
+        type=int,
+        default=0,
+        help="measure the single writes apart from the rounds, ours and Mooncake's taking "
+        "this many turns of --latency-ops writes each (0: inside every round)",
+    )
+    parser.add_argument(
+        "--write-warmup",
+        type=int,
+        default=100,
+        help="untimed single writes before each turn's timed ones (with --write-turns)",
+    )
     add_mooncake_options(parser)
     parser.add_argument("--json", help="write every round, the medians and the ratios here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -283,15 +437,20 @@ def main() -> int:
     """Run the rounds, print the tables and the per-round ratios."""
     parser = build_parser()
     args = parser.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]  # "": single writes only
     latency_sizes = [parse_size(s) for s in args.latency_sizes.split(",") if s]
     batch_bytes = parse_size(args.batch)
     if any(batch_bytes % s for s in sizes):
         parser.error("--batch must be a multiple of every block size")
     if args.latency_ops < 1 or args.reps < 1 or args.rounds < 1:
         parser.error("--latency-ops, --reps and --rounds must be at least 1")
+    if args.write_turns < 0 or args.write_warmup < 0:
+        parser.error("--write-turns and --write-warmup must be at least 0")
     env = mooncake_env(args.mooncake_slice_bytes, args.mooncake_env)
     plan = make_plan(sizes, batch_bytes, args.latency_ops)
+    turn_sizes = latency_sizes if args.write_turns else []
+    if turn_sizes:  # the single writes get their own interleaved turns, not the rounds
+        latency_sizes = []
     latency = [Step(s, 1, args.latency_ops) for s in latency_sizes]
     if not args.no_mooncake:
         print_env(env)
@@ -312,26 +471,55 @@ def main() -> int:
             )
         return results + (ceiling_rows(args.ceiling_seconds) if args.ceiling else [])
 
+    rounds, mooncake_error, turns = [], "", []
     try:
-        rounds, mooncake_error = alternate_rounds(
-            args.rounds,
-            ours,
-            None if args.no_mooncake else lambda: run_mooncake(plan, latency, args.reps, env),
-        )
+        if sizes or latency_sizes:
+            rounds, mooncake_error = alternate_rounds(
+                args.rounds,
+                ours,
+                None if args.no_mooncake else lambda: run_mooncake(plan, latency, args.reps, env),
+            )
+        if turn_sizes:
+            turns, turn_error = interleaved_writes(
+                turn_sizes,
+                args.write_turns,
+                args.latency_ops,
+                args.write_warmup,
+                None if args.no_mooncake or mooncake_error else env,
+                args.unchecked,
+            )
+            mooncake_error = mooncake_error or turn_error
     except VerificationError as exc:
         print(f"VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
-    results = aggregate(rounds)
-    print(format_table([r for r in results if r.op != "write"]))
-    print(f"\nsingle one-block writes, {args.latency_ops} per round (median over rounds):")
-    print(latency_table(results))
-    print(
-        "(our shm has no counterpart: Mooncake's TransferEngine here has no shared-memory transport)"
-    )
+    results = aggregate(rounds) if rounds else []
+    if sizes:
+        print(format_table([r for r in results if r.op != "write"]))
+    if latency_sizes:
+        print(f"\nsingle one-block writes, {args.latency_ops} per round (median over rounds):")
+        print(latency_table(results))
+    pooled = pooled_writes(turns)
+    if turns:
+        print(
+            f"\nsingle one-block writes, {args.write_turns} turns of {args.latency_ops} "
+            f"(after {args.write_warmup} untimed) per system, taking turns; pooled:"
+        )
+        print(pooled_table(pooled))
+    if rounds:
+        print(
+            "(our shm has no counterpart: Mooncake's TransferEngine here has no shared-memory "
+            "transport)"
+        )
     lines, per_round = ratio_report(
         ratios(sizes, latency_sizes, args.ceiling, args.unchecked), rounds
     )
-    print("\n" + "\n".join(lines))
+    if lines:
+        print("\n" + "\n".join(lines))
+    turn_lines, per_turn = ratio_report(latency_ratios(turn_sizes, args.unchecked), turns)
+    turn_lines = [line.replace("per round", "per turn") for line in turn_lines]
+    turn_lines += pooled_ratio_lines(pooled)
+    if turn_lines:
+        print("\n" + "\n".join(turn_lines))
     report = run_report(
         rounds,
         results,
@@ -339,6 +527,9 @@ def main() -> int:
         plan=[asdict(s) for s in plan],
         mooncake_env=None if args.no_mooncake else env,
         mooncake_error=mooncake_error,
+        write_turns=[[r.to_dict() for r in rows] for rows in turns],
+        writes_pooled=pooled,
+        write_ratios_per_turn=per_turn,
     )
     finish(args, report, results, started)
     return 0

@@ -400,19 +400,34 @@ def _push_arm(
     )
 
 
-def _write_latency(
-    client: PeerClient, peer: PeerProcess, step: Step, stamps: Iterator[int]
+def write_latency(
+    client: PeerClient,
+    peer: PeerProcess,
+    step: Step,
+    stamps: Iterator[int],
+    transport: str | None = None,
+    warmup: int = 0,
 ) -> BenchResult:
-    """``step.num_one_ops`` single one-block pushes; a ``write`` row (p50 and p99)."""
+    """``step.num_one_ops`` single one-block pushes (after ``warmup`` untimed ones, besides
+    :func:`timed_s`'s own); a ``write`` row (p50 and p99) labelled ``transport`` (default:
+    the client's). The peer's region is checked against the last bytes written."""
     src = _pattern(step.block_bytes, 5).reshape(1, -1)
-    times = timed_s(
-        lambda: client.push("kv", [(0, src[0])]),
-        step.num_one_ops,
-        setup=lambda: stamp_blocks(src, next(stamps)),
+
+    def write() -> None:
+        client.push("kv", [(0, src[0])])
+
+    def stamp() -> None:
+        stamp_blocks(src, next(stamps))
+
+    for _ in range(warmup):
+        stamp()
+        write()
+    times = timed_s(write, step.num_one_ops, setup=stamp)
+    label = transport or client.transport
+    check_digest(
+        peer.region_digest(step.block_bytes), src, f"single {step.block_bytes} B write over {label}"
     )
-    what = f"single {step.block_bytes} B write over {client.transport}"
-    check_digest(peer.region_digest(step.block_bytes), src, what)
-    return _row("halfmoon", "write", client.transport, step, times, times, num_blocks=1)
+    return _row("halfmoon", "write", label, step, times, times, num_blocks=1)
 
 
 def bench_transfer(
@@ -435,7 +450,7 @@ def bench_transfer(
     checked against what was sent after every configuration. ``baselines(step)`` adds
     more arms that take turns with ours (bare loopback batches). ``unchecked`` adds our
     tcp push from an engine with ``checksum=False`` (rows of transport
-    :data:`TCP_UNCHECKED`), taking turns with the rest.
+    :data:`TCP_UNCHECKED`), taking turns with the rest, and its own single writes.
     """
     results, stamps = [], new_stamps()
     region_bytes = max([batch_bytes, *latency_sizes])
@@ -460,7 +475,9 @@ def bench_transfer(
                     results += run_interleaved(arms, step, reps)
             for size in latency_sizes:
                 step = Step(size, 1, latency_ops)
-                results += [_write_latency(client, peer, step, stamps) for client in clients]
+                results += [write_latency(client, peer, step, stamps) for client in clients]
+                if quick is not None:
+                    results.append(write_latency(quick, peer, step, stamps, TCP_UNCHECKED))
         finally:
             engine.close()
             bare.close()

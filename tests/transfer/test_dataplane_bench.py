@@ -210,8 +210,9 @@ def test_our_transfer_bench_reports_write_latency_with_p99():
 
 @pytest.mark.slow  # a peer process, ~1 s
 def test_the_unchecked_arm_pushes_verified_bytes_without_checksums(monkeypatch):
-    """``--unchecked``: a second engine with ``checksum=False`` pushes in turn with ours;
-    its receiver's bytes are verified like every arm's, and its rows are labelled."""
+    """``--unchecked``: a second engine with ``checksum=False`` pushes in turn with ours
+    and makes its own single writes; its receiver's bytes are verified like every arm's,
+    and its rows are labelled."""
     from halfmoon.transfer import link as link_module
     from halfmoon.transfer.microbench import TCP_UNCHECKED
 
@@ -223,11 +224,22 @@ def test_the_unchecked_arm_pushes_verified_bytes_without_checksums(monkeypatch):
         return real_send(self, *args)
 
     monkeypatch.setattr(link_module.Link, "_send_unchecked", spy)
-    results = bench_transfer([64 * KIB], MIB, 1, transports=("tcp",), unchecked=True)
+    results = bench_transfer(
+        [64 * KIB],
+        MIB,
+        1,
+        transports=("tcp",),
+        unchecked=True,
+        latency_sizes=[4 * KIB],
+        latency_ops=5,
+    )
     pushes = {r.transport: r for r in results if r.op == "push"}
     assert set(pushes) == {"tcp", TCP_UNCHECKED}
     assert pushes[TCP_UNCHECKED].num_blocks == pushes["tcp"].num_blocks == 16
     assert unchecked_sends  # the unchecked engine's payloads went without a hash
+    writes = {r.transport: r for r in results if r.op == "write"}
+    assert set(writes) == {"tcp", TCP_UNCHECKED}  # its single writes too, labelled
+    assert len(writes[TCP_UNCHECKED].batch_s_reps) == 5
 
 
 def test_arms_take_turns_repetition_by_repetition():
@@ -270,3 +282,93 @@ def test_bare_pairs_move_batch_after_batch():
             pairs.batch()
         assert time.perf_counter() - started < 30
     assert all(not proc.is_alive() for proc in pairs._procs)
+
+
+class _FakeMooncake:
+    """Stands in for Mooncake's te-target / te-writer processes (no Mooncake here): the
+    writer answers each "write" with a row of made-up times and a digest; the target
+    answers "digest" with ``target_digest`` (the writer's unless a test says otherwise)."""
+
+    calls: list[str] = []
+    target_digest: str | None = None
+
+    def __init__(self, argv, env=None) -> None:
+        self.role = argv[2]
+        self.pending: dict | None = None
+
+    def first(self, key: str, timeout_s: float = 60.0) -> dict:
+        if key == "segment":
+            return {"segment": "127.0.0.1:1", "addr": 4096}
+        if key == "ready":
+            return {"ready": True}
+        assert self.pending is not None
+        record, self.pending = self.pending, None
+        return record
+
+    def send(self, line: str) -> None:
+        word, *numbers = line.split()
+        _FakeMooncake.calls.append(f"{self.role} {line}")
+        if word == "write":
+            size, _warmup, ops = (int(x) for x in numbers)
+            times = [50e-6 + i * 1e-6 for i in range(ops)]
+            row = mooncake_peer.row("write", "tcp", (size, 1, ops), times, times, num_blocks=1)
+            self.pending = {**row, "digest": "abc"}
+        else:
+            self.pending = {"digest": _FakeMooncake.target_digest or "abc"}
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.slow  # a peer process, ~1 s
+def test_single_writes_take_turns_with_mooncake_and_pool(monkeypatch):
+    """--write-turns: per turn ours (checked and unchecked) and Mooncake's writes take
+    turns, who goes first alternating; the pooled p50 / p99 cover every turn's writes."""
+    from benchmarks.dataplane import transfer
+    from halfmoon.transfer.microbench import TCP_UNCHECKED
+
+    order: list[str] = []
+    real_write_latency = transfer.write_latency
+
+    def ours(*args, **kwargs):
+        order.append("ours")
+        return real_write_latency(*args, **kwargs)
+
+    monkeypatch.setattr(transfer, "write_latency", ours)
+    monkeypatch.setattr(transfer, "JsonProcess", _FakeMooncake)
+    monkeypatch.setattr(transfer, "mooncake_python", lambda: "python")
+    _FakeMooncake.calls = []
+    turns, error = transfer.interleaved_writes([4 * KIB], 2, 5, 2, {}, unchecked=True)
+    assert error == ""
+    writer_calls = [c for c in _FakeMooncake.calls if c.startswith("te-writer")]
+    assert writer_calls == ["te-writer write 4096 2 5"] * 2
+    for rows in turns:
+        assert [(r.system, r.transport) for r in rows if r.system == "halfmoon"] == [
+            ("halfmoon", "tcp"),
+            ("halfmoon", TCP_UNCHECKED),
+        ]
+        assert all(len(r.batch_s_reps) == 5 for r in rows)
+    assert [r.system for r in turns[0]][0] == "halfmoon"  # turn 0: ours first
+    assert [r.system for r in turns[1]][0] == "mooncake"  # turn 1: Mooncake first
+    pooled = {(p["system"], p["transport"]): p for p in transfer.pooled_writes(turns)}
+    assert {k: p["writes"] for k, p in pooled.items()} == {
+        ("halfmoon", "tcp"): 10,
+        ("halfmoon", TCP_UNCHECKED): 10,
+        ("mooncake", "tcp"): 10,
+    }
+    theirs = pooled[("mooncake", "tcp")]
+    assert theirs["p50_us"] == pytest.approx(52.0) and theirs["p99_us"] == pytest.approx(54.0)
+    lines = transfer.pooled_ratio_lines(list(pooled.values()))
+    assert len(lines) == 2 and all("pooled" in line for line in lines)
+
+
+@pytest.mark.slow  # a peer process, ~1 s
+def test_interleaved_mooncake_writes_are_verified(monkeypatch):
+    """A Mooncake target whose bytes differ from what its writer sent fails the run."""
+    from benchmarks.dataplane import transfer
+
+    monkeypatch.setattr(transfer, "JsonProcess", _FakeMooncake)
+    monkeypatch.setattr(transfer, "mooncake_python", lambda: "python")
+    monkeypatch.setattr(_FakeMooncake, "target_digest", "something else")
+    with pytest.raises(VerificationError, match="differ"):
+        transfer.interleaved_writes([4 * KIB], 1, 3, 0, {}, unchecked=False)
