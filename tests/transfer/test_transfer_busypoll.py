@@ -85,3 +85,66 @@ def test_polling_off_eof_and_bad_budget(sock_pair):
         BusyPoller(b, 1e-3).poll_into(view)
     with pytest.raises(ValueError, match="busy_poll_s"):
         BusyPoller(b, -1.0)
+
+
+def test_a_frame_soon_after_a_paused_wait_ends_the_pause(sock_pair, monkeypatch):
+    """A pause kept this wait from polling, yet the bytes came within a poll's length:
+    the peer is busy again (a burst after a quiet spell), so polling resumes at once
+    instead of after up to 5 ms of sleeping receives."""
+    from halfmoon.transfer import busypoll
+
+    monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 60.0)  # a pause that outlasts the test
+    a, b = sock_pair
+    poller = BusyPoller(b, 0.05)  # a 50 ms poll, so the test's own delays stay within it
+    view = memoryview(bytearray(64))
+    for _ in range(3):
+        poller.poll_into(view)
+    a.sendall(b"soon")
+    assert poller.poll_into(view) == 0  # paused: the caller receives (and sleeps) itself
+    assert b.recv(64) == b"soon"
+    poller.arrived()
+    a.sendall(b"next")
+    assert poller.poll_into(view) == 4  # polling again
+
+
+def test_a_frame_long_after_a_paused_wait_keeps_the_pause(sock_pair, monkeypatch):
+    from halfmoon.transfer import busypoll
+
+    monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 60.0)
+    a, b = sock_pair
+    poller, view = paused_poller(b)  # polls of 100 us
+    assert poller.poll_into(view) == 0  # a paused wait begins
+    time.sleep(0.01)  # the peer is quiet for far longer than a poll
+    a.sendall(b"late")
+    assert b.recv(64) == b"late"
+    poller.arrived()
+    poller.arrived()  # no paused wait since the last one: changes nothing either
+    a.sendall(b"x")
+    assert poller.poll_into(view) == 0  # still paused
+
+
+def test_links_report_arrivals_after_paused_waits(monkeypatch):
+    """Link's blocking receive (server side) and its wait for a reply (client side) both
+    tell the poller when a paused wait ended."""
+    from halfmoon.transfer import busypoll
+    from halfmoon.transfer.handles import CancelFlag
+    from halfmoon.transfer.link import Link
+    from halfmoon.transfer.protocol import Kind
+
+    monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 60.0)
+    mine, theirs = socket.socketpair()
+    link, peer = Link(mine, "here", busy_poll_s=0.05), Link(theirs, "there")
+    try:
+        for wait in ("recv", "wait_readable"):
+            view = memoryview(bytearray(64))
+            for _ in range(3):
+                link._poller.poll_into(view)  # noqa: SLF001  (three misses: paused)
+            assert link._poller._paused_until > time.perf_counter()  # noqa: SLF001
+            peer.send(Kind.PUSH_ACK, {"xfer": wait, "ok": True})
+            if wait == "wait_readable":
+                link.wait_readable(None, CancelFlag())
+            assert link.recv(None).meta["xfer"] == wait
+            assert link._poller._paused_until == 0.0  # noqa: SLF001  (polling resumed)
+    finally:
+        link.close()
+        peer.close()
