@@ -160,7 +160,7 @@ def interleaved_writes(
 ) -> tuple[list[list[BenchResult]], str]:
     """Single one-block writes, ours and Mooncake's taking turns: per turn and size,
     ``warmup`` untimed and ``ops`` timed writes from each system in turn (who goes first
-    alternates), so a slow moment of the machine falls on both instead of on one
+    alternates, and so does the order of our checked and unchecked engines), so a slow moment of the machine falls on both instead of on one
     system's whole round. Every turn checks both receivers against the last bytes
     written. Returns one list of ``write`` rows per turn (``env`` None: ours only) and
     why Mooncake could not start ("" if it did; then ours run alone)."""
@@ -194,10 +194,11 @@ def interleaved_writes(
                 mooncake_error, target, writer = str(exc), None, None
                 print(f"Mooncake could not run: {exc}", file=sys.stderr)
 
-        def ours(step: Step) -> list[BenchResult]:
-            return [write_latency(c, peer, step, stamps, label, warmup) for label, c in clients]
+        def ours(step: Step, turn: int) -> list[BenchResult]:  # our engines alternate too
+            order = clients if turn % 2 == 0 else clients[::-1]
+            return [write_latency(c, peer, step, stamps, label, warmup) for label, c in order]
 
-        def theirs(step: Step) -> list[BenchResult]:
+        def theirs(step: Step, turn: int) -> list[BenchResult]:
             if writer is None or target is None:
                 return []
             writer.send(f"write {step.block_bytes} {warmup} {step.num_one_ops}")
@@ -213,7 +214,7 @@ def interleaved_writes(
             rows: list[BenchResult] = []
             for size in sizes:
                 first, second = (ours, theirs) if turn % 2 == 0 else (theirs, ours)
-                rows += first(Step(size, 1, ops)) + second(Step(size, 1, ops))
+                rows += first(Step(size, 1, ops), turn) + second(Step(size, 1, ops), turn)
             out.append(rows)
     return out, mooncake_error
 
