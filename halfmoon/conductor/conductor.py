@@ -39,7 +39,13 @@ from halfmoon.conductor.candidates import (
 )
 from halfmoon.conductor.cluster import Cluster
 from halfmoon.conductor.config import ConductorConfig
-from halfmoon.conductor.cpp import PipelineEstimator, cpp_groups, group_candidates
+from halfmoon.conductor.cpp import (
+    PipelineEstimator,
+    cpp_groups,
+    group_candidates,
+    group_fetch_s,
+    group_fetches,
+)
 from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import DecodeLoads, PrefillLoads
 from halfmoon.conductor.messages import (
@@ -55,6 +61,7 @@ from halfmoon.conductor.state import DecodeState
 from halfmoon.core.clock import Clock
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.pipeline import PipelineEstimate
 
 
 class Conductor(Cluster):
@@ -145,7 +152,9 @@ class Conductor(Cluster):
         if groups and request.input_length >= cfg.cpp_min_tokens:
             now = self.clock.now()
             remote = self.policy.uses_remote_prefixes
-            out += group_candidates(request, groups, self._prefill, matched, now, self._cpp, remote)
+            out += group_candidates(
+                request, groups, self._prefill, matched, now, self._cpp, remote, self._links
+            )
         return out
 
     def _pruned_candidates(self, request: Request) -> tuple[list[PrefillCandidate], int]:
@@ -166,7 +175,7 @@ class Conductor(Cluster):
         if groups and request.input_length >= cfg.cpp_min_tokens:
             matched = dict.fromkeys(loads.ids, 0) | held
             groups_out = group_candidates(
-                request, groups, self._prefill, matched, now, self._cpp, True
+                request, groups, self._prefill, matched, now, self._cpp, True, self._links
             )
             out += groups_out
             num += len(groups_out)
@@ -388,12 +397,16 @@ class Conductor(Cluster):
             self._finish(rid, self.clock.now(), sample=False)
         new_tokens = request.input_length - chosen.cached_tokens
         if chosen.group:
-            # Member s is held from the pipeline's start until its last chunk is done.
+            # Member s is held from the pipeline's start until its last chunk is done
+            # (with link books, from the fetch's start, as a single instance is).
             cm = self._prefill[chosen.instance_id].cost_model
             est = self._cpp.estimate(cm, new_tokens, chosen.cached_tokens)
+            fetch_s = 0.0 if self._links is None else chosen.transfer_s
             for member, held_s in zip(chosen.group, est.stage_end_s, strict=True):
-                self._prefill[member].add(rid, held_s, new_tokens)
+                self._prefill[member].add(rid, fetch_s + held_s, new_tokens)
             self._group_of[rid] = chosen.group
+            if self._links is not None:
+                self._book_group_links(request, chosen, decode_id, est)
         elif self._links is not None:  # the fetch holds the instance too
             self._prefill[chosen.instance_id].add(
                 rid, chosen.transfer_s + chosen.prefill_s, new_tokens
@@ -432,6 +445,31 @@ class Conductor(Cluster):
                         self.clock.now(), cm.transfer_time_s(num_bytes), hot.source, hot.target
                     )
         return tuple(plans)
+
+    def _book_group_links(
+        self, request: Request, chosen: PrefillCandidate, decode_id: str, est: PipelineEstimate
+    ) -> None:
+        """Book a CPP group's transfers as :meth:`_book_links` does a single instance's:
+        each member's share of a remote prefix (one after another from the source, once
+        the group's queue is through), then each stage's hand-off of its layers' KV to
+        decode, of which what its compute cannot hide is left at the stage's end."""
+        links = self._links
+        assert links is not None
+        now, group = self.clock.now(), chosen.group
+        cm = self._prefill[chosen.instance_id].cost_model
+        start_s = now + chosen.queue_s
+        if chosen.is_remote:
+            block = request.block_size_tokens
+            num_blocks = -(-chosen.cached_tokens // block)  # cached is capped at prompt - 1
+            hashes = request.block_hashes[: request.num_full_blocks]
+            matched = self.index.match(hashes, group)
+            fetches = group_fetches(request, group, chosen.cache_source, num_blocks, matched, cm)
+            group_fetch_s(fetches, chosen.cache_source, start_s, links, book=True)
+            start_s += chosen.transfer_s
+        share_s = cm.transfer_time_s(request.input_length * cm.kv_bytes_per_token / len(group))
+        for s, member in enumerate(group):
+            compute_s = est.stage_end_s[s] - est.stage_start_s[s]
+            links.reserve(start_s + est.stage_end_s[s], share_s - compute_s, member, decode_id)
 
     def _book_links(
         self, request: Request, chosen: PrefillCandidate, decode_id: str, ready_s: float

@@ -7,7 +7,9 @@ remainder forms none). A group runs a prompt as a K-stage pipeline
 is free, so its queue is the longest member queue, and member ``s`` is held until its
 stage ends. Each stage uses only its layers' KV, so the prefix a group reuses is the one
 every member holds; a longer prefix held elsewhere is fetched by each member for its
-layers only (1/K of the bytes each, in parallel).
+layers only (1/K of the bytes each). The shares leave the source over its one link, one
+after another (:func:`group_fetches`; the simulator books them so), and with link books
+the fetch also waits for the links (:meth:`~halfmoon.conductor.links.LinkBook.fan_out_s`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.messages import PrefillCandidate
 from halfmoon.conductor.state import PrefillState
 from halfmoon.core.request import Request
@@ -58,6 +61,40 @@ class PipelineEstimator:
         return value
 
 
+def group_fetches(
+    request: Request,
+    group: Sequence[str],
+    source: str,
+    num_blocks: int,
+    matched_blocks: dict[str, int],
+    cost_model: CostModel,
+) -> list[tuple[str, float]]:
+    """``(member, seconds)`` for each member of ``group`` that lacks part of the first
+    ``num_blocks`` blocks held by ``source``: the link time of its layers' share (1/K)
+    of the blocks it lacks, in stage order."""
+    share_bytes = request.block_size_tokens * cost_model.kv_bytes_per_token / len(group)
+    return [
+        (m, cost_model.transfer_time_s((num_blocks - matched_blocks.get(m, 0)) * share_bytes))
+        for m in group
+        if m != source and matched_blocks.get(m, 0) < num_blocks
+    ]
+
+
+def group_fetch_s(
+    fetches: Sequence[tuple[str, float]],
+    source: str,
+    ready_s: float,
+    links: LinkBook | None,
+    book: bool = False,
+) -> float:
+    """Seconds until every member's share of the fetch (:func:`group_fetches`) is in, the
+    source sending one share after another from ``ready_s``; with ``links`` also waiting
+    for them (``book``: reserving them)."""
+    if links is None:
+        return sum(seconds for _, seconds in fetches)
+    return links.fan_out_s(ready_s, source, fetches, book)
+
+
 def group_candidates(
     request: Request,
     groups: Sequence[tuple[str, ...]],
@@ -66,12 +103,12 @@ def group_candidates(
     now_s: float,
     estimator: PipelineEstimator,
     use_remote: bool,
+    links: LinkBook | None = None,
 ) -> list[PrefillCandidate]:
     """One candidate per group with the prefix all members hold, and (``use_remote``)
     one that first fetches the longest prefix held anywhere, when it is longer by more
-    than the balancing threshold."""
+    than the balancing threshold (the fetch starts when the group's queue is through)."""
     block = request.block_size_tokens
-    k = estimator.config.cpp_stages
     source = max(matched_blocks, key=matched_blocks.__getitem__) if matched_blocks else ""
     best_blocks = matched_blocks.get(source, 0)
     threshold_tokens = estimator.config.kvcache_balancing_threshold * request.input_length
@@ -82,13 +119,8 @@ def group_candidates(
         common = min(matched_blocks[m] for m in group)
         options = [(common, group[0], 0.0)]
         if use_remote and (best_blocks - common) * block > threshold_tokens:
-            # Each member fetches its layers' share of the blocks it lacks, in parallel.
-            transfer_s = max(
-                cm.transfer_time_s(
-                    (best_blocks - matched_blocks[m]) * block * cm.kv_bytes_per_token / k
-                )
-                for m in group
-            )
+            fetches = group_fetches(request, group, source, best_blocks, matched_blocks, cm)
+            transfer_s = group_fetch_s(fetches, source, now_s + queue_s, links)
             options.append((best_blocks, source, transfer_s))
         for num_blocks, src, transfer_s in options:
             cached = min(num_blocks * block, request.input_length - 1)

@@ -3,8 +3,9 @@
 One model serves both sides. The simulator books every transfer it runs on the sender's
 and the receiver's :class:`Link` (:func:`reserve_transfer`); the Conductor, with
 ``link_backlog`` on, books on a :class:`LinkBook` the transfers it *plans* (prefix
-fetches, the prefill-to-decode KV hand-off, hot-spot replications) and prices a fetch by
-the wait for both links, so on a congested network a fetch costs what it waits for
+fetches, the prefill-to-decode KV hand-off, hot-spot replications; for a CPP group each
+member's share of a fetch and each stage's hand-off) and prices a fetch by the wait for
+both links, so on a congested network a fetch costs what it waits for
 instead of looking free.
 
 The view is store-and-forward (no fair sharing): a transfer starts when both links are
@@ -15,6 +16,8 @@ planned.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class Link:
@@ -66,6 +69,28 @@ class LinkBook:
         if duration_s <= 0.0 or sender == receiver:
             return ready_s
         return reserve_transfer(ready_s, duration_s, self.link(sender), self.link(receiver))
+
+    def fan_out_s(
+        self,
+        ready_s: float,
+        sender: str,
+        transfers: Sequence[tuple[str, float]],
+        book: bool = False,
+    ) -> float:
+        """Seconds from ``ready_s`` until ``sender`` has sent each ``(receiver,
+        duration_s)``, one after another over its one link, as :meth:`reserve` would
+        place them in that order (a CPP group's members fetching their shares of a prefix
+        from one source); ``book``: reserve them too."""
+        sender_free_s = self.free_at_s(sender)
+        end_s = ready_s
+        for receiver, duration_s in transfers:
+            if duration_s <= 0.0 or receiver == sender:
+                continue
+            start_s = max(ready_s, sender_free_s, self.free_at_s(receiver))
+            sender_free_s = end_s = start_s + duration_s
+            if book:
+                self.reserve(ready_s, duration_s, sender, receiver)
+        return end_s - ready_s
 
     def forget(self, instance_id: str) -> None:
         """Drop a removed instance's link."""

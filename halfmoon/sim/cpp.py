@@ -5,7 +5,8 @@ arrival order on all of them, so groups never wait on each other in a cycle). Ea
 that reaches it at the head of its queue holds itself for it; once all are held::
 
     fetch:    each member lacking part of the planned prefix fetches its layers' share
-              (1/K of the bytes) from the source, in parallel (NIC reservations)
+              (1/K of the bytes) from the source (NIC reservations: one share after
+              another on the source's NIC)
     compute:  PrefillStarted on every member; the pipeline of
               halfmoon.costmodel.pipeline.cpp_prefill_estimate runs from now
     release:  member s is released at its stage's end (PrefillFinished, next job)

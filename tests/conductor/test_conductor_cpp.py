@@ -73,16 +73,91 @@ def test_group_only_when_it_lowers_ttft(make_conductor):
 
 
 def test_group_fetches_its_layers_share_of_a_remote_prefix(make_conductor, paper_cost_model):
+    """Each member fetches its layers' half of the prefix from P3; both halves leave over
+    P3's one link, one after the other (as the simulator books them), so the fetch takes
+    the whole prefix's link time, not half of it."""
     c = make_conductor(num_prefill=3, kvcache_balancing_threshold=0.1, **CPP)
     for h in range(500):
         c.handle(BlockStored(block_hash=h, instance_id="P3"))
     d = c.schedule(_req("r", 1000))
     remote = [x for x in d.candidates if x.group and x.cache_source == "P3"]
     assert len(remote) == 1 and remote[0].is_remote
-    expected = paper_cost_model.transfer_time_s(500 * 16 * paper_cost_model.kv_bytes_per_token / 2)
-    assert remote[0].transfer_s == pytest.approx(expected)
+    half = paper_cost_model.transfer_time_s(500 * 16 * paper_cost_model.kv_bytes_per_token / 2)
+    assert remote[0].transfer_s == pytest.approx(2 * half)
     assert remote[0].cached_tokens == 8000
     assert not any(p.reason == "remote prefix" for p in d.replications if d.prefill.group)
+
+
+def test_a_member_holding_the_prefix_sends_the_other_its_share(make_conductor, paper_cost_model):
+    c = make_conductor(num_prefill=2, kvcache_balancing_threshold=0.1, **CPP)
+    for h in range(500):
+        c.handle(BlockStored(block_hash=h, instance_id="P1"))
+    for h in range(100):
+        c.handle(BlockStored(block_hash=h, instance_id="P2"))
+    d = c.schedule(_req("r", 1000))
+    (remote,) = [x for x in d.candidates if x.group and x.transfer_s > 0]
+    assert remote.cache_source == "P1" and remote.cached_tokens == 8000
+    kv = paper_cost_model.kv_bytes_per_token
+    assert remote.transfer_s == pytest.approx(paper_cost_model.transfer_time_s(400 * 16 * kv / 2))
+
+
+def _linked_conductor(link_bytes_per_s: float, kv_bytes_per_token: int):
+    from halfmoon.conductor import Conductor
+    from halfmoon.core.clock import ManualClock
+    from halfmoon.costmodel.throughput import ThroughputCostModel
+
+    cost_model = ThroughputCostModel(2000.0, kv_bytes_per_token, link_bytes_per_s)
+    config = ConductorConfig(
+        block_size_tokens=16, kvcache_balancing_threshold=0.1, link_backlog=True, **CPP
+    )
+    c = Conductor(config, cost_model, ManualClock())
+    for iid in ("P1", "P2", "P3"):
+        c.add_prefill_instance(iid)
+    c.add_decode_instance("D1", kv_capacity_tokens=1_000_000)
+    return c, cost_model
+
+
+def test_a_group_fetch_waits_for_the_links_and_is_booked(paper_cost_model):
+    """With link books a group's fetch waits for the source's link, its members are held
+    through it, and both shares are booked on the source's link."""
+    c, cm = _linked_conductor(1e10, paper_cost_model.kv_bytes_per_token)
+    for h in range(500):
+        c.handle(BlockStored(block_hash=h, instance_id="P3"))
+    half = cm.transfer_time_s(500 * 16 * cm.kv_bytes_per_token / 2)
+    links = c._links  # noqa: SLF001
+    assert links is not None
+    links.reserve(0.0, 0.5, "P3", "D1")  # P3's link is busy for another 0.5 s
+    d = c.schedule(_req("r", 1000))
+    (remote,) = [x for x in d.candidates if x.group and x.cache_source == "P3"]
+    assert remote.transfer_s == pytest.approx(0.5 + 2 * half)  # waits, then both halves
+    assert d.prefill.group == ("P1", "P2") and d.prefill.cache_source == "P3"
+    est = cpp_prefill_estimate(cm, 2, 16_000 - 8000, 8000, 1024, HIDDEN)
+    assert c.queue_s("P1") == pytest.approx(remote.transfer_s + est.stage_end_s[0])
+    assert c.queue_s("P2") == pytest.approx(remote.transfer_s + est.stage_end_s[1])
+    assert links.free_at_s("P3") == pytest.approx(0.5 + 2 * half)
+    assert links.free_at_s("P1") == pytest.approx(0.5 + half)  # P1's share went first
+    c.check_integrity()
+
+
+def test_group_hand_offs_the_compute_cannot_hide_are_booked(paper_cost_model):
+    """Each stage streams its layers' KV to decode while it computes; on a slow link what
+    its compute cannot hide is left on the member's and decode's links at its end."""
+    c, cm = _linked_conductor(3e8, paper_cost_model.kv_bytes_per_token)
+    d = c.schedule(_req("r", 1000))  # 16,000 new tokens
+    assert d.prefill.group == ("P1", "P2")
+    est = cpp_prefill_estimate(cm, 2, 16_000, 0, 1024, HIDDEN)
+    share_s = cm.transfer_time_s(16_000 * cm.kv_bytes_per_token / 2)
+    links = c._links  # noqa: SLF001
+    assert links is not None
+    tails = [share_s - (est.stage_end_s[s] - est.stage_start_s[s]) for s in range(2)]
+    assert min(tails) > 0  # link-bound
+    p1_end = est.stage_end_s[0] + tails[0]
+    assert links.free_at_s("P1") == pytest.approx(p1_end)
+    # P2's tail waits for D1 where P1's still holds it.
+    p2_end = max(est.stage_end_s[1], p1_end) + tails[1]
+    assert links.free_at_s("P2") == pytest.approx(p2_end)
+    assert links.free_at_s("D1") == pytest.approx(p2_end)
+    c.check_integrity()
 
 
 @pytest.mark.parametrize(
