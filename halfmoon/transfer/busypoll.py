@@ -11,14 +11,10 @@ transfers kept the small round trips that followed from polling at all, and a re
 4 KiB read took ~130 us instead of ~60 us for the whole next phase.
 
 The pause starts short (0.5 ms) and doubles, up to 5 ms, while the polls after each pause
-miss too; a poll that finds its frame starts over, and so does a frame that arrives during
-a pause within a poll's length of the wait's start (:meth:`BusyPoller.arrived`): polling
-would have caught it, so the peer is busy again (without that, a burst that follows a
-few slow moments ran on sleeping receives, ~50-100 us more each here, for as long as the
-pause lasted). A busy peer that was slow a few times in a row (this host's hiccups) costs
-a short pause: with a fixed 5 ms one, a run of 3,000 one-block writes often had 60-90 of
-them sleep (~100 us more each here), enough to move their p99. An idle peer, or one that
-shares our core, is polled 150 us per 5 ms.
+miss too; a poll that finds its frame starts over. A busy peer that was slow a few times
+in a row (this host's hiccups) costs a short pause: with a fixed 5 ms one, a run of 3,000
+one-block writes often had 60-90 of them sleep (~100 us more each here), enough to
+move their p99. An idle peer, or one that shares our core, is polled 150 us per 5 ms.
 """
 
 from __future__ import annotations
@@ -47,7 +43,6 @@ class BusyPoller:
         self._misses = 0
         self._paused_until = 0.0  # perf_counter time before which nothing is polled
         self._pause_s = _FIRST_PAUSE_S  # the next pause's length
-        self._waiting_since = 0.0  # when a wait began that a pause kept from polling
 
     def poll_into(self, view: memoryview) -> int:
         """Bytes received into ``view`` while polling; 0 if none came (or polling is off).
@@ -58,7 +53,6 @@ class BusyPoller:
             return 0
         now = time.perf_counter()
         if now < self._paused_until:
-            self._waiting_since = now
             return 0
         until = now + self.poll_s
         while True:
@@ -77,13 +71,3 @@ class BusyPoller:
                 raise EOFError
             self._misses, self._pause_s = 0, _FIRST_PAUSE_S
             return n
-
-    def arrived(self) -> None:
-        """The caller's blocking wait got its bytes. If polling was paused for that wait
-        and they came within ``poll_s`` of its start (wake-up included), polling would
-        have caught them: the peer is busy again, so the pause ends."""
-        since = self._waiting_since
-        if since:
-            self._waiting_since = 0.0
-            if time.perf_counter() - since < self.poll_s:
-                self._paused_until, self._misses, self._pause_s = 0.0, 0, _FIRST_PAUSE_S

@@ -284,7 +284,6 @@ class Link:
         while end - start < num_bytes:
             self._rend = end
             end += self._io.recv_into(rbuf[end:], deadline)
-            self._poller.arrived()
         self._rend = end
 
     def recv(
@@ -444,7 +443,6 @@ class Link:
                 self.close()
                 raise TransferTimeout(f"timed out waiting for peer {self.peer}")
             select.select([self._sock], [], [], min(_CANCEL_POLL_S, remaining or _CANCEL_POLL_S))
-        self._poller.arrived()
 
     def _poll_buffer(self) -> bool:
         """Busy-poll briefly for bytes into the empty receive buffer (the awaited reply of
