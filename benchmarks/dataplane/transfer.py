@@ -238,6 +238,14 @@ def pooled_writes(turns: list[list[BenchResult]]) -> list[dict[str, object]]:
     ]
 
 
+def turn_row(result: BenchResult, samples: bool) -> dict[str, object]:
+    """A turn's ``write`` row for the JSON report, with every write's time or without."""
+    row = result.to_dict()
+    if not samples:
+        row.pop("batch_s_reps")
+    return row
+
+
 def pooled_table(pooled: list[dict[str, object]]) -> str:
     """The pooled single-write rows."""
     lines = [
@@ -428,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="untimed single writes before each turn's timed ones (with --write-turns)",
     )
+    parser.add_argument(
+        "--json-samples",
+        action="store_true",
+        help="with --write-turns: keep every write's time in --json (20,000 writes per "
+        "system and size take ~1 MB; by default each turn's p50 and p99 are kept)",
+    )
     add_mooncake_options(parser)
     parser.add_argument("--json", help="write every round, the medians and the ratios here")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -528,7 +542,7 @@ def main() -> int:
         plan=[asdict(s) for s in plan],
         mooncake_env=None if args.no_mooncake else env,
         mooncake_error=mooncake_error,
-        write_turns=[[r.to_dict() for r in rows] for rows in turns],
+        write_turns=[[turn_row(r, args.json_samples) for r in rows] for rows in turns],
         writes_pooled=pooled,
         write_ratios_per_turn=per_turn,
     )

@@ -357,6 +357,9 @@ def test_single_writes_take_turns_with_mooncake_and_pool(monkeypatch):
     assert theirs["p50_us"] == pytest.approx(52.0) and theirs["p99_us"] == pytest.approx(54.0)
     lines = transfer.pooled_ratio_lines(list(pooled.values()))
     assert len(lines) == 2 and all("pooled" in line for line in lines)
+    row = turns[0][0]
+    assert "batch_s_reps" not in transfer.turn_row(row, samples=False)  # the JSON stays small
+    assert len(transfer.turn_row(row, samples=True)["batch_s_reps"]) == 5
 
 
 @pytest.mark.slow  # a peer process, ~1 s
