@@ -199,12 +199,19 @@ def interleaved_writes(
             return [write_latency(c, peer, step, stamps, label, warmup) for label, c in order]
 
         def theirs(step: Step, turn: int) -> list[BenchResult]:
+            nonlocal writer, mooncake_error
             if writer is None or target is None:
                 return []
-            writer.send(f"write {step.block_bytes} {warmup} {step.num_one_ops}")
-            record = writer.first("digest", timeout_s=600)
-            target.send(f"digest {step.block_bytes}")
-            if target.first("digest")["digest"] != record["digest"]:
+            try:
+                writer.send(f"write {step.block_bytes} {warmup} {step.num_one_ops}")
+                record = writer.first("digest", timeout_s=600)
+                target.send(f"digest {step.block_bytes}")
+                digest = target.first("digest")["digest"]
+            except (RuntimeError, OSError) as exc:  # it died mid-run: ours go on alone
+                mooncake_error, writer = str(exc), None
+                print(f"Mooncake stopped running: {exc}", file=sys.stderr)
+                return []
+            if digest != record["digest"]:
                 raise VerificationError(
                     f"Mooncake single {step.block_bytes} B write: the target's bytes differ"
                 )

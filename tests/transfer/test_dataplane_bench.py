@@ -291,6 +291,7 @@ class _FakeMooncake:
 
     calls: list[str] = []
     target_digest: str | None = None
+    writer_dies = False
 
     def __init__(self, argv, env=None) -> None:
         self.role = argv[2]
@@ -301,6 +302,8 @@ class _FakeMooncake:
             return {"segment": "127.0.0.1:1", "addr": 4096}
         if key == "ready":
             return {"ready": True}
+        if self.role == "te-writer" and _FakeMooncake.writer_dies:
+            raise RuntimeError("te-writer failed: killed")
         assert self.pending is not None
         record, self.pending = self.pending, None
         return record
@@ -372,3 +375,16 @@ def test_interleaved_mooncake_writes_are_verified(monkeypatch):
     monkeypatch.setattr(_FakeMooncake, "target_digest", "something else")
     with pytest.raises(VerificationError, match="differ"):
         transfer.interleaved_writes([4 * KIB], 1, 3, 0, {}, unchecked=False)
+
+
+@pytest.mark.slow  # a peer process, ~1 s
+def test_ours_go_on_when_mooncake_dies_mid_run(monkeypatch):
+    """A Mooncake side that stops answering is reported once; our turns still run."""
+    from benchmarks.dataplane import transfer
+
+    monkeypatch.setattr(transfer, "JsonProcess", _FakeMooncake)
+    monkeypatch.setattr(transfer, "mooncake_python", lambda: "python")
+    monkeypatch.setattr(_FakeMooncake, "writer_dies", True)
+    turns, error = transfer.interleaved_writes([4 * KIB], 2, 3, 0, {}, unchecked=False)
+    assert "killed" in error
+    assert [[r.system for r in rows] for rows in turns] == [["halfmoon"], ["halfmoon"]]
