@@ -40,24 +40,44 @@ def new_secret() -> str:
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 #: Lowest port :func:`free_port` draws from.
 _LOWEST_DRAWN_PORT = 20000
+#: Ports :func:`free_port` handed out or :func:`reserve_port` was told of, in this process.
+_TAKEN: set[int] = set()
+_TAKEN_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` and on every interface.
+    """A TCP port that is free right now on ``host`` and on every interface, and that
+    this process has not handed out before (nor been told of, :func:`reserve_port`).
 
     Drawn at random below the kernel's ephemeral range where it can: a port that
     ``bind(0)`` returns is free only until the kernel hands it to the next ``bind(0)`` or
     outgoing connection, and a process started later (vLLM binding its KV-event
     endpoints on every interface) lost such a race. Falls back to ``bind(0)``.
+
+    A port handed out stays free until its owner binds it, which may be seconds later (a
+    worker binds its command port once its model is loaded): without the record, the
+    launcher once gave a worker the port it had just given the Conductor, and the worker
+    died on start with "Address already in use".
     """
     low, high = _LOWEST_DRAWN_PORT, _ephemeral_start()
-    for _ in range(64 if high - low >= 1000 else 0):
-        port = low + secrets.randbelow(high - low)
-        if _bindable(host, port):
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    with _TAKEN_LOCK:
+        for _ in range(64 if high - low >= 1000 else 0):
+            port = low + secrets.randbelow(high - low)
+            if port not in _TAKEN and _bindable(host, port):
+                _TAKEN.add(port)
+                return port
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        _TAKEN.add(port)
+        return port
+
+
+def reserve_port(port: int) -> None:
+    """Keep :func:`free_port` from handing out ``port`` in this process (one another
+    process will bind, such as the gateway's port a launcher was given)."""
+    with _TAKEN_LOCK:
+        _TAKEN.add(port)
 
 
 def _ephemeral_start() -> int:

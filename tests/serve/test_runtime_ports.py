@@ -27,3 +27,19 @@ def test_without_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch):
     monkeypatch.setattr(runtime, "_ephemeral_start", lambda: runtime._LOWEST_DRAWN_PORT + 10)
     port = runtime.free_port()
     assert port > 0
+
+
+def test_a_port_is_never_handed_out_twice_in_one_process(monkeypatch):
+    """A port handed out is free until its owner binds it, seconds later: the launcher once
+    gave a worker the port it had just given the Conductor. The same draw again, or a
+    port the process was told of (the gateway's), is skipped."""
+    monkeypatch.setattr(runtime, "_TAKEN", set())
+    monkeypatch.setattr(runtime, "_ephemeral_start", lambda: 65535)
+    draws = iter([11, 11, 12, 12, 13])
+    monkeypatch.setattr(runtime.secrets, "randbelow", lambda n: next(draws))
+    low = runtime._LOWEST_DRAWN_PORT
+    assert runtime.free_port() == low + 11
+    assert runtime.free_port() == low + 12  # 11 again: skipped although still unbound
+    runtime.reserve_port(low + 13)
+    draws = iter([12, 13, 14])
+    assert runtime.free_port() == low + 14

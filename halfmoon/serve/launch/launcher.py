@@ -28,6 +28,7 @@ from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
     new_secret,
+    reserve_port,
     setup_logging,
     warn_if_public,
 )
@@ -94,6 +95,8 @@ def start_cluster(
     """Spawn the Conductor and the workers; returns (conductor endpoint, worker count)."""
     from halfmoon.serve.launch.startup import waiting_line
 
+    if getattr(args, "port", 0):
+        reserve_port(args.port)  # the gateway binds it last: not for an internal process
     conductor_port = free_port(args.internal_host)
     endpoint = f"tcp://{args.internal_host}:{conductor_port}"
     log.info("starting the Conductor on %s", endpoint)
