@@ -93,25 +93,31 @@ from ._common import (
 from .loopback_ceiling import BarePairs
 
 
+def mooncake_pair(
+    procs: list[JsonProcess], buffer_bytes: int, env: dict[str, str], role: str, *args: str
+) -> tuple[JsonProcess, JsonProcess]:
+    """Mooncake's ``te-target`` with a ``buffer_bytes`` buffer, and a ``role`` process
+    (``te-bench``, ``te-writer``) writing into it with ``args``; both in ``procs``."""
+    python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
+    target = JsonProcess([python, script, "te-target", "--buffer-bytes", str(buffer_bytes)], env)
+    procs.append(target)
+    info = target.first("segment")
+    argv = [python, script, role, "--segment", info["segment"], "--addr", str(info["addr"])]
+    sender = JsonProcess([*argv, *args], env)
+    procs.append(sender)
+    return target, sender
+
+
 def run_mooncake(
     plan: list[Step], latency: list[Step], reps: int, env: dict[str, str]
 ) -> list[BenchResult]:
     """Mooncake TransferEngine writes over tcp between two processes; the target's bytes
     are compared with the sender's after every step."""
-    python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
     buffer_bytes = max(s.block_bytes * s.num_blocks for s in [*plan, *latency])
     records = []
     with processes() as procs:
-        target = JsonProcess(
-            [python, script, "te-target", "--buffer-bytes", str(buffer_bytes)], env
-        )
-        procs.append(target)
-        info = target.first("segment")
-        argv = [python, script, "te-bench", "--segment", info["segment"]]
-        argv += ["--addr", str(info["addr"]), "--plan", plan_arg(plan)]
-        argv += ["--latency", plan_arg(latency), "--reps", str(reps)]
-        bench = JsonProcess(argv, env)
-        procs.append(bench)
+        args = ("--plan", plan_arg(plan), "--latency", plan_arg(latency), "--reps", str(reps))
+        target, bench = mooncake_pair(procs, buffer_bytes, env, "te-bench", *args)
         for record in bench.records(timeout_s=600):
             if "verify" not in record:
                 records.append(record)
@@ -180,15 +186,9 @@ def interleaved_writes(
         if env is not None:
             procs = stack.enter_context(processes())
             try:
-                python, script = str(mooncake_python()), str(HERE / "mooncake_peer.py")
-                argv = [python, script, "te-target", "--buffer-bytes", str(largest)]
-                target = JsonProcess(argv, env)
-                procs.append(target)
-                info = target.first("segment")
-                argv = [python, script, "te-writer", "--segment", info["segment"]]
-                argv += ["--addr", str(info["addr"]), "--max-bytes", str(largest)]
-                writer = JsonProcess(argv, env)
-                procs.append(writer)
+                target, writer = mooncake_pair(
+                    procs, largest, env, "te-writer", "--max-bytes", str(largest)
+                )
                 writer.first("ready")
             except (RuntimeError, OSError) as exc:
                 mooncake_error, target, writer = str(exc), None, None

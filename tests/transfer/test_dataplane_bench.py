@@ -320,7 +320,7 @@ class _FakeMooncake:
             self.pending = {"digest": _FakeMooncake.target_digest or "abc"}
 
     def stop(self) -> None:
-        pass
+        _FakeMooncake.calls.append(f"{self.role} stop")
 
 
 @pytest.mark.slow  # a peer process, ~1 s
@@ -344,7 +344,8 @@ def test_single_writes_take_turns_with_mooncake_and_pool(monkeypatch):
     turns, error = transfer.interleaved_writes([4 * KIB], 2, 5, 2, {}, unchecked=True)
     assert error == ""
     writer_calls = [c for c in _FakeMooncake.calls if c.startswith("te-writer")]
-    assert writer_calls == ["te-writer write 4096 2 5"] * 2
+    assert writer_calls == ["te-writer write 4096 2 5"] * 2 + ["te-writer stop"]
+    assert "te-target stop" in _FakeMooncake.calls  # both processes stopped at the end
     for rows, order in zip(turns, [("tcp", TCP_UNCHECKED), (TCP_UNCHECKED, "tcp")], strict=True):
         assert tuple(r.transport for r in rows if r.system == "halfmoon") == order
         assert all(len(r.batch_s_reps) == 5 for r in rows)
