@@ -8,6 +8,7 @@ between steps: that is the prefill -> decode handoff.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -20,8 +21,13 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.glue import EAGER_GLUE, GlueShape, select_glue
-from halfmoon.engine.kernels import select_decode_kernel
+from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
+from halfmoon.engine.kernels import (
+    KernelShape,
+    build_missing,
+    decode_kernel_spec,
+    select_decode_kernel,
+)
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
@@ -29,6 +35,8 @@ from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRu
 from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
 from halfmoon.engine.scheduler import Scheduler, Sequence, Status
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | SequenceABC[int]
 #: The block manager's owner of blocks being seeded (a NUL cannot start a request id that
@@ -92,6 +100,20 @@ class EngineStats:
     num_prefill_tokens: int = 0
 
 
+def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
+    """Build the missing compiled packages this engine will load (the decode kernel and
+    its glue) that no other process is building (:func:`build_missing`): workers starting
+    together build different ones at once. A build that fails here is left to the
+    loaders, which retry it and report the failure (a warning, or the error of
+    ``--attention compiled``)."""
+    if backend == "reference" or (backend == "auto" and kernel.device != "cpu"):
+        return
+    try:
+        build_missing([decode_kernel_spec(kernel), *glue_specs(glue)])
+    except Exception as exc:  # noqa: BLE001 - the loaders below say what went wrong
+        logger.debug("building the compiled packages side by side failed: %s", exc)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (see docs/engine.md).
 
@@ -140,19 +162,22 @@ class LLMEngine:
             prepack_linears(loaded.model)
         if config.prepack_lm_head:
             prepack_lm_head(loaded.model)
+        mc, pool = loaded.config, self.kv_cache.pool
+        glue_shape = GlueShape(
+            mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads,
+            mc.head_dim, mc.rms_norm_eps, pool.dtype, pool.device.type,
+        )  # fmt: skip
+        kernel_shape = KernelShape(
+            mc.num_kv_heads, mc.num_queries_per_kv, mc.head_dim, config.block_size,
+            pool.dtype, pool.device.type,
+        )  # fmt: skip
+        _build_compiled_side_by_side(config.attention, kernel_shape, glue_shape)
         kernel, self.attention_backend = select_decode_kernel(
-            config.attention, loaded.config.num_kv_heads, loaded.config.num_queries_per_kv,
-            loaded.config.head_dim, config.block_size, self.kv_cache.pool.dtype,
-            self.kv_cache.pool.device,
+            config.attention, mc.num_kv_heads, mc.num_queries_per_kv, mc.head_dim,
+            config.block_size, pool.dtype, pool.device,
         )  # fmt: skip
         loaded.model.glue = EAGER_GLUE
         if kernel is not None:  # the elementwise glue compiled alongside the kernel
-            mc = loaded.config
-            glue_shape = GlueShape(
-                mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads,
-                mc.head_dim, mc.rms_norm_eps,
-                self.kv_cache.pool.dtype, self.kv_cache.pool.device.type,
-            )  # fmt: skip
             loaded.model.glue = select_glue(config.attention, glue_shape)
             self.attention_backend += f", {loaded.model.glue.description} glue"
         self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel)

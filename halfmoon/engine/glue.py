@@ -35,6 +35,7 @@ from torch import nn
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.kernels import (
+    PackageSpec,
     export_and_compile,
     failure_reason,
     load_package,
@@ -187,17 +188,20 @@ def _build_silu_mul(shape: GlueShape, path: Path) -> None:
     export_and_compile(SiluMul(), (gate_up,), ({0: tokens},), path)
 
 
+def glue_specs(shape: GlueShape) -> list[PackageSpec]:
+    """The three glue packages of ``shape`` (norm, rope, silu; see :func:`build_missing`)."""
+    return [
+        (shape.key("add-rms-norm"), lambda path: _build_add_rms_norm(shape, path)),
+        (shape.key("rope-split"), lambda path: _build_rope_split(shape, path)),
+        (shape.key("silu-mul"), lambda path: _build_silu_mul(shape, path)),
+    ]
+
+
 def load_glue(shape: GlueShape, directory: Path | None = None) -> Glue:
     """The glue steps compiled for ``shape`` (built once, cached like the kernels).
     Raises on any failure."""
-    norm_run = load_package(
-        shape.key("add-rms-norm"), lambda path: _build_add_rms_norm(shape, path), directory
-    )
-    rope_run = load_package(
-        shape.key("rope-split"), lambda path: _build_rope_split(shape, path), directory
-    )
-    silu_run = load_package(
-        shape.key("silu-mul"), lambda path: _build_silu_mul(shape, path), directory
+    norm_run, rope_run, silu_run = (
+        load_package(key, build, directory) for key, build in glue_specs(shape)
     )
 
     def add_rms_norm(

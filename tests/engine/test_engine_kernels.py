@@ -191,6 +191,46 @@ def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.Monke
     torch.testing.assert_close(got, reference(q, keys, values, group, 16), atol=1e-5, rtol=1e-5)
 
 
+def test_processes_starting_together_build_different_packages_side_by_side(
+    tmp_path: Path,
+) -> None:
+    """Three loaders of the same four packages each take a missing one nobody builds
+    (a build blocks until another is under way: one after another, this would time out);
+    each package is built once, and a package another holds is skipped, not awaited."""
+    started: dict[str, threading.Event] = {k: threading.Event() for k in "abcd"}
+    built: list[str] = []
+
+    def builder(key: str, partner: str):
+        def build(path: Path) -> None:
+            started[key].set()
+            assert started[partner].wait(10), f"{key} built alone"
+            built.append(key)
+            path.write_bytes(key.encode())
+
+        return build
+
+    specs = [("a", builder("a", "b")), ("b", builder("b", "a")),
+             ("c", builder("c", "d")), ("d", builder("d", "c"))]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            kernels.build_missing(specs, tmp_path)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and sorted(built) == ["a", "b", "c", "d"]
+    assert {p.name for p in tmp_path.glob("*.pt2")} == {f"{k}.pt2" for k in "abcd"}
+    with kernels._locked(tmp_path / "e.lock"):  # another process is building "e"
+        kernels.build_missing([("e", builder("e", "e"))], tmp_path)  # returns at once
+    assert not (tmp_path / "e.pt2").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
     # `auto` keeps the reference on a GPU until this has passed on one; this is the check.
