@@ -5,6 +5,9 @@ from a real vLLM 0.32.0 server's answer; tests/e2e/test_vllm_fleet.py runs real 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -26,6 +29,7 @@ from halfmoon.serve.vllm.server import (
     check_server,
     find_vllm_python,
     parse_metric_values,
+    vllm_block_size,
 )
 
 #: The ``data:`` lines of a real stream: vLLM 0.32.0's CPU build serving SmolLM2, asked for
@@ -186,6 +190,42 @@ def test_serve_refuses_vllm_without_prefix_caching_before_starting_anything() ->
     )
     with pytest.raises(HalfmoonError, match="publishes no KV events"):
         check_shape(args)
+
+
+@pytest.mark.slow  # a worker process
+def test_a_vllm_block_size_halfmoon_cannot_map_is_refused_before_any_start(tmp_path) -> None:
+    """A ``--block-size`` in ``--vllm-args`` that halfmoon's blocks do not divide fails
+    ``halfmoon serve`` and a standalone worker at once, naming both sizes (inside vLLM the
+    KV connector would refuse it too, after a minute of starting: tests/vllm_kv)."""
+    from halfmoon.cli import build_parser
+    from halfmoon.core.errors import HalfmoonError
+    from halfmoon.serve.launch.launcher import check_shape
+
+    assert vllm_block_size(16) == 32 and vllm_block_size(64) == 64
+    assert vllm_block_size(16, "--enforce-eager --block-size 128") == 128
+    assert vllm_block_size(16, "--block-size=48 --block_size 64") == 64  # the last counts
+    with pytest.raises(VllmServerError, match="block size 32 is not a multiple of .* 64"):
+        vllm_block_size(64, "--enforce-eager --block-size 32")
+    for bad in ("--block-size", "--block-size x", "--block-size=0"):
+        with pytest.raises(VllmServerError, match="--block-size takes a positive number"):
+            vllm_block_size(16, bad)
+    args = build_parser().parse_args(
+        ["serve", "--engine", "vllm", "--block-size", "64", "--vllm-args=--block-size 96"]
+    )
+    with pytest.raises(HalfmoonError, match="block size 96 is not a multiple of .* 64"):
+        check_shape(args)
+    done = subprocess.run(
+        [sys.executable, "-m", "halfmoon.cli", "worker", "--role", "prefill", "--engine",
+         "vllm", "--port", "1", "--conductor", "tcp://127.0.0.1:1", "--model", "tiny",
+         "--block-size", "64", "--vllm-args=--enforce-eager --block-size 32"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "HALFMOON_SECRET": "s" * 32,
+             "HALFMOON_CACHE": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "vLLM's block size 32 is not a multiple of halfmoon's hash block size 64" in (
+        done.stderr
+    ), done.stderr
 
 
 def test_a_whole_prefill_answer_brings_its_token_cached_count_and_transfer_params() -> None:

@@ -273,6 +273,9 @@ def check_shape(args: argparse.Namespace) -> None:
             from halfmoon.serve.vllm.server import NO_PREFIX_CACHING
 
             raise HalfmoonError(NO_PREFIX_CACHING)
+        from halfmoon.serve.vllm.server import vllm_block_size
+
+        vllm_block_size(args.block_size, getattr(args, "vllm_args", ""))  # one halfmoon maps
         if attach:
             from halfmoon.serve.vllm.server import VllmEndpoints
 
@@ -335,7 +338,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         # vLLM needs one whole context in its pool; the gateway must know the same limit.
         args.max_model_len = fitting_max_model_len(
-            model_dir, args.kv_cache_mb, args.block_size, args.dtype
+            model_dir, args.kv_cache_mb, args.block_size, args.dtype, args.vllm_args
         )
     group = ProcessGroup(os.environ.get(SECRET_ENV) or new_secret())
     try:

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -123,22 +124,41 @@ NO_PREFIX_CACHING = (
 CPU_BLOCK_MULTIPLE = 32
 
 
-def vllm_block_size(block_size: int) -> int:
+def vllm_block_size(block_size: int, vllm_args: str = "") -> int:
     """The block size a worker starts vLLM with: the smallest multiple of the cluster's
     that vLLM's CPU attention takes (16 -> 32: each vLLM block is two halfmoon blocks,
-    which the KV-event translation handles). ``--vllm-args="--block-size N"`` overrides
-    it, e.g. on a GPU."""
-    return math.lcm(block_size, CPU_BLOCK_MULTIPLE)
+    which the KV-event translation handles), unless ``vllm_args`` (``--vllm-args``) name
+    one (``--block-size N``, e.g. on a GPU). Raises :class:`VllmServerError` for one that
+    is not a multiple of ``block_size``: checked here, before a vLLM server spends a
+    minute starting only for halfmoon's KV connector to refuse it."""
+    given = None
+    args = shlex.split(vllm_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--block-size", "--block_size"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if not value.isdigit() or int(value) <= 0:
+                raise VllmServerError(f"--vllm-args: {name} takes a positive number, got {value!r}")
+            given = int(value)  # the last one counts, as in vLLM's own parsing
+    if given is None:
+        return math.lcm(block_size, CPU_BLOCK_MULTIPLE)
+    if given % block_size:
+        raise VllmServerError(
+            f"--vllm-args: vLLM's block size {given} is not a multiple of halfmoon's hash "
+            f"block size {block_size} (--block-size): its KV events and KV blocks could not "
+            "be mapped onto halfmoon's blocks"
+        )
+    return given
 
 
 def fitting_max_model_len(model_dir: str | Path, kv_cache_mb: float, block_size: int,
-                          dtype: str) -> int:  # fmt: skip
+                          dtype: str, vllm_args: str = "") -> int:  # fmt: skip
     """The longest context a ``kv_cache_mb`` pool holds whole, at most the model's own:
     vLLM refuses to start unless one request of its ``max_model_len`` fits the pool
     (halfmoon's engine does not ask that), so a worker that does not set one gets this."""
     from halfmoon.engine.connector import model_kv_layout
 
-    vllm_block = vllm_block_size(block_size)
+    vllm_block = vllm_block_size(block_size, vllm_args)
     layout = model_kv_layout(model_dir, vllm_block, dtype)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     # vLLM keeps one block of its pool aside (its null block).

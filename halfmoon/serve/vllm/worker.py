@@ -17,6 +17,7 @@ from halfmoon.serve.vllm.server import (
     VllmServerError,
     find_vllm_python,
     fitting_max_model_len,
+    vllm_block_size,
     wait_healthy,
 )
 
@@ -42,6 +43,7 @@ def vllm_engine(
             "--vllm-url attaches coupled workers only: a disaggregated worker starts its own "
             "vLLM, with halfmoon's KV connector configured"
         )
+    vllm_block_size(options.block_size, options.vllm_args)  # refuses a bad one before starting
     model_dir = resolve_model(options.model, options.seed)
     common = {"model_dir": str(model_dir), "instance_id": instance_id,
               "block_size": options.block_size, "dtype": options.dtype}  # fmt: skip
@@ -54,7 +56,7 @@ def vllm_engine(
         served_model_name=model_dir.name, block_size=options.block_size, dtype=options.dtype,
         kv_cache_mb=options.kv_cache_mb,
         max_model_len=options.max_model_len or fitting_max_model_len(
-            model_dir, options.kv_cache_mb, options.block_size, options.dtype
+            model_dir, options.kv_cache_mb, options.block_size, options.dtype, options.vllm_args
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
         extra_args=tuple(shlex.split(options.vllm_args)) + (
