@@ -141,8 +141,14 @@ def _preset_once(name: str, seed: int) -> Path:
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     create_preset_dir(name, tmp, seed)
-    if not out.exists():
-        tmp.replace(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: keep its copy
+        if not (out / "model.safetensors").exists():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -130,3 +130,26 @@ def test_unknown_model_missing_files_and_corrupt_weights(
     (broken / "model.safetensors").unlink()
     with pytest.raises(HalfmoonError, match="no model.safetensors"):
         load_model(str(broken))
+
+
+def test_a_preset_written_by_two_processes_at_once_is_kept_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clusters starting on one cache both write the tiny preset: the one that
+    finishes second keeps the first's copy, raises nothing and leaves no temporary dir."""
+    from halfmoon.engine import catalog, loader
+
+    monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+    real_create = loader.create_preset_dir
+
+    def create_while_another_finishes(name: str, out: Path, seed: int) -> None:
+        real_create(name, out, seed)
+        if not out.name.endswith("other"):  # the other process gets there first
+            other = out.with_name(out.name.split(".tmp")[0] + ".tmpother")
+            real_create(name, other, seed)
+            other.rename(out.with_name(out.name.split(".tmp")[0]))
+
+    monkeypatch.setattr(loader, "create_preset_dir", create_while_another_finishes)
+    out = catalog._preset_once("tiny", 0)
+    assert (out / "model.safetensors").is_file()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
