@@ -15,8 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
+
+# Property tests: the same examples every run, and no per-example time limit (Hypothesis'
+# 200 ms deadline is a timing assertion: on a loaded 2-core host one example of an index
+# test took 285 ms once, and the test failed as "flaky").
+settings.register_profile("halfmoon", deadline=None, derandomize=True)
+settings.load_profile("halfmoon")
 
 SMOLLM2 = "smollm2-135m-instruct"
 E2E_DIR = Path(__file__).parent / "e2e"
@@ -24,8 +31,28 @@ E2E_DIR = Path(__file__).parent / "e2e"
 PROCESS_FIXTURES = {"spawn", "spawn_peer", "cluster_factory", "ray_nodes"}
 
 
+#: Modules that take longest (vLLM and real-model clusters, Ray): run first, so that with
+#: ``make test``'s two workers (pytest-xdist) neither is left with one of them at the end.
+LONGEST_FIRST = (
+    "e2e/test_vllm_pd.py",
+    "e2e/test_vllm_fleet.py",
+    "e2e/test_serve_real_model.py",
+    "deploy/test_ray_e2e.py",
+    "deploy/test_ray_replan.py",
+)
+#: Modules that must share one xdist worker: each Ray module's teardown runs ``ray stop
+#: --force``, which stops every Ray node on the machine, another module's too.
+SAME_WORKER = {"deploy/test_ray_e2e.py": "ray", "deploy/test_ray_replan.py": "ray"}
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].removeprefix("tests/")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with its tier (see the module docstring)."""
+    """Mark each test with its tier (see the module docstring); the longest modules first."""
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module_of(item.nodeid), len(rank)))  # stable
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.path.is_relative_to(E2E_DIR):
@@ -34,6 +61,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if item.get_closest_marker("e2e") or fixtures & PROCESS_FIXTURES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist (``make test`` runs two workers): whole modules to a worker, so a
+    module's cluster starts once, and the modules of :data:`SAME_WORKER` to one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module_of(nodeid)
+            return SAME_WORKER.get(module, module)
+
+    return ByModule(config, log)
+
+
+def run_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory of this test run: shared by its pytest-xdist workers (what is kept
+    there is written under locks, atomically), else this session's own."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.mktemp(name)
+    path = tmp_path_factory.getbasetemp().parent / name  # above each worker's own basetemp
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,7 +97,7 @@ def shared_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if os.environ.get("HALFMOON_KERNEL_CACHE"):
         yield Path(os.environ["HALFMOON_KERNEL_CACHE"])
         return
-    path = tmp_path_factory.mktemp("kernels")
+    path = run_shared_dir(tmp_path_factory, "kernels")
     os.environ["HALFMOON_KERNEL_CACHE"] = str(path)
     try:
         yield path
@@ -57,8 +108,9 @@ def shared_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the tiny-model clusters of this session keep the presets and cost profiles
-    they share (tests/e2e/conftest.py: ``Cluster``)."""
-    return tmp_path_factory.mktemp("shared-cache")
+    they share (tests/e2e/conftest.py: ``Cluster``): the presets are written atomically,
+    each profile measured under a lock."""
+    return run_shared_dir(tmp_path_factory, "shared-cache")
 
 
 @pytest.fixture(scope="session")
