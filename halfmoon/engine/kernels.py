@@ -17,8 +17,8 @@ It is built ahead of time with AOTInductor (``torch.export`` + ``aoti_compile_an
 into a ``.pt2`` package per attention shape (KV heads, query heads per KV head, head
 size, block size, dtype, device) and torch version, cached under
 ``$HALFMOON_CACHE/kernels/``; batch size, blocks per sequence and pool size stay dynamic.
-Building takes 15-40 s on 2 CPU cores, once per shape (a file lock lets one process
-build while the others wait); loading a built package takes milliseconds. The shape is
+Building takes 15-40 s on 2 CPU cores, once per shape (a file lock per package: processes
+starting together build different ones, then wait for the rest); loading a built package takes milliseconds. The shape is
 static because dynamic inner sizes cost the generated loops their vectorization
 (measured 2-5x slower).
 
