@@ -145,6 +145,7 @@ def test_a_worker_process_with_another_block_size_exits_naming_it(spawn, port, t
     worker = spawn("worker", "--role", "decode", "--port", str(free_port()),
                    "--conductor", f"tcp://127.0.0.1:{port}", "--model", "tiny",
                    "--block-size", "32", "--kv-cache-mb", "4", "--profile", str(profile),
+                   "--attention", "reference",  # no kernel built for a worker refused anyway
                    secret=secret)  # fmt: skip
     out, _ = worker.communicate(timeout=180)
     assert worker.returncode == REFUSED_EXIT_CODE, out.decode()[-2000:]
