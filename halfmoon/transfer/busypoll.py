@@ -15,6 +15,14 @@ miss too; a poll that finds its frame starts over. A busy peer that was slow a f
 in a row (this host's hiccups) costs a short pause: with a fixed 5 ms one, a run of 3,000
 one-block writes often had 60-90 of them sleep (~100 us more each here), enough to
 move their p99. An idle peer, or one that shares our core, is polled 150 us per 5 ms.
+
+Only a poll that waited for its frame counts as a hit. One whose first try finds the
+bytes there did not need polling (the caller had slept for them, or the peer ran while
+this thread was off the CPU): it leaves the run of misses as it is. Counted as hits, such
+reads ended every run of misses, and two threads that the scheduler had put on one core
+(a sleeping thread is woken onto its waker's core) kept polling each other off it: every
+64 KiB single write then cost a whole poll on each side, 300-650 us for up to ~75 writes
+in a row (traced per call, both sides: docs/benchmarks.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -55,11 +63,13 @@ class BusyPoller:
         if now < self._paused_until:
             return 0
         until = now + self.poll_s
+        waited = False
         while True:
             try:
                 n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 if time.perf_counter() < until:
+                    waited = True
                     continue
                 self._misses += 1
                 if self._misses >= _MISSES_TO_PAUSE:
@@ -69,5 +79,6 @@ class BusyPoller:
                 return 0
             if n == 0:
                 raise EOFError
-            self._misses, self._pause_s = 0, _FIRST_PAUSE_S
+            if waited:  # it came while we polled: polling paid off
+                self._misses, self._pause_s = 0, _FIRST_PAUSE_S
             return n

@@ -1,4 +1,5 @@
 import socket
+import threading
 import time
 
 import pytest
@@ -67,11 +68,42 @@ def test_pauses_grow_while_polls_keep_missing_and_a_hit_starts_over(sock_pair):
         lengths.append(poller._pause_s)  # noqa: SLF001
     assert lengths == [1e-3, 2e-3, 4e-3, 5e-3, 5e-3]
     time.sleep(max(0.0, poller._paused_until - time.perf_counter()))  # noqa: SLF001
-    a.sendall(b"y")
-    assert poller.poll_into(view) == 1  # a hit: the next run of misses starts short again
+    assert hit_while_polling(poller, view, a) == 1  # the next run of misses starts short
     for _ in range(3):
         assert poller.poll_into(view) == 0
     assert poller._pause_s == 1e-3  # noqa: SLF001  (it paused 0.5 ms and doubled once)
+
+
+def hit_while_polling(poller: BusyPoller, view: memoryview, sender: socket.socket) -> int:
+    """One poll that finds a byte sent (from another thread) while it polls."""
+    budget, poller.poll_s = poller.poll_s, 5.0
+    thread = threading.Thread(target=lambda: (time.sleep(0.002), sender.sendall(b"y")))
+    thread.start()
+    try:
+        return poller.poll_into(view)
+    finally:
+        thread.join()
+        poller.poll_s = budget
+
+
+def test_bytes_already_waiting_say_nothing_about_polling(sock_pair):
+    """A poll whose first try finds its bytes did not need to poll (typically: the caller
+    slept for them, or the peer ran while this thread was off the CPU): it neither ends a
+    run of misses nor adds to it. Counted as hits, such reads kept two threads that had
+    landed on one core polling each other out of the CPU on every frame."""
+    a, b = sock_pair
+    poller = BusyPoller(b, 100e-6)
+    view = memoryview(bytearray(64))
+    for _ in range(2):
+        assert poller.poll_into(view) == 0  # a miss
+        a.sendall(b"z")
+        assert poller.poll_into(view) == 1  # already there: no news
+    assert poller._paused_until == 0.0  # noqa: SLF001  (two misses: not paused yet)
+    assert poller.poll_into(view) == 0  # the third miss in a row pauses polling
+    assert poller._paused_until > time.perf_counter()  # noqa: SLF001
+    time.sleep(max(0.0, poller._paused_until - time.perf_counter()))  # noqa: SLF001
+    assert hit_while_polling(poller, view, a) == 1
+    assert poller._misses == 0  # noqa: SLF001  (a hit after waiting: polling paid off)
 
 
 def test_polling_off_eof_and_bad_budget(sock_pair):
