@@ -54,8 +54,12 @@ def test_packed_engine_generates_like_the_plain_one() -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = []
     for prepack in (False, True):
-        config = EngineConfig(
-            model="unused", kv_cache_mb=8, prepack_weights=prepack, prepack_lm_head=prepack
+        config = EngineConfig(  # the reference attention: no kernels built for this shape
+            model="unused",
+            kv_cache_mb=8,
+            prepack_weights=prepack,
+            prepack_lm_head=prepack,
+            attention="reference",
         )
         engine = LLMEngine(config, loaded=loaded_model())
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])
