@@ -18,9 +18,9 @@ into a ``.pt2`` package per attention shape (KV heads, query heads per KV head, 
 size, block size, dtype, device) and torch version, cached under
 ``$HALFMOON_CACHE/kernels/``; batch size, blocks per sequence and pool size stay dynamic.
 Building takes 15-40 s on 2 CPU cores, once per shape (a file lock per package: processes
-starting together build different ones, then wait for the rest); loading a built package takes milliseconds. The shape is
-static because dynamic inner sizes cost the generated loops their vectorization
-(measured 2-5x slower).
+starting together build different ones, then wait for the rest); loading a built package
+takes milliseconds. The shape is static because dynamic inner sizes cost the generated
+loops their vectorization (measured 2-5x slower).
 
 Measured on 2 CPU cores (SmolLM2's shape, contexts 512 and 2,048, batch 1-32): 1.3-6x
 faster than gather + SDPA; results differ from it by float32 rounding (~1e-7).
