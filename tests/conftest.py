@@ -40,9 +40,18 @@ LONGEST_FIRST = (
     "deploy/test_ray_e2e.py",
     "deploy/test_ray_replan.py",
 )
-#: Modules that must share one xdist worker: each Ray module's teardown runs ``ray stop
-#: --force``, which stops every Ray node on the machine, another module's too.
-SAME_WORKER = {"deploy/test_ray_e2e.py": "ray", "deploy/test_ray_replan.py": "ray"}
+#: Modules that must share one xdist worker, one after another: each Ray module's teardown
+#: runs ``ray stop --force``, which stops every Ray node on the machine, another module's
+#: too; and two of the clusters of real models starting at once on two cores (three vLLM
+#: servers and three workers building SmolLM2's kernels) once took past the timeouts of
+#: both (a vLLM profile's 120 s per step, a cluster's 300 s to start).
+SAME_WORKER = {
+    "deploy/test_ray_e2e.py": "ray",
+    "deploy/test_ray_replan.py": "ray",
+    "e2e/test_vllm_pd.py": "real models",
+    "e2e/test_vllm_fleet.py": "real models",
+    "e2e/test_serve_real_model.py": "real models",
+}
 
 
 def _module_of(nodeid: str) -> str:

@@ -123,10 +123,10 @@ def cluster_factory(tmp_path_factory, shared_cache):
     """Start clusters with the given ``halfmoon serve`` arguments; stop them at the end."""
     started: list[Cluster] = []
 
-    def start(*args: str) -> Cluster:
+    def start(*args: str, timeout_s: float = 300.0) -> Cluster:
         cluster = Cluster(tmp_path_factory.mktemp("serve"), *args, shared=shared_cache)
         started.append(cluster)
-        cluster.wait_ready()
+        cluster.wait_ready(timeout_s)
         return cluster
 
     yield start

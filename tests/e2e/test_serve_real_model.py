@@ -14,6 +14,9 @@ from .conftest import wait_for_log
 
 MODEL = "smollm2-135m-instruct"
 CPP_MIN_TOKENS = 200
+#: A first start builds SmolLM2's kernels and measures its profile: ~1-2 minutes on two
+#: quiet cores, several while the other test worker keeps them busy.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,7 @@ def real(cluster_factory):
     return cluster_factory(
         "--model", MODEL, "--prefill", "2", "--decode", "1", "--cpp-stages", "2",
         "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "96",
-        "--transport", "tcp", "--wire-checksum", "none",
+        "--transport", "tcp", "--wire-checksum", "none", timeout_s=600,
     )  # fmt: skip
 
 
