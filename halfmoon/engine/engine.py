@@ -27,6 +27,7 @@ from halfmoon.engine.kernels import (
     build_missing,
     decode_kernel_spec,
     select_decode_kernel,
+    uses_compiled,
 )
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
@@ -106,7 +107,7 @@ def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueSh
     together build different ones at once. A build that fails here is left to the
     loaders, which retry it and report the failure (a warning, or the error of
     ``--attention compiled``)."""
-    if backend == "reference" or (backend == "auto" and kernel.device != "cpu"):
+    if not uses_compiled(backend, kernel.device):
         return
     try:
         build_missing([decode_kernel_spec(kernel), *glue_specs(glue)])
@@ -172,10 +173,7 @@ class LLMEngine:
             pool.dtype, pool.device.type,
         )  # fmt: skip
         _build_compiled_side_by_side(config.attention, kernel_shape, glue_shape)
-        kernel, self.attention_backend = select_decode_kernel(
-            config.attention, mc.num_kv_heads, mc.num_queries_per_kv, mc.head_dim,
-            config.block_size, pool.dtype, pool.device,
-        )  # fmt: skip
+        kernel, self.attention_backend = select_decode_kernel(config.attention, kernel_shape)
         loaded.model.glue = EAGER_GLUE
         if kernel is not None:  # the elementwise glue compiled alongside the kernel
             loaded.model.glue = select_glue(config.attention, glue_shape)

@@ -293,15 +293,13 @@ def load_decode_kernel(shape: KernelShape, directory: Path | None = None) -> Dec
     return kernel
 
 
-def select_decode_kernel(
-    backend: str,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> tuple[DecodeKernel | None, str]:
+def uses_compiled(backend: str, device_type: str) -> bool:
+    """Whether attention backend ``backend`` on ``device_type`` tries the compiled kernel
+    (and its glue): ``compiled`` everywhere, ``auto`` on the CPU only."""
+    return backend == "compiled" or (backend == "auto" and device_type == "cpu")
+
+
+def select_decode_kernel(backend: str, shape: KernelShape) -> tuple[DecodeKernel | None, str]:
     """The decode-attention kernel ``backend`` asks for, and a one-line account of what
     was chosen: ``reference`` gives None (gather + SDPA); ``compiled`` the kernel or an
     error; ``auto`` on the CPU the kernel when it can be built or loaded, else None with
@@ -311,11 +309,9 @@ def select_decode_kernel(
     check_attention_backend(backend)
     if backend == "reference":
         return None, "reference (gather + SDPA)"
-    device_type = torch.device(device).type
-    if backend == "auto" and device_type != "cpu":
+    if not uses_compiled(backend, shape.device):
         # Inductor would build it through Triton, but no GPU has run it yet.
-        return None, f"reference (the compiled kernel is not yet verified on {device_type})"
-    shape = KernelShape(num_kv_heads, group, head_dim, block_size, dtype, device_type)
+        return None, f"reference (the compiled kernel is not yet verified on {shape.device})"
     try:
         kernel = load_decode_kernel(shape)
     except Exception as exc:  # noqa: BLE001 - a compiler problem must not stop serving

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from halfmoon.serve.launch.local import (  # noqa: F401 - alive is re-exported
@@ -75,6 +76,16 @@ def vllm_groups(root_pid: int) -> set[int]:
                 groups.add(os.getpgid(pid))
         todo += children_of(pid)
     return groups
+
+
+def vllm_greedy(url: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    """vLLM's own greedy answer (token ids), asked of the server at ``url`` directly: no
+    transfer parameters, so a KV connector inside it stays idle and vLLM prefills and
+    decodes by itself."""
+    body = {"model": "smollm2-135m-instruct", "prompt": token_ids, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    return out["choices"][0]["token_ids"]
 
 
 def kill_groups(groups: set[int]) -> None:

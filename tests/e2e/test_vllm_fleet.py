@@ -18,14 +18,13 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
 from halfmoon.serve.launch.local import argv_of, children_of
 from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
 
-from .conftest import SECRET, Cluster, stop_vllm_cluster
+from .conftest import SECRET, Cluster, stop_vllm_cluster, vllm_greedy
 
 try:
     VLLM_PYTHON = find_vllm_python()
@@ -72,14 +71,6 @@ def _vllm_servers(cluster) -> dict[str, str]:
     return out
 
 
-def _direct(url: str, token_ids: list[int], max_tokens: int) -> list[int]:
-    """vLLM's own greedy answer, asked of the server directly."""
-    body = {"model": "smollm2-135m-instruct", "prompt": token_ids, "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True}  # fmt: skip
-    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-    return out["choices"][0]["token_ids"]
-
-
 PROMPTS = [
     "The quick brown fox",
     "Here is a list of three fruits:",
@@ -94,7 +85,7 @@ def test_greedy_outputs_equal_vllms_own_streamed_and_not(fleet, smollm2_dir):
     client = _client(fleet)
     url = next(iter(_vllm_servers(fleet).values()))
     for prompt in PROMPTS:
-        expected = tokenizer.decode(_direct(url, tokenizer.encode(prompt), 24))
+        expected = tokenizer.decode(vllm_greedy(url, tokenizer.encode(prompt), 24))
         whole = client.completions.create(
             model="smollm2-135m-instruct", prompt=prompt, max_tokens=24, temperature=0
         )

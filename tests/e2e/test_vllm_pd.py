@@ -14,14 +14,13 @@ import signal
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
 from halfmoon.serve.launch.local import argv_of, children_of
 from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
 
-from .conftest import Cluster, stop_vllm_cluster
+from .conftest import Cluster, stop_vllm_cluster, vllm_greedy
 
 try:
     VLLM_PYTHON = find_vllm_python()
@@ -84,15 +83,6 @@ def _decode_server_url(cluster) -> str:
     return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
 
 
-def _direct(url: str, token_ids: list[int], max_tokens: int) -> list[int]:
-    """vLLM's own greedy answer, asked of the server directly: no transfer parameters, so
-    halfmoon's connector inside it stays idle and vLLM prefills and decodes by itself."""
-    body = {"model": MODEL, "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
-    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-    return out["choices"][0]["token_ids"]
-
-
 def test_greedy_outputs_equal_vllms_own_streamed_and_not(pd, tokenized):
     """Prefilled on one vLLM server, decoded on another with the KV moved by halfmoon's
     connector: the same greedy tokens as the decode server computing alone (asked after
@@ -109,7 +99,7 @@ def test_greedy_outputs_equal_vllms_own_streamed_and_not(pd, tokenized):
         answers.append((whole, streamed))
     url = _decode_server_url(pd)
     for prompt, (whole, streamed) in zip(prompts, answers, strict=True):
-        want = _direct(url, prompt, MAX_TOKENS)
+        want = vllm_greedy(url, prompt, MAX_TOKENS)
         assert whole.choices[0].text == streamed == tokenizer.decode(want), (prompt, want)
         assert whole.usage.completion_tokens == len(want)
     # The KV went by the connector: every prefill streamed its prompt to the decode server.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -141,21 +142,21 @@ def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
         raise RuntimeError("C++ compile error: g++ not found")
 
     monkeypatch.setattr(kernels, "build_package", broken)
-    args = (2, 2, 16, 16, torch.float32, "cpu")
-    kernel, backend = kernels.select_decode_kernel("auto", *args)
+    shape = KernelShape(2, 2, 16, 16, torch.float32, "cpu")
+    kernel, backend = kernels.select_decode_kernel("auto", shape)
     assert kernel is None
     assert (
         backend
         == "reference (compiled kernel unavailable: RuntimeError: C++ compile error: g++ not found)"
     )
     with pytest.raises(HalfmoonError, match="compiled attention kernel is unavailable.*g\\+\\+"):
-        kernels.select_decode_kernel("compiled", *args)
+        kernels.select_decode_kernel("compiled", shape)
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".lock"]  # no partial package
-    assert kernels.select_decode_kernel("reference", *args) == (None, "reference (gather + SDPA)")
-    on_gpu = kernels.select_decode_kernel("auto", *args[:5], "cuda")
+    assert kernels.select_decode_kernel("reference", shape) == (None, "reference (gather + SDPA)")
+    on_gpu = kernels.select_decode_kernel("auto", dataclasses.replace(shape, device="cuda"))
     assert on_gpu == (None, "reference (the compiled kernel is not yet verified on cuda)")
     with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
-        kernels.select_decode_kernel("fast", *args)
+        kernels.select_decode_kernel("fast", shape)
     with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
         EngineConfig(attention="fast")
 
