@@ -33,7 +33,11 @@ def paused_poller(sock) -> tuple[BusyPoller, memoryview]:
     return poller, view
 
 
-def test_fruitless_polls_pause_polling_for_a_while(sock_pair):
+def test_fruitless_polls_pause_polling_for_a_while(sock_pair, monkeypatch):
+    from halfmoon.transfer import busypoll
+
+    # A long first pause: the 0.5 ms one could end while a loaded host runs other threads.
+    monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 10.0)
     a, b = sock_pair
     poller, view = paused_poller(b)
     a.sendall(b"late")
