@@ -23,10 +23,20 @@ reads ended every run of misses, and two threads that the scheduler had put on o
 (a sleeping thread is woken onto its waker's core) kept polling each other off it: every
 64 KiB single write then cost a whole poll on each side, 300-650 us for up to ~75 writes
 in a row (traced per call, both sides: docs/benchmarks.md, 2026-12-03).
+
+Nor does a poll go on while more threads are ready to run than this process has CPUs
+(``/proc/loadavg``'s count of runnable threads, read once a wait after 20 us without a
+frame, ~2 us a read): then some thread, perhaps the peer that would send our frame, waits
+for a CPU, and polling would keep it off one. With both sides pinned to one core, the
+p99 of one-block writes went from 300-370 to 200-270 us; on two free cores nothing moved
+beyond the noise (docs/benchmarks.md, 2026-12-04). Where ``/proc/loadavg`` counts more
+than this process's CPUs (a container on a larger host without its own view), it says
+crowded more often and the caller sleeps instead of polling: slower, never wrong.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -38,6 +48,39 @@ DEFAULT_BUSY_POLL_S = 150e-6
 _MISSES_TO_PAUSE = 3
 _PAUSE_S = 5e-3  # the longest pause
 _FIRST_PAUSE_S = 0.5e-3
+#: How long a poll runs before it looks whether a thread waits for a CPU: most frames of
+#: a peer on a core of its own come sooner, and they do not pay for the look (~2 us).
+_LOOK_AFTER_S = 20e-6
+
+
+def _open_loadavg() -> int | None:
+    try:
+        return os.open("/proc/loadavg", os.O_RDONLY)
+    except OSError:  # not Linux: nothing tells us, so never crowded
+        return None
+
+
+_LOADAVG = _open_loadavg()
+
+
+def runnable_threads() -> int:
+    """Threads running or ready to run on the whole machine right now (the caller
+    included), from ``/proc/loadavg``; 0 where the kernel does not say."""
+    if _LOADAVG is None:
+        return 0
+    return int(os.pread(_LOADAVG, 128, 0).split()[3].split(b"/", 1)[0])
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def crowded(cpus: int) -> bool:
+    """Whether more threads are ready to run than ``cpus``: someone waits for a CPU."""
+    return runnable_threads() > cpus
 
 
 class BusyPoller:
@@ -51,6 +94,7 @@ class BusyPoller:
         self._misses = 0
         self._paused_until = 0.0  # perf_counter time before which nothing is polled
         self._pause_s = _FIRST_PAUSE_S  # the next pause's length
+        self._cpus = usable_cpus()
 
     def poll_into(self, view: memoryview) -> int:
         """Bytes received into ``view`` while polling; 0 if none came (or polling is off).
@@ -63,22 +107,35 @@ class BusyPoller:
         if now < self._paused_until:
             return 0
         until = now + self.poll_s
+        look_at = now + _LOOK_AFTER_S  # then see whether a thread waits for a CPU
         waited = False
         while True:
             try:
                 n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if time.perf_counter() < until:
-                    waited = True
+                waited = True
+                now = time.perf_counter()
+                if now < look_at:
                     continue
-                self._misses += 1
-                if self._misses >= _MISSES_TO_PAUSE:
-                    self._paused_until = time.perf_counter() + self._pause_s
-                    self._pause_s = min(2 * self._pause_s, _PAUSE_S)
-                    self._misses = _MISSES_TO_PAUSE - 1  # one more miss: a longer pause
+                if look_at:
+                    look_at = 0.0
+                    if crowded(self._cpus):
+                        self._missed()
+                        return 0
+                if now < until:
+                    continue
+                self._missed()
                 return 0
             if n == 0:
                 raise EOFError
             if waited:  # it came while we polled: polling paid off
                 self._misses, self._pause_s = 0, _FIRST_PAUSE_S
             return n
+
+    def _missed(self) -> None:
+        """A poll found nothing (or did not poll): after a few in a row, pause polling."""
+        self._misses += 1
+        if self._misses >= _MISSES_TO_PAUSE:
+            self._paused_until = time.perf_counter() + self._pause_s
+            self._pause_s = min(2 * self._pause_s, _PAUSE_S)
+            self._misses = _MISSES_TO_PAUSE - 1  # one more miss: a longer pause

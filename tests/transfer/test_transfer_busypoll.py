@@ -1,10 +1,19 @@
+import os
 import socket
 import threading
 import time
 
 import pytest
 
-from halfmoon.transfer.busypoll import BusyPoller
+from halfmoon.transfer import busypoll
+from halfmoon.transfer.busypoll import BusyPoller, crowded
+
+
+@pytest.fixture(autouse=True)
+def cpus_to_spare(monkeypatch):
+    """These tests are about polling; on a loaded host (a parallel test run) polls would
+    stand down for the threads waiting for a CPU. The crowded case has its own tests."""
+    monkeypatch.setattr(busypoll, "crowded", lambda cpus: False)
 
 
 @pytest.fixture
@@ -34,8 +43,6 @@ def paused_poller(sock) -> tuple[BusyPoller, memoryview]:
 
 
 def test_fruitless_polls_pause_polling_for_a_while(sock_pair, monkeypatch):
-    from halfmoon.transfer import busypoll
-
     # A long first pause: the 0.5 ms one could end while a loaded host runs other threads.
     monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 10.0)
     a, b = sock_pair
@@ -48,8 +55,6 @@ def test_fruitless_polls_pause_polling_for_a_while(sock_pair, monkeypatch):
 def test_the_pause_is_a_time_not_a_number_of_frames(sock_pair, monkeypatch):
     """However few frames pass while paused, polling resumes once the pause is over
     (counted in frames, a burst's misses kept the next phase's round trips from polling)."""
-    from halfmoon.transfer import busypoll
-
     monkeypatch.setattr(busypoll, "_FIRST_PAUSE_S", 0.05)
     a, b = sock_pair
     poller, view = paused_poller(b)
@@ -122,3 +127,30 @@ def test_polling_off_eof_and_bad_budget(sock_pair):
         BusyPoller(b, 1e-3).poll_into(view)
     with pytest.raises(ValueError, match="busy_poll_s"):
         BusyPoller(b, -1.0)
+
+
+def test_no_polling_while_threads_wait_for_a_cpu(sock_pair, monkeypatch):
+    """When more threads are ready to run than we have CPUs (perhaps the peer that would
+    answer), a poll stands down at once and counts as a miss: three pause polling."""
+    monkeypatch.setattr(busypoll, "crowded", lambda cpus: True)
+    a, b = sock_pair
+    poller = BusyPoller(b, 5.0)
+    view = memoryview(bytearray(64))
+    start = time.perf_counter()
+    for _ in range(3):
+        assert poller.poll_into(view) == 0
+    assert time.perf_counter() - start < 1.0  # none of them polled its 5 s
+    assert poller._paused_until > 0.0  # noqa: SLF001  (three misses: paused)
+    a.sendall(b"w")
+    assert BusyPoller(b, 5.0).poll_into(view) == 1  # bytes already there are still taken
+
+
+def test_crowded_counts_the_threads_ready_to_run():
+    runnable = busypoll.runnable_threads()
+    if busypoll._LOADAVG is None:  # noqa: SLF001
+        assert runnable == 0 and not crowded(0)
+        return
+    assert runnable >= 1  # this thread runs
+    assert crowded(0)  # (the module's own function: the fixture stubs busypoll.crowded)
+    assert not crowded(1_000_000)
+    assert 1 <= busypoll.usable_cpus() <= (os.cpu_count() or 1)
