@@ -14,7 +14,7 @@ The pause starts short (0.5 ms) and doubles, up to 5 ms, while the polls after e
 miss too; a poll that finds its frame starts over. A busy peer that was slow a few times
 in a row (this host's hiccups) costs a short pause: with a fixed 5 ms one, a run of 3,000
 one-block writes often had 60-90 of them sleep (~100 us more each here), enough to
-move their p99. An idle peer, or one that shares our core, is polled 150 us per 5 ms.
+move their p99. An idle peer is polled at most 400 us per 5 ms.
 
 Only a poll that waited for its frame counts as a hit. One whose first try finds the
 bytes there did not need polling (the caller had slept for them, or the peer ran while
@@ -28,8 +28,8 @@ Nor does a poll go on while more threads are ready to run than this process has 
 (``/proc/loadavg``'s count of runnable threads, read once a wait after 20 us without a
 frame, ~2 us a read): then some thread, perhaps the peer that would send our frame, waits
 for a CPU, and polling would keep it off one. With both sides pinned to one core, the
-p99 of one-block writes went from 300-370 to 200-270 us; on two free cores nothing moved
-beyond the noise (docs/benchmarks.md, 2026-12-04). Where ``/proc/loadavg`` counts more
+p99 of one-block writes went from 300-370 to 200-270 us (150 us polls); on two free
+cores nothing moved beyond the noise (docs/benchmarks.md, 2026-12-04). Where ``/proc/loadavg`` counts more
 than this process's CPUs (a container on a larger host without its own view), it says
 crowded more often and the caller sleeps instead of polling: slower, never wrong.
 """
@@ -43,8 +43,12 @@ import time
 #: Default poll before sleeping on an awaited frame: longer than a sleeping peer takes to
 #: wake up and answer (~60-100 us here), or one side's miss makes the other's miss too and
 #: both end up sleeping on every frame (with 50 us, a 4 KiB read took 60 or 130 us from one
-#: run to the next; with 150 us, 32-60 us).
-DEFAULT_BUSY_POLL_S = 150e-6
+#: run to the next; with 150 us, 32-60 us). 400 us rides out most of this VM's stalls
+#: (the hypervisor takes a spinning vCPU away for over 60 us ~150 times a second) instead
+#: of adding a wake-up to them: 64 KiB one-block writes' p99 0.57-1.01x of 150 us's
+#: (median 0.88) in six runs, 4 KiB remote store reads' p99 134-159 us against 206-228
+#: (2026-12-04). A longer poll costs only where a CPU is short, and there it stands down.
+DEFAULT_BUSY_POLL_S = 400e-6
 _MISSES_TO_PAUSE = 3
 _PAUSE_S = 5e-3  # the longest pause
 _FIRST_PAUSE_S = 0.5e-3
