@@ -29,9 +29,10 @@ Nor does a poll go on while more threads are ready to run than this process has 
 frame, ~2 us a read): then some thread, perhaps the peer that would send our frame, waits
 for a CPU, and polling would keep it off one. With both sides pinned to one core, the
 p99 of one-block writes went from 300-370 to 200-270 us (150 us polls); on two free
-cores nothing moved beyond the noise (docs/benchmarks.md, 2026-12-04). Where ``/proc/loadavg`` counts more
-than this process's CPUs (a container on a larger host without its own view), it says
-crowded more often and the caller sleeps instead of polling: slower, never wrong.
+cores nothing moved beyond the noise (docs/benchmarks.md, 2026-12-04). Where
+``/proc/loadavg`` counts more than this process's CPUs (a container on a larger host
+without its own view), it says crowded more often and the caller sleeps instead of
+polling: slower, never wrong.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def test_polling_off_eof_and_bad_budget(sock_pair):
 
 def test_no_polling_while_threads_wait_for_a_cpu(sock_pair, monkeypatch):
     """When more threads are ready to run than we have CPUs (perhaps the peer that would
-    answer), a poll stands down at once and counts as a miss: three pause polling."""
+    answer), a poll stands down at its first look (after 20 us) and counts as a miss:
+    three pause polling."""
     monkeypatch.setattr(busypoll, "crowded", lambda cpus: True)
     a, b = sock_pair
     poller = BusyPoller(b, 5.0)
