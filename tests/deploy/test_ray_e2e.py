@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from halfmoon.deploy.record import load_record
+from halfmoon.serve.launch.local import log_tail
 from halfmoon.serve.runtime import free_port
 
 from .conftest import RayNodes, marked_processes
@@ -178,7 +179,7 @@ def test_stop_leaves_nothing_behind(deployment: Deployment, ray_nodes: RayNodes)
     ray.shutdown()
     # stop: the deployment leaves no halfmoon process; ray stop leaves nothing at all
     deployment.serve.send_signal(signal.SIGINT)
-    assert deployment.serve.wait(90) == 0, deployment.log.read_text()[-3000:]
+    assert deployment.serve.wait(90) == 0, log_tail(deployment.log.read_text())
     _wait(lambda: not [p for p in marked_processes(ray_nodes.mark)
                        if "halfmoon.cli" in _cmdline(p)], "halfmoon processes to exit")  # fmt: skip
     stopped = ray_nodes.ray("stop", "--force", timeout_s=60)
@@ -228,9 +229,9 @@ def _wait_for_url(proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> 
         found = re.search(r"serving at (http://\S+)/v1", log.read_text(errors="replace"))
         if found:
             return found.group(1)
-        assert proc.poll() is None, f"serve exited: {log.read_text()[-4000:]}"
+        assert proc.poll() is None, f"serve exited: {log_tail(log.read_text())}"
         time.sleep(0.5)
-    raise AssertionError(f"serve not ready: {log.read_text()[-4000:]}")
+    raise AssertionError(f"serve not ready: {log_tail(log.read_text())}")
 
 
 def _complete(url: str, n: int = 2, retry_s: float = 0.0) -> None:

@@ -17,7 +17,7 @@ import time
 import pytest
 from e2e.test_replan import CHAT, SUMMARY, _phase, _profile, _ttft_slo_s
 
-from halfmoon.serve.launch.local import LocalCluster
+from halfmoon.serve.launch.local import LocalCluster, log_tail
 from halfmoon.serve.runtime import free_port
 
 from .conftest import RayNodes
@@ -70,7 +70,7 @@ def test_the_pools_follow_the_traffic(ray_nodes: RayNodes, tmp_path):
             return _sizes(ray, controller) == {"prefill": 2, "decode": 1}
 
         assert set(_phase(target, SUMMARY, seconds=90, stop_when=moved)) == {200}
-        assert moved(), log.read_text()[-4000:]
+        assert moved(), log_tail(log.read_text())
         deadline = time.monotonic() + 120  # the leaving decode worker drains, then goes
         while {w["name"] for w in ray.get(controller.status.remote(), timeout=30)["workers"]} \
                 != {"prefill-0", "prefill-1", "decode-0"}:  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,32 @@ def argv_of(pid: int) -> list[str]:
         return []
 
 
+#: Lines of a child's exit that say nothing about why it failed (Triton's nanobind leak
+#: report and multiprocessing's leaked-resource warnings fill a log's last kilobytes).
+_NOISE = re.compile(
+    r"^\s*(nanobind: |- leaked |- \.\.\. skipped remainder|See https://nanobind"
+    r"|warnings\.warn\(|\S*resource_tracker\.py:\d+: UserWarning)"
+)
+
+
+def log_tail(text: str, chars: int = 4000) -> str:
+    """The last ``chars`` characters of a log without exit noise, headed by its last
+    traceback where that lies further back (what a failed start's error should show)."""
+    lines = [line for line in text.splitlines() if not _NOISE.match(line)]
+    tail = "\n".join(lines)[-chars:]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if starts:
+        block = [lines[starts[-1]]]
+        for line in lines[starts[-1] + 1 :]:
+            block.append(line)
+            if not line.startswith((" ", "Traceback", "During handling", "The above")) and line:
+                break  # the exception's own line ends the traceback
+        traceback = "\n".join(block)
+        if traceback not in tail:
+            tail = f"{traceback}\n[...]\n{tail}"
+    return tail
+
+
 class LocalCluster:
     """``halfmoon serve ARGS`` on a free port of 127.0.0.1 with its own cache and secret.
 
@@ -105,13 +132,13 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"serve exited: {log_tail(self.log_path.read_text())}")
             with contextlib.suppress(OSError):  # not listening yet
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if json.loads(r.read()).get("status") == "ok":
                         return
             time.sleep(0.3)
-        raise TimeoutError(f"cluster not ready: {self.log_path.read_text()[-3000:]}")
+        raise TimeoutError(f"cluster not ready: {log_tail(self.log_path.read_text())}")
 
     def _children_with(self, word: str) -> list[tuple[int, list[str]]]:
         assert self.proc is not None

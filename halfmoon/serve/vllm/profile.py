@@ -22,6 +22,7 @@ from typing import Any
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel import CostProfile, fit_profile
+from halfmoon.serve.vllm.server import parse_metric_values
 
 log = logging.getLogger(__name__)
 
@@ -32,29 +33,67 @@ DECODE_POINTS = ((1, 64), (4, 256), (8, 256), (16, 128), (4, 1024))
 SMALL_DECODE_POINTS = ((1, 32), (2, 64), (4, 32), (2, 128), (4, 64))
 _DECODE_TOKENS = 16
 _TIMEOUT_S = 120.0
+#: A request group with no output for this long is aborted and sent again (_ATTEMPTS in all).
+_STALL_S = 30.0
+_ATTEMPTS = 3
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
 
 
 def _tokens(vocab: int, n: int, salt: int) -> list[int]:
     return [(salt * 7919 + i * 104729) % (vocab - 16) + 8 for i in range(n)]
 
 
-def _run(connector: Any, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
-    """Run requests to the end; ``{request id: [arrival time of each token]}``."""
-    for rid, prompt in prompts.items():
-        connector.add_request(rid, prompt, params)
-    times: dict[str, list[float]] = {rid: [] for rid in prompts}
-    deadline = time.monotonic() + _TIMEOUT_S
-    pending = set(prompts)
-    while pending:
-        if time.monotonic() > deadline:
-            raise TimeoutError("profiling the vLLM server took too long")
-        for out in connector.step():
-            times[out.request_id] += [time.perf_counter()] * len(out.new_token_ids)
-            if out.finished:
-                pending.discard(out.request_id)
-        for failure in connector.take_failures():
-            raise RuntimeError(f"profiling request failed: {failure.error}")
-    return times
+def _server_state(connector: Any) -> str:
+    """What the server last said of its queues (from its polled ``/metrics``)."""
+    values = parse_metric_values(getattr(connector, "metrics_text", ""), (_RUNNING, _WAITING))
+    if not values:
+        return "its /metrics not read yet"
+    return f"vLLM reports {values.get(_RUNNING, 0):g} running, {values.get(_WAITING, 0):g} waiting"
+
+
+def _run(
+    connector: Any, prompts: dict[str, list[int]], params: SamplingParams
+) -> tuple[dict[str, list[float]], float]:
+    """Run requests to the end: ``{request id: [arrival time of each token]}`` and the
+    ``perf_counter`` time they were sent.
+
+    Requests that get nothing back for :data:`_STALL_S` (their work takes milliseconds)
+    are aborted and the group is sent again, at most :data:`_ATTEMPTS` times, with a
+    warning: a CI run once saw a fresh server leave the warm-up request unanswered.
+    """
+    for attempt in range(_ATTEMPTS):
+        wire = {(rid if attempt == 0 else f"{rid}-retry{attempt}"): rid for rid in prompts}
+        sent = time.perf_counter()
+        for wire_id, rid in wire.items():
+            connector.add_request(wire_id, prompts[rid], params)
+        times: dict[str, list[float]] = {rid: [] for rid in prompts}
+        pending = set(wire)
+        deadline = time.monotonic() + _TIMEOUT_S
+        heard = time.monotonic()
+        while pending and time.monotonic() - heard < _STALL_S:
+            if time.monotonic() > deadline:
+                raise TimeoutError("profiling the vLLM server took too long")
+            for out in connector.step():
+                heard = time.monotonic()
+                times[wire[out.request_id]] += [time.perf_counter()] * len(out.new_token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+            for failure in connector.take_failures():
+                raise RuntimeError(f"profiling request failed: {failure.error}")
+        if not pending:
+            return times, sent
+        for wire_id in pending:
+            connector.abort_request(wire_id)
+        log.warning(
+            "profiling: no answer to %s from the vLLM server for %.0fs (%s)%s",
+            ", ".join(sorted(pending)), _STALL_S, _server_state(connector),
+            "; sending again" if attempt + 1 < _ATTEMPTS else "",
+        )  # fmt: skip
+    raise TimeoutError(
+        f"profiling the vLLM server: no answer in {_ATTEMPTS} tries of {_STALL_S:g}s "
+        f"({_server_state(connector)})"
+    )
 
 
 def measure_server_profile(connector: Any, model_name: str, vocab: int) -> CostProfile:
@@ -70,9 +109,8 @@ def measure_server_profile(connector: Any, model_name: str, vocab: int) -> CostP
         prefix = _tokens(vocab, cached, 100 + k)
         if cached:
             _run(connector, {f"p{k}-prefix": prefix + _tokens(vocab, 16, 200 + k)}, once)
-        start = time.perf_counter()
-        _run(connector, {f"p{k}": prefix + _tokens(vocab, new, 300 + k)}, once)
-        prefill.append((new, cached, time.perf_counter() - start))
+        _, sent = _run(connector, {f"p{k}": prefix + _tokens(vocab, new, 300 + k)}, once)
+        prefill.append((new, cached, time.perf_counter() - sent))
     decode = []
     params = SamplingParams(max_tokens=_DECODE_TOKENS, temperature=0, ignore_eos=True)
 
@@ -84,7 +122,7 @@ def measure_server_profile(connector: Any, model_name: str, vocab: int) -> CostP
         points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
     for k, (batch, ctx) in enumerate(points):
         prompts = {f"d{k}-{i}": _tokens(vocab, ctx, 1000 + 100 * k + i) for i in range(batch)}
-        times = _run(connector, prompts, params)
+        times, _ = _run(connector, prompts, params)
         all_started = max(t[0] for t in times.values())
         # Each sequence's mean gap once all run (not the median of single gaps: on a
         # loaded machine tokens arrive in bursts, and most single gaps are then 0).
