@@ -18,6 +18,7 @@ import pytest
 from hypothesis import settings
 
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
+from halfmoon.store.shm import sweep_orphan_segments
 
 # Property tests: the same examples every run, and no per-example time limit (Hypothesis'
 # 200 ms deadline is a timing assertion: on a loaded 2-core host one example of an index
@@ -52,6 +53,16 @@ SAME_WORKER = {
     "e2e/test_vllm_fleet.py": "real models",
     "e2e/test_serve_real_model.py": "real models",
 }
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start with the shared memory of killed processes gone (halfmoon/store/shm.py)."""
+    sweep_orphan_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave none behind: tests kill processes, resource trackers and all."""
+    sweep_orphan_segments()
 
 
 def _module_of(nodeid: str) -> str:

@@ -2,24 +2,43 @@
 
 The creating process owns a segment: it is registered with Python's resource tracker
 (through ``multiprocessing.shared_memory``), so it is unlinked when the owner closes it
-*or dies*. Mappings are plain ``mmap`` objects of the segment file, which lets a close
+or exits. Mappings are plain ``mmap`` objects of the segment file, which lets a close
 with views still alive simply leave the memory to the garbage collector instead of
 failing. Other processes attach without registering, so their exit never removes a
 segment they do not own.
+
+A process killed together with its resource tracker (SIGKILL to its process group, as
+vLLM does to its workers on shutdown and a launcher to children that outstay SIGTERM)
+leaves its segments behind, and /dev/shm is memory: a day of test runs once left 14 GiB
+there and the machine's OOM killer took vLLM workers. So a segment's name carries its
+owner (pid, the process's start time and its pid namespace), and
+:func:`sweep_orphan_segments` removes those whose owner is gone; :func:`create_segment`
+runs it (at most once a minute per process), as do the launcher's stop and the tests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import mmap
 import os
+import re
 import secrets
+import threading
+import time
 from multiprocessing.shared_memory import SharedMemory
 
 from halfmoon.core.errors import HalfmoonError
 
 SHM_DIR = "/dev/shm"
+#: ``PREFIX-oPID.START.PIDNS-TOKEN``: the owner's pid, its start time (clock ticks after
+#: boot, /proc/PID/stat) and its pid namespace's inode.
+_OWNED = re.compile(r"^hm(?:-[a-z]+)*-o(\d+)\.(\d+)\.(\d+)-[0-9a-f]{16}$")
+_SWEEP_EVERY_S = 60.0
+_last_sweep = -float("inf")
+_sweep_lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 class Segment:
@@ -62,7 +81,16 @@ def create_segment(size_bytes: int, prefix: str = "hm") -> Segment:
         raise ValueError(f"shared-memory segment size must be positive, got {size_bytes}")
     if not os.path.isdir(SHM_DIR):
         raise HalfmoonError(f"shared memory needs {SHM_DIR} (Linux)")
-    name = f"{prefix}-{secrets.token_hex(8)}"
+    global _last_sweep
+    with _sweep_lock:
+        due, now = False, time.monotonic()
+        if now - _last_sweep >= _SWEEP_EVERY_S:
+            due, _last_sweep = True, now
+    if due:
+        sweep_orphan_segments()
+    owner_tag = _owner_tag()
+    tag = f"-o{owner_tag}" if owner_tag else ""
+    name = f"{prefix}{tag}-{secrets.token_hex(8)}"
     try:
         owner = SharedMemory(name=name, create=True, size=size_bytes)
     except OSError as exc:
@@ -76,6 +104,59 @@ def create_segment(size_bytes: int, prefix: str = "hm") -> Segment:
     except BaseException:
         owner.unlink()
         raise
+
+
+def _start_time(pid: int | str) -> str | None:
+    """The start time of process ``pid`` (clock ticks after boot), None if it is gone or
+    a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+@functools.cache
+def _pid_namespace() -> str | None:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
+def _owner_tag() -> str | None:
+    """``PID.START.PIDNS`` of this process, None where /proc cannot say (no sweeping)."""
+    pid = os.getpid()
+    start, namespace = _start_time(pid), _pid_namespace()
+    return f"{pid}.{start}.{namespace}" if start and namespace else None
+
+
+def sweep_orphan_segments() -> list[str]:
+    """Remove the segments whose owner process has died (or whose pid now names another
+    process); returns their names. Segments of other pid namespaces, and names without
+    an owner, are left alone."""
+    namespace = _pid_namespace()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed, freed = [], 0
+    for name in names:
+        match = _OWNED.match(name)
+        if match is None or match.group(3) != namespace:
+            continue
+        if _start_time(match.group(1)) == match.group(2):
+            continue  # its owner runs
+        path = os.path.join(SHM_DIR, name)
+        with contextlib.suppress(FileNotFoundError):
+            freed += os.stat(path).st_blocks * 512
+            os.unlink(path)
+            removed.append(name)
+    if removed:
+        log.info("removed %d shared-memory segment(s) of processes that died (%.0f MiB)",
+                 len(removed), freed / 2**20)  # fmt: skip
+    return removed
 
 
 def _reserve(path: str, size_bytes: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.runtime import SECRET_ENV, die_with_parent
 from halfmoon.serve.worker.main import REFUSED_EXIT_CODE
+from halfmoon.store.shm import sweep_orphan_segments
 
 log = logging.getLogger("serve")
 
@@ -143,3 +144,4 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        sweep_orphan_segments()  # of the children killed with their resource trackers

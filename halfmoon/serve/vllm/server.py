@@ -38,6 +38,7 @@ from pathlib import Path
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.runtime import die_with_parent, free_port
+from halfmoon.store.shm import sweep_orphan_segments
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,10 @@ class VllmProcess:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
             os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of the group
+            time.sleep(0.1)  # for the killed to be gone before their segments are swept
+        # vLLM kills its workers on shutdown, and with them the resource tracker that
+        # would unlink halfmoon's KV connector's shared memory.
+        sweep_orphan_segments()
         if self._log is not None:
             self._log.close()
 
