@@ -123,6 +123,7 @@ def test_conductor_restart_keeps_requests_and_rebuilds_index(cluster):
     t.start()
     time.sleep(0.3)
     (conductor,) = _pids(cluster, "conductor")
+    before_kill = len(cluster.log_path.read_text())
     os.kill(conductor, signal.SIGKILL)
     t.join(120)
     assert out["usage"].completion_tokens == 150  # the in-flight request was not lost
@@ -141,12 +142,15 @@ def test_conductor_restart_keeps_requests_and_rebuilds_index(cluster):
     assert all(p.integrity == "ok" for p in cluster.ping_workers())
     # Each worker registers again once, not once a second for several seconds (its beats
     # queued while the Conductor was away each used to draw a register_again).
+    # A worker the new Conductor dropped for a silence (a stalled host) registers again
+    # for that too; the re-registrations before the kill are not counted.
     time.sleep(3)
-    log = cluster.log_path.read_text()
+    log = cluster.log_path.read_text()[before_kill:].splitlines()
     for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
-        again = [line for line in log.splitlines()
+        again = [line for line in log
                  if f" {name} INFO the Conductor does not know this worker" in line]  # fmt: skip
-        assert len(again) == 1, (name, again)
+        dropped = [line for line in log if f"WARNING {name} silent for" in line]
+        assert 1 <= len(again) <= 1 + len(dropped), (name, again, dropped)
 
 
 def _ports_by_pid(cluster, role):
