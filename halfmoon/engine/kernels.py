@@ -33,8 +33,10 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,13 +270,33 @@ def load_package(
     for it); returns its runner: a list of tensors in, a list out. Raises on any failure."""
     directory = directory or kernel_dir()
     path = directory / f"{key}.pt2"
-    if not path.exists():
+    unpacked = directory / f"{key}.d"
+    if not unpacked.exists():
         with _locked(directory / f"{key}.lock"):
             _build_locked(path, build)
+            _unpack_locked(path, unpacked)
     # The C++ loader directly, not ``torch._inductor.aoti_load_package``: importing
     # inductor costs ~2 s of every engine start, loading the package 10 ms. Its ``run``
     # skips the packaged model's Python argument checks (12 us a call against 40 us).
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
+    # From the unpacked directory: given the archive, the loader extracts it into a new
+    # /tmp/aotinductor_* for every process and removes that only if the process exits
+    # cleanly; killed workers had left 6,000 of them (10 GB) there.
+    return torch._C._aoti.AOTIModelPackageLoader(str(unpacked), "model", False, 1, -1).run
+
+
+def _unpack_locked(path: Path, unpacked: Path) -> None:
+    """Extract package ``path`` into directory ``unpacked`` unless it exists (the caller
+    holds the package's lock): into a partial directory first, then renamed."""
+    if unpacked.exists():
+        return
+    partial = unpacked.with_name(f"{unpacked.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(partial)
+        os.replace(partial, unpacked)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def decode_kernel_spec(shape: KernelShape) -> PackageSpec:

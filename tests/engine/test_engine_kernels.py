@@ -102,6 +102,8 @@ def test_a_kernel_builds_from_scratch(tmp_path: Path) -> None:
     shape = KernelShape(1, 2, 16, 4, torch.float32, "cpu")
     kernel = load_decode_kernel(shape, tmp_path)
     assert [p.suffix for p in tmp_path.glob("*.pt2")] == [".pt2"]
+    assert [p.suffix for p in tmp_path.glob("*.d")] == [".d"]  # unpacked beside it
+    assert not list(tmp_path.glob("*partial*"))
     for seed, lengths in enumerate(CASES[:3]):
         q, keys, values, group, tables = random_case(300 + seed, lengths, shape)
         got = run_kernel(kernel, q, keys, values, group, tables, shape)
@@ -159,6 +161,33 @@ def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
         kernels.select_decode_kernel("fast", shape)
     with pytest.raises(HalfmoonError, match="unknown attention backend 'fast'"):
         EngineConfig(attention="fast")
+
+
+KILLED_LOADER = """
+import os, signal, sys
+from halfmoon.engine.kernels import KernelShape, load_decode_kernel
+import torch
+load_decode_kernel(KernelShape(2, 2, 16, 16, torch.float32, "cpu"))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@needs_compiler
+def test_a_killed_process_leaves_no_extracted_package(tmp_path: Path) -> None:
+    """Packages load from their unpacked directory in the cache: given the archive, torch's
+    loader extracts it into $TMPDIR/aotinductor_* per process and a killed process leaves
+    that behind (thousands had piled up in /tmp)."""
+    import os
+    import subprocess
+    import sys
+
+    load_decode_kernel(SHAPE)  # built and unpacked in the shared cache
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-c", KILLED_LOADER], timeout=120,
+                          env={**os.environ, "TMPDIR": str(own_tmp)})  # fmt: skip
+    assert proc.returncode == -9
+    assert not list(own_tmp.iterdir())
 
 
 @needs_compiler

@@ -273,6 +273,28 @@ def test_stopping_a_dead_server_still_ends_its_process_group(tmp_path) -> None:
         time.sleep(0.01)
 
 
+def test_the_servers_socket_directory_goes_with_it(tmp_path) -> None:
+    """vLLM names its Unix sockets in $VLLM_RPC_BASE_PATH and leaves them when killed: each
+    server gets a directory of its own, removed on stop."""
+    from pathlib import Path
+
+    from halfmoon.serve.vllm.server import VllmLaunch, VllmProcess
+
+    said = tmp_path / "rpc"
+    fake = tmp_path / "python"  # plays the server: leaves a "socket" where vLLM would
+    fake.write_text(f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {said}\n'
+                    'touch "$VLLM_RPC_BASE_PATH/0b1c-ipc"\nexit 0\n')  # fmt: skip
+    fake.chmod(0o755)
+    server = VllmProcess(
+        VllmLaunch(python=str(fake), model_dir=str(tmp_path), served_model_name="m"), "t"
+    )
+    server.proc.wait(10)
+    rpc = Path(said.read_text().strip())
+    assert rpc == Path(server.rpc_dir) and (rpc / "0b1c-ipc").exists()
+    server.stop()
+    assert not rpc.exists()
+
+
 def test_requests_without_a_token_yet_count_as_prefill_work() -> None:
     requests = [_Request(prompt_len=300), _Request(prompt_len=50, tokens=[7]), _Request(40)]
     assert prefill_tokens(requests) == 340  # the one that has a token is decoding

@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -255,11 +256,20 @@ class VllmProcess:
         argv = launch.argv(self.port, events, replay, topic)
         log.info("starting vLLM: %s", " ".join(argv))
         self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            argv, env=launch.env(), preexec_fn=die_with_parent,  # noqa: PLW1509
-            stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-            start_new_session=True,
-        )  # fmt: skip
+        # vLLM's processes talk over Unix sockets it names at random in the temporary
+        # directory and leaves there when killed (thousands piled up in /tmp): give them
+        # a directory of their own, removed on stop.
+        self.rpc_dir = tempfile.mkdtemp(prefix="halfmoon-vllm-")
+        try:
+            self.proc = subprocess.Popen(
+                argv, env={**launch.env(), "VLLM_RPC_BASE_PATH": self.rpc_dir},
+                preexec_fn=die_with_parent,  # noqa: PLW1509
+                stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+                start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            raise
 
     def __enter__(self) -> VllmProcess:
         return self
@@ -299,6 +309,7 @@ class VllmProcess:
         # vLLM kills its workers on shutdown, and with them the resource tracker that
         # would unlink halfmoon's KV connector's shared memory.
         sweep_orphan_segments()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
         if self._log is not None:
             self._log.close()
 
