@@ -149,9 +149,12 @@ def sweep_orphan_segments() -> list[str]:
         if _start_time(match.group(1)) == match.group(2):
             continue  # its owner runs
         path = os.path.join(SHM_DIR, name)
-        with contextlib.suppress(FileNotFoundError):
-            freed += os.stat(path).st_blocks * 512
+        # Gone already (another sweep), or another user's (/dev/shm is sticky; with
+        # /proc mounted hidepid their processes look dead): left alone.
+        with contextlib.suppress(OSError):
+            size = os.stat(path).st_blocks * 512
             os.unlink(path)
+            freed += size
             removed.append(name)
     if removed:
         log.info("removed %d shared-memory segment(s) of processes that died (%.0f MiB)",

@@ -81,3 +81,23 @@ def test_a_pid_that_names_another_process_now_is_an_orphan_other_namespaces_are_
         for name in names.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_a_segment_the_sweep_may_not_remove_is_left_alone(monkeypatch) -> None:
+    """Another user's segment in the sticky /dev/shm cannot be unlinked: no error."""
+    pid, start, namespace = shm._owner_tag().split(".")
+    name = f"hm-test-o{2**22 + 9}.1.{namespace}-{'e' * 16}"
+    with open(os.path.join(SHM_DIR, name), "wb") as f:
+        f.write(b"x")
+
+    def refuse(path: str) -> None:
+        raise PermissionError(1, "Operation not permitted", path)
+
+    try:
+        monkeypatch.setattr(shm.os, "unlink", refuse)
+        assert name not in sweep_orphan_segments()
+        monkeypatch.undo()
+        assert _exists(name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
