@@ -153,7 +153,7 @@ def rejection_reason(
     :class:`RejectCode`, the text), or ("", "") to admit it. ``now_s`` (when given) lets
     the snapshot count the tokens the running requests generated since they joined."""
     mode = config.early_reject
-    if mode == "none":
+    if mode == "none" or request.admitted:  # a failed-over request was admitted once
         return "", ""
     slo = config.slo
     if chosen.ttft_s > slo.ttft_s:

@@ -85,6 +85,9 @@ class Request:
     ``block_hashes`` are the prompt's chained prefix-block hashes at ``block_size_tokens``
     tokens per block (for Mooncake traces: the trace's ``hash_ids`` at 512 tokens).
     ``prompt_token_ids`` is empty when only lengths are known (simulation of a trace).
+    ``admitted`` marks a request that was admitted before and is placed again (its worker
+    died mid-request): it is never rejected early, since rejecting it would lose work the
+    client was promised.
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class Request:
     block_hashes: tuple[int, ...] = ()
     block_size_tokens: int = 512
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    admitted: bool = False
 
     def __post_init__(self) -> None:
         if self.input_length < 1:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from halfmoon.conductor import (
@@ -282,3 +284,28 @@ def test_decision_is_keyword_only(make_conductor):
     assert rejected.reject_reason == "" and rejected.replications == () and rejected.why == ""
     decision = make_conductor().schedule(_req("r2", 4))
     assert decision.accepted and decision.reject_reason == "" and decision.decode_candidates
+
+
+def test_a_request_placed_again_after_a_failure_is_never_rejected_early(paper_cost_model):
+    """A failed-over request was admitted once: a 429 now would break the client's stream.
+    The same requests, new, are rejected (TTFT over its SLO, decode KV full)."""
+    c = Conductor(
+        ConductorConfig(block_size_tokens=16, early_reject="snapshot",
+                        slo=SLOConfig(ttft_s=0.5, tbt_s=10.0)),
+        paper_cost_model, ManualClock(),
+    )  # fmt: skip
+    c.add_prefill_instance("P1")
+    c.add_decode_instance("D1", kv_capacity_tokens=3000)
+    first = c.schedule(_req("r0", 40))
+    assert first.accepted
+    for k in range(1, 6):
+        new = _req(f"r{k}", 40, first=1000 * k)
+        refused = c.schedule(new)
+        assert not refused.accepted and refused.reject_code in (RejectCode.TTFT, RejectCode.KV_FULL)
+        again = dataclasses.replace(new, request_id=f"r{k}~1", admitted=True)
+        placed = c.schedule(again)
+        assert placed.accepted and placed.decode.instance_id == "D1", placed.reject_reason
+    c.add_coupled_instance("M1", kv_capacity_tokens=100)  # coupled routing: the same rule
+    big = _req("m", 40, first=99_000)
+    assert not c.route_coupled(big).accepted
+    assert c.route_coupled(dataclasses.replace(big, admitted=True)).accepted

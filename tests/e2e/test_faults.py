@@ -289,7 +289,7 @@ def test_the_cluster_settles_quickly_after_five_quick_decode_kills(cluster):
                 )  # fmt: skip
                 outcomes.append("ok")
             except openai.APIError as exc:
-                outcomes.append(type(exc).__name__)
+                outcomes.append(f"{type(exc).__name__}: {exc.message}"[:160])
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(12)]
     for t in threads:

@@ -86,6 +86,14 @@ def test_register_events_schedule(spawn, port):
         "p1": "prefill",
         "d0": "decode",
     }
+    # More than d0's 100,000 KV tokens: rejected when new, placed when the gateway says
+    # it was admitted before (placed again after its worker died).
+    big = {"type": "schedule", "input_length": 100_000, "output_length": 4, "block_size": 16,
+           "hashes": hashes_to_wire(list(range(1, 100_000 // 16 + 1)))}  # fmt: skip
+    refused = client.call({**big, "request_id": "big"})
+    assert not refused["accepted"] and refused["reject_code"] == "kv_full", refused
+    placed = client.call({**big, "request_id": "big~1", "admitted": True})
+    assert placed["accepted"] and placed["decode"]["instance_id"] == "d0", placed
 
 
 def test_wrong_secret_is_ignored_and_bad_messages_answered(spawn, port):

@@ -432,10 +432,13 @@ class ConductorService:
             message.output_length,
             tuple(message.block_hashes),
             block_size,
+            admitted=message.admitted,
         )
         start = time.perf_counter()
         if message.coupled:
             decision = self.conductor.route_coupled(request)
+        elif message.admitted:  # placed again: not a new arrival
+            decision = self.conductor.schedule(request)
         else:
             self.arrivals.record(message.input_length, message.output_length, message.hashes)
             decision = self.conductor.schedule(request)

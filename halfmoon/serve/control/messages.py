@@ -215,7 +215,9 @@ def event_entry(kind: str, **fields: Any) -> Event:
 # -- gateway <-> Conductor -------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Schedule(Message):
-    """Gateway -> Conductor: place one request (answered by a ``decision``)."""
+    """Gateway -> Conductor: place one request (answered by a ``decision``). ``admitted``:
+    the request was placed before and its worker died; it is placed again without early
+    rejection (a 429 now would break a stream the client already has)."""
 
     wire_name: ClassVar[str] = "schedule"
     request_id: str
@@ -224,6 +226,7 @@ class Schedule(Message):
     block_size: int
     hashes: bytes
     coupled: bool = False
+    admitted: bool = False
 
     @property
     def block_hashes(self) -> list[int]:

@@ -263,7 +263,9 @@ class ClusterBackend:
                 min_tokens=max(0, params.min_tokens - len(produced)),
             )
             try:
-                decision, rtt_s = await self._place(attempt_id, ids, left, cache_salt)
+                decision, rtt_s = await self._place(
+                    attempt_id, ids, left, cache_salt, admitted=attempt > 0
+                )
                 queue: asyncio.Queue = asyncio.Queue()
                 self._queues[attempt_id] = queue
                 await self._start(attempt_id, ids, left, decision, cache_salt)
@@ -451,16 +453,19 @@ class ClusterBackend:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        admitted: bool = False,
     ) -> tuple[PlacementDecision, float | None]:
         """Ask the Conductor (the decision, and the round trip it took; None for a
         decision made here); while it is away or has no worker (a restart in progress),
-        ask again for up to ``conductor_wait_s``."""
+        ask again for up to ``conductor_wait_s``. An ``admitted`` request (placed again
+        after its worker died) is not rejected early."""
         root = chain_root(cache_salt)
         hashes = hash_blocks(prompt_token_ids, self.block_size, root).hashes  # partial last too
         msg = Schedule(
             request_id=request_id, input_length=len(prompt_token_ids),
             output_length=params.max_tokens, block_size=self.block_size,
-            hashes=hashes_to_wire(hashes), coupled=self.mode == "coupled",
+            hashes=hashes_to_wire(hashes), coupled=self.mode == "coupled", admitted=admitted,
         )  # fmt: skip
         deadline = time.monotonic() + self.conductor_wait_s
         while True:
