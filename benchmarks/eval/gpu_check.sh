@@ -6,21 +6,26 @@
 #   serve    `halfmoon serve --device cuda` disaggregated, 2 prefill (one 2-stage CPP
 #            group) + 1 decode, with the real model: a greedy chat answer must name
 #            Paris, and a long prompt must complete through the CPP pipeline
-#   bench    benchmarks.micro.engine --device cuda, briefly
+#   bench    benchmarks.micro.engine --device cuda, briefly (random-weight presets)
+#   real     benchmarks.micro.engine_real --device cuda with the real model: halfmoon's
+#            engine against transformers (and vLLM where VLLM_PY names a Python that has
+#            it), decode step at batch 1, 8, 32 x context 512, 2048 and 2048-token prefill
 # Prints one PASS/FAIL line per check and a summary; exits 1 when any check failed.
 # Logs and results go to ${OUT:-/tmp}/gpu_check/: summary.txt, NAME.log per check,
 # serve_check.json (the answers, the CPP request), halfmoon_serve.log (the cluster's own
-# log), engine_cuda.json (benchmark rows).
+# log), engine_cuda.json and engine_real_cuda.json (benchmark rows).
 #
 # Needs a venv whose torch is a CUDA build, e.g. `make install TORCH_SPEC=torch` (the
 # Makefile's default pins the CPU wheel of this repo's CPU-only machines).
 #
 # Overrides (environment): PY, DEVICE (cuda), MODEL (smollm2-135m-instruct), EXPECT
 # (Paris; empty: any answer), LONG_TOKENS (8000: long prompt, capped by the context),
-# CPP_CHUNK (2700), KV_CACHE_MB (2048), BENCH_ARGS, BUDGET_S (430), SKIP (names of checks
+# CPP_CHUNK (2700), KV_CACHE_MB (2048), BENCH_ARGS, REAL_ARGS, VLLM_PY (a Python with
+# vLLM, for the real check), TESTS (the test paths), BUDGET_S (430), SKIP (names of checks
 # to skip, e.g. "bench"). A dry run of everything but the GPU on a CPU machine:
 #   DEVICE=cpu MODEL=tiny EXPECT= LONG_TOKENS=3000 CPP_CHUNK=512 KV_CACHE_MB=256 \
-#     BENCH_ARGS="--presets tiny --dtypes float32 --repeats 1" benchmarks/eval/gpu_check.sh
+#     BENCH_ARGS="--presets tiny --dtypes float32 --repeats 1" REAL_ARGS=--quick \
+#     benchmarks/eval/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -31,6 +36,9 @@ LONG_TOKENS=${LONG_TOKENS:-8000}
 CPP_CHUNK=${CPP_CHUNK:-2700}
 KV_CACHE_MB=${KV_CACHE_MB:-2048}
 BENCH_ARGS=${BENCH_ARGS:---presets small --dtypes float32,bfloat16 --repeats 3}
+REAL_ARGS=${REAL_ARGS:---rounds 3 --prefill-rounds 3 --prefill-tokens 2048 --k 8}
+VLLM_PY=${VLLM_PY:-}
+TESTS=${TESTS:-tests/engine tests/serve/test_prefix_cache.py tests/serve/test_engine_boundary.py}
 SKIP=${SKIP:-}
 DIR="${OUT:-/tmp}/gpu_check"
 mkdir -p "$DIR"
@@ -93,7 +101,7 @@ stop_serve() {
 trap stop_serve EXIT
 trap '[[ -n "$STEP_PID" ]] && kill -TERM "$STEP_PID" 2>/dev/null; stop_serve; exit 130' INT TERM
 
-rm -f "$DIR"/{cuda,tests,serve,bench}.log "$DIR"/serve_check.json
+rm -f "$DIR"/{cuda,tests,serve,bench,real}.log "$DIR"/serve_check.json
 : >"$DIR/summary.txt"
 say "gpu_check: device $DEVICE, model $MODEL, results in $DIR"
 
@@ -110,8 +118,8 @@ fi
 # -- tests ---------------------------------------------------------------------------------
 # On a CPU dry run the CUDA-only tests run their checks with the engine on the CPU.
 [[ "$DEVICE" == cuda* ]] || export HALFMOON_TEST_DEVICE=cpu
-run tests 200 "$PY" -m pytest tests/engine tests/serve/test_prefix_cache.py \
-    tests/serve/test_engine_boundary.py -q -p no:cacheprovider -rs
+# shellcheck disable=SC2086  # TESTS is a list of paths
+run tests 200 "$PY" -m pytest $TESTS -q -p no:cacheprovider -rs
 passed tests && grep -E "passed|SKIPPED" "$DIR/tests.log" | sed 's/^/    /'
 
 # -- serve ---------------------------------------------------------------------------------
@@ -270,6 +278,19 @@ fi
 run bench 120 "$PY" -m benchmarks.micro.engine --device "$DEVICE" $BENCH_ARGS --threads 4 \
     --json "$DIR/engine_cuda.json"
 passed bench && grep -E "^(preset|tiny|small) " "$DIR/bench.log" | sed 's/^/    /'
+
+# -- real ----------------------------------------------------------------------------------
+REAL_ENGINES=halfmoon,transformers
+REAL_VLLM=()
+if [[ -n "$VLLM_PY" && -x "$VLLM_PY" ]]; then
+    REAL_ENGINES=halfmoon,vllm,transformers
+    REAL_VLLM=(--vllm-python "$VLLM_PY")
+fi
+# shellcheck disable=SC2086  # REAL_ARGS is a list of options
+run real 150 "$PY" -m benchmarks.micro.engine_real --model "$MODEL" --device "$DEVICE" \
+    --engines "$REAL_ENGINES" "${REAL_VLLM[@]}" --threads 4 $REAL_ARGS \
+    --json "$DIR/engine_real_$DEVICE.json"
+passed real && sed -n '/^model /,$p' "$DIR/real.log" | head -40 | sed 's/^/    /'
 
 if ((${#FAILED[@]})); then
     say "gpu_check: FAIL (${FAILED[*]}) in $((SECONDS))s"

@@ -44,7 +44,7 @@ Usage::
 
     benchmarks/micro/vllm_env.sh          # once: .venv-vllm (make vllm)
     .venv/bin/python -m benchmarks.micro.engine_real --model DIR_OR_NAME [--threads 2]
-        [--rounds 5] [--k 12] [--k-large 8] [--malloc default|glibc-tuned|tcmalloc]
+        [--device cpu|cuda] [--rounds 5] [--k 12] [--k-large 8] [--malloc default|glibc-tuned|tcmalloc]
         [--json benchmarks/results/engine_real.json] [--quick]
 
 ``--quick``: context 512, batch 1 and 8, k 4, one round, a 512-token prefill (~3 min,
@@ -180,7 +180,7 @@ class Halfmoon:
                 model=model, dtype="float32", kv_cache_mb=args.halfmoon_kv_mb,
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
-                num_threads=args.threads, attention=args.attention,
+                num_threads=args.threads, attention=args.attention, device=args.device,
             )
         )  # fmt: skip
         self.counter = 0
@@ -207,6 +207,7 @@ class Halfmoon:
         self.counter += 1
         for h in handoffs:  # the import copies the KV in; not timed
             self.engine.import_request(h, greedy(max_tokens), f"{h.request_id}-{self.counter}")
+        sync(self.engine.config.device)  # a GPU's copies of the import end before the clock
         final = {}
         start = time.perf_counter()
         while self.engine.has_unfinished_requests():
@@ -219,14 +220,21 @@ class Halfmoon:
         return elapsed, tokens
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 class Transformers:
-    def __init__(self, model: str):
+    def __init__(self, model: str, device: str = "cpu"):
         import transformers
 
         transformers.logging.set_verbosity_error()
+        self.device = device
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             model, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        ).eval().to(device)
         self.config = self.model.config
         self.version = transformers.__version__
 
@@ -241,6 +249,7 @@ class Transformers:
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=config)  # fmt: skip
+        sync(self.device)
         assert out.shape[1] == ids.shape[1] + max_tokens, (out.shape, ids.shape, max_tokens)
         return out[:, ids.shape[1] :]
 
@@ -249,7 +258,7 @@ class Transformers:
         elapsed, tokens = 0.0, []
         for p in prompts:
             start = time.perf_counter()
-            out = self._generate(torch.tensor([p]), max_tokens)
+            out = self._generate(torch.tensor([p], device=self.device), max_tokens)
             elapsed += time.perf_counter() - start
             tokens.append(out[0].tolist())
         return elapsed, tokens
@@ -260,8 +269,8 @@ class Transformers:
         generator = torch.Generator().manual_seed(seed)
         shape = (batch, self.config.num_key_value_heads, computed, self.config.head_dim)
         key, value = (
-            torch.randn(shape, generator=generator),
-            torch.randn(shape, generator=generator),
+            torch.randn(shape, generator=generator).to(self.device),
+            torch.randn(shape, generator=generator).to(self.device),
         )
         cache = DynamicCache(config=self.config)
         for layer in range(self.config.num_hidden_layers):
@@ -347,6 +356,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF directory or a model name")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default="cpu",
+                        help="halfmoon's and transformers' device (cpu, cuda); vLLM's CPU "
+                        "build stays on the CPU: leave it out (--engines) on a GPU")  # fmt: skip
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per case")
     parser.add_argument("--prefill-rounds", type=int, default=3)
@@ -426,13 +438,14 @@ def run(args, engines, model_dir, peer, log):
 
     log(f"model {model_dir}; engines {engines}; {args.threads} threads")
     hm = Halfmoon(model_dir, args) if "halfmoon" in engines else None
-    hf = Transformers(model_dir) if "transformers" in engines else None
+    hf = Transformers(model_dir, args.device) if "transformers" in engines else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = hm.engine.model_config.vocab_size if hm else hf.config.vocab_size  # type: ignore[union-attr]
     meta: dict[str, Any] = {
         "model": model_dir, "threads": args.threads, "torch": torch.__version__,
         "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-        "nproc": os.cpu_count(), "engines": engines, "k": args.k, "k_large": args.k_large,
+        "nproc": os.cpu_count(), "engines": engines, "device": args.device,
+        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None, "k": args.k, "k_large": args.k_large,
         "rounds": args.rounds, "prefill_rounds": args.prefill_rounds,
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
         "malloc": args.malloc, "malloc_env": MALLOC_ENV[args.malloc],
@@ -515,7 +528,7 @@ def decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log) -> d
     if peer is not None:
         runs["vllm"] = lambda n: peer.generate(prompts, n, True)
     if hf is not None:
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=args.device)
         cache = hf.random_cache(batch, context - 1, seed)
         runs["transformers"] = lambda n: hf.decode(ids, cache, n)
     order = [e for e in engines if e in runs]
@@ -550,7 +563,8 @@ def _finish_ratios(row: dict[str, Any]) -> None:
 
 def print_tables(rows: list[dict[str, Any]], engines: list[str], meta: dict[str, Any]) -> None:
     others = [e for e in engines if e != "halfmoon"]
-    print(f"\nmodel {meta['model']}, {meta['threads']} threads, torch {meta['torch']}"
+    where = meta.get("gpu") or f"{meta['threads']} threads"
+    print(f"\nmodel {meta['model']}, {where}, torch {meta['torch']}"
           + (f", vLLM {meta['vllm']['vllm']}" if "vllm" in meta else "")
           + (f", transformers {meta['transformers']}" if "transformers" in meta else "")
         + f", malloc {meta['malloc']} (this process)")  # fmt: skip
