@@ -262,12 +262,29 @@ DecodeKernel = Callable[
 ]
 
 
+#: The first torch whose AOTI loader takes an unpacked package directory. On 2.11 (a GPU
+#: machine, 2026-12-04) the directory failed ("failed finding central directory") and a
+#: fallback to the archive crashed the process (SIGSEGV), so older torch runs the reference.
+UNPACKED_LOADER_TORCH = (2, 13)
+
+
+def loads_unpacked_packages() -> bool:
+    """Whether this torch's AOTI loader takes a package directory (2.13 and later)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= UNPACKED_LOADER_TORCH
+
+
 def load_package(
     key: str, build: Callable[[Path], None], directory: Path | None = None
 ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """The compiled package ``key`` from the cache (``directory``, else :func:`kernel_dir`),
     built first by ``build(path)`` when missing (one process builds, concurrent ones wait
     for it); returns its runner: a list of tensors in, a list out. Raises on any failure."""
+    if not loads_unpacked_packages():
+        raise RuntimeError(
+            f"torch {torch.__version__} loads compiled packages from archives only; halfmoon "
+            f"loads them unpacked, which needs torch {'.'.join(map(str, UNPACKED_LOADER_TORCH))}+"
+        )
     directory = directory or kernel_dir()
     path = directory / f"{key}.pt2"
     unpacked = directory / f"{key}.d"

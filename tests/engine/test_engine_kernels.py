@@ -262,6 +262,7 @@ def test_processes_starting_together_build_different_packages_side_by_side(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not kernels.loads_unpacked_packages(), reason="needs torch 2.13+")
 def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
     # `auto` keeps the reference on a GPU until this has passed on one; this is the check.
     shape = KernelShape(2, 2, 16, 16, torch.float32, "cuda")
@@ -274,3 +275,13 @@ def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
         qg = q_c.view(q.shape[0], 2, 2, 16).contiguous()
         got = kernel(qg, keys_c, values_c, tables_c, lens_c, torch.tensor(0.25, device="cuda"))
         torch.testing.assert_close(got.reshape(q.shape[0], -1).cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_torch_that_loads_only_archives_gets_the_reference(monkeypatch, tmp_path) -> None:
+    """torch 2.11's loader took no directory, and its archive path crashed a process: on a
+    torch older than 2.13 the engine runs the reference, saying why, and loads nothing."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert not kernels.loads_unpacked_packages()
+    with pytest.raises(RuntimeError, match="torch 2.11.0"):
+        kernels.load_package("never", lambda path: None, tmp_path)
+    assert list(tmp_path.iterdir()) == []
