@@ -18,6 +18,7 @@ import pytest
 from hypothesis import settings
 
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
+from halfmoon.engine.kernels import kernel_dir
 from halfmoon.store.shm import sweep_orphan_segments
 
 # Property tests: the same examples every run, and no per-example time limit (Hypothesis'
@@ -110,14 +111,24 @@ def run_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def shared_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One directory of compiled kernel packages for every process the tests start
-    (``HALFMOON_KERNEL_CACHE``): each cluster otherwise builds its four packages again
-    under its own cache dir (60-150 s of every start here). Builds are locked and atomic
-    (``halfmoon.engine.kernels.load_package``), so concurrent clusters share safely. A
-    value already set (a developer's warm cache) is kept."""
+    (``HALFMOON_KERNEL_CACHE``): each cluster otherwise builds its packages again under
+    its own cache dir (60-150 s of every start here).
+
+    It is this machine's kernel cache (``$HALFMOON_CACHE/kernels``, as ``halfmoon serve``
+    uses), kept from one run to the next: a run otherwise spends 4-5 minutes of its two
+    workers building the same 14 packages again. A package's key covers the kernels'
+    source text, torch's version and the CPU (``halfmoon.engine.kernels.package_key``),
+    so an edit builds afresh, and builds are locked and atomic, so concurrent runs and
+    clusters share safely; ``tests/engine/test_engine_kernels.py`` builds from scratch in
+    an empty directory. ``HALFMOON_TEST_FRESH_KERNELS=1``: a directory of this run only
+    (every package built again). A value already set is kept."""
     if os.environ.get("HALFMOON_KERNEL_CACHE"):
         yield Path(os.environ["HALFMOON_KERNEL_CACHE"])
         return
-    path = run_shared_dir(tmp_path_factory, "kernels")
+    if os.environ.get("HALFMOON_TEST_FRESH_KERNELS") == "1":
+        path = run_shared_dir(tmp_path_factory, "kernels")
+    else:
+        path = kernel_dir()
     os.environ["HALFMOON_KERNEL_CACHE"] = str(path)
     try:
         yield path

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -114,12 +115,30 @@ class KernelShape:
         )
 
 
+#: The engine's files whose code ends up in a compiled package (the exported modules and
+#: the functions they call, the build and export settings): their text is part of every
+#: package's key.
+KERNEL_SOURCES = ("kernels.py", "glue.py", "rope.py", "kvcodec.py")
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of :data:`KERNEL_SOURCES`' text: any edit to them, even one that forgot
+    to bump a version constant, gives every package a new key, so a cache kept across
+    versions (a developer's, the test suite's) never serves a stale build."""
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def package_key(name: str, spec: str, device: str) -> str:
     """``name-<digest>``, a package's file name: the digest covers ``spec`` (what the
     package is specialised for, with its code's version), the device, the CPU's vector
-    ISA and torch's version, so that a change to any of them builds a new package."""
+    ISA, torch's version and the kernels' source (:func:`source_digest`), so that a
+    change to any of them builds a new package."""
     isa = torch.backends.cpu.get_cpu_capability() if device == "cpu" else "cuda"
-    text = f"{spec}-{device}-{isa}-torch{torch.__version__}"
+    text = f"{spec}-{device}-{isa}-torch{torch.__version__}-src{source_digest()}"
     return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 def real(cluster_factory):
     return cluster_factory(
         "--model", MODEL, "--prefill", "2", "--decode", "1", "--cpp-stages", "2",
-        "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "96",
+        "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "48",
         "--transport", "tcp", "--wire-checksum", "none", timeout_s=600,
     )  # fmt: skip
 

@@ -285,3 +285,18 @@ def test_a_torch_that_loads_only_archives_gets_the_reference(monkeypatch, tmp_pa
     with pytest.raises(RuntimeError, match="torch 2.11.0"):
         kernels.load_package("never", lambda path: None, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_package_key_follows_the_kernels_source(monkeypatch) -> None:
+    """The test suite keeps one kernel cache across runs (tests/conftest.py): an edit to
+    a kernel's code, version constant bumped or not, must give its package a new key.
+    Every engine module that builds or loads a package is among the digested sources."""
+    engine_dir = Path(kernels.__file__).parent
+    builders = {p.name for p in engine_dir.glob("*.py")
+                if "export_and_compile(" in p.read_text() or "load_package(" in p.read_text()}  # fmt: skip
+    assert builders and builders <= set(kernels.KERNEL_SOURCES)
+    key = SHAPE.key()
+    assert key == SHAPE.key()  # stable within a version of the code
+    monkeypatch.setattr(kernels, "source_digest", lambda: "an-edited-source")
+    assert SHAPE.key() != key
+    assert SHAPE.key().rsplit("-", 1)[0] == key.rsplit("-", 1)[0]  # same readable name
