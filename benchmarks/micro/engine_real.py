@@ -232,9 +232,13 @@ class Transformers:
 
         transformers.logging.set_verbosity_error()
         self.device = device
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval().to(device)
+        self.model = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch.float32, attn_implementation="sdpa"
+            )
+            .eval()
+            .to(device)
+        )
         self.config = self.model.config
         self.version = transformers.__version__
 
