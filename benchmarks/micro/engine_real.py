@@ -181,6 +181,7 @@ class Halfmoon:
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
                 num_threads=args.threads, attention=args.attention, device=args.device,
+                cuda_graphs=args.cuda_graphs,
             )
         )  # fmt: skip
         self.counter = 0
@@ -381,6 +382,8 @@ def main() -> None:
                         help="default: 2048, or the longest prefill (one chunk)")  # fmt: skip
     parser.add_argument("--attention", default="auto",
                         help="halfmoon's decode attention: auto, compiled or reference")  # fmt: skip
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="halfmoon replays decode steps from CUDA graphs (--device cuda)")  # fmt: skip
     parser.add_argument("--halfmoon-kv-mb", type=float, default=3300.0)
     parser.add_argument("--vllm-kv-gb", type=int, default=4)
     parser.add_argument("--vllm-python", default=str(VLLM_VENV / "bin" / "python"))
@@ -490,6 +493,13 @@ def run(args, engines, model_dir, peer, log):
         for batch in args.batches:
             k = args.k_large if batch >= 32 and context >= 2048 else args.k
             rows.append(decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log))
+    graphs = hm.engine.runner.decode_graphs if hm else None
+    if graphs is not None:  # whether the decode steps above replayed graphs, or why not
+        meta["cuda_graphs"] = {
+            "captured": graphs.num_captured, "replays": graphs.num_replays,
+            "disabled": graphs.disabled_reason,
+        }  # fmt: skip
+        log(f"CUDA graphs: {meta['cuda_graphs']}")
     return rows, meta
 
 

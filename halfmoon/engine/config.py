@@ -256,7 +256,9 @@ class EngineConfig:
     ``attention``: decode attention by the compiled kernel that reads the paged pool in
     place (``compiled``; built once per model shape, see :mod:`halfmoon.engine.kernels`),
     by the exact-math reference (``reference``: gather + SDPA), or ``auto`` (the kernel
-    when it can be built, else the reference).
+    when it can be built, else the reference). ``cuda_graphs``: on a CUDA device, replay
+    decode steps from captured CUDA graphs (:mod:`halfmoon.engine.graphs`; off by
+    default until a GPU run has verified it).
     """
 
     model: str = "tiny"
@@ -274,6 +276,7 @@ class EngineConfig:
     prepack_weights: bool = True
     prepack_lm_head: bool = True
     attention: str = "auto"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -292,6 +295,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise HalfmoonError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_attention_backend(self.attention)
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise HalfmoonError(
+                f"cuda_graphs (--cuda-graphs) needs a cuda device (--device cuda), not {self.device!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise HalfmoonError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -22,6 +22,7 @@ from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
+from halfmoon.engine.graphs import DecodeGraphs
 from halfmoon.engine.kernels import (
     KernelShape,
     build_missing,
@@ -179,6 +180,12 @@ class LLMEngine:
             loaded.model.glue = select_glue(config.attention, glue_shape)
             self.attention_backend += f", {loaded.model.glue.description} glue"
         self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel)
+        if config.cuda_graphs:
+            blocks = -(-self.max_model_len // config.block_size)
+            self.runner.decode_graphs = DecodeGraphs(
+                loaded.model, self.kv_cache, config.max_num_seqs, blocks, kernel
+            )
+            self.attention_backend += ", CUDA graphs for decode"
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
 

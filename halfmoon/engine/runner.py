@@ -13,6 +13,7 @@ from halfmoon.engine.attention import (
     PrefillSegment,
     build_decode_group,
 )
+from halfmoon.engine.graphs import DecodeGraphs, DecodeRow
 from halfmoon.engine.kernels import DecodeKernel
 from halfmoon.engine.kv_cache import KVCache
 from halfmoon.engine.model import LlamaForCausalLM
@@ -68,6 +69,9 @@ class ModelRunner:
         self.device = kv_cache.pool.device
         # Reused gather buffers [2, capacity_blocks, B, H_kv, D]; grown on demand, never shrunk.
         self._workspace = torch.empty(0, device=self.device)
+        #: Decode-only steps replayed from CUDA graphs (:mod:`halfmoon.engine.graphs`), or
+        #: None: every step runs eagerly.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def _workspace_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if num_blocks == 0:
@@ -79,6 +83,11 @@ class ModelRunner:
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _decode_row(self, chunk: ChunkInput) -> DecodeRow:
+        position, table, bs = chunk.start, chunk.block_table, self.block_size
+        slot = table[position // bs] * bs + position % bs
+        return DecodeRow(chunk.token_ids[0], position, slot, table, chunk.end)
 
     def _prepare(
         self, ordered: list[ChunkInput], num_decode: int
@@ -147,6 +156,13 @@ class ModelRunner:
         if not chunks:
             return []
         decode_idx = [i for i, c in enumerate(chunks) if c.is_decode]
+        if self.decode_graphs is not None and len(decode_idx) == len(chunks):
+            logits = self.decode_graphs.run([self._decode_row(c) for c in chunks])
+            if logits is not None:  # else no graph for this step: it runs eagerly
+                return [
+                    None if c.logits == LOGITS_NONE else logits[i : i + 1]
+                    for i, c in enumerate(chunks)
+                ]
         other_idx = [i for i, c in enumerate(chunks) if not c.is_decode]
         order = decode_idx + other_idx
         ordered = [chunks[i] for i in order]

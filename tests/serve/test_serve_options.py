@@ -18,6 +18,7 @@ from halfmoon.core.errors import HalfmoonError
         (["--mode", "coupled", "--max-num-seqs", "0"], "coupled workers: max_num_seqs"),
         (["--dtype", "float8"], "unknown dtype 'float8'"),
         (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
+        (["--cuda-graphs"], "--cuda-graphs) needs a cuda device (--device cuda), not 'cpu'"),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):
@@ -98,7 +99,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "8", "--decode-guard", "wait", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
-             "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8"]  # fmt: skip
+             "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs"]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -109,6 +110,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     )
     assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
+    assert options.cuda_graphs
     with pytest.raises(HalfmoonError, match="--prefix-store demote needs halfmoon's engine"):
         EngineOptions(prefix_store="demote", engine="vllm")
     # Without the flag: demote with halfmoon's engine, copy with vLLM's.

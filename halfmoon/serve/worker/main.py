@@ -82,6 +82,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "once per model shape into the cache), the reference gather + SDPA, or auto (the "
         "kernel when it can be built)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="with --device cuda: replay decode steps from captured CUDA graphs (one per "
+        "batch and context bucket; not yet verified on a GPU, so off by default)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a preset")
     parser.add_argument(
         "--kv-compression", default="none", choices=KV_COMPRESSION_MODES,
@@ -152,6 +157,7 @@ class EngineOptions:
     num_threads: int = 1
     block_size: int = 16
     attention: str = "auto"
+    cuda_graphs: bool = False
     seed: int = 0
     kv_compression: str = "none"
     prefix_caching: bool = True
@@ -219,6 +225,7 @@ class EngineOptions:
             max_model_len=self.max_model_len, prefill_chunk_tokens=self.prefill_chunk_tokens,
             seed=self.seed, num_threads=self.num_threads,
             enable_prefix_caching=self.prefix_caching, attention=self.attention,
+            cuda_graphs=self.cuda_graphs,
         )  # fmt: skip
 
 
