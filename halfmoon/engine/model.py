@@ -86,8 +86,9 @@ class DecoderLayer(nn.Module):
             self.qkv_proj(h), *rope, self.num_heads, self.num_kv_heads, self.head_dim
         )
         keys, values = kv_cache.layer(self.layer_index)
-        keys.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-        values.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+        key_slots, value_slots = kv_cache.layer_slots(self.layer_index)
+        key_slots.index_copy_(0, batch.slot_mapping, k)
+        value_slots.index_copy_(0, batch.slot_mapping, v)
         if hook is not None:
             self._call_hook(hook, batch, kv_cache)
         if batch.decode is not None and not batch.prefills:  # a decode-only step: no copy

@@ -93,12 +93,18 @@ class StageKVCache(KVCache):
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(K, V)`` of global layer ``layer`` (which must be in the slice)."""
+        return super().layer(self._local(layer))
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat views of global layer ``layer`` (see :meth:`KVCache.layer_slots`)."""
+        return super().layer_slots(self._local(layer))
+
+    def _local(self, layer: int) -> int:
         if not self.layers.first <= layer < self.layers.last:
             raise HalfmoonError(
                 f"layer {layer} is outside this stage's [{self.layers.first}, {self.layers.last})"
             )
-        local = layer - self.layers.first
-        return self.pool[local, 0], self.pool[local, 1]
+        return layer - self.layers.first
 
     def payload_layers(self) -> tuple[int, int, int]:
         """The slice's layers of a whole-model payload (what ``import_payloads`` keeps)."""
