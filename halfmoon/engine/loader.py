@@ -81,6 +81,9 @@ def build_preset(name: str, seed: int, dtype: str = "float32", device: str = "cp
     model = empty_model(config, torch.float32, "cpu")
     init_random_weights(model, seed)
     model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    # A plain attribute (kept float32), which `.to` leaves behind: on a GPU every forward
+    # would copy it over, which a CUDA graph's capture refuses.
+    model.inv_freq = model.inv_freq.to(device)
     return LoadedModel(config, model, _preset_tokenizer(config), config.eos_token_ids)
 
 

@@ -153,3 +153,18 @@ def test_a_preset_written_by_two_processes_at_once_is_kept_once(
     out = catalog._preset_once("tiny", 0)
     assert (out / "model.safetensors").is_file()
     assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_every_tensor_of_a_preset_is_on_its_device(tmp_path: Path) -> None:
+    """The RoPE frequencies too (a plain attribute, which ``Module.to`` skips): a model on a
+    GPU holding them on the host copies them over in every forward, which CUDA graph
+    capture refuses. The meta device stands in for a GPU here."""
+    from halfmoon.engine.loader import build_preset, create_preset_dir, load_dir
+
+    for loaded in (
+        build_preset("tiny", 0, device="meta"),
+        load_dir(create_preset_dir("tiny", tmp_path / "tiny"), device="meta"),
+    ):
+        model = loaded.model
+        assert model.inv_freq.device.type == "meta" and model.inv_freq.dtype == torch.float32
+        assert {p.device.type for p in model.parameters()} == {"meta"}
