@@ -286,10 +286,13 @@ run bench 120 "$PY" -m benchmarks.micro.engine --device "$DEVICE" $BENCH_ARGS --
 passed bench && grep -E "^(preset|tiny|small) " "$DIR/bench.log" | sed 's/^/    /'
 
 # -- real ----------------------------------------------------------------------------------
-REAL_ENGINES=halfmoon,transformers
+# With graphs, halfmoon-eager (the same engine without them) runs beside it: their ratio is
+# what the graphs give, side by side in one run.
+HM_ENGINES=halfmoon${GRAPHS:+,halfmoon-eager}
+REAL_ENGINES=$HM_ENGINES,transformers
 REAL_VLLM=()
 if [[ -n "$VLLM_PY" && -x "$VLLM_PY" ]]; then
-    REAL_ENGINES=halfmoon,vllm,transformers
+    REAL_ENGINES=$HM_ENGINES,vllm,transformers
     REAL_VLLM=(--vllm-python "$VLLM_PY")
 fi
 # shellcheck disable=SC2086  # REAL_ARGS is a list of options

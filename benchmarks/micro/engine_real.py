@@ -77,7 +77,10 @@ ROOT = HERE.parents[1]
 #: vLLM's venv (``make vllm`` makes it), shared with ``--engine vllm``.
 VLLM_VENV = ROOT / ".venv-vllm"
 ENGINES = ("halfmoon", "vllm", "transformers")
-SHORT = {"halfmoon": "hm", "vllm": "vllm", "transformers": "hf"}
+SHORT = {"halfmoon": "hm", "halfmoon-eager": "hm-eager", "vllm": "vllm", "transformers": "hf"}
+#: Run only when named in --engines: halfmoon without CUDA graphs, beside the "halfmoon"
+#: of a --cuda-graphs run (the graphs' own speed-up, side by side in one run).
+OPTIONAL_ENGINES = ("halfmoon-eager",)
 TEXT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 CHECK_TOKENS = 8
 MALLOC_MARK = "HALFMOON_ENGINE_REAL_MALLOC"
@@ -174,14 +177,14 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 class Halfmoon:
-    def __init__(self, model: str, args: argparse.Namespace):
+    def __init__(self, model: str, args: argparse.Namespace, cuda_graphs: bool | None = None):
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, dtype="float32", kv_cache_mb=args.halfmoon_kv_mb,
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
                 num_threads=args.threads, attention=args.attention, device=args.device,
-                cuda_graphs=args.cuda_graphs,
+                cuda_graphs=args.cuda_graphs if cuda_graphs is None else cuda_graphs,
             )
         )  # fmt: skip
         self.counter = 0
@@ -364,7 +367,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="halfmoon's and transformers' device (cpu, cuda); vLLM's CPU "
                         "build stays on the CPU: leave it out (--engines) on a GPU")  # fmt: skip
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="comma-separated, of " + ", ".join(ENGINES) + "; and "
+                        "halfmoon-eager (halfmoon without graphs, with --cuda-graphs)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per case")
     parser.add_argument("--prefill-rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=12, help="decode steps timed per run")
@@ -408,7 +413,14 @@ def main() -> None:
     args.max_model_len = args.max_model_len or max(2304, longest + 1)
     args.max_num_batched_tokens = args.max_num_batched_tokens or max(2048, longest)
     args.contexts = [int(x) for x in args.contexts.split(",")]
-    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    named = args.engines.split(",")
+    unknown = sorted(set(named) - set(ENGINES) - set(OPTIONAL_ENGINES))
+    if unknown:
+        parser.error(f"unknown --engines {', '.join(unknown)}; known: "
+                     f"{', '.join(ENGINES + OPTIONAL_ENGINES)}")  # fmt: skip
+    if "halfmoon-eager" in named and not args.cuda_graphs:
+        parser.error("--engines halfmoon-eager compares against --cuda-graphs; add it")
+    engines = [e for e in (*ENGINES[:1], *OPTIONAL_ENGINES, *ENGINES[1:]) if e in named]
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     wall_start = time.perf_counter()
@@ -445,6 +457,7 @@ def run(args, engines, model_dir, peer, log):
 
     log(f"model {model_dir}; engines {engines}; {args.threads} threads")
     hm = Halfmoon(model_dir, args) if "halfmoon" in engines else None
+    eager = Halfmoon(model_dir, args, cuda_graphs=False) if "halfmoon-eager" in engines else None
     hf = Transformers(model_dir, args.device) if "transformers" in engines else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = hm.engine.model_config.vocab_size if hm else hf.config.vocab_size  # type: ignore[union-attr]
@@ -471,6 +484,8 @@ def run(args, engines, model_dir, peer, log):
     runners: dict[str, Callable] = {}
     if hm is not None:
         runners["halfmoon"] = hm.generate
+    if eager is not None:
+        runners["halfmoon-eager"] = eager.generate
     if peer is not None:
         runners["vllm"] = lambda prompts, n: peer.generate(prompts, n, False)
     if hf is not None:
@@ -492,7 +507,9 @@ def run(args, engines, model_dir, peer, log):
     for context in args.contexts:
         for batch in args.batches:
             k = args.k_large if batch >= 32 and context >= 2048 else args.k
-            rows.append(decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log))
+            rows.append(
+                decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log, eager)
+            )
     graphs = hm.engine.runner.decode_graphs if hm else None
     if graphs is not None:  # whether the decode steps above replayed graphs, or why not
         meta["cuda_graphs"] = {
@@ -532,13 +549,18 @@ def prefill_case(args, runners, vocab, length, log) -> dict[str, Any]:
     return row
 
 
-def decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log) -> dict[str, Any]:
+def decode_case(
+    args, hm, hf, peer, engines, vocab, batch, context, k, log, eager=None
+) -> dict[str, Any]:
     prompts = random_prompts(vocab, batch, context, seed=1000 * batch + context)
     seed = batch * 7919 + context
     runs: dict[str, Callable[[int], tuple[float, list]]] = {}
     if hm is not None:
         handoffs = hm.handoffs(prompts, seed)
         runs["halfmoon"] = lambda n: hm.decode(handoffs, n)
+    if eager is not None:
+        eager_handoffs = eager.handoffs(prompts, seed)
+        runs["halfmoon-eager"] = lambda n: eager.decode(eager_handoffs, n)
     if peer is not None:
         runs["vllm"] = lambda n: peer.generate(prompts, n, True)
     if hf is not None:
