@@ -125,8 +125,12 @@ def test_a_shift_to_long_prompts_moves_a_decode_worker_to_prefill(cluster_factor
                          re.M), metrics  # fmt: skip
         assert re.search(r'^halfmoon:replan_moves_total\{.*to_role="prefill".*\} 1\.0$', metrics,
                          re.M), metrics  # fmt: skip
+        # The latest round is the move (1P2D -> 2P1D) or, once the cooldown after it has
+        # passed, one at 2P1D: which one depends on how fast prefill-1 started (with its
+        # kernels cached, the move can end inside the 30 s cooldown).
         (latest,) = client.get("/dashboard/state").json()["replan"]
-        assert latest["split"] == "2P1D" and latest["goodput_rps"]["2P1D"] > 0
+        assert (latest["split"], latest["target"]) in {("1P2D", "2P1D"), ("2P1D", None)}, latest
+        assert latest["goodput_rps"]["2P1D"] > 0
     deadline = time.monotonic() + 30
     while (pong := cluster.ping_conductor()).num_placements:
         assert time.monotonic() < deadline, pong
