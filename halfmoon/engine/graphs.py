@@ -100,7 +100,8 @@ class _Bucket:
 @dataclass(frozen=True)
 class DecodeRow:
     """One sequence of a decode step: its new token at ``position``, written to pool
-    ``slot``, attending over ``context_len`` tokens in the blocks of ``block_table``."""
+    ``slot``, attending over ``context_len`` tokens in ``block_table`` (the blocks that
+    hold them, no more)."""
 
     token_id: int
     position: int
@@ -152,8 +153,7 @@ class DecodeGraphs:
         pool), or None when graphs are off or no bucket fits: the caller steps eagerly."""
         if self.disabled_reason is not None or not rows:
             return None
-        max_blocks = max(-(-r.context_len // self.block_size) for r in rows)
-        key = self.bucket_for(len(rows), max_blocks)
+        key = self.bucket_for(len(rows), max(len(r.block_table) for r in rows))
         if key is None:
             return None
         bucket = self._buckets.get(key) or self._new_bucket(*key)
@@ -185,10 +185,7 @@ class DecodeGraphs:
     def _fill(self, bucket: _Bucket, rows: Sequence[DecodeRow], num_blocks: int) -> None:
         """Copy the step's inputs into the bucket's, the last row repeated as padding."""
         padded = list(rows) + [rows[-1]] * (bucket.input_ids.shape[0] - len(rows))
-        tables = []
-        for r in padded:
-            table = list(r.block_table[: -(-r.context_len // self.block_size)])
-            tables.append(table + [0] * (num_blocks - len(table)))
+        tables = [[*r.block_table, *[0] * (num_blocks - len(r.block_table))] for r in padded]
         for static, values in (
             (bucket.input_ids, [r.token_id for r in padded]),
             (bucket.positions, [r.position for r in padded]),

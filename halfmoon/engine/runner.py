@@ -84,10 +84,15 @@ class ModelRunner:
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _slot(self, table: Sequence[int], position: int) -> int:
+        """The flat pool slot of ``position`` in a sequence stored in ``table``."""
+        bs = self.block_size
+        return table[position // bs] * bs + position % bs
+
     def _decode_row(self, chunk: ChunkInput) -> DecodeRow:
-        position, table, bs = chunk.start, chunk.block_table, self.block_size
-        slot = table[position // bs] * bs + position % bs
-        return DecodeRow(chunk.token_ids[0], position, slot, table, chunk.end)
+        table = list(chunk.block_table[: self._blocks(chunk.end)])
+        slot = self._slot(chunk.block_table, chunk.start)
+        return DecodeRow(chunk.token_ids[0], chunk.start, slot, table, chunk.end)
 
     def _prepare(
         self, ordered: list[ChunkInput], num_decode: int
@@ -101,7 +106,7 @@ class ModelRunner:
             table = chunk.block_table
             for p in range(chunk.start, chunk.end):
                 positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+                slots.append(self._slot(table, p))
         decode = None
         if num_decode:
             decodes = ordered[:num_decode]
