@@ -127,7 +127,13 @@ class ClusterBackend:
         self._attempts: dict[str, str] = {}
         self._incarnations: dict[str, str] = {}
         self._watcher: asyncio.Task | None = None
-        self.max_attempts = 3
+        #: A request is placed again after each worker loss, but it fails (503) once it
+        #: lost its workers this many times with no new token in between (a
+        #: request that crashes every worker it reaches takes down only so many), or after
+        #: ``max_attempts`` placements in all. Losses with tokens between do not add up: five
+        #: quick kills of two decode workers once cost a streaming request three losses.
+        self.max_losses_without_progress = 3
+        self.max_attempts = 8
         self.conductor_wait_s = 20.0
         #: How long a request placed again after its worker died (its client already
         #: streaming) waits for a worker while none is registered: restarts of killed
@@ -251,12 +257,15 @@ class ClusterBackend:
         come only from requests with the same ``cache_salt``).
 
         When a worker it runs on is declared dead, the request is placed again from its
-        prompt plus the tokens it already produced and continues (up to ``max_attempts``
-        placements); the client sees one uninterrupted stream.
+        prompt plus the tokens it already produced and continues; the client sees one
+        uninterrupted stream. It fails after ``max_losses_without_progress`` losses with no
+        new token in between, or after ``max_attempts`` placements.
         """
         chain_root(cache_salt)  # a bad salt fails before anything is placed
         produced: list[int] = []
+        losses_in_a_row = 0
         for attempt in range(self.max_attempts):
+            produced_before = len(produced)
             attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             self._attempts[request_id] = attempt_id
             completed = False
@@ -281,10 +290,16 @@ class ClusterBackend:
                 completed = True
                 return
             except WorkerLost as exc:
-                log.warning("request %s: %s; placing it again", request_id, exc)
                 await self._abort_attempt(attempt_id)
                 if exc.suspect:
                     await self._report_failed(exc.suspect)
+                losses_in_a_row = 1 if len(produced) > produced_before else losses_in_a_row + 1
+                if losses_in_a_row >= self.max_losses_without_progress:
+                    raise BackendError(
+                        f"request {request_id} lost its workers {losses_in_a_row} times with no "
+                        f"new token in between (last: {exc})"
+                    ) from None
+                log.warning("request %s: %s; placing it again", request_id, exc)
             finally:
                 self._queues.pop(attempt_id, None)
                 self._attempts.pop(request_id, None)
@@ -292,7 +307,10 @@ class ClusterBackend:
                     # Failed before dispatch, refused, lost, timed out or hung up on: a
                     # worker may never say RequestFinished, so the booking goes here.
                     await self._tell_conductor(Release(request_id=attempt_id))
-        raise BackendError(f"request {request_id} lost its workers {self.max_attempts} times")
+        raise BackendError(
+            f"request {request_id} lost its workers {self.max_attempts} times "
+            f"({len(produced)} tokens out)"
+        )
 
     async def _report_failed(self, instance_id: str) -> None:
         """Tell the Conductor a worker failed us (it re-checks through heartbeats)."""
