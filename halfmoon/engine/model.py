@@ -8,6 +8,7 @@ Hugging Face tensor names onto these slices.
 from __future__ import annotations
 
 from functools import partial
+from itertools import islice
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
             x = hidden
         rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
         residual = None
-        for layer in self.layers[first:last]:
+        # Not ``self.layers[first:last]``: a ModuleList slice is a new ModuleList, per step.
+        for layer in islice(self.layers, first, last):
             x, residual = layer.forward(x, residual, rope, batch, kv_cache, hook, self.glue)
         if last == len(self.layers):
             return (
