@@ -101,6 +101,28 @@ def test_decode_worker_killed_mid_stream(cluster):
     assert not alive(victim)
 
 
+def test_a_dead_worker_leaves_placement_before_its_heartbeats_are_missed(cluster):
+    """The launcher sees its child exit within 0.5 s and reports it: the Conductor drops
+    the worker at once ("reported failed"), not after 3 s of missed heartbeats ("silent
+    for"); no request was in flight, so no gateway stream could have reported it."""
+    _wait_registered(cluster, 4)
+    victim = _pids(cluster, "decode")[0]
+    argv = Path(f"/proc/{victim}/cmdline").read_bytes().decode().split("\0")
+    name = f"decode-{argv[argv.index('--index') + 1]}"
+    before = len(cluster.log_path.read_text())
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while True:
+        log = cluster.log_path.read_text()[before:]
+        reported = f"WARNING {name} reported failed: removed from placement" in log
+        silent = f"WARNING {name} silent for" in log
+        if reported or silent or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert reported and not silent, log[-3000:]
+    _wait_registered(cluster, 4)
+
+
 def test_prefill_worker_killed_mid_prefill(cluster):
     prompt = " ".join(f"long{i}" for i in range(2500))
     out: dict = {}

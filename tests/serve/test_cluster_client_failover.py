@@ -95,3 +95,34 @@ def test_placements_are_bounded_even_while_tokens_come() -> None:
     with pytest.raises(BackendError, match="lost its workers 8 times"):
         generate(backend)
     assert len([s for s in seen if s[0] == "place"]) == backend.max_attempts == 8
+
+
+def test_a_worker_seen_dead_by_its_launcher_fails_over_its_requests_at_once() -> None:
+    """``instance_exited`` (the launcher saw the process exit): every attempt routed to
+    the instance is told it is lost, others are not, and the Conductor is told."""
+    backend = ClusterBackend("tcp://127.0.0.1:1", b"secret", 16)
+    told = []
+
+    async def tell(msg):
+        told.append(msg)
+
+    backend._tell_conductor = tell
+    backend._incarnations = {"decode-0": "inc-a", "prefill-0": "inc-b"}
+
+    async def run():
+        queues = {a: asyncio.Queue() for a in ("on-it", "elsewhere", "both")}
+        backend._queues.update(queues)
+        backend._route_ids.update({
+            "on-it": (("prefill-0", "inc-b"), ("decode-0", "inc-a")),
+            "elsewhere": (("prefill-0", "inc-b"), ("decode-1", "inc-c")),
+            "both": (("decode-0", "inc-a"),),
+        })  # fmt: skip
+        await backend.instance_exited("decode-0")
+        return {a: q.qsize() for a, q in queues.items()}, queues["on-it"].get_nowait()
+
+    sizes, lost = asyncio.run(run())
+    assert sizes == {"on-it": 1, "elsewhere": 0, "both": 1}
+    assert lost.instance_id == "decode-0"
+    assert [(m.wire_name, m.instance_id, m.incarnation) for m in told] == [
+        ("instance_failed", "decode-0", "inc-a")
+    ]

@@ -312,6 +312,16 @@ class ClusterBackend:
             f"({len(produced)} tokens out)"
         )
 
+    async def instance_exited(self, instance_id: str) -> None:
+        """The process of worker ``instance_id`` is known dead (its launcher saw it exit):
+        the requests routed to it are placed again now, and the Conductor drops it from
+        placement, without waiting for either to notice its silence."""
+        for attempt_id, instances in list(self._route_ids.items()):
+            queue = self._queues.get(attempt_id)
+            if queue is not None and any(i == instance_id for i, _ in instances):
+                queue.put_nowait(Lost(instance_id=instance_id))
+        await self._report_failed(instance_id)
+
     async def _report_failed(self, instance_id: str) -> None:
         """Tell the Conductor a worker failed us (it re-checks through heartbeats)."""
         incarnation = self._incarnations.get(instance_id, "")

@@ -159,7 +159,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
-    supervisor = loop.create_task(_supervise(group))
+    supervisor = loop.create_task(_supervise(group, backend))
     replanner = _replanner(args, group, backend, model_dir, conductor)
     replanning = None
     if replanner is not None:
@@ -234,12 +234,19 @@ async def _wait_ready(
     log.info("cluster ready in %.1fs", time.monotonic() - start)
 
 
-async def _supervise(group: ProcessGroup, interval_s: float = 0.5) -> None:
-    """Restart crashed children for as long as the gateway serves."""
+async def _supervise(group: ProcessGroup, backend: Any, interval_s: float = 0.5) -> None:
+    """Restart crashed children for as long as the gateway serves. A worker seen dead is
+    reported at once (``backend.instance_exited``): it leaves placement and its requests
+    are placed again within ``interval_s``, not after the Conductor's 3 s heartbeat
+    timeout."""
     while True:
         await asyncio.sleep(interval_s)
-        for name in group.supervise():
+        exited: list[str] = []
+        for name in group.supervise(on_exit=exited.append):
             log.info("restarted %s", name)
+        for name in exited:
+            if name != "conductor":
+                await backend.instance_exited(name)
 
 
 def _make_quiet_server() -> type:

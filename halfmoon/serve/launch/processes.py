@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +70,12 @@ class ProcessGroup:
             if proc.poll() is not None:
                 raise HalfmoonError(f"{name} exited with code {proc.returncode}")
 
-    def supervise(self, now_s: float | None = None) -> list[str]:
-        """Restart children that died, each after its backoff; returns who restarted."""
+    def supervise(
+        self, now_s: float | None = None, on_exit: Callable[[str], None] | None = None
+    ) -> list[str]:
+        """Restart children that died, each after its backoff; returns who restarted.
+        ``on_exit(name)`` is called once for each death, when it is first seen (a child
+        told to leave is not a death)."""
         now_s = time.monotonic() if now_s is None else now_s
         restarted = []
         for child in self.children:
@@ -83,6 +88,8 @@ class ProcessGroup:
             if child.proc.returncode == REFUSED_EXIT_CODE:
                 if child.restart_at_s != float("inf"):  # said once; never restarted
                     child.restart_at_s = float("inf")
+                    if on_exit is not None:
+                        on_exit(child.name)
                     log.error("%s was refused by the Conductor (see its log): not restarted",
                               child.name)  # fmt: skip
                 continue
@@ -91,6 +98,8 @@ class ProcessGroup:
                 child.restart_at_s = now_s + delay
                 log.warning("%s exited with code %s; restarting in %.1fs",
                             child.name, child.proc.returncode, delay)  # fmt: skip
+                if on_exit is not None:
+                    on_exit(child.name)
             elif now_s >= child.restart_at_s:
                 child.proc = self._popen(child.argv)
                 child.started_s, child.restart_at_s = now_s, None
