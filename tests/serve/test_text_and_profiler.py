@@ -134,3 +134,32 @@ def test_a_short_context_and_a_tiny_pool_are_profiled_with_short_prompts(monkeyp
     assert imports and all(n + 8 <= 512 for n in imports)
     assert profile.prefill_s(128, 0) > 0 and profile.serving.kv_import_s_per_token > 0
     engine.check_integrity()
+
+
+def test_each_prefill_point_counts_its_fastest_run(monkeypatch):
+    """A run slowed by something else on the machine (here: every point's first) does
+    not reach the fit; each run of a point uses other tokens (no cache hit between them)."""
+    from halfmoon.engine import EngineConfig, LLMEngine, profiler
+
+    engine = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=4, max_model_len=512, num_threads=1))
+    runs: dict[tuple[int, int], list[int]] = {}
+    fitted = {}
+
+    def scripted(engine, new, cached, salt):
+        salts = runs.setdefault((new, cached), [])
+        salts.append(salt)
+        return 5.0 if len(salts) == 1 else 0.01 + 1e-4 * new
+
+    def fit(prefill, decode, **kwargs):
+        fitted["prefill"] = prefill
+        return real_fit(prefill, decode, **kwargs)
+
+    real_fit = profiler.fit_profile
+    monkeypatch.setattr(profiler, "_time_prefill", scripted)
+    monkeypatch.setattr(profiler, "fit_profile", fit)
+    profiler.measure_profile(engine, "tiny")
+    assert len(fitted["prefill"]) >= 3
+    for new, cached, seconds in fitted["prefill"]:
+        assert seconds == pytest.approx(0.01 + 1e-4 * new)
+        salts = runs[(new, cached)]
+        assert len(salts) >= profiler.PREFILL_REPEATS and len(set(salts)) == len(salts)
