@@ -131,6 +131,9 @@ class AttentionBatch:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     #: ``scale`` as the 0-d float32 tensor the kernel takes.
     scale: torch.Tensor | None = None
+    #: RoPE + pool write + decode attention in one compiled call
+    #: (:mod:`halfmoon.engine.fused`), used by decode-only steps; None: separate calls.
+    fused_decode: Callable[..., torch.Tensor] | None = None
 
 
 def gather_blocks(

@@ -21,6 +21,7 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.fused import fused_decode_spec, select_fused_decode
 from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
 from halfmoon.engine.graphs import DecodeGraphs
 from halfmoon.engine.kernels import (
@@ -103,15 +104,16 @@ class EngineStats:
 
 
 def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
-    """Build the missing compiled packages this engine will load (the decode kernel and
-    its glue) that no other process is building (:func:`build_missing`): workers starting
+    """Build the missing compiled packages this engine will load (the decode kernel, its
+    glue and, on the CPU, the fused decode attention) that no other process is building (:func:`build_missing`): workers starting
     together build different ones at once. A build that fails here is left to the
     loaders, which retry it and report the failure (a warning, or the error of
     ``--attention compiled``)."""
     if not uses_compiled(backend, kernel.device):
         return
+    fused = [fused_decode_spec(kernel)] if kernel.device == "cpu" else []
     try:
-        build_missing([decode_kernel_spec(kernel), *glue_specs(glue)])
+        build_missing([decode_kernel_spec(kernel), *glue_specs(glue), *fused])
     except Exception as exc:  # noqa: BLE001 - the loaders below say what went wrong
         logger.debug("building the compiled packages side by side failed: %s", exc)
 
@@ -176,10 +178,15 @@ class LLMEngine:
         _build_compiled_side_by_side(config.attention, kernel_shape, glue_shape)
         kernel, self.attention_backend = select_decode_kernel(config.attention, kernel_shape)
         loaded.model.glue = EAGER_GLUE
+        fused = None
         if kernel is not None:  # the elementwise glue compiled alongside the kernel
             loaded.model.glue = select_glue(config.attention, glue_shape)
             self.attention_backend += f", {loaded.model.glue.description} glue"
-        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel)
+            if loaded.model.glue is not EAGER_GLUE:
+                fused = select_fused_decode(kernel_shape)
+            if fused is not None:
+                self.attention_backend += ", fused decode attention"
+        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel, fused)
         if config.cuda_graphs:
             blocks = -(-self.max_model_len // config.block_size)
             self.runner.decode_graphs = DecodeGraphs(

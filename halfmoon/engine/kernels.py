@@ -118,7 +118,7 @@ class KernelShape:
 #: The engine's files whose code ends up in a compiled package (the exported modules and
 #: the functions they call, the build and export settings): their text is part of every
 #: package's key.
-KERNEL_SOURCES = ("kernels.py", "glue.py", "rope.py", "kvcodec.py")
+KERNEL_SOURCES = ("kernels.py", "glue.py", "rope.py", "kvcodec.py", "fused.py")
 
 
 @functools.cache

@@ -85,33 +85,47 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.forward(x), x
         else:
             h, residual = glue.add_rms_norm(x, residual, self.input_layernorm)
-        num_tokens = x.shape[0]
-        q, k, v = glue.rope_split(
-            self.qkv_proj.forward(h), *rope, self.num_heads, self.num_kv_heads, self.head_dim
+        out = self._attention(self.qkv_proj.forward(h), rope, batch, kv_cache, hook, glue)
+        h, residual = glue.add_rms_norm(
+            self.o_proj.forward(out), residual, self.post_attention_layernorm
         )
+        return self.down_proj.forward(glue.silu_mul(self.gate_up_proj.forward(h))), residual
+
+    def _attention(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+        kv_cache: KVCache,
+        hook: LayerHook | None,
+        glue: Glue,
+    ) -> torch.Tensor:
+        """RoPE, this step's K/V into the pool, attention: ``[T, H * D]`` from ``qkv``."""
         keys, values = kv_cache.layer(self.layer_index)
+        group = batch.decode
+        decode_only = group is not None and not batch.prefills
+        if decode_only and batch.fused_decode is not None:  # all of it in one call
+            return batch.fused_decode(qkv, *rope, keys, values, batch.slot_mapping,
+                                      group.block_tables, group.context_lens, batch.scale)  # fmt: skip
+        q, k, v = glue.rope_split(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim)
         key_slots, value_slots = kv_cache.layer_slots(self.layer_index)
         key_slots.index_copy_(0, batch.slot_mapping, k)
         value_slots.index_copy_(0, batch.slot_mapping, v)
         if hook is not None:
             self._call_hook(hook, batch, kv_cache)
-        if batch.decode is not None and not batch.prefills:  # a decode-only step: no copy
-            out = decode_attention(q, keys, values, batch, self.scale)
-        else:
-            out = torch.empty(num_tokens, self.num_heads * self.head_dim, dtype=x.dtype,
-                              device=x.device)  # fmt: skip
-            if batch.decode is not None:
-                num_decode = batch.decode.num_seqs
-                out[:num_decode] = decode_attention(q[:num_decode], keys, values, batch, self.scale)
-            for seg in batch.prefills:
-                rows = slice(seg.row, seg.row + seg.end - seg.start)
-                out[rows] = prefill_attention(
-                    q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
-                )
-        h, residual = glue.add_rms_norm(
-            self.o_proj.forward(out), residual, self.post_attention_layernorm
-        )
-        return self.down_proj.forward(glue.silu_mul(self.gate_up_proj.forward(h))), residual
+        if decode_only:  # no copy of the batch's rows
+            return decode_attention(q, keys, values, batch, self.scale)
+        out = torch.empty(qkv.shape[0], self.num_heads * self.head_dim, dtype=qkv.dtype,
+                          device=qkv.device)  # fmt: skip
+        if group is not None:
+            num_decode = group.num_seqs
+            out[:num_decode] = decode_attention(q[:num_decode], keys, values, batch, self.scale)
+        for seg in batch.prefills:
+            rows = slice(seg.row, seg.row + seg.end - seg.start)
+            out[rows] = prefill_attention(
+                q[rows], k[rows], v[rows], keys, values, seg, batch, self.scale
+            )
+        return out
 
     def _call_hook(self, hook: LayerHook, batch: AttentionBatch, kv_cache: KVCache) -> None:
         for seg in batch.prefills:

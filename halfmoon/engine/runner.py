@@ -13,6 +13,7 @@ from halfmoon.engine.attention import (
     PrefillSegment,
     build_decode_group,
 )
+from halfmoon.engine.fused import FusedDecode
 from halfmoon.engine.graphs import DecodeGraphs, DecodeRow
 from halfmoon.engine.kernels import DecodeKernel
 from halfmoon.engine.kv_cache import KVCache
@@ -58,12 +59,15 @@ class ModelRunner:
         kv_cache: KVCache,
         hook: LayerHook | None = None,
         decode_kernel: DecodeKernel | None = None,
+        fused_decode: FusedDecode | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.hook = hook
         #: The compiled paged decode attention (None: the reference gather + SDPA).
         self.decode_kernel = decode_kernel
+        #: RoPE + pool write + the kernel in one call for decode-only steps (None: apart).
+        self.fused_decode = fused_decode
         self._scale = torch.tensor(model.config.head_dim**-0.5, device=kv_cache.pool.device)
         self.block_size = kv_cache.layout.block_size
         self.device = kv_cache.pool.device
@@ -139,7 +143,7 @@ class ModelRunner:
         workspace = self._workspace_for(max(gathered, default=0))
         batch = AttentionBatch(
             torch.tensor(slots, **as_long), decode, tuple(segments), workspace,
-            self.decode_kernel, self._scale,
+            self.decode_kernel, self._scale, self.fused_decode,
         )  # fmt: skip
         return torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long), batch
 

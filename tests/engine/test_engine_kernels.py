@@ -127,7 +127,7 @@ def test_engines_on_both_paths_generate_the_same_tokens(tiny_dir: Path) -> None:
 
     backend, compiled = run("compiled")
     assert backend.startswith("compiled (paged-decode-2x2x64-b16-float32-cpu")
-    assert backend.endswith(", compiled glue")
+    assert backend.endswith(", compiled glue, fused decode attention")
     ref_backend, ref = run("reference")
     assert ref_backend.startswith("reference")
     assert compiled == ref

@@ -1,0 +1,163 @@
+"""One compiled call per decoder layer for the attention half of a decode-only step.
+
+Between a layer's q|k|v projection and its output projection, a decode step does:
+split q|k|v and apply RoPE (the compiled glue), write the new K and V into the paged
+pool (two ``index_copy_``), and run the paged decode-attention kernel
+(:mod:`halfmoon.engine.kernels`) over the pool. At batch 1 that is four dispatches and a
+few views per layer for very little arithmetic: SmolLM2's step spends ~11 ms of ~40
+outside its matrix multiplies, where vLLM, whose one-row matmuls stream the weights as
+fast as ours, spends ~7 (docs/benchmarks.md, #20).
+
+:class:`FusedDecodeAttention` is those steps as one exported module, AOT-compiled like
+the kernel into one package per attention shape. It updates the pool in place: the
+exported program mutates its ``keys`` / ``values`` inputs, and the compiled code writes
+the new rows straight into them (measured: one row into a 300 MB pool, 14 us a call,
+no copy). The math is the eager reference's (:func:`halfmoon.engine.glue.split_and_rotate`,
+the same scatter, :class:`halfmoon.engine.kernels.PagedDecodeAttention`); compiled, it
+differs by float rounding only. Used on the CPU for decode-only steps whenever the
+compiled kernel and glue are (see :func:`select_fused_decode`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from halfmoon.engine.glue import split_and_rotate
+from halfmoon.engine.kernels import (
+    KernelShape,
+    PackageSpec,
+    PagedDecodeAttention,
+    export_and_compile,
+    failure_reason,
+    load_package,
+    package_key,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the fused module's code or signature changes.
+FUSED_VERSION = 1
+
+#: ``(qkv, cos, sin, keys, values, slot_mapping, block_tables, context_lens, scale)`` ->
+#: the attention output ``[S, H * D]``; writes the step's K/V into ``keys`` / ``values``.
+FusedDecode = Callable[..., torch.Tensor]
+
+
+class FusedDecodeAttention(nn.Module):
+    """RoPE + pool write + paged decode attention (runnable eagerly: tests compare it).
+
+    ``qkv`` ``[S, (H + 2 H_kv) D]`` (one row per sequence), ``cos`` / ``sin`` ``[S, 1, D]``,
+    ``keys`` / ``values`` one layer of the pool ``[N, B, H_kv, D]`` (written in place at
+    ``slot_mapping`` ``[S]``, flat slots ``block * B + offset``), then as
+    :class:`~halfmoon.engine.kernels.PagedDecodeAttention` (whose ``context_lens``
+    include the new token). Returns the attention output ``[S, H * D]`` and the rotated
+    ``q`` ``[S, H, D]``: as an output of the compiled program q is computed once into a
+    buffer, where otherwise inductor folded RoPE into the score loop and redid it for
+    every key (batch 1 x 2,048: 0.90x the separate calls, instead of faster).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attention = PagedDecodeAttention()
+
+    def forward(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = split_and_rotate(qkv, cos, sin, h, h_kv, d)
+        block_size = keys.shape[1]
+        # Indexing the pool itself (not a flat view of it): the exported program then
+        # mutates the input, which the compiled code does in place.
+        where = (slot_mapping // block_size, slot_mapping % block_size)
+        keys.index_put_(where, k)
+        values.index_put_(where, v)
+        num_seqs = qkv.shape[0]
+        qg = q.view(num_seqs, h_kv, h // h_kv, d)
+        out = self.attention(qg, keys, values, block_tables, context_lens, scale)
+        return out.reshape(num_seqs, h * d), q
+
+
+def fused_key(shape: KernelShape) -> str:
+    """File-name key of the fused package for ``shape`` (versions and source included)."""
+    dtype = str(shape.dtype).removeprefix("torch.")
+    spec = f"{shape.num_kv_heads}x{shape.group}x{shape.head_dim}-b{shape.block_size}-{dtype}"
+    return package_key(
+        f"fused-decode-{spec}-{shape.device}", f"v{FUSED_VERSION}-{spec}", shape.device
+    )
+
+
+def _example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
+    device = torch.device(shape.device)
+    # A typical step's sizes, as the kernel's hints (tiny hints give a one-thread loop).
+    num_seqs, max_blocks, num_blocks = 8, 32, 512
+    h_kv, d = shape.num_kv_heads, shape.head_dim
+    width = (h_kv * shape.group + 2 * h_kv) * d
+    pool = (num_blocks, shape.block_size, h_kv, d)
+    slots = torch.randperm(num_blocks * shape.block_size)[:num_seqs]
+    return (
+        torch.randn(num_seqs, width).to(device, shape.dtype),
+        torch.randn(num_seqs, 1, d).to(device, shape.dtype),
+        torch.randn(num_seqs, 1, d).to(device, shape.dtype),
+        torch.randn(pool).to(device, shape.dtype),
+        torch.randn(pool).to(device, shape.dtype),
+        slots.to(device),
+        torch.randint(0, num_blocks, (num_seqs, max_blocks), device=device),
+        torch.full((num_seqs,), max_blocks * shape.block_size, device=device),
+        torch.tensor(d**-0.5, device=device),
+    )
+
+
+def build_fused_package(shape: KernelShape, path: Path) -> None:
+    """Export and AOT-compile :class:`FusedDecodeAttention` for ``shape`` into ``path``."""
+    dim = torch.export.Dim
+    seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
+    per_seq = {0: seqs}
+    dynamic = (per_seq, per_seq, per_seq, {0: pool}, {0: pool}, per_seq,
+               {0: seqs, 1: blocks}, per_seq, {})  # fmt: skip
+    module = FusedDecodeAttention(shape.num_kv_heads * shape.group, shape.num_kv_heads,
+                                  shape.head_dim)  # fmt: skip
+    # Planned for many threads, like the kernel: a batch of one splits over blocks.
+    export_and_compile(module, _example_inputs(shape), dynamic, path, 32)
+
+
+def fused_decode_spec(shape: KernelShape) -> PackageSpec:
+    """The fused package of ``shape`` (see :func:`halfmoon.engine.kernels.build_missing`)."""
+    return fused_key(shape), lambda path: build_fused_package(shape, path)
+
+
+def load_fused_decode(shape: KernelShape, directory: Path | None = None) -> FusedDecode:
+    """The compiled fused call for ``shape``, built first when missing. Raises on failure."""
+    run = load_package(*fused_decode_spec(shape), directory)
+
+    def fused(*args: torch.Tensor) -> torch.Tensor:
+        return run(list(args))[0]
+
+    return fused
+
+
+def select_fused_decode(shape: KernelShape) -> FusedDecode | None:
+    """The fused call for a CPU engine that runs the compiled kernel and glue; None (the
+    separate calls) on other devices, or with a warning when it cannot be built."""
+    if shape.device != "cpu":
+        return None
+    try:
+        return load_fused_decode(shape)
+    except Exception as exc:  # noqa: BLE001 - a compiler problem must not stop serving
+        logger.warning("fused decode attention unavailable (%s); using separate calls",
+                       failure_reason(exc))  # fmt: skip
+        return None
