@@ -21,7 +21,7 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.fused import fused_decode_spec, select_fused_decode
+from halfmoon.engine.fused import fused_decode_spec, select_fused_decode, uses_fused
 from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
 from halfmoon.engine.graphs import DecodeGraphs
 from halfmoon.engine.kernels import (
@@ -105,13 +105,13 @@ class EngineStats:
 
 def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
     """Build the missing compiled packages this engine will load (the decode kernel, its
-    glue and, on the CPU, the fused decode attention) that no other process is building (:func:`build_missing`): workers starting
-    together build different ones at once. A build that fails here is left to the
+    glue and, on the CPU, the fused decode attention) that no other process is building
+    (:func:`build_missing`): workers starting together build different ones at once. A build that fails here is left to the
     loaders, which retry it and report the failure (a warning, or the error of
     ``--attention compiled``)."""
     if not uses_compiled(backend, kernel.device):
         return
-    fused = [fused_decode_spec(kernel)] if kernel.device == "cpu" else []
+    fused = [fused_decode_spec(kernel)] if uses_fused(kernel) else []
     try:
         build_missing([decode_kernel_spec(kernel), *glue_specs(glue), *fused])
     except Exception as exc:  # noqa: BLE001 - the loaders below say what went wrong

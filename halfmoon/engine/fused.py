@@ -32,6 +32,7 @@ from halfmoon.engine.kernels import (
     KernelShape,
     PackageSpec,
     PagedDecodeAttention,
+    example_inputs,
     export_and_compile,
     failure_reason,
     load_package,
@@ -92,34 +93,29 @@ class FusedDecodeAttention(nn.Module):
         return out.reshape(num_seqs, h * d), q
 
 
+def uses_fused(shape: KernelShape) -> bool:
+    """Whether an engine running the compiled kernel of ``shape`` also fuses (the CPU)."""
+    return shape.device == "cpu"
+
+
 def fused_key(shape: KernelShape) -> str:
     """File-name key of the fused package for ``shape`` (versions and source included)."""
-    dtype = str(shape.dtype).removeprefix("torch.")
-    spec = f"{shape.num_kv_heads}x{shape.group}x{shape.head_dim}-b{shape.block_size}-{dtype}"
+    spec = shape.spec()
     return package_key(
         f"fused-decode-{spec}-{shape.device}", f"v{FUSED_VERSION}-{spec}", shape.device
     )
 
 
 def _example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
-    device = torch.device(shape.device)
-    # A typical step's sizes, as the kernel's hints (tiny hints give a one-thread loop).
-    num_seqs, max_blocks, num_blocks = 8, 32, 512
-    h_kv, d = shape.num_kv_heads, shape.head_dim
+    """The kernel's export inputs (its size hints) plus a q|k|v row, RoPE tables and
+    a new slot per sequence."""
+    q, keys, values, tables, lens, scale = example_inputs(shape)
+    num_seqs, h_kv, d = q.shape[0], shape.num_kv_heads, shape.head_dim
     width = (h_kv * shape.group + 2 * h_kv) * d
-    pool = (num_blocks, shape.block_size, h_kv, d)
-    slots = torch.randperm(num_blocks * shape.block_size)[:num_seqs]
-    return (
-        torch.randn(num_seqs, width).to(device, shape.dtype),
-        torch.randn(num_seqs, 1, d).to(device, shape.dtype),
-        torch.randn(num_seqs, 1, d).to(device, shape.dtype),
-        torch.randn(pool).to(device, shape.dtype),
-        torch.randn(pool).to(device, shape.dtype),
-        slots.to(device),
-        torch.randint(0, num_blocks, (num_seqs, max_blocks), device=device),
-        torch.full((num_seqs,), max_blocks * shape.block_size, device=device),
-        torch.tensor(d**-0.5, device=device),
-    )
+    slots = torch.randperm(keys.shape[0] * shape.block_size)[:num_seqs].to(q.device)
+    row = torch.randn(num_seqs, 1, d).to(q.device, q.dtype)
+    qkv = torch.randn(num_seqs, width).to(q.device, q.dtype)
+    return qkv, row, row.clone(), keys, values, slots, tables, lens, scale
 
 
 def build_fused_package(shape: KernelShape, path: Path) -> None:
@@ -153,7 +149,7 @@ def load_fused_decode(shape: KernelShape, directory: Path | None = None) -> Fuse
 def select_fused_decode(shape: KernelShape) -> FusedDecode | None:
     """The fused call for a CPU engine that runs the compiled kernel and glue; None (the
     separate calls) on other devices, or with a warning when it cannot be built."""
-    if shape.device != "cpu":
+    if not uses_fused(shape):
         return None
     try:
         return load_fused_decode(shape)

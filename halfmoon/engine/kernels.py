@@ -106,10 +106,14 @@ class KernelShape:
     dtype: torch.dtype
     device: str  # "cpu" or "cuda"
 
+    def spec(self) -> str:
+        """The shape as a name part, e.g. ``3x3x64-b16-float32``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.num_kv_heads}x{self.group}x{self.head_dim}-b{self.block_size}-{dtype}"
+
     def key(self) -> str:
         """File-name key: the shape, the kernel and torch versions, the CPU's vector ISA."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        shape = f"{self.num_kv_heads}x{self.group}x{self.head_dim}-b{self.block_size}-{dtype}"
+        shape = self.spec()
         return package_key(
             f"paged-decode-{shape}-{self.device}", f"v{KERNEL_VERSION}-{shape}", self.device
         )
@@ -156,7 +160,8 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("HALFMOON_KERNEL_CACHE") or cache_dir() / "kernels")
 
 
-def _example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
+def example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
+    """The kernel's export inputs ``(q, keys, values, block_tables, context_lens, scale)``."""
     device = torch.device(shape.device)
     # Sizes of a typical decode step: inductor takes them as hints when it decides how to
     # split the loops over threads (tiny hints give a single-threaded kernel).
@@ -213,7 +218,7 @@ def build_package(shape: KernelShape, path: Path) -> None:
     # Planned for many threads, inductor splits the loops over sequences and blocks, not
     # over sequences only: a batch of one then runs on every thread (batch 1 x 2,048 on 2
     # threads: 297 -> 208 us), larger batches unchanged.
-    export_and_compile(PagedDecodeAttention(), _example_inputs(shape), dynamic, path, 32)
+    export_and_compile(PagedDecodeAttention(), example_inputs(shape), dynamic, path, 32)
 
 
 @contextlib.contextmanager
