@@ -157,6 +157,21 @@ def test_launch_line_binds_events_and_pins_nothing() -> None:
     assert argv[-1] == "--enforce-eager"
     env = launch.env()
     assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    # one worker: the model runs in the engine core's process (no third process)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("flag", [
+    ("--tensor-parallel-size", "2"), ("-tp", "2"), ("--pipeline_parallel_size=2",),
+    ("--distributed-executor-backend", "mp"), ("--data-parallel-size=2",),
+])  # fmt: skip
+def test_a_parallel_server_keeps_vllms_own_executor(flag) -> None:
+    launch = VllmLaunch("python3", "/m", "smol", extra_args=flag)
+    argv = launch.argv(8000, 5557, 5558, "kv@coupled-0")
+    assert "uni" not in argv and argv[-len(flag) :] == list(flag)  # the user's, as given
+    env_value = launch.env().get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert env_value == os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # untouched
 
 
 def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tmp_path) -> None:

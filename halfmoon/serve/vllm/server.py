@@ -175,6 +175,28 @@ def fitting_max_model_len(model_dir: str | Path, kv_cache_mb: float, block_size:
     return fitting
 
 
+#: vLLM flags that spread a server over more than one worker process, or choose how.
+PARALLEL_FLAGS = frozenset({
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+    "--data-parallel-size", "-dp", "--distributed-executor-backend",
+})  # fmt: skip
+
+
+def runs_model_in_engine_core(vllm_args: Sequence[str]) -> bool:
+    """Whether a server started with ``vllm_args`` can run its model inside its engine-core
+    process (vLLM's ``uni`` executor): when they name no parallelism or executor (one
+    worker). vLLM's CPU build otherwise starts a third process for that one worker (the
+    API server, the engine core, the worker), each importing vLLM: ~10 s of a 2-core
+    machine per server start, and its memory."""
+    for arg in vllm_args:
+        name = arg.partition("=")[0]
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        if name in PARALLEL_FLAGS:
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class VllmLaunch:
     """How a worker starts its own vLLM server (``python`` is vLLM's environment's)."""
@@ -212,12 +234,15 @@ class VllmLaunch:
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
+        if runs_model_in_engine_core(self.extra_args):
+            argv += ["--distributed-executor-backend", "uni"]
         return argv + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
         """The server's environment: ``num_threads`` OpenMP threads, not pinned (vLLM's
-        CPU build otherwise pins every instance to the same cores), and the allocator and
-        OpenMP runtime vLLM's CPU guide preloads (tcmalloc, torch's libgomp) where found."""
+        CPU build otherwise pins every instance to the same cores), the allocator and
+        OpenMP runtime vLLM's CPU guide preloads (tcmalloc, torch's libgomp) where found,
+        and the model in the engine core's process where :func:`runs_model_in_engine_core`."""
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(self.num_threads),
@@ -228,6 +253,11 @@ class VllmLaunch:
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
+        if runs_model_in_engine_core(self.extra_args):
+            # vLLM's CPU platform turns a ``uni`` executor back into ``mp`` (a process
+            # of its own, to pin its OpenMP threads) unless this is off; halfmoon pins
+            # nothing. The API server still runs its engine core as a separate process.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
         if Path(TCMALLOC).exists() and not any("tcmalloc" in p for p in preload):
             preload.insert(0, TCMALLOC)
