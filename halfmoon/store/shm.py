@@ -88,8 +88,8 @@ def create_segment(size_bytes: int, prefix: str = "hm") -> Segment:
             due, _last_sweep = True, now
     if due:
         sweep_orphan_segments()
-    owner_tag = _owner_tag()
-    tag = f"-o{owner_tag}" if owner_tag else ""
+    own = owner_tag()
+    tag = f"-o{own}" if own else ""
     name = f"{prefix}{tag}-{secrets.token_hex(8)}"
     try:
         owner = SharedMemory(name=name, create=True, size=size_bytes)
@@ -125,7 +125,20 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _owner_tag() -> str | None:
+def owner_gone(tag: str) -> bool:
+    """Whether the process an owner tag (``PID.START.PIDNS``, :func:`owner_tag`) names has
+    died, or its pid now names another process. False while it runs, and for a tag of
+    another pid namespace or one that does not parse (nothing to be sure of)."""
+    parts = tag.split(".")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        return False
+    pid, start, tag_namespace = parts
+    if tag_namespace != _pid_namespace():
+        return False
+    return _start_time(pid) != start
+
+
+def owner_tag() -> str | None:
     """``PID.START.PIDNS`` of this process, None where /proc cannot say (no sweeping)."""
     pid = os.getpid()
     start, namespace = _start_time(pid), _pid_namespace()
@@ -136,7 +149,6 @@ def sweep_orphan_segments() -> list[str]:
     """Remove the segments whose owner process has died (or whose pid now names another
     process); returns their names. Segments of other pid namespaces, and names without
     an owner, are left alone."""
-    namespace = _pid_namespace()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -144,10 +156,8 @@ def sweep_orphan_segments() -> list[str]:
     removed, freed = [], 0
     for name in names:
         match = _OWNED.match(name)
-        if match is None or match.group(3) != namespace:
+        if match is None or not owner_gone(".".join(match.groups())):
             continue
-        if _start_time(match.group(1)) == match.group(2):
-            continue  # its owner runs
         path = os.path.join(SHM_DIR, name)
         # Gone already (another sweep), or another user's (/dev/shm is sticky; with
         # /proc mounted hidepid their processes look dead): left alone.

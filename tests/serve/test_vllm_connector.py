@@ -298,7 +298,8 @@ def test_the_servers_socket_directory_goes_with_it(tmp_path) -> None:
     said = tmp_path / "rpc"
     fake = tmp_path / "python"  # plays the server: leaves a "socket" where vLLM would
     fake.write_text(f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {said}\n'
-                    'touch "$VLLM_RPC_BASE_PATH/0b1c-ipc"\nexit 0\n')  # fmt: skip
+                    'touch "$VLLM_RPC_BASE_PATH/0b1c-ipc" "$TMPDIR/vllm_dist_0b1c"\n'
+                    'exit 0\n')  # fmt: skip
     fake.chmod(0o755)
     server = VllmProcess(
         VllmLaunch(python=str(fake), model_dir=str(tmp_path), served_model_name="m"), "t"
@@ -306,8 +307,35 @@ def test_the_servers_socket_directory_goes_with_it(tmp_path) -> None:
     server.proc.wait(10)
     rpc = Path(said.read_text().strip())
     assert rpc == Path(server.rpc_dir) and (rpc / "0b1c-ipc").exists()
+    assert (rpc / "vllm_dist_0b1c").exists()  # its temporary files too
     server.stop()
     assert not rpc.exists()
+
+
+def test_a_dead_workers_server_directories_are_swept(tmp_path) -> None:
+    """A worker killed before it could stop its server leaves the server's directory: the
+    next server started on the machine removes those whose owner has died, and only
+    those."""
+    from halfmoon.serve.vllm.server import RPC_DIR_OWNER, RPC_DIR_PREFIX, sweep_stale_rpc_dirs
+    from halfmoon.store.shm import owner_tag
+
+    pid, start, namespace = owner_tag().split(".")
+    owners = {
+        "dead": f"{pid}.{int(start) + 1}.{namespace}",  # this pid, another process's start
+        "alive": owner_tag(),
+        "other-namespace": f"{pid}.{start}.{int(namespace) + 1}",
+        "garbled": "not a tag",
+    }
+    for name, owner in owners.items():
+        (tmp_path / f"{RPC_DIR_PREFIX}{name}").mkdir()
+        (tmp_path / f"{RPC_DIR_PREFIX}{name}" / RPC_DIR_OWNER).write_text(owner)
+        (tmp_path / f"{RPC_DIR_PREFIX}{name}" / "vllm_dist_1").touch()
+    (tmp_path / f"{RPC_DIR_PREFIX}no-owner").mkdir()  # being made, or an older halfmoon's
+    (tmp_path / "unrelated").mkdir()
+    assert sweep_stale_rpc_dirs(str(tmp_path)) == [str(tmp_path / f"{RPC_DIR_PREFIX}dead")]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"{RPC_DIR_PREFIX}{n}" for n in owners if n != "dead"]
+                          + [f"{RPC_DIR_PREFIX}no-owner", "unrelated"])  # fmt: skip
 
 
 def test_requests_without_a_token_yet_count_as_prefill_work() -> None:

@@ -15,7 +15,7 @@ import pytest
 from halfmoon.store import shm
 from halfmoon.store.shm import SHM_DIR, create_segment, sweep_orphan_segments
 
-pytestmark = pytest.mark.skipif(shm._owner_tag() is None, reason="needs Linux /proc")
+pytestmark = pytest.mark.skipif(shm.owner_tag() is None, reason="needs Linux /proc")
 
 OWN_SEGMENT = """
 from halfmoon.store.shm import create_segment
@@ -31,7 +31,7 @@ def _exists(name: str) -> bool:
 
 
 def _owned_by_me(name: str) -> bool:
-    return f"-o{shm._owner_tag()}-" in name
+    return f"-o{shm.owner_tag()}-" in name
 
 
 def test_the_segment_of_an_owner_killed_with_its_tracker_is_swept() -> None:
@@ -63,7 +63,7 @@ def test_this_processs_segments_stay() -> None:
 
 
 def test_a_pid_that_names_another_process_now_is_an_orphan_other_namespaces_are_not() -> None:
-    pid, start, namespace = shm._owner_tag().split(".")
+    pid, start, namespace = shm.owner_tag().split(".")
     names = {
         "reused": f"hm-test-o{pid}.{int(start) + 1}.{namespace}-{'a' * 16}",
         "gone": f"hm-test-o{2**22 + 7}.123.{namespace}-{'b' * 16}",
@@ -85,7 +85,7 @@ def test_a_pid_that_names_another_process_now_is_an_orphan_other_namespaces_are_
 
 def test_a_segment_the_sweep_may_not_remove_is_left_alone(monkeypatch) -> None:
     """Another user's segment in the sticky /dev/shm cannot be unlinked: no error."""
-    pid, start, namespace = shm._owner_tag().split(".")
+    pid, start, namespace = shm.owner_tag().split(".")
     name = f"hm-test-o{2**22 + 9}.1.{namespace}-{'e' * 16}"
     with open(os.path.join(SHM_DIR, name), "wb") as f:
         f.write(b"x")

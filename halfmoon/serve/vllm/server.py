@@ -39,7 +39,7 @@ from pathlib import Path
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.runtime import die_with_parent, free_port
-from halfmoon.store.shm import sweep_orphan_segments
+from halfmoon.store.shm import owner_gone, owner_tag, sweep_orphan_segments
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,39 @@ class VllmLaunch:
         return env
 
 
+#: The prefix of a vLLM server's own temporary directory (:func:`make_rpc_dir`).
+RPC_DIR_PREFIX = "halfmoon-vllm-"
+#: The file in it that names the process owning it (``halfmoon.store.shm.owner_tag``).
+RPC_DIR_OWNER = "owner"
+
+
+def make_rpc_dir() -> str:
+    """A new temporary directory for one vLLM server, with this process named its owner."""
+    path = tempfile.mkdtemp(prefix=RPC_DIR_PREFIX)
+    Path(path, RPC_DIR_OWNER).write_text(owner_tag() or "")
+    return path
+
+
+def sweep_stale_rpc_dirs(root: str | None = None) -> list[str]:
+    """Remove the servers' directories (:func:`make_rpc_dir`) in ``root`` (the temporary
+    directory) whose owner process has died; returns their paths. One without a readable
+    owner (being made, or of an older halfmoon) is left alone, as a shared-memory segment
+    without one is (``halfmoon.store.shm.sweep_orphan_segments``)."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(RPC_DIR_PREFIX + "*"):
+        try:
+            owner = (path / RPC_DIR_OWNER).read_text().strip()
+        except OSError:
+            continue
+        if owner_gone(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    if removed:
+        log.info("removed %d temporary director(ies) of vLLM servers whose worker died",
+                 len(removed))  # fmt: skip
+    return removed
+
+
 class VllmProcess:
     """A vLLM server, a child process of a worker; it dies with the worker.
 
@@ -287,12 +320,16 @@ class VllmProcess:
         log.info("starting vLLM: %s", " ".join(argv))
         self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
         # vLLM's processes talk over Unix sockets it names at random in the temporary
-        # directory and leaves there when killed (thousands piled up in /tmp): give them
-        # a directory of their own, removed on stop.
-        self.rpc_dir = tempfile.mkdtemp(prefix="halfmoon-vllm-")
+        # directory, and its worker leaves a file there per start (``vllm_dist_*``); a
+        # killed server leaves both (thousands piled up in /tmp). They go into a directory
+        # of the server's own, removed on stop, or by a later server once this process
+        # is gone (killed before it could stop the server).
+        sweep_stale_rpc_dirs()
+        self.rpc_dir = make_rpc_dir()
+        env = {**launch.env(), "VLLM_RPC_BASE_PATH": self.rpc_dir, "TMPDIR": self.rpc_dir}
         try:
             self.proc = subprocess.Popen(
-                argv, env={**launch.env(), "VLLM_RPC_BASE_PATH": self.rpc_dir},
+                argv, env=env,
                 preexec_fn=die_with_parent,  # noqa: PLW1509
                 stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                 start_new_session=True,
