@@ -18,7 +18,7 @@ import pytest
 from hypothesis import settings
 
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
-from halfmoon.engine.kernels import kernel_dir
+from halfmoon.engine.packages import kernel_dir
 from halfmoon.store.shm import sweep_orphan_segments
 
 # Property tests: the same examples every run, and no per-example time limit (Hypothesis'

@@ -26,13 +26,13 @@ from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
 from halfmoon.engine.graphs import DecodeGraphs
 from halfmoon.engine.kernels import (
     KernelShape,
-    build_missing,
     decode_kernel_spec,
     select_decode_kernel,
     uses_compiled,
 )
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
+from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
 from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
 from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for

@@ -30,14 +30,12 @@ from torch import nn
 from halfmoon.engine.glue import split_and_rotate
 from halfmoon.engine.kernels import (
     KernelShape,
-    PackageSpec,
     PagedDecodeAttention,
     example_inputs,
     export_and_compile,
-    failure_reason,
-    load_package,
     package_key,
 )
+from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +130,7 @@ def build_fused_package(shape: KernelShape, path: Path) -> None:
 
 
 def fused_decode_spec(shape: KernelShape) -> PackageSpec:
-    """The fused package of ``shape`` (see :func:`halfmoon.engine.kernels.build_missing`)."""
+    """The fused package of ``shape`` (see :func:`halfmoon.engine.packages.build_missing`)."""
     return fused_key(shape), lambda path: build_fused_package(shape, path)
 
 

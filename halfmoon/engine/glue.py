@@ -34,13 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.kernels import (
-    PackageSpec,
-    export_and_compile,
-    failure_reason,
-    load_package,
-    package_key,
-)
+from halfmoon.engine.kernels import export_and_compile, package_key
+from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
 from halfmoon.engine.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -189,7 +184,8 @@ def _build_silu_mul(shape: GlueShape, path: Path) -> None:
 
 
 def glue_specs(shape: GlueShape) -> list[PackageSpec]:
-    """The three glue packages of ``shape`` (norm, rope, silu; see :func:`build_missing`)."""
+    """The three glue packages of ``shape`` (norm, rope, silu; see
+    :func:`halfmoon.engine.packages.build_missing`)."""
     return [
         (shape.key("add-rms-norm"), lambda path: _build_add_rms_norm(shape, path)),
         (shape.key("rope-split"), lambda path: _build_rope_split(shape, path)),

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.engine.attention import AttentionBatch, DecodeGroup
-from halfmoon.engine.kernels import DecodeKernel, failure_reason
+from halfmoon.engine.kernels import DecodeKernel
 from halfmoon.engine.kv_cache import KVCache
 from halfmoon.engine.model import LlamaForCausalLM
+from halfmoon.engine.packages import failure_reason
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,12 @@ V straight from their blocks and accumulate in float32.
 
 It is built ahead of time with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
 into a ``.pt2`` package per attention shape (KV heads, query heads per KV head, head
-size, block size, dtype, device) and torch version, cached under
-``$HALFMOON_CACHE/kernels/``; batch size, blocks per sequence and pool size stay dynamic.
-Building takes 15-40 s on 2 CPU cores, once per shape (a file lock per package: processes
-starting together build different ones, then wait for the rest); loading a built package
-takes milliseconds. The shape is static because dynamic inner sizes cost the generated
+size, block size, dtype, device) and torch version, kept in the package cache
+(:mod:`halfmoon.engine.packages`, under ``$HALFMOON_CACHE/kernels/``); batch size, blocks
+per sequence and pool size stay dynamic. Building takes 15-40 s on 2 CPU cores, once per
+shape; loading a built package takes milliseconds. This module also names packages
+(:func:`package_key`: their spec, torch, the CPU and a digest of the sources that go
+into them) and holds the export settings every package is built with. The shape is static because dynamic inner sizes cost the generated
 loops their vectorization (measured 2-5x slower).
 
 Measured on 2 CPU cores (SmolLM2's shape, contexts 512 and 2,048, batch 1-32): 1.3-6x
@@ -28,16 +29,10 @@ faster than gather + SDPA; results differ from it by float32 rounding (~1e-7).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
-import os
-import shutil
-import time
 import warnings
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +41,7 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.config import check_attention_backend
+from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
 
 logger = logging.getLogger(__name__)
 
@@ -146,20 +142,6 @@ def package_key(name: str, spec: str, device: str) -> str:
     return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def failure_reason(exc: BaseException) -> str:
-    """One line naming why a build or load failed (type and first line of the message)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
-
-
-def kernel_dir() -> Path:
-    """Where built packages live: ``$HALFMOON_KERNEL_CACHE``, else
-    ``$HALFMOON_CACHE/kernels`` (see ``catalog.cache_dir``)."""
-    from halfmoon.engine.catalog import cache_dir
-
-    return Path(os.environ.get("HALFMOON_KERNEL_CACHE") or cache_dir() / "kernels")
-
-
 def example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
     """The kernel's export inputs ``(q, keys, values, block_tables, context_lens, scale)``."""
     device = torch.device(shape.device)
@@ -221,127 +203,15 @@ def build_package(shape: KernelShape, path: Path) -> None:
     export_and_compile(PagedDecodeAttention(), example_inputs(shape), dynamic, path, 32)
 
 
-@contextlib.contextmanager
-def _locked(path: Path, wait: bool = True):
-    """Hold the file lock ``path``; yields whether it is held (``wait=False``: False at
-    once when another process holds it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-#: A package to build: its cache key and the function that builds it into a path.
-PackageSpec = tuple[str, Callable[[Path], None]]
-
-
-def _build_locked(path: Path, build: Callable[[Path], None]) -> None:
-    """Build ``path`` unless it exists (the caller holds its lock): into a partial file
-    first, so a crash leaves no half-written package under the real name."""
-    if path.exists():
-        return
-    logger.info(
-        "building the compiled package %s (once per model shape; 15-40 s on a small CPU)",
-        path.name,
-    )
-    started = time.monotonic()
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-    try:
-        build(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    logger.info("built %s in %.1f s", path.name, time.monotonic() - started)
-
-
-def build_missing(specs: list[PackageSpec], directory: Path | None = None) -> None:
-    """Build the packages of ``specs`` that are missing and that no other process is
-    building now, in order, skipping those whose lock is held.
-
-    Workers of one cluster start together and need the same packages: without this each
-    waits for the first package while one process builds it, then for the second, so the
-    builds run one after another (a build uses one core: 33 s for SmolLM2's four here).
-    Called first, it has each process take a different package, so they build side by
-    side; :func:`load_package` then waits for the rest. Raises what a build raises."""
-    directory = directory or kernel_dir()
-    for key, build in specs:
-        path = directory / f"{key}.pt2"
-        if path.exists():
-            continue
-        with _locked(directory / f"{key}.lock", wait=False) as held:
-            if held:
-                _build_locked(path, build)
-
-
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     torch.Tensor,
 ]
 
 
-#: The first torch whose AOTI loader takes an unpacked package directory. On 2.11 (a GPU
-#: machine, 2026-12-04) the directory failed ("failed finding central directory") and a
-#: fallback to the archive crashed the process (SIGSEGV), so older torch runs the reference.
-UNPACKED_LOADER_TORCH = (2, 13)
-
-
-def loads_unpacked_packages() -> bool:
-    """Whether this torch's AOTI loader takes a package directory (2.13 and later)."""
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= UNPACKED_LOADER_TORCH
-
-
-def load_package(
-    key: str, build: Callable[[Path], None], directory: Path | None = None
-) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """The compiled package ``key`` from the cache (``directory``, else :func:`kernel_dir`),
-    built first by ``build(path)`` when missing (one process builds, concurrent ones wait
-    for it); returns its runner: a list of tensors in, a list out. Raises on any failure."""
-    if not loads_unpacked_packages():
-        raise RuntimeError(
-            f"torch {torch.__version__} loads compiled packages from archives only; halfmoon "
-            f"loads them unpacked, which needs torch {'.'.join(map(str, UNPACKED_LOADER_TORCH))}+"
-        )
-    directory = directory or kernel_dir()
-    path = directory / f"{key}.pt2"
-    unpacked = directory / f"{key}.d"
-    if not unpacked.exists():
-        with _locked(directory / f"{key}.lock"):
-            _build_locked(path, build)
-            _unpack_locked(path, unpacked)
-    # The C++ loader directly, not ``torch._inductor.aoti_load_package``: importing
-    # inductor costs ~2 s of every engine start, loading the package 10 ms. Its ``run``
-    # skips the packaged model's Python argument checks (12 us a call against 40 us).
-    # From the unpacked directory: given the archive, the loader extracts it into a new
-    # /tmp/aotinductor_* for every process and removes that only if the process exits
-    # cleanly; killed workers had left 6,000 of them (10 GB) there.
-    return torch._C._aoti.AOTIModelPackageLoader(str(unpacked), "model", False, 1, -1).run
-
-
-def _unpack_locked(path: Path, unpacked: Path) -> None:
-    """Extract package ``path`` into directory ``unpacked`` unless it exists (the caller
-    holds the package's lock): into a partial directory first, then renamed."""
-    if unpacked.exists():
-        return
-    partial = unpacked.with_name(f"{unpacked.name}.{os.getpid()}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            archive.extractall(partial)
-        os.replace(partial, unpacked)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-
-
 def decode_kernel_spec(shape: KernelShape) -> PackageSpec:
-    """The package of the decode kernel for ``shape`` (see :func:`build_missing`)."""
+    """The package of the decode kernel for ``shape`` (see
+    :func:`halfmoon.engine.packages.build_missing`)."""
     return shape.key(), lambda path: build_package(shape, path)
 
 

@@ -221,7 +221,8 @@ class _Scaled(KVCodec):
                 directory: Path | None = None) -> None:  # fmt: skip
         """Use AOT-compiled kernels for ``directions`` (built once per mode, dtype and
         head size into the kernel cache, ~15-25 s each; raises when they cannot be)."""
-        from halfmoon.engine.kernels import export_and_compile, load_package, package_key
+        from halfmoon.engine.kernels import export_and_compile, package_key
+        from halfmoon.engine.packages import load_package
 
         dtype = str(self.dtype).removeprefix("torch.")
         groups = torch.export.Dim("groups", min=2)
@@ -356,7 +357,7 @@ def make_codec(mode: str, dtype: torch.dtype, head_dim: int) -> KVCodec:
 def compiled_or_eager(codec: KVCodec, directions: Sequence[str]) -> KVCodec:
     """``codec`` with compiled kernels for ``directions`` when they build or load, else as
     it is, with a warning naming why (a compiler problem must not stop serving)."""
-    from halfmoon.engine.kernels import failure_reason
+    from halfmoon.engine.packages import failure_reason
 
     try:
         codec.compile(directions)

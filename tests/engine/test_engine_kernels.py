@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import threading
 import time
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_packages import _age
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
-from halfmoon.engine import kernels
+from halfmoon.engine import kernels, packages
 from halfmoon.engine.attention import AttentionBatch, build_decode_group, decode_attention
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
@@ -100,10 +102,17 @@ def test_a_kernel_builds_from_scratch(tmp_path: Path) -> None:
     """The shared cache above is usually warm; this builds a package in an empty
     directory (one small shape, 15-40 s) so that the build path itself stays tested."""
     shape = KernelShape(1, 2, 16, 4, torch.float32, "cpu")
+    stale = tmp_path / "paged-decode-old.d"  # not loaded for a month: pruned by a build
+    stale.mkdir()
+    _age(stale, days=30)
     kernel = load_decode_kernel(shape, tmp_path)
     assert [p.suffix for p in tmp_path.glob("*.pt2")] == [".pt2"]
     assert [p.suffix for p in tmp_path.glob("*.d")] == [".d"]  # unpacked beside it
-    assert not list(tmp_path.glob("*partial*"))
+    assert not list(tmp_path.glob("*partial*")) and not stale.exists()
+    unpacked = next(tmp_path.glob("*.d"))
+    _age(unpacked, days=30)
+    load_decode_kernel(shape, tmp_path)  # a load marks the package as in use
+    assert time.time() - unpacked.stat().st_mtime < 3600
     for seed, lengths in enumerate(CASES[:3]):
         q, keys, values, group, tables = random_case(300 + seed, lengths, shape)
         got = run_kernel(kernel, q, keys, values, group, tables, shape)
@@ -177,7 +186,6 @@ def test_a_killed_process_leaves_no_extracted_package(tmp_path: Path) -> None:
     """Packages load from their unpacked directory in the cache: given the archive, torch's
     loader extracts it into $TMPDIR/aotinductor_* per process and a killed process leaves
     that behind (thousands had piled up in /tmp)."""
-    import os
     import subprocess
     import sys
 
@@ -192,7 +200,7 @@ def test_a_killed_process_leaves_no_extracted_package(tmp_path: Path) -> None:
 
 @needs_compiler
 def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    built = kernels.kernel_dir() / f"{SHAPE.key()}.pt2"
+    built = packages.kernel_dir() / f"{SHAPE.key()}.pt2"
     load_decode_kernel(SHAPE)  # the real package, built or cached
     monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
     monkeypatch.delenv("HALFMOON_KERNEL_CACHE", raising=False)  # a fresh, empty cache
@@ -221,48 +229,8 @@ def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.Monke
     torch.testing.assert_close(got, reference(q, keys, values, group, 16), atol=1e-5, rtol=1e-5)
 
 
-def test_processes_starting_together_build_different_packages_side_by_side(
-    tmp_path: Path,
-) -> None:
-    """Three loaders of the same four packages each take a missing one nobody builds
-    (a build blocks until another is under way: one after another, this would time out);
-    each package is built once, and a package another holds is skipped, not awaited."""
-    started: dict[str, threading.Event] = {k: threading.Event() for k in "abcd"}
-    built: list[str] = []
-
-    def builder(key: str, partner: str):
-        def build(path: Path) -> None:
-            started[key].set()
-            assert started[partner].wait(10), f"{key} built alone"
-            built.append(key)
-            path.write_bytes(key.encode())
-
-        return build
-
-    specs = [("a", builder("a", "b")), ("b", builder("b", "a")),
-             ("c", builder("c", "d")), ("d", builder("d", "c"))]  # fmt: skip
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            kernels.build_missing(specs, tmp_path)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors and sorted(built) == ["a", "b", "c", "d"]
-    assert {p.name for p in tmp_path.glob("*.pt2")} == {f"{k}.pt2" for k in "abcd"}
-    with kernels._locked(tmp_path / "e.lock"):  # another process is building "e"
-        kernels.build_missing([("e", builder("e", "e"))], tmp_path)  # returns at once
-    assert not (tmp_path / "e.pt2").exists()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(not kernels.loads_unpacked_packages(), reason="needs torch 2.13+")
+@pytest.mark.skipif(not packages.loads_unpacked_packages(), reason="needs torch 2.13+")
 def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
     # `auto` keeps the reference on a GPU until this has passed on one; this is the check.
     shape = KernelShape(2, 2, 16, 16, torch.float32, "cuda")
@@ -277,23 +245,14 @@ def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
         torch.testing.assert_close(got.reshape(q.shape[0], -1).cpu(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_torch_that_loads_only_archives_gets_the_reference(monkeypatch, tmp_path) -> None:
-    """torch 2.11's loader took no directory, and its archive path crashed a process: on a
-    torch older than 2.13 the engine runs the reference, saying why, and loads nothing."""
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    assert not kernels.loads_unpacked_packages()
-    with pytest.raises(RuntimeError, match="torch 2.11.0"):
-        kernels.load_package("never", lambda path: None, tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_a_package_key_follows_the_kernels_source(monkeypatch) -> None:
     """The test suite keeps one kernel cache across runs (tests/conftest.py): an edit to
     a kernel's code, version constant bumped or not, must give its package a new key.
     Every engine module that builds or loads a package is among the digested sources."""
     engine_dir = Path(kernels.__file__).parent
-    builders = {p.name for p in engine_dir.glob("*.py")
-                if "export_and_compile(" in p.read_text() or "load_package(" in p.read_text()}  # fmt: skip
+    # packages.py keeps the packages (build, lock, load, prune): nothing of it goes into one
+    builders = {p.name for p in engine_dir.glob("*.py") if p.name != "packages.py"
+                and ("export_and_compile(" in p.read_text() or "load_package(" in p.read_text())}  # fmt: skip
     assert builders and builders <= set(kernels.KERNEL_SOURCES)
     key = SHAPE.key()
     assert key == SHAPE.key()  # stable within a version of the code
