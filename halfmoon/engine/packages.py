@@ -86,7 +86,10 @@ def _build_locked(path: Path, build: Callable[[Path], None]) -> None:
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s in %.1f s", path.name, time.monotonic() - started)
-    prune_unused_packages(path.parent)
+    try:
+        prune_unused_packages(path.parent)
+    except OSError as exc:  # the package is built: a cache that cannot be pruned is no error
+        logger.warning("could not prune the package cache %s: %s", path.parent, exc)
 
 
 #: A package not loaded for this long is removed when another is built: every edit to

@@ -85,3 +85,12 @@ def test_a_torch_that_loads_only_archives_gets_the_reference(monkeypatch, tmp_pa
     with pytest.raises(RuntimeError, match="torch 2.11.0"):
         packages.load_package("never", lambda path: None, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_succeeds_where_the_cache_cannot_be_pruned(tmp_path: Path, monkeypatch) -> None:
+    def refuse(directory: Path) -> list[str]:
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(packages, "prune_unused_packages", refuse)
+    packages.build_missing([("k", lambda path: path.write_bytes(b"package"))], tmp_path)
+    assert (tmp_path / "k.pt2").read_bytes() == b"package"
