@@ -288,16 +288,19 @@ def test_stopping_a_dead_server_still_ends_its_process_group(tmp_path) -> None:
         time.sleep(0.01)
 
 
-def test_the_servers_socket_directory_goes_with_it(tmp_path) -> None:
+def test_the_servers_socket_directory_goes_with_it(tmp_path, monkeypatch) -> None:
     """vLLM names its Unix sockets in $VLLM_RPC_BASE_PATH and leaves them when killed: each
-    server gets a directory of its own, removed on stop."""
+    server gets a directory of its own, removed on stop. torch's compile cache, which
+    defaults to $TMPDIR too, stays where it was (a restarted server reuses it)."""
     from pathlib import Path
 
-    from halfmoon.serve.vllm.server import VllmLaunch, VllmProcess
+    from halfmoon.serve.vllm.server import VllmLaunch, VllmProcess, inductor_cache_dir
 
-    said = tmp_path / "rpc"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    said, cache = tmp_path / "rpc", tmp_path / "inductor"
     fake = tmp_path / "python"  # plays the server: leaves a "socket" where vLLM would
     fake.write_text(f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {said}\n'
+                    f'echo "$TORCHINDUCTOR_CACHE_DIR" > {cache}\n'
                     'touch "$VLLM_RPC_BASE_PATH/0b1c-ipc" "$TMPDIR/vllm_dist_0b1c"\n'
                     'exit 0\n')  # fmt: skip
     fake.chmod(0o755)
@@ -308,6 +311,7 @@ def test_the_servers_socket_directory_goes_with_it(tmp_path) -> None:
     rpc = Path(said.read_text().strip())
     assert rpc == Path(server.rpc_dir) and (rpc / "0b1c-ipc").exists()
     assert (rpc / "vllm_dist_0b1c").exists()  # its temporary files too
+    assert cache.read_text().strip() == inductor_cache_dir() != str(rpc)
     server.stop()
     assert not rpc.exists()
 

@@ -19,6 +19,7 @@ socket are the interface.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import importlib.util
 import json
 import logging
@@ -303,6 +304,18 @@ def sweep_stale_rpc_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
+def inductor_cache_dir() -> str:
+    """torch's default compile cache for this user (``$TMPDIR/torchinductor_<user>``, as
+    ``torch._inductor`` names it), without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
+
+
 class VllmProcess:
     """A vLLM server, a child process of a worker; it dies with the worker.
 
@@ -327,6 +340,9 @@ class VllmProcess:
         sweep_stale_rpc_dirs()
         self.rpc_dir = make_rpc_dir()
         env = {**launch.env(), "VLLM_RPC_BASE_PATH": self.rpc_dir, "TMPDIR": self.rpc_dir}
+        # torch's compile cache lives in $TMPDIR by default: kept where it was, so that a
+        # restarted server (vLLM compiles unless --enforce-eager) finds its kernels.
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
         try:
             self.proc = subprocess.Popen(
                 argv, env=env,
