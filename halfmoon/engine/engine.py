@@ -106,9 +106,9 @@ class EngineStats:
 def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
     """Build the missing compiled packages this engine will load (the decode kernel, its
     glue and, on the CPU, the fused decode attention) that no other process is building
-    (:func:`build_missing`): workers starting together build different ones at once. A build that fails here is left to the
-    loaders, which retry it and report the failure (a warning, or the error of
-    ``--attention compiled``)."""
+    (:func:`build_missing`): workers starting together build different ones at once. A
+    build that fails here is left to the loaders, which retry it and report the failure
+    (a warning, or the error of ``--attention compiled``)."""
     if not uses_compiled(backend, kernel.device):
         return
     fused = [fused_decode_spec(kernel)] if uses_fused(kernel) else []

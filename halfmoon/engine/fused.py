@@ -35,7 +35,7 @@ from halfmoon.engine.kernels import (
     export_and_compile,
     package_key,
 )
-from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
+from halfmoon.engine.packages import PackageSpec, failure_reason, load_function
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,7 @@ def fused_decode_spec(shape: KernelShape) -> PackageSpec:
 
 def load_fused_decode(shape: KernelShape, directory: Path | None = None) -> FusedDecode:
     """The compiled fused call for ``shape``, built first when missing. Raises on failure."""
-    run = load_package(*fused_decode_spec(shape), directory)
-
-    def fused(*args: torch.Tensor) -> torch.Tensor:
-        return run(list(args))[0]
-
-    return fused
+    return load_function(*fused_decode_spec(shape), directory)
 
 
 def select_fused_decode(shape: KernelShape) -> FusedDecode | None:

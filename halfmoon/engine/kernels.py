@@ -18,10 +18,11 @@ into a ``.pt2`` package per attention shape (KV heads, query heads per KV head, 
 size, block size, dtype, device) and torch version, kept in the package cache
 (:mod:`halfmoon.engine.packages`, under ``$HALFMOON_CACHE/kernels/``); batch size, blocks
 per sequence and pool size stay dynamic. Building takes 15-40 s on 2 CPU cores, once per
-shape; loading a built package takes milliseconds. This module also names packages
-(:func:`package_key`: their spec, torch, the CPU and a digest of the sources that go
-into them) and holds the export settings every package is built with. The shape is static because dynamic inner sizes cost the generated
-loops their vectorization (measured 2-5x slower).
+shape; loading a built package takes milliseconds. The shape is static because dynamic
+inner sizes cost the generated loops their vectorization (measured 2-5x slower). This
+module also names packages (:func:`package_key`: their spec, torch, the CPU and a digest
+of the sources that go into them) and holds the export settings every package is built
+with.
 
 Measured on 2 CPU cores (SmolLM2's shape, contexts 512 and 2,048, batch 1-32): 1.3-6x
 faster than gather + SDPA; results differ from it by float32 rounding (~1e-7).
@@ -41,7 +42,7 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.config import check_attention_backend
-from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
+from halfmoon.engine.packages import PackageSpec, failure_reason, load_function
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +219,7 @@ def decode_kernel_spec(shape: KernelShape) -> PackageSpec:
 def load_decode_kernel(shape: KernelShape, directory: Path | None = None) -> DecodeKernel:
     """The compiled kernel for ``shape``: loaded from the cache, built first when missing.
     Raises on any failure."""
-    run = load_package(*decode_kernel_spec(shape), directory)
-
-    def kernel(*args: torch.Tensor) -> torch.Tensor:
-        return run(list(args))[0]
-
-    return kernel
+    return load_function(*decode_kernel_spec(shape), directory)
 
 
 def uses_compiled(backend: str, device_type: str) -> bool:

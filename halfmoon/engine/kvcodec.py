@@ -222,7 +222,7 @@ class _Scaled(KVCodec):
         """Use AOT-compiled kernels for ``directions`` (built once per mode, dtype and
         head size into the kernel cache, ~15-25 s each; raises when they cannot be)."""
         from halfmoon.engine.kernels import export_and_compile, package_key
-        from halfmoon.engine.packages import load_package
+        from halfmoon.engine.packages import load_function
 
         dtype = str(self.dtype).removeprefix("torch.")
         groups = torch.export.Dim("groups", min=2)
@@ -236,8 +236,7 @@ class _Scaled(KVCodec):
                 def build(path: Path, module=module, example=example) -> None:
                     export_and_compile(module, (example,), ({0: groups},), path, 1)
 
-                run = load_package(key, build, directory)
-                self._quantize = lambda x, run=run: run([x])[0]
+                self._quantize = load_function(key, build, directory)
             elif direction == "decode":
                 module = DequantizeGroups(self.dtype)
                 payload = QuantizeGroups(self.code_max, self.name == "fp8")(example)
@@ -246,8 +245,7 @@ class _Scaled(KVCodec):
                 def build(path: Path, module=module, inputs=(codes, scales)) -> None:
                     export_and_compile(module, inputs, ({0: groups}, {0: groups}), path, 1)
 
-                run = load_package(key, build, directory)
-                self._dequantize = lambda c, s, run=run: run([c, s])[0]
+                self._dequantize = load_function(key, build, directory)
             else:
                 raise ValueError(f"unknown direction {direction!r}")
             self.backend[direction] = "compiled"
