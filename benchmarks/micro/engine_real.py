@@ -371,7 +371,9 @@ def main() -> None:
                         help="comma-separated, of " + ", ".join(ENGINES) + "; and "
                         "halfmoon-eager (halfmoon without graphs, with --cuda-graphs)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per case")
-    parser.add_argument("--prefill-rounds", type=int, default=3)
+    parser.add_argument(
+        "--prefill-rounds", type=int, default=3, help="0 skips the prefill cases"
+    )
     parser.add_argument("--k", type=int, default=12, help="decode steps timed per run")
     parser.add_argument("--k-large", type=int, default=8,
                         help="k for batch 32 x context 2048 (transformers' steps are slow)")  # fmt: skip
@@ -407,6 +409,8 @@ def main() -> None:
     if args.quick:
         args.batches, args.contexts, args.k, args.k_large = "1,8", "512", 4, 4
         args.rounds, args.prefill_rounds, args.prefill_tokens = 1, 1, "512"
+    if args.rounds < 1 or args.prefill_rounds < 0:
+        parser.error("--rounds must be >= 1 and --prefill-rounds >= 0")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
     longest = max(args.prefill_tokens)
@@ -496,12 +500,13 @@ def run(args, engines, model_dir, peer, log):
     rows: list[dict[str, Any]] = []
 
     # Prefill: tokens/s of one fresh prompt per round, same prompt for every engine.
-    log("prefill: warm-up")
-    warm = random_prompts(vocab, 1, 256, seed=1)
-    for run_fn in runners.values():
-        run_fn(warm, 1)
-    for length in args.prefill_tokens:
-        rows.append(prefill_case(args, runners, vocab, length, log))
+    if args.prefill_rounds > 0:
+        log("prefill: warm-up")
+        warm = random_prompts(vocab, 1, 256, seed=1)
+        for run_fn in runners.values():
+            run_fn(warm, 1)
+        for length in args.prefill_tokens:
+            rows.append(prefill_case(args, runners, vocab, length, log))
 
     # Decode: B prompts with their KV in place; (T(1+k) - T(1)) / k.
     for context in args.contexts:

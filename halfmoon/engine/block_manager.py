@@ -133,7 +133,8 @@ class BlockManager:
             return None
         for block in hits:
             self._take(block)
-        self._tables[request_id] = hits + [self._pop_free() for _ in range(needed)]
+        after = hits[-1] if hits else None
+        self._tables[request_id] = hits + self._pop_free_run(needed, after)
         self._chains[request_id] = [self._hash_by_block[b] for b in hits]
         self._roots[request_id] = chain_root(cache_salt)
         return num_cached_tokens
@@ -145,7 +146,8 @@ class BlockManager:
         needed = self.blocks_for(num_tokens) - len(table)
         if needed > self.num_free_blocks:
             return False
-        table.extend(self._pop_free() for _ in range(needed))
+        if needed > 0:
+            table.extend(self._pop_free_run(needed, table[-1] if table else None))
         return True
 
     def allocate(
@@ -158,7 +160,7 @@ class BlockManager:
         needed = self.blocks_for(num_tokens)
         if needed > self.num_free_blocks:
             return None
-        self._tables[request_id] = [self._pop_free() for _ in range(needed)]
+        self._tables[request_id] = self._pop_free_run(needed)
         self._chains[request_id] = []
         self._roots[request_id] = chain_root(cache_salt)
         return list(self._tables[request_id])
@@ -207,6 +209,31 @@ class BlockManager:
         if self._ref_counts[block] == 0:
             del self._free[block]
         self._ref_counts[block] += 1
+
+    def _pop_free_run(self, count: int, after: int | None = None) -> list[int]:
+        """``count`` free blocks to extend a table ending in block ``after``, laid out so
+        that the table runs through consecutive ids where it can.
+
+        Attention reads a sequence's blocks in table order, and runs of consecutive
+        blocks read faster than scattered ones (the hardware prefetches within a run);
+        the KV export hands out consecutive blocks without a copy. Which cached blocks
+        are evicted, and in what order, is exactly what popping the queue's front would
+        give: the blocks after ``after`` are taken only while they are free and
+        uncached (all uncached free blocks come before every cached one in the queue,
+        so taking one out of turn evicts nothing earlier), and the popped rest are only
+        sorted.
+        """
+        blocks: list[int] = []
+        if after is not None:
+            block = after + 1
+            while len(blocks) < count and block in self._free and block not in self._hash_by_block:
+                del self._free[block]
+                self._ref_counts[block] = 1
+                blocks.append(block)
+                block += 1
+        rest = [self._pop_free() for _ in range(count - len(blocks))]
+        rest.sort()
+        return blocks + rest
 
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)

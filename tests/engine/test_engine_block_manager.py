@@ -191,3 +191,102 @@ def test_cache_salts_isolate_prefix_hits() -> None:
     for rid in "bcde":
         bm.free(rid)
     bm.check_integrity()
+
+
+class FrontPopBlockManager(BlockManager):
+    """The plain policy: every block popped from the free queue's front, in that order."""
+
+    def _pop_free_run(self, count: int, after: int | None = None) -> list[int]:
+        return [self._pop_free() for _ in range(count)]
+
+
+def test_a_table_grows_into_its_free_successor() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B, enable_prefix_caching=False)
+    for rid, start in (("a", 0), ("b", 100), ("c", 200)):
+        bm.admit(rid, tokens(start, 32), 32)
+    assert [bm.block_table(r) for r in "abc"] == [[0, 1], [2, 3], [4, 5]]
+    bm.free("b")
+    bm.free("a")  # the queue's front: 0, 1, 2, 3, then 6, 7
+    assert bm.grow("c", 64)
+    assert bm.block_table("c") == [4, 5, 6, 7]  # the plain policy gives [4, 5, 0, 1]
+    assert bm.admit("d", tokens(300, 40), 40) == 0
+    assert bm.block_table("d") == [0, 1, 2]
+    bm.check_integrity()
+
+
+def test_popped_blocks_are_sorted_not_reversed() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B)
+    prompt = tokens(0, 64)
+    bm.admit("a", prompt, 64)
+    bm.commit("a", prompt, 64)
+    bm.admit("x", tokens(500, 64), 64)  # takes the uncached 4..7
+    bm.free("a")  # cached, queued tail first: 3, 2, 1, 0
+    bm.admit("b", tokens(1000, 48), 48)
+    # The plain policy hands out [3, 2, 1]; the same three, ascending.
+    assert bm.block_table("b") == [1, 2, 3]
+    # Block 0 (the head) is the one still cached, as under the plain policy.
+    assert bm.match_prefix(prompt) == [0]
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_run_layout_evicts_exactly_what_the_plain_policy_evicts(caching: bool) -> None:
+    """Same random workload through both policies: the same admits (cache hits), the
+    same refusals and the same stored/evicted hashes in the same order."""
+    import random
+
+    rng = random.Random(7)
+    managers = [
+        cls(48, B, enable_prefix_caching=caching) for cls in (BlockManager, FrontPopBlockManager)
+    ]
+    events: list[list] = [[], []]
+    for events_of, bm in zip(events, managers, strict=True):
+        bm.listener = events_of.append
+    prefixes = [tokens(10_000 * i, rng.choice([16, 32, 64])) for i in range(4)]
+    live: dict[str, list[int]] = {}
+    outcomes: list[list] = [[], []]
+    for step in range(1500):
+        action = rng.random()
+        if action < 0.3 or not live:
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(10**6) for _ in range(rng.randint(1, 60))
+            ]
+            results = [bm.admit(rid, prompt, len(prompt)) for bm in managers]
+            if results[0] is not None:
+                live[rid] = prompt
+                for bm in managers:
+                    bm.commit(rid, prompt, len(prompt))
+            for out, res in zip(outcomes, results, strict=True):
+                out.append(("admit", res))
+        elif action < 0.8:
+            rid = rng.choice(sorted(live))
+            live[rid].extend(rng.randrange(10**6) for _ in range(rng.randint(1, 20)))
+            grown = [bm.grow(rid, len(live[rid])) for bm in managers]
+            if grown[0]:
+                for bm in managers:
+                    bm.commit(rid, live[rid], len(live[rid]))
+            else:
+                live[rid] = live[rid][: len(managers[0].block_table(rid)) * B]
+            for out, res in zip(outcomes, grown, strict=True):
+                out.append(("grow", res))
+        else:
+            rid = rng.choice(sorted(live))
+            del live[rid]
+            for bm in managers:
+                bm.free(rid)
+    assert outcomes[0] == outcomes[1]
+    assert events[0] == events[1]
+    assert len(events[0]) > 100 if caching else events[0] == []
+    for bm in managers:
+        bm.check_integrity()
+
+    # And the layout differs: more of the new policy's tables run through consecutive ids.
+    def consecutive_pairs(bm: BlockManager) -> int:
+        return sum(
+            b == a + 1
+            for rid in live
+            for a, b in zip(bm.block_table(rid), bm.block_table(rid)[1:], strict=False)
+        )
+
+    assert consecutive_pairs(managers[0]) > consecutive_pairs(managers[1])
