@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from halfmoon import __version__
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.engine import hugepages
 
 #: Modules that add subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES = (
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
+    # Before anything allocates: torch reads it once (halfmoon.engine.hugepages).
+    hugepages.enable_by_default()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from halfmoon.core.request import SamplingParams
+from halfmoon.engine import hugepages
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import KVHandoff, LLMEngine
 
@@ -371,9 +372,7 @@ def main() -> None:
                         help="comma-separated, of " + ", ".join(ENGINES) + "; and "
                         "halfmoon-eager (halfmoon without graphs, with --cuda-graphs)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per case")
-    parser.add_argument(
-        "--prefill-rounds", type=int, default=3, help="0 skips the prefill cases"
-    )
+    parser.add_argument("--prefill-rounds", type=int, default=3, help="0 skips the prefill cases")
     parser.add_argument("--k", type=int, default=12, help="decode steps timed per run")
     parser.add_argument("--k-large", type=int, default=8,
                         help="k for batch 32 x context 2048 (transformers' steps are slow)")  # fmt: skip
@@ -400,8 +399,13 @@ def main() -> None:
     parser.add_argument("--malloc", choices=sorted(MALLOC_ENV), default="default",
                         help="allocator of this process (halfmoon, transformers); vLLM always "
                         "gets tcmalloc, as its CPU guide says")  # fmt: skip
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="torch's huge pages (THP_MEM_ALLOC_ENABLE) for every engine, "
+                        "the vLLM peer included; on is what halfmoon's CLI sets")  # fmt: skip
     parser.add_argument("--json", help="write every row (per-round values included) here")
     args = parser.parse_args()
+    # Before anything allocates (torch reads it once); the vLLM peer inherits it.
+    os.environ[hugepages.ENV] = "1" if args.huge_pages == "on" else "0"
     if os.environ.get(MALLOC_MARK, "default") != args.malloc:
         env = {**os.environ, **MALLOC_ENV[args.malloc], MALLOC_MARK: args.malloc}
         argv = [sys.executable, "-m", "benchmarks.micro.engine_real", *sys.argv[1:]]
@@ -474,6 +478,7 @@ def run(args, engines, model_dir, peer, log):
         "max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
         "malloc": args.malloc, "malloc_env": MALLOC_ENV[args.malloc],
         "halfmoon_attention": hm.engine.attention_backend if hm else None,
+        "huge_pages": args.huge_pages, "huge_pages_mib_this_process": hugepages.resident_mib(),
         "mem_available_gib_start": _mem_available_gib(),
     }  # fmt: skip
     if hf is not None:
@@ -482,6 +487,7 @@ def run(args, engines, model_dir, peer, log):
         log("waiting for the vLLM peer (compiling) ...")
         info = peer.wait_ready()
         meta["vllm"] = info
+        meta["huge_pages_mib_vllm"] = hugepages.resident_mib(peer.proc.pid)
         log(f"vLLM {info['vllm']} ready after {info['startup_s']:.0f} s; "
             f"torch threads {info['torch_threads']}, env {info['env']}")  # fmt: skip
 
@@ -608,7 +614,10 @@ def print_tables(rows: list[dict[str, Any]], engines: list[str], meta: dict[str,
     print(f"\nmodel {meta['model']}, {where}, torch {meta['torch']}"
           + (f", vLLM {meta['vllm']['vllm']}" if "vllm" in meta else "")
           + (f", transformers {meta['transformers']}" if "transformers" in meta else "")
-        + f", malloc {meta['malloc']} (this process)")  # fmt: skip
+        + f", malloc {meta['malloc']} (this process), huge pages {meta['huge_pages']} "
+        f"({meta['huge_pages_mib_this_process'] or 0:.0f} MiB here"
+        + (f", {meta.get('huge_pages_mib_vllm') or 0:.0f} MiB in vLLM's process"
+           if "vllm" in meta else "") + ")")  # fmt: skip
     print(
         "decode step (ms, median of rounds); ratio = other_ms / halfmoon_ms, > 1 = halfmoon "
         "faster (median of per-round ratios, [min, max])"
