@@ -46,7 +46,8 @@ def local_candidates(
     for iid in instance_ids:
         state = states[iid]
         cached = min(matched_blocks[iid] * block, request.input_length - 1)
-        prefill_s = memo_prefill_s(memo, state.cost_model, request.input_length - cached, cached)
+        raw_s = memo_prefill_s(memo, state.cost_model, request.input_length - cached, cached)
+        prefill_s = raw_s * state.prefill_scale
         out.append(PrefillCandidate(iid, cached, iid, state.queue_s(now_s), prefill_s, 0.0))
     return out
 
@@ -73,7 +74,8 @@ def remote_candidates(
         missing_blocks = best_blocks - matched_blocks[cand.instance_id]
         if missing_blocks <= 0 or missing_blocks * block <= threshold_tokens:
             continue
-        cm = states[cand.instance_id].cost_model
+        state = states[cand.instance_id]
+        cm = state.cost_model
         cached = min(best_blocks * block, request.input_length - 1)
         transfer_s = cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token)
         if links is not None:
@@ -84,7 +86,8 @@ def remote_candidates(
                 cached,
                 source,
                 cand.queue_s,
-                memo_prefill_s(memo, cm, request.input_length - cached, cached),
+                memo_prefill_s(memo, cm, request.input_length - cached, cached)
+                * state.prefill_scale,
                 transfer_s,
             )
         )
@@ -112,7 +115,8 @@ def least_ttft_candidates(
     others have nothing cached, so their estimates differ only by their queues. The full
     list's first least-TTFT candidate is always kept, so ``min(ttft)`` picks the same one.
     TTFTs are computed for every instance at once with the same float operations as
-    :attr:`PrefillCandidate.ttft_s` (queue + transfer, then + prefill).
+    :attr:`PrefillCandidate.ttft_s` (queue + transfer, then + prefill), each prefill the
+    cost model's times the instance's prefill scale, as the scalar lists do.
     """
     ids, position = loads.ids, loads.position
     block, length = request.block_size_tokens, request.input_length
@@ -123,6 +127,7 @@ def least_ttft_candidates(
         i = position[iid]
         cached[i] = min(num_blocks * block, length - 1)
         local_s[i] = memo_prefill_s(memo, loads.states[i].cost_model, length - cached[i], cached[i])
+    local_s = local_s * loads.scale
     local_ttft = (queue + 0.0) + local_s
     picked = np.argsort(local_ttft, kind="stable")[:KEEP_CANDIDATES]
     out = [
@@ -175,6 +180,7 @@ def _least_ttft_remote(
     remote_s = loads.per_model(
         lambda cm: memo_prefill_s(memo, cm, length - best_cached, best_cached)
     )
+    remote_s = remote_s * loads.scale
     remote_ttft = np.where(eligible, (queue + xfer_s) + remote_s, np.inf)
     picked = np.argsort(remote_ttft, kind="stable")[:KEEP_CANDIDATES]
     out = [

@@ -12,6 +12,7 @@ learners in step.
 
 from __future__ import annotations
 
+from halfmoon.conductor.calibration import PrefillCalibration
 from halfmoon.conductor.index import PrefixIndex
 from halfmoon.conductor.messages import (
     BlockEvicted,
@@ -52,6 +53,9 @@ class Cluster:
         self._placements: dict[str, tuple[str, str]] = {}
         self._group_of: dict[str, tuple[str, ...]] = {}
         self._ids: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # prefill, decode
+        #: Prefill instances registered from now on learn their prefill scale
+        #: (:mod:`halfmoon.conductor.calibration`; ``ConductorConfig.prefill_calibration``).
+        self.calibrate_prefill = False
 
     # -- hooks (the Conductor's) -----------------------------------------------------------
     def _instances_changed(self) -> None:
@@ -73,7 +77,10 @@ class Cluster:
     # -- membership ----------------------------------------------------------------------
     def add_prefill_instance(self, instance_id: str, cost_model: CostModel | None = None) -> None:
         """Register a prefill instance (its own cost model, or the Conductor's)."""
-        self._prefill[instance_id] = PrefillState(instance_id, cost_model or self.cost_model)
+        calibration = PrefillCalibration() if self.calibrate_prefill else None
+        self._prefill[instance_id] = PrefillState(
+            instance_id, cost_model or self.cost_model, calibration=calibration
+        )
         self.index.add_instance(instance_id)
         self._instances_changed()
 
@@ -193,7 +200,7 @@ class Cluster:
                 state.start(event.request_id, now)
         elif isinstance(event, PrefillFinished):
             if (state := self._prefill.get(event.instance_id)) is not None:
-                state.finish(event.request_id)
+                state.finish(event.request_id, now, cached_tokens=event.cached_tokens)
             self._prefill_finished(event.request_id, now)
         elif isinstance(event, DecodeStarted):
             if (dstate := self._decode.get(event.instance_id)) is not None:
@@ -226,7 +233,7 @@ class Cluster:
         self._sources.pop(request_id, None)
         for member in self._group_of.pop(request_id, (prefill_id,)):
             if (state := self._prefill.get(member)) is not None:
-                state.finish(request_id)
+                state.finish(request_id, now_s, sample=False)
         decode_s = None
         if (dstate := self._decode.get(decode_id)) is not None:
             self._touched(decode_id)

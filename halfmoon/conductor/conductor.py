@@ -45,6 +45,7 @@ from halfmoon.conductor.cpp import (
     group_candidates,
     group_fetch_s,
     group_fetches,
+    group_scale,
 )
 from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import DecodeLoads, PrefillLoads
@@ -82,6 +83,7 @@ class Conductor(Cluster):
             )
         super().__init__(cost_model, clock)
         self.config = config
+        self.calibrate_prefill = config.prefill_calibration
         self.policy = get_policy(config.policy)
         self.rng = rng if rng is not None else random.Random(0)
         self._cpp = PipelineEstimator(config)
@@ -126,6 +128,16 @@ class Conductor(Cluster):
     def _touched(self, instance_id: str) -> None:
         if self._decode_loads is not None:
             self._decode_loads.touch(instance_id)
+
+    @property
+    def prefill_calibration(self) -> dict[str, dict[str, float]]:
+        """Each prefill instance's learned prefill scale and its evidence (empty when
+        ``prefill_calibration`` is off): ``{instance: {scale, samples}}``."""
+        return {
+            iid: {"scale": state.calibration.scale, "samples": state.calibration.samples}
+            for iid, state in self._prefill.items()
+            if state.calibration is not None
+        }
 
     @property
     def decode_time_estimate_s(self) -> float | None:
@@ -402,18 +414,23 @@ class Conductor(Cluster):
             cm = self._prefill[chosen.instance_id].cost_model
             est = self._cpp.estimate(cm, new_tokens, chosen.cached_tokens)
             fetch_s = 0.0 if self._links is None else chosen.transfer_s
+            scale = group_scale(self._prefill, chosen.group)
             for member, held_s in zip(chosen.group, est.stage_end_s, strict=True):
-                self._prefill[member].add(rid, fetch_s + held_s, new_tokens)
+                self._prefill[member].add(rid, fetch_s + held_s * scale, new_tokens)
             self._group_of[rid] = chosen.group
             if self._links is not None:
                 self._book_group_links(request, chosen, decode_id, est)
-        elif self._links is not None:  # the fetch holds the instance too
-            self._prefill[chosen.instance_id].add(
-                rid, chosen.transfer_s + chosen.prefill_s, new_tokens
-            )
-            self._book_links(request, chosen, decode_id, ready_s)
         else:
-            self._prefill[chosen.instance_id].add(rid, chosen.prefill_s, new_tokens)
+            state = self._prefill[chosen.instance_id]
+            # Its busy time (announced after any fetch) calibrates the instance against
+            # the cost model's own estimate.
+            estimated_s = chosen.prefill_s / state.prefill_scale
+            booked_s = chosen.prefill_s
+            if self._links is not None:  # the fetch holds the instance too
+                booked_s += chosen.transfer_s
+            state.add(rid, booked_s, new_tokens, estimated_s, request.input_length)
+            if self._links is not None:
+                self._book_links(request, chosen, decode_id, ready_s)
         self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
         if self._decode_loads is not None:
             self._decode_loads.touch(decode_id)

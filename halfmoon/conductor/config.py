@@ -32,6 +32,10 @@ class ConductorConfig:
       (:mod:`halfmoon.conductor.links`), price a fetch by its wait for both links, and
       count it in the fetching instance's queue. Off, a fetch is priced as if the network
       were idle (the paper's estimate). ``balancing="adaptive"`` turns it on.
+    - ``prefill_calibration``: learn, per prefill instance, how far its measured prefills
+      are from the cost model's estimates, and scale its estimates by that
+      (:mod:`halfmoon.conductor.calibration`). Off, every estimate is the cost model's (the
+      paper's, and the simulator's own world, where the two agree unless a host is shared).
     - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
       None predicts from the distribution of recently observed decode durations
       (:class:`~halfmoon.conductor.admission.DecodeTimes`; t_d is their moving average).
@@ -60,6 +64,7 @@ class ConductorConfig:
     kvcache_balancing_threshold: float = 0.1
     balancing: str = "fixed"
     link_backlog: bool = False
+    prefill_calibration: bool = False
     decode_time_estimate_s: float | None = None
     replicate_remote_prefixes: bool = True
     hot_min_requests: int = 8

@@ -95,6 +95,12 @@ def group_fetch_s(
     return links.fan_out_s(ready_s, source, fetches, book)
 
 
+def group_scale(states: dict[str, PrefillState], group: Sequence[str]) -> float:
+    """The prefill scale of a CPP group: its slowest member's (a pipeline runs at the
+    pace of its slowest stage)."""
+    return max(states[m].prefill_scale for m in group)
+
+
 def group_candidates(
     request: Request,
     groups: Sequence[tuple[str, ...]],
@@ -122,10 +128,12 @@ def group_candidates(
             fetches = group_fetches(request, group, source, best_blocks, matched_blocks, cm)
             transfer_s = group_fetch_s(fetches, source, now_s + queue_s, links)
             options.append((best_blocks, source, transfer_s))
+        scale = group_scale(states, group)
         for num_blocks, src, transfer_s in options:
             cached = min(num_blocks * block, request.input_length - 1)
             est = estimator.estimate(cm, request.input_length - cached, cached)
+            prefill_s = est.ttft_s * scale
             out.append(
-                PrefillCandidate(group[0], cached, src, queue_s, est.ttft_s, transfer_s, group)
+                PrefillCandidate(group[0], cached, src, queue_s, prefill_s, transfer_s, group)
             )
     return out

@@ -62,13 +62,15 @@ class PrefillLoads:
         self.states = tuple(states)
         n = len(states)
         # queue_s(now) = max(0, total - min(run_s, max(0, now - run_start)),
-        #                    reported - (now - reported_at))    for <= 1 started request
+        #                    reported - (now - reported_at))
+        # run_s: booked seconds of the started prefills; run_start: the busy mark.
         self._total = np.zeros(n)
         self._run_s = np.zeros(n)
         self._run_start = np.zeros(n)
         self._reported = np.zeros(n)
         self._reported_at = np.zeros(n)
-        self._multi: dict[int, PrefillState] = {}  # > 1 started: state.queue_s itself
+        #: Each instance's ``PrefillState.prefill_scale``, in instance order.
+        self.scale = np.ones(n)
         self.cost_models: list[CostModel] = []
         model_index: list[int] = []
         for state in states:
@@ -94,24 +96,18 @@ class PrefillLoads:
         self._total[i] = state.total_pending_s
         self._reported[i] = state.reported_queue_s
         self._reported_at[i] = state.reported_at_s
-        self._multi.pop(i, None)
+        self.scale[i] = state.prefill_scale
         self._run_s[i] = self._run_start[i] = 0.0
-        if len(state.started_at_s) == 1:
-            ((rid, start_s),) = state.started_at_s.items()
-            self._run_s[i] = state.pending_s[rid]
-            self._run_start[i] = start_s
-        elif state.started_at_s:
-            self._multi[i] = state
+        if state.busy_mark_s is not None:
+            self._run_s[i] = state.started_pending_s
+            self._run_start[i] = state.busy_mark_s
 
     def queue_s(self, now_s: float) -> np.ndarray:
         """Every instance's ``PrefillState.queue_s(now_s)``, in instance order."""
         done = np.minimum(self._run_s, np.maximum(0.0, now_s - self._run_start))
         booked = self._total - done
         reported = self._reported - (now_s - self._reported_at)
-        queue = np.maximum(np.maximum(booked, reported), 0.0)
-        for i, state in self._multi.items():
-            queue[i] = state.queue_s(now_s)
-        return queue
+        return np.maximum(np.maximum(booked, reported), 0.0)
 
     def per_model(self, value: Callable[[CostModel], float]) -> np.ndarray:
         """``value(cost model of each instance)``, in instance order (one call per model)."""

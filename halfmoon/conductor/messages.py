@@ -30,10 +30,13 @@ class PrefillStarted:
 
 @dataclass(frozen=True)
 class PrefillFinished:
-    """The request's prefill is done (its KV is on its way to the decode instance)."""
+    """The request's prefill is done (its KV is on its way to the decode instance).
+    ``cached_tokens``: prompt tokens the instance served from cache, when it says (the
+    prefix it found may be longer than the one the Conductor planned with)."""
 
     instance_id: str
     request_id: str
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

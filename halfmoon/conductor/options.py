@@ -11,6 +11,8 @@ setting                       paper     live    why they differ
                                                   first; a live cluster should say 429 early
 ``--tbt-slo`` (s)             0.1       1.0     100 ms on A800s; a CPU decode step is ~10x slower
 ``--cpp-min-tokens``          2048      512     the paper's long prompts vs a small CPU model's
+``--prefill-calibration``     off       on      a live instance runs at the speed its host allows,
+                                                  not its profile's
 ============================  ========  ======  =================================================
 
 Every other default is common to both. ``paper`` is also :class:`ConductorConfig`'s own
@@ -44,8 +46,20 @@ _COMMON: dict[str, Any] = {
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": {**_COMMON, "early_reject": "none", "tbt_slo": 0.1, "cpp_min_tokens": 2048},
-    "live": {**_COMMON, "early_reject": "snapshot", "tbt_slo": 1.0, "cpp_min_tokens": 512},
+    "paper": {
+        **_COMMON,
+        "early_reject": "none",
+        "tbt_slo": 0.1,
+        "cpp_min_tokens": 2048,
+        "prefill_calibration": "off",
+    },
+    "live": {
+        **_COMMON,
+        "early_reject": "snapshot",
+        "tbt_slo": 1.0,
+        "cpp_min_tokens": 512,
+        "prefill_calibration": "on",
+    },
 }
 
 
@@ -76,6 +90,11 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         help="price a prefix fetch by the planned backlog of both instances' links (every "
         "fetch, KV hand-off and copy the Conductor plans is booked on them) instead of as "
         "if the network were idle; --balancing adaptive always does",
+    )  # fmt: skip
+    g.add_argument(
+        "--prefill-calibration", default=d["prefill_calibration"], metavar="on|off",
+        help="scale each prefill instance's estimates by how much longer (or shorter) its "
+        "finished prefills took than the cost model said (learned online)",
     )  # fmt: skip
     g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
@@ -119,6 +138,10 @@ def conductor_config_from_args(
         kvcache_balancing_threshold=threshold,
         balancing=check_choice("balancing mode", args.balancing, BALANCING_MODES),
         link_backlog=bool(args.link_backlog),
+        prefill_calibration=check_choice(
+            "--prefill-calibration", args.prefill_calibration, ("on", "off")
+        )
+        == "on",
         coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
         cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),

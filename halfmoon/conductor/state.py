@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from halfmoon.conductor.calibration import PrefillCalibration
 from halfmoon.costmodel.base import CostModel
 
 
@@ -18,9 +19,17 @@ class PrefillState:
     """Prefill work placed on one instance and not yet finished (FIFO).
 
     ``queue_s(now)`` is the paper's T_queue: the estimated prefill time of everything
-    ahead of a new request, less what the running ones have already done.
+    ahead of a new request, less what the started ones have already done. An instance
+    works through its started prefills at one second of (estimated) work per second of
+    busy time, however many it runs side by side and whenever it announced them (a
+    live worker does on arrival in its engine's queue, so several are "started" at
+    once): what they have done is the busy time since the last prefill ended (or the busy
+    spell began), up to their estimates.
     ``on_change`` (if set) is called after every change of the bookings; the Conductor's
     :class:`~halfmoon.conductor.loads.PrefillLoads` keeps its queue arrays current with it.
+    With a ``calibration`` (:mod:`halfmoon.conductor.calibration`) the instance's finished
+    prefills teach it how far off the cost model is: :attr:`prefill_scale` multiplies the
+    estimates made for it.
     """
 
     instance_id: str
@@ -34,31 +43,86 @@ class PrefillState:
     on_change: Callable[[PrefillState], None] | None = field(
         default=None, repr=False, compare=False
     )
+    calibration: PrefillCalibration | None = None
+    #: (unscaled cost-model estimate, prompt tokens) of the placements that are
+    #: calibration samples.
+    estimated_s: dict[str, tuple[float, int]] = field(default_factory=dict)
+    #: Start of the busy time no finished prefill has yet accounted for (None: idle).
+    busy_mark_s: float | None = None
+    #: Booked seconds of the started prefills.
+    started_pending_s: float = 0.0
+
+    @property
+    def prefill_scale(self) -> float:
+        """What this instance's prefill estimates are multiplied by (1 uncalibrated)."""
+        return 1.0 if self.calibration is None else self.calibration.scale
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self)
 
-    def add(self, request_id: str, prefill_s: float, new_tokens: int) -> None:
-        """Queue a placed request."""
+    def add(
+        self,
+        request_id: str,
+        prefill_s: float,
+        new_tokens: int,
+        estimated_s: float | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """Queue a placed request booked for ``prefill_s`` seconds; ``estimated_s``: the
+        cost model's unscaled estimate, when the booking is a plain prefill whose busy
+        time can calibrate the instance (of a ``prompt_tokens`` prompt: the estimate is
+        made again if the instance reports another cached prefix)."""
         self.pending_s[request_id] = prefill_s
         self.pending_tokens[request_id] = new_tokens
         self.total_pending_s += prefill_s
+        if estimated_s is not None:
+            self.estimated_s[request_id] = (estimated_s, prompt_tokens)
         self._changed()
 
     def start(self, request_id: str, now_s: float) -> None:
         """The instance began this request's prefill."""
         if request_id in self.pending_s:
+            if request_id not in self.started_at_s:
+                self.started_pending_s += self.pending_s[request_id]
             self.started_at_s[request_id] = now_s
+            if self.busy_mark_s is None:
+                self.busy_mark_s = now_s
             self._changed()
 
-    def finish(self, request_id: str) -> None:
-        """The prefill is over (done, failed or aborted)."""
+    def finish(
+        self,
+        request_id: str,
+        now_s: float | None = None,
+        sample: bool = True,
+        cached_tokens: int | None = None,
+    ) -> None:
+        """The prefill is over (done, failed or aborted). With ``now_s``, the busy time
+        since the last finish ends here; with ``sample`` too, it is the request's and
+        calibrates the instance (a prefill that finished, not one that was dropped),
+        against the estimate for the ``cached_tokens`` the instance found when it says
+        (a prefix cached after the decision makes the prefill shorter, not the instance
+        faster)."""
         est = self.pending_s.pop(request_id, None)
         if est is not None:
             self.total_pending_s -= est
         self.pending_tokens.pop(request_id, None)
-        self.started_at_s.pop(request_id, None)
+        started = self.started_at_s.pop(request_id, None) is not None
+        if started and est is not None:
+            self.started_pending_s -= est
+        estimated = self.estimated_s.pop(request_id, None)
+        if started and now_s is not None and self.busy_mark_s is not None:
+            if sample and estimated is not None and self.calibration is not None:
+                estimate_s, prompt = estimated
+                if cached_tokens is not None and 0 <= cached_tokens < prompt:
+                    estimate_s = self.cost_model.prefill_time_s(
+                        prompt - cached_tokens, cached_tokens
+                    )
+                self.calibration.observe(now_s - self.busy_mark_s, estimate_s)
+            self.busy_mark_s = now_s
+        if not self.started_at_s:
+            self.busy_mark_s = None
+            self.started_pending_s = 0.0  # no float drift once idle
         if not self.pending_s:
             self.total_pending_s = 0.0  # no float drift once empty
         self._changed()
@@ -66,7 +130,8 @@ class PrefillState:
     def report(self, queued_prefill_tokens: int, now_s: float) -> None:
         """The instance says how many uncached tokens it has queued (work the Conductor
         may not know of, e.g. after a restart)."""
-        self.reported_queue_s = self.cost_model.prefill_time_s(queued_prefill_tokens, 0)
+        raw_s = self.cost_model.prefill_time_s(queued_prefill_tokens, 0)
+        self.reported_queue_s = raw_s * self.prefill_scale
         self.reported_at_s = now_s
         self._changed()
 
@@ -77,8 +142,8 @@ class PrefillState:
         (drained at one second of work per second since it was made).
         """
         done = 0.0
-        for rid, start in self.started_at_s.items():
-            done += min(self.pending_s[rid], max(0.0, now_s - start))
+        if self.busy_mark_s is not None:
+            done = min(self.started_pending_s, max(0.0, now_s - self.busy_mark_s))
         booked = self.total_pending_s - done
         reported = self.reported_queue_s - (now_s - self.reported_at_s)
         return max(0.0, booked, reported)
@@ -175,6 +240,10 @@ def check_bookings(
     for iid, state in prefill.items():
         assert state.pending_s.keys() == state.pending_tokens.keys(), iid
         assert state.started_at_s.keys() <= state.pending_s.keys(), iid
+        assert state.estimated_s.keys() <= state.pending_s.keys(), iid
+        assert (state.busy_mark_s is None) == (not state.started_at_s), iid
+        started = sum(state.pending_s[rid] for rid in state.started_at_s)
+        assert abs(state.started_pending_s - started) <= 1e-6 * max(1.0, started), iid
         total = sum(state.pending_s.values())
         assert abs(state.total_pending_s - total) <= 1e-6 * max(1.0, total), (
             f"{iid}: booked {state.total_pending_s} s, parts sum to {total} s"

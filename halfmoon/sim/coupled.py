@@ -239,7 +239,8 @@ class CoupledInstance:
         job.record.prefill_done_s = now_s
         if self.cache is not None:
             self.cache.touch(job.full_block_hashes)
-        self._notify(PrefillFinished(self.instance_id, job.request_id))
+        cached = job.record.cached_tokens
+        self._notify(PrefillFinished(self.instance_id, job.request_id, cached))
         job.generated = 1
         job.record.token_times_s.append(now_s)
         self._notify(DecodeStarted(self.instance_id, job.request_id))

@@ -179,7 +179,8 @@ class PrefillInstance:
         job.record.prefill_done_s = now
         self.num_prefilled += 1
         self.cache.touch(job.full_block_hashes)
-        self._notify(PrefillFinished(self.instance_id, job.request_id))
+        cached = job.record.cached_tokens
+        self._notify(PrefillFinished(self.instance_id, job.request_id, cached))
         decode = job.decode
         if decode is None:
             raise RuntimeError(f"request {job.request_id} has no decode instance")

@@ -409,6 +409,7 @@ class Simulator:
                 "role_changes": self.role_changes,
                 "replans": None if self.replanner is None else self.replanner.summary(),
                 "balancing": self.conductor.balancing,
+                "prefill_calibration": self.conductor.prefill_calibration,
             },
         )
         report["effective_request_capacity"] = report["slo_attainment"]

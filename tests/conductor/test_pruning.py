@@ -50,6 +50,7 @@ class Twin:
             cpp_hidden_bytes_per_token=512,
             hot_min_requests=rng.choice([0, 2]),
             link_backlog=rng.choice([False, True]),
+            prefill_calibration=rng.choice([False, True]),
         )
         models = _cost_models(rng)
         self.pruned, self.full = (
@@ -157,6 +158,8 @@ class Twin:
         assert set(got.decode_candidates) <= set(want.decode_candidates)
         if got.accepted:
             self.live.append((request.request_id, got.prefill.instance_id, got.decode.instance_id))
+            if self.pruned.config.prefill_calibration:  # as live workers do: on arrival
+                self.send(PrefillStarted(got.prefill.instance_id, request.request_id))
         self.pruned.check_integrity()
 
 
@@ -167,6 +170,20 @@ def test_pruned_decisions_equal_exhaustive(seed):
     for _ in range(150):
         twin.step()
     assert twin.num > 0
+
+
+def test_calibrated_scales_reach_the_pruned_decisions():
+    """Calibration on, the scales the random streams teach differ from 1 (so the seeds
+    above compare pruned and exhaustive decisions on scaled estimates too)."""
+    scales = []
+    for seed in range(60):
+        rng = random.Random(seed)
+        twin = Twin(rng, seed)
+        for _ in range(150):
+            twin.step()
+        scales += [c["scale"] for c in twin.pruned.prefill_calibration.values()]
+        assert twin.pruned.prefill_calibration == twin.full.prefill_calibration
+    assert sum(s != 1.0 for s in scales) >= 5
 
 
 def test_pruned_explanation_counts_the_rest(make_conductor):

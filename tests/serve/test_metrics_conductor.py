@@ -41,6 +41,7 @@ def test_decisions_by_outcome_and_reason_and_instances():
         roles={"p0": "prefill", "p1": "prefill", "d0": "decode"},
         draining=frozenset({"p1"}),
         index_blocks={"p0": 12, "p1": 0},
+        prefill_scale={"p0": 2.5},
     )
     m = ConductorMetrics(lambda: figures)
     m.observe_decision(_Decision(True), 0.001)
@@ -59,6 +60,8 @@ def test_decisions_by_outcome_and_reason_and_instances():
     assert get(instances, {"instance_role": "decode", "state": "placeable"}) == 1
     assert get(instances, {"instance_role": "coupled", "state": "placeable"}) == 0
     assert get("halfmoon:conductor_index_blocks", {"instance_id": "p0"}) == 12
+    assert get("halfmoon:conductor_prefill_scale", {"instance_id": "p0"}) == 2.5
+    assert get("halfmoon:conductor_prefill_scale", {"instance_id": "p1"}) is None
 
 
 def test_the_link_backlog_is_a_gauge():

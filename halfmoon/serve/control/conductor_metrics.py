@@ -38,6 +38,8 @@ class InstanceFigures:
     index_blocks: dict[str, int] = field(default_factory=dict)
     #: ``Conductor.balancing``: the cache-balancing threshold in use and how it was learned.
     balancing: dict[str, Any] = field(default_factory=dict)
+    #: Each prefill instance's learned prefill scale (``Conductor.prefill_calibration``).
+    prefill_scale: dict[str, float] = field(default_factory=dict)
 
 
 class InstanceCollector:
@@ -66,7 +68,15 @@ class InstanceCollector:
         )
         for iid, num_blocks in sorted(f.index_blocks.items()):
             blocks.add_metric([iid], num_blocks)
-        yield from (instances, blocks, *balancing_families(f.balancing))
+        scales = GaugeMetricFamily(
+            "halfmoon:conductor_prefill_scale",
+            "What each prefill instance's estimates are multiplied by: its measured prefill "
+            "time over the cost model's, learned online (--prefill-calibration on).",
+            labels=["instance_id"],
+        )
+        for iid, scale in sorted(f.prefill_scale.items()):
+            scales.add_metric([iid], scale)
+        yield from (instances, blocks, scales, *balancing_families(f.balancing))
 
 
 def balancing_families(state: dict[str, Any]) -> Iterator[GaugeMetricFamily]:

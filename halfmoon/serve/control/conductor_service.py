@@ -131,7 +131,10 @@ def conductor_events(instance_id: str, entries: list[Event]) -> list[Any]:
                     for h in entry.block_hashes]  # fmt: skip
         elif isinstance(entry, LifecycleEvent):
             lifecycle = _LIFECYCLE[entry.kind]
-            out.append(lifecycle(instance_id=instance_id, request_id=entry.request_id))
+            if lifecycle is PrefillFinished:
+                out.append(PrefillFinished(instance_id, entry.request_id, entry.cached_tokens))
+            else:
+                out.append(lifecycle(instance_id=instance_id, request_id=entry.request_id))
         else:
             out.append(LoadReport(
                 instance_id=instance_id, num_running=entry.num_running,
@@ -248,6 +251,7 @@ class ConductorService:
             draining=frozenset(self.draining),
             index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
             balancing=dict(self.conductor.balancing),
+            prefill_scale={i: c["scale"] for i, c in self.conductor.prefill_calibration.items()},
         )
 
     def integrity(self) -> str:
@@ -312,6 +316,7 @@ class ConductorService:
             cluster=self.cluster,
             index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
             balancing=self.conductor.balancing,
+            prefill_calibration=self.conductor.prefill_calibration,
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:

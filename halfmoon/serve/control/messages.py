@@ -174,11 +174,14 @@ class BlockEvent(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class LifecycleEvent(Record):
-    """A request reached a step on this worker (:data:`LIFECYCLE_KINDS`)."""
+    """A request reached a step on this worker (:data:`LIFECYCLE_KINDS`);
+    ``cached_tokens``: with ``prefill_finished``, the prompt tokens served from cache
+    (None: not known yet)."""
 
     kinds: ClassVar[tuple[str, ...]] = LIFECYCLE_KINDS
     kind: str
     request_id: str
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +305,9 @@ class ConductorPong(Message):
     index_blocks: dict[str, int] = field(default_factory=dict)
     #: The cache-balancing threshold in use and how it was learned (``Conductor.balancing``).
     balancing: dict[str, Any] = field(default_factory=dict)
+    #: Each prefill instance's learned prefill scale and its number of samples
+    #: (``Conductor.prefill_calibration``; empty when calibration is off).
+    prefill_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

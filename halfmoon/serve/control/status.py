@@ -96,6 +96,7 @@ def conductor_state(
         "num_instances": len(service.instances),
         "draining": sorted(service.draining),
         "balancing": dict(conductor.balancing),
+        "prefill_calibration": conductor.prefill_calibration,
         "integrity": service.integrity(),
         "cluster": dataclasses.asdict(service.cluster),
         "num_recent_decisions": len(recent),

@@ -94,7 +94,7 @@ class VllmPrefillRole(CoupledRole):
                 continue  # a prefill's answer comes whole: tokens and finish together
             p, client = self.prefilling.pop(rid), self.clients.pop(rid)
             self.num_prefills += 1
-            events.event("prefill_finished", request_id=rid)
+            events.event("prefill_finished", request_id=rid, cached_tokens=out.num_cached_tokens)
             events.event("request_finished", request_id=rid)
             try:
                 result = PrefillResult.from_params(self.engine.take_transfer_params(rid))

@@ -51,7 +51,11 @@ class CoupledRole(TokenStreaming):
             if client is None:
                 continue
             if client.index == 0:
-                events.event("prefill_finished", request_id=out.request_id)
+                # An engine that learns its cached prompt tokens only at the end says 0 now.
+                cached = (
+                    None if self.worker.engine.cached_tokens_at_finish else out.num_cached_tokens
+                )
+                events.event("prefill_finished", request_id=out.request_id, cached_tokens=cached)
                 events.event("decode_started", request_id=out.request_id)
             # An engine that learns the cached prompt tokens only at a request's end (a
             # vLLM server's usage) sends them with the last tokens.

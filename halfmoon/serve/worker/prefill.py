@@ -178,7 +178,9 @@ class PrefillRole(TokenStreaming):
                 self._first_token(out.request_id, p, out)
 
     def _first_token(self, rid: str, p: _Prefill, out: Any) -> None:
-        self.worker.conductor.event("prefill_finished", request_id=rid)
+        self.worker.conductor.event(
+            "prefill_finished", request_id=rid, cached_tokens=out.num_cached_tokens
+        )
         self.cache.save(rid, p.prompt_token_ids, p.cache_salt)  # the store reports events
         p.out = out
         if out.finish_reason == "stop" or p.params.max_tokens == 1:

@@ -1,0 +1,161 @@
+"""Prefill calibration on a live cluster: does early rejection keep its promise?
+
+Run from the repository root::
+
+    .venv/bin/python -m benchmarks.eval.prefill_calibration_live [--rate 6] [--duration 40]
+        [--prompt-tokens 1024] [--max-tokens 16] [--ttft-slo 1.0] [--rounds 2]
+        [--json out.json] [-- EXTRA SERVE ARGS]
+
+Each round starts ``halfmoon serve --model tiny --prefill 1 --decode 1 --num-threads 1
+--early-reject snapshot --ttft-slo S`` twice, ``--prefill-calibration off`` and ``on``
+(the order alternating by round), and sends the same open-loop stream to each: requests
+at ``--rate`` a second (exponential gaps, seeded) for ``--duration`` seconds, each a
+streamed completion of ``--prompt-tokens`` distinct random token ids (no prefix hits).
+The rate is above what one prefill worker on this host serves, so the Conductor must
+refuse some. An admitted request is a promise: its estimated TTFT met the SLO. Per run it
+reports the requests admitted and refused, the admitted ones' TTFT (to the first token),
+how many of them met the SLO (the promise kept), goodput (admitted and on time, per
+second of the stream) and the prefill scale the Conductor learned (its ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from halfmoon.engine.catalog import cache_dir
+from halfmoon.serve.launch.local import LocalCluster
+
+
+async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, float]:
+    """(HTTP status, seconds to the answer's head: a 200's first token)."""
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            head = time.perf_counter() - sent
+            raw = await r.aread()
+    except httpx.HTTPError:
+        return -1, time.perf_counter() - sent
+    if r.status_code == 200 and b"[DONE]" not in raw:
+        return -1, head
+    return r.status_code, head
+
+
+async def stream(base_url: str, args: argparse.Namespace) -> list[tuple[float, int, float]]:
+    """Send the open-loop stream; (arrival offset, status, seconds to head) per request."""
+    rng = random.Random(args.seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(args.rate)
+        if t >= args.duration:
+            break
+        arrivals.append(t)
+    bodies = [
+        {"model": "tiny", "prompt": [rng.randrange(1, 500) for _ in range(args.prompt_tokens)],
+         "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+        for _ in arrivals
+    ]  # fmt: skip
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(600.0, connect=60.0, pool=600.0)
+    results: list[tuple[float, int, float]] = []
+    async with httpx.AsyncClient(
+        base_url=base_url, limits=limits, timeout=timeout, trust_env=False
+    ) as client:
+        start = time.perf_counter()
+
+        async def at(offset: float, body: dict[str, Any]) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            status, head = await one(client, body)
+            results.append((offset, status, head))
+
+        await asyncio.gather(*(at(o, b) for o, b in zip(arrivals, bodies, strict=True)))
+    return sorted(results)
+
+
+def learned(base_url: str) -> dict[str, float]:
+    """The Conductor's learned prefill scales, from the gateway's /metrics."""
+    text = httpx.get(base_url + "/metrics", timeout=30, trust_env=False).text
+    pattern = r'halfmoon:conductor_prefill_scale\{[^}]*instance_id="([^"]+)"[^}]*\} ([0-9.e+-]+)'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text)}
+
+
+def summary(results: list[tuple[float, int, float]], slo: float, duration: float) -> dict:
+    ok = [head for _, status, head in results if status == 200]
+    on_time = [h for h in ok if h <= slo]
+    ordered = sorted(ok)
+    return {
+        "requests": len(results),
+        "admitted": len(ok),
+        "refused": sum(1 for _, s, _ in results if s == 429),
+        "failed": sum(1 for _, s, _ in results if s not in (200, 429)),
+        "admitted_on_time": len(on_time),
+        "promise_kept": len(on_time) / len(ok) if ok else None,
+        "goodput_rps": len(on_time) / duration,
+        "ttft_p50_s": statistics.median(ordered) if ordered else None,
+        "ttft_p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--ttft-slo", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write every run here")
+    parser.add_argument("serve_args", nargs="*", help="extra `halfmoon serve` arguments")
+    args = parser.parse_args(argv)
+    if args.rate <= 0 or args.duration <= 0 or args.rounds < 1:
+        parser.error("--rate, --duration and --rounds must be positive")
+    runs: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            serve = [
+                "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
+                "--early-reject", "snapshot", "--ttft-slo", str(args.ttft_slo),
+                "--prefill-calibration", mode, *args.serve_args,
+            ]  # fmt: skip
+            with tempfile.TemporaryDirectory(prefix="halfmoon-calibration-") as tmp:
+                log = Path(tmp) / "serve.log"
+                with LocalCluster(serve, cache_dir(), secrets.token_hex(16), log) as c:
+                    results = asyncio.run(stream(c.base_url, args))
+                    scales = learned(c.base_url)
+            run = {"round": r, "calibration": mode, "scales": scales,
+                   **summary(results, args.ttft_slo, args.duration), "results": results}  # fmt: skip
+            runs.append(run)
+            shown = {k: v for k, v in run.items() if k != "results"}
+            print(json.dumps(shown), flush=True)
+    print("\n| round | calibration | admitted | refused | on time | promise kept | goodput "
+          "req/s | TTFT p50 / p90 s | learned scale |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---|---|")
+    for run in runs:
+        kept = "-" if run["promise_kept"] is None else f"{run['promise_kept']:.2f}"
+        ttft = (f"{run['ttft_p50_s']:.2f} / {run['ttft_p90_s']:.2f}"
+                if run["ttft_p50_s"] is not None else "-")  # fmt: skip
+        scale = ", ".join(f"{v:.2f}" for v in run["scales"].values()) or "-"
+        print(f"| {run['round']} | {run['calibration']} | {run['admitted']} | {run['refused']} "
+              f"| {run['admitted_on_time']} | {kept} | {run['goodput_rps']:.2f} | {ttft} "
+              f"| {scale} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "runs": runs}, indent=1) + "\n")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
