@@ -15,7 +15,9 @@ The rate is above what one prefill worker on this host serves, so the Conductor 
 refuse some. An admitted request is a promise: its estimated TTFT met the SLO. Per run it
 reports the requests admitted and refused, the admitted ones' TTFT (to the first token),
 how many of them met the SLO (the promise kept), goodput (admitted and on time, per
-second of the stream) and the prefill scale the Conductor learned (its ``/metrics``).
+second of the stream) and what the Conductor learned (its ``/metrics``): the prefill
+scale and the lateness of first tokens (read at the end of the stream, so relaxed toward
+neutral for the seconds the last requests took to finish).
 """
 
 from __future__ import annotations
@@ -84,11 +86,14 @@ async def stream(base_url: str, args: argparse.Namespace) -> list[tuple[float, i
     return sorted(results)
 
 
-def learned(base_url: str) -> dict[str, float]:
-    """The Conductor's learned prefill scales, from the gateway's /metrics."""
+def learned(base_url: str) -> tuple[dict[str, float], float | None]:
+    """The Conductor's learned prefill scales and TTFT lateness, from the gateway's
+    /metrics."""
     text = httpx.get(base_url + "/metrics", timeout=30, trust_env=False).text
     pattern = r'halfmoon:conductor_prefill_scale\{[^}]*instance_id="([^"]+)"[^}]*\} ([0-9.e+-]+)'
-    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text)}
+    scales = {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text)}
+    late = re.search(r"halfmoon:conductor_ttft_lateness_seconds(?:\{[^}]*\})? ([0-9.e+-]+)", text)
+    return scales, float(late.group(1)) if late else None
 
 
 def summary(results: list[tuple[float, int, float]], slo: float, duration: float) -> dict:
@@ -134,15 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                 log = Path(tmp) / "serve.log"
                 with LocalCluster(serve, cache_dir(), secrets.token_hex(16), log) as c:
                     results = asyncio.run(stream(c.base_url, args))
-                    scales = learned(c.base_url)
-            run = {"round": r, "calibration": mode, "scales": scales,
+                    scales, lateness = learned(c.base_url)
+            run = {"round": r, "calibration": mode, "scales": scales, "lateness_s": lateness,
                    **summary(results, args.ttft_slo, args.duration), "results": results}  # fmt: skip
             runs.append(run)
             shown = {k: v for k, v in run.items() if k != "results"}
             print(json.dumps(shown), flush=True)
     print("\n| round | calibration | admitted | refused | on time | promise kept | goodput "
-          "req/s | TTFT p50 / p90 s | learned scale |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---|---|")
+          "req/s | TTFT p50 / p90 s | learned scale | learned lateness s |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---|---|---:|")
     for run in runs:
         kept = "-" if run["promise_kept"] is None else f"{run['promise_kept']:.2f}"
         ttft = (f"{run['ttft_p50_s']:.2f} / {run['ttft_p90_s']:.2f}"
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = ", ".join(f"{v:.2f}" for v in run["scales"].values()) or "-"
         print(f"| {run['round']} | {run['calibration']} | {run['admitted']} | {run['refused']} "
               f"| {run['admitted_on_time']} | {kept} | {run['goodput_rps']:.2f} | {ttft} "
-              f"| {scale} |")  # fmt: skip
+              f"| {scale} | {run['lateness_s'] or 0:.3f} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "runs": runs}, indent=1) + "\n")  # fmt: skip

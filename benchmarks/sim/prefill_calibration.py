@@ -1,5 +1,6 @@
 """Prefill calibration off and on, in the simulator, on hosts whose instances run slower
-than the Conductor's cost model says (docs/conductor.md, "Prefill calibration").
+than the Conductor's cost model says (docs/conductor.md, "Prefill calibration"; on also
+learns the lateness of first tokens).
 
 Run: .venv/bin/python -m benchmarks.sim.prefill_calibration [--trace FILE]
      [--max-requests N] [--json benchmarks/results/sim_prefill_calibration.json]
@@ -70,6 +71,7 @@ def run_one(trace: Path, max_requests: int, extra: list[str], calibration: str,
         "ttft_mean_s": report["ttft_s"]["mean"],
         "ttft_p90_s": report["ttft_s"]["p90"],
         "scales": {i: c["scale"] for i, c in report.get("prefill_calibration", {}).items()},
+        "lateness_s": report.get("ttft_lateness_s", 0.0),
     }
 
 
@@ -90,12 +92,14 @@ def main() -> None:
         }
         print(f"[{time.perf_counter() - start:5.0f}s] {label} done", file=sys.stderr, flush=True)
     head = "| configuration | calibration | " + " | ".join(n for _, n in METRICS)
-    print(head + " | learned scales (first replay) |")
+    print(head + " | learned scales, lateness s (first replay) |")
     print("|---|---|" + "---:|" * len(METRICS) + "---|")
     for label, modes in results.items():
         for mode, runs in modes.items():
             cells = [f"{statistics.median(r[key] for r in runs):.3g}" for key, _ in METRICS]
             scales = ", ".join(f"{v:.2f}" for v in runs[0]["scales"].values()) or "-"
+            if runs[0]["scales"]:
+                scales += f"; {runs[0]['lateness_s']:.2f} s"
             print(f"| {label} | {mode} | " + " | ".join(cells) + f" | {scales} |")
     if args.json:
         args.json.write_text(json.dumps({

@@ -148,17 +148,20 @@ def rejection_reason(
     decode: DecodeCandidate,
     dstate: DecodeState,
     now_s: float | None = None,
+    ttft_s: float | None = None,
 ) -> tuple[str, str]:
     """Why the request must be rejected before any prefill work: (a
     :class:`RejectCode`, the text), or ("", "") to admit it. ``now_s`` (when given) lets
-    the snapshot count the tokens the running requests generated since they joined."""
+    the snapshot count the tokens the running requests generated since they joined;
+    ``ttft_s``: the TTFT to hold against the SLO (default: the candidate's)."""
     mode = config.early_reject
     if mode == "none" or request.admitted:  # a failed-over request was admitted once
         return "", ""
     slo = config.slo
-    if chosen.ttft_s > slo.ttft_s:
+    ttft = chosen.ttft_s if ttft_s is None else ttft_s
+    if ttft > slo.ttft_s:
         return RejectCode.TTFT, (
-            f"estimated TTFT {chosen.ttft_s:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
+            f"estimated TTFT {ttft:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
     need = request.input_length + request.output_length
     if dstate.committed_tokens + need > dstate.kv_capacity_tokens:

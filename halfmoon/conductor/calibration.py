@@ -31,11 +31,29 @@ multiplied by ``scale`` (the candidates' prefill times, a load report's queue, t
 bookings of new placements). A worker announces a prefill after fetching any remote
 prefix, so busy time is compute; the CPP stages of a pipelined prefill close busy time
 but add no sample (a stage's share is not a cost-model estimate).
+
+Both learners forget with time, not only with new samples: a Conductor that learned a
+bad spell (a slow instance, a burst of late first tokens) rejects what would have
+corrected it, and could stay stuck. So a learned value relaxes back to its neutral one
+(scale 1, lateness 0) with a half-life (30 s) counted from its last sample; under steady
+traffic samples come far more often and the relaxation is negligible::
+
+    value(now) = neutral + (learned - neutral) * 0.5 ** ((now - last sample) / half_life)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: Seconds for a learned value with no new sample to come halfway back to neutral.
+HALF_LIFE_S = 30.0
+
+
+def _relaxed(learned: float, neutral: float, since_s: float, half_life_s: float) -> float:
+    """``learned`` moved back toward ``neutral`` for ``since_s`` seconds without samples."""
+    if since_s <= 0:
+        return learned
+    return neutral + (learned - neutral) * 0.5 ** (since_s / half_life_s)
 
 
 @dataclass
@@ -44,16 +62,22 @@ class PrefillCalibration:
 
     ``decay``: weight of the history at each sample (0.9: about the last ten prefills);
     ``min_samples``: prefills before the scale moves from 1; ``low``/``high``: bounds of
-    the scale (a stray sample cannot make an instance look free or dead).
+    the scale (a stray sample cannot make an instance look free or dead); ``half_life_s``:
+    how fast, with no new sample, the scale returns to 1 (:meth:`relax`).
     """
 
     decay: float = 0.9
     min_samples: int = 3
     low: float = 0.2
     high: float = 20.0
+    half_life_s: float = HALF_LIFE_S
     busy_s: float = 0.0
     estimated_s: float = 0.0
     samples: int = 0
+    #: The ratio the samples give, and when the last one came.
+    learned: float = 1.0
+    last_sample_s: float = 0.0
+    #: What estimates are multiplied by: ``learned``, relaxed to the last :meth:`relax`.
     scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -63,15 +87,72 @@ class PrefillCalibration:
             raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
         if not 0 < self.low <= 1 <= self.high:
             raise ValueError(f"need 0 < low <= 1 <= high, got {self.low}, {self.high}")
+        if not self.half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
 
-    def observe(self, busy_s: float, estimated_s: float) -> float:
-        """Add one finished prefill (its busy seconds, its unscaled estimate); the scale."""
+    def observe(self, busy_s: float, estimated_s: float, now_s: float = 0.0) -> float:
+        """Add one finished prefill (its busy seconds, its unscaled estimate) at ``now_s``;
+        the scale."""
         if busy_s < 0 or not estimated_s > 0:
             return self.scale
         self.busy_s = self.decay * self.busy_s + busy_s
         self.estimated_s = self.decay * self.estimated_s + estimated_s
         self.samples += 1
+        self.last_sample_s = now_s
         if self.samples >= self.min_samples:
             ratio = self.busy_s / self.estimated_s
-            self.scale = min(self.high, max(self.low, ratio))
+            self.learned = self.scale = min(self.high, max(self.low, ratio))
         return self.scale
+
+    def relax(self, now_s: float) -> float:
+        """The scale at ``now_s``: ``learned`` drifting back to 1 since the last sample."""
+        self.scale = _relaxed(self.learned, 1.0, now_s - self.last_sample_s, self.half_life_s)
+        return self.scale
+
+
+@dataclass
+class LatenessCalibration:
+    """How much later than estimated placed requests' first tokens reach their clients:
+    the hand-off after the prefill (the last layers on the wire, the hand-over) and the
+    messages between, which no cost model prices. Each sample is a request's
+    ``FirstToken`` time less its decision time and the TTFT the decision estimated
+    (before any lateness). The Conductor adds the estimate to the TTFT it holds against
+    the SLO and to the ready time it predicts; it moves every candidate alike, so it
+    never changes which one is chosen.
+
+    The learned value is the decayed mean of the samples once ``min_samples`` came,
+    never below 0 (an estimate that is early on average is left alone) nor above
+    ``high_s``; :meth:`at` relaxes it toward 0 with ``half_life_s`` since the last sample.
+    """
+
+    decay: float = 0.9
+    min_samples: int = 3
+    high_s: float = 60.0
+    half_life_s: float = HALF_LIFE_S
+    total_s: float = 0.0
+    weight: float = 0.0
+    samples: int = 0
+    learned_s: float = 0.0
+    last_sample_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
+        if not self.half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
+
+    def observe(self, late_s: float, now_s: float = 0.0) -> float:
+        """Add one request's lateness (seconds, signed) at ``now_s``; the learned value."""
+        self.total_s = self.decay * self.total_s + late_s
+        self.weight = self.decay * self.weight + 1.0
+        self.samples += 1
+        self.last_sample_s = now_s
+        if self.samples >= self.min_samples:
+            self.learned_s = min(self.high_s, max(0.0, self.total_s / self.weight))
+        return self.learned_s
+
+    def at(self, now_s: float) -> float:
+        """The lateness to add at ``now_s`` (relaxed since the last sample)."""
+        return _relaxed(self.learned_s, 0.0, now_s - self.last_sample_s, self.half_life_s)

@@ -18,6 +18,7 @@ from halfmoon.conductor.messages import (
     BlockEvicted,
     BlockStored,
     DecodeStarted,
+    FirstToken,
     LoadReport,
     PrefillFinished,
     PrefillStarted,
@@ -33,6 +34,7 @@ Event = (
     | PrefillStarted
     | PrefillFinished
     | DecodeStarted
+    | FirstToken
     | RequestFinished
     | LoadReport
 )
@@ -67,6 +69,9 @@ class Cluster:
 
     def _decode_started(self, request_id: str, now_s: float) -> None:
         """A request joined a decode batch."""
+
+    def _first_token(self, request_id: str, now_s: float) -> None:
+        """A request's first token reached its client."""
 
     def _finished(self, request_id: str, decode_s: float | None) -> None:
         """A request left; ``decode_s``: how long it decoded, when that is a sample."""
@@ -208,6 +213,9 @@ class Cluster:
             self._decode_started(event.request_id, now)
         elif isinstance(event, RequestFinished):
             self._finish(event.request_id, now)
+        elif isinstance(event, FirstToken):
+            self._first_token(event.request_id, now)
+            return  # books nothing on an instance
         elif isinstance(event, LoadReport):
             self._apply_report(event)
         else:

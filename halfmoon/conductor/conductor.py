@@ -31,6 +31,7 @@ from halfmoon.conductor.admission import (
     rejection_reason,
 )
 from halfmoon.conductor.balancing import Balancer
+from halfmoon.conductor.calibration import LatenessCalibration
 from halfmoon.conductor.candidates import (
     Memo,
     least_ttft_candidates,
@@ -64,6 +65,10 @@ from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.pipeline import PipelineEstimate
 
+#: Seconds between two relaxations of the learned prefill scales (see
+#: :meth:`Conductor._relax_calibration`).
+RELAX_EVERY_S = 1.0
+
 
 class Conductor(Cluster):
     """Global scheduler shared by the live system and the simulator (its books, events
@@ -84,6 +89,11 @@ class Conductor(Cluster):
         super().__init__(cost_model, clock)
         self.config = config
         self.calibrate_prefill = config.prefill_calibration
+        # How late first tokens reach clients against the decisions' TTFT estimates, and
+        # each placement's (decision time, estimate) until its first token is seen.
+        self._lateness = LatenessCalibration() if config.prefill_calibration else None
+        self._placed_at: dict[str, tuple[float, float]] = {}
+        self._relaxed_at_s = float("-inf")
         self.policy = get_policy(config.policy)
         self.rng = rng if rng is not None else random.Random(0)
         self._cpp = PipelineEstimator(config)
@@ -115,8 +125,15 @@ class Conductor(Cluster):
     def _decode_started(self, request_id: str, now_s: float) -> None:
         self._balancer.decode_started(request_id, now_s)
 
+    def _first_token(self, request_id: str, now_s: float) -> None:
+        placed = self._placed_at.pop(request_id, None)
+        if placed is not None and self._lateness is not None:
+            decided_s, ttft_s = placed
+            self._lateness.observe(now_s - decided_s - ttft_s, now_s)
+
     def _finished(self, request_id: str, decode_s: float | None) -> None:
         self._balancer.forget(request_id)
+        self._placed_at.pop(request_id, None)
         if decode_s is not None:
             self._decode_times.observe(decode_s)
 
@@ -124,6 +141,11 @@ class Conductor(Cluster):
         super().remove_instance(instance_id)
         if self._links is not None:
             self._links.forget(instance_id)
+        self._placed_at = {r: p for r, p in self._placed_at.items() if r in self._placements}
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert self._placed_at.keys() <= self._placements.keys(), "first token of no placement"
 
     def _touched(self, instance_id: str) -> None:
         if self._decode_loads is not None:
@@ -138,6 +160,30 @@ class Conductor(Cluster):
             for iid, state in self._prefill.items()
             if state.calibration is not None
         }
+
+    def _relax_calibration(self) -> None:
+        """At most once a second: let each learned prefill scale drift back toward 1 for
+        the time it has had no sample (a Conductor that rejects everything after a bad
+        spell would otherwise never learn that it is over)."""
+        if not self.calibrate_prefill:
+            return
+        now = self.clock.now()
+        if now - self._relaxed_at_s < RELAX_EVERY_S:
+            return
+        self._relaxed_at_s = now
+        for state in self._prefill.values():
+            state.relax(now)
+
+    @property
+    def ttft_lateness_s(self) -> float:
+        """Seconds added to every TTFT estimate held against the SLO: how much later than
+        estimated first tokens have reached clients (0 with calibration off)."""
+        return 0.0 if self._lateness is None else self._lateness.at(self.clock.now())
+
+    @property
+    def lateness_samples(self) -> int:
+        """First tokens the lateness was learned from."""
+        return 0 if self._lateness is None else self._lateness.samples
 
     @property
     def decode_time_estimate_s(self) -> float | None:
@@ -242,10 +288,15 @@ class Conductor(Cluster):
         return decode_candidate(request, dstate)
 
     def _rejection(
-        self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate
+        self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate, ttft_s: float
     ) -> tuple[str, str]:
         dstate = self._decode[decode.instance_id]
-        return rejection_reason(self.config, request, chosen, decode, dstate, self.clock.now())
+        now = self.clock.now()
+        return rejection_reason(self.config, request, chosen, decode, dstate, now, ttft_s)
+
+    def _lateness_note(self) -> str:
+        late = self.ttft_lateness_s
+        return f", {late:.3f}s of it learned lateness" if late else ""
 
     def schedule(self, request: Request, *, exhaustive: bool = False) -> Decision:
         """Place ``request`` on a prefill and a decode instance, or reject it.
@@ -254,6 +305,7 @@ class Conductor(Cluster):
         that cannot win are pruned (kvcache-centric; snapshot decode estimates) and
         ``Decision.candidates`` lists the best few (``num_candidates`` counts them all)."""
         policy = self.policy.name
+        self._relax_calibration()
         if exhaustive or policy != "kvcache-centric":
             candidates = self.prefill_candidates(request)
             num_candidates = len(candidates)
@@ -272,7 +324,8 @@ class Conductor(Cluster):
                 reject_code=RejectCode.NO_INSTANCE,
             )
         chosen = self._choose(candidates)
-        ready_s = self.clock.now() + chosen.ttft_s
+        ttft_s = chosen.ttft_s + self.ttft_lateness_s
+        ready_s = self.clock.now() + ttft_s
         decode, decodes = self._decode_choice(request, ready_s, exhaustive)
         counts = {
             "num_candidates": num_candidates,
@@ -280,10 +333,10 @@ class Conductor(Cluster):
         }
         why = (
             f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
-            f"est TTFT {chosen.ttft_s:.3f}s); decode {decode.instance_id} "
+            f"est TTFT {ttft_s:.3f}s{self._lateness_note()}); decode {decode.instance_id} "
             f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
         )
-        code, reason = self._rejection(request, chosen, decode)
+        code, reason = self._rejection(request, chosen, decode, ttft_s)
         if code:
             return Decision(
                 request_id=request.request_id,
@@ -348,6 +401,7 @@ class Conductor(Cluster):
         disaggregated placement)."""
         ids = self.coupled_instances
         router = self.config.coupled_router
+        self._relax_calibration()
         if not ids:
             return Decision(
                 request_id=request.request_id,
@@ -378,14 +432,15 @@ class Conductor(Cluster):
             chosen = min(rotated, key=lambda c: (c.ttft_s, *load(c)))
         else:
             chosen = min(rotated, key=lambda c: (-c.cached_tokens, *load(c)))
-        ready_s = self.clock.now() + chosen.ttft_s
+        ttft_s = chosen.ttft_s + self.ttft_lateness_s
+        ready_s = self.clock.now() + ttft_s
         decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
-        code, reason = self._rejection(request, chosen, decode)
+        code, reason = self._rejection(request, chosen, decode, ttft_s)
         if code:
             return Decision(
                 request_id=request.request_id, policy=router, accepted=False, prefill=chosen,
                 decode=decode, reject_reason=reason, candidates=tuple(cands),
-                why=f"{router}: {chosen.instance_id} (est TTFT {chosen.ttft_s:.3f}s)",
+                why=f"{router}: {chosen.instance_id} (est TTFT {ttft_s:.3f}s)",
                 reject_code=code,
             )  # fmt: skip
         self._commit(request, chosen, chosen.instance_id, ready_s)
@@ -407,6 +462,8 @@ class Conductor(Cluster):
         rid = request.request_id
         if rid in self._placements:  # placed again under the same id: drop the old booking
             self._finish(rid, self.clock.now(), sample=False)
+        if self._lateness is not None:  # the estimate its first token will be held against
+            self._placed_at[rid] = (self.clock.now(), chosen.ttft_s)
         new_tokens = request.input_length - chosen.cached_tokens
         if chosen.group:
             # Member s is held from the pipeline's start until its last chunk is done

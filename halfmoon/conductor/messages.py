@@ -7,6 +7,8 @@ Request lifecycle events, in order, for a disaggregated request placed on (P, D)
 
     schedule() -> PrefillStarted(P) -> PrefillFinished(P) -> DecodeStarted(D) -> RequestFinished(D)
 
+and, from whoever sees it reach the client, FirstToken (around the hand-over to D).
+
 A coupled instance plays both roles and sends the same events with its own id.
 """
 
@@ -37,6 +39,15 @@ class PrefillFinished:
     instance_id: str
     request_id: str
     cached_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The request's first token reached its client: the gateway says so live (with an
+    empty ``instance_id``), the simulator when it records it."""
+
+    instance_id: str
+    request_id: str
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class PrefillState:
                     estimate_s = self.cost_model.prefill_time_s(
                         prompt - cached_tokens, cached_tokens
                     )
-                self.calibration.observe(now_s - self.busy_mark_s, estimate_s)
+                self.calibration.observe(now_s - self.busy_mark_s, estimate_s, now_s)
             self.busy_mark_s = now_s
         if not self.started_at_s:
             self.busy_mark_s = None
@@ -126,6 +126,14 @@ class PrefillState:
         if not self.pending_s:
             self.total_pending_s = 0.0  # no float drift once empty
         self._changed()
+
+    def relax(self, now_s: float) -> None:
+        """Let the learned scale drift back toward 1 for the time without samples
+        (:meth:`PrefillCalibration.relax`)."""
+        if self.calibration is not None:
+            before = self.calibration.scale
+            if self.calibration.relax(now_s) != before:
+                self._changed()
 
     def report(self, queued_prefill_tokens: int, now_s: float) -> None:
         """The instance says how many uncached tokens it has queued (work the Conductor

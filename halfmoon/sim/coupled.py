@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from halfmoon.conductor.messages import (
     DecodeStarted,
+    FirstToken,
     PrefillFinished,
     PrefillStarted,
     RequestFinished,
@@ -243,6 +244,7 @@ class CoupledInstance:
         self._notify(PrefillFinished(self.instance_id, job.request_id, cached))
         job.generated = 1
         job.record.token_times_s.append(now_s)
+        self._notify(FirstToken(self.instance_id, job.request_id))
         self._notify(DecodeStarted(self.instance_id, job.request_id))
         if job.done:
             self._release(job, now_s)

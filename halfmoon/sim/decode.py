@@ -25,7 +25,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
-from halfmoon.conductor.messages import DecodeStarted, RequestFinished
+from halfmoon.conductor.messages import DecodeStarted, FirstToken, RequestFinished
 from halfmoon.core.clock import Clock
 from halfmoon.costmodel.decode_guard import (
     ADMIT,
@@ -115,6 +115,7 @@ class DecodeInstance:
             return NO_EVENTS
         if self._first_token_on_arrival:  # sent by the prefill worker (SimConfig)
             job.record.token_times_s.append(self.clock.now())
+            self._notify(FirstToken(self.instance_id, job.request_id))
         self._waiting.append(job)
         return NO_EVENTS if self._stepping else self._admit_and_step()
 
@@ -162,6 +163,7 @@ class DecodeInstance:
             job.generated = 1
             if not self._first_token_on_arrival:
                 job.record.token_times_s.append(now)
+                self._notify(FirstToken(self.instance_id, job.request_id))
             self._notify(DecodeStarted(self.instance_id, job.request_id))
             if job.done:
                 self._release(job, now)

@@ -410,6 +410,7 @@ class Simulator:
                 "replans": None if self.replanner is None else self.replanner.summary(),
                 "balancing": self.conductor.balancing,
                 "prefill_calibration": self.conductor.prefill_calibration,
+                "ttft_lateness_s": self.conductor.ttft_lateness_s,
             },
         )
         report["effective_request_capacity"] = report["slo_attainment"]

@@ -8,12 +8,13 @@ import pytest
 from halfmoon.conductor import (
     Conductor,
     ConductorConfig,
+    FirstToken,
     LoadReport,
     PrefillFinished,
     PrefillStarted,
     RequestFinished,
 )
-from halfmoon.conductor.calibration import PrefillCalibration
+from halfmoon.conductor.calibration import LatenessCalibration, PrefillCalibration
 from halfmoon.conductor.state import PrefillState
 from halfmoon.core.clock import ManualClock
 from halfmoon.core.config import SLOConfig
@@ -59,9 +60,9 @@ def test_busy_time_is_split_between_queued_prefills() -> None:
     seen: list[tuple[float, float]] = []
 
     class Recording(PrefillCalibration):
-        def observe(self, busy_s: float, estimated_s: float) -> float:
+        def observe(self, busy_s: float, estimated_s: float, now_s: float = 0.0) -> float:
             seen.append((busy_s, estimated_s))
-            return super().observe(busy_s, estimated_s)
+            return super().observe(busy_s, estimated_s, now_s)
 
     state = PrefillState("P1", MODEL, calibration=Recording(decay=1.0))
     for rid in ("a", "b", "c"):
@@ -210,3 +211,57 @@ def test_prefills_announced_together_are_worked_through_one_at_a_time() -> None:
     state.finish("c", 11.5)
     assert state.queue_s(11.5) == 0.0 and state.busy_mark_s is None
     assert state.started_pending_s == 0.0
+
+
+def test_lateness_is_a_decayed_mean_never_below_zero() -> None:
+    late = LatenessCalibration(decay=1.0, min_samples=2)
+    assert late.observe(0.4) == 0.0  # not enough samples yet
+    assert late.observe(0.2) == pytest.approx(0.3)
+    assert late.observe(-2.0) == 0.0  # early on average: nothing added
+    with pytest.raises(ValueError):
+        LatenessCalibration(decay=1.5)
+
+
+def test_learned_values_relax_back_without_samples() -> None:
+    """A bad spell learned, then no sample (everything rejected): the scale and the
+    lateness come back halfway per half-life, so admissions resume and correct them."""
+    cal = PrefillCalibration(min_samples=1, half_life_s=30.0)
+    cal.observe(5.0, 1.0, now_s=100.0)
+    assert cal.relax(100.0) == pytest.approx(5.0)
+    assert cal.relax(130.0) == pytest.approx(3.0)
+    assert cal.relax(400.0) == pytest.approx(1.0, abs=0.01)
+    cal.observe(2.0, 1.0, now_s=401.0)  # a new sample: the decayed sums' ratio again
+    assert cal.scale == pytest.approx((0.9 * 5.0 + 2.0) / (0.9 * 1.0 + 1.0))
+    late = LatenessCalibration(min_samples=1, half_life_s=10.0)
+    late.observe(40.0, now_s=0.0)
+    assert late.at(0.0) == pytest.approx(40.0) and late.at(20.0) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_first_tokens_later_than_estimated_make_the_conductor_reject_earlier(
+    calibrate: bool,
+) -> None:
+    """First tokens reach clients 0.6 s after the estimated TTFT (a hand-off no cost
+    model prices): calibrated, the Conductor adds that to its estimates and refuses a
+    0.48 s prefill under a 1 s SLO; uncalibrated, it admits it."""
+    clock = ManualClock()
+    c = _conductor(calibrate, clock)
+    for n in range(3):
+        d = c.schedule(_request(n))
+        assert d.accepted, d.reject_reason
+        c.handle(PrefillStarted("P1", d.request_id))
+        clock.advance(0.48)
+        c.handle(PrefillFinished("P1", d.request_id))
+        clock.advance(0.6)
+        c.handle(FirstToken("", d.request_id))
+        c.handle(RequestFinished("D1", d.request_id))
+        c.check_integrity()
+    c.handle(FirstToken("", "never-placed"))  # ignored
+    d = c.schedule(_request(99))
+    if calibrate:
+        assert c.ttft_lateness_s == pytest.approx(0.6) and c.lateness_samples == 3
+        assert not d.accepted and "1.08s" in d.reject_reason
+        assert "0.600s of it learned lateness" in d.why
+    else:
+        assert c.ttft_lateness_s == 0.0 and c.lateness_samples == 0
+        assert d.accepted

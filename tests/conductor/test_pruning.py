@@ -11,6 +11,7 @@ from halfmoon.conductor import (
     Conductor,
     ConductorConfig,
     DecodeStarted,
+    FirstToken,
     LoadReport,
     PrefillFinished,
     PrefillStarted,
@@ -130,6 +131,7 @@ class Twin:
             self.send(PrefillStarted(p, rid))
         elif kind == 1:
             self.send(PrefillFinished(p, rid))
+            self.send(FirstToken("", rid))
             self.send(DecodeStarted(d, rid))
         else:
             self.send(RequestFinished(d, rid))
@@ -175,7 +177,7 @@ def test_pruned_decisions_equal_exhaustive(seed):
 def test_calibrated_scales_reach_the_pruned_decisions():
     """Calibration on, the scales the random streams teach differ from 1 (so the seeds
     above compare pruned and exhaustive decisions on scaled estimates too)."""
-    scales = []
+    scales, lateness = [], []
     for seed in range(60):
         rng = random.Random(seed)
         twin = Twin(rng, seed)
@@ -183,7 +185,10 @@ def test_calibrated_scales_reach_the_pruned_decisions():
             twin.step()
         scales += [c["scale"] for c in twin.pruned.prefill_calibration.values()]
         assert twin.pruned.prefill_calibration == twin.full.prefill_calibration
+        lateness.append(twin.pruned.ttft_lateness_s)
+        assert twin.pruned.ttft_lateness_s == twin.full.ttft_lateness_s
     assert sum(s != 1.0 for s in scales) >= 5
+    assert sum(late > 0 for late in lateness) >= 5
 
 
 def test_pruned_explanation_counts_the_rest(make_conductor):

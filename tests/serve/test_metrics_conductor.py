@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import zmq
 
 from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.conductor.messages import RejectCode
-from halfmoon.core.clock import WallClock
+from halfmoon.core.clock import ManualClock, WallClock
 from halfmoon.core.hashing import hash_blocks
 from halfmoon.serve.control.conductor_main import load_cost_model
 from halfmoon.serve.control.conductor_metrics import (
@@ -19,6 +20,7 @@ from halfmoon.serve.control.conductor_metrics import (
 )
 from halfmoon.serve.control.conductor_service import ConductorService
 from halfmoon.serve.control.messages import (
+    FirstTokenSeen,
     MetricsQuery,
     MetricsText,
     Schedule,
@@ -99,6 +101,46 @@ def test_the_service_counts_its_decisions_and_answers_metrics_query():
         assert 'halfmoon:conductor_balancing_threshold{mode="fixed"} 0.1' in reply.text
         assert 'halfmoon:conductor_balancing_fetching{mode="fixed"} 1.0' in reply.text
         assert 'halfmoon:conductor_balancing_link_backlog_seconds{mode="fixed"} 0.0' in reply.text
+    finally:
+        sock.close(0)
+        service.close()
+
+
+def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
+    """A placed request's ``first_token`` message (no reply) is a lateness sample; one for
+    a request the Conductor never placed is ignored; the gauge carries what it learned."""
+    config = ConductorConfig(block_size_tokens=16, prefill_calibration=True)
+    clock = ManualClock()
+    core = Conductor(config, load_cost_model(None, 16384), clock, random.Random(0))
+    core.add_prefill_instance("p0")
+    core.add_decode_instance("d0")
+    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        for n in range(3):
+            tokens = list(range(100 * n, 100 * n + 32))
+            schedule = Schedule(
+                request_id=f"r{n}", input_length=32, output_length=4, block_size=16,
+                hashes=hashes_to_wire(hash_blocks(tokens, 16).hashes), msg_id=n + 1,
+            )  # fmt: skip
+            sock.send_multipart(encode_message(schedule, SECRET))
+            service.handle_one()
+            decision = decode_message(sock.recv_multipart(), SECRET)
+            assert decision.accepted, decision
+            clock.advance(decision.est_ttft_s + 0.25)  # every first token 0.25 s late
+            sock.send_multipart(encode_message(FirstTokenSeen(request_id=f"r{n}"), SECRET))
+            service.handle_one()
+        sock.send_multipart(encode_message(FirstTokenSeen(request_id="unknown"), SECRET))
+        service.handle_one()
+        assert not sock.poll(100)  # no reply to a notice
+        assert core.lateness_samples == 3
+        assert core.ttft_lateness_s == pytest.approx(0.25)
+        sock.send_multipart(encode_message(MetricsQuery(msg_id=9), SECRET))
+        service.handle_one()
+        reply = decode_message(sock.recv_multipart(), SECRET)
+        assert "halfmoon:conductor_ttft_lateness_seconds 0.25" in reply.text
     finally:
         sock.close(0)
         service.close()

@@ -40,6 +40,8 @@ class InstanceFigures:
     balancing: dict[str, Any] = field(default_factory=dict)
     #: Each prefill instance's learned prefill scale (``Conductor.prefill_calibration``).
     prefill_scale: dict[str, float] = field(default_factory=dict)
+    #: Seconds the Conductor adds to every TTFT estimate (``Conductor.ttft_lateness_s``).
+    ttft_lateness_s: float = 0.0
 
 
 class InstanceCollector:
@@ -76,7 +78,13 @@ class InstanceCollector:
         )
         for iid, scale in sorted(f.prefill_scale.items()):
             scales.add_metric([iid], scale)
-        yield from (instances, blocks, scales, *balancing_families(f.balancing))
+        lateness = GaugeMetricFamily(
+            "halfmoon:conductor_ttft_lateness_seconds",
+            "Seconds added to every TTFT estimate: how much later than estimated first "
+            "tokens reached the gateway, learned online (--prefill-calibration on).",
+        )
+        lateness.add_metric([], f.ttft_lateness_s)
+        yield from (instances, blocks, scales, lateness, *balancing_families(f.balancing))
 
 
 def balancing_families(state: dict[str, Any]) -> Iterator[GaugeMetricFamily]:

@@ -52,6 +52,7 @@ from halfmoon.conductor import (
     Conductor,
     Decision,
     DecodeStarted,
+    FirstToken,
     LoadReport,
     PrefillFinished,
     PrefillStarted,
@@ -72,6 +73,7 @@ from halfmoon.serve.control.messages import (
     Error,
     Event,
     Events,
+    FirstTokenSeen,
     Heartbeat,
     InstanceFailed,
     LifecycleEvent,
@@ -252,6 +254,7 @@ class ConductorService:
             index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
             balancing=dict(self.conductor.balancing),
             prefill_scale={i: c["scale"] for i, c in self.conductor.prefill_calibration.items()},
+            ttft_lateness_s=self.conductor.ttft_lateness_s,
         )
 
     def integrity(self) -> str:
@@ -282,6 +285,9 @@ class ConductorService:
             return self._schedule(message)
         if isinstance(message, Release):
             self.conductor.release(message.request_id)
+            return None
+        if isinstance(message, FirstTokenSeen):
+            self.conductor.handle(FirstToken("", message.request_id))
             return None
         if isinstance(message, Register):
             return self._register(message)
@@ -317,6 +323,7 @@ class ConductorService:
             index_blocks={i: self.conductor.index.num_held(i) for i in self.instances},
             balancing=self.conductor.balancing,
             prefill_calibration=self.conductor.prefill_calibration,
+            ttft_lateness_s=self.conductor.ttft_lateness_s,
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:

@@ -269,6 +269,15 @@ class Release(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FirstTokenSeen(Message):
+    """Gateway -> Conductor: a placed request's first token has reached the gateway (the
+    Conductor learns from it how late first tokens come against its TTFT estimates)."""
+
+    wire_name: ClassVar[str] = "first_token"
+    request_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class InstanceFailed(Message):
     """Gateway -> Conductor: this worker (this process of it) failed a request."""
 
@@ -308,6 +317,8 @@ class ConductorPong(Message):
     #: Each prefill instance's learned prefill scale and its number of samples
     #: (``Conductor.prefill_calibration``; empty when calibration is off).
     prefill_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Seconds added to every TTFT estimate (``Conductor.ttft_lateness_s``).
+    ttft_lateness_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -753,7 +764,7 @@ def logprobs_from_wire(data: Any) -> tuple[TokenLogprob, ...]:
 __all__ = [
     "LIFECYCLE_KINDS", "MESSAGE_TYPES", "NO_ENDPOINTS", "Abort", "Arrival", "Batch", "BlockEvent",
     "ClusterIdentity", "ClusterStatus", "ConductorPong", "CppOffer", "CppPrefill", "CppStart", "Drain",
-    "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "Generate", "Handoff",
+    "Draining", "Endpoints", "Error", "Event", "Events", "Expect", "FirstTokenSeen", "Generate", "Handoff",
     "Heartbeat", "HeldBlocks", "InstanceFailed", "InstanceStatus", "LifecycleEvent", "LoadEvent", "Lost",
     "MalformedMessage", "Member", "Message", "MetricsQuery", "MetricsText", "Ping", "PlacementDecision", "Prefill",
     "PrefillDone", "Record", "Refused", "Register", "RegisterAgain", "Registered", "Release", "Replicate",

@@ -97,6 +97,7 @@ def conductor_state(
         "draining": sorted(service.draining),
         "balancing": dict(conductor.balancing),
         "prefill_calibration": conductor.prefill_calibration,
+        "ttft_lateness_s": conductor.ttft_lateness_s,
         "integrity": service.integrity(),
         "cluster": dataclasses.asdict(service.cluster),
         "num_recent_decisions": len(recent),

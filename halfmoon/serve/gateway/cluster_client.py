@@ -44,6 +44,7 @@ from halfmoon.serve.control.messages import (
     Endpoints,
     Error,
     Expect,
+    FirstTokenSeen,
     Generate,
     InstanceFailed,
     Lost,
@@ -461,6 +462,8 @@ class ClusterBackend:
                     rtt_s if first else None,
                     msg.token_logprobs,
                 )
+                if first:  # once the client has it: the Conductor learns how late it came
+                    await self._tell_conductor(FirstTokenSeen(request_id=request_id))
                 finish = msg.finish_reason
                 if finish is not None:
                     await self._release(request_id)
