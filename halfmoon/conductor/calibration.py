@@ -1,5 +1,6 @@
 """Prefill calibration: how much longer (or shorter) an instance's prefills really take
-than its cost model says, learned online from the instance's own prefills.
+than its cost model says, and how late first tokens reach clients against the TTFT
+estimates, both learned online (:class:`PrefillCalibration`, :class:`LatenessCalibration`).
 
 The Conductor's TTFT estimates come from a cost model: a profile measured once on an
 idle host, or a roofline. A live instance can run slower than that for as long as it
@@ -31,6 +32,10 @@ multiplied by ``scale`` (the candidates' prefill times, a load report's queue, t
 bookings of new placements). A worker announces a prefill after fetching any remote
 prefix, so busy time is compute; the CPP stages of a pipelined prefill close busy time
 but add no sample (a stage's share is not a cost-model estimate).
+
+What happens after a prefill and before its first token reaches the client (the last
+layers on the wire, the hand-over, the messages) no cost model prices: that is the
+lateness :class:`LatenessCalibration` learns from ``FirstToken`` events.
 
 Both learners forget with time, not only with new samples: a Conductor that learned a
 bad spell (a slow instance, a burst of late first tokens) rejects what would have

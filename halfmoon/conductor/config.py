@@ -33,9 +33,11 @@ class ConductorConfig:
       count it in the fetching instance's queue. Off, a fetch is priced as if the network
       were idle (the paper's estimate). ``balancing="adaptive"`` turns it on.
     - ``prefill_calibration``: learn, per prefill instance, how far its measured prefills
-      are from the cost model's estimates, and scale its estimates by that
-      (:mod:`halfmoon.conductor.calibration`). Off, every estimate is the cost model's (the
-      paper's, and the simulator's own world, where the two agree unless a host is shared).
+      are from the cost model's estimates, and scale its estimates by that; and learn how
+      late first tokens reach clients against the TTFT estimates, and add that to the TTFT
+      held against the SLO (:mod:`halfmoon.conductor.calibration`). Off, every estimate is
+      the cost model's (the paper's, and the simulator's own world, where the two agree
+      unless a host is shared).
     - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
       None predicts from the distribution of recently observed decode durations
       (:class:`~halfmoon.conductor.admission.DecodeTimes`; t_d is their moving average).

@@ -94,7 +94,8 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
     g.add_argument(
         "--prefill-calibration", default=d["prefill_calibration"], metavar="on|off",
         help="scale each prefill instance's estimates by how much longer (or shorter) its "
-        "finished prefills took than the cost model said (learned online)",
+        "finished prefills took than the cost model said, and add how late first tokens "
+        "reach clients to the TTFT held against the SLO (both learned online)",
     )  # fmt: skip
     g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
