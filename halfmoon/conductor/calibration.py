@@ -48,10 +48,21 @@ traffic samples come far more often and the relaxation is negligible::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Container
+from dataclasses import dataclass, field
 
 #: Seconds for a learned value with no new sample to come halfway back to neutral.
 HALF_LIFE_S = 30.0
+
+
+def _check(decay: float, min_samples: int, half_life_s: float) -> None:
+    """The settings both learners share, or a ValueError naming the bad one."""
+    if not 0 < decay <= 1:
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
+    if min_samples < 1:
+        raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+    if not half_life_s > 0:
+        raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
 
 
 def _relaxed(learned: float, neutral: float, since_s: float, half_life_s: float) -> float:
@@ -86,14 +97,9 @@ class PrefillCalibration:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.min_samples < 1:
-            raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
+        _check(self.decay, self.min_samples, self.half_life_s)
         if not 0 < self.low <= 1 <= self.high:
             raise ValueError(f"need 0 < low <= 1 <= high, got {self.low}, {self.high}")
-        if not self.half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
 
     def observe(self, busy_s: float, estimated_s: float, now_s: float = 0.0) -> float:
         """Add one finished prefill (its busy seconds, its unscaled estimate) at ``now_s``;
@@ -128,6 +134,8 @@ class LatenessCalibration:
     The learned value is the decayed mean of the samples once ``min_samples`` came,
     never below 0 (an estimate that is early on average is left alone) nor above
     ``high_s``; :meth:`at` relaxes it toward 0 with ``half_life_s`` since the last sample.
+    It also keeps each placement's (decision time, estimate) from :meth:`placed` until its
+    :meth:`first_token` (or :meth:`forget`).
     """
 
     decay: float = 0.9
@@ -139,14 +147,30 @@ class LatenessCalibration:
     samples: int = 0
     learned_s: float = 0.0
     last_sample_s: float = 0.0
+    #: Placed requests whose first token has not been seen: (decision time, estimate).
+    pending: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.min_samples < 1:
-            raise ValueError(f"min_samples must be >= 1, got {self.min_samples}")
-        if not self.half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
+        _check(self.decay, self.min_samples, self.half_life_s)
+
+    def placed(self, request_id: str, now_s: float, ttft_s: float) -> None:
+        """A request was placed at ``now_s`` with this TTFT estimate (before lateness)."""
+        self.pending[request_id] = (now_s, ttft_s)
+
+    def first_token(self, request_id: str, now_s: float) -> None:
+        """Its first token came: a sample (ignored for a request not placed here)."""
+        placed = self.pending.pop(request_id, None)
+        if placed is not None:
+            decided_s, ttft_s = placed
+            self.observe(now_s - decided_s - ttft_s, now_s)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (or was placed again) before its first token was seen."""
+        self.pending.pop(request_id, None)
+
+    def retain(self, request_ids: Container[str]) -> None:
+        """Forget every pending request not in ``request_ids`` (instances left)."""
+        self.pending = {r: p for r, p in self.pending.items() if r in request_ids}
 
     def observe(self, late_s: float, now_s: float = 0.0) -> float:
         """Add one request's lateness (seconds, signed) at ``now_s``; the learned value."""

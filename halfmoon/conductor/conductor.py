@@ -89,10 +89,8 @@ class Conductor(Cluster):
         super().__init__(cost_model, clock)
         self.config = config
         self.calibrate_prefill = config.prefill_calibration
-        # How late first tokens reach clients against the decisions' TTFT estimates, and
-        # each placement's (decision time, estimate) until its first token is seen.
+        # How late first tokens reach clients against the decisions' TTFT estimates.
         self._lateness = LatenessCalibration() if config.prefill_calibration else None
-        self._placed_at: dict[str, tuple[float, float]] = {}
         self._relaxed_at_s = float("-inf")
         self.policy = get_policy(config.policy)
         self.rng = rng if rng is not None else random.Random(0)
@@ -126,14 +124,13 @@ class Conductor(Cluster):
         self._balancer.decode_started(request_id, now_s)
 
     def _first_token(self, request_id: str, now_s: float) -> None:
-        placed = self._placed_at.pop(request_id, None)
-        if placed is not None and self._lateness is not None:
-            decided_s, ttft_s = placed
-            self._lateness.observe(now_s - decided_s - ttft_s, now_s)
+        if self._lateness is not None:
+            self._lateness.first_token(request_id, now_s)
 
     def _finished(self, request_id: str, decode_s: float | None) -> None:
         self._balancer.forget(request_id)
-        self._placed_at.pop(request_id, None)
+        if self._lateness is not None:
+            self._lateness.forget(request_id)
         if decode_s is not None:
             self._decode_times.observe(decode_s)
 
@@ -141,11 +138,14 @@ class Conductor(Cluster):
         super().remove_instance(instance_id)
         if self._links is not None:
             self._links.forget(instance_id)
-        self._placed_at = {r: p for r, p in self._placed_at.items() if r in self._placements}
+        if self._lateness is not None:
+            self._lateness.retain(self._placements)
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        assert self._placed_at.keys() <= self._placements.keys(), "first token of no placement"
+        if self._lateness is not None:
+            pending = self._lateness.pending.keys()
+            assert pending <= self._placements.keys(), "first token of no placement"
 
     def _touched(self, instance_id: str) -> None:
         if self._decode_loads is not None:
@@ -294,9 +294,12 @@ class Conductor(Cluster):
         now = self.clock.now()
         return rejection_reason(self.config, request, chosen, decode, dstate, now, ttft_s)
 
-    def _lateness_note(self) -> str:
+    def _held_ttft(self, chosen: PrefillCandidate) -> tuple[float, str]:
+        """The TTFT held against the SLO for ``chosen`` (its estimate plus the learned
+        lateness) and how the decision's explanation says so."""
         late = self.ttft_lateness_s
-        return f", {late:.3f}s of it learned lateness" if late else ""
+        note = f", {late:.3f}s of it learned lateness" if late else ""
+        return chosen.ttft_s + late, note
 
     def schedule(self, request: Request, *, exhaustive: bool = False) -> Decision:
         """Place ``request`` on a prefill and a decode instance, or reject it.
@@ -324,7 +327,7 @@ class Conductor(Cluster):
                 reject_code=RejectCode.NO_INSTANCE,
             )
         chosen = self._choose(candidates)
-        ttft_s = chosen.ttft_s + self.ttft_lateness_s
+        ttft_s, note = self._held_ttft(chosen)
         ready_s = self.clock.now() + ttft_s
         decode, decodes = self._decode_choice(request, ready_s, exhaustive)
         counts = {
@@ -333,7 +336,7 @@ class Conductor(Cluster):
         }
         why = (
             f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
-            f"est TTFT {ttft_s:.3f}s{self._lateness_note()}); decode {decode.instance_id} "
+            f"est TTFT {ttft_s:.3f}s{note}); decode {decode.instance_id} "
             f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
         )
         code, reason = self._rejection(request, chosen, decode, ttft_s)
@@ -432,7 +435,7 @@ class Conductor(Cluster):
             chosen = min(rotated, key=lambda c: (c.ttft_s, *load(c)))
         else:
             chosen = min(rotated, key=lambda c: (-c.cached_tokens, *load(c)))
-        ttft_s = chosen.ttft_s + self.ttft_lateness_s
+        ttft_s, note = self._held_ttft(chosen)
         ready_s = self.clock.now() + ttft_s
         decode = self._decode_candidate(request, self._decode[chosen.instance_id], ready_s)
         code, reason = self._rejection(request, chosen, decode, ttft_s)
@@ -440,7 +443,7 @@ class Conductor(Cluster):
             return Decision(
                 request_id=request.request_id, policy=router, accepted=False, prefill=chosen,
                 decode=decode, reject_reason=reason, candidates=tuple(cands),
-                why=f"{router}: {chosen.instance_id} (est TTFT {ttft_s:.3f}s)",
+                why=f"{router}: {chosen.instance_id} (est TTFT {ttft_s:.3f}s{note})",
                 reject_code=code,
             )  # fmt: skip
         self._commit(request, chosen, chosen.instance_id, ready_s)
@@ -463,7 +466,7 @@ class Conductor(Cluster):
         if rid in self._placements:  # placed again under the same id: drop the old booking
             self._finish(rid, self.clock.now(), sample=False)
         if self._lateness is not None:  # the estimate its first token will be held against
-            self._placed_at[rid] = (self.clock.now(), chosen.ttft_s)
+            self._lateness.placed(rid, self.clock.now(), chosen.ttft_s)
         new_tokens = request.input_length - chosen.cached_tokens
         if chosen.group:
             # Member s is held from the pipeline's start until its last chunk is done
