@@ -4,11 +4,12 @@ Run from the repository root::
 
     .venv/bin/python -m benchmarks.eval.prefill_calibration_live [--rate 6] [--duration 40]
         [--prompt-tokens 1024] [--max-tokens 16] [--ttft-slo 1.0] [--rounds 2]
-        [--json out.json] [-- EXTRA SERVE ARGS]
+        [--modes off,on:0,on:1.3] [--json out.json] [-- EXTRA SERVE ARGS]
 
 Each round starts ``halfmoon serve --model tiny --prefill 1 --decode 1 --num-threads 1
---early-reject snapshot --ttft-slo S`` twice, ``--prefill-calibration off`` and ``on``
-(the order alternating by round), and sends the same open-loop stream to each: requests
+--early-reject snapshot --ttft-slo S`` once per ``--modes`` entry: ``off``
+(``--prefill-calibration off``) or ``on:K`` (on, with ``--lateness-stddevs K``), the
+order rotating by round, and sends the same open-loop stream to each: requests
 at ``--rate`` a second (exponential gaps, seeded) for ``--duration`` seconds, each a
 streamed completion of ``--prompt-tokens`` distinct random token ids (no prefix hits).
 The rate is above what one prefill worker on this host serves, so the Conductor must
@@ -122,18 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--modes", default="off,on:0,on:1.3",
+        help="comma-separated runs per round: off, or on:K (calibration on, the lateness "
+        "held as its mean plus K standard deviations, --lateness-stddevs K)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument("serve_args", nargs="*", help="extra `halfmoon serve` arguments")
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.duration <= 0 or args.rounds < 1:
         parser.error("--rate, --duration and --rounds must be positive")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        if mode != "off" and not re.fullmatch(r"on:\d+(\.\d+)?", mode):
+            parser.error(f"--modes: {mode!r} is neither off nor on:K")
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            switch, _, stddevs = mode.partition(":")
             serve = [
                 "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
                 "--early-reject", "snapshot", "--ttft-slo", str(args.ttft_slo),
-                "--prefill-calibration", mode, *args.serve_args,
+                "--prefill-calibration", switch, "--lateness-stddevs", stddevs or "0",
+                *args.serve_args,
             ]  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="halfmoon-calibration-") as tmp:
                 log = Path(tmp) / "serve.log"

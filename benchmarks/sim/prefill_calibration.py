@@ -3,13 +3,14 @@ than the Conductor's cost model says (docs/conductor.md, "Prefill calibration"; 
 learns the lateness of first tokens).
 
 Run: .venv/bin/python -m benchmarks.sim.prefill_calibration [--trace FILE]
-     [--max-requests N] [--json benchmarks/results/sim_prefill_calibration.json]
+     [--max-requests N] [--modes off,on:0,on:1.3]
+     [--json benchmarks/results/sim_prefill_calibration.json]
 
 Each configuration replays the public trace's first ``--max-requests`` requests with
 early rejection (``snapshot``, TTFT SLO 30 s, TBT 100 ms, the simulator's default
-LLaMA2-70B on 8xA800 per instance), once with ``--prefill-calibration off`` and once
-``on``, at three replay speeds 0.2% apart (a perturbation: a simulated cluster near
-saturation is chaotic, so every replay is kept). ``--host-cores N`` makes the instances
+LLaMA2-70B on 8xA800 per instance), once per ``--modes`` entry (``off``: calibration
+off; ``on:K``: on, with ``--lateness-stddevs K``), at three replay speeds 0.2% apart (a
+perturbation: a simulated cluster near saturation is chaotic, so every replay is kept). ``--host-cores N`` makes the instances
 share N cores (halfmoon.sim.host): every busy instance beyond N slows all of them, which
 the cost model does not know; without it the instances run at the model's speed and the
 calibration should change nothing.
@@ -50,7 +51,15 @@ METRICS = (
 )
 
 
-def run_one(trace: Path, max_requests: int, extra: list[str], calibration: str,
+def mode_args(mode: str) -> list[str]:
+    """``off`` or ``on:K`` as `halfmoon simulate` flags (K: --lateness-stddevs)."""
+    switch, _, stddevs = mode.partition(":")
+    if switch not in ("on", "off"):
+        raise SystemExit(f"--modes: {mode!r} is neither off nor on:K")
+    return ["--prefill-calibration", switch, "--lateness-stddevs", stddevs or "0"]
+
+
+def run_one(trace: Path, max_requests: int, extra: list[str], mode: str,
             time_scale: float) -> dict[str, Any]:  # fmt: skip
     """One `halfmoon simulate` run; the report's figures and the learned scales."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,7 +68,7 @@ def run_one(trace: Path, max_requests: int, extra: list[str], calibration: str,
             sys.executable, "-m", "halfmoon.cli", "simulate", "--trace", str(trace),
             "--max-requests", str(max_requests), "--time-scale", f"{time_scale:g}",
             "--early-reject", "snapshot", "--ttft-slo", "30", "--tbt-slo", "0.1",
-            "--prefill-calibration", calibration, "--json", str(out), *extra,
+            *mode_args(mode), "--json", str(out), *extra,
         ]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
         report = json.loads(out.read_text())
@@ -79,8 +88,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--max-requests", type=int, default=3000)
+    parser.add_argument(
+        "--modes", default="off,on:0",
+        help="comma-separated: off, or on:K (calibration on, the lateness held as its mean "
+        "plus K standard deviations)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        mode_args(mode)
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
     start = time.perf_counter()
@@ -88,7 +105,7 @@ def main() -> None:
     for label, extra in CONFIGS.items():
         results[label] = {
             mode: [run_one(args.trace, args.max_requests, extra, mode, r) for r in REPLAYS]
-            for mode in ("off", "on")
+            for mode in modes
         }
         print(f"[{time.perf_counter() - start:5.0f}s] {label} done", file=sys.stderr, flush=True)
     head = "| configuration | calibration | " + " | ".join(n for _, n in METRICS)

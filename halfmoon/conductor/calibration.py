@@ -35,7 +35,9 @@ but add no sample (a stage's share is not a cost-model estimate).
 
 What happens after a prefill and before its first token reaches the client (the last
 layers on the wire, the hand-over, the messages) no cost model prices: that is the
-lateness :class:`LatenessCalibration` learns from ``FirstToken`` events.
+lateness :class:`LatenessCalibration` learns from ``FirstToken`` events: their decayed
+mean, and with ``stddevs`` > 0 that many decayed standard deviations on top, so that the
+TTFT held against the SLO covers late first tokens, not only the average one.
 
 Both learners forget with time, not only with new samples: a Conductor that learned a
 bad spell (a slow instance, a burst of late first tokens) rejects what would have
@@ -48,11 +50,14 @@ traffic samples come far more often and the relaxation is negligible::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 from dataclasses import dataclass, field
 
 #: Seconds for a learned value with no new sample to come halfway back to neutral.
 HALF_LIFE_S = 30.0
+#: The largest margin, in standard deviations of lateness, a Conductor accepts.
+MAX_STDDEVS = 5.0
 
 
 def _check(decay: float, min_samples: int, half_life_s: float) -> None:
@@ -131,9 +136,12 @@ class LatenessCalibration:
     the SLO and to the ready time it predicts; it moves every candidate alike, so it
     never changes which one is chosen.
 
-    The learned value is the decayed mean of the samples once ``min_samples`` came,
-    never below 0 (an estimate that is early on average is left alone) nor above
-    ``high_s``; :meth:`at` relaxes it toward 0 with ``half_life_s`` since the last sample.
+    The learned value is the decayed mean of the samples once ``min_samples`` came, plus
+    ``stddevs`` times their decayed standard deviation (0: the mean alone; 1.3 holds
+    about the 90th percentile of normally spread lateness, so that admitted requests
+    whose first token comes later than the average still meet the SLO), never below 0
+    (an estimate that is early on average is left alone) nor above ``high_s``; :meth:`at`
+    relaxes it toward 0 with ``half_life_s`` since the last sample.
     It also keeps each placement's (decision time, estimate) from :meth:`placed` until its
     :meth:`first_token` (or :meth:`forget`).
     """
@@ -142,9 +150,14 @@ class LatenessCalibration:
     min_samples: int = 3
     high_s: float = 60.0
     half_life_s: float = HALF_LIFE_S
+    stddevs: float = 0.0
     total_s: float = 0.0
+    total_sq_s: float = 0.0
     weight: float = 0.0
     samples: int = 0
+    #: The decayed mean and standard deviation of the samples, and what they give.
+    mean_s: float = 0.0
+    std_s: float = 0.0
     learned_s: float = 0.0
     last_sample_s: float = 0.0
     #: Placed requests whose first token has not been seen: (decision time, estimate).
@@ -152,6 +165,8 @@ class LatenessCalibration:
 
     def __post_init__(self) -> None:
         _check(self.decay, self.min_samples, self.half_life_s)
+        if not 0 <= self.stddevs <= MAX_STDDEVS:
+            raise ValueError(f"stddevs must be in [0, {MAX_STDDEVS}], got {self.stddevs}")
 
     def placed(self, request_id: str, now_s: float, ttft_s: float) -> None:
         """A request was placed at ``now_s`` with this TTFT estimate (before lateness)."""
@@ -175,11 +190,15 @@ class LatenessCalibration:
     def observe(self, late_s: float, now_s: float = 0.0) -> float:
         """Add one request's lateness (seconds, signed) at ``now_s``; the learned value."""
         self.total_s = self.decay * self.total_s + late_s
+        self.total_sq_s = self.decay * self.total_sq_s + late_s * late_s
         self.weight = self.decay * self.weight + 1.0
         self.samples += 1
         self.last_sample_s = now_s
         if self.samples >= self.min_samples:
-            self.learned_s = min(self.high_s, max(0.0, self.total_s / self.weight))
+            self.mean_s = self.total_s / self.weight
+            self.std_s = math.sqrt(max(0.0, self.total_sq_s / self.weight - self.mean_s**2))
+            held = self.mean_s + self.stddevs * self.std_s
+            self.learned_s = min(self.high_s, max(0.0, held))
         return self.learned_s
 
     def at(self, now_s: float) -> float:

@@ -90,7 +90,11 @@ class Conductor(Cluster):
         self.config = config
         self.calibrate_prefill = config.prefill_calibration
         # How late first tokens reach clients against the decisions' TTFT estimates.
-        self._lateness = LatenessCalibration() if config.prefill_calibration else None
+        self._lateness = (
+            LatenessCalibration(stddevs=config.lateness_stddevs)
+            if config.prefill_calibration
+            else None
+        )
         self._relaxed_at_s = float("-inf")
         self.policy = get_policy(config.policy)
         self.rng = rng if rng is not None else random.Random(0)
@@ -177,8 +181,18 @@ class Conductor(Cluster):
     @property
     def ttft_lateness_s(self) -> float:
         """Seconds added to every TTFT estimate held against the SLO: how much later than
-        estimated first tokens have reached clients (0 with calibration off)."""
+        estimated first tokens have reached clients, their mean plus
+        ``config.lateness_stddevs`` standard deviations (0 with calibration off)."""
         return 0.0 if self._lateness is None else self._lateness.at(self.clock.now())
+
+    @property
+    def ttft_lateness_spread(self) -> dict[str, float]:
+        """The learned lateness's parts, as of its last sample: ``mean_s``, ``std_s``,
+        ``stddevs`` (empty with calibration off)."""
+        late = self._lateness
+        if late is None:
+            return {}
+        return {"mean_s": late.mean_s, "std_s": late.std_s, "stddevs": late.stddevs}
 
     @property
     def lateness_samples(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from halfmoon.conductor.calibration import MAX_STDDEVS
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.jsonconfig import config_fields, config_to_json
 
@@ -37,7 +38,8 @@ class ConductorConfig:
       late first tokens reach clients against the TTFT estimates, and add that to the TTFT
       held against the SLO (:mod:`halfmoon.conductor.calibration`). Off, every estimate is
       the cost model's (the paper's, and the simulator's own world, where the two agree
-      unless a host is shared).
+      unless a host is shared). ``lateness_stddevs``: with calibration on, the lateness
+      held is its mean plus this many standard deviations (0: the mean).
     - ``decode_time_estimate_s``: the uniform decode duration t_d the prediction assumes;
       None predicts from the distribution of recently observed decode durations
       (:class:`~halfmoon.conductor.admission.DecodeTimes`; t_d is their moving average).
@@ -67,6 +69,7 @@ class ConductorConfig:
     balancing: str = "fixed"
     link_backlog: bool = False
     prefill_calibration: bool = False
+    lateness_stddevs: float = 0.0
     decode_time_estimate_s: float | None = None
     replicate_remote_prefixes: bool = True
     hot_min_requests: int = 8
@@ -91,6 +94,10 @@ class ConductorConfig:
         if self.balancing not in BALANCING_MODES:
             raise ValueError(
                 f"unknown balancing mode {self.balancing!r}; choose from {', '.join(BALANCING_MODES)}"
+            )
+        if not 0 <= self.lateness_stddevs <= MAX_STDDEVS:
+            raise ValueError(
+                f"lateness_stddevs must be in [0, {MAX_STDDEVS}], got {self.lateness_stddevs}"
             )
         if self.hot_min_requests < 0 or self.hot_window_s <= 0 or self.hot_max_replicas < 0:
             raise ValueError("hot-spot parameters must be non-negative (window positive)")

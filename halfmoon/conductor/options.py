@@ -26,11 +26,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from halfmoon.conductor.calibration import MAX_STDDEVS
 from halfmoon.conductor.config import BALANCING_MODES, EARLY_REJECT_MODES, ConductorConfig
 from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.flags import check_at_least, check_choice, check_fraction, check_positive
+from halfmoon.core.flags import (
+    check_at_least,
+    check_choice,
+    check_fraction,
+    check_positive,
+    check_range,
+)
 
 _COMMON: dict[str, Any] = {
     "policy": "kvcache-centric",
@@ -43,6 +50,7 @@ _COMMON: dict[str, Any] = {
     "kvcache_balancing_threshold": 0.1,
     "balancing": "fixed",
     "link_backlog": False,
+    "lateness_stddevs": 0.0,
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -98,6 +106,11 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         "reach clients to the TTFT held against the SLO (both learned online)",
     )  # fmt: skip
     g.add_argument(
+        "--lateness-stddevs", type=float, default=d["lateness_stddevs"], metavar="K",
+        help="with --prefill-calibration on, hold the learned first-token lateness as its "
+        "mean plus K standard deviations (0: the mean; 1.3: about its 90th percentile)",
+    )  # fmt: skip
+    g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
         help="chunked pipeline parallelism: prefill instances form groups of K consecutive "
         "ones that run long prompts as a K-stage pipeline (1: off)",
@@ -143,6 +156,7 @@ def conductor_config_from_args(
             "--prefill-calibration", args.prefill_calibration, ("on", "off")
         )
         == "on",
+        lateness_stddevs=check_range("--lateness-stddevs", args.lateness_stddevs, 0.0, MAX_STDDEVS),
         coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
         cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),

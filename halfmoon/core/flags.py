@@ -37,3 +37,10 @@ def check_fraction(flag: str, value: float) -> float:
     if not 0 <= value <= 1:  # (NaN fails too)
         raise HalfmoonError(f"{flag} must be in [0, 1], got {value}")
     return value
+
+
+def check_range(flag: str, value: float, low: float, high: float) -> float:
+    """``value`` if it is a number in [``low``, ``high``]."""
+    if not low <= value <= high:  # (NaN fails too)
+        raise HalfmoonError(f"{flag} must be in [{low:g}, {high:g}], got {value}")
+    return value

@@ -103,12 +103,13 @@ def test_reported_queue_is_scaled() -> None:
     assert state.queue_s(2.0) == pytest.approx(3.0)
 
 
-def _conductor(calibrate: bool, clock: ManualClock) -> Conductor:
+def _conductor(calibrate: bool, clock: ManualClock, stddevs: float = 0.0) -> Conductor:
     config = ConductorConfig(
         block_size_tokens=BLOCK,
         early_reject="snapshot",
         slo=SLOConfig(ttft_s=1.0, tbt_s=1.0),
         prefill_calibration=calibrate,
+        lateness_stddevs=stddevs,
     )
     c = Conductor(config, MODEL, clock)
     c.add_prefill_instance("P1")
@@ -220,6 +221,81 @@ def test_lateness_is_a_decayed_mean_never_below_zero() -> None:
     assert late.observe(-2.0) == 0.0  # early on average: nothing added
     with pytest.raises(ValueError):
         LatenessCalibration(decay=1.5)
+
+
+def test_lateness_adds_its_spread_when_asked() -> None:
+    """Samples 0.1 and 0.5 (decay 1): mean 0.3, standard deviation 0.2; with 1.5
+    standard deviations the held lateness is 0.6, and it still never goes below 0."""
+    plain, wide = LatenessCalibration(decay=1.0), LatenessCalibration(decay=1.0, stddevs=1.5)
+    for late in (0.1, 0.5, 0.1, 0.5):
+        plain.observe(late)
+        wide.observe(late)
+    assert plain.learned_s == pytest.approx(0.3) and plain.std_s == pytest.approx(0.2)
+    assert wide.learned_s == pytest.approx(0.6) and wide.mean_s == pytest.approx(0.3)
+    steady = LatenessCalibration(decay=1.0, min_samples=1, stddevs=3.0)
+    for _ in range(5):
+        steady.observe(0.25)
+    assert steady.std_s == pytest.approx(0.0, abs=1e-6)
+    assert steady.learned_s == pytest.approx(0.25)  # no spread, no margin
+    early = LatenessCalibration(decay=1.0, min_samples=1, stddevs=1.0)
+    early.observe(-1.0)
+    early.observe(-0.8)
+    assert early.learned_s == 0.0  # -0.9 + 0.1: still early
+    decayed = LatenessCalibration(decay=0.5, min_samples=1, stddevs=1.0)
+    for late in (5.0, 5.0, 5.0):  # an old wide spell...
+        decayed.observe(late)
+    for _ in range(20):  # ...forgotten by steady samples
+        decayed.observe(0.2)
+    assert decayed.learned_s == pytest.approx(0.2, abs=0.01)
+    for bad in (-0.1, 5.5, float("nan")):
+        with pytest.raises(ValueError):
+            LatenessCalibration(stddevs=bad)
+        with pytest.raises(ValueError):
+            ConductorConfig(lateness_stddevs=bad)
+
+
+def test_the_conductor_holds_the_lateness_spread_against_the_slo() -> None:
+    """First tokens come 0.1, 0.5 and 0.1 s after their estimates: held at its mean
+    (~0.23 s) the lateness lets a 0.48 s prefill fit a 1 s SLO; with two standard
+    deviations on top (~0.61 s) it does not, and the refusal names the learned lateness."""
+    lates = (0.1, 0.5, 0.1)
+    for stddevs, accepted in ((0.0, True), (2.0, False)):
+        clock = ManualClock()
+        c = _conductor(True, clock, stddevs)
+        expected = LatenessCalibration(stddevs=stddevs)
+        for n, late in enumerate(lates):
+            d = c.schedule(_request(n))
+            assert d.accepted, d.reject_reason
+            c.handle(PrefillStarted("P1", d.request_id))
+            clock.advance(0.48)
+            c.handle(PrefillFinished("P1", d.request_id))
+            clock.advance(late)
+            c.handle(FirstToken("", d.request_id))
+            c.handle(RequestFinished("D1", d.request_id))
+            expected.observe(late)
+        d = c.schedule(_request(99))
+        assert d.accepted == accepted, (stddevs, d.reject_reason)
+        assert c.ttft_lateness_s == pytest.approx(expected.learned_s, abs=1e-6)
+        assert expected.learned_s == pytest.approx(0.233 + stddevs * 0.189, abs=0.005)
+        if not accepted:
+            assert "learned lateness" in d.why
+
+
+def test_the_lateness_margin_flag_is_checked_and_preset() -> None:
+    import argparse
+
+    from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
+    from halfmoon.core.errors import HalfmoonError
+
+    for preset, default in (("paper", 0.0), ("live", 0.0)):
+        parser = argparse.ArgumentParser()
+        add_conductor_options(parser, preset)
+        config = conductor_config_from_args(parser.parse_args([]), BLOCK)
+        assert config.lateness_stddevs == default
+        config = conductor_config_from_args(parser.parse_args(["--lateness-stddevs", "2"]), BLOCK)
+        assert config.lateness_stddevs == 2.0
+        with pytest.raises(HalfmoonError, match="--lateness-stddevs must be in"):
+            conductor_config_from_args(parser.parse_args(["--lateness-stddevs", "-1"]), BLOCK)
 
 
 def test_learned_values_relax_back_without_samples() -> None:

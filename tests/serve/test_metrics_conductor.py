@@ -28,6 +28,7 @@ from halfmoon.serve.control.messages import (
     encode_message,
 )
 from halfmoon.serve.control.protocol import hashes_to_wire
+from halfmoon.serve.control.status import conductor_state
 
 SECRET = b"conductor-metrics-secret"
 
@@ -137,6 +138,9 @@ def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
         assert not sock.poll(100)  # no reply to a notice
         assert core.lateness_samples == 3
         assert core.ttft_lateness_s == pytest.approx(0.25)
+        spread = conductor_state(service, [])["ttft_lateness_spread"]
+        assert spread == {"mean_s": pytest.approx(0.25), "std_s": pytest.approx(0, abs=1e-6),
+                          "stddevs": 0.0}  # fmt: skip
         sock.send_multipart(encode_message(MetricsQuery(msg_id=9), SECRET))
         service.handle_one()
         reply = decode_message(sock.recv_multipart(), SECRET)

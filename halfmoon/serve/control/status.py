@@ -98,6 +98,7 @@ def conductor_state(
         "balancing": dict(conductor.balancing),
         "prefill_calibration": conductor.prefill_calibration,
         "ttft_lateness_s": conductor.ttft_lateness_s,
+        "ttft_lateness_spread": conductor.ttft_lateness_spread,
         "integrity": service.integrity(),
         "cluster": dataclasses.asdict(service.cluster),
         "num_recent_decisions": len(recent),
