@@ -71,8 +71,9 @@ def step_ms(
     return statistics.median(times)
 
 
-def main() -> None:
-    """Run the comparison and print one table (and optionally write JSON)."""
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    """Run the comparison, print one table (and optionally write JSON); every round's
+    milliseconds per case and variant."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="3x3x64", help="KV heads x group x head size")
     parser.add_argument("--layers", type=int, default=30)
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per reading (median)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write every round here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     heads, group, dim = (int(x) for x in args.shape.split("x"))
     kernel = load_decode_kernel(KernelShape(heads, group, dim, 16, torch.float32, "cpu"))
@@ -116,6 +117,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "rounds_ms": rounds}, fh, indent=1)
+    return rounds
 
 
 if __name__ == "__main__":
