@@ -10,10 +10,10 @@ Each configuration replays the public trace's first ``--max-requests`` requests 
 early rejection (``snapshot``, TTFT SLO 30 s, TBT 100 ms, the simulator's default
 LLaMA2-70B on 8xA800 per instance), once per ``--modes`` entry (``off``: calibration
 off; ``on:K``: on, with ``--lateness-stddevs K``), at three replay speeds 0.2% apart (a
-perturbation: a simulated cluster near saturation is chaotic, so every replay is kept). ``--host-cores N`` makes the instances
-share N cores (halfmoon.sim.host): every busy instance beyond N slows all of them, which
-the cost model does not know; without it the instances run at the model's speed and the
-calibration should change nothing.
+perturbation: a simulated cluster near saturation is chaotic, so every replay is kept).
+``--host-cores N`` makes the instances share N cores (halfmoon.sim.host): every busy
+instance beyond N slows all of them, which the cost model does not know; without it the
+instances run at the model's speed and the calibration should change nothing.
 
 Prints a table (medians over the replays, every replay's value in the JSON).
 """
