@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.sim.prefill_calibration import mode_args
 from halfmoon.engine.catalog import cache_dir
 from halfmoon.serve.launch.local import LocalCluster
 
@@ -133,19 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.duration <= 0 or args.rounds < 1:
         parser.error("--rate, --duration and --rounds must be positive")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for mode in modes:
-        if mode != "off" and not re.fullmatch(r"on:\d+(\.\d+)?", mode):
-            parser.error(f"--modes: {mode!r} is neither off nor on:K")
+    modes = {m.strip(): mode_args(m.strip()) for m in args.modes.split(",") if m.strip()}
+    order = list(modes)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            switch, _, stddevs = mode.partition(":")
+        for mode in order[r % len(order) :] + order[: r % len(order)]:
             serve = [
                 "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
                 "--early-reject", "snapshot", "--ttft-slo", str(args.ttft_slo),
-                "--prefill-calibration", switch, "--lateness-stddevs", stddevs or "0",
-                *args.serve_args,
+                *modes[mode], *args.serve_args,
             ]  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="halfmoon-calibration-") as tmp:
                 log = Path(tmp) / "serve.log"

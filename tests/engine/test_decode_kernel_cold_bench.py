@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.micro import decode_kernel_cold
 
@@ -28,6 +29,6 @@ def test_the_benchmark_times_each_variant_every_round(tmp_path, capsys) -> None:
 def test_a_pool_too_small_for_the_case_is_refused() -> None:
     with pytest.raises(SystemExit, match="blocks"):
         decode_kernel_cold.step_ms(
-            None, decode_kernel_cold.torch.zeros(1, 2, 3, 16, 2, 16), [None], 2, 1, 64,
+            None, torch.zeros(1, 2, 3, 16, 2, 16), [None], 2, 1, 64,
             "cold", 1,
         )  # fmt: skip
