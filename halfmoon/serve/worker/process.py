@@ -330,6 +330,9 @@ class Worker:
                     break
                 self._handle(self._sock.recv_multipart())
                 timeout_ms = 0
+            # Before the step: a prefill's start must reach the Conductor before its end
+            # (the Conductor learns an instance's speed from the busy time between them).
+            self.conductor.flush()
             if self.engine.has_unfinished_requests():
                 started_s = time.monotonic()
                 outputs = self.engine.step()
