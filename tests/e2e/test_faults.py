@@ -12,8 +12,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
-
 from .conftest import alive, children_of
 
 
@@ -264,12 +262,11 @@ def test_a_frozen_worker_does_not_stall_the_cluster(cluster, role):
     def others_answer():
         time.sleep(1.0)  # streams to the frozen peer are open (or opening) now
         for port in others:
-            # A worker's loop may be waiting out one deadline on the frozen peer (a prefix
-            # pull or a stream, PEER_TIMEOUT_S) before it answers; frozen means never. (A
-            # 5 s budget failed once in CI: a pull begun just before the ping, on a
-            # loaded host, ended a little after it.)
-            budget_s = PEER_TIMEOUT_S + 5.0
-            assert _ping(cluster, port, timeout_s=budget_s) is not None, f"worker {port} froze too"
+            # No worker's loop waits on the frozen peer: streams go out on streamer
+            # threads, prefix pulls on pull threads. (A pull used to hold a prefill
+            # worker's loop for its deadline, 5 s: this ping then failed with the frozen
+            # prefill worker; answered within 1.5 s since.)
+            assert _ping(cluster, port, timeout_s=3.0) is not None, f"worker {port} froze too"
 
     _frozen_run(cluster, victim, prompts, others_answer)
     _wait_registered(cluster, 4)

@@ -279,3 +279,66 @@ def test_int8_prefix_pull_between_workers_sends_compressed_blocks(engines):
         err = np.abs(np.frombuffer(pulled, np.float32) - x).max()
         assert 0 < err <= np.abs(x).max() / 127  # int8: at most half a step per group
     assert wire_bytes_per_block(a.kv_bytes_per_block, None) == a.kv_bytes_per_block
+
+
+def test_a_load_whose_pool_gained_the_prefix_meanwhile_seeds_nothing_twice(engines):
+    """begin_load pulls on a pull thread while the caller goes on; if the engine computed
+    the prompt itself meanwhile, end_load seeds nothing (the pulled blocks still go to
+    the store) and reports the pool's own cached prefix."""
+    from halfmoon.transfer import TransferEngine
+
+    a, b = engines
+    events = _Events()
+    cache_a, _ = _cache(a, None, events)
+    cache_b, _ = _cache(b, None, events)
+    prompt = [(i * 41) % 4000 + 17 for i in range(100)]
+    ref = _run(a, "g1", prompt)
+    assert cache_a.save("g1", prompt) == 6
+    a.export_kv("g1", release=True)
+    secret = b"s" * 32
+    with (
+        TransferEngine(secret, store=cache_a.store, transport="tcp") as source,
+        TransferEngine(secret, transport="tcp") as puller,
+    ):
+        load = cache_b.begin_load(prompt, puller, source.endpoint)
+        assert load.in_engine == 0 and load.fetch.future is not None
+        out = _run(b, "g2", prompt)  # the caller's loop goes on: b computes the prompt
+        b.export_kv("g2", release=True)
+        assert load.fetch.wait(10)
+        assert cache_b.end_load(load) == 6
+    assert out.token_ids == ref.token_ids and out.num_cached_tokens == 0
+    assert cache_b.num_blocks_loaded == 0 and cache_b.num_blocks_pulled == 6
+    assert all(cache_b.store.contains(_hash(prompt, i)) for i in range(6))
+    cache_b.close()
+    b.check_integrity()
+
+
+def test_a_pull_from_a_silent_peer_does_not_hold_the_caller(engines, monkeypatch):
+    """A peer that accepts connections but never answers (frozen): begin_load returns at
+    once, the pull ends on its deadline with nothing, and the peer is skipped afterwards
+    (the next load does not pull)."""
+    import socket
+    import time
+
+    from halfmoon.serve.worker import prefix_cache
+    from halfmoon.transfer import TransferEngine
+
+    monkeypatch.setattr(prefix_cache, "PEER_TIMEOUT_S", 0.5)
+    _, b = engines
+    cache_b, _ = _cache(b, None, _Events())
+    prompt = [(i * 47) % 4000 + 19 for i in range(100)]
+    with (
+        socket.create_server(("127.0.0.1", 0)) as silent,
+        TransferEngine(b"s" * 32, transport="tcp") as puller,
+    ):
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        load = cache_b.begin_load(prompt, puller, endpoint)
+        assert time.monotonic() - started < 0.3 and not load.fetch.done()
+        assert load.fetch.wait(20)
+        waited = time.monotonic() - started
+        assert cache_b.end_load(load) == 0 and cache_b.num_blocks_pulled == 0
+        assert waited >= 0.5, f"the pull gave up after {waited:.2f}s, before its deadline"
+        again = cache_b.begin_load(prompt, puller, endpoint)
+        assert again.fetch.future is None and again.fetch.done()  # skipped: no new pull
+    cache_b.close()

@@ -21,6 +21,10 @@ waits in ``handing`` (its blocks held) until its stream finished or failed; ``ti
 then hands it over. A frozen decode worker fails only its own streams, within
 ``PEER_TIMEOUT_S`` per step; the request goes back to the gateway as retryable, naming
 the suspect.
+
+Nor does it wait on a prefix pull: a request whose prefix comes from a peer's store
+waits in ``loading`` while a pull thread fetches it, and joins the engine once that ended
+(:meth:`~halfmoon.serve.worker.prefix_cache.ClusterPrefixCache.begin_load`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from halfmoon.serve.worker.kvstream import (
     num_blocks,
 )
 from halfmoon.serve.worker.pipeline import PipelineStage
-from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings, PrefixFetch, PrefixLoad
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import HANDOFF_TIMEOUT_S, StreamClient, TokenStreaming
 from halfmoon.transfer import TransferEngine
@@ -97,6 +101,11 @@ class PrefillRole(TokenStreaming):
         self.prefills: dict[str, _Prefill] = {}
         #: First token out, stream still finishing (blocks held until it has).
         self.handing: dict[str, _Prefill] = {}
+        #: Not in the engine yet: their prefix is being pulled from a peer.
+        self.loading: dict[str, tuple[bytes, Prefill, PrefixLoad]] = {}
+        #: Pulls whose blocks only go to the store (replication; an aborted request's),
+        #: each with what it is, for the log line once it ended.
+        self.side_fetches: list[tuple[PrefixFetch, str]] = []
         layout = worker.engine.layout
         self.num_layers = layout.num_layers
         self.bytes_per_block = layout.bytes_per_block
@@ -118,29 +127,36 @@ class PrefillRole(TokenStreaming):
         }
 
     def has_work(self) -> bool:
-        """Whether handoffs or pipeline-stage work wait outside the engine."""
-        return bool(self.handing) or self.stage.has_work()
+        """Whether handoffs, prefix pulls or pipeline-stage work wait outside the engine."""
+        return bool(self.handing or self.loading or self.side_fetches) or self.stage.has_work()
 
     def num_pending(self) -> int:
-        """Requests held outside the engine: handoffs and pipeline stages."""
-        return len(self.handing) + len(self.stage.jobs)
+        """Requests held outside the engine: handoffs, prefix pulls and pipeline stages."""
+        return len(self.handing) + len(self.loading) + len(self.stage.jobs)
 
     def _on_replicate(self, identity: bytes, msg: Replicate) -> None:
-        hashes = msg.block_hashes
-        copied = self.cache.replicate(self.transfer, msg.source, hashes)
-        log.info("replicated %d of %d blocks from %s", copied, len(hashes), msg.source)
+        fetch = self.cache.begin_replicate(self.transfer, msg.source, msg.block_hashes)
+        what = f"replication of {len(msg.block_hashes)} blocks from {msg.source}"
+        self.side_fetches.append((fetch, what))
 
     def _on_prefill(self, identity: bytes, msg: Prefill) -> None:
-        rid, tokens, salt = msg.request_id, msg.token_ids, msg.cache_salt
-        params = msg.params.to_params()
-        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
-        n = num_blocks(len(tokens), self.worker.engine.config.block_size)
         source = msg.cache_source
         remote = ""
         if source is not None and source.instance_id != self.worker.me.instance_id:
             remote = source.transfer
-        pulled_before = self.cache.num_blocks_pulled
-        self.cache.load(tokens, self.transfer, remote, salt)
+        load = self.cache.begin_load(msg.token_ids, self.transfer, remote, msg.cache_salt)
+        if load.fetch.done():
+            self._start(identity, msg, load)
+        else:  # tick() starts it once its pull ended; the loop goes on meanwhile
+            self.loading[msg.request_id] = (identity, msg, load)
+
+    def _start(self, identity: bytes, msg: Prefill, load: PrefixLoad) -> None:
+        """Seed the request's prefix (its pull, if any, ended) and add it to the engine."""
+        rid, tokens, salt = msg.request_id, msg.token_ids, msg.cache_salt
+        params = msg.params.to_params()
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
+        n = num_blocks(len(tokens), self.worker.engine.config.block_size)
+        self.cache.end_load(load)
         decode = msg.decode
         codec = self.worker.kv_codec
         layout = kv_stream_layout(self.num_layers, n, self.half_block_bytes, codec)
@@ -149,7 +165,7 @@ class PrefillRole(TokenStreaming):
             self.streamers, codec=codec,
         )  # fmt: skip
         p = _Prefill(identity, tokens, params, decode, n, stream, salt)
-        p.pulled_bytes = (self.cache.num_blocks_pulled - pulled_before) * self.bytes_per_block
+        p.pulled_bytes = load.fetch.num_pulled * self.bytes_per_block
         if p.pulled_bytes:
             self.worker.metrics.observe_kv_received(p.pulled_bytes)
         self.prefills[rid] = p
@@ -240,6 +256,11 @@ class PrefillRole(TokenStreaming):
 
     def on_abort(self, request_id: str) -> None:
         self.worker.metrics.request_dropped(request_id)
+        waiting = self.loading.pop(request_id, None)
+        if waiting is not None:  # its pull goes on: the blocks still go to the store
+            self.side_fetches.append((waiting[2].fetch, f"the prefix of aborted {request_id}"))
+            self.worker.conductor.event("request_finished", request_id=request_id)
+            return
         p = self.prefills.pop(request_id, None) or self.handing.get(request_id)
         if p is not None:
             p.error = "aborted"
@@ -251,7 +272,16 @@ class PrefillRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=request_id)
 
     def tick(self) -> None:
-        """Hand over the requests whose streams ended; advance pipeline-stage work."""
+        """Start the requests whose prefix pulls ended; hand over the requests whose
+        streams ended; advance pipeline-stage work."""
+        for rid, (identity, msg, load) in list(self.loading.items()):
+            if load.fetch.done():
+                del self.loading[rid]
+                self._start(identity, msg, load)
+        if self.side_fetches:
+            for fetch, what in [f for f in self.side_fetches if f[0].done()]:
+                self.side_fetches.remove((fetch, what))
+                log.info("%s: %d blocks stored", what, len(self.cache.end_fetch(fetch)))
         now = time.monotonic()
         for rid, p in list(self.handing.items()):
             if not p.streamed.is_set() and now - p.handing_s > HANDOFF_TIMEOUT_S:
@@ -261,9 +291,18 @@ class PrefillRole(TokenStreaming):
             del self.handing[rid]
             self._hand_over(rid, p, None)
         self.stage.tick()
-        if self.handing and not self.engine_busy():
-            # Nothing to compute: wake the moment the oldest stream ends, not a poll later.
-            next(iter(self.handing.values())).streamed.wait(IDLE_WAIT_S)
+        if not self.engine_busy():
+            # Nothing to compute: wake the moment the oldest stream or pull ends, not a
+            # poll later.
+            if self.handing:
+                next(iter(self.handing.values())).streamed.wait(IDLE_WAIT_S)
+            elif self.loading or self.side_fetches:
+                fetch = (
+                    next(iter(self.loading.values()))[2].fetch
+                    if self.loading
+                    else self.side_fetches[0][0]
+                )
+                fetch.wait(IDLE_WAIT_S)
 
     def engine_busy(self) -> bool:
         """Whether the engine or a pipeline stage has work to run."""
@@ -292,5 +331,6 @@ class PrefillRole(TokenStreaming):
     def close(self) -> None:
         self.streamers.close()
         self.stage.close()
-        self.transfer.close()
+        self.transfer.close()  # running pulls fail at once
+        self.cache.close()
         self.cache.store.close()

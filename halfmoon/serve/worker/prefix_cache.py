@@ -14,7 +14,10 @@
 - Before a prefill, the longest prefix available — in the engine, then the local store,
   then (when the Conductor names another source) that worker's store through the
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
-  engine's own prefix matching picks it up and computes only the rest.
+  engine's own prefix matching picks it up and computes only the rest. A pull from a
+  peer runs on a pull thread (:meth:`ClusterPrefixCache.begin_load`): the worker's loop
+  keeps stepping the engine and answering commands meanwhile, and a slow or frozen peer
+  delays only the requests that wait on it.
 
 Blocks cross between engine and store as host bytes (the engine connector's
 ``block_bytes`` / ``seed_prefix``), whatever device the engine's pool is on. A request's ``cache_salt``
@@ -27,10 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.events import BlockStored, CacheEvent
-from halfmoon.core.hashing import NONE_HASH, chain_root, hash_blocks
+from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.control.messages import HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
@@ -45,6 +51,53 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: A pull's deadline allows this many bytes per second on top of ``PEER_TIMEOUT_S``.
 PULL_MIN_RATE = 100e6
+#: Pulls from peers in flight at once per worker, each on its own thread.
+PULL_THREADS = 4
+
+
+class PrefixFetch:
+    """Blocks of a chain's continuation on their way in
+    (:meth:`ClusterPrefixCache.begin_fetch`): ``local``, read from this store at once,
+    then ``remote``, pulled from ``endpoint`` into ``dests`` on a pull thread (``future``;
+    None when nothing is pulled). The worker's loop checks :meth:`done` and takes the
+    blocks with :meth:`ClusterPrefixCache.end_fetch`."""
+
+    def __init__(
+        self,
+        local: list[bytearray],
+        endpoint: str = "",
+        remote: Sequence[int] = (),
+        dests: Sequence[bytearray] = (),
+        future: Future[list[BlockMeta | None]] | None = None,
+    ) -> None:
+        self.local = local
+        self.endpoint = endpoint
+        self.remote = list(remote)
+        self.dests = list(dests)
+        self.future = future
+        self.num_pulled = 0  # set by end_fetch
+
+    def done(self) -> bool:
+        """Whether the pull (if any) ended: succeeded, failed or timed out."""
+        return self.future is None or self.future.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: until the pull's own deadline) for :meth:`done`."""
+        if self.future is not None:
+            futures_wait([self.future], timeout_s)
+        return self.done()
+
+
+@dataclass
+class PrefixLoad:
+    """A prompt's prefix on its way into the engine's pool
+    (:meth:`ClusterPrefixCache.begin_load`): the pool held ``in_engine`` blocks of it when
+    it began; ``fetch`` brings the blocks after those."""
+
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    in_engine: int = 0
+    fetch: PrefixFetch = field(default_factory=lambda: PrefixFetch([]))
 
 
 class Holdings:
@@ -121,6 +174,7 @@ class ClusterPrefixCache:
         #: Decodes blocks a peer sends compressed (``--kv-compression``; None: raw).
         self.pull_decode: PullDecoder | None = None
         self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
+        self._pulls: ThreadPoolExecutor | None = None  # started at the first pull
         if policy == "demote" and engine.config.enable_prefix_caching:
             engine.set_demote_hook(self.demote)
             engine.set_cache_listener(events.from_pool)
@@ -200,20 +254,50 @@ class ClusterPrefixCache:
         cache_salt: str | None = None,
     ) -> int:
         """Make the longest available prefix (under ``cache_salt``) resident in the
-        engine; returns its blocks."""
+        engine, waiting for any pull; returns the prompt's cached blocks there. (The
+        worker's loop does not wait: :meth:`begin_load`, then :meth:`end_load` once done.)"""
+        load = self.begin_load(prompt_token_ids, source, source_endpoint, cache_salt)
+        load.fetch.wait()
+        return self.end_load(load)
+
+    def begin_load(
+        self,
+        prompt_token_ids: Sequence[int],
+        source: TransferEngine | None = None,
+        source_endpoint: str = "",
+        cache_salt: str | None = None,
+    ) -> PrefixLoad:
+        """Start loading the longest available prefix: what the engine lacks is read
+        from this store now and, past that, pulled from ``source_endpoint`` on a pull
+        thread."""
+        load = PrefixLoad(list(prompt_token_ids), cache_salt)
         if not self.engine.config.enable_prefix_caching:
-            return 0
+            return load
         root = chain_root(cache_salt)
         hashes = list(hash_blocks(prompt_token_ids, self.block_size, root).full)
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
-        hashes = hashes[:usable]
-        in_engine = self.engine.cached_prefix_blocks(prompt_token_ids, cache_salt)
-        payloads = self.fetch(hashes[in_engine:], source, source_endpoint)
-        if payloads:
-            seeded = self.engine.seed_prefix(prompt_token_ids, in_engine, payloads, cache_salt)
-            self.num_blocks_loaded += seeded
-        return in_engine + len(payloads)
+        load.in_engine = self.engine.cached_prefix_blocks(prompt_token_ids, cache_salt)
+        load.fetch = self.begin_fetch(hashes[load.in_engine : usable], source, source_endpoint)
+        return load
+
+    def end_load(self, load: PrefixLoad) -> int:
+        """Seed a finished load's blocks into the engine's pool (the loop thread); returns
+        the prompt's cached blocks there. Blocks the pool gained meanwhile are not seeded
+        again; if it lost some of the prefix the load started from, the rest is dropped
+        (a chain with a gap would not match)."""
+        payloads = self.end_fetch(load.fetch)
+        if not self.engine.config.enable_prefix_caching:
+            return 0
+        now = self.engine.cached_prefix_blocks(load.prompt_token_ids, load.cache_salt)
+        skip = now - load.in_engine
+        if not 0 <= skip < len(payloads):
+            return now
+        seeded = self.engine.seed_prefix(
+            load.prompt_token_ids, now, payloads[skip:], load.cache_salt
+        )
+        self.num_blocks_loaded += seeded
+        return now + seeded
 
     def fetch(
         self,
@@ -222,52 +306,94 @@ class ClusterPrefixCache:
         source_endpoint: str = "",
     ) -> list[bytearray]:
         """Whole-block payloads of a leading run of ``hashes`` (a chain's continuation):
-        from this store first, the rest pulled from ``source_endpoint``'s store."""
+        from this store first, the rest pulled from ``source_endpoint``'s store (waits)."""
+        fetch = self.begin_fetch(hashes, source, source_endpoint)
+        fetch.wait()
+        return self.end_fetch(fetch)
+
+    def begin_fetch(
+        self,
+        hashes: Sequence[int],
+        source: TransferEngine | None = None,
+        source_endpoint: str = "",
+    ) -> PrefixFetch:
+        """:meth:`fetch` without the wait: this store's blocks are read now, the rest
+        (if a source is named and not skipped as stalled) pulled on a pull thread."""
         in_store = self.store.match_prefix(hashes)
-        payloads: list[bytearray] = []
+        local: list[bytearray] = []
         for h in hashes[:in_store]:
             buf = bytearray(self.engine.kv_bytes_per_block)
             if self.store.get_into(h, buf) is None:
                 break  # evicted or corrupt meanwhile: stop at the gap
-            payloads.append(buf)
-        if source is not None and source_endpoint and len(payloads) < len(hashes):
-            payloads += self._pull(source, source_endpoint, list(hashes[len(payloads) :]))
-        return payloads
+            local.append(buf)
+        rest = list(hashes[len(local) :])
+        if source is None or not source_endpoint or not rest or self._skipped(source_endpoint):
+            return PrefixFetch(local)
+        dests = [bytearray(self.engine.kv_bytes_per_block) for _ in rest]
+        future = self._pull_pool().submit(self._pull, source, source_endpoint, rest, dests)
+        return PrefixFetch(local, source_endpoint, rest, dests, future)
 
-    def _pull(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> list[bytearray]:
-        """Pull ``hashes`` from a peer's store, within a deadline: the caller (the engine
-        thread) computes what a slow or frozen peer could not give. After a timeout the
-        peer is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one wait, not one
-        per request."""
-        if time.monotonic() < self._stalled.get(endpoint, 0.0):
-            return []
-        dests = [bytearray(self.engine.kv_bytes_per_block) for _ in hashes]
-        timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
+    def end_fetch(self, fetch: PrefixFetch) -> list[bytearray]:
+        """A finished fetch's payloads, this store's then the peer's (the loop thread:
+        pulled blocks are put in this store too, and counted)."""
+        if fetch.future is None:
+            return fetch.local
+        assert fetch.future.done(), "end_fetch() of a fetch still pulling"
         try:
-            metas = transfer.connect(endpoint).pull(
-                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode
-            )
+            metas = fetch.future.result()
         except TransferError as exc:
-            log.warning("prefix pull from %s failed: %s", endpoint, exc)
-            if isinstance(exc, TransferTimeout):
-                self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
-            return []
-        out = []
-        parent = NONE_HASH
-        for h, meta, buf in zip(hashes, metas, dests, strict=True):
+            log.warning("prefix pull from %s failed: %s", fetch.endpoint, exc)
+            return fetch.local
+        pulled = []
+        for h, meta, buf in zip(fetch.remote, metas, fetch.dests, strict=True):
             if meta is None:
                 break
             try:
                 self.store.put(h, buf, meta)
             except StoreError:
                 pass  # still usable for this prefill
-            out.append(buf)
-            parent = h
-        del parent
-        self.num_blocks_pulled += len(out)
-        return out
+            pulled.append(buf)
+        fetch.num_pulled = len(pulled)
+        self.num_blocks_pulled += len(pulled)
+        return fetch.local + pulled
 
-    def replicate(self, transfer: TransferEngine, endpoint: str, hashes: list[int]) -> int:
-        """Copy blocks from a peer's store into ours (hot-spot replication)."""
+    def _skipped(self, endpoint: str) -> bool:
+        return time.monotonic() < self._stalled.get(endpoint, 0.0)
+
+    def _pull(
+        self, transfer: TransferEngine, endpoint: str, hashes: list[int], dests: list[bytearray]
+    ) -> list[BlockMeta | None]:
+        """Pull ``hashes`` from a peer's store into ``dests`` within a deadline (a pull
+        thread): what a slow or frozen peer could not give, the engine computes. After a
+        timeout the peer is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one
+        wait, not one per request (pulls queued behind it give up at once)."""
+        if self._skipped(endpoint):
+            raise TransferError(f"{endpoint} is skipped after a timeout")
+        timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
+        try:
+            return transfer.connect(endpoint).pull(
+                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode
+            )
+        except TransferTimeout:
+            self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
+            raise
+
+    def _pull_pool(self) -> ThreadPoolExecutor:
+        if self._pulls is None:
+            self._pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="prefix-pull")
+        return self._pulls
+
+    def close(self) -> None:
+        """Stop the pull threads (pulls not begun are dropped; close the transfer engine
+        first so that running ones fail at once)."""
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=True, cancel_futures=True)
+            self._pulls = None
+
+    def begin_replicate(
+        self, transfer: TransferEngine, endpoint: str, hashes: list[int]
+    ) -> PrefixFetch:
+        """Start copying blocks from a peer's store into ours (hot-spot replication): the
+        ones this store lacks are pulled on a pull thread, and stored by :meth:`end_fetch`."""
         missing = [h for h in hashes if not self.store.contains(h)]
-        return len(self._pull(transfer, endpoint, missing)) if missing else 0
+        return self.begin_fetch(missing, transfer, endpoint)
