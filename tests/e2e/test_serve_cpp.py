@@ -95,6 +95,38 @@ def test_each_stage_reuses_its_cached_prefix(cpp):
     assert reused == [cached, cached]  # every stage started after the same prefix
 
 
+def test_a_group_reuses_a_prefix_one_worker_computed_alone(cpp):
+    """A short prompt runs on one prefill worker alone (its blocks stay in that engine's
+    pool: ``demote`` stores them only on eviction); a long one with that prefix runs on
+    the group: the stage on that worker reads the prefix out of its engine's pool, the
+    other pulls it from there. (Before, the first stage looked in its store only, failed
+    the request as retryable, and after three tries the client got a 503.)"""
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    client = _client(cpp)
+    short = _prompt("g", 300)  # ~800 tokens: below --cpp-min-tokens
+    first = client.completions.create(model="tiny", prompt=short, max_tokens=2, temperature=0)
+    before = _stage_stats(cpp)
+    long = short + " " + _prompt("h", 400)
+    second = client.completions.create(model="tiny", prompt=long, max_tokens=4, temperature=0)
+    after = _stage_stats(cpp)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens // 16 * 16
+    assert [a.stats["cpp_requests"] - b.stats["cpp_requests"] for a, b in
+            zip(after, before, strict=True)] == [1, 1]  # fmt: skip
+    reused = [a.stats["cpp_prefix_tokens_reused"] - b.stats["cpp_prefix_tokens_reused"]
+              for a, b in zip(after, before, strict=True)]  # fmt: skip
+    assert reused == [cached, cached]
+    pulled = sorted(a.stats["blocks_pulled"] - b.stats["blocks_pulled"]
+                    for a, b in zip(after, before, strict=True))  # fmt: skip
+    assert pulled == [0, cached // 16]  # one stage had it, the other pulled it
+    engine = LLMEngine(EngineConfig(model=str(cpp.cache / "presets" / "tiny-seed0")))
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    (ref,) = engine.generate([long], greedy)
+    assert second.choices[0].text == ref.text
+
+
 def test_stage_killed_mid_prompt_fails_over_without_hanging(cpp):
     out: dict = {}
     t = threading.Thread(target=_stream, args=(cpp, _prompt("d", 5000), 4, out))

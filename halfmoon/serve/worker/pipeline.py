@@ -14,7 +14,7 @@ Stages overlap: while stage ``s+1`` computes chunk ``c``, stage ``s`` computes `
 
 Prefix reuse per stage: the Conductor picks a group with the prefix its members hold (or
 names a source to pull it from); each stage loads those whole-model blocks from its store
-and keeps its layers' share. A stage that cannot (the blocks went meanwhile), or that
+(a pull runs on a pull thread while the loop goes on) and keeps its layers' share. A stage that cannot (the blocks went meanwhile), or that
 loses a neighbour, fails the request as retryable and the gateway places it again.
 """
 
@@ -100,6 +100,8 @@ class PipelineStage:
             return False  # a command (cpp_offer / cpp_start) wakes the loop
         if job.computed:
             return job.sent.is_set()
+        if job.prefix_fetch is not None:
+            return job.prefix_fetch.done()
         return job.receiver is None or job.receiver.is_layer_done(job.next_chunk)
 
     # -- a new request: agree on the prefix, then begin ---------------------------------------------
@@ -181,11 +183,13 @@ class PipelineStage:
         start = start_blocks * self.block_size
         try:
             cached = job.executor.start(job.rid, job.tokens, start, job.cache_salt)
-            if cached < start:
-                self._load_from_store(job, cached // self.block_size, start_blocks)
         except HalfmoonError as exc:
             job.error = str(exc)  # the next tick fails it as retryable
             return
+        if cached < start:  # tick() runs its chunks once the blocks are in
+            self._begin_prefix_load(job, cached // self.block_size, start_blocks)
+            if job.error:  # the next tick fails it as retryable
+                return
         job.start = start
         self.num_prefix_tokens_reused += start
         n = num_blocks(len(job.tokens), self.block_size)
@@ -211,22 +215,38 @@ class PipelineStage:
         self.num_requests += 1
         self.worker.conductor.event("prefill_started", request_id=job.rid)
 
-    def _load_from_store(self, job: StageJob, have_blocks: int, want_blocks: int) -> None:
-        """Blocks ``have..want-1`` from the worker's store (or pulled from the Conductor's
-        source) into the stage's pool; raises when they are gone (the group agreed on them)."""
+    def _begin_prefix_load(self, job: StageJob, have_blocks: int, want_blocks: int) -> None:
+        """Start fetching blocks ``have..want-1`` from the worker's store or its engine's
+        pool (where ``demote`` keeps them), or pulling them from the Conductor's source
+        on a pull thread (the loop goes on meanwhile)."""
         prefix = job.tokens[: want_blocks * self.block_size]
         hashes = hash_blocks(prefix, self.block_size, chain_root(job.cache_salt)).full
         source = job.cache_source
         endpoint = ""
         if source is not None and source.instance_id != self.worker.me.instance_id:
             endpoint = source.transfer
-        payloads = self.cache.fetch(hashes[have_blocks:], self.transfer, endpoint)
+        job.prefix_fetch = self.cache.begin_fetch(
+            hashes[have_blocks:], self.transfer, endpoint, pool=True
+        )
+        job.prefix_blocks = (have_blocks, want_blocks)
+        if job.prefix_fetch.done():
+            self._end_prefix_load(job)
+
+    def _end_prefix_load(self, job: StageJob) -> None:
+        """Load a fetch that ended into the stage's pool; fails the job when blocks are
+        missing (the group agreed on them: the request is placed again)."""
+        assert job.prefix_fetch is not None
+        payloads = self.cache.end_fetch(job.prefix_fetch)
+        job.prefix_fetch = None
+        have_blocks, want_blocks = job.prefix_blocks
         if len(payloads) < want_blocks - have_blocks:
-            raise HalfmoonError(
+            job.error = (
                 f"stage {job.stage} found {have_blocks + len(payloads)} of the "
                 f"{want_blocks} agreed prefix blocks"
             )
+            return
         job.executor.load_prefix(job.rid, payloads, have_blocks, job.tokens)
+        job.progress_s = time.monotonic()  # waiting for the blocks was no neighbour's fault
 
     # -- the prompt-KV hook (engine thread) -------------------------------------------------------
     def on_prompt_kv(
@@ -248,6 +268,8 @@ class PipelineStage:
         """Finish jobs whose streams ended; run one chunk of the oldest runnable job."""
         now = time.monotonic()
         for job in list(self.jobs.values()):
+            if job.prefix_fetch is not None and not job.error and job.prefix_fetch.done():
+                self._end_prefix_load(job)
             self._check_streams(job)
             if not job.began and not job.error and now - job.progress_s > STAGE_WAIT_S:
                 job.error = f"the group did not agree on a start within {STAGE_WAIT_S:g}s"
@@ -256,7 +278,13 @@ class PipelineStage:
             elif job.computed and job.sent.is_set():
                 self._complete(job)
         for job in list(self.jobs.values()):
-            if job.began and not job.computed and not job.error and self._input_ready(job):
+            if (
+                job.began
+                and not job.computed
+                and not job.error
+                and job.prefix_fetch is None
+                and self._input_ready(job)
+            ):
                 self._run_chunk(job)
                 return
         if self.jobs and not self.engine.has_unfinished_requests():
@@ -270,6 +298,8 @@ class PipelineStage:
             return
         if job.computed:
             job.sent.wait(timeout_s)
+        elif job.prefix_fetch is not None:
+            job.prefix_fetch.wait(timeout_s)
         elif job.receiver is not None:
             with contextlib.suppress(TransferError):  # _input_ready reports it next tick
                 job.receiver.wait_layer(job.next_chunk, timeout_s)

@@ -12,6 +12,7 @@ from halfmoon.core.request import SamplingParams
 from halfmoon.engine.connector import StageConnector
 from halfmoon.serve.control.messages import Endpoints, WireLogprobs
 from halfmoon.serve.worker.kvstream import OutStream
+from halfmoon.serve.worker.prefix_cache import PrefixFetch
 
 
 def hidden_session(request_id: str, stage: int) -> str:
@@ -55,6 +56,10 @@ class StageJob:
     next_chunk: int = 0
     first_token: int | None = None
     first_logprob: WireLogprobs | None = None  # its log-probability, wire form (if asked)
+    #: Its agreed prefix blocks on their way (a peer's pulled on a pull thread), and
+    #: which: (blocks it had, blocks agreed).
+    prefix_fetch: PrefixFetch | None = None
+    prefix_blocks: tuple[int, int] = (0, 0)
     error: str = ""
     suspect: str = ""
     seed: int = 0

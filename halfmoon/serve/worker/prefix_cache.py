@@ -316,15 +316,22 @@ class ClusterPrefixCache:
         hashes: Sequence[int],
         source: TransferEngine | None = None,
         source_endpoint: str = "",
+        pool: bool = False,
     ) -> PrefixFetch:
-        """:meth:`fetch` without the wait: this store's blocks are read now, the rest
-        (if a source is named and not skipped as stalled) pulled on a pull thread."""
-        in_store = self.store.match_prefix(hashes)
+        """:meth:`fetch` without the wait: this store's blocks are read now (with
+        ``pool``, a block the store lacks is read from the engine's pool if it is cached
+        there: a pipeline stage's, whose own pool is not the engine's), the rest (if a
+        source is named and not skipped as stalled) pulled on a pull thread."""
         local: list[bytearray] = []
-        for h in hashes[:in_store]:
+        for h in hashes:
             buf = bytearray(self.engine.kv_bytes_per_block)
-            if self.store.get_into(h, buf) is None:
-                break  # evicted or corrupt meanwhile: stop at the gap
+            if self.store.contains(h) and self.store.get_into(h, buf) is not None:
+                local.append(buf)
+                continue
+            found = self.engine.read_cached_block(h) if pool else None
+            if found is None:
+                break  # not here (or evicted or corrupt meanwhile): stop at the gap
+            buf[:] = found[2]
             local.append(buf)
         rest = list(hashes[len(local) :])
         if source is None or not source_endpoint or not rest or self._skipped(source_endpoint):
