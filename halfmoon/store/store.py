@@ -319,6 +319,11 @@ class TieredStore:
         with self._locked() as t:
             t.check_integrity()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._guard.closed
+
     def close(self) -> None:
         """Close the SSD files (blocks persist) and free DRAM; later calls raise."""
         with self._guard.lock:

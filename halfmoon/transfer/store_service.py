@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from halfmoon.store import BlockMeta, PendingPut, TieredStore
+from halfmoon.store import BlockMeta, PendingPut, StoreError, TieredStore
 from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import (
@@ -267,15 +267,22 @@ class StoreSession:
             self._store().release_lease(lease_id)
 
     def cleanup(self, store: TieredStore | None) -> None:
-        """The connection ended: abort unfinished puts, release pull leases."""
+        """The connection ended: abort unfinished puts, release pull leases (nothing to
+        give back if the store closed first, as it may while its process shuts down:
+        its slots and pins went with it)."""
         if store is None:
             return
-        for pendings in self._reserved.values():
-            _abort(store, pendings)
-        for lease_id in self._leases.values():
-            store.release_lease(lease_id)
-        self._reserved.clear()
-        self._leases.clear()
+        try:
+            for pendings in self._reserved.values():
+                _abort(store, pendings)
+            for lease_id in self._leases.values():
+                store.release_lease(lease_id)
+        except StoreError:
+            if not store.closed:
+                raise
+        finally:
+            self._reserved.clear()
+            self._leases.clear()
 
 
 def _read_block(

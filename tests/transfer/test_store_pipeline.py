@@ -206,3 +206,28 @@ def test_pulled_blocks_are_copied_out_of_the_arena_and_always_released(segment, 
         with pytest.raises(ProtocolError, match=error):
             client._copy_in_place(link, reply, dests, [0, 1], deadline=1e12)  # type: ignore[arg-type]
     assert link.sent == [(Kind.RELEASE, {"xfer": "p1"})]
+
+
+def test_a_connection_ending_after_its_store_closed_gives_back_nothing_quietly():
+    """A process shutting down may close its store before a connection's thread ends:
+    that connection's cleanup (a pull's lease, a put's reserved slot) has nothing left to
+    give back and must not raise on the connection's thread (it did once in CI)."""
+    from types import SimpleNamespace
+
+    from halfmoon.store import StoreError
+    from halfmoon.transfer.store_service import StoreSession
+
+    store = TieredStore(StoreConfig(block_bytes=64, dram_capacity_bytes=64 * 8))
+    store.put(7, bytes(64), BlockMeta(16, 0))
+    server = SimpleNamespace(require_store=lambda: store, on_complete=None)
+    session = StoreSession(link=None, server=server, deadline=lambda: 0.0)  # type: ignore[arg-type]
+    session._leases["pull-1"] = store.lease([7]).lease_id
+    store.close()
+    session.cleanup(store)  # nothing raised
+    assert not session._leases
+    open_store = TieredStore(StoreConfig(block_bytes=64, dram_capacity_bytes=64 * 8))
+    session._leases["pull-2"] = 12345  # an unknown lease of an open store: False, no raise
+    session.cleanup(open_store)
+    with pytest.raises(StoreError):  # closed: later calls of its own still raise
+        store.release_lease(1)
+    open_store.close()
