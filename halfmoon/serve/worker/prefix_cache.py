@@ -35,6 +35,8 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.control.messages import HeldBlocks
@@ -58,22 +60,20 @@ PULL_THREADS = 4
 class PrefixFetch:
     """Blocks of a chain's continuation on their way in
     (:meth:`ClusterPrefixCache.begin_fetch`): ``local``, read from this store at once,
-    then ``remote``, pulled from ``endpoint`` into ``dests`` on a pull thread (``future``;
-    None when nothing is pulled). The worker's loop checks :meth:`done` and takes the
-    blocks with :meth:`ClusterPrefixCache.end_fetch`."""
+    then ``remote``, pulled from ``endpoint`` on a pull thread (``future``: each block's
+    metadata and payload; None when nothing is pulled). The worker's loop checks
+    :meth:`done` and takes the blocks with :meth:`ClusterPrefixCache.end_fetch`."""
 
     def __init__(
         self,
-        local: list[bytearray],
+        local: list[memoryview],
         endpoint: str = "",
         remote: Sequence[int] = (),
-        dests: Sequence[bytearray] = (),
-        future: Future[list[BlockMeta | None]] | None = None,
+        future: Future[list[tuple[BlockMeta | None, memoryview]]] | None = None,
     ) -> None:
         self.local = local
         self.endpoint = endpoint
         self.remote = list(remote)
-        self.dests = list(dests)
         self.future = future
         self.num_pulled = 0  # set by end_fetch
 
@@ -304,7 +304,7 @@ class ClusterPrefixCache:
         hashes: Sequence[int],
         source: TransferEngine | None = None,
         source_endpoint: str = "",
-    ) -> list[bytearray]:
+    ) -> list[memoryview]:
         """Whole-block payloads of a leading run of ``hashes`` (a chain's continuation):
         from this store first, the rest pulled from ``source_endpoint``'s store (waits)."""
         fetch = self.begin_fetch(hashes, source, source_endpoint)
@@ -322,37 +322,36 @@ class ClusterPrefixCache:
         ``pool``, a block the store lacks is read from the engine's pool if it is cached
         there: a pipeline stage's, whose own pool is not the engine's), the rest (if a
         source is named and not skipped as stalled) pulled on a pull thread."""
-        local: list[bytearray] = []
+        local: list[memoryview] = []
         for h in hashes:
-            buf = bytearray(self.engine.kv_bytes_per_block)
+            buf = self._empty_block()
             if self.store.contains(h) and self.store.get_into(h, buf) is not None:
                 local.append(buf)
                 continue
             found = self.engine.read_cached_block(h) if pool else None
             if found is None:
                 break  # not here (or evicted or corrupt meanwhile): stop at the gap
-            buf[:] = found[2]
+            buf[:] = memoryview(found[2]).cast("B")
             local.append(buf)
         rest = list(hashes[len(local) :])
         if source is None or not source_endpoint or not rest or self._skipped(source_endpoint):
             return PrefixFetch(local)
-        dests = [bytearray(self.engine.kv_bytes_per_block) for _ in rest]
-        future = self._pull_pool().submit(self._pull, source, source_endpoint, rest, dests)
-        return PrefixFetch(local, source_endpoint, rest, dests, future)
+        future = self._pull_pool().submit(self._pull, source, source_endpoint, rest)
+        return PrefixFetch(local, source_endpoint, rest, future)
 
-    def end_fetch(self, fetch: PrefixFetch) -> list[bytearray]:
+    def end_fetch(self, fetch: PrefixFetch) -> list[memoryview]:
         """A finished fetch's payloads, this store's then the peer's (the loop thread:
         pulled blocks are put in this store too, and counted)."""
         if fetch.future is None:
             return fetch.local
         assert fetch.future.done(), "end_fetch() of a fetch still pulling"
         try:
-            metas = fetch.future.result()
+            blocks = fetch.future.result()
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", fetch.endpoint, exc)
             return fetch.local
         pulled = []
-        for h, meta, buf in zip(fetch.remote, metas, fetch.dests, strict=True):
+        for h, (meta, buf) in zip(fetch.remote, blocks, strict=True):
             if meta is None:
                 break
             try:
@@ -364,26 +363,33 @@ class ClusterPrefixCache:
         self.num_blocks_pulled += len(pulled)
         return fetch.local + pulled
 
+    def _empty_block(self) -> memoryview:
+        """A block's buffer, not zeroed: a read or a pull fills it whole (zeroing 128 of
+        SmolLM2's blocks, 90 MiB, took ~75 ms with the GIL held)."""
+        return memoryview(np.empty(self.engine.kv_bytes_per_block, np.uint8))
+
     def _skipped(self, endpoint: str) -> bool:
         return time.monotonic() < self._stalled.get(endpoint, 0.0)
 
     def _pull(
-        self, transfer: TransferEngine, endpoint: str, hashes: list[int], dests: list[bytearray]
-    ) -> list[BlockMeta | None]:
-        """Pull ``hashes`` from a peer's store into ``dests`` within a deadline (a pull
-        thread): what a slow or frozen peer could not give, the engine computes. After a
-        timeout the peer is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one
-        wait, not one per request (pulls queued behind it give up at once)."""
+        self, transfer: TransferEngine, endpoint: str, hashes: list[int]
+    ) -> list[tuple[BlockMeta | None, memoryview]]:
+        """Pull ``hashes`` from a peer's store within a deadline (a pull thread); what a
+        slow or frozen peer could not give, the engine computes. After a timeout the peer is skipped for ``PEER_TIMEOUT_S``, so a
+        frozen peer costs one wait, not one per request (pulls queued behind it give up
+        at once)."""
         if self._skipped(endpoint):
             raise TransferError(f"{endpoint} is skipped after a timeout")
+        dests = [self._empty_block() for _ in hashes]
         timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
-            return transfer.connect(endpoint).pull(
+            metas = transfer.connect(endpoint).pull(
                 hashes, dests, timeout_s=timeout_s, decode=self.pull_decode
             )
         except TransferTimeout:
             self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
             raise
+        return list(zip(metas, dests, strict=True))
 
     def _pull_pool(self) -> ThreadPoolExecutor:
         if self._pulls is None:
