@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from halfmoon.core.buffers import uninitialized
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.store.meta import BlockMeta
 from halfmoon.transfer.errors import ProtocolError
@@ -334,7 +335,7 @@ class StoreClient:
         if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
             link.close()  # an answer we cannot read: its payload's end is unknown
             raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
-        payloads = [memoryview(bytearray(n)) for n in lengths]
+        payloads = [uninitialized(n) for n in lengths]
         link.recv_payload_into(reply, payloads, deadline)
         for payload, dest in zip(payloads, dests, strict=True):
             try:

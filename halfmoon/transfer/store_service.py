@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from halfmoon.core.buffers import uninitialized
 from halfmoon.store import BlockMeta, PendingPut, StoreError, TieredStore
 from halfmoon.transfer.errors import RemoteError, TransferError
 from halfmoon.transfer.link import Link
@@ -190,7 +191,7 @@ class StoreSession:
             fallback = self._server.store_fallback
             for block_hash, block in zip(block_hashes, blocks, strict=True):
                 if block is None:
-                    buf = memoryview(bytearray(block_bytes)) if fallback is not None else None
+                    buf = uninitialized(block_bytes) if fallback is not None else None
                     found = fallback(block_hash, buf) if fallback is not None else None
                     if found is None or buf is None:
                         items.append([False])

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from halfmoon.core.buffers import uninitialized
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.runtime import load_secret
 from halfmoon.serve.vllm.pd import KEY, ConnectorSettings
@@ -618,7 +619,7 @@ class _WorkerSide:
 
     def _load_store(self, job: LoadJob) -> int:
         assert self.engine is not None and self.layout is not None
-        buffers = [bytearray(self.layout.block_bytes) for _ in job.hashes]
+        buffers = [uninitialized(self.layout.block_bytes) for _ in job.hashes]
         metas = self.engine.connect(job.source).pull(job.hashes, buffers)
         loaded = 0
         for meta in metas:

@@ -35,8 +35,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from halfmoon.core.buffers import uninitialized
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.control.messages import HeldBlocks
@@ -324,7 +323,7 @@ class ClusterPrefixCache:
         source is named and not skipped as stalled) pulled on a pull thread."""
         local: list[memoryview] = []
         for h in hashes:
-            buf = self._empty_block()
+            buf = uninitialized(self.engine.kv_bytes_per_block)
             if self.store.contains(h) and self.store.get_into(h, buf) is not None:
                 local.append(buf)
                 continue
@@ -363,11 +362,6 @@ class ClusterPrefixCache:
         self.num_blocks_pulled += len(pulled)
         return fetch.local + pulled
 
-    def _empty_block(self) -> memoryview:
-        """A block's buffer, not zeroed: a read or a pull fills it whole (zeroing 128 of
-        SmolLM2's blocks, 90 MiB, took ~75 ms with the GIL held)."""
-        return memoryview(np.empty(self.engine.kv_bytes_per_block, np.uint8))
-
     def _skipped(self, endpoint: str) -> bool:
         return time.monotonic() < self._stalled.get(endpoint, 0.0)
 
@@ -380,7 +374,7 @@ class ClusterPrefixCache:
         at once)."""
         if self._skipped(endpoint):
             raise TransferError(f"{endpoint} is skipped after a timeout")
-        dests = [self._empty_block() for _ in hashes]
+        dests = [uninitialized(self.engine.kv_bytes_per_block) for _ in hashes]
         timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
             metas = transfer.connect(endpoint).pull(
