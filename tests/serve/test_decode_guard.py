@@ -113,11 +113,19 @@ class _Region:
 
 
 class _Receiver:
+    """A KV stream's receiving end: done (the handoff comes after it) unless a test
+    says it is still arriving."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+        self.error = None
+        self.cancelled = False
+
     def wait(self, timeout_s: float) -> None:
-        """The stream is done (the handoff comes after it)."""
+        """Nothing arrives meanwhile."""
 
     def cancel(self) -> None:
-        """Nothing to stop."""
+        self.cancelled = True
 
 
 class _Transfer:
@@ -128,6 +136,8 @@ class _Transfer:
     def __init__(self) -> None:
         self.regions = SimpleNamespace(get=lambda name: self.registered[name])
         self.registered: dict[str, _Region] = {}
+        self.streams_done = True  # whether new streams have ended by their handoff
+        self.receivers: list[_Receiver] = []
 
     def register_region(self, name: str, size: int, shared: bool = False) -> _Region:
         self.registered[name] = _Region(size)
@@ -137,7 +147,8 @@ class _Transfer:
         del self.registered[name]
 
     def expect_stream(self, session, region, layout, decode=None) -> _Receiver:
-        return _Receiver()
+        self.receivers.append(_Receiver(self.streams_done))
+        return self.receivers[-1]
 
     def close(self) -> None:
         """Nothing to close."""
@@ -155,6 +166,9 @@ class _Engine:
 
     def abort_request(self, request_id: str) -> bool:
         return request_id in self.imported
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.imported)
 
 
 class _Worker:
@@ -288,3 +302,29 @@ def test_a_worker_learns_the_clusters_tbt_slo_when_it_registers():
         stop.set()
         thread.join(5)
         service.close()
+
+
+def test_a_handoff_before_every_stream_ended_waits_outside_the_loop(monkeypatch):
+    """A CPP group's last stage hands off while another stage's KV stream may still be
+    arriving: the request waits among the expected ones (the loop goes on; it used to
+    block up to 10 s in the handoff), joins once its streams ended, and fails, giving
+    its landing back, if they do not end in time."""
+    from halfmoon.serve.worker import decode
+
+    role, worker, transfer = _role("off")
+    transfer.streams_done = False
+    _hand_off(role, "a")
+    assert worker.engine.imported == [] and role.has_work() and role.num_pending() == 1
+    role.tick()
+    assert worker.engine.imported == []  # still arriving
+    transfer.receivers[-1].done = True
+    role.tick()
+    assert worker.engine.imported == ["a"] and not role.has_work()
+    assert ("decode_started", "a") in worker.events
+    _hand_off(role, "b")
+    monkeypatch.setattr(decode, "STREAM_AFTER_HANDOFF_S", 0.0)
+    role.tick()
+    (error,) = [m for _, m in worker.sent if isinstance(m, Error)]
+    assert error.request_id == "b" and "not done" in error.error
+    assert ("request_finished", "b") in worker.events and role.num_pending() == 0
+    assert "kv-b" not in transfer.registered and not role.has_work()

@@ -4,6 +4,7 @@ See :mod:`halfmoon.serve.worker.prefill` for the whole handoff."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -38,6 +39,10 @@ RAW_INBOX = "kv-raw-inbox"
 #: A range of an abandoned stream goes back to the inbox only this long after: its sender
 #: may still place one more layer before it learns of the cancellation.
 INBOX_QUARANTINE_S = 2 * PEER_TIMEOUT_S
+#: How long a handed-off request waits for its other streams (a CPP group's stages) to end.
+STREAM_AFTER_HANDOFF_S = 10.0
+#: Longest the worker loop blocks on such a stream while the engine has nothing to do.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -74,6 +79,9 @@ class _Expected:
     cache_salt: str | None = None
     since_s: float = field(default_factory=time.monotonic)
     timeout_s: float = HANDOFF_TIMEOUT_S
+    #: The handoff, once it came, and when; the request joins when its streams ended.
+    handoff: Handoff | None = None
+    handoff_s: float = 0.0
 
 
 class DecodeRole(TokenStreaming):
@@ -225,14 +233,26 @@ class DecodeRole(TokenStreaming):
 
     def _on_handoff(self, identity: bytes, msg: Handoff) -> None:
         rid = msg.request_id
-        e = self.expected.pop(rid, None)
+        e = self.expected.get(rid)
         if e is None:
             return  # aborted meanwhile
-        try:
-            for receiver in e.receivers:
-                receiver.wait(10.0)
-        except Exception as exc:  # the stream failed: the client must hear of it
-            self._fail(rid, e, str(exc), abandoned=True)
+        e.handoff, e.handoff_s = msg, time.monotonic()
+        self._after_streams(rid, e, msg)
+
+    def _after_streams(self, rid: str, e: _Expected, msg: Handoff) -> None:
+        """A handed-off request whose streams all ended joins the batch (or is held, or
+        refused, by the guard). A CPP group's other stages may still be streaming when
+        the last one hands off: then the request waits for them in ``expected`` (tick()
+        looks again; the loop does not wait), and fails if a stream failed or is not
+        done ``STREAM_AFTER_HANDOFF_S`` after the handoff."""
+        error = next((r.error for r in e.receivers if r.error is not None), None)
+        if error is None and not all(r.done for r in e.receivers):
+            if time.monotonic() - e.handoff_s <= STREAM_AFTER_HANDOFF_S:
+                return
+            error = f"KV stream not done {STREAM_AFTER_HANDOFF_S:g}s after the handoff"
+        del self.expected[rid]
+        if error is not None:  # the stream failed: the client must hear of it
+            self._fail(rid, e, str(error), abandoned=True)
             return
         context_tokens = len(msg.token_ids)  # prompt + the first token, once it joins
         verdict, step_s = self.guard.check(context_tokens)
@@ -315,8 +335,9 @@ class DecodeRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=request_id)
 
     def has_work(self) -> bool:
-        """Waiting KV streams need no loop turns: the handoff message wakes the loop."""
-        return False
+        """Whether a handed-off request waits for the end of a stream (a KV stream still
+        on its way before its handoff needs no loop turns: the handoff wakes the loop)."""
+        return any(e.handoff is not None for e in self.expected.values())
 
     def num_pending(self) -> int:
         """Requests whose KV is still on its way, or held back by the guard."""
@@ -335,7 +356,18 @@ class DecodeRole(TokenStreaming):
         while self._quarantine and self._quarantine[0][0] <= now:
             _, inbox, offset = self._quarantine.pop(0)
             inbox.free(offset)
-        for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
+        for rid, e in list(self.expected.items()):
+            if e.handoff is not None:
+                self._after_streams(rid, e, e.handoff)
+        waiting = [e for e in self.expected.values() if e.handoff is not None]
+        if waiting and not self.worker.engine.has_unfinished_requests():
+            # Nothing to decode: wake the moment the stream ends, not a poll later.
+            receiver = next((r for r in waiting[0].receivers if not r.done), None)
+            if receiver is not None:
+                with contextlib.suppress(TransferError):  # _after_streams reports it next tick
+                    receiver.wait(IDLE_WAIT_S)
+        for rid in [r for r, e in self.expected.items()
+                    if e.handoff is None and now - e.since_s > e.timeout_s]:  # fmt: skip
             e = self.expected[rid]
             self.worker.send(e.identity, Error(
                 request_id=rid, error=f"no KV handoff within {e.timeout_s:.0f}s",
