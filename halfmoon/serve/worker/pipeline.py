@@ -13,9 +13,10 @@ stage then sends the first token to the gateway and the handoff to the decode wo
 Stages overlap: while stage ``s+1`` computes chunk ``c``, stage ``s`` computes ``c+1``.
 
 Prefix reuse per stage: the Conductor picks a group with the prefix its members hold (or
-names a source to pull it from); each stage loads those whole-model blocks from its store
-(a pull runs on a pull thread while the loop goes on) and keeps its layers' share. A stage that cannot (the blocks went meanwhile), or that
-loses a neighbour, fails the request as retryable and the gateway places it again.
+names a source to pull it from); each stage loads those whole-model blocks from its
+store or its engine's pool, or pulls them (on a pull thread: the loop goes on), and keeps
+its layers' share. A stage that cannot (the blocks went meanwhile), or that loses a
+neighbour, fails the request as retryable and the gateway places it again.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ found and pulled only under its tenant's chain.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,11 +108,13 @@ class Holdings:
 
     The pool and the store may hold the same block in the same tier (``dram``) while it
     is demoted: the Conductor hears a block arrive in a tier when its first source gets it
-    and leave when no source holds it any more."""
+    and leave when no source holds it any more. Thread-safe: the store's events also come
+    on the transfer threads that serve peers' pulls (an SSD block read moves to DRAM)."""
 
     def __init__(self, events: Any) -> None:
         self.events = events
         self.tiers: dict[int, dict[str, set[str]]] = {}  # hash -> tier -> sources
+        self._lock = threading.Lock()
 
     def __call__(self, event: CacheEvent) -> None:
         """An event of the store."""
@@ -122,6 +125,10 @@ class Holdings:
         self._heard(event, "pool")
 
     def _heard(self, event: CacheEvent, source: str) -> None:
+        with self._lock:
+            self._count(event, source)
+
+    def _count(self, event: CacheEvent, source: str) -> None:
         h, tier = event.block_hash, event.tier
         held = self.tiers.setdefault(h, {})
         sources = held.setdefault(tier, set())
@@ -142,9 +149,10 @@ class Holdings:
     def snapshot(self) -> list[HeldBlocks]:
         """Every held block, one batch per tier."""
         by_tier: dict[str, list[int]] = {}
-        for h, tiers in self.tiers.items():
-            for tier in tiers:
-                by_tier.setdefault(tier, []).append(h)
+        with self._lock:
+            for h, tiers in self.tiers.items():
+                for tier in tiers:
+                    by_tier.setdefault(tier, []).append(h)
         return [HeldBlocks(tier=t, hashes=hashes_to_wire(hs)) for t, hs in by_tier.items()]
 
 
@@ -369,9 +377,9 @@ class ClusterPrefixCache:
         self, transfer: TransferEngine, endpoint: str, hashes: list[int]
     ) -> list[tuple[BlockMeta | None, memoryview]]:
         """Pull ``hashes`` from a peer's store within a deadline (a pull thread); what a
-        slow or frozen peer could not give, the engine computes. After a timeout the peer is skipped for ``PEER_TIMEOUT_S``, so a
-        frozen peer costs one wait, not one per request (pulls queued behind it give up
-        at once)."""
+        slow or frozen peer could not give, the engine computes. After a timeout the peer
+        is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one wait, not one per
+        request (pulls queued behind it give up at once)."""
         if self._skipped(endpoint):
             raise TransferError(f"{endpoint} is skipped after a timeout")
         dests = [uninitialized(self.engine.kv_bytes_per_block) for _ in hashes]

@@ -140,7 +140,9 @@ class Heartbeat:
 
 
 class ConductorLink:
-    """Registers with the Conductor and streams events to it (fire and forget)."""
+    """Registers with the Conductor and streams events to it (fire and forget). Any
+    thread may queue events (a store's events come on the transfer threads that serve
+    peers' pulls); the loop thread sends them."""
 
     def __init__(self, endpoint: str, secret: bytes, me: WorkerIdentity) -> None:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -149,6 +151,7 @@ class ConductorLink:
         self._secret = secret
         self._me = me
         self._pending: list[messages.Event] = []
+        self._pending_lock = threading.Lock()
         self._registration: messages.Register | None = None
         #: Tells this process apart from an earlier one with the same instance id.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -217,7 +220,8 @@ class ConductorLink:
         the events message does not have raises ProtocolError here, at its source."""
         entry = event_entry(kind, **fields)
         to_wire(messages.Events(instance_id="", events=[entry]))  # checks its field types
-        self._pending.append(entry)
+        with self._pending_lock:
+            self._pending.append(entry)
 
     def cache_event(self, event: CacheEvent) -> None:
         """Queue a cache event of this worker's pool or store (this worker's id is the
@@ -229,17 +233,20 @@ class ConductorLink:
         """Send queued events as one message; never blocks. While the Conductor is not
         reading (frozen, its queue full) they stay queued for the next flush, bounded by
         ``MAX_PENDING_EVENTS``."""
-        if not self._pending:
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        if not pending:
             return
-        msg = messages.Events(instance_id=self._me.instance_id, events=self._pending)
+        msg = messages.Events(instance_id=self._me.instance_id, events=pending)
         try:
             self._sock.send_multipart(encode_message(msg, self._secret), flags=zmq.NOBLOCK)
         except zmq.Again:
-            if len(self._pending) > MAX_PENDING_EVENTS:
-                kept = [e for e in self._pending if e.kind != "load"]
-                self._pending = kept[-MAX_PENDING_EVENTS:]
-            return
-        self._pending = []
+            with self._pending_lock:  # back in front of what came meanwhile
+                pending += self._pending
+                if len(pending) > MAX_PENDING_EVENTS:
+                    kept = [e for e in pending if e.kind != "load"]
+                    pending = kept[-MAX_PENDING_EVENTS:]
+                self._pending = pending
 
     def close(self) -> None:
         """Close the socket."""
