@@ -342,3 +342,28 @@ def test_a_pull_from_a_silent_peer_does_not_hold_the_caller(engines, monkeypatch
         again = cache_b.begin_load(prompt, puller, endpoint)
         assert again.fetch.future is None and again.fetch.done()  # skipped: no new pull
     cache_b.close()
+
+
+def test_blocks_on_ssd_are_read_on_a_pull_thread(engines, tmp_path):
+    """A prefix whose blocks are on SSD only is read on a pull thread (milliseconds a
+    block; the worker's loop goes on), then seeded like any other: the same output."""
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
+
+    a, b = engines
+    events = _Events()
+    cache_a, _ = _cache(a, tmp_path, events)  # no DRAM: every block goes to SSD
+    prompt = [(i * 59) % 4000 + 29 for i in range(100)]
+    ref = _run(a, "s1", prompt)
+    assert cache_a.save("s1", prompt) == 6
+    a.export_kv("s1", release=True)
+    assert all(cache_a.store.tiers(_hash(prompt, i)) == ("ssd",) for i in range(6))
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
+    load = cache_b.begin_load(prompt)
+    assert load.fetch.local == [] and load.fetch.future is not None  # all on the thread
+    assert load.fetch.wait(10)
+    assert cache_b.end_load(load) == 6 and cache_b.num_blocks_pulled == 0
+    out = _run(b, "s2", prompt)
+    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+    b.export_kv("s2", release=True)
+    cache_b.close()
+    b.check_integrity()

@@ -14,10 +14,11 @@
 - Before a prefill, the longest prefix available — in the engine, then the local store,
   then (when the Conductor names another source) that worker's store through the
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
-  engine's own prefix matching picks it up and computes only the rest. A pull from a
-  peer runs on a pull thread (:meth:`ClusterPrefixCache.begin_load`): the worker's loop
-  keeps stepping the engine and answering commands meanwhile, and a slow or frozen peer
-  delays only the requests that wait on it.
+  engine's own prefix matching picks it up and computes only the rest. Reads from the
+  SSD tier and pulls from a peer run on a pull thread
+  (:meth:`ClusterPrefixCache.begin_load`): the worker's loop keeps stepping the engine
+  and answering commands meanwhile, and a slow disk or a slow or frozen peer delays only
+  the requests that wait on it.
 
 Blocks cross between engine and store as host bytes (the engine connector's
 ``block_bytes`` / ``seed_prefix``), whatever device the engine's pool is on. A request's ``cache_salt``
@@ -43,7 +44,7 @@ from halfmoon.serve.control.messages import HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
 from halfmoon.serve.worker.main import PREFIX_STORE_POLICIES
-from halfmoon.store import BlockMeta, StoreConfig, StoreError, TieredStore
+from halfmoon.store import TIER_DRAM, BlockMeta, StoreConfig, StoreError, TieredStore
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 from halfmoon.transfer.store_service import PullDecoder
 
@@ -55,13 +56,15 @@ log = logging.getLogger(__name__)
 PULL_MIN_RATE = 100e6
 #: Pulls from peers in flight at once per worker, each on its own thread.
 PULL_THREADS = 4
+#: What a pull thread brings: blocks read from this worker, then a peer's (meta, payload).
+FetchedRest = tuple[list[memoryview], list[tuple[BlockMeta | None, memoryview]]]
 
 
 class PrefixFetch:
     """Blocks of a chain's continuation on their way in
-    (:meth:`ClusterPrefixCache.begin_fetch`): ``local``, read from this store at once,
-    then ``remote``, pulled from ``endpoint`` on a pull thread (``future``: each block's
-    metadata and payload; None when nothing is pulled). The worker's loop checks
+    (:meth:`ClusterPrefixCache.begin_fetch`): ``local``, read at once, then the blocks of
+    ``remote`` that a pull thread reads (from this worker's SSD) or pulls from
+    ``endpoint`` (``future``; None when nothing is left to fetch). The worker's loop checks
     :meth:`done` and takes the blocks with :meth:`ClusterPrefixCache.end_fetch`."""
 
     def __init__(
@@ -69,7 +72,7 @@ class PrefixFetch:
         local: list[memoryview],
         endpoint: str = "",
         remote: Sequence[int] = (),
-        future: Future[list[tuple[BlockMeta | None, memoryview]]] | None = None,
+        future: Future[FetchedRest] | None = None,
     ) -> None:
         self.local = local
         self.endpoint = endpoint
@@ -325,40 +328,41 @@ class ClusterPrefixCache:
         source_endpoint: str = "",
         pool: bool = False,
     ) -> PrefixFetch:
-        """:meth:`fetch` without the wait: this store's blocks are read now (with
-        ``pool``, a block the store lacks is read from the engine's pool if it is cached
-        there: a pipeline stage's, whose own pool is not the engine's), the rest (if a
-        source is named and not skipped as stalled) pulled on a pull thread."""
+        """:meth:`fetch` without the wait: the blocks this store holds in DRAM are read
+        now (with ``pool``, a block the store lacks is read from the engine's pool if it
+        is cached there: a pipeline stage's, whose own pool is not the engine's); from
+        the first block that is only on SSD (milliseconds a block) or missing, the rest
+        is read, and then pulled from ``source_endpoint`` (if named and not skipped as
+        stalled), on a pull thread."""
         local: list[memoryview] = []
         for h in hashes:
-            buf = uninitialized(self.engine.kv_bytes_per_block)
-            if self.store.contains(h) and self.store.get_into(h, buf) is not None:
-                local.append(buf)
-                continue
-            found = self.engine.read_cached_block(h) if pool else None
-            if found is None:
+            tiers = self.store.tiers(h)
+            if tiers and tiers[0] != TIER_DRAM:
+                break  # on SSD only: read on a pull thread
+            buf = self._read_local(h, in_store=bool(tiers), pool=pool)
+            if buf is None:
                 break  # not here (or evicted or corrupt meanwhile): stop at the gap
-            buf[:] = memoryview(found[2]).cast("B")
             local.append(buf)
         rest = list(hashes[len(local) :])
-        if source is None or not source_endpoint or not rest or self._skipped(source_endpoint):
+        remote = source is not None and bool(source_endpoint)
+        remote = remote and not self._skipped(source_endpoint)
+        if not rest or not (remote or self.store.contains(rest[0])):
             return PrefixFetch(local)
-        future = self._pull_pool().submit(self._pull, source, source_endpoint, rest)
+        future = self._pull_pool().submit(
+            self._fetch_rest, rest, source if remote else None, source_endpoint, pool
+        )
         return PrefixFetch(local, source_endpoint, rest, future)
 
     def end_fetch(self, fetch: PrefixFetch) -> list[memoryview]:
-        """A finished fetch's payloads, this store's then the peer's (the loop thread:
-        pulled blocks are put in this store too, and counted)."""
+        """A finished fetch's payloads: read at once, read on the pull thread, pulled
+        from the peer (the loop thread: pulled blocks are put in this store too, and
+        counted)."""
         if fetch.future is None:
             return fetch.local
         assert fetch.future.done(), "end_fetch() of a fetch still pulling"
-        try:
-            blocks = fetch.future.result()
-        except TransferError as exc:
-            log.warning("prefix pull from %s failed: %s", fetch.endpoint, exc)
-            return fetch.local
+        read, blocks = fetch.future.result()
         pulled = []
-        for h, (meta, buf) in zip(fetch.remote, blocks, strict=True):
+        for h, (meta, buf) in zip(fetch.remote[len(read) :], blocks, strict=False):
             if meta is None:
                 break
             try:
@@ -368,7 +372,40 @@ class ClusterPrefixCache:
             pulled.append(buf)
         fetch.num_pulled = len(pulled)
         self.num_blocks_pulled += len(pulled)
-        return fetch.local + pulled
+        return fetch.local + read + pulled
+
+    def _read_local(self, h: int, in_store: bool, pool: bool) -> memoryview | None:
+        """Block ``h`` from this store (``in_store``: it may be there), else (``pool``)
+        from the engine's pool; None when neither has it."""
+        buf = uninitialized(self.engine.kv_bytes_per_block)
+        if in_store and self.store.get_into(h, buf) is not None:
+            return buf
+        found = self.engine.read_cached_block(h) if pool else None
+        if found is None:
+            return None
+        buf[:] = memoryview(found[2]).cast("B")
+        return buf
+
+    def _fetch_rest(
+        self, hashes: list[int], transfer: TransferEngine | None, endpoint: str, pool: bool
+    ) -> FetchedRest:
+        """A pull thread's part of a fetch: the leading blocks this worker holds (on SSD,
+        or in the pool with ``pool``), then the rest pulled from ``endpoint`` (with a
+        ``transfer`` engine; a failed pull is logged and gives nothing)."""
+        read: list[memoryview] = []
+        for h in hashes:
+            buf = self._read_local(h, in_store=True, pool=pool)
+            if buf is None:
+                break
+            read.append(buf)
+        rest = hashes[len(read) :]
+        if transfer is None or not rest:
+            return read, []
+        try:
+            return read, self._pull(transfer, endpoint, rest)
+        except TransferError as exc:
+            log.warning("prefix pull from %s failed: %s", endpoint, exc)
+            return read, []
 
     def _skipped(self, endpoint: str) -> bool:
         return time.monotonic() < self._stalled.get(endpoint, 0.0)
