@@ -19,7 +19,7 @@ from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
 from halfmoon.serve.worker.decode_guard import DecodeGuard, Held
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S, num_blocks
 from halfmoon.serve.worker.pipeline_job import kv_session
-from halfmoon.serve.worker.process import Handler, Worker
+from halfmoon.serve.worker.process import IDLE_WAIT_S, Handler, Worker
 from halfmoon.serve.worker.tokens import (
     HANDOFF_TIMEOUT_S,
     HANDOFF_TTFT_FACTOR,
@@ -41,8 +41,6 @@ RAW_INBOX = "kv-raw-inbox"
 INBOX_QUARANTINE_S = 2 * PEER_TIMEOUT_S
 #: How long a handed-off request waits for its other streams (a CPP group's stages) to end.
 STREAM_AFTER_HANDOFF_S = 10.0
-#: Longest the worker loop blocks on such a stream while the engine has nothing to do.
-IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -237,9 +235,9 @@ class DecodeRole(TokenStreaming):
         if e is None:
             return  # aborted meanwhile
         e.handoff, e.handoff_s = msg, time.monotonic()
-        self._after_streams(rid, e, msg)
+        self._after_streams(rid, e)
 
-    def _after_streams(self, rid: str, e: _Expected, msg: Handoff) -> None:
+    def _after_streams(self, rid: str, e: _Expected) -> None:
         """A handed-off request whose streams all ended joins the batch (or is held, or
         refused, by the guard). A CPP group's other stages may still be streaming when
         the last one hands off: then the request waits for them in ``expected`` (tick()
@@ -254,6 +252,8 @@ class DecodeRole(TokenStreaming):
         if error is not None:  # the stream failed: the client must hear of it
             self._fail(rid, e, str(error), abandoned=True)
             return
+        msg = e.handoff
+        assert msg is not None
         context_tokens = len(msg.token_ids)  # prompt + the first token, once it joins
         verdict, step_s = self.guard.check(context_tokens)
         if verdict == REJECT:
@@ -358,7 +358,7 @@ class DecodeRole(TokenStreaming):
             inbox.free(offset)
         for rid, e in list(self.expected.items()):
             if e.handoff is not None:
-                self._after_streams(rid, e, e.handoff)
+                self._after_streams(rid, e)
         waiting = [e for e in self.expected.values() if e.handoff is not None]
         if waiting and not self.worker.engine.has_unfinished_requests():
             # Nothing to decode: wake the moment the stream ends, not a poll later.

@@ -47,14 +47,12 @@ from halfmoon.serve.worker.kvstream import (
 )
 from halfmoon.serve.worker.pipeline_job import StageJob, hidden_session, kv_session
 from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
-from halfmoon.serve.worker.process import Handler, Worker
+from halfmoon.serve.worker.process import IDLE_WAIT_S, Handler, Worker
 from halfmoon.transfer import StreamLayout, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
 #: How long a stage waits for its next chunk's hidden states before failing the request.
 STAGE_WAIT_S = 60.0
-#: Longest the worker loop blocks on a stage's input while it has nothing else to do.
-IDLE_WAIT_S = 0.005
 
 
 class PipelineStage:

@@ -54,13 +54,11 @@ from halfmoon.serve.worker.kvstream import (
 )
 from halfmoon.serve.worker.pipeline import PipelineStage
 from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings, PrefixFetch, PrefixLoad
-from halfmoon.serve.worker.process import Handler, Worker
+from halfmoon.serve.worker.process import IDLE_WAIT_S, Handler, Worker
 from halfmoon.serve.worker.tokens import HANDOFF_TIMEOUT_S, StreamClient, TokenStreaming
 from halfmoon.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
-#: Longest the worker loop blocks on a stream's end while the engine has nothing to do.
-IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -294,15 +292,12 @@ class PrefillRole(TokenStreaming):
         if not self.engine_busy():
             # Nothing to compute: wake the moment the oldest stream or pull ends, not a
             # poll later.
+            fetches = [load.fetch for _, _, load in self.loading.values()]
+            fetches += [fetch for fetch, _ in self.side_fetches]
             if self.handing:
                 next(iter(self.handing.values())).streamed.wait(IDLE_WAIT_S)
-            elif self.loading or self.side_fetches:
-                fetch = (
-                    next(iter(self.loading.values()))[2].fetch
-                    if self.loading
-                    else self.side_fetches[0][0]
-                )
-                fetch.wait(IDLE_WAIT_S)
+            elif fetches:
+                fetches[0].wait(IDLE_WAIT_S)
 
     def engine_busy(self) -> bool:
         """Whether the engine or a pipeline stage has work to run."""

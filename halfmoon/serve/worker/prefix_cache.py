@@ -63,19 +63,17 @@ FetchedRest = tuple[list[memoryview], list[tuple[BlockMeta | None, memoryview]]]
 class PrefixFetch:
     """Blocks of a chain's continuation on their way in
     (:meth:`ClusterPrefixCache.begin_fetch`): ``local``, read at once, then the blocks of
-    ``remote`` that a pull thread reads (from this worker's SSD) or pulls from
-    ``endpoint`` (``future``; None when nothing is left to fetch). The worker's loop checks
+    ``remote`` that a pull thread reads (from this worker's SSD) or pulls from a peer
+    (``future``; None when nothing is left to fetch). The worker's loop checks
     :meth:`done` and takes the blocks with :meth:`ClusterPrefixCache.end_fetch`."""
 
     def __init__(
         self,
         local: list[memoryview],
-        endpoint: str = "",
         remote: Sequence[int] = (),
         future: Future[FetchedRest] | None = None,
     ) -> None:
         self.local = local
-        self.endpoint = endpoint
         self.remote = list(remote)
         self.future = future
         self.num_pulled = 0  # set by end_fetch
@@ -351,7 +349,7 @@ class ClusterPrefixCache:
         future = self._pull_pool().submit(
             self._fetch_rest, rest, source if remote else None, source_endpoint, pool
         )
-        return PrefixFetch(local, source_endpoint, rest, future)
+        return PrefixFetch(local, rest, future)
 
     def end_fetch(self, fetch: PrefixFetch) -> list[memoryview]:
         """A finished fetch's payloads: read at once, read on the pull thread, pulled
@@ -362,6 +360,7 @@ class ClusterPrefixCache:
         assert fetch.future.done(), "end_fetch() of a fetch still pulling"
         read, blocks = fetch.future.result()
         pulled = []
+        # ``blocks`` is empty when the pull failed or there was none to make.
         for h, (meta, buf) in zip(fetch.remote[len(read) :], blocks, strict=False):
             if meta is None:
                 break

@@ -59,6 +59,9 @@ if TYPE_CHECKING:
     from halfmoon.store import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
+#: Longest a role's ``tick()`` blocks on what it awaits (a stream's end, a pull) while the
+#: engine has nothing to do: it wakes the moment that arrives, not a poll later.
+IDLE_WAIT_S = 0.005
 LOAD_REPORT_INTERVAL_S = 0.5
 #: A draining worker exits after this long with nothing to do: a request the Conductor
 #: placed just before the drain may still be on its way from the gateway.
