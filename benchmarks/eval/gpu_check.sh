@@ -8,8 +8,11 @@
 #            Paris, and a long prompt must complete through the CPP pipeline
 #   bench    benchmarks.micro.engine --device cuda, briefly (random-weight presets)
 #   real     benchmarks.micro.engine_real --device cuda with the real model: halfmoon's
-#            engine against transformers (and vLLM where VLLM_PY names a Python that has
-#            it), decode step at batch 1, 8, 32 x context 512, 2048 and 2048-token prefill
+#            engine (--attention $ATTENTION, compiled on CUDA: the paged kernel and glue,
+#            compiled in process on a torch older than 2.13) beside the same engine on the
+#            reference attention and the same engine without CUDA graphs, and transformers
+#            (and vLLM where VLLM_PY names a Python that has it), decode step at batch 1,
+#            8, 32 x context 512, 2048 and 2048-token prefill
 # Prints one PASS/FAIL line per check and a summary; exits 1 when any check failed.
 # Logs and results go to ${OUT:-/tmp}/gpu_check/: summary.txt, NAME.log per check,
 # serve_check.json (the answers, the CPP request), halfmoon_serve.log (the cluster's own
@@ -21,7 +24,8 @@
 # Overrides (environment): PY, DEVICE (cuda), MODEL (smollm2-135m-instruct), EXPECT
 # (Paris; empty: any answer), LONG_TOKENS (8000: long prompt, capped by the context),
 # CPP_CHUNK (2700), KV_CACHE_MB (2048), BENCH_ARGS, REAL_ARGS, GRAPHS (--cuda-graphs, the
-# real check's; empty: without), VLLM_PY (a Python with
+# real check's; empty: without), ATTENTION (compiled on CUDA, auto elsewhere: the real
+# check's halfmoon; reference leaves out its halfmoon-reference), VLLM_PY (a Python with
 # vLLM, for the real check), TESTS (the test paths), BUDGET_S (430), SKIP (names of checks
 # to skip, e.g. "bench"). A dry run of everything but the GPU on a CPU machine:
 #   DEVICE=cpu MODEL=tiny EXPECT= LONG_TOKENS=3000 CPP_CHUNK=512 KV_CACHE_MB=256 \
@@ -43,6 +47,7 @@ REAL_ARGS=${REAL_ARGS:---rounds 3 --prefill-rounds 3 --prefill-tokens 2048 --k 8
 # without them.
 GRAPHS=${GRAPHS---cuda-graphs}
 [[ "$DEVICE" == cuda* ]] || GRAPHS=
+if [[ "$DEVICE" == cuda* ]]; then ATTENTION=${ATTENTION:-compiled}; else ATTENTION=${ATTENTION:-auto}; fi
 VLLM_PY=${VLLM_PY:-}
 TESTS=${TESTS:-tests/engine tests/serve/test_prefix_cache.py tests/serve/test_engine_boundary.py}
 SKIP=${SKIP:-}
@@ -125,7 +130,7 @@ fi
 # On a CPU dry run the CUDA-only tests run their checks with the engine on the CPU.
 [[ "$DEVICE" == cuda* ]] || export HALFMOON_TEST_DEVICE=cpu
 # shellcheck disable=SC2086  # TESTS is a list of paths
-run tests 200 "$PY" -m pytest $TESTS -q -p no:cacheprovider -rs
+run tests 240 "$PY" -m pytest $TESTS -q -p no:cacheprovider -rs
 passed tests && grep -E "passed|SKIPPED" "$DIR/tests.log" | sed 's/^/    /'
 
 # -- serve ---------------------------------------------------------------------------------
@@ -287,8 +292,10 @@ passed bench && grep -E "^(preset|tiny|small) " "$DIR/bench.log" | sed 's/^/    
 
 # -- real ----------------------------------------------------------------------------------
 # With graphs, halfmoon-eager (the same engine without them) runs beside it: their ratio is
-# what the graphs give, side by side in one run.
+# what the graphs give, side by side in one run; halfmoon-reference (the same engine on
+# gather + SDPA) what the compiled attention gives.
 HM_ENGINES=halfmoon${GRAPHS:+,halfmoon-eager}
+[[ "$ATTENTION" == reference ]] || HM_ENGINES=$HM_ENGINES,halfmoon-reference
 REAL_ENGINES=$HM_ENGINES,transformers
 REAL_VLLM=()
 if [[ -n "$VLLM_PY" && -x "$VLLM_PY" ]]; then
@@ -296,8 +303,8 @@ if [[ -n "$VLLM_PY" && -x "$VLLM_PY" ]]; then
     REAL_VLLM=(--vllm-python "$VLLM_PY")
 fi
 # shellcheck disable=SC2086  # REAL_ARGS is a list of options
-run real 150 "$PY" -m benchmarks.micro.engine_real --model "$MODEL" --device "$DEVICE" \
-    --engines "$REAL_ENGINES" "${REAL_VLLM[@]}" --threads 4 $GRAPHS $REAL_ARGS \
+run real 180 "$PY" -m benchmarks.micro.engine_real --model "$MODEL" --device "$DEVICE" \
+    --engines "$REAL_ENGINES" "${REAL_VLLM[@]}" --threads 4 --attention "$ATTENTION" $GRAPHS $REAL_ARGS \
     --json "$DIR/engine_real_$DEVICE.json"
 passed real && sed -n '/^model /,$p' "$DIR/real.log" | head -40 | sed 's/^/    /'
 passed real && grep -h "CUDA graphs:" "$DIR/real.log" | sed 's/^/    /'

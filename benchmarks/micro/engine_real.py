@@ -78,10 +78,15 @@ ROOT = HERE.parents[1]
 #: vLLM's venv (``make vllm`` makes it), shared with ``--engine vllm``.
 VLLM_VENV = ROOT / ".venv-vllm"
 ENGINES = ("halfmoon", "vllm", "transformers")
-SHORT = {"halfmoon": "hm", "halfmoon-eager": "hm-eager", "vllm": "vllm", "transformers": "hf"}
-#: Run only when named in --engines: halfmoon without CUDA graphs, beside the "halfmoon"
-#: of a --cuda-graphs run (the graphs' own speed-up, side by side in one run).
-OPTIONAL_ENGINES = ("halfmoon-eager",)
+SHORT = {"halfmoon": "hm", "halfmoon-eager": "hm-eager", "halfmoon-reference": "hm-ref",
+         "vllm": "vllm", "transformers": "hf"}  # fmt: skip
+#: Run only when named in --engines, beside "halfmoon" (side by side in one run):
+#: halfmoon without CUDA graphs (a --cuda-graphs run's own speed-up), and halfmoon with
+#: the reference attention (gather + SDPA: what the compiled kernel and glue give).
+OPTIONAL_ENGINES = {
+    "halfmoon-eager": {"cuda_graphs": False},
+    "halfmoon-reference": {"attention": "reference"},
+}
 TEXT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 CHECK_TOKENS = 8
 MALLOC_MARK = "HALFMOON_ENGINE_REAL_MALLOC"
@@ -178,13 +183,19 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 class Halfmoon:
-    def __init__(self, model: str, args: argparse.Namespace, cuda_graphs: bool | None = None):
+    def __init__(
+        self,
+        model: str,
+        args: argparse.Namespace,
+        cuda_graphs: bool | None = None,
+        attention: str | None = None,
+    ):
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, dtype="float32", kv_cache_mb=args.halfmoon_kv_mb,
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
-                num_threads=args.threads, attention=args.attention, device=args.device,
+                num_threads=args.threads, attention=attention or args.attention, device=args.device,
                 cuda_graphs=args.cuda_graphs if cuda_graphs is None else cuda_graphs,
             )
         )  # fmt: skip
@@ -370,7 +381,8 @@ def main() -> None:
                         "build stays on the CPU: leave it out (--engines) on a GPU")  # fmt: skip
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="comma-separated, of " + ", ".join(ENGINES) + "; and "
-                        "halfmoon-eager (halfmoon without graphs, with --cuda-graphs)")  # fmt: skip
+                        "halfmoon-eager (halfmoon without graphs, with --cuda-graphs), "
+                        "halfmoon-reference (halfmoon with --attention reference)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per case")
     parser.add_argument("--prefill-rounds", type=int, default=3, help="0 skips the prefill cases")
     parser.add_argument("--k", type=int, default=12, help="decode steps timed per run")
@@ -425,10 +437,12 @@ def main() -> None:
     unknown = sorted(set(named) - set(ENGINES) - set(OPTIONAL_ENGINES))
     if unknown:
         parser.error(f"unknown --engines {', '.join(unknown)}; known: "
-                     f"{', '.join(ENGINES + OPTIONAL_ENGINES)}")  # fmt: skip
+                     f"{', '.join((*ENGINES, *OPTIONAL_ENGINES))}")  # fmt: skip
     if "halfmoon-eager" in named and not args.cuda_graphs:
         parser.error("--engines halfmoon-eager compares against --cuda-graphs; add it")
     engines = [e for e in (*ENGINES[:1], *OPTIONAL_ENGINES, *ENGINES[1:]) if e in named]
+    if "halfmoon-reference" in named and args.attention == "reference":
+        parser.error("--engines halfmoon-reference compares against another --attention")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     wall_start = time.perf_counter()
@@ -465,7 +479,8 @@ def run(args, engines, model_dir, peer, log):
 
     log(f"model {model_dir}; engines {engines}; {args.threads} threads")
     hm = Halfmoon(model_dir, args) if "halfmoon" in engines else None
-    eager = Halfmoon(model_dir, args, cuda_graphs=False) if "halfmoon-eager" in engines else None
+    variants = {name: Halfmoon(model_dir, args, **OPTIONAL_ENGINES[name])
+                for name in OPTIONAL_ENGINES if name in engines}  # fmt: skip
     hf = Transformers(model_dir, args.device) if "transformers" in engines else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = hm.engine.model_config.vocab_size if hm else hf.config.vocab_size  # type: ignore[union-attr]
@@ -494,8 +509,8 @@ def run(args, engines, model_dir, peer, log):
     runners: dict[str, Callable] = {}
     if hm is not None:
         runners["halfmoon"] = hm.generate
-    if eager is not None:
-        runners["halfmoon-eager"] = eager.generate
+    for name, variant in variants.items():
+        runners[name] = variant.generate
     if peer is not None:
         runners["vllm"] = lambda prompts, n: peer.generate(prompts, n, False)
     if hf is not None:
@@ -519,7 +534,7 @@ def run(args, engines, model_dir, peer, log):
         for batch in args.batches:
             k = args.k_large if batch >= 32 and context >= 2048 else args.k
             rows.append(
-                decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log, eager)
+                decode_case(args, hm, hf, peer, engines, vocab, batch, context, k, log, variants)
             )
     graphs = hm.engine.runner.decode_graphs if hm else None
     if graphs is not None:  # whether the decode steps above replayed graphs, or why not
@@ -561,7 +576,7 @@ def prefill_case(args, runners, vocab, length, log) -> dict[str, Any]:
 
 
 def decode_case(
-    args, hm, hf, peer, engines, vocab, batch, context, k, log, eager=None
+    args, hm, hf, peer, engines, vocab, batch, context, k, log, variants=None
 ) -> dict[str, Any]:
     prompts = random_prompts(vocab, batch, context, seed=1000 * batch + context)
     seed = batch * 7919 + context
@@ -569,9 +584,9 @@ def decode_case(
     if hm is not None:
         handoffs = hm.handoffs(prompts, seed)
         runs["halfmoon"] = lambda n: hm.decode(handoffs, n)
-    if eager is not None:
-        eager_handoffs = eager.handoffs(prompts, seed)
-        runs["halfmoon-eager"] = lambda n: eager.decode(eager_handoffs, n)
+    for name, variant in (variants or {}).items():
+        variant_handoffs = variant.handoffs(prompts, seed)
+        runs[name] = lambda n, v=variant, h=variant_handoffs: v.decode(h, n)
     if peer is not None:
         runs["vllm"] = lambda n: peer.generate(prompts, n, True)
     if hf is not None:

@@ -26,6 +26,7 @@ from halfmoon.engine.glue import EAGER_GLUE, GlueShape, glue_specs, select_glue
 from halfmoon.engine.graphs import DecodeGraphs
 from halfmoon.engine.kernels import (
     KernelShape,
+    compile_mode,
     decode_kernel_spec,
     select_decode_kernel,
     uses_compiled,
@@ -109,8 +110,8 @@ def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueSh
     (:func:`build_missing`): workers starting together build different ones at once. A
     build that fails here is left to the loaders, which retry it and report the failure
     (a warning, or the error of ``--attention compiled``)."""
-    if not uses_compiled(backend, kernel.device):
-        return
+    if not uses_compiled(backend, kernel.device) or compile_mode() == "jit":
+        return  # in process, each compiles its own: nothing to build
     fused = [fused_decode_spec(kernel)] if uses_fused(kernel) else []
     try:
         build_missing([decode_kernel_spec(kernel), *glue_specs(glue), *fused])

@@ -29,13 +29,14 @@ from torch import nn
 
 from halfmoon.engine.glue import split_and_rotate
 from halfmoon.engine.kernels import (
+    CompiledPiece,
     KernelShape,
     PagedDecodeAttention,
+    Recipe,
     example_inputs,
-    export_and_compile,
     package_key,
 )
-from halfmoon.engine.packages import PackageSpec, failure_reason, load_function
+from halfmoon.engine.packages import PackageSpec, failure_reason
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,8 @@ def _example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
     return qkv, row, row.clone(), keys, values, slots, tables, lens, scale
 
 
-def build_fused_package(shape: KernelShape, path: Path) -> None:
-    """Export and AOT-compile :class:`FusedDecodeAttention` for ``shape`` into ``path``."""
+def fused_recipe(shape: KernelShape) -> Recipe:
+    """:class:`FusedDecodeAttention` for ``shape``: its example inputs and dynamic sizes."""
     dim = torch.export.Dim
     seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
     per_seq = {0: seqs}
@@ -126,17 +127,23 @@ def build_fused_package(shape: KernelShape, path: Path) -> None:
     module = FusedDecodeAttention(shape.num_kv_heads * shape.group, shape.num_kv_heads,
                                   shape.head_dim)  # fmt: skip
     # Planned for many threads, like the kernel: a batch of one splits over blocks.
-    export_and_compile(module, _example_inputs(shape), dynamic, path, 32)
+    return Recipe(module, _example_inputs(shape), dynamic, 32)
+
+
+def fused_decode_piece(shape: KernelShape) -> CompiledPiece:
+    """The fused call of ``shape`` as a compiled piece."""
+    return CompiledPiece(fused_key(shape), lambda: fused_recipe(shape))
 
 
 def fused_decode_spec(shape: KernelShape) -> PackageSpec:
     """The fused package of ``shape`` (see :func:`halfmoon.engine.packages.build_missing`)."""
-    return fused_key(shape), lambda path: build_fused_package(shape, path)
+    return fused_decode_piece(shape).package()
 
 
 def load_fused_decode(shape: KernelShape, directory: Path | None = None) -> FusedDecode:
-    """The compiled fused call for ``shape``, built first when missing. Raises on failure."""
-    return load_function(*fused_decode_spec(shape), directory)
+    """The compiled fused call for ``shape`` (from the cache, built first when missing, or
+    compiled in process). Raises on failure."""
+    return fused_decode_piece(shape).load_function(directory)
 
 
 def select_fused_decode(shape: KernelShape) -> FusedDecode | None:

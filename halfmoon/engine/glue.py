@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.kernels import export_and_compile, package_key
-from halfmoon.engine.packages import PackageSpec, failure_reason, load_package
+from halfmoon.engine.kernels import CompiledPiece, Recipe, package_key
+from halfmoon.engine.packages import PackageSpec, failure_reason
 from halfmoon.engine.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -156,16 +156,16 @@ class GlueShape:
         )
 
 
-def _build_add_rms_norm(shape: GlueShape, path: Path) -> None:
+def _add_rms_norm_recipe(shape: GlueShape) -> Recipe:
     device = torch.device(shape.device)
     rows = torch.randn(8, shape.hidden_size).to(device, shape.dtype)
     weight = torch.randn(shape.hidden_size).to(device, shape.dtype)
     tokens = torch.export.Dim("num_tokens", min=1)
     dynamic = ({0: tokens}, {0: tokens}, {})
-    export_and_compile(AddRMSNorm(shape.eps), (rows, rows.clone(), weight), dynamic, path)
+    return Recipe(AddRMSNorm(shape.eps), (rows, rows.clone(), weight), dynamic)
 
 
-def _build_rope_split(shape: GlueShape, path: Path) -> None:
+def _rope_split_recipe(shape: GlueShape) -> Recipe:
     device = torch.device(shape.device)
     width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     qkv = torch.randn(8, width).to(device, shape.dtype)
@@ -173,32 +173,36 @@ def _build_rope_split(shape: GlueShape, path: Path) -> None:
     tokens = torch.export.Dim("num_tokens", min=1)
     dynamic = ({0: tokens}, {0: tokens}, {0: tokens})
     module = RopeSplit(shape.num_heads, shape.num_kv_heads, shape.head_dim)
-    export_and_compile(module, (qkv, cos, cos.clone()), dynamic, path)
+    return Recipe(module, (qkv, cos, cos.clone()), dynamic)
 
 
-def _build_silu_mul(shape: GlueShape, path: Path) -> None:
+def _silu_mul_recipe(shape: GlueShape) -> Recipe:
     device = torch.device(shape.device)
     gate_up = torch.randn(8, 2 * shape.intermediate_size).to(device, shape.dtype)
     tokens = torch.export.Dim("num_tokens", min=1)
-    export_and_compile(SiluMul(), (gate_up,), ({0: tokens},), path)
+    return Recipe(SiluMul(), (gate_up,), ({0: tokens},))
 
 
-def glue_specs(shape: GlueShape) -> list[PackageSpec]:
-    """The three glue packages of ``shape`` (norm, rope, silu; see
-    :func:`halfmoon.engine.packages.build_missing`)."""
+def glue_pieces(shape: GlueShape) -> list[CompiledPiece]:
+    """The three glue steps of ``shape`` (norm, rope, silu) as compiled pieces."""
     return [
-        (shape.key("add-rms-norm"), lambda path: _build_add_rms_norm(shape, path)),
-        (shape.key("rope-split"), lambda path: _build_rope_split(shape, path)),
-        (shape.key("silu-mul"), lambda path: _build_silu_mul(shape, path)),
+        CompiledPiece(shape.key("add-rms-norm"), lambda: _add_rms_norm_recipe(shape)),
+        CompiledPiece(shape.key("rope-split"), lambda: _rope_split_recipe(shape)),
+        CompiledPiece(shape.key("silu-mul"), lambda: _silu_mul_recipe(shape)),
     ]
 
 
+def glue_specs(shape: GlueShape) -> list[PackageSpec]:
+    """The three glue packages of ``shape`` (see
+    :func:`halfmoon.engine.packages.build_missing`)."""
+    return [piece.package() for piece in glue_pieces(shape)]
+
+
 def load_glue(shape: GlueShape, directory: Path | None = None) -> Glue:
-    """The glue steps compiled for ``shape`` (built once, cached like the kernels).
-    Raises on any failure."""
-    norm_run, rope_run, silu_run = (
-        load_package(key, build, directory) for key, build in glue_specs(shape)
-    )
+    """The glue steps compiled for ``shape`` (built once and cached like the kernels, or
+    compiled in process: :func:`halfmoon.engine.kernels.compile_mode`). Raises on any
+    failure."""
+    norm_run, rope_run, silu_run = (piece.load(directory) for piece in glue_pieces(shape))
 
     def add_rms_norm(
         x: torch.Tensor, residual: torch.Tensor, norm: nn.Module

@@ -21,8 +21,11 @@ per sequence and pool size stay dynamic. Building takes 15-40 s on 2 CPU cores, 
 shape; loading a built package takes milliseconds. The shape is static because dynamic
 inner sizes cost the generated loops their vectorization (measured 2-5x slower). This
 module also names packages (:func:`package_key`: their spec, torch, the CPU and a digest
-of the sources that go into them) and holds the export settings every package is built
-with.
+of the sources that go into them) and holds what every compiled piece (this kernel, the
+glue, the fused decode call, the KV codecs) is made from (:class:`Recipe`) and how: a
+package built ahead of time, or, where torch cannot load packages as halfmoon does
+(before 2.13) or ``HALFMOON_COMPILE=jit`` asks, the same recipe under ``torch.compile``
+in the process (:func:`compile_mode`, :class:`CompiledPiece`).
 
 Measured on 2 CPU cores (SmolLM2's shape, contexts 512 and 2,048, batch 1-32): 1.3-6x
 faster than gather + SDPA; results differ from it by float32 rounding (~1e-7).
@@ -33,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +46,12 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.config import check_attention_backend
-from halfmoon.engine.packages import PackageSpec, failure_reason, load_function
+from halfmoon.engine.packages import (
+    PackageSpec,
+    failure_reason,
+    load_package,
+    loads_unpacked_packages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,46 +171,144 @@ def example_inputs(shape: KernelShape) -> tuple[torch.Tensor, ...]:
     )
 
 
-def export_and_compile(
-    module: torch.nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
-    dynamic_shapes: tuple[dict[int, object], ...],
-    path: Path,
-    thread_hint: int | None = None,
-) -> None:
-    """Export ``module`` on ``example_inputs`` (their sizes are the compiler's hints) with
-    the given dynamic dimensions and AOT-compile it into the package ``path`` (a ``.pt2``).
+@dataclass(frozen=True)
+class Recipe:
+    """What one piece of compiled code is made from: ``module`` run on ``example_inputs``
+    (their sizes are the compiler's hints), the dimensions of each input that stay
+    dynamic (``{index: torch.export.Dim}``, one dict per input) and the thread count
+    inductor plans its parallel loops for (None: the building process's; the threads
+    used at run time are the caller's either way)."""
 
-    ``thread_hint``: the thread count inductor plans its parallel loops for (default: the
-    building process's); the threads used at run time are the caller's either way."""
+    module: torch.nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    dynamic_shapes: tuple[dict[int, object], ...]
+    thread_hint: int | None = None
+
+
+def inductor_options(thread_hint: int | None) -> dict[str, object]:
+    """The inductor settings every piece is compiled with, ahead of time or in process."""
+    return {
+        # Threads: the caller's OpenMP count at run time, not the build's.
+        "cpp.dynamic_threads": True,
+        # No bounds check on indexed loads (a test per vector in the inner loop, 2x
+        # slower): the engine's block tables and slots hold valid pool positions only.
+        "assert_indirect_indexing": False,
+        "cpp.threads": thread_hint or -1,
+    }
+
+
+def export_and_compile(recipe: Recipe, path: Path) -> None:
+    """Export ``recipe``'s module with its dynamic dimensions and AOT-compile it into the
+    package ``path`` (a ``.pt2``)."""
     from torch._inductor import aoti_compile_and_package  # only to build: ~2 s to import
 
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own deprecations inside export/inductor, not ours to act on.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+        program = torch.export.export(
+            recipe.module, recipe.example_inputs, dynamic_shapes=recipe.dynamic_shapes
+        )
         aoti_compile_and_package(
             program,
             package_path=str(path),
-            # Threads: the caller's OpenMP count at run time, not the build's.
-            inductor_configs={
-                "cpp.dynamic_threads": True,
-                "assert_indirect_indexing": False,
-                "cpp.threads": thread_hint or -1,
-            },
+            inductor_configs=inductor_options(recipe.thread_hint),
         )
 
 
-def build_package(shape: KernelShape, path: Path) -> None:
-    """Export and AOT-compile the kernel for ``shape`` into ``path`` (a ``.pt2``)."""
+#: A compiled piece's runner: its inputs as a list in, its outputs as a list out.
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+#: ``$HALFMOON_COMPILE``'s values (see :func:`compile_mode`).
+COMPILE_MODES = ("auto", "aot", "jit")
+
+
+def compile_mode() -> str:
+    """How compiled pieces are made, from ``$HALFMOON_COMPILE``: ``aot``, packages built
+    ahead of time into the cache and loaded from it; ``jit``, ``torch.compile`` in the
+    process (nothing in the package cache; a compile, seconds, in every process that loads
+    it, sped up by inductor's own cache in ``$TMPDIR``); ``auto`` (the
+    default), ``aot`` where this torch loads packages as halfmoon does (2.13+) and
+    ``jit`` on an older one (GPU machines' own torch, 2.11 on the one lent so far)."""
+    mode = os.environ.get("HALFMOON_COMPILE", "auto") or "auto"
+    if mode not in COMPILE_MODES:
+        raise HalfmoonError(f"HALFMOON_COMPILE={mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if mode == "auto":
+        return "aot" if loads_unpacked_packages() else "jit"
+    return mode
+
+
+def compile_in_process(recipe: Recipe) -> Runner:
+    """``recipe``'s module under ``torch.compile`` (the same inductor settings as a
+    package), compiled now on its example inputs with the package's dynamic dimensions
+    marked, so that a failure shows here as a package's would at its load. Other sizes
+    recompile once where torch specialises them (a batch of one)."""
+    import torch._dynamo
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = {k: v for k, v in inductor_options(recipe.thread_hint).items() if k in known}
+    compiled = torch.compile(recipe.module, fullgraph=True, options=options)
+
+    def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            out = compiled(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    inputs = [t.clone() for t in recipe.example_inputs]
+    for tensor, dims in zip(inputs, recipe.dynamic_shapes, strict=True):
+        for index in dims:
+            torch._dynamo.mark_dynamic(tensor, index)
+    run(inputs)
+    return run
+
+
+@dataclass(frozen=True)
+class CompiledPiece:
+    """One piece of compiled code (the decode kernel, a glue step, the fused decode
+    call, a KV codec): its package key, its recipe, and optionally its own build (a
+    package of the recipe when None). :meth:`load` makes it as :func:`compile_mode`
+    says."""
+
+    key: str
+    recipe: Callable[[], Recipe]
+    build: Callable[[Path], None] | None = None
+
+    def package(self) -> PackageSpec:
+        """The package to build ahead of time (see :func:`packages.build_missing`)."""
+        return self.key, self.build or (lambda path: export_and_compile(self.recipe(), path))
+
+    def load(self, directory: Path | None = None) -> Runner:
+        """The runner: the package from the cache (built first when missing), or the
+        recipe compiled in this process. Raises on any failure."""
+        if compile_mode() == "jit":
+            return compile_in_process(self.recipe())
+        return load_package(*self.package(), directory)
+
+    def load_function(self, directory: Path | None = None) -> Callable[..., torch.Tensor]:
+        """:meth:`load` for a piece with one output, as a function of its inputs."""
+        run = self.load(directory)
+
+        def function(*args: torch.Tensor) -> torch.Tensor:
+            return run(list(args))[0]
+
+        return function
+
+
+def decode_recipe(shape: KernelShape) -> Recipe:
+    """The decode kernel of ``shape``: its example inputs and dynamic dimensions."""
     dim = torch.export.Dim
     seqs, blocks, pool = dim("num_seqs", min=1), dim("max_blocks", min=1), dim("pool", min=1)
     dynamic = ({0: seqs}, {0: pool}, {0: pool}, {0: seqs, 1: blocks}, {0: seqs}, {})
     # Planned for many threads, inductor splits the loops over sequences and blocks, not
     # over sequences only: a batch of one then runs on every thread (batch 1 x 2,048 on 2
     # threads: 297 -> 208 us), larger batches unchanged.
-    export_and_compile(PagedDecodeAttention(), example_inputs(shape), dynamic, path, 32)
+    return Recipe(PagedDecodeAttention(), example_inputs(shape), dynamic, 32)
+
+
+def build_package(shape: KernelShape, path: Path) -> None:
+    """Export and AOT-compile the kernel for ``shape`` into ``path`` (a ``.pt2``)."""
+    export_and_compile(decode_recipe(shape), path)
 
 
 DecodeKernel = Callable[
@@ -210,16 +317,23 @@ DecodeKernel = Callable[
 ]
 
 
+def decode_kernel_piece(shape: KernelShape) -> CompiledPiece:
+    """The decode kernel of ``shape`` as a compiled piece."""
+    return CompiledPiece(
+        shape.key(), lambda: decode_recipe(shape), lambda path: build_package(shape, path)
+    )
+
+
 def decode_kernel_spec(shape: KernelShape) -> PackageSpec:
     """The package of the decode kernel for ``shape`` (see
     :func:`halfmoon.engine.packages.build_missing`)."""
-    return shape.key(), lambda path: build_package(shape, path)
+    return decode_kernel_piece(shape).package()
 
 
 def load_decode_kernel(shape: KernelShape, directory: Path | None = None) -> DecodeKernel:
-    """The compiled kernel for ``shape``: loaded from the cache, built first when missing.
-    Raises on any failure."""
-    return load_function(*decode_kernel_spec(shape), directory)
+    """The compiled kernel for ``shape``: loaded from the cache (built first when
+    missing) or compiled in process, as :func:`compile_mode` says. Raises on any failure."""
+    return decode_kernel_piece(shape).load_function(directory)
 
 
 def uses_compiled(backend: str, device_type: str) -> bool:
@@ -249,4 +363,5 @@ def select_decode_kernel(backend: str, shape: KernelShape) -> tuple[DecodeKernel
             raise HalfmoonError(f"the compiled attention kernel is unavailable: {reason}") from exc
         logger.warning("compiled decode attention unavailable (%s); using gather + SDPA", reason)
         return None, f"reference (compiled kernel unavailable: {reason})"
-    return kernel, f"compiled ({shape.key()})"
+    how = "compiled in process" if compile_mode() == "jit" else "compiled"
+    return kernel, f"{how} ({shape.key()})"

@@ -219,10 +219,10 @@ class _Scaled(KVCodec):
 
     def compile(self, directions: Sequence[str] = ("encode", "decode"),
                 directory: Path | None = None) -> None:  # fmt: skip
-        """Use AOT-compiled kernels for ``directions`` (built once per mode, dtype and
-        head size into the kernel cache, ~15-25 s each; raises when they cannot be)."""
-        from halfmoon.engine.kernels import export_and_compile, package_key
-        from halfmoon.engine.packages import load_function
+        """Use compiled kernels for ``directions`` (packages built once per mode, dtype and
+        head size into the kernel cache, ~15-25 s each, or compiled in process as
+        :func:`halfmoon.engine.kernels.compile_mode` says; raises when they cannot be)."""
+        from halfmoon.engine.kernels import CompiledPiece, Recipe, package_key
 
         dtype = str(self.dtype).removeprefix("torch.")
         groups = torch.export.Dim("groups", min=2)
@@ -232,20 +232,14 @@ class _Scaled(KVCodec):
             example = torch.randn(64, self.head_dim).to(self.dtype)
             if direction == "encode":
                 module = QuantizeGroups(self.code_max, self.name == "fp8")
-
-                def build(path: Path, module=module, example=example) -> None:
-                    export_and_compile(module, (example,), ({0: groups},), path, 1)
-
-                self._quantize = load_function(key, build, directory)
+                recipe = Recipe(module, (example,), ({0: groups},), 1)
+                self._quantize = CompiledPiece(key, lambda r=recipe: r).load_function(directory)
             elif direction == "decode":
-                module = DequantizeGroups(self.dtype)
                 payload = QuantizeGroups(self.code_max, self.name == "fp8")(example)
                 codes, scales = self._split(payload, 64)
-
-                def build(path: Path, module=module, inputs=(codes, scales)) -> None:
-                    export_and_compile(module, inputs, ({0: groups}, {0: groups}), path, 1)
-
-                self._dequantize = load_function(key, build, directory)
+                recipe = Recipe(DequantizeGroups(self.dtype), (codes, scales),
+                                ({0: groups}, {0: groups}), 1)  # fmt: skip
+                self._dequantize = CompiledPiece(key, lambda r=recipe: r).load_function(directory)
             else:
                 raise ValueError(f"unknown direction {direction!r}")
             self.backend[direction] = "compiled"

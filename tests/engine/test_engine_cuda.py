@@ -46,3 +46,25 @@ def test_cuda_greedy_and_handoff_match_cpu(reference: Reference, prompts) -> Non
     assert outs[-1].token_ids == cpu[1].token_ids
     gpu_engine.check_integrity()
     cpu_engine.check_integrity()
+
+
+def test_cuda_compiled_attention_gives_the_reference_tokens(reference: Reference, prompts) -> None:
+    """The compiled decode kernel and glue on the GPU (Triton; compiled in process where
+    torch is older than 2.13), with and without CUDA graphs: the reference path's greedy
+    tokens. ``auto`` keeps the reference on a GPU until this has passed on one."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = prompts(32, [9, 33, 50], reference.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref_engine = LLMEngine(engine_config(reference.path, device="cuda", attention="reference"))
+    want = [o.token_ids for o in ref_engine.generate(batch, params)]
+    for graphs in (False, True):
+        engine = LLMEngine(
+            engine_config(reference.path, device="cuda", attention="compiled", cuda_graphs=graphs)
+        )
+        assert engine.attention_backend.startswith("compiled"), engine.attention_backend
+        assert ", compiled glue" in engine.attention_backend
+        assert [o.token_ids for o in engine.generate(batch, params)] == want, graphs
+        engine.check_integrity()
+        if graphs:
+            assert engine.runner.decode_graphs is not None
+            assert engine.runner.decode_graphs.num_replays > 0

@@ -120,26 +120,61 @@ def test_a_kernel_builds_from_scratch(tmp_path: Path) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def generate_tiny(model_dir: Path, attention: str) -> tuple[str, list[list[int]]]:
+    """The tiny preset's greedy tokens for six prompts of different lengths (decode-only
+    and mixed steps, batches of one and more), and the engine's attention backend."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir), attention=attention, kv_cache_mb=2.0, max_num_batched_tokens=96
+        )  # fmt: skip
+    )
+    prompts = [[(7 * i + 3 * j) % 4000 + 5 for j in range(9 + 13 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    engine.check_integrity()
+    return engine.attention_backend, [list(o.token_ids) for o in outs]
+
+
 @needs_compiler
 def test_engines_on_both_paths_generate_the_same_tokens(tiny_dir: Path) -> None:
-    def run(attention: str) -> tuple[str, list[list[int]]]:
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tiny_dir), attention=attention, kv_cache_mb=2.0, max_num_batched_tokens=96
-            )  # fmt: skip
-        )
-        prompts = [[(7 * i + 3 * j) % 4000 + 5 for j in range(9 + 13 * i)] for i in range(6)]
-        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        outs = engine.generate(prompts, params)
-        engine.check_integrity()
-        return engine.attention_backend, [list(o.token_ids) for o in outs]
-
-    backend, compiled = run("compiled")
+    backend, compiled = generate_tiny(tiny_dir, "compiled")
     assert backend.startswith("compiled (paged-decode-2x2x64-b16-float32-cpu")
     assert backend.endswith(", compiled glue, fused decode attention")
-    ref_backend, ref = run("reference")
+    ref_backend, ref = generate_tiny(tiny_dir, "reference")
     assert ref_backend.startswith("reference")
     assert compiled == ref
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_compiled_in_process_gives_the_reference_tokens(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HALFMOON_COMPILE=jit``, what a torch older than 2.13 gets (GPU machines' own):
+    the kernel, the glue and the fused call compiled by torch.compile in the process,
+    nothing built into the package cache, and the reference's greedy tokens."""
+    monkeypatch.setenv("HALFMOON_COMPILE", "jit")
+    monkeypatch.setenv("HALFMOON_KERNEL_CACHE", str(tmp_path / "kernels"))
+    backend, compiled = generate_tiny(tiny_dir, "compiled")
+    assert backend.startswith("compiled in process (paged-decode-2x2x64-b16-float32-cpu")
+    assert backend.endswith(", compiled glue, fused decode attention")
+    assert not list(tmp_path.rglob("*.pt2"))
+    monkeypatch.setenv("HALFMOON_COMPILE", "aot")
+    assert generate_tiny(tiny_dir, "reference")[1] == compiled
+
+
+def test_the_compile_mode_follows_the_environment_and_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HALFMOON_COMPILE", raising=False)
+    assert kernels.compile_mode() == ("aot" if packages.loads_unpacked_packages() else "jit")
+    monkeypatch.setattr(kernels, "loads_unpacked_packages", lambda: False)  # torch < 2.13
+    assert kernels.compile_mode() == "jit"
+    monkeypatch.setenv("HALFMOON_COMPILE", "aot")
+    assert kernels.compile_mode() == "aot"
+    monkeypatch.setenv("HALFMOON_COMPILE", "fast")
+    with pytest.raises(HalfmoonError, match="HALFMOON_COMPILE='fast' is not one of auto, aot, jit"):
+        kernels.compile_mode()
 
 
 def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
@@ -230,9 +265,9 @@ def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(not packages.loads_unpacked_packages(), reason="needs torch 2.13+")
 def test_compiled_kernel_on_cuda_matches_the_reference() -> None:
-    # `auto` keeps the reference on a GPU until this has passed on one; this is the check.
+    # `auto` keeps the reference on a GPU until this has passed on one; this is the check
+    # (on a torch older than 2.13 with the kernel compiled in process).
     shape = KernelShape(2, 2, 16, 16, torch.float32, "cuda")
     kernel = load_decode_kernel(shape)
     for seed, lengths in enumerate(CASES):
