@@ -61,10 +61,12 @@ def remote_candidates(
     memo: Memo,
     links: LinkBook | None = None,
     now_s: float = 0.0,
+    overlap: bool = False,
 ) -> list[PrefillCandidate]:
     """Candidates that first fetch the longest prefix held anywhere, for instances whose
     own prefix is shorter by more than ``threshold`` x prompt length. With ``links``, a
-    fetch (ready when the instance's queue is through) also waits for both links."""
+    fetch (ready when the instance's queue is through; with ``overlap``, now) also waits
+    for both links."""
     block = request.block_size_tokens
     source = max(matched_blocks, key=matched_blocks.__getitem__)  # first on ties
     best_blocks = matched_blocks[source]
@@ -79,7 +81,8 @@ def remote_candidates(
         cached = min(best_blocks * block, request.input_length - 1)
         transfer_s = cm.transfer_time_s(missing_blocks * block * cm.kv_bytes_per_token)
         if links is not None:
-            transfer_s = links.wait_s(now_s + cand.queue_s, source, cand.instance_id) + transfer_s
+            ready_s = now_s if overlap else now_s + cand.queue_s
+            transfer_s = links.wait_s(ready_s, source, cand.instance_id) + transfer_s
         out.append(
             PrefillCandidate(
                 cand.instance_id,
@@ -89,6 +92,7 @@ def remote_candidates(
                 memo_prefill_s(memo, cm, request.input_length - cached, cached)
                 * state.prefill_scale,
                 transfer_s,
+                overlap=overlap,
             )
         )
     return out
@@ -106,6 +110,7 @@ def least_ttft_candidates(
     now_s: float,
     memo: Memo,
     links: LinkBook | None = None,
+    overlap: bool = False,
 ) -> tuple[list[PrefillCandidate], int]:
     """What ``local_candidates + remote_candidates`` over ``loads.ids`` would list, pruned
     to the :data:`KEEP_CANDIDATES` least-TTFT ones of each kind (ties: instance order), in
@@ -115,7 +120,8 @@ def least_ttft_candidates(
     others have nothing cached, so their estimates differ only by their queues. The full
     list's first least-TTFT candidate is always kept, so ``min(ttft)`` picks the same one.
     TTFTs are computed for every instance at once with the same float operations as
-    :attr:`PrefillCandidate.ttft_s` (queue + transfer, then + prefill), each prefill the
+    :attr:`PrefillCandidate.ttft_s` (queue + transfer, or their maximum with ``overlap``,
+    then + prefill), each prefill the
     cost model's times the instance's prefill scale, as the scalar lists do.
     """
     ids, position = loads.ids, loads.position
@@ -138,7 +144,7 @@ def least_ttft_candidates(
     if not best_blocks:
         return out, len(ids)
     remote, num_remote = _least_ttft_remote(
-        request, loads, held_blocks, best_blocks, threshold, queue, memo, links, now_s
+        request, loads, held_blocks, best_blocks, threshold, queue, memo, links, now_s, overlap
     )
     return out + remote, len(ids) + num_remote
 
@@ -153,6 +159,7 @@ def _least_ttft_remote(
     memo: Memo,
     links: LinkBook | None,
     now_s: float,
+    overlap: bool = False,
 ) -> tuple[list[PrefillCandidate], int]:
     """The remote half of :func:`least_ttft_candidates`: the least-TTFT candidates that
     fetch the longest prefix (``best_blocks``) first, and how many there are in all."""
@@ -174,18 +181,26 @@ def _least_ttft_remote(
         xfer_s[i] = transfer_s(loads.states[i].cost_model, missing) if eligible[i] else 0.0
     if links is not None:  # the same float operations as LinkBook.wait_s, at once
         free = np.fromiter((links.free_at_s(iid) for iid in ids), float, len(ids))
-        wait = np.maximum(0.0, np.maximum(links.free_at_s(source), free) - (now_s + queue))
+        ready = np.full(len(ids), now_s) if overlap else now_s + queue
+        wait = np.maximum(0.0, np.maximum(links.free_at_s(source), free) - ready)
         wait[position[source]] = 0.0
         xfer_s = wait + xfer_s
     remote_s = loads.per_model(
         lambda cm: memo_prefill_s(memo, cm, length - best_cached, best_cached)
     )
     remote_s = remote_s * loads.scale
-    remote_ttft = np.where(eligible, (queue + xfer_s) + remote_s, np.inf)
+    before_s = np.maximum(queue, xfer_s) if overlap else queue + xfer_s
+    remote_ttft = np.where(eligible, before_s + remote_s, np.inf)
     picked = np.argsort(remote_ttft, kind="stable")[:KEEP_CANDIDATES]
     out = [
         PrefillCandidate(
-            ids[i], best_cached, source, float(queue[i]), float(remote_s[i]), float(xfer_s[i])
+            ids[i],
+            best_cached,
+            source,
+            float(queue[i]),
+            float(remote_s[i]),
+            float(xfer_s[i]),
+            overlap=overlap,
         )
         for i in sorted(picked.tolist())
         if eligible[i]

@@ -217,8 +217,9 @@ class Conductor(Cluster):
         if self.policy.uses_remote_prefixes and local:
             threshold = self._balancer.decision_threshold()
             out = local + remote_candidates(
-                request, self._prefill, local, matched, threshold, memo, self._links, now
-            )
+                request, self._prefill, local, matched, threshold, memo, self._links, now,
+                self.config.overlaps_fetches,
+            )  # fmt: skip
         cfg = self.config
         groups = cpp_groups(ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
@@ -242,7 +243,9 @@ class Conductor(Cluster):
         # Per decision (the balancer may change it), asked when prefill_candidates would be.
         threshold = self._balancer.decision_threshold() if loads.ids else 0.0
         memo: Memo = {}
-        out, num = least_ttft_candidates(request, loads, held, threshold, now, memo, self._links)
+        out, num = least_ttft_candidates(
+            request, loads, held, threshold, now, memo, self._links, cfg.overlaps_fetches
+        )
         groups = cpp_groups(loads.ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
             matched = dict.fromkeys(loads.ids, 0) | held
@@ -500,7 +503,7 @@ class Conductor(Cluster):
             # the cost model's own estimate.
             estimated_s = chosen.prefill_s / state.prefill_scale
             booked_s = chosen.prefill_s
-            if self._links is not None:  # the fetch holds the instance too
+            if self._links is not None and not chosen.overlap:  # the fetch holds it too
                 booked_s += chosen.transfer_s
             state.add(rid, booked_s, new_tokens, estimated_s, request.input_length)
             if self._links is not None:
@@ -566,15 +569,16 @@ class Conductor(Cluster):
         self, request: Request, chosen: PrefillCandidate, decode_id: str, ready_s: float
     ) -> None:
         """Book a single-instance placement's transfers: the prefix fetch (it starts when
-        the queue is through and both links are free: the candidate's transfer time ends
-        it), and the KV hand-off to decode. The hand-off streams layer by layer during the
-        prefill; only what the compute cannot hide, ``transfer(prompt) - prefill``, is
-        left on the links at its end (the simulator's tail when the link is the bound)."""
+        the queue is through, or with ``overlap`` now, and both links are free: the
+        candidate's transfer time ends it), and the KV hand-off to decode. The hand-off
+        streams layer by layer during the prefill; only what the compute cannot hide,
+        ``transfer(prompt) - prefill``, is left on the links at its end (the simulator's
+        tail when the link is the bound)."""
         links = self._links
         assert links is not None
         now, p = self.clock.now(), chosen.instance_id
         if chosen.is_remote:
-            ready = now + chosen.queue_s
+            ready = now if chosen.overlap else now + chosen.queue_s
             fetch_s = chosen.transfer_s - links.wait_s(ready, chosen.cache_source, p)
             links.reserve(ready, fetch_s, chosen.cache_source, p)
         cm = self._prefill[p].cost_model

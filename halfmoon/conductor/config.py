@@ -10,6 +10,7 @@ from halfmoon.core.jsonconfig import config_fields, config_to_json
 
 EARLY_REJECT_MODES = ("none", "snapshot", "predict")
 BALANCING_MODES = ("fixed", "adaptive")
+PREFIX_FETCH_MODES = ("queued", "overlap")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,15 @@ class ConductorConfig:
       (:mod:`halfmoon.conductor.links`), price a fetch by its wait for both links, and
       count it in the fetching instance's queue. Off, a fetch is priced as if the network
       were idle (the paper's estimate). ``balancing="adaptive"`` turns it on.
+    - ``prefix_fetch``: when a prefill instance pulls a remote prefix. ``queued`` (the
+      paper's estimate): when the request's turn comes, the instance held meanwhile, so
+      TTFT = T_queue + T_transfer + T_prefill (and with link books the fetch holds the
+      instance and starts when its queue is through). ``overlap``: when the request
+      arrives, while the requests before it run (halfmoon's live prefill workers pull on
+      a thread of their own), so TTFT = max(T_queue, T_transfer) + T_prefill, the fetch
+      is not counted in the instance's queue and is booked on the links from now. CPP
+      groups' fetches stay ``queued``. The simulator's instances do as the Conductor
+      estimates unless ``SimConfig.prefix_fetch`` says otherwise.
     - ``prefill_calibration``: learn, per prefill instance, how far its measured prefills
       are from the cost model's estimates, and scale its estimates by that; and learn how
       late first tokens reach clients against the TTFT estimates, and add that to the TTFT
@@ -68,6 +78,7 @@ class ConductorConfig:
     kvcache_balancing_threshold: float = 0.1
     balancing: str = "fixed"
     link_backlog: bool = False
+    prefix_fetch: str = "queued"
     prefill_calibration: bool = False
     lateness_stddevs: float = 0.0
     decode_time_estimate_s: float | None = None
@@ -95,6 +106,11 @@ class ConductorConfig:
             raise ValueError(
                 f"unknown balancing mode {self.balancing!r}; choose from {', '.join(BALANCING_MODES)}"
             )
+        if self.prefix_fetch not in PREFIX_FETCH_MODES:
+            raise ValueError(
+                f"unknown prefix-fetch mode {self.prefix_fetch!r}; "
+                f"choose from {', '.join(PREFIX_FETCH_MODES)}"
+            )
         if not 0 <= self.lateness_stddevs <= MAX_STDDEVS:
             raise ValueError(
                 f"lateness_stddevs must be in [0, {MAX_STDDEVS}], got {self.lateness_stddevs}"
@@ -115,6 +131,11 @@ class ConductorConfig:
         """Whether placements price fetches by the links' backlog (``link_backlog``, or
         the adaptive balancing that relies on it)."""
         return self.link_backlog or self.balancing == "adaptive"
+
+    @property
+    def overlaps_fetches(self) -> bool:
+        """Whether a single instance's prefix fetch runs while its queue does."""
+        return self.prefix_fetch == "overlap"
 
     def to_json(self) -> str:
         """The config as one JSON document (what a launcher hands a Conductor process)."""

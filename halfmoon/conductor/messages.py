@@ -91,6 +91,9 @@ class PrefillCandidate:
     order (``instance_id`` is the first); empty for a single instance. Then ``queue_s`` is
     the longest member queue, ``prefill_s`` the pipelined prefill and ``transfer_s`` the
     slowest member's fetch of its layers' share of a remote prefix.
+
+    ``overlap``: the fetch runs while the instance's queue does (the Conductor's
+    ``prefix_fetch="overlap"``), so the two overlap in :attr:`ttft_s`.
     """
 
     instance_id: str
@@ -100,6 +103,7 @@ class PrefillCandidate:
     prefill_s: float
     transfer_s: float
     group: tuple[str, ...] = ()
+    overlap: bool = False
 
     @property
     def label(self) -> str:
@@ -108,7 +112,11 @@ class PrefillCandidate:
 
     @property
     def ttft_s(self) -> float:
-        """Estimated time to first token if this candidate is chosen."""
+        """Estimated time to first token if this candidate is chosen: queue, fetch and
+        prefill one after another, or (``overlap``) the longer of queue and fetch, then
+        the prefill."""
+        if self.overlap:
+            return max(self.queue_s, self.transfer_s) + self.prefill_s
         return self.queue_s + self.transfer_s + self.prefill_s
 
     @property
@@ -196,6 +204,10 @@ class Decision:
             lines.append(
                 f" {mark}{c.label:<10} {c.cache_source:<10} {c.cached_tokens:>8} "
                 f"{c.queue_s:>8.3f} {c.transfer_s:>8.3f} {c.prefill_s:>9.3f} {c.ttft_s:>8.3f}"
+            )
+        if any(c.overlap for c in self.candidates):
+            lines.append(
+                "  (fetches run beside the queue: ttft_s = max(queue_s, xfer_s) + prefill_s)"
             )
         if self.num_candidates > len(self.candidates):
             more = self.num_candidates - len(self.candidates)

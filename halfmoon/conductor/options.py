@@ -13,6 +13,9 @@ setting                       paper     live    why they differ
 ``--cpp-min-tokens``          2048      512     the paper's long prompts vs a small CPU model's
 ``--prefill-calibration``     off       on      a live instance runs at the speed its host allows,
                                                   not its profile's
+``--prefix-fetch``            queued    overlap   the paper's estimate holds the instance for a
+                                                  fetch; halfmoon's live workers pull it while
+                                                  the requests before it run
 ============================  ========  ======  =================================================
 
 Every other default is common to both. ``paper`` is also :class:`ConductorConfig`'s own
@@ -27,7 +30,12 @@ import argparse
 from typing import Any
 
 from halfmoon.conductor.calibration import MAX_STDDEVS
-from halfmoon.conductor.config import BALANCING_MODES, EARLY_REJECT_MODES, ConductorConfig
+from halfmoon.conductor.config import (
+    BALANCING_MODES,
+    EARLY_REJECT_MODES,
+    PREFIX_FETCH_MODES,
+    ConductorConfig,
+)
 from halfmoon.conductor.policies import COUPLED_ROUTERS, POLICIES
 from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
@@ -60,6 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 0.1,
         "cpp_min_tokens": 2048,
         "prefill_calibration": "off",
+        "prefix_fetch": "queued",
     },
     "live": {
         **_COMMON,
@@ -67,6 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 1.0,
         "cpp_min_tokens": 512,
         "prefill_calibration": "on",
+        "prefix_fetch": "overlap",
     },
 }
 
@@ -98,6 +108,13 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         help="price a prefix fetch by the planned backlog of both instances' links (every "
         "fetch, KV hand-off and copy the Conductor plans is booked on them) instead of as "
         "if the network were idle; --balancing adaptive always does",
+    )  # fmt: skip
+    g.add_argument(
+        "--prefix-fetch", default=d["prefix_fetch"], metavar="|".join(PREFIX_FETCH_MODES),
+        help="when a prefill instance pulls a remote prefix: queued (when the request's "
+        "turn comes, holding the instance: TTFT = queue + fetch + prefill, the paper's "
+        "estimate) or overlap (on arrival, while the queue runs, as halfmoon's workers "
+        "do: TTFT = max(queue, fetch) + prefill); the simulator's instances do the same",
     )  # fmt: skip
     g.add_argument(
         "--prefill-calibration", default=d["prefill_calibration"], metavar="on|off",
@@ -152,6 +169,7 @@ def conductor_config_from_args(
         kvcache_balancing_threshold=threshold,
         balancing=check_choice("balancing mode", args.balancing, BALANCING_MODES),
         link_backlog=bool(args.link_backlog),
+        prefix_fetch=check_choice("--prefix-fetch", args.prefix_fetch, PREFIX_FETCH_MODES),
         prefill_calibration=check_choice(
             "--prefill-calibration", args.prefill_calibration, ("on", "off")
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from halfmoon.conductor.config import PREFIX_FETCH_MODES
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
@@ -83,6 +84,11 @@ class SimConfig:
       (None: unbounded). The default, 3M tokens, is ~1 TB of LLaMA2-70B KV (320 KiB/token),
       the DRAM of one 8-GPU node.
     - ``num_layers``: the model's layers; KV streams to decode layer by layer.
+    - ``instance_prefix_fetch``: when an instance pulls a remote prefix: ``queued`` (when the
+      request's turn comes, the instance held), ``overlap`` (from the request's arrival,
+      while the queue runs, as halfmoon's live workers do); None (the default): as the
+      Conductor estimates (``ConductorConfig.prefix_fetch``). Setting it apart from the
+      Conductor's simulates an estimate that does not match the instances.
 
     Decode instances:
     - ``kv_capacity_tokens``: KV memory per decode or coupled instance (None: the cost
@@ -141,8 +147,15 @@ class SimConfig:
     serving: ServingTerms = field(default_factory=lambda: ServingTerms())
     host_cores: float | None = None
     first_token_at: str = "join"
+    instance_prefix_fetch: str | None = None
 
     def __post_init__(self) -> None:
+        fetch = self.instance_prefix_fetch
+        if fetch is not None and fetch not in PREFIX_FETCH_MODES:
+            raise HalfmoonError(
+                f"instance_prefix_fetch must be one of {', '.join(PREFIX_FETCH_MODES)}, "
+                f"got {fetch!r}"
+            )
         if self.first_token_at not in FIRST_TOKEN_AT:
             raise HalfmoonError(
                 f"first_token_at must be one of {', '.join(FIRST_TOKEN_AT)}, "

@@ -23,7 +23,9 @@ class Job:
     ``keep_fetched`` says whether fetched blocks become cached copies on arrival (the
     decision planned that replication). ``generated`` counts output tokens emitted and
     ``prefilled_tokens`` prompt tokens computed so far (chunked coupled prefill);
-    ``cpp`` is set when a chunked-pipeline group runs the prefill.
+    ``cpp`` is set when a chunked-pipeline group runs the prefill. ``fetched_blocks``:
+    the prefix blocks a fetch that ran before the request's turn brought (an instance
+    that overlaps fetches with its queue).
     """
 
     request: Request
@@ -36,6 +38,7 @@ class Job:
     generated: int = 0
     prefilled_tokens: int = 0
     cpp: CPPRun | None = None
+    fetched_blocks: int = 0
 
     @property
     def request_id(self) -> str:

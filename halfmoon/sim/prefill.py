@@ -5,7 +5,10 @@ One request at a time, in arrival order (a request run by a CPP group holds ever
 member instance, see :mod:`halfmoon.sim.cpp`)::
 
     start:    match the local cache; if the decision fetches a longer prefix from
-              another instance, move the missing blocks first (NIC reservation)
+              another instance, move the missing blocks first (NIC reservation); with
+              ``overlap``, the fetch ran instead from the request's arrival, while the
+              queue ran, and the request joined the queue when it was done (halfmoon's
+              live prefill workers)
     compute:  PrefillStarted; prefill the uncached tokens (in chunks if configured),
               then ``handoff_s_per_token`` x prompt tokens of serving-path work (store
               save, KV streaming, export and hand-over)
@@ -40,7 +43,8 @@ class PrefillInstance:
     """A prefill-only instance of ``spec`` (its knobs: ``num_layers``,
     ``prefill_chunk_tokens``, ``serving.prefill_handoff_s_per_token``) with its local
     prefix ``cache``; ``notify`` sends events to the Conductor; ``host``: the CPUs it
-    shares (None: its own hardware)."""
+    shares (None: its own hardware); ``overlap``: a request's prefix fetch starts when it
+    arrives, not when its turn comes."""
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class PrefillInstance:
         clock: Clock,
         notify: Notify,
         host: Host | None = None,
+        overlap: bool = False,
     ) -> None:
         config = spec.config
         self.instance_id = instance_id
@@ -64,7 +69,9 @@ class PrefillInstance:
         self._chunk_tokens = config.prefill_chunk_tokens
         self._handoff_s_per_token = config.serving.prefill_handoff_s_per_token
         self._host = host
+        self._overlap = overlap
         self._queue: deque[Job] = deque()
+        self._num_fetching = 0
         self._busy = False
         self.num_prefilled = 0
         self.num_fetches = 0
@@ -77,11 +84,21 @@ class PrefillInstance:
 
     @property
     def queue_length(self) -> int:
-        """Requests waiting (not counting the one in progress)."""
-        return len(self._queue)
+        """Requests waiting, those still fetching their prefix included (not counting the
+        one in progress)."""
+        return len(self._queue) + self._num_fetching
 
     def submit(self, job: Job) -> Sequence[Event]:
-        """Queue a placed request; starts it at once if the instance is idle."""
+        """Queue a placed request; starts it at once if the instance is idle. With
+        ``overlap``, a request that fetches a prefix joins the queue once it is here."""
+        if self._overlap and job.cpp is None:
+            fetch = self._fetch(job)[1]
+            if fetch is not None:
+                self._num_fetching += 1
+                return fetch
+        return self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> Sequence[Event]:
         self._queue.append(job)
         return NO_EVENTS if self._busy else self._start_next()
 
@@ -103,16 +120,25 @@ class PrefillInstance:
         job = self._queue.popleft()
         if job.cpp is not None:  # a pipeline stage: hold until every member is ready
             return job.cpp.member_ready(self)
+        if self._overlap:  # any fetch ran before the request joined the queue
+            return self._compute(job, max(self.cache.match(job.full_block_hashes),
+                                          job.fetched_blocks))  # fmt: skip
+        local, fetch = self._fetch(job)
+        return self._compute(job, local) if fetch is None else fetch
+
+    def _fetch(self, job: Job) -> tuple[int, Sequence[Event] | None]:
+        """The prefix blocks held here, and the start of moving those the decision
+        fetches from another instance: the events that end it (None: nothing to fetch)."""
         hashes = job.full_block_hashes
         local = self.cache.match(hashes)
         source = job.cache_source
         if source is None or source is self or job.planned_cached_blocks <= local:
-            return self._compute(job, local)
+            return local, None
         # The source may have evicted part of the prefix since the decision: take what
         # it still holds, up to what was planned.
         held = source.cache.match(hashes[: job.planned_cached_blocks])
         if held <= local:
-            return self._compute(job, local)
+            return local, None
         num_bytes = (
             (held - local) * job.request.block_size_tokens * self.cost_model.kv_bytes_per_token
         )
@@ -120,12 +146,16 @@ class PrefillInstance:
             self.clock.now(), self.cost_model.transfer_time_s(num_bytes), source.nic, self.nic
         )
         self.num_fetches += 1
-        return (Event(end_s, lambda: self._fetched(job, local, held)),)
+        return local, (Event(end_s, lambda: self._fetched(job, local, held)),)
 
     def _fetched(self, job: Job, local: int, held: int) -> Sequence[Event]:
         if job.keep_fetched:
             hashes = job.full_block_hashes
             self.cache.insert([(p, hashes[p]) for p in range(local, held)])
+        if self._overlap:
+            job.fetched_blocks = held
+            self._num_fetching -= 1
+            return self._enqueue(job)
         return self._compute(job, held)
 
     def _compute(self, job: Job, num_cached_blocks: int) -> Sequence[Event]:
@@ -191,6 +221,7 @@ class PrefillInstance:
     def check_integrity(self) -> None:
         """Raise AssertionError if queued work is stranded or the cache books disagree."""
         assert self._busy or not self._queue, "requests queued but nothing running"
+        assert self._num_fetching >= 0, "more fetches ended than began"
         self.cache.check_integrity()
 
     def replicate_to(

@@ -189,9 +189,11 @@ class Simulator:
             policy=cfg.cache_policy,
             notify=notify,
         )
+        fetch = cfg.instance_prefix_fetch or self.conductor.config.prefix_fetch
         self.prefill[iid] = PrefillInstance(
-            iid, self.instance_spec, cache=cache, clock=self.clock, notify=notify, host=self.host
-        )
+            iid, self.instance_spec, cache=cache, clock=self.clock, notify=notify,
+            host=self.host, overlap=fetch == "overlap",
+        )  # fmt: skip
         self.conductor.add_prefill_instance(iid)
 
     def _add_decode(self, iid: str) -> None:
@@ -402,6 +404,7 @@ class Simulator:
                 "num_rejected_early": rejected_early,
                 "num_refused_after_prefill": refused,
                 "num_remote_fetches": sum(p.num_fetches for p in self.prefill.values()),
+                "prefix_fetch": cfg.instance_prefix_fetch or conductor_cfg.prefix_fetch,
                 "num_replications": self.num_replications,
                 "num_cpp_prefills": self.num_cpp_prefills,
                 "num_events": self.loop.num_fired,

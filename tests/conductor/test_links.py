@@ -44,10 +44,13 @@ MID_LINK = ThroughputCostModel(
 )
 
 
-def _conductor(link_backlog: bool, cost_model=SLOW_LINK, prefix_blocks: int = 10) -> Conductor:
+def _conductor(
+    link_backlog: bool, cost_model=SLOW_LINK, prefix_blocks: int = 10, fetch: str = "queued"
+) -> Conductor:
     config = ConductorConfig(
-        block_size_tokens=BLOCK, kvcache_balancing_threshold=0.0, link_backlog=link_backlog
-    )
+        block_size_tokens=BLOCK, kvcache_balancing_threshold=0.0, link_backlog=link_backlog,
+        prefix_fetch=fetch,
+    )  # fmt: skip
     conductor = Conductor(config, cost_model, ManualClock())
     for iid in ("P1", "P2"):
         conductor.add_prefill_instance(iid)
@@ -107,3 +110,34 @@ def test_a_booked_fetch_holds_both_links_and_the_fetching_instance() -> None:
     fetch = _remote(c.schedule(again, exhaustive=True))
     assert fetch.instance_id == "P2" and free_s > fetch.queue_s
     assert fetch.transfer_s == pytest.approx(free_s - fetch.queue_s + fetch_s)
+
+
+def test_an_overlapping_fetch_starts_now_and_does_not_hold_the_instance() -> None:
+    """``prefix_fetch="overlap"``: the fetch runs while the fetching instance's queue
+    does: TTFT = max(queue, fetch) + prefill, the fetch booked on the links from now, and
+    the instance's queue counting only the prefill."""
+    c = _conductor(True, MID_LINK, prefix_blocks=100, fetch="overlap")
+    p2_busy = Request("r0", 0.0, 400, 4, tuple(range(2000, 2025)), BLOCK)
+    p1_busy = Request("r1", 0.0, 1600, 4, tuple(range(1000, 1100)), BLOCK)
+    assert c.schedule(p1_busy).prefill.instance_id == "P1"  # 0.8 s of work on P1
+    assert c.schedule(p2_busy).prefill.instance_id == "P2"  # 0.2 s on P2
+    fetch_s = MID_LINK.transfer_time_s(1600 * PAPER_KV_BYTES_PER_TOKEN)  # 0.4 s
+    links = c._links
+    # The hand-offs stream behind their prefills (half the compute's time): no backlog.
+    assert links.free_at_s("P1") == links.free_at_s("P2") == 0.0
+    request = Request("r2", 0.0, 1616, 4, tuple(range(101)), BLOCK)
+    decision = c.schedule(request)
+    chosen = decision.prefill
+    assert chosen.instance_id == "P2" and chosen.cache_source == "P1" and chosen.overlap
+    assert "ttft_s = max(queue_s, xfer_s) + prefill_s" in decision.explain()
+    assert chosen.queue_s == pytest.approx(0.2) and chosen.transfer_s == pytest.approx(fetch_s)
+    assert chosen.ttft_s == max(chosen.queue_s, chosen.transfer_s) + chosen.prefill_s
+    assert c.queue_s("P2") == pytest.approx(chosen.queue_s + chosen.prefill_s)
+    assert links.free_at_s("P1") == pytest.approx(fetch_s)  # booked from now, not from 0.2 s
+    # The same placement estimated the paper's way waits for the queue, then fetches.
+    queued = _conductor(True, MID_LINK, prefix_blocks=100)
+    for r in (p1_busy, p2_busy):
+        queued.schedule(r)
+    paper = _remote(queued.schedule(request, exhaustive=True))
+    assert not paper.overlap and paper.instance_id == "P2"
+    assert paper.ttft_s == paper.queue_s + paper.transfer_s + paper.prefill_s > chosen.ttft_s

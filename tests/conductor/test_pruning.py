@@ -52,6 +52,7 @@ class Twin:
             hot_min_requests=rng.choice([0, 2]),
             link_backlog=rng.choice([False, True]),
             prefill_calibration=rng.choice([False, True]),
+            prefix_fetch=rng.choice(["queued", "overlap"]),
         )
         models = _cost_models(rng)
         self.pruned, self.full = (

@@ -123,3 +123,65 @@ def test_slo_config_travels_to_report(run_sim, make_request) -> None:
     assert result.report["slo"] == {"ttft_s": 1.0, "tbt_s": 0.05, "tbt_metric": "p90"}
     assert result.report["slo_attainment"] == 0.0  # TTFT 2 s > 1 s
     assert result.report["num_wasted_prefill"] == 1
+
+
+def _fetch_behind_a_queue(make_request):
+    """P1 caches a 20-block prefix, then runs a long prompt; P2 is busy until 8.5 s when
+    ``b`` arrives (7.0 s) wanting P1's prefix, and ``c``, a short fresh prompt, comes at
+    7.5 s; both go to P2, ``b`` fetching the prefix from P1."""
+    prefix = list(range(1, 21))  # 20 blocks, 10,240 tokens
+    return [
+        make_request("a", 0.0, 20 * BLOCK + 100, 2, prefix=prefix),  # caches it on P1
+        make_request("long", 6.0, 40_000, 2),  # keeps P1 busy for 20 s
+        make_request("busy", 6.5, 4000, 2),  # keeps P2 busy until 8.5 s
+        make_request("b", 7.0, 20 * BLOCK + 100, 2, prefix=prefix),
+        make_request("c", 7.5, 100, 2),
+    ]
+
+
+#: 1 GB/s: the 20-block fetch takes 3.36 s, longer than b's wait for P2 (1.5 s).
+SLOW_LINK_BYTES_PER_S = 1e9
+
+
+@pytest.mark.parametrize("mode", ["queued", "overlap"])
+def test_a_prefix_fetch_runs_after_or_beside_the_queue(run_sim, make_request, mode) -> None:
+    """queued (the paper's): b's fetch starts when P2 is free, holding P2 (c waits for
+    it); overlap (halfmoon's workers): it starts when b arrives, P2 runs c while it lasts,
+    and b joins P2's queue once its prefix is there."""
+    from halfmoon.costmodel.throughput import ThroughputCostModel
+
+    model = ThroughputCostModel(2000.0, KV_BYTES_PER_TOKEN, SLOW_LINK_BYTES_PER_S)
+    result, sim = run_sim("2P1D", _fetch_behind_a_queue(make_request), model=model,
+                          prefix_fetch=mode)  # fmt: skip
+    records = _records(result)
+    b, c = records["b"], records["c"]
+    assert result.report["num_remote_fetches"] == 1
+    assert result.report["prefix_fetch"] == mode
+    assert b.cached_tokens == 20 * BLOCK
+    fetch_s = 20 * BLOCK * KV_BYTES_PER_TOKEN / SLOW_LINK_BYTES_PER_S
+    busy_end_s = 6.5 + 4000 / 2000.0
+    if mode == "queued":  # the fetch also waits for busy's hand-off tail on P2's link
+        tail_s = 4000 * KV_BYTES_PER_TOKEN / SLOW_LINK_BYTES_PER_S / 80
+        assert b.prefill_done_s == pytest.approx(busy_end_s + tail_s + fetch_s + 100 / 2000.0)
+        assert c.prefill_done_s == pytest.approx(b.prefill_done_s + 100 / 2000.0)
+    else:
+        assert c.prefill_done_s == pytest.approx(busy_end_s + 100 / 2000.0)
+        assert b.prefill_done_s == pytest.approx(7.0 + fetch_s + 100 / 2000.0)
+    assert all(h in sim.prefill["P2"].cache for h in range(1, 21))
+
+
+def test_the_instances_can_fetch_otherwise_than_the_conductor_estimates(
+    run_sim, make_request
+) -> None:
+    """``instance_prefix_fetch`` sets how the simulated instances fetch apart from the
+    Conductor's estimate: overlapping instances under the paper's estimate."""
+    from halfmoon.costmodel.throughput import ThroughputCostModel
+
+    model = ThroughputCostModel(2000.0, KV_BYTES_PER_TOKEN, SLOW_LINK_BYTES_PER_S)
+    result, sim = run_sim("2P1D", _fetch_behind_a_queue(make_request), model=model,
+                          instance_prefix_fetch="overlap")  # fmt: skip
+    assert sim.conductor.config.prefix_fetch == "queued"
+    assert result.report["prefix_fetch"] == "overlap"
+    b = _records(result)["b"]
+    fetch_s = 20 * BLOCK * KV_BYTES_PER_TOKEN / SLOW_LINK_BYTES_PER_S
+    assert b.prefill_done_s == pytest.approx(7.0 + fetch_s + 100 / 2000.0)
