@@ -42,7 +42,9 @@ class ConductorConfig:
       a thread of their own), so TTFT = max(T_queue, T_transfer) + T_prefill, the fetch
       is not counted in the instance's queue and is booked on the links from now. CPP
       groups' fetches stay ``queued``. The simulator's instances do as the Conductor
-      estimates unless ``SimConfig.prefix_fetch`` says otherwise.
+      estimates unless ``SimConfig.instance_prefix_fetch`` says otherwise. Both presets
+      keep ``queued``: with instances that overlap, ``overlap`` estimated no better
+      (docs/simulation.md, section 7).
     - ``prefill_calibration``: learn, per prefill instance, how far its measured prefills
       are from the cost model's estimates, and scale its estimates by that; and learn how
       late first tokens reach clients against the TTFT estimates, and add that to the TTFT

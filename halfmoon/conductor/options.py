@@ -13,9 +13,6 @@ setting                       paper     live    why they differ
 ``--cpp-min-tokens``          2048      512     the paper's long prompts vs a small CPU model's
 ``--prefill-calibration``     off       on      a live instance runs at the speed its host allows,
                                                   not its profile's
-``--prefix-fetch``            queued    overlap   the paper's estimate holds the instance for a
-                                                  fetch; halfmoon's live workers pull it while
-                                                  the requests before it run
 ============================  ========  ======  =================================================
 
 Every other default is common to both. ``paper`` is also :class:`ConductorConfig`'s own
@@ -58,6 +55,9 @@ _COMMON: dict[str, Any] = {
     "kvcache_balancing_threshold": 0.1,
     "balancing": "fixed",
     "link_backlog": False,
+    # The paper's estimate in both: halfmoon's live workers overlap a fetch with their
+    # queue, but estimating it so measured no better (docs/simulation.md, section 7).
+    "prefix_fetch": "queued",
     "lateness_stddevs": 0.0,
 }
 #: Defaults per preset (the table in the module docstring).
@@ -68,7 +68,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 0.1,
         "cpp_min_tokens": 2048,
         "prefill_calibration": "off",
-        "prefix_fetch": "queued",
     },
     "live": {
         **_COMMON,
@@ -76,7 +75,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 1.0,
         "cpp_min_tokens": 512,
         "prefill_calibration": "on",
-        "prefix_fetch": "overlap",
     },
 }
 
@@ -111,10 +109,11 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
     )  # fmt: skip
     g.add_argument(
         "--prefix-fetch", default=d["prefix_fetch"], metavar="|".join(PREFIX_FETCH_MODES),
-        help="when a prefill instance pulls a remote prefix: queued (when the request's "
-        "turn comes, holding the instance: TTFT = queue + fetch + prefill, the paper's "
-        "estimate) or overlap (on arrival, while the queue runs, as halfmoon's workers "
-        "do: TTFT = max(queue, fetch) + prefill); the simulator's instances do the same",
+        help="how the Conductor estimates a remote prefix's fetch: queued (when the "
+        "request's turn comes, holding the instance: TTFT = queue + fetch + prefill, the "
+        "paper's) or overlap (on arrival, while the queue runs, as halfmoon's live workers "
+        "pull it: TTFT = max(queue, fetch) + prefill); simulated instances run it the same "
+        "way unless --instance-prefix-fetch says otherwise",
     )  # fmt: skip
     g.add_argument(
         "--prefill-calibration", default=d["prefill_calibration"], metavar="on|off",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from halfmoon.conductor.config import ConductorConfig
+from halfmoon.conductor.config import PREFIX_FETCH_MODES, ConductorConfig
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
@@ -129,6 +129,7 @@ def _configs(
         serving=serving or ServingTerms(),
         host_cores=args.host_cores,
         first_token_at=args.first_token_at,
+        instance_prefix_fetch=args.instance_prefix_fetch,
     )
     return sim, conductor
 
@@ -293,6 +294,13 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         help="disaggregated first token: when the decode instance takes the request into "
         "its batch (join, default) or when its KV arrives there (kv: what a live "
         "prefill worker does)",
+    )
+    group.add_argument(
+        "--instance-prefix-fetch",
+        choices=PREFIX_FETCH_MODES,
+        help="when the instances pull a remote prefix: queued (when the request's turn "
+        "comes, holding the instance) or overlap (on arrival, while the queue runs: what "
+        "halfmoon's live workers do); default: as the Conductor estimates (--prefix-fetch)",
     )
 
 

@@ -405,6 +405,7 @@ class Simulator:
                 "num_refused_after_prefill": refused,
                 "num_remote_fetches": sum(p.num_fetches for p in self.prefill.values()),
                 "prefix_fetch": cfg.instance_prefix_fetch or conductor_cfg.prefix_fetch,
+                "prefix_fetch_estimate": conductor_cfg.prefix_fetch,
                 "num_replications": self.num_replications,
                 "num_cpp_prefills": self.num_cpp_prefills,
                 "num_events": self.loop.num_fired,

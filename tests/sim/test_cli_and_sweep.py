@@ -128,9 +128,25 @@ def test_simulate_prices_fetches_by_link_backlog_on_request(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("flags", "estimate", "instances"),
+    [([], "queued", "queued"), (["--prefix-fetch", "overlap"], "overlap", "overlap"),
+     (["--instance-prefix-fetch", "overlap"], "queued", "overlap")],
+)  # fmt: skip
+def test_simulate_runs_prefix_fetches_as_asked(tmp_path, capsys, flags, estimate, instances):
+    out_json = tmp_path / "report.json"
+    args = ["--trace", str(TRACE), "--max-requests", "60", "--cluster", "2P2D"]
+    code, _, _ = _run(capsys, *args, "--nic-gbps", "5", *flags, "--json", str(out_json))
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    assert report["prefix_fetch"] == instances
+    assert report["prefix_fetch_estimate"] == estimate
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--cluster", "8X"], "cluster"),
+        (["--prefix-fetch", "early"], "--prefix-fetch"),
         (["--cluster", "0P1D"], "cluster"),
         (["--cluster", ""], "cluster"),
         (["--policy", "fastest"], "policy"),
