@@ -74,7 +74,8 @@ def _requests(source: str, trace: Path) -> list:
     return generate_dataset(name, float(rate), int(num), 0)
 
 
-def _one(report: dict[str, Any]) -> dict[str, Any]:
+def replay_figures(report: dict[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One replay's figures from its simulation report (and the report's ``extra`` keys)."""
     return {
         "ttft_mean_s": report["ttft_s"]["mean"],
         "ttft_p90_s": report["ttft_s"]["p90"],
@@ -83,17 +84,18 @@ def _one(report: dict[str, Any]) -> dict[str, Any]:
         "goodput_rps": report["goodput_rps"],
         "num_remote_fetches": report["num_remote_fetches"],
         "cache_hit_ratio": report["cache_hit_ratio"],
-        "balancing": report["balancing"],
+        **{key: report[key] for key in extra},
     }
 
 
-def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means over the replays (and each replay's own figures)."""
-    replays = [_one(r) for r in reports]
+def summarize_replays(reports: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Means of the figures over the replays, the first replay's ``extra`` keys, and
+    each replay's own figures."""
+    replays = [replay_figures(r, extra) for r in reports]
     out: dict[str, Any] = {
-        key: sum(r[key] for r in replays) / len(replays) for key in replays[0] if key != "balancing"
+        key: sum(r[key] for r in replays) / len(replays) for key in replays[0] if key not in extra
     }
-    out["balancing"] = replays[0]["balancing"]
+    out.update({key: replays[0][key] for key in extra})
     out["replays"] = replays
     return out
 
@@ -117,7 +119,10 @@ def run_workload(name: str, trace: Path, processes: int | None) -> dict[str, Any
     jobs = [SimJob(sim, conductor) for _, conductor in arms for sim in sims]
     reports = run_jobs(_requests(source, trace), cost_model, jobs, processes)
     k = len(sims)
-    runs = {label: _summary(reports[i * k : (i + 1) * k]) for i, (label, _) in enumerate(arms)}
+    runs = {
+        label: summarize_replays(reports[i * k : (i + 1) * k], ("balancing",))
+        for i, (label, _) in enumerate(arms)
+    }
     fixed = {k: v for k, v in runs.items() if k != "adaptive"}
     best_ttft = min(fixed, key=lambda k: fixed[k]["ttft_mean_s"])
     best_att = max(fixed, key=lambda k: fixed[k]["slo_attainment"])

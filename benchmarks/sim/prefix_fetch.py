@@ -32,7 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim.balancing import DEFAULT_TRACE, REPLAYS, SLO, WORKLOADS, _requests
+from benchmarks.sim.balancing import (
+    DEFAULT_TRACE,
+    REPLAYS,
+    SLO,
+    WORKLOADS,
+    _requests,
+    summarize_replays,
+)
 from halfmoon.conductor import ConductorConfig
 from halfmoon.costmodel import build_cost_model
 from halfmoon.costmodel.hardware import get_gpu
@@ -62,27 +69,6 @@ QUICK = ("trace x1.25, 15G", "leval 4/s, 15G")
 LINKS = " +links"
 
 
-def _one(report: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "ttft_mean_s": report["ttft_s"]["mean"],
-        "ttft_p90_s": report["ttft_s"]["p90"],
-        "slo_attainment": report["slo_attainment"],
-        "goodput_rps": report["goodput_rps"],
-        "num_remote_fetches": report["num_remote_fetches"],
-        "cache_hit_ratio": report["cache_hit_ratio"],
-        "prefix_fetch": report["prefix_fetch"],
-    }
-
-
-def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means over the replays, and each replay's own figures."""
-    replays = [_one(r) for r in reports]
-    numeric = [k for k in replays[0] if k != "prefix_fetch"]
-    out: dict[str, Any] = {k: sum(r[k] for r in replays) / len(replays) for k in numeric}
-    out["replays"] = replays
-    return out
-
-
 def sim_config(time_scale: float, instances: str) -> SimConfig:
     """8P8D at ``time_scale``, its instances fetching as ``instances`` says."""
     cluster = ClusterSpec.parse("8P8D")
@@ -107,7 +93,10 @@ def run_workload(name: str, trace: Path, processes: int | None) -> dict[str, Any
     ]
     reports = run_jobs(_requests(source, trace), cost_model, jobs, processes)
     k = len(REPLAYS)
-    runs = {label: _summary(reports[i * k : (i + 1) * k]) for i, (label, _, _) in enumerate(arms)}
+    runs = {
+        label: summarize_replays(reports[i * k : (i + 1) * k], ("prefix_fetch",))
+        for i, (label, _, _) in enumerate(arms)
+    }
     return {
         "workload": name,
         "source": source,
