@@ -19,7 +19,9 @@
 # log), engine_cuda.json and engine_real_cuda.json (benchmark rows).
 #
 # Needs a venv whose torch is a CUDA build, e.g. `make install TORCH_SPEC=torch` (the
-# Makefile's default pins the CPU wheel of this repo's CPU-only machines).
+# Makefile's default pins the CPU wheel of this repo's CPU-only machines), or, on a lent
+# machine that reaches no package index, the bundle of benchmarks/eval/gpu_bundle.py
+# (its .gpu/RUN.md gives the calls: PY=python3 with PYTHONPATH=$PWD:$PWD/.gpu/site).
 #
 # Overrides (environment): PY, DEVICE (cuda), MODEL (smollm2-135m-instruct), EXPECT
 # (Paris; empty: any answer), LONG_TOKENS (8000: long prompt, capped by the context),
