@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks that need a CUDA machine, in one run of under 8 minutes (a hard deadline):
 #   cuda     torch sees a CUDA device
-#   tests    the engine tests on CUDA (tests/engine: CUDA-only ones included) and the
-#            serving side's host/device boundary (prefix cache save/load on the GPU)
+#   tests    the engine tests that need a GPU or its torch (the CUDA-only ones, the compiled
+#            kernel's, CUDA graphs', the host/device boundary) and the serving side's
+#            prefix cache on the GPU; TESTS=tests/engine runs every engine test (on a
+#            torch older than 2.13 the CPU ones compile their kernels in process: slower)
 #   serve    `halfmoon serve --device cuda` disaggregated, 2 prefill (one 2-stage CPP
 #            group) + 1 decode, with the real model: a greedy chat answer must name
 #            Paris, and a long prompt must complete through the CPP pipeline
@@ -51,7 +53,7 @@ GRAPHS=${GRAPHS---cuda-graphs}
 [[ "$DEVICE" == cuda* ]] || GRAPHS=
 if [[ "$DEVICE" == cuda* ]]; then ATTENTION=${ATTENTION:-compiled}; else ATTENTION=${ATTENTION:-auto}; fi
 VLLM_PY=${VLLM_PY:-}
-TESTS=${TESTS:-tests/engine tests/serve/test_prefix_cache.py tests/serve/test_engine_boundary.py}
+TESTS=${TESTS:-tests/engine/test_engine_cuda.py tests/engine/test_engine_cuda_host.py tests/engine/test_engine_kernels.py tests/engine/test_engine_graphs.py tests/serve/test_prefix_cache.py tests/serve/test_engine_boundary.py}
 SKIP=${SKIP:-}
 DIR="${OUT:-/tmp}/gpu_check"
 mkdir -p "$DIR"

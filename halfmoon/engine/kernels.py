@@ -37,6 +37,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,8 +260,16 @@ def compile_in_process(recipe: Recipe) -> Runner:
     for tensor, dims in zip(inputs, recipe.dynamic_shapes, strict=True):
         for index in dims:
             torch._dynamo.mark_dynamic(tensor, index)
-    run(inputs)
+    with warnings.catch_warnings():
+        # torch's own deprecations inside its compiler, not ours to act on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        run(inputs)
     return run
+
+
+#: Pieces compiled in this process, by key (:meth:`CompiledPiece.load`).
+_IN_PROCESS: dict[str, Runner] = {}
+_IN_PROCESS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -280,10 +289,15 @@ class CompiledPiece:
 
     def load(self, directory: Path | None = None) -> Runner:
         """The runner: the package from the cache (built first when missing), or the
-        recipe compiled in this process. Raises on any failure."""
-        if compile_mode() == "jit":
-            return compile_in_process(self.recipe())
-        return load_package(*self.package(), directory)
+        recipe compiled in this process (once per process and key: every engine of the
+        process shares it, and with it torch's compiled code). Raises on any failure."""
+        if compile_mode() != "jit":
+            return load_package(*self.package(), directory)
+        with _IN_PROCESS_LOCK:
+            run = _IN_PROCESS.get(self.key)
+            if run is None:
+                run = _IN_PROCESS[self.key] = compile_in_process(self.recipe())
+        return run
 
     def load_function(self, directory: Path | None = None) -> Callable[..., torch.Tensor]:
         """:meth:`load` for a piece with one output, as a function of its inputs."""

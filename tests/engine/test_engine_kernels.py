@@ -27,6 +27,16 @@ needs_compiler = pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler to build kernels"
 )
 
+
+@pytest.fixture
+def aot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packages built ahead of time, whatever ``$HALFMOON_COMPILE`` says; skipped on a
+    torch that cannot load them (older than 2.13: pieces compile in process there)."""
+    if not packages.loads_unpacked_packages():
+        pytest.skip(f"torch {torch.__version__} loads no package directory")
+    monkeypatch.setenv("HALFMOON_COMPILE", "aot")
+
+
 #: The attention shape of the engine reference checkpoints (engine_testlib): 2 KV heads,
 #: 2 queries per KV head, head size 16, blocks of 16 — built once, shared with them.
 SHAPE = KernelShape(2, 2, 16, 16, torch.float32, "cpu")
@@ -98,6 +108,7 @@ def test_compiled_kernel_matches_the_reference_on_random_block_tables() -> None:
 
 
 @needs_compiler
+@pytest.mark.usefixtures("aot")
 def test_a_kernel_builds_from_scratch(tmp_path: Path) -> None:
     """The shared cache above is usually warm; this builds a package in an empty
     directory (one small shape, 15-40 s) so that the build path itself stays tested."""
@@ -138,7 +149,8 @@ def generate_tiny(model_dir: Path, attention: str) -> tuple[str, list[list[int]]
 @needs_compiler
 def test_engines_on_both_paths_generate_the_same_tokens(tiny_dir: Path) -> None:
     backend, compiled = generate_tiny(tiny_dir, "compiled")
-    assert backend.startswith("compiled (paged-decode-2x2x64-b16-float32-cpu")
+    how = "compiled" if kernels.compile_mode() == "aot" else "compiled in process"
+    assert backend.startswith(f"{how} (paged-decode-2x2x64-b16-float32-cpu")
     assert backend.endswith(", compiled glue, fused decode attention")
     ref_backend, ref = generate_tiny(tiny_dir, "reference")
     assert ref_backend.startswith("reference")
@@ -159,6 +171,10 @@ def test_compiled_in_process_gives_the_reference_tokens(
     assert backend.startswith("compiled in process (paged-decode-2x2x64-b16-float32-cpu")
     assert backend.endswith(", compiled glue, fused decode attention")
     assert not list(tmp_path.rglob("*.pt2"))
+    shared = dict(kernels._IN_PROCESS)
+    assert len(shared) >= 5  # the kernel, three glue steps, the fused call
+    assert generate_tiny(tiny_dir, "compiled")[1] == compiled  # a second engine...
+    assert kernels._IN_PROCESS == shared  # ...shares what the first compiled
     monkeypatch.setenv("HALFMOON_COMPILE", "aot")
     assert generate_tiny(tiny_dir, "reference")[1] == compiled
 
@@ -177,6 +193,7 @@ def test_the_compile_mode_follows_the_environment_and_torch(
         kernels.compile_mode()
 
 
+@pytest.mark.usefixtures("aot")
 def test_auto_falls_back_and_compiled_refuses_when_the_build_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -217,6 +234,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 @needs_compiler
+@pytest.mark.usefixtures("aot")
 def test_a_killed_process_leaves_no_extracted_package(tmp_path: Path) -> None:
     """Packages load from their unpacked directory in the cache: given the archive, torch's
     loader extracts it into $TMPDIR/aotinductor_* per process and a killed process leaves
@@ -234,6 +252,7 @@ def test_a_killed_process_leaves_no_extracted_package(tmp_path: Path) -> None:
 
 
 @needs_compiler
+@pytest.mark.usefixtures("aot")
 def test_concurrent_loaders_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     built = packages.kernel_dir() / f"{SHAPE.key()}.pt2"
     load_decode_kernel(SHAPE)  # the real package, built or cached

@@ -77,9 +77,10 @@ def test_processes_starting_together_build_different_packages_side_by_side(
     assert not (tmp_path / "e.pt2").exists()
 
 
-def test_a_torch_that_loads_only_archives_gets_the_reference(monkeypatch, tmp_path) -> None:
+def test_a_torch_that_loads_only_archives_loads_no_package(monkeypatch, tmp_path) -> None:
     """torch 2.11's loader took no directory, and its archive path crashed a process: on a
-    torch older than 2.13 the engine runs the reference, saying why, and loads nothing."""
+    torch older than 2.13 no package is loaded (the engine compiles its pieces in process
+    instead: test_engine_kernels.py)."""
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     assert not packages.loads_unpacked_packages()
     with pytest.raises(RuntimeError, match="torch 2.11.0"):
