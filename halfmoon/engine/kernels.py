@@ -239,6 +239,10 @@ def compile_mode() -> str:
     return mode
 
 
+#: The recompiles per code object torch allows once a piece is compiled in process.
+RECOMPILE_LIMIT = 64
+
+
 def compile_in_process(recipe: Recipe) -> Runner:
     """``recipe``'s module under ``torch.compile`` (the same inductor settings as a
     package), compiled now on its example inputs with the package's dynamic dimensions
@@ -249,6 +253,15 @@ def compile_in_process(recipe: Recipe) -> Runner:
 
     known = inductor_config.get_config_copy()
     options = {k: v for k, v in inductor_options(recipe.thread_hint).items() if k in known}
+    # Pieces of one kind share their module's code object, and torch counts recompiles
+    # per code object: every shape a process compiles the kernel for (and a batch of one
+    # for each) counts against one limit, 8 by default, past which a full-graph compile
+    # fails. Raised for the process (a test process compiles a dozen shapes).
+    dynamo = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name before torch 2.6
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
+            break
     compiled = torch.compile(recipe.module, fullgraph=True, options=options)
 
     def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
