@@ -100,6 +100,18 @@ def summarize_replays(reports: list[dict[str, Any]], extra: tuple[str, ...] = ()
     return out
 
 
+def workload_record(name: str, runs: dict[str, Any]) -> dict[str, Any]:
+    """A workload's results: what it is (:data:`WORKLOADS`) and each configuration's runs."""
+    source, time_scale, nic = WORKLOADS[name]
+    return {
+        "workload": name,
+        "source": source,
+        "time_scale": time_scale,
+        "nic_gbps_per_gpu": nic,
+        "runs": runs,
+    }
+
+
 def run_workload(name: str, trace: Path, processes: int | None) -> dict[str, Any]:
     """Every fixed threshold and adaptive on one workload."""
     source, time_scale, nic = WORKLOADS[name]
@@ -128,11 +140,7 @@ def run_workload(name: str, trace: Path, processes: int | None) -> dict[str, Any
     best_att = max(fixed, key=lambda k: fixed[k]["slo_attainment"])
     adaptive = runs["adaptive"]
     return {
-        "workload": name,
-        "source": source,
-        "time_scale": time_scale,
-        "nic_gbps_per_gpu": nic,
-        "runs": runs,
+        **workload_record(name, runs),
         "best_fixed_ttft": best_ttft,
         "best_fixed_attainment": best_att,
         "ttft_ratio": adaptive["ttft_mean_s"] / fixed[best_ttft]["ttft_mean_s"],

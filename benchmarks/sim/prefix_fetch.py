@@ -39,6 +39,7 @@ from benchmarks.sim.balancing import (
     WORKLOADS,
     _requests,
     summarize_replays,
+    workload_record,
 )
 from halfmoon.conductor import ConductorConfig
 from halfmoon.costmodel import build_cost_model
@@ -97,13 +98,7 @@ def run_workload(name: str, trace: Path, processes: int | None) -> dict[str, Any
         label: summarize_replays(reports[i * k : (i + 1) * k], ("prefix_fetch",))
         for i, (label, _, _) in enumerate(arms)
     }
-    return {
-        "workload": name,
-        "source": source,
-        "time_scale": time_scale,
-        "nic_gbps_per_gpu": nic,
-        "runs": runs,
-    }
+    return workload_record(name, runs)
 
 
 def table(results: list[dict[str, Any]]) -> str:
