@@ -196,19 +196,6 @@ def load_package(
     return torch._C._aoti.AOTIModelPackageLoader(str(unpacked), "model", False, 1, -1).run
 
 
-def load_function(
-    key: str, build: Callable[[Path], None], directory: Path | None = None
-) -> Callable[..., torch.Tensor]:
-    """:func:`load_package` for a package with one output, as a function of its inputs:
-    ``f(*tensors) -> tensor``."""
-    run = load_package(key, build, directory)
-
-    def function(*args: torch.Tensor) -> torch.Tensor:
-        return run(list(args))[0]
-
-    return function
-
-
 def _unpack_locked(path: Path, unpacked: Path) -> None:
     """Extract package ``path`` into directory ``unpacked`` unless it exists (the caller
     holds the package's lock): into a partial directory first, then renamed."""

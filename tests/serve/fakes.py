@@ -1,5 +1,5 @@
-"""Shared pieces of the worker and metrics tests: a Conductor service on a thread, and a
-worker role with nothing to do."""
+"""Shared pieces of the worker and metrics tests: a Conductor service on a thread, a
+worker role with nothing to do, and a Conductor link that records what it is told."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ def conductor_thread(secret: bytes) -> Iterator[ConductorService]:
         stop.set()
         thread.join(5)
         service.close()
+
+
+class RecordingLink:
+    """The Conductor link of a worker under test: records each lifecycle event as
+    ``(kind, request_id)``; cache events, flushes and closing do nothing."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def event(self, kind: str, **fields: object) -> None:
+        assert kind
+        self.events.append((kind, str(fields.get("request_id"))))
+
+    def cache_event(self, event: object) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 class IdleRole:

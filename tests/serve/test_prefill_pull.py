@@ -13,30 +13,12 @@ from halfmoon.core.hashing import NONE_HASH, hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import Endpoints, Prefill, WireParams
 from halfmoon.store import BlockMeta
+from tests.serve.fakes import RecordingLink
 
 SECRET = b"prefill-pull-secret-0123456789ab"
 PROMPT = [(i * 31) % 4000 + 23 for i in range(100)]  # 6 full 16-token blocks
 #: No decode worker listens here: the requests below never reach their KV stream.
 NOWHERE = Endpoints(instance_id="d0", command="tcp://127.0.0.1:1", transfer="127.0.0.1:1")
-
-
-class _Link:
-    """The Conductor link: records the lifecycle events."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    def event(self, kind: str, **fields: object) -> None:
-        self.events.append((kind, str(fields.get("request_id"))))
-
-    def cache_event(self, event: object) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 @pytest.fixture
@@ -51,7 +33,7 @@ def prefill(monkeypatch):
 
     monkeypatch.setattr(prefix_cache, "PEER_TIMEOUT_S", 0.5)
     engine = LocalConnector(LLMEngine(EngineConfig(model="tiny", kv_cache_mb=16, num_threads=1)))
-    link = _Link()
+    link = RecordingLink()
     worker = Worker(WorkerIdentity("prefill", "p0", ""), engine, SECRET, link,
                     "tcp://127.0.0.1:*")  # fmt: skip
     holdings = Holdings(link)
@@ -105,7 +87,7 @@ def test_a_request_joins_the_engine_once_its_pull_ended(prefill):
 
     role, link = prefill
     engine = role.worker.engine
-    source_store = ClusterPrefixCache.make_store(engine, 8, None, 0, Holdings(_Link()))
+    source_store = ClusterPrefixCache.make_store(engine, 8, None, 0, Holdings(RecordingLink()))
     parent = NONE_HASH
     for i, h in enumerate(hash_blocks(PROMPT, 16).full):
         payload = bytes([i + 1]) * engine.kv_bytes_per_block

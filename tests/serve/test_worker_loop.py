@@ -9,6 +9,7 @@ import zmq
 
 from halfmoon.engine.engine import EngineStats
 from halfmoon.serve.worker.process import COMMANDS_PER_STEP, Worker, WorkerIdentity
+from tests.serve.fakes import RecordingLink
 
 SECRET = b"worker-loop-secret-0123456789abc"
 NUM_JUNK = 3 * COMMANDS_PER_STEP
@@ -57,23 +58,12 @@ class _Role:
         return None
 
 
-class _Link:
-    def event(self, kind: str, **fields: object) -> None:
-        assert kind
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
 def test_a_flood_of_junk_does_not_stop_the_engine():
     """Unsigned junk queued on the command socket is dropped a batch at a time between
     engine steps. Before, the loop drained the whole socket before stepping: a 25 s flood
     froze a worker's decoding for 25 s."""
     engine = _Engine()
-    worker = Worker(WorkerIdentity("decode", "d0", ""), engine, SECRET, _Link(),
+    worker = Worker(WorkerIdentity("decode", "d0", ""), engine, SECRET, RecordingLink(),
                     "tcp://127.0.0.1:*")  # fmt: skip
     engine.worker = worker
     worker.set_role(_Role())
@@ -137,7 +127,7 @@ def test_commands_are_typed_before_the_role_sees_them():
     from halfmoon.serve.control.protocol import encode
 
     role = _Recorder()
-    worker = Worker(WorkerIdentity("decode", "d0", ""), _IdleEngine(), SECRET, _Link(),
+    worker = Worker(WorkerIdentity("decode", "d0", ""), _IdleEngine(), SECRET, RecordingLink(),
                     "tcp://127.0.0.1:*")  # fmt: skip
     worker.set_role(role)
     gateway = zmq.Context.instance().socket(zmq.DEALER)
