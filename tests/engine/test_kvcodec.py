@@ -7,7 +7,7 @@ import torch
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.kv_cache import KVLayout
-from halfmoon.engine.kvcodec import MODES, KVCodec, make_codec
+from halfmoon.engine.kvcodec import MODES, DequantizeGroups, KVCodec, make_codec
 
 HEAD_DIM = 64
 
@@ -65,6 +65,20 @@ def test_int8_error_is_at_most_half_a_step_of_each_group(dtype):
     assert (err <= step / 2 * (1 + 1e-5) + slack * ref.abs() + 1e-30).all()
     assert torch.equal(out[0, 0, 0], torch.zeros(HEAD_DIM, dtype=dtype))  # zeros stay zeros
     assert codec.ratio() == pytest.approx(4 * 64 / 68 if dtype == torch.float32 else 2 * 64 / 68)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_decodes_in_place_to_the_modules_values(dtype):
+    """int8 decodes in place (codes converted into the destination, then scaled), the
+    same values, bit for bit, as the dequantizing module that fp8 compiles."""
+    codec = make_codec("int8", dtype, HEAD_DIM)
+    assert codec.backend == {"encode": "eager", "decode": "in place"}
+    x = kv(dtype=dtype)
+    payload, out = roundtrip(codec, x)
+    groups = x.numel() // HEAD_DIM
+    codes, scales = codec._split(torch.frombuffer(bytearray(payload), dtype=torch.uint8), groups)
+    expected = DequantizeGroups(dtype)(codes, scales)
+    assert torch.equal(out.reshape(groups, HEAD_DIM), expected)
 
 
 def test_fp8_error_is_relative_to_each_value():
@@ -129,14 +143,15 @@ def test_bad_modes_and_payloads_are_clear_errors():
 
 def test_compiled_int8_gives_the_eager_bytes():
     """The AOT-compiled codec encodes to the very bytes of the eager one and decodes them
-    to the same values. From the run's kernel cache (tests/conftest.py, ``shared_kernels``:
-    built there once, ~40 s, after each edit to the kernels' sources); building a package
-    from scratch is tested by ``test_engine_kernels.py``."""
+    to the same values (int8 decodes in place either way). From the run's kernel cache
+    (tests/conftest.py, ``shared_kernels``: built there once, ~40 s, after each edit to
+    the kernels' sources); building a package from scratch is tested by
+    ``test_engine_kernels.py``."""
     eager = make_codec("int8", torch.float32, HEAD_DIM)
     compiled = make_codec("int8", torch.float32, HEAD_DIM)
     compiled.compile()
-    assert compiled.description == "int8 (encode compiled, decode compiled)"
-    assert eager.description == "int8 (encode eager, decode eager)"
+    assert compiled.description == "int8 (encode compiled, decode in place)"
+    assert eager.description == "int8 (encode eager, decode in place)"
     x = kv(5)
     payload, out = roundtrip(compiled, x)
     assert payload == bytes(eager.encode(block_views(x)))
