@@ -1,28 +1,46 @@
 """A prefill worker's prefix pull from a peer's store: how long the worker's loop is held
-(it does not wait for the pull: :meth:`ClusterPrefixCache.begin_load`), and how long the
-pull takes until its blocks are seeded (:meth:`~ClusterPrefixCache.end_load`).
+(it does not wait for the pull: :meth:`ClusterPrefixCache.begin_load`), how long the pull
+takes until its blocks are seeded (:meth:`~ClusterPrefixCache.end_load`), and, with
+``--modes``, what KV compression (``--kv-compression``) does to it.
 
-The peer is another process (this module with ``--serve``): a block store holding the
-prompt's blocks, served by a transfer engine. The puller is the worker's own
-:class:`ClusterPrefixCache` over a stand-in engine of the given block size (default:
-SmolLM2-135M's float32 block, 737,280 bytes), so only the pull is measured, not a
-model. Every round starts with an empty local store; every pulled block is checked
-against the bytes the peer holds.
+A peer is another process (this module with ``--serve``): a block store holding the
+prompt's blocks, served by a transfer engine that encodes pulled blocks with its mode's
+codec as a prefill worker's does (``none``: raw). The puller is the worker's own
+:class:`ClusterPrefixCache` over a stand-in engine of the given block size, decoding
+with the same codec, so only the pull is measured, not a model. Every round starts with
+an empty local store and pulls once per mode (one peer per mode; the order rotates);
+every pulled block is checked: against the peer's bytes (``none``, lossless modes), or
+against this process's own encode and decode of them (lossy modes: the same codec
+gives the same bytes). Effective throughput: the blocks' raw bytes over the pull's
+time; the wire ceiling is ``none`` in the same rounds.
+
+The blocks: ``synthetic`` (default) float32 N(0, 1) values, SmolLM2-135M's block size
+(737,280 bytes); ``real``: SmolLM2-135M-Instruct's own KV of this repository's docs
+(transformers computes it; blocks laid out as the engine's pool holds them, layer by
+layer, K then V), which only a lossless mode's ratio depends on. With ``--wire-gbit G``
+(root, iproute2) the peers run in a network namespace behind a veth pair shaped to G
+Gbit/s, a NIC-like wire (:mod:`benchmarks.micro.wire`); compression only applies over
+tcp, the transport used then.
 
 Run from the repository root::
 
     .venv/bin/python -m benchmarks.micro.prefix_pull --blocks 128 --rounds 8 \\
         --json benchmarks/results/prefix_pull.json
+    .venv/bin/python -m benchmarks.micro.prefix_pull --modes none,int8 --data real \\
+        --wire-gbit 10 --json benchmarks/results/prefix_pull_int8.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +55,8 @@ SECRET = b"prefix-pull-bench-secret-0123456"
 #: SmolLM2-135M in float32: 30 layers x K and V x 16 tokens x 3 KV heads x 64 x 4 bytes.
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
 BLOCK_TOKENS = 16
+#: The codecs' group: values per KV head (SmolLM2's head size).
+HEAD_DIM = 64
 
 
 def prompt_of(num_blocks: int) -> list[int]:
@@ -44,21 +64,64 @@ def prompt_of(num_blocks: int) -> list[int]:
     return [(i * 31) % 4000 + 23 for i in range(num_blocks * BLOCK_TOKENS + 1)]
 
 
-def payload_of(index: int, block_bytes: int) -> bytes:
-    """Block ``index``'s bytes at the peer (distinct per block)."""
-    return np.full(block_bytes, index % 251 + 1, np.uint8).tobytes()
+def synthetic_blocks(num_blocks: int, block_bytes: int) -> np.ndarray:
+    """``[num_blocks, block_bytes]`` uint8: float32 N(0, 1) values, distinct per block
+    (the bytes beyond a whole number of floats zero)."""
+    out = np.zeros((num_blocks, block_bytes), np.uint8)
+    floats = block_bytes // 4
+    for i in range(num_blocks):
+        values = np.random.default_rng(i).standard_normal(floats, dtype=np.float32)
+        out[i, : floats * 4] = values.view(np.uint8)
+    return out
 
 
-def serve(block_bytes: int, num_blocks: int, transport: str) -> None:
-    """The peer: store the prompt's blocks, print the endpoint, serve until killed."""
+def real_blocks(num_blocks: int, model: str) -> np.ndarray:
+    """SmolLM2's (or ``model``'s) KV of this repository's docs, ``[num_blocks, block_bytes]``
+    uint8, each block as the engine's pool lays it out: every stream layer's (K then V of
+    each layer) ``[block_size, H_kv, D]`` float32 slice in turn."""
+    import torch
+
+    from benchmarks.micro.kv_compression import load_reference, prompt_kv, text_tokens
+    from halfmoon.engine.catalog import resolve_model
+
+    reference, tokenizer = load_reference(resolve_model(model))
+    layers = prompt_kv(reference, text_tokens(tokenizer, num_blocks * BLOCK_TOKENS)
+                       [: num_blocks * BLOCK_TOKENS], BLOCK_TOKENS)  # fmt: skip
+    if layers[0].shape[-1] != HEAD_DIM:
+        raise SystemExit(f"{model}: head size {layers[0].shape[-1]}, this benchmark's {HEAD_DIM}")
+    blocks = torch.stack(layers, 1)  # [n, stream layers, block_size, H_kv, D]
+    return blocks.reshape(num_blocks, -1).view(torch.uint8).numpy().copy()
+
+
+def codec_of(mode: str):
+    """The float32 codec of ``mode`` as prefill workers run it (compiled where it builds);
+    None for ``none``."""
+    if mode == "none":
+        return None
+    import torch
+
+    from halfmoon.engine.kvcodec import compiled_or_eager, make_codec
+
+    torch.set_num_threads(1)  # a pull or transfer thread's share
+    return compiled_or_eager(make_codec(mode, torch.float32, HEAD_DIM), ("encode", "decode"))
+
+
+def serve(data: Path, mode: str, transport: str, host: str) -> None:
+    """The peer: store the prompt's blocks, encode pulls with ``mode``'s codec, print the
+    endpoint, serve until killed."""
+    blocks = np.load(data)
+    num_blocks, block_bytes = blocks.shape
     store = TieredStore(
         StoreConfig(block_bytes=block_bytes, dram_capacity_bytes=block_bytes * (num_blocks + 4))
     )
     parent = NONE_HASH
     for i, h in enumerate(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full):
-        store.put(h, payload_of(i, block_bytes), BlockMeta(BLOCK_TOKENS, parent), position=i)
+        store.put(h, blocks[i].tobytes(), BlockMeta(BLOCK_TOKENS, parent), position=i)
         parent = h
-    engine = TransferEngine(SECRET, store=store, transport=transport)
+    engine = TransferEngine(SECRET, store=store, transport=transport, host=host)
+    codec = codec_of(mode)
+    if codec is not None:
+        engine.set_pull_encoder(codec.encode)
     print(engine.start(), flush=True)
     time.sleep(3600)
 
@@ -89,14 +152,32 @@ class _Events:
         return None
 
 
-def one_round(block_bytes: int, num_blocks: int, puller: TransferEngine, endpoint: str) -> dict:
+def expected_blocks(blocks: np.ndarray, codec: Any) -> list[bytes]:
+    """What a pull must seed: the blocks themselves, or a lossy codec's decode of their
+    encoding (this process's codec; the peer's is the same)."""
+    if codec is None or codec.name == "zstd":
+        return [b.tobytes() for b in blocks]
+    out = []
+    for b in blocks:
+        decoded = bytearray(b.nbytes)
+        codec.decode(codec.encode(memoryview(b)), memoryview(decoded))
+        out.append(bytes(decoded))
+    return out
+
+
+def one_round(
+    expected: list[bytes], puller: TransferEngine, endpoint: str, codec: Any = None
+) -> dict:
     """One pull into an empty store: loop held, whole pull, blocks checked."""
+    num_blocks, block_bytes = len(expected), len(expected[0])
     engine = _Engine(block_bytes)
     holdings = Holdings(_Events())
     store = ClusterPrefixCache.make_store(  # type: ignore[arg-type]
         engine, block_bytes * (num_blocks + 4) / 2**20, None, 0, holdings
     )
     cache = ClusterPrefixCache(engine, store, holdings)  # type: ignore[arg-type]
+    if codec is not None:
+        cache.pull_decode = codec.decode
     try:
         started = time.perf_counter()
         load = cache.begin_load(prompt_of(num_blocks), puller, endpoint)
@@ -105,60 +186,148 @@ def one_round(block_bytes: int, num_blocks: int, puller: TransferEngine, endpoin
         loaded = cache.end_load(load)
         total_s = time.perf_counter() - started
         ok = loaded == num_blocks and all(
-            bytes(p) == payload_of(i, block_bytes) for i, p in enumerate(engine.seeded)
+            bytes(p) == e for p, e in zip(engine.seeded, expected, strict=True)
         )
     finally:
         cache.close()
         store.close()
-    return {"loop_held_s": held_s, "pull_s": total_s, "blocks": loaded, "verified": ok}
+    return {"loop_held_s": held_s, "pull_s": total_s, "blocks": loaded, "verified": ok,
+            "effective_gib_s": num_blocks * block_bytes / total_s / 2**30}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark; returns every round."""
+def start_peer(data: Path, mode: str, args: argparse.Namespace, netns: str | None, host: str):
+    """A peer process serving ``data`` with ``mode``'s encoder; (process, endpoint)."""
+    argv = [sys.executable, "-m", "benchmarks.micro.prefix_pull", "--serve", str(data),
+            "--serve-mode", mode, "--transport", args.transport, "--host", host]  # fmt: skip
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    peer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert peer.stdout is not None
+    endpoint = peer.stdout.readline().strip()
+    if not endpoint:
+        peer.kill()
+        peer.wait()
+        raise SystemExit(f"the {mode} peer process did not start")
+    return peer, endpoint
+
+
+def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, host: str):
+    """Every round pulls the prompt once per mode, the order rotating; rounds per mode."""
+    codecs = {m: codec_of(m) for m in modes}
+    expected = {m: expected_blocks(blocks, codecs[m]) for m in modes}
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    peers: dict[str, tuple[subprocess.Popen, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="hm-prefix-pull-") as tmp:
+        data = Path(tmp) / "blocks.npy"
+        np.save(data, blocks)
+        os.chmod(tmp, 0o755)  # readable by a peer in another network namespace (same user)
+        try:
+            for m in modes:
+                peers[m] = start_peer(data, m, args, netns, host)
+            with TransferEngine(SECRET, transport=args.transport) as puller:
+                for r in range(args.rounds):
+                    for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                        result = one_round(expected[m], puller, peers[m][1], codecs[m])
+                        per_mode[m].append({"round": r, **result})
+        finally:
+            for peer, _ in peers.values():
+                peer.kill()
+                peer.wait()
+    return per_mode
+
+
+def summary(per_mode: dict[str, list[dict]]) -> dict[str, dict]:
+    """Medians per mode, and each round's effective throughput over ``none``'s."""
+    ceiling = [r["effective_gib_s"] for r in per_mode.get("none", [])]
+    out = {}
+    for mode, rounds in per_mode.items():
+        eff = [r["effective_gib_s"] for r in rounds]
+        out[mode] = {
+            "loop_held_ms": statistics.median(r["loop_held_s"] * 1e3 for r in rounds),
+            "pull_ms": statistics.median(r["pull_s"] * 1e3 for r in rounds),
+            "effective_gib_s": statistics.median(eff),
+            "rounds_vs_none": [e / c for e, c in zip(eff, ceiling, strict=False)],
+            "verified": all(r["verified"] for r in rounds),
+        }
+    return out
+
+
+def print_report(where: str, per_mode: dict[str, list[dict]], mib: float) -> None:
+    """One block of lines per mode: loop held, pull, effective GiB/s, vs ``none``."""
+    print(f"{where}: {mib:.0f} MiB of KV per pull")
+    for mode, s in summary(per_mode).items():
+        rounds = per_mode[mode]
+        print(f"  {mode}: every block verified: {s['verified']}")
+        print("    loop held ms: median {:.2f}, rounds {}".format(s["loop_held_ms"], " ".join(
+            f"{r['loop_held_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
+        print("    pull until seeded ms: median {:.1f}, rounds {}".format(s["pull_ms"], " ".join(
+            f"{r['pull_s'] * 1e3:.1f}" for r in rounds)))  # fmt: skip
+        print("    effective GiB/s: median {:.2f}, rounds {}".format(s["effective_gib_s"],
+              " ".join(f"{r['effective_gib_s']:.2f}" for r in rounds)))  # fmt: skip
+        if mode != "none" and s["rounds_vs_none"]:
+            ratios = s["rounds_vs_none"]
+            print("    vs none: median {:.2f}, rounds {}".format(statistics.median(ratios),
+                  " ".join(f"{x:.2f}" for x in ratios)))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns every round (``rounds``: loopback or this host's
+    shared memory; ``rounds_shaped``: over the shaped wire) and their summaries."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=128, help="prefix blocks pulled")
-    parser.add_argument("--block-bytes", type=int, default=SMOLLM2_BLOCK_BYTES)
+    parser.add_argument("--block-bytes", type=int, default=SMOLLM2_BLOCK_BYTES,
+                        help="block size of synthetic blocks")  # fmt: skip
+    parser.add_argument("--data", default="synthetic", choices=("synthetic", "real"))
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="for --data real")
+    parser.add_argument("--modes", default="none", help="KV compression modes, comma-separated")
     parser.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--wire-gbit", type=float, default=0.0,
+                        help="also pull over a veth pair shaped to this rate (root)")  # fmt: skip
     parser.add_argument("--json", help="write every round here")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-mode", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.block_bytes < 1 or args.rounds < 1:
         parser.error("--blocks, --block-bytes and --rounds must be positive")
     if args.serve:
-        serve(args.block_bytes, args.blocks, args.transport)
-        return []
-    peer = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.micro.prefix_pull", "--serve", "--blocks",
-         str(args.blocks), "--block-bytes", str(args.block_bytes), "--transport", args.transport],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    rounds: list[dict] = []
-    try:
-        assert peer.stdout is not None
-        endpoint = peer.stdout.readline().strip()
-        if not endpoint:
-            raise SystemExit("the peer process did not start")
-        with TransferEngine(SECRET, transport=args.transport) as puller:
-            for r in range(args.rounds):
-                rounds.append({"round": r, **one_round(args.block_bytes, args.blocks, puller,
-                                                       endpoint)})  # fmt: skip
-    finally:
-        peer.kill()
-        peer.wait()
-    mib = args.blocks * args.block_bytes / 2**20
-    held = [r["loop_held_s"] * 1e3 for r in rounds]
-    pull = [r["pull_s"] * 1e3 for r in rounds]
-    print(f"{args.transport}: {args.blocks} blocks x {args.block_bytes} bytes = {mib:.0f} MiB, "
-          f"every block verified: {all(r['verified'] for r in rounds)}")  # fmt: skip
-    print(f"loop held ms: median {statistics.median(held):.2f}, rounds "
-          + " ".join(f"{x:.2f}" for x in held))  # fmt: skip
-    print(f"pull until seeded ms: median {statistics.median(pull):.1f}, rounds "
-          + " ".join(f"{x:.1f}" for x in pull))  # fmt: skip
+        serve(Path(args.serve), args.serve_mode, args.transport, args.host)
+        return {}
+    from halfmoon.engine.kvcodec import MODES
+
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        parser.error("--modes names a mode twice")
+    if modes != ["none"] and args.transport != "tcp":
+        parser.error("compressed pulls go over tcp only (--transport tcp)")
+    if modes != ["none"] and "none" not in modes:
+        modes.insert(0, "none")  # the wire ceiling
+    if args.data == "real":
+        blocks = real_blocks(args.blocks, args.model)
+    else:
+        if args.block_bytes % (4 * HEAD_DIM) and modes != ["none"]:
+            parser.error(f"--block-bytes must be a multiple of {4 * HEAD_DIM} to compress")
+        blocks = synthetic_blocks(args.blocks, args.block_bytes)
+    mib = blocks.nbytes / 2**20
+    result: dict[str, Any] = {"args": vars(args), "modes": modes, "block_bytes": blocks.shape[1]}
+    result["rounds"] = run_rounds(blocks, modes, args, None, "127.0.0.1")
+    print_report(args.transport, result["rounds"], mib)
+    result["summary"] = summary(result["rounds"])
+    if args.wire_gbit:
+        from benchmarks.micro.wire import NS_IP, shaped_wire
+
+        with shaped_wire(args.wire_gbit) as netns:
+            result["rounds_shaped"] = run_rounds(blocks, modes, args, netns, NS_IP)
+        print_report(f"{args.wire_gbit:g} Gbit/s veth", result["rounds_shaped"], mib)
+        result["summary_shaped"] = summary(result["rounds_shaped"])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rounds": rounds}, f, indent=1)
-    return rounds
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

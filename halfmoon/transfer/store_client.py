@@ -20,6 +20,13 @@ Two ways to move a batch:
   request, and the client waits with it. On one link each side runs one thread and the
   two processes overlap. Measured: benchmarks/dataplane/store.py, docs/benchmarks.md.
 
+Encoded pulls (compressed KV over ``tcp``: the peer encodes every block it sends) run
+in parallel *and* pipelined: each connection's group is cut into requests of about
+``ENCODED_GROUP_BYTES`` of raw KV, ``PIPELINE_DEPTH`` ahead, so that the peer encodes
+the next request while this one crosses the wire and is decoded here. Sent as one
+request per connection, the peer's encoding, the wire and the decoding ran one after
+the other (benchmarks/micro/prefix_pull.py).
+
 Replies come in the order of the requests, so the pipelined client reads them from a
 queue of what it sent. An error reply for one request closes the link (the peer aborts
 the reservations it still holds when the connection ends) and raises.
@@ -50,6 +57,8 @@ PIPELINE_MAX_BLOCK_BYTES = 256 << 10
 PIPELINE_GROUP_BLOCKS = 128
 #: Pipelined requests sent ahead of the group being copied.
 PIPELINE_DEPTH = 2
+#: Raw bytes per request of an encoded pull (at least one block).
+ENCODED_GROUP_BYTES = 4 << 20
 
 
 class StoreClient:
@@ -208,10 +217,18 @@ class StoreClient:
             return self._pull_pipelined(list(block_hashes), views, deadline)
         results: list[BlockMeta | None] = [None] * len(views)
 
+        # An encoded pull's groups are pipelined in requests of ENCODED_GROUP_BYTES.
+        step = max(1, ENCODED_GROUP_BYTES // views[0].nbytes) if decode is not None else 0
+
+        def pull_group(hashes: list[int], group_views: list[memoryview]):
+            if step and len(group_views) > step:
+                return self._pull_pipelined(hashes, group_views, deadline, decode, step)
+            return self._pull_group(hashes, group_views, deadline, decode)
+
         def job(group: range) -> Callable[[], None]:
             def run() -> None:
                 hashes = [block_hashes[i] for i in group]
-                metas = self._pull_group(hashes, [views[i] for i in group], deadline, decode)
+                metas = pull_group(hashes, [views[i] for i in group])
                 for i, meta in zip(group, metas, strict=True):
                     results[i] = meta
 
@@ -219,7 +236,7 @@ class StoreClient:
 
         groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         if len(groups) == 1:  # the common small pull: no thread hand-off
-            return self._pull_group(list(block_hashes), views, deadline, decode)
+            return pull_group(list(block_hashes), views)
         self._links.run_parallel([job(g) for g in groups])
         return results
 
@@ -238,17 +255,25 @@ class StoreClient:
             return self._finish_pull(link, reply, views, deadline, decode)
 
     def _pull_pipelined(
-        self, block_hashes: list[int], views: list[memoryview], deadline: float
+        self,
+        block_hashes: list[int],
+        views: list[memoryview],
+        deadline: float,
+        decode: PullDecoder | None = None,
+        step: int = PIPELINE_GROUP_BLOCKS,
     ) -> list[BlockMeta | None]:
-        """The pull's groups one after another on one link, ``PIPELINE_DEPTH`` ahead."""
-        groups = _groups(len(views))
+        """The pull's groups of ``step`` blocks one after another on one link,
+        ``PIPELINE_DEPTH`` ahead (encoded with ``decode``)."""
+        groups = _groups(len(views), step)
         block_bytes = views[0].nbytes
         with self._links.borrowed(deadline) as link:
             expected: deque[tuple[str, int]] = deque()  # (xfer, group) of replies due
 
             def request(k: int) -> None:
                 g = groups[k]
-                xfer = self._send_pull(link, block_hashes[g.start : g.stop], block_bytes, deadline)
+                xfer = self._send_pull(
+                    link, block_hashes[g.start : g.stop], block_bytes, deadline, decode
+                )
                 expected.append((xfer, k))
 
             ahead = min(PIPELINE_DEPTH, len(groups))
@@ -264,7 +289,7 @@ class StoreClient:
                     request(ahead)
                     ahead += 1
                 g = groups[k]
-                metas += self._finish_pull(link, reply, views[g.start : g.stop], deadline)
+                metas += self._finish_pull(link, reply, views[g.start : g.stop], deadline, decode)
             return metas
 
     def _send_pull(
@@ -374,7 +399,6 @@ def _pipelined(num_blocks: int, block_bytes: int) -> bool:
     return num_blocks > PIPELINE_GROUP_BLOCKS and block_bytes <= PIPELINE_MAX_BLOCK_BYTES
 
 
-def _groups(num_blocks: int) -> list[range]:
-    """Consecutive groups of ``PIPELINE_GROUP_BLOCKS``."""
-    step = PIPELINE_GROUP_BLOCKS
+def _groups(num_blocks: int, step: int = PIPELINE_GROUP_BLOCKS) -> list[range]:
+    """Consecutive groups of ``step`` blocks."""
     return [range(start, min(start + step, num_blocks)) for start in range(0, num_blocks, step)]

@@ -378,6 +378,49 @@ def test_pulled_blocks_go_encoded_over_tcp_to_a_client_that_decodes(pair, transp
         store.close()
 
 
+def test_an_encoded_pull_is_pipelined_in_requests_of_a_few_blocks(pair, monkeypatch):
+    """An encoded pull is cut into requests of ``ENCODED_GROUP_BYTES`` (here two blocks)
+    that follow each other on each connection, so that the peer encodes the next while
+    this one is on the wire; the blocks arrive decoded, a miss among them as a miss."""
+    import zlib
+
+    from halfmoon.transfer import store_client
+
+    monkeypatch.setattr(store_client, "ENCODED_GROUP_BYTES", 2 * BLOCK)
+    requests: list[int] = []
+    send_pull = store_client.StoreClient._send_pull
+
+    def counted(self, link, block_hashes, *args):
+        requests.append(len(block_hashes))
+        return send_pull(self, link, block_hashes, *args)
+
+    monkeypatch.setattr(store_client.StoreClient, "_send_pull", counted)
+    store = TieredStore(StoreConfig(block_bytes=BLOCK, dram_capacity_bytes=8 * BLOCK))
+    try:
+        sender, receiver, _ = pair("tcp", store=store)
+        hashes = [90 + i for i in range(8)]
+        for h in hashes:
+            if h != 95:  # a miss in the middle of the second half
+                store.put(h, block(h), BlockMeta(16, h - 1))
+        encoded: list[int] = []
+
+        def encode(view: memoryview) -> memoryview:
+            encoded.append(1)
+            return memoryview(zlib.compress(bytes(view)))
+
+        receiver.set_pull_encoder(encode)
+        dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+        metas = sender.connect(receiver.endpoint).pull(
+            hashes, dests, decode=lambda p, d: d.__setitem__(slice(None), zlib.decompress(p))
+        )
+        assert [m is not None for m in metas] == [h != 95 for h in hashes]
+        for h, dest in zip(hashes, dests, strict=True):
+            assert (dest == (0 if h == 95 else h % 251)).all()
+        assert requests == [2, 2, 2, 2] and len(encoded) == 7
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_store_errors_reach_the_client(store_peer, pair, transport):
     client, store, _, _ = store_peer(transport)
