@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,10 +166,34 @@ def expected_blocks(blocks: np.ndarray, codec: Any) -> list[bytes]:
     return out
 
 
+class Ticker:
+    """A thread that wakes every ``period_s``: how late it wakes is how long another
+    thread kept the GIL from it (what a worker's loop thread would wait meanwhile)."""
+
+    def __init__(self, period_s: float = 0.0005) -> None:
+        self.period_s = period_s
+        self.late_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(self.period_s)
+            self.late_s.append(time.perf_counter() - t0 - self.period_s)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        return self.late_s
+
+
 def one_round(
     expected: list[bytes], puller: TransferEngine, endpoint: str, codec: Any = None
 ) -> dict:
-    """One pull into an empty store: loop held, whole pull, blocks checked."""
+    """One pull into an empty store: loop held (at the start, and while seeding at the
+    end), whole pull, a ticking thread's largest delay meanwhile, blocks checked."""
     num_blocks, block_bytes = len(expected), len(expected[0])
     engine = _Engine(block_bytes)
     holdings = Holdings(_Events())
@@ -179,20 +204,25 @@ def one_round(
     if codec is not None:
         cache.pull_decode = codec.decode
     try:
+        ticker = Ticker()
         started = time.perf_counter()
         load = cache.begin_load(prompt_of(num_blocks), puller, endpoint)
         held_s = time.perf_counter() - started
         load.fetch.wait()
+        seeding = time.perf_counter()
         loaded = cache.end_load(load)
         total_s = time.perf_counter() - started
+        seed_s = time.perf_counter() - seeding
+        late = ticker.stop()
         ok = loaded == num_blocks and all(
             bytes(p) == e for p, e in zip(engine.seeded, expected, strict=True)
         )
     finally:
         cache.close()
         store.close()
-    return {"loop_held_s": held_s, "pull_s": total_s, "blocks": loaded, "verified": ok,
-            "effective_gib_s": num_blocks * block_bytes / total_s / 2**30}  # fmt: skip
+    return {"loop_held_s": held_s, "seed_s": seed_s, "pull_s": total_s, "blocks": loaded,
+            "verified": ok, "effective_gib_s": num_blocks * block_bytes / total_s / 2**30,
+            "ticker_max_late_s": max(late, default=0.0)}  # fmt: skip
 
 
 def start_peer(data: Path, mode: str, args: argparse.Namespace, netns: str | None, host: str):
@@ -245,6 +275,8 @@ def summary(per_mode: dict[str, list[dict]]) -> dict[str, dict]:
         eff = [r["effective_gib_s"] for r in rounds]
         out[mode] = {
             "loop_held_ms": statistics.median(r["loop_held_s"] * 1e3 for r in rounds),
+            "seed_ms": statistics.median(r["seed_s"] * 1e3 for r in rounds),
+            "ticker_max_late_ms": statistics.median(r["ticker_max_late_s"] * 1e3 for r in rounds),
             "pull_ms": statistics.median(r["pull_s"] * 1e3 for r in rounds),
             "effective_gib_s": statistics.median(eff),
             "rounds_vs_none": [e / c for e, c in zip(eff, ceiling, strict=False)],
@@ -261,6 +293,11 @@ def print_report(where: str, per_mode: dict[str, list[dict]], mib: float) -> Non
         print(f"  {mode}: every block verified: {s['verified']}")
         print("    loop held ms: median {:.2f}, rounds {}".format(s["loop_held_ms"], " ".join(
             f"{r['loop_held_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
+        print("    seeding at the end (loop) ms: median {:.2f}, rounds {}".format(s["seed_ms"],
+              " ".join(f"{r['seed_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
+        print("    a ticking thread's longest wait ms: median {:.2f}, rounds {}".format(
+            s["ticker_max_late_ms"], " ".join(
+                f"{r['ticker_max_late_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
         print("    pull until seeded ms: median {:.1f}, rounds {}".format(s["pull_ms"], " ".join(
             f"{r['pull_s'] * 1e3:.1f}" for r in rounds)))  # fmt: skip
         print("    effective GiB/s: median {:.2f}, rounds {}".format(s["effective_gib_s"],

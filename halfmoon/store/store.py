@@ -8,7 +8,9 @@ evicted; a put that needs room when every block is pinned raises
 :class:`~halfmoon.store.errors.StoreFullError` and evicts nothing.
 
 All methods are thread-safe (one lock). ``BlockStored`` / ``BlockEvicted`` events go to
-the listener after the lock is released, in the order they happened.
+the listener after the lock is released, in the order they happened. Payloads of 64 KiB
+and more are copied in and out without the GIL (:func:`halfmoon.core.buffers.copy_into`),
+so a thread storing a pull's blocks does not hold up a worker's loop thread.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from halfmoon.core.buffers import copy_into
 from halfmoon.core.clock import Clock, WallClock
 from halfmoon.store.errors import BlockPinnedError, StoreError, UnknownBlockError
 from halfmoon.store.events import TIER_DRAM, TIER_SSD, EventListener, StoreEvent
@@ -105,7 +108,7 @@ class TieredStore:
         pending = self.begin_put(block_hash, meta, position)
         if pending is None:
             return self.tiers(block_hash)[0]
-        pending.view[:] = view
+        copy_into(pending.view, 0, view)
         return self.commit_put(pending)
 
     def put_many(self, blocks: Sequence[tuple[int, object, BlockMeta, int]]) -> int:
@@ -117,7 +120,7 @@ class TieredStore:
         pendings = self.begin_puts([(h, meta, position) for h, _, meta, position in blocks])
         for pending, view in zip(pendings, views, strict=True):
             if pending is not None:
-                pending.view[:] = view
+                copy_into(pending.view, 0, view)
         return self.commit_puts(pendings)
 
     def delete(self, block_hash: int) -> bool:
@@ -135,7 +138,7 @@ class TieredStore:
             found = t.lookup(block_hash)
             if found is None:
                 return None
-            out_view[:] = found.view
+            copy_into(out_view, 0, found.view)
             return found.meta
 
     def get_many_into(
@@ -156,7 +159,7 @@ class TieredStore:
                 if found is None:
                     metas.append(None)
                 else:
-                    view[:] = found.view
+                    copy_into(view, 0, found.view)
                     metas.append(found.meta)
         return metas
 
@@ -171,7 +174,7 @@ class TieredStore:
             found = t.lookup(block_hash)
             if found is None:
                 return None
-            out[:] = found.view
+            copy_into(out, 0, found.view)
             return found.meta
 
     def get(self, block_hash: int) -> tuple[BlockMeta, bytes] | None:

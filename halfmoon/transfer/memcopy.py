@@ -21,41 +21,15 @@ copied one by one: finding the runs (an address per block through ctypes) cost a
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import numpy as np
 
-from halfmoon.core.buffers import buffer_address, span_at
+from halfmoon.core.buffers import GIL_FREE_BYTES, buffer_address, check_range, copy_into, span_at
 
-#: Blocks at least this large are copied without the GIL.
-GIL_FREE_BYTES = 64 << 10
 #: Runs of at least this many blocks at a constant stride (not back to back) are copied
 #: with one strided call; shorter ones block by block.
 MIN_STRIDED_BLOCKS = 3
-
-
-def copy_into(dest: memoryview, offset: int, src: memoryview) -> None:
-    """Copy the bytes of ``src`` to ``dest[offset:]`` (both flat byte views); a range past
-    either end of ``dest`` raises ``ValueError``."""
-    n = src.nbytes
-    _check_range(dest, offset, n)
-    if n >= GIL_FREE_BYTES:
-        dest_address, src_address = buffer_address(dest), buffer_address(src)
-        if dest_address is not None and src_address is not None:
-            ctypes.memmove(dest_address + offset, src_address, n)
-        else:  # a read-only source (bytes): numpy reads it, still without the GIL
-            np.copyto(np.frombuffer(dest, np.uint8, n, offset), np.frombuffer(src, np.uint8))
-    else:
-        dest[offset : offset + n] = src
-
-
-def _check_range(dest: memoryview, offset: int, num_bytes: int) -> None:
-    if offset < 0 or offset + num_bytes > dest.nbytes:
-        raise ValueError(
-            f"range [{offset}, {offset + num_bytes}) is outside the destination's "
-            f"{dest.nbytes} bytes"
-        )
 
 
 class _Run:
@@ -88,7 +62,7 @@ class _Run:
 
     def check(self, dest: memoryview) -> None:
         """``ValueError`` unless every block of the run fits in ``dest``."""
-        _check_range(dest, self.offset, (len(self.blocks) - 1) * self.dest_stride + self.size)
+        check_range(dest, self.offset, (len(self.blocks) - 1) * self.dest_stride + self.size)
 
     def copy(self, dest: memoryview) -> None:
         """Copy the run into ``dest`` (its range checked)."""
@@ -152,7 +126,7 @@ def _copy(arena: memoryview, blocks: Iterable[tuple[int, memoryview]], into: boo
     items = _listed(blocks)
     if _small(items):
         for offset, view in items:
-            _check_range(arena, offset, view.nbytes)
+            check_range(arena, offset, view.nbytes)
         if into:
             for offset, view in items:
                 arena[offset : offset + view.nbytes] = view

@@ -1,6 +1,10 @@
-import numpy as np
+import threading
+import time
 
-from halfmoon.core.buffers import buffer_address, span_at
+import numpy as np
+import pytest
+
+from halfmoon.core.buffers import GIL_FREE_BYTES, buffer_address, copy_into, span_at
 
 
 def test_adjacent_slices_have_adjacent_addresses_and_make_one_span():
@@ -13,3 +17,50 @@ def test_adjacent_slices_have_adjacent_addresses_and_make_one_span():
 def test_read_only_and_empty_buffers_have_no_address():
     assert buffer_address(memoryview(b"read only")) is None
     assert buffer_address(memoryview(bytearray())) is None
+
+
+def _longest_pause_of_a_counting_thread(copy) -> tuple[float, float]:
+    """(longest pause of a thread that loops meanwhile, seconds the copy took)."""
+    done = threading.Event()
+    longest = [0.0]
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            now = time.perf_counter()
+            longest[0] = max(longest[0], now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    longest[0] = 0.0
+    started = time.perf_counter()
+    copy()
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    return longest[0], took
+
+
+def test_a_large_copy_lets_other_threads_run():
+    """From GIL_FREE_BYTES on, ``copy_into`` releases the GIL: a thread that loops during
+    one 128 MiB copy is never held up for anything like the copy's length, where a slice
+    assignment (the small-buffer path) holds it for all of it."""
+    n = 128 << 20
+    src, dest = memoryview(np.ones(n, np.uint8)), memoryview(np.zeros(n, np.uint8))
+    for source in (src, memoryview(src.tobytes())):  # writable (memmove), read-only (numpy)
+        paused, took = _longest_pause_of_a_counting_thread(lambda s=source: copy_into(dest, 0, s))
+        assert dest[0] == dest[-1] == 1
+        assert paused < took / 2, (paused, took)
+        dest[:] = np.zeros(n, np.uint8)
+    held, took = _longest_pause_of_a_counting_thread(lambda: dest.__setitem__(slice(None), src))
+    assert held > took / 2  # the assignment holds the GIL throughout: the harness can tell
+
+
+def test_copy_into_checks_its_range():
+    dest = memoryview(bytearray(GIL_FREE_BYTES))
+    copy_into(dest, 10, memoryview(b"abc"))
+    assert bytes(dest[10:13]) == b"abc"
+    with pytest.raises(ValueError, match="outside the destination"):
+        copy_into(dest, GIL_FREE_BYTES - 1, memoryview(b"ab"))

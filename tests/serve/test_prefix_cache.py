@@ -282,9 +282,9 @@ def test_int8_prefix_pull_between_workers_sends_compressed_blocks(engines):
 
 
 def test_a_load_whose_pool_gained_the_prefix_meanwhile_seeds_nothing_twice(engines):
-    """begin_load pulls on a pull thread while the caller goes on; if the engine computed
-    the prompt itself meanwhile, end_load seeds nothing (the pulled blocks still go to
-    the store) and reports the pool's own cached prefix."""
+    """begin_load pulls on a pull thread while the caller goes on, and that thread puts
+    the pulled blocks in the store; if the engine computed the prompt itself meanwhile,
+    end_load seeds nothing and reports the pool's own cached prefix."""
     from halfmoon.transfer import TransferEngine
 
     a, b = engines
@@ -305,6 +305,8 @@ def test_a_load_whose_pool_gained_the_prefix_meanwhile_seeds_nothing_twice(engin
         out = _run(b, "g2", prompt)  # the caller's loop goes on: b computes the prompt
         b.export_kv("g2", release=True)
         assert load.fetch.wait(10)
+        # The pull thread put the pulled blocks in the store: the loop only seeds them.
+        assert all(cache_b.store.contains(_hash(prompt, i)) for i in range(6))
         assert cache_b.end_load(load) == 6
     assert out.token_ids == ref.token_ids and out.num_cached_tokens == 0
     assert cache_b.num_blocks_loaded == 0 and cache_b.num_blocks_pulled == 6

@@ -53,6 +53,27 @@ def test_read_into_a_byte_view_counts_like_get_into(make_store, tmp_path):
             store.read_into(H[1], bad)
 
 
+def test_large_blocks_copy_through_every_put_and_read_path(make_store):
+    """Blocks of GIL_FREE_BYTES and more are copied in and out with the GIL released
+    (``core.buffers.copy_into``, tests/core/test_buffers.py), from read-only and
+    writable payloads alike: every put and read path gives back the bytes."""
+    import numpy as np
+
+    from halfmoon.core.buffers import GIL_FREE_BYTES
+
+    size = 16 * GIL_FREE_BYTES  # 1 MiB
+    store = make_store(block_bytes=size, dram_capacity_bytes=4 * size)
+    store.put(H[0], payload(0, size), meta(0))  # bytes: read-only, copied by numpy
+    store.put_many([(H[1], np.frombuffer(bytearray(payload(1, size)), np.uint8), meta(1), 1)])
+    out = np.zeros(size, np.uint8)
+    assert store.get_into(H[0], out) == meta(0) and out.tobytes() == payload(0, size)
+    outs = [bytearray(size), bytearray(size)]
+    assert store.get_many_into([H[1], H[0]], outs) == [meta(1), meta(0)]
+    assert outs == [payload(1, size), payload(0, size)]
+    view = memoryview(bytearray(size))
+    assert store.read_into(H[1], view) == meta(1) and view == payload(1, size)
+
+
 def test_storing_a_present_hash_is_only_an_access(make_store, events):
     store = make_store()
     put_all(store, [0, 1, 2, 3])

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from halfmoon.core.buffers import GIL_FREE_BYTES, copy_into
 from halfmoon.store.shm import create_segment
-from halfmoon.transfer.memcopy import GIL_FREE_BYTES, copy_into
 
 
 @pytest.mark.parametrize("size", [1, 4096, GIL_FREE_BYTES - 1, GIL_FREE_BYTES, 3 << 20])

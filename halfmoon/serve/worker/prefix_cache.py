@@ -57,7 +57,9 @@ PULL_MIN_RATE = 100e6
 #: Pulls from peers in flight at once per worker, each on its own thread.
 PULL_THREADS = 4
 #: What a pull thread brings: blocks read from this worker, then a peer's (meta, payload).
-FetchedRest = tuple[list[memoryview], list[tuple[BlockMeta | None, memoryview]]]
+#: A pull thread's result: the blocks it read from this worker, then those it pulled
+#: (and put in this store).
+FetchedRest = tuple[list[memoryview], list[memoryview]]
 
 
 class PrefixFetch:
@@ -353,22 +355,12 @@ class ClusterPrefixCache:
 
     def end_fetch(self, fetch: PrefixFetch) -> list[memoryview]:
         """A finished fetch's payloads: read at once, read on the pull thread, pulled
-        from the peer (the loop thread: pulled blocks are put in this store too, and
-        counted)."""
+        from the peer (the loop thread; the pull thread has put the pulled blocks in this
+        store already: ~13 ms of copying for 90 MiB that the loop no longer does)."""
         if fetch.future is None:
             return fetch.local
         assert fetch.future.done(), "end_fetch() of a fetch still pulling"
-        read, blocks = fetch.future.result()
-        pulled = []
-        # ``blocks`` is empty when the pull failed or there was none to make.
-        for h, (meta, buf) in zip(fetch.remote[len(read) :], blocks, strict=False):
-            if meta is None:
-                break
-            try:
-                self.store.put(h, buf, meta)
-            except StoreError:
-                pass  # still usable for this prefill
-            pulled.append(buf)
+        read, pulled = fetch.future.result()
         fetch.num_pulled = len(pulled)
         self.num_blocks_pulled += len(pulled)
         return fetch.local + read + pulled
@@ -390,7 +382,8 @@ class ClusterPrefixCache:
     ) -> FetchedRest:
         """A pull thread's part of a fetch: the leading blocks this worker holds (on SSD,
         or in the pool with ``pool``), then the rest pulled from ``endpoint`` (with a
-        ``transfer`` engine; a failed pull is logged and gives nothing)."""
+        ``transfer`` engine; a failed pull is logged and gives nothing) and put in this
+        store, here rather than on the loop thread."""
         read: list[memoryview] = []
         for h in hashes:
             buf = self._read_local(h, in_store=True, pool=pool)
@@ -401,10 +394,20 @@ class ClusterPrefixCache:
         if transfer is None or not rest:
             return read, []
         try:
-            return read, self._pull(transfer, endpoint, rest)
+            blocks = self._pull(transfer, endpoint, rest)
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", endpoint, exc)
             return read, []
+        pulled: list[memoryview] = []
+        for h, (meta, buf) in zip(rest, blocks, strict=True):
+            if meta is None:  # the peer's run ends here: the rest would not chain
+                break
+            try:
+                self.store.put(h, buf, meta)
+            except StoreError:
+                pass  # still usable for this prefill
+            pulled.append(buf)
+        return read, pulled
 
     def _skipped(self, endpoint: str) -> bool:
         return time.monotonic() < self._stalled.get(endpoint, 0.0)
