@@ -215,6 +215,45 @@ def test_demote_stores_blocks_only_when_the_pool_evicts_them(engines):
     store.check_integrity()
 
 
+def test_with_demote_pulled_blocks_go_into_the_pool_only(engines):
+    """--prefix-store demote: blocks pulled from a peer for a prefill are seeded into the
+    pool and not put in the store (they reach it when the pool evicts them), where copy
+    keeps them in both; either way the prefill computes what computing them gives."""
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+    from halfmoon.transfer import TransferEngine
+
+    a, _ = engines
+    events = _Events()
+    cache_a, _ = _cache(a, None, events)
+    prompt = [(i * 43) % 4000 + 19 for i in range(100)]
+    ref = _run(a, "p1", prompt)
+    assert cache_a.save("p1", prompt) == 6
+    a.export_kv("p1", release=True)
+    secret = b"d" * 32
+    with (
+        TransferEngine(secret, store=cache_a.store, transport="tcp") as source,
+        TransferEngine(secret, transport="tcp") as puller,
+    ):
+        for policy in ("demote", "copy"):
+            b = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=2, num_threads=1))
+            holdings = Holdings(events)
+            store = ClusterPrefixCache.make_store(LocalConnector(b), 16, None, 0, holdings)
+            cache_b = ClusterPrefixCache(LocalConnector(b), store, holdings, policy)
+            try:
+                assert cache_b.load(prompt, puller, source.endpoint) == 6
+                assert cache_b.num_blocks_pulled == 6
+                stored = [store.contains(_hash(prompt, i)) for i in range(6)]
+                assert stored == [policy == "copy"] * 6
+                out = _run(b, f"p-{policy}", prompt)
+                assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+                b.export_kv(f"p-{policy}", release=True)
+                b.check_integrity()
+            finally:
+                cache_b.close()
+                store.close()
+
+
 def test_holdings_announce_a_block_while_either_source_holds_it():
     from halfmoon.core.events import BlockEvicted, BlockStored
     from halfmoon.serve.worker.prefix_cache import Holdings

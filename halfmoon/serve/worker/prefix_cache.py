@@ -7,10 +7,10 @@
   BlockStored / BlockEvicted events go to the Conductor, so its index follows the store.
 - ``demote``: no copy after a prefill; a block goes to the store when the pool evicts it
   (:meth:`~halfmoon.engine.connector.EngineConnector.set_demote_hook`), so the pool and
-  the store hold different blocks, not the same ones twice. The pool's own events go to
-  the Conductor too (:class:`Holdings` counts both sources), and a peer's pull of a block
-  that lives only in the pool is served from the pool
-  (:meth:`ClusterPrefixCache.read_for_peer`).
+  the store hold different blocks, not the same ones twice (blocks pulled from a peer
+  for a prefill, too, go into the pool only). The pool's own events go to the Conductor
+  too (:class:`Holdings` counts both sources), and a peer's pull of a block that lives
+  only in the pool is served from the pool (:meth:`ClusterPrefixCache.read_for_peer`).
 - Before a prefill, the longest prefix available — in the engine, then the local store,
   then (when the Conductor names another source) that worker's store through the
   transfer engine — is loaded into the engine's pool as *cached free blocks*, so the
@@ -288,7 +288,12 @@ class ClusterPrefixCache:
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
         load.in_engine = self.engine.cached_prefix_blocks(prompt_token_ids, cache_salt)
-        load.fetch = self.begin_fetch(hashes[load.in_engine : usable], source, source_endpoint)
+        # With demote, pulled blocks go into the pool only (and reach the store when the
+        # pool evicts them), like the blocks this worker computes: none is kept twice.
+        load.fetch = self.begin_fetch(
+            hashes[load.in_engine : usable], source, source_endpoint,
+            store_pulled=self.policy != "demote",
+        )  # fmt: skip
         return load
 
     def end_load(self, load: PrefixLoad) -> int:
@@ -327,13 +332,15 @@ class ClusterPrefixCache:
         source: TransferEngine | None = None,
         source_endpoint: str = "",
         pool: bool = False,
+        store_pulled: bool = True,
     ) -> PrefixFetch:
         """:meth:`fetch` without the wait: the blocks this store holds in DRAM are read
         now (with ``pool``, a block the store lacks is read from the engine's pool if it
         is cached there: a pipeline stage's, whose own pool is not the engine's); from
         the first block that is only on SSD (milliseconds a block) or missing, the rest
         is read, and then pulled from ``source_endpoint`` (if named and not skipped as
-        stalled), on a pull thread."""
+        stalled), on a pull thread, which puts the pulled blocks in this store too
+        (unless ``store_pulled`` is False)."""
         local: list[memoryview] = []
         for h in hashes:
             tiers = self.store.tiers(h)
@@ -349,8 +356,9 @@ class ClusterPrefixCache:
         if not rest or not (remote or self.store.contains(rest[0])):
             return PrefixFetch(local)
         future = self._pull_pool().submit(
-            self._fetch_rest, rest, source if remote else None, source_endpoint, pool
-        )
+            self._fetch_rest, rest, source if remote else None, source_endpoint, pool,
+            store_pulled,
+        )  # fmt: skip
         return PrefixFetch(local, rest, future)
 
     def end_fetch(self, fetch: PrefixFetch) -> list[memoryview]:
@@ -378,12 +386,17 @@ class ClusterPrefixCache:
         return buf
 
     def _fetch_rest(
-        self, hashes: list[int], transfer: TransferEngine | None, endpoint: str, pool: bool
+        self,
+        hashes: list[int],
+        transfer: TransferEngine | None,
+        endpoint: str,
+        pool: bool,
+        store_pulled: bool = True,
     ) -> FetchedRest:
         """A pull thread's part of a fetch: the leading blocks this worker holds (on SSD,
         or in the pool with ``pool``), then the rest pulled from ``endpoint`` (with a
-        ``transfer`` engine; a failed pull is logged and gives nothing) and put in this
-        store, here rather than on the loop thread."""
+        ``transfer`` engine; a failed pull is logged and gives nothing) and, with
+        ``store_pulled``, put in this store, here rather than on the loop thread."""
         read: list[memoryview] = []
         for h in hashes:
             buf = self._read_local(h, in_store=True, pool=pool)
@@ -402,10 +415,11 @@ class ClusterPrefixCache:
         for h, (meta, buf) in zip(rest, blocks, strict=True):
             if meta is None:  # the peer's run ends here: the rest would not chain
                 break
-            try:
-                self.store.put(h, buf, meta)
-            except StoreError:
-                pass  # still usable for this prefill
+            if store_pulled:
+                try:
+                    self.store.put(h, buf, meta)
+                except StoreError:
+                    pass  # still usable for this prefill
             pulled.append(buf)
         return read, pulled
 
