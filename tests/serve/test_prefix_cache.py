@@ -3,8 +3,10 @@ engine give the same output as computing them; corrupt SSD blocks are recomputed
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -170,6 +172,24 @@ def _hash(prompt, index):
     return hash_blocks(prompt, 16).full[index]
 
 
+@contextlib.contextmanager
+def _served_prompt(engine, rid: str, prompt: list[int], events):
+    """``engine`` computes ``prompt`` and saves its full blocks in a store that a tcp
+    transfer engine serves; yields (that cache, the reference output, a puller engine)."""
+    from halfmoon.transfer import TransferEngine
+
+    cache, _ = _cache(engine, None, events)
+    ref = _run(engine, rid, prompt)
+    assert cache.save(rid, prompt) == len(prompt) // 16
+    engine.export_kv(rid, release=True)
+    secret = rid.encode().ljust(32, b"s")
+    with (
+        TransferEngine(secret, store=cache.store, transport="tcp") as source,
+        TransferEngine(secret, transport="tcp") as puller,
+    ):
+        yield SimpleNamespace(cache=cache, ref=ref, puller=puller, endpoint=source.endpoint)
+
+
 def test_demote_stores_blocks_only_when_the_pool_evicts_them(engines):
     """--prefix-store demote: nothing is copied after a prefill; the pool's blocks are
     announced from the pool, read from it for a peer, and reach the store (still
@@ -221,32 +241,23 @@ def test_with_demote_pulled_blocks_go_into_the_pool_only(engines):
     keeps them in both; either way the prefill computes what computing them gives."""
     from halfmoon.engine import EngineConfig, LLMEngine
     from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
-    from halfmoon.transfer import TransferEngine
 
     a, _ = engines
     events = _Events()
-    cache_a, _ = _cache(a, None, events)
     prompt = [(i * 43) % 4000 + 19 for i in range(100)]
-    ref = _run(a, "p1", prompt)
-    assert cache_a.save("p1", prompt) == 6
-    a.export_kv("p1", release=True)
-    secret = b"d" * 32
-    with (
-        TransferEngine(secret, store=cache_a.store, transport="tcp") as source,
-        TransferEngine(secret, transport="tcp") as puller,
-    ):
+    with _served_prompt(a, "p1", prompt, events) as source:
         for policy in ("demote", "copy"):
             b = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=2, num_threads=1))
             holdings = Holdings(events)
             store = ClusterPrefixCache.make_store(LocalConnector(b), 16, None, 0, holdings)
             cache_b = ClusterPrefixCache(LocalConnector(b), store, holdings, policy)
             try:
-                assert cache_b.load(prompt, puller, source.endpoint) == 6
+                assert cache_b.load(prompt, source.puller, source.endpoint) == 6
                 assert cache_b.num_blocks_pulled == 6
                 stored = [store.contains(_hash(prompt, i)) for i in range(6)]
                 assert stored == [policy == "copy"] * 6
                 out = _run(b, f"p-{policy}", prompt)
-                assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+                assert out.num_cached_tokens == 96 and out.token_ids == source.ref.token_ids
                 b.export_kv(f"p-{policy}", release=True)
                 b.check_integrity()
             finally:
@@ -324,22 +335,12 @@ def test_a_load_whose_pool_gained_the_prefix_meanwhile_seeds_nothing_twice(engin
     """begin_load pulls on a pull thread while the caller goes on, and that thread puts
     the pulled blocks in the store; if the engine computed the prompt itself meanwhile,
     end_load seeds nothing and reports the pool's own cached prefix."""
-    from halfmoon.transfer import TransferEngine
-
     a, b = engines
     events = _Events()
-    cache_a, _ = _cache(a, None, events)
     cache_b, _ = _cache(b, None, events)
     prompt = [(i * 41) % 4000 + 17 for i in range(100)]
-    ref = _run(a, "g1", prompt)
-    assert cache_a.save("g1", prompt) == 6
-    a.export_kv("g1", release=True)
-    secret = b"s" * 32
-    with (
-        TransferEngine(secret, store=cache_a.store, transport="tcp") as source,
-        TransferEngine(secret, transport="tcp") as puller,
-    ):
-        load = cache_b.begin_load(prompt, puller, source.endpoint)
+    with _served_prompt(a, "g1", prompt, events) as source:
+        load = cache_b.begin_load(prompt, source.puller, source.endpoint)
         assert load.in_engine == 0 and load.fetch.future is not None
         out = _run(b, "g2", prompt)  # the caller's loop goes on: b computes the prompt
         b.export_kv("g2", release=True)
@@ -347,7 +348,7 @@ def test_a_load_whose_pool_gained_the_prefix_meanwhile_seeds_nothing_twice(engin
         # The pull thread put the pulled blocks in the store: the loop only seeds them.
         assert all(cache_b.store.contains(_hash(prompt, i)) for i in range(6))
         assert cache_b.end_load(load) == 6
-    assert out.token_ids == ref.token_ids and out.num_cached_tokens == 0
+    assert out.token_ids == source.ref.token_ids and out.num_cached_tokens == 0
     assert cache_b.num_blocks_loaded == 0 and cache_b.num_blocks_pulled == 6
     assert all(cache_b.store.contains(_hash(prompt, i)) for i in range(6))
     cache_b.close()
