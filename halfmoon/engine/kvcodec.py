@@ -24,8 +24,8 @@ eager or, after :meth:`KVCodec.compile` (what serving workers do,
 :func:`compiled_or_eager`), compiled into one fused pass (built once per mode, dtype and
 head size into the kernel cache, like the engine's kernels). ``int8`` decodes in place,
 two of torch's own vectorized passes over the destination (the codes converted into it,
-then scaled: ~20 GiB/s of float32 KV on one thread, where the compiled pass, whose loads
-of 8 one-byte codes at a time do not vectorize well, made ~2); ``fp8``, whose codes this
+then scaled: 10-20 GiB/s of float32 KV on one thread, where the compiled pass, whose
+loads of 8 one-byte codes at a time convert slowly, made ~2); ``fp8``, whose codes this
 CPU converts in software, decodes through its compiled pass too. All work is on the host,
 on the calling thread (torch ops release the GIL).
 """

@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 PULL_MIN_RATE = 100e6
 #: Pulls from peers in flight at once per worker, each on its own thread.
 PULL_THREADS = 4
-#: What a pull thread brings: blocks read from this worker, then a peer's (meta, payload).
 #: A pull thread's result: the blocks it read from this worker, then those it pulled
 #: (and put in this store).
 FetchedRest = tuple[list[memoryview], list[memoryview]]
