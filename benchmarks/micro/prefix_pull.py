@@ -20,7 +20,8 @@ The blocks: ``synthetic`` (default) float32 N(0, 1) values, SmolLM2-135M's block
 layer, K then V), which only a lossless mode's ratio depends on. With ``--wire-gbit G``
 (root, iproute2) the peers run in a network namespace behind a veth pair shaped to G
 Gbit/s, a NIC-like wire (:mod:`benchmarks.micro.wire`); compression only applies over
-tcp, the transport used then.
+tcp, the transport used then. With ``--local`` the blocks are in the worker's own store
+(DRAM) before each round: a load that pulls nothing, timed the same way.
 
 Run from the repository root::
 
@@ -190,7 +191,11 @@ class Ticker:
 
 
 def one_round(
-    expected: list[bytes], puller: TransferEngine, endpoint: str, codec: Any = None
+    expected: list[bytes],
+    puller: TransferEngine,
+    endpoint: str,
+    codec: Any = None,
+    local: bool = False,
 ) -> dict:
     """One pull into an empty store: loop held (at the start, and while seeding at the
     end), whole pull, a ticking thread's largest delay meanwhile, blocks checked."""
@@ -203,10 +208,15 @@ def one_round(
     cache = ClusterPrefixCache(engine, store, holdings)  # type: ignore[arg-type]
     if codec is not None:
         cache.pull_decode = codec.decode
+    if local:  # the blocks are in this worker's own store already (not timed)
+        parent = NONE_HASH
+        for i, h in enumerate(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full):
+            store.put(h, expected[i], BlockMeta(BLOCK_TOKENS, parent), position=i)
+            parent = h
     try:
         ticker = Ticker()
         started = time.perf_counter()
-        load = cache.begin_load(prompt_of(num_blocks), puller, endpoint)
+        load = cache.begin_load(prompt_of(num_blocks), None if local else puller, endpoint)
         held_s = time.perf_counter() - started
         load.fetch.wait()
         seeding = time.perf_counter()
@@ -258,7 +268,8 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
             with TransferEngine(SECRET, transport=args.transport) as puller:
                 for r in range(args.rounds):
                     for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                        result = one_round(expected[m], puller, peers[m][1], codecs[m])
+                        result = one_round(expected[m], puller, peers[m][1], codecs[m],
+                                           args.local)  # fmt: skip
                         per_mode[m].append({"round": r, **result})
         finally:
             for peer, _ in peers.values():
@@ -322,6 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--wire-gbit", type=float, default=0.0,
                         help="also pull over a veth pair shaped to this rate (root)")  # fmt: skip
+    parser.add_argument("--local", action="store_true",
+                        help="the blocks are in the worker's own store: a load without a pull")  # fmt: skip
     parser.add_argument("--json", help="write every round here")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--serve-mode", default="none", help=argparse.SUPPRESS)
@@ -342,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--modes names a mode twice")
     if modes != ["none"] and args.transport != "tcp":
         parser.error("compressed pulls go over tcp only (--transport tcp)")
+    if args.local and (modes != ["none"] or args.wire_gbit):
+        parser.error("--local loads from the worker's own store: no --modes, no --wire-gbit")
     if modes != ["none"] and "none" not in modes:
         modes.insert(0, "none")  # the wire ceiling
     if args.data == "real":

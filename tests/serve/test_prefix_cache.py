@@ -409,3 +409,30 @@ def test_blocks_on_ssd_are_read_on_a_pull_thread(engines, tmp_path):
     b.export_kv("s2", release=True)
     cache_b.close()
     b.check_integrity()
+
+
+def test_a_long_prefix_in_dram_is_read_mostly_on_a_pull_thread(engines, monkeypatch):
+    """The caller (the worker's loop) reads only the first INLINE_READ_BYTES of a prefix
+    held in this worker's DRAM; the rest is read on a pull thread, and the whole prefix
+    is seeded and gives the computed output."""
+    from halfmoon.serve.worker import prefix_cache
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
+
+    a, b = engines
+    events = _Events()
+    cache_a, _ = _cache(a, None, events)
+    prompt = [(i * 61) % 4000 + 31 for i in range(100)]
+    ref = _run(a, "i1", prompt)
+    assert cache_a.save("i1", prompt) == 6
+    a.export_kv("i1", release=True)
+    monkeypatch.setattr(prefix_cache, "INLINE_READ_BYTES", 2 * a.kv_bytes_per_block)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
+    load = cache_b.begin_load(prompt)
+    assert len(load.fetch.local) == 2 and load.fetch.future is not None
+    assert load.fetch.wait(10)
+    assert cache_b.end_load(load) == 6 and cache_b.num_blocks_pulled == 0
+    out = _run(b, "i2", prompt)
+    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
+    b.export_kv("i2", release=True)
+    cache_b.close()
+    b.check_integrity()

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 PULL_MIN_RATE = 100e6
 #: Pulls from peers in flight at once per worker, each on its own thread.
 PULL_THREADS = 4
+#: Bytes of a prefix read from this worker's DRAM (or pool) on the caller's thread, the
+#: worker's loop; past them the reads go to a pull thread, as SSD reads and pulls do (a
+#: 128-block prefix of SmolLM2's float32 KV is 90 MiB, tens of milliseconds to copy).
+INLINE_READ_BYTES = 4 << 20
 #: A pull thread's result: the blocks it read from this worker, then those it pulled
 #: (and put in this store).
 FetchedRest = tuple[list[memoryview], list[memoryview]]
@@ -333,15 +337,19 @@ class ClusterPrefixCache:
         pool: bool = False,
         store_pulled: bool = True,
     ) -> PrefixFetch:
-        """:meth:`fetch` without the wait: the blocks this store holds in DRAM are read
-        now (with ``pool``, a block the store lacks is read from the engine's pool if it
-        is cached there: a pipeline stage's, whose own pool is not the engine's); from
-        the first block that is only on SSD (milliseconds a block) or missing, the rest
-        is read, and then pulled from ``source_endpoint`` (if named and not skipped as
-        stalled), on a pull thread, which puts the pulled blocks in this store too
-        (unless ``store_pulled`` is False)."""
+        """:meth:`fetch` without the wait: the first ``INLINE_READ_BYTES`` of the blocks
+        this store holds in DRAM are read now (with ``pool``, a block the store lacks is
+        read from the engine's pool if it is cached there: a pipeline stage's, whose own
+        pool is not the engine's); past them, or from the first block that is only on
+        SSD (milliseconds a block) or missing, the rest is read, and then pulled from
+        ``source_endpoint`` (if named and not skipped as stalled), on a pull thread,
+        which puts the pulled blocks in this store too (unless ``store_pulled`` is
+        False)."""
         local: list[memoryview] = []
+        inline = max(1, INLINE_READ_BYTES // self.engine.kv_bytes_per_block)
         for h in hashes:
+            if len(local) == inline:
+                break  # the rest is read on a pull thread
             tiers = self.store.tiers(h)
             if tiers and tiers[0] != TIER_DRAM:
                 break  # on SSD only: read on a pull thread
@@ -352,7 +360,8 @@ class ClusterPrefixCache:
         rest = list(hashes[len(local) :])
         remote = source is not None and bool(source_endpoint)
         remote = remote and not self._skipped(source_endpoint)
-        if not rest or not (remote or self.store.contains(rest[0])):
+        more_here = bool(rest) and (len(local) == inline or self.store.contains(rest[0]))
+        if not rest or not (remote or more_here):
             return PrefixFetch(local)
         future = self._pull_pool().submit(
             self._fetch_rest, rest, source if remote else None, source_endpoint, pool,
