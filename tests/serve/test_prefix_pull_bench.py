@@ -43,6 +43,14 @@ def test_int8_pulls_arrive_as_the_codec_decodes_them(capsys) -> None:
     assert "vs none: median" in capsys.readouterr().out
 
 
+def test_a_local_load_reads_the_workers_own_store() -> None:
+    result = prefix_pull.main(
+        ["--local", "--blocks", "6", "--block-bytes", "4096", "--rounds", "1"]
+    )
+    (only,) = result["rounds"]["none"]
+    assert only["verified"] and only["blocks"] == 6
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SystemExit):
         prefix_pull.main(["--blocks", "0"])
@@ -52,3 +60,5 @@ def test_bad_arguments_are_refused() -> None:
         prefix_pull.main(["--modes", "int8", "--transport", "shm"])
     with pytest.raises(SystemExit):
         prefix_pull.main(["--modes", "int8", "--block-bytes", "1000"])
+    with pytest.raises(SystemExit):
+        prefix_pull.main(["--local", "--modes", "int8"])
