@@ -110,11 +110,8 @@ def test_salted_blocks_are_stored_and_found_only_under_their_salt(engines):
 def test_corrupt_ssd_block_is_recomputed_not_served(engines, tmp_path):
     a, b = engines
     events = _Events()
-    cache_a, _ = _cache(a, tmp_path, events)
     prompt = [(i * 53) % 4000 + 7 for i in range(100)]
-    ref = _run(a, "a2", prompt)
-    assert cache_a.save("a2", prompt) == 6
-    a.export_kv("a2", release=True)
+    cache_a, ref = _saved_prompt(a, "a2", prompt, events, tmp_path)
     data_files = [
         p
         for p in tmp_path.rglob("*")
@@ -172,16 +169,23 @@ def _hash(prompt, index):
     return hash_blocks(prompt, 16).full[index]
 
 
+def _saved_prompt(engine, rid: str, prompt: list[int], events, ssd: Path | None = None):
+    """``engine`` computes ``prompt`` and saves its full blocks in a store of its own (on
+    ``ssd`` only, if given); (that cache, the reference output)."""
+    cache, _ = _cache(engine, ssd, events)
+    ref = _run(engine, rid, prompt)
+    assert cache.save(rid, prompt) == len(prompt) // 16
+    engine.export_kv(rid, release=True)
+    return cache, ref
+
+
 @contextlib.contextmanager
 def _served_prompt(engine, rid: str, prompt: list[int], events):
     """``engine`` computes ``prompt`` and saves its full blocks in a store that a tcp
     transfer engine serves; yields (that cache, the reference output, a puller engine)."""
     from halfmoon.transfer import TransferEngine
 
-    cache, _ = _cache(engine, None, events)
-    ref = _run(engine, rid, prompt)
-    assert cache.save(rid, prompt) == len(prompt) // 16
-    engine.export_kv(rid, release=True)
+    cache, ref = _saved_prompt(engine, rid, prompt, events)
     secret = rid.encode().ljust(32, b"s")
     with (
         TransferEngine(secret, store=cache.store, transport="tcp") as source,
@@ -386,53 +390,34 @@ def test_a_pull_from_a_silent_peer_does_not_hold_the_caller(engines, monkeypatch
     cache_b.close()
 
 
-def test_blocks_on_ssd_are_read_on_a_pull_thread(engines, tmp_path):
+@pytest.mark.parametrize("where", ["ssd", "dram"])
+def test_a_prefix_is_read_on_a_pull_thread(engines, tmp_path, monkeypatch, where):
     """A prefix whose blocks are on SSD only is read on a pull thread (milliseconds a
-    block; the worker's loop goes on), then seeded like any other: the same output."""
-    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
-
-    a, b = engines
-    events = _Events()
-    cache_a, _ = _cache(a, tmp_path, events)  # no DRAM: every block goes to SSD
-    prompt = [(i * 59) % 4000 + 29 for i in range(100)]
-    ref = _run(a, "s1", prompt)
-    assert cache_a.save("s1", prompt) == 6
-    a.export_kv("s1", release=True)
-    assert all(cache_a.store.tiers(_hash(prompt, i)) == ("ssd",) for i in range(6))
-    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
-    load = cache_b.begin_load(prompt)
-    assert load.fetch.local == [] and load.fetch.future is not None  # all on the thread
-    assert load.fetch.wait(10)
-    assert cache_b.end_load(load) == 6 and cache_b.num_blocks_pulled == 0
-    out = _run(b, "s2", prompt)
-    assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
-    b.export_kv("s2", release=True)
-    cache_b.close()
-    b.check_integrity()
-
-
-def test_a_long_prefix_in_dram_is_read_mostly_on_a_pull_thread(engines, monkeypatch):
-    """The caller (the worker's loop) reads only the first INLINE_READ_BYTES of a prefix
-    held in this worker's DRAM; the rest is read on a pull thread, and the whole prefix
-    is seeded and gives the computed output."""
+    block; the worker's loop goes on); one in this worker's DRAM is read on the caller's
+    thread (the loop) only for its first INLINE_READ_BYTES, the rest on a pull thread.
+    Either way it is seeded like any other and gives the computed output."""
     from halfmoon.serve.worker import prefix_cache
     from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
 
     a, b = engines
     events = _Events()
-    cache_a, _ = _cache(a, None, events)
-    prompt = [(i * 61) % 4000 + 31 for i in range(100)]
-    ref = _run(a, "i1", prompt)
-    assert cache_a.save("i1", prompt) == 6
-    a.export_kv("i1", release=True)
-    monkeypatch.setattr(prefix_cache, "INLINE_READ_BYTES", 2 * a.kv_bytes_per_block)
+    seed = 59 if where == "ssd" else 61
+    prompt = [(i * seed) % 4000 + 29 for i in range(100)]
+    cache_a, ref = _saved_prompt(a, f"{where}1", prompt, events,
+                                 tmp_path if where == "ssd" else None)  # fmt: skip
+    if where == "ssd":  # no DRAM: every block went to SSD
+        assert all(cache_a.store.tiers(_hash(prompt, i)) == ("ssd",) for i in range(6))
+        inline = 0
+    else:
+        monkeypatch.setattr(prefix_cache, "INLINE_READ_BYTES", 2 * a.kv_bytes_per_block)
+        inline = 2
     cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
     load = cache_b.begin_load(prompt)
-    assert len(load.fetch.local) == 2 and load.fetch.future is not None
+    assert len(load.fetch.local) == inline and load.fetch.future is not None
     assert load.fetch.wait(10)
     assert cache_b.end_load(load) == 6 and cache_b.num_blocks_pulled == 0
-    out = _run(b, "i2", prompt)
+    out = _run(b, f"{where}2", prompt)
     assert out.num_cached_tokens == 96 and out.token_ids == ref.token_ids
-    b.export_kv("i2", release=True)
+    b.export_kv(f"{where}2", release=True)
     cache_b.close()
     b.check_integrity()
