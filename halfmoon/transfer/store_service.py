@@ -241,25 +241,35 @@ class StoreSession:
     def _pull_encoded(
         self, store: TieredStore, xfer: str, hashes: list[bytes], encoder: PullEncoder
     ) -> None:
-        """A pull whose client decodes: every hit copied out, encoded, sent inline with
-        its payload's size (``lengths``)."""
-        block_bytes = store.block_bytes
-        if self._scratch.nbytes < block_bytes:
-            self._scratch = memoryview(bytearray(block_bytes))
-        block = self._scratch[:block_bytes]
+        """A pull whose client decodes: every hit encoded straight from the store's
+        memory (pinned under a lease meanwhile; a miss the fallback serves is copied out
+        first), sent inline with its payload's size (``lengths``)."""
+        block_hashes = hashes_from_wire(hashes)
         fallback = self._server.store_fallback
         items: list[list[Any]] = []
         payloads: list[memoryview] = []
-        for raw_hash in hashes:
-            block_meta = _read_block(store, hash_from_wire(raw_hash), block, fallback)
-            if block_meta is None:
-                items.append([False])
-                continue
-            items.append([True, meta_to_wire(block_meta)])
-            payloads.append(encoder(block))
-        reply = {"xfer": xfer, "items": items, "encoded": True,
-                 "lengths": [p.nbytes for p in payloads]}  # fmt: skip
-        self._link.send(Kind.PULL_REPLY, reply, payloads, self._deadline())
+        lease, blocks = store.lease_reads(block_hashes)
+        try:
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                if block is not None:
+                    items.append([True, meta_to_wire(block.meta)])
+                    payloads.append(encoder(block.view))
+                    continue
+                found = None
+                if fallback is not None:
+                    buf = uninitialized(store.block_bytes)
+                    found = fallback(block_hash, buf)
+                if found is None:
+                    items.append([False])
+                else:
+                    items.append([True, meta_to_wire(found)])
+                    payloads.append(encoder(buf))
+            reply = {"xfer": xfer, "items": items, "encoded": True,
+                     "lengths": [p.nbytes for p in payloads]}  # fmt: skip
+            self._link.send(Kind.PULL_REPLY, reply, payloads, self._deadline())
+        finally:
+            if lease is not None:
+                store.release_lease(lease.lease_id)
 
     def on_release(self, frame: Frame) -> None:
         """The client finished reading in place: drop the pull's lease."""

@@ -409,14 +409,32 @@ def test_an_encoded_pull_is_pipelined_in_requests_of_a_few_blocks(pair, monkeypa
             return memoryview(zlib.compress(bytes(view)))
 
         receiver.set_pull_encoder(encode)
+
+        def decode(payload: memoryview, dest: memoryview) -> None:
+            dest[:] = zlib.decompress(payload)
+
         dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
-        metas = sender.connect(receiver.endpoint).pull(
-            hashes, dests, decode=lambda p, d: d.__setitem__(slice(None), zlib.decompress(p))
-        )
+        metas = sender.connect(receiver.endpoint).pull(hashes, dests, decode=decode)
         assert [m is not None for m in metas] == [h != 95 for h in hashes]
         for h, dest in zip(hashes, dests, strict=True):
             assert (dest == (0 if h == 95 else h % 251)).all()
         assert requests == [2, 2, 2, 2] and len(encoded) == 7
+        # Hits are encoded from the store's memory under a lease, released after the
+        # reply; a miss the engine's fallback serves (its pool, with demote) goes too.
+        assert eventually(lambda: store.stats().num_pinned == 0)
+
+        def from_pool(block_hash: int, dest: memoryview) -> BlockMeta | None:
+            if block_hash != 95:
+                return None
+            dest[:] = block(95).data
+            return BlockMeta(16, 94)
+
+        receiver.set_store_fallback(from_pool)
+        dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+        metas = sender.connect(receiver.endpoint).pull(hashes, dests, decode=decode)
+        assert all(m is not None for m in metas) and metas[5] == BlockMeta(16, 94)
+        assert all((dest == h % 251).all() for h, dest in zip(hashes, dests, strict=True))
+        assert eventually(lambda: store.stats().num_pinned == 0)
     finally:
         store.close()
 
