@@ -102,10 +102,10 @@ def codec_of(mode: str):
         return None
     import torch
 
-    from halfmoon.engine.kvcodec import compiled_or_eager, make_codec
+    from benchmarks.micro.kv_compression import codec_for
 
     torch.set_num_threads(1)  # a pull or transfer thread's share
-    return compiled_or_eager(make_codec(mode, torch.float32, HEAD_DIM), ("encode", "decode"))
+    return codec_for(mode, HEAD_DIM)
 
 
 def serve(data: Path, mode: str, transport: str, host: str) -> None:

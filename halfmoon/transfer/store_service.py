@@ -191,13 +191,12 @@ class StoreSession:
             fallback = self._server.store_fallback
             for block_hash, block in zip(block_hashes, blocks, strict=True):
                 if block is None:
-                    buf = uninitialized(block_bytes) if fallback is not None else None
-                    found = fallback(block_hash, buf) if fallback is not None else None
-                    if found is None or buf is None:
+                    found = _from_fallback(fallback, block_hash, block_bytes)
+                    if found is None:
                         items.append([False])
                     else:
-                        inline.append(buf)
-                        items.append([True, meta_to_wire(found)])
+                        inline.append(found[1])
+                        items.append([True, meta_to_wire(found[0])])
                 elif direct and block.arena_offset is not None:
                     in_place = True
                     items.append([True, meta_to_wire(block.meta), block.arena_offset])
@@ -255,15 +254,12 @@ class StoreSession:
                     items.append([True, meta_to_wire(block.meta)])
                     payloads.append(encoder(block.view))
                     continue
-                found = None
-                if fallback is not None:
-                    buf = uninitialized(store.block_bytes)
-                    found = fallback(block_hash, buf)
+                found = _from_fallback(fallback, block_hash, store.block_bytes)
                 if found is None:
                     items.append([False])
                 else:
-                    items.append([True, meta_to_wire(found)])
-                    payloads.append(encoder(buf))
+                    items.append([True, meta_to_wire(found[0])])
+                    payloads.append(encoder(found[1]))
             reply = {"xfer": xfer, "items": items, "encoded": True,
                      "lengths": [p.nbytes for p in payloads]}  # fmt: skip
             self._link.send(Kind.PULL_REPLY, reply, payloads, self._deadline())
@@ -294,6 +290,18 @@ class StoreSession:
         finally:
             self._reserved.clear()
             self._leases.clear()
+
+
+def _from_fallback(
+    fallback: StoreFallback | None, block_hash: int, block_bytes: int
+) -> tuple[BlockMeta, memoryview] | None:
+    """A block the store lacks, read by ``fallback`` (a prefill worker's pool, with
+    ``--prefix-store demote``) into a fresh buffer: (its meta, the buffer), or None."""
+    if fallback is None:
+        return None
+    buf = uninitialized(block_bytes)
+    found = fallback(block_hash, buf)
+    return None if found is None else (found, buf)
 
 
 def _read_block(
