@@ -5,11 +5,15 @@ takes until its blocks are seeded (:meth:`~ClusterPrefixCache.end_load`), and, w
 
 A peer is another process (this module with ``--serve``): a block store holding the
 prompt's blocks, served by a transfer engine that encodes pulled blocks with its mode's
-codec as a prefill worker's does (``none``: raw). The puller is the worker's own
-:class:`ClusterPrefixCache` over a stand-in engine of the given block size, decoding
-with the same codec, so only the pull is measured, not a model. Every round starts with
-an empty local store and pulls once per mode (one peer per mode; the order rotates);
-every pulled block is checked: against the peer's bytes (``none``, lossless modes), or
+codec as a prefill worker's does (``none``: raw). The puller is a worker's own
+:class:`ClusterPrefixCache` (``--policy``: its ``--prefix-store``, ``demote`` by default
+as a worker's) over a stand-in engine of the given block size, decoding with the same
+codec, so only the pull is measured, not a model; seeding copies the blocks into the
+stand-in's pool, as an engine does. One such worker per mode lives across the rounds,
+as a worker's store, pool and pull threads do (fresh ones every round paid ~23,000 page
+faults a 90 MiB pull, on memory a running worker has mapped already). Every round
+starts with the prompt's blocks deleted from the worker's store and pulls once per mode
+(one peer per mode; the order rotates); every pulled block is checked: against the peer's bytes (``none``, lossless modes), or
 against this process's own encode and decode of them (lossy modes: the same codec
 gives the same bytes). Effective throughput: the blocks' raw bytes over the pull's
 time; the wire ceiling is ``none`` in the same rounds.
@@ -48,8 +52,13 @@ from typing import Any
 
 import numpy as np
 
+from halfmoon.core.buffers import copy_into
 from halfmoon.core.hashing import NONE_HASH, hash_blocks
-from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+from halfmoon.serve.worker.prefix_cache import (
+    PREFIX_STORE_POLICIES,
+    ClusterPrefixCache,
+    Holdings,
+)
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.transfer import TransferEngine
 
@@ -130,23 +139,35 @@ def serve(data: Path, mode: str, transport: str, host: str) -> None:
 
 class _Engine:
     """The engine side of a prefix cache, without a model: nothing cached, every seeded
-    block kept (to be checked)."""
+    block copied into a pool that lives as long as it does (and checked there)."""
 
     def __init__(self, block_bytes: int) -> None:
         self.layout = SimpleNamespace(block_size=BLOCK_TOKENS)
         self.config = SimpleNamespace(enable_prefix_caching=True)
         self.kv_bytes_per_block = block_bytes
         self.seeded: list[Any] = []
+        self.pool: np.ndarray | None = None
 
     def cached_prefix_blocks(self, token_ids: Any, cache_salt: Any) -> int:
         return 0
 
     def seed_prefix(self, token_ids: Any, first: int, payloads: Any, cache_salt: Any) -> int:
-        self.seeded = list(payloads)
+        # Copied, as an engine copies them into its pool (the buffers are reused).
+        if self.pool is None or self.pool.shape[0] < len(payloads):
+            self.pool = np.empty((len(payloads), self.kv_bytes_per_block), np.uint8)
+        for i, payload in enumerate(payloads):
+            copy_into(memoryview(self.pool[i]), 0, payload)
+        self.seeded = [memoryview(self.pool[i]) for i in range(len(payloads))]
         return len(payloads)
 
     def read_cached_block(self, block_hash: int) -> None:
         return None
+
+    def set_demote_hook(self, hook: Any) -> None:
+        self.demote_hook = hook  # never called: nothing is evicted here
+
+    def set_cache_listener(self, listener: Any) -> None:
+        self.cache_listener = listener
 
 
 class _Events:
@@ -190,47 +211,62 @@ class Ticker:
         return self.late_s
 
 
-def one_round(
-    expected: list[bytes],
-    puller: TransferEngine,
-    endpoint: str,
-    codec: Any = None,
-    local: bool = False,
-) -> dict:
-    """One pull into an empty store: loop held (at the start, and while seeding at the
-    end), whole pull, a ticking thread's largest delay meanwhile, blocks checked."""
-    num_blocks, block_bytes = len(expected), len(expected[0])
-    engine = _Engine(block_bytes)
-    holdings = Holdings(_Events())
-    store = ClusterPrefixCache.make_store(  # type: ignore[arg-type]
-        engine, block_bytes * (num_blocks + 4) / 2**20, None, 0, holdings
-    )
-    cache = ClusterPrefixCache(engine, store, holdings)  # type: ignore[arg-type]
-    if codec is not None:
-        cache.pull_decode = codec.decode
-    if local:  # the blocks are in this worker's own store already (not timed)
-        parent = NONE_HASH
-        for i, h in enumerate(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full):
-            store.put(h, expected[i], BlockMeta(BLOCK_TOKENS, parent), position=i)
-            parent = h
-    try:
-        ticker = Ticker()
-        started = time.perf_counter()
-        load = cache.begin_load(prompt_of(num_blocks), None if local else puller, endpoint)
-        held_s = time.perf_counter() - started
-        load.fetch.wait()
-        seeding = time.perf_counter()
-        loaded = cache.end_load(load)
-        total_s = time.perf_counter() - started
-        seed_s = time.perf_counter() - seeding
-        late = ticker.stop()
-        ok = loaded == num_blocks and all(
-            bytes(p) == e for p, e in zip(engine.seeded, expected, strict=True)
+class Worker:
+    """The puller's side, alive across rounds as a worker's is: its stand-in engine (with
+    a pool the blocks are seeded into), its store and its prefix cache (with the
+    buffers it reuses from load to load)."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, codec: Any, policy: str) -> None:
+        self.engine = _Engine(block_bytes)
+        holdings = Holdings(_Events())
+        self.store = ClusterPrefixCache.make_store(  # type: ignore[arg-type]
+            self.engine, block_bytes * (num_blocks + 4) / 2**20, None, 0, holdings
         )
-    finally:
-        cache.close()
-        store.close()
+        self.cache = ClusterPrefixCache(self.engine, self.store, holdings, policy)  # type: ignore[arg-type]
+        if codec is not None:
+            self.cache.pull_decode = codec.decode
+        self.hashes = list(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full)
+
+    def reset(self, blocks: list[bytes] | None) -> None:
+        """Empty the store of the prompt's blocks, then (``blocks``) put them there."""
+        for h in self.hashes:
+            self.store.delete(h)
+        if blocks is not None:
+            parent = NONE_HASH
+            for i, h in enumerate(self.hashes):
+                self.store.put(h, blocks[i], BlockMeta(BLOCK_TOKENS, parent), position=i)
+                parent = h
+
+    def close(self) -> None:
+        self.cache.close()
+        self.store.close()
+
+
+def one_round(
+    expected: list[bytes], worker: Worker, puller: TransferEngine, endpoint: str,
+    local: bool = False,
+) -> dict:  # fmt: skip
+    """One pull with the prompt's blocks absent from the worker's store (``local``: in
+    it): loop held (at the start, and while seeding at the end), whole pull, a ticking
+    thread's largest delay meanwhile, blocks checked."""
+    num_blocks, block_bytes = len(expected), len(expected[0])
+    worker.reset(expected if local else None)  # not timed
+    ticker = Ticker()
+    started = time.perf_counter()
+    load = worker.cache.begin_load(prompt_of(num_blocks), None if local else puller, endpoint)
+    held_s = time.perf_counter() - started
+    load.fetch.wait()
+    seeding = time.perf_counter()
+    loaded = worker.cache.end_load(load)
+    total_s = time.perf_counter() - started
+    seed_s = time.perf_counter() - seeding
+    late = ticker.stop()
+    ok = loaded == num_blocks and all(
+        bytes(p) == e for p, e in zip(worker.engine.seeded, expected, strict=True)
+    )
     return {"loop_held_s": held_s, "seed_s": seed_s, "pull_s": total_s, "blocks": loaded,
+            "pulled": load.fetch.num_pulled, "stored": sum(map(worker.store.contains,
+                                                               worker.hashes)),
             "verified": ok, "effective_gib_s": num_blocks * block_bytes / total_s / 2**30,
             "ticker_max_late_s": max(late, default=0.0)}  # fmt: skip
 
@@ -258,6 +294,7 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
     expected = {m: expected_blocks(blocks, codecs[m]) for m in modes}
     per_mode: dict[str, list[dict]] = {m: [] for m in modes}
     peers: dict[str, tuple[subprocess.Popen, str]] = {}
+    workers: dict[str, Worker] = {}
     with tempfile.TemporaryDirectory(prefix="hm-prefix-pull-") as tmp:
         data = Path(tmp) / "blocks.npy"
         np.save(data, blocks)
@@ -265,13 +302,17 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
         try:
             for m in modes:
                 peers[m] = start_peer(data, m, args, netns, host)
+            n, block_bytes = blocks.shape
+            workers.update((m, Worker(n, block_bytes, codecs[m], args.policy)) for m in modes)
             with TransferEngine(SECRET, transport=args.transport) as puller:
                 for r in range(args.rounds):
                     for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                        result = one_round(expected[m], puller, peers[m][1], codecs[m],
+                        result = one_round(expected[m], workers[m], puller, peers[m][1],
                                            args.local)  # fmt: skip
                         per_mode[m].append({"round": r, **result})
         finally:
+            for worker in workers.values():
+                worker.close()
             for peer, _ in peers.values():
                 peer.kill()
                 peer.wait()
@@ -335,6 +376,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="also pull over a veth pair shaped to this rate (root)")  # fmt: skip
     parser.add_argument("--local", action="store_true",
                         help="the blocks are in the worker's own store: a load without a pull")  # fmt: skip
+    parser.add_argument("--policy", default="demote", choices=PREFIX_STORE_POLICIES,
+                        help="the worker's --prefix-store policy (copy: pulled blocks are "
+                        "also put in its store)")  # fmt: skip
     parser.add_argument("--json", help="write every round here")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--serve-mode", default="none", help=argparse.SUPPRESS)

@@ -21,6 +21,9 @@ def test_every_round_pulls_and_verifies_every_block(tmp_path, capsys) -> None:
     rounds = result["rounds"]["none"]
     assert [r["round"] for r in rounds] == [0, 1]
     assert all(r["verified"] and r["blocks"] == 6 for r in rounds)
+    # the worker lives across rounds; each starts without the blocks, so each pulls them
+    # (demote, the default: into the pool only)
+    assert [(r["pulled"], r["stored"]) for r in rounds] == [(6, 0), (6, 0)]
     assert all(0 < r["loop_held_s"] <= r["pull_s"] for r in rounds)
     assert json.loads(out.read_text())["rounds"]["none"] == rounds
     assert "every block verified: True" in capsys.readouterr().out
@@ -43,12 +46,20 @@ def test_int8_pulls_arrive_as_the_codec_decodes_them(capsys) -> None:
     assert "vs none: median" in capsys.readouterr().out
 
 
+def test_under_copy_the_pulled_blocks_are_stored_too() -> None:
+    result = prefix_pull.main(
+        ["--policy", "copy", "--blocks", "4", "--block-bytes", "4096", "--rounds", "2"]
+    )
+    rounds = result["rounds"]["none"]
+    assert [(r["verified"], r["pulled"], r["stored"]) for r in rounds] == [(True, 4, 4)] * 2
+
+
 def test_a_local_load_reads_the_workers_own_store() -> None:
     result = prefix_pull.main(
         ["--local", "--blocks", "6", "--block-bytes", "4096", "--rounds", "1"]
     )
     (only,) = result["rounds"]["none"]
-    assert only["verified"] and only["blocks"] == 6
+    assert only["verified"] and only["blocks"] == 6 and only["pulled"] == 0
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -62,3 +73,5 @@ def test_bad_arguments_are_refused() -> None:
         prefix_pull.main(["--modes", "int8", "--block-bytes", "1000"])
     with pytest.raises(SystemExit):
         prefix_pull.main(["--local", "--modes", "int8"])
+    with pytest.raises(SystemExit):
+        prefix_pull.main(["--policy", "keep"])
