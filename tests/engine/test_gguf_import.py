@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from halfmoon.cli import main
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.catalog import resolve_model
+from halfmoon.engine.catalog import NAMED_MODELS, add_sampling, resolve_model
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.gguf_import import import_gguf
 from halfmoon.engine.loader import load_dir
@@ -63,7 +63,40 @@ def test_f32_import_restores_the_original_weights(tmp_path: Path, arch: str, tie
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [4]
+    assert "temperature" not in generation  # the file recommends no sampling
     load_dir(out).model  # the engine loads it  # noqa: B018
+
+
+def test_the_files_recommended_sampling_goes_into_the_generation_config(tmp_path: Path) -> None:
+    """``general.sampling.*`` -> the fields a server takes as defaults; keys without a
+    counterpart (min_p) are left out."""
+    sampling = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95,
+                "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.1,
+                "general.sampling.min_p": 0.05}  # fmt: skip
+    write_gguf(tmp_path / "m.gguf", metadata=sampling)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["temperature"] == pytest.approx(0.6)
+    assert generation["top_p"] == pytest.approx(0.95)
+    assert generation["top_k"] == 20
+    assert generation["repetition_penalty"] == pytest.approx(1.1)
+    assert "min_p" not in generation
+
+
+def test_a_named_models_sampling_is_added_once_and_never_over_the_files(tmp_path: Path) -> None:
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({"eos_token_id": [2]}))
+    add_sampling(tmp_path, {"temperature": 0.2, "top_p": 0.9})
+    assert json.loads(config.read_text()) == {"eos_token_id": [2], "temperature": 0.2,
+                                              "top_p": 0.9}  # fmt: skip
+    add_sampling(tmp_path, {"temperature": 0.5})  # sampling named already: kept whole
+    assert json.loads(config.read_text())["temperature"] == 0.2
+    config.write_text(json.dumps({"eos_token_id": [2], "top_k": 40}))  # the file's own
+    add_sampling(tmp_path, {"temperature": 0.2})
+    assert json.loads(config.read_text()) == {"eos_token_id": [2], "top_k": 40}
+    assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]  # no temp file
+    assert dict(NAMED_MODELS["smollm2-135m-instruct"].sampling) == {"temperature": 0.2,
+                                                                    "top_p": 0.9}  # fmt: skip
 
 
 @pytest.mark.parametrize(
