@@ -183,6 +183,7 @@ class GatewayHost:
         from halfmoon.engine.tokenizer import Tokenizer
         from halfmoon.serve.gateway.app import GatewayConfig, create_app
         from halfmoon.serve.gateway.cluster_client import ClusterBackend
+        from halfmoon.serve.gateway.generation import generation_defaults, startup_line
         from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
         from halfmoon.serve.gateway.limits import served_context
         from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -205,9 +206,13 @@ class GatewayHost:
             cache_salt_from_api_key=spec.cache_salt_from_api_key,
             public=spec.public,
             access_log=spec.access_log,
+            sampling_defaults=generation_defaults(
+                model_dir, spec.generation_config, dict(spec.override_generation_config)
+            ),
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip
+        log.info("%s", startup_line(config.sampling_defaults, spec.generation_config))
         controller = _ControllerClient(controller_name)
         app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip

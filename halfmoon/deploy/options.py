@@ -175,6 +175,10 @@ class GatewaySpec:
     replan: ReplanConfig | None = None
     max_num_seqs: int = 64
     decode_guard: str = "reject"
+    #: ``--generation-config`` and ``--override-generation-config``'s fields (parsed where
+    #: the command runs; the model's own file is read on the gateway's node).
+    generation_config: str = "auto"
+    override_generation_config: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,15 @@ def _chat_template(given: str | None) -> str | None:
     return load_chat_template(given)
 
 
+def _override(text: str | None) -> tuple[tuple[str, float | int], ...]:
+    """``--override-generation-config``'s fields, checked here."""
+    if not text:
+        return ()
+    from halfmoon.serve.gateway.generation import parse_override
+
+    return tuple(parse_override(text).items())
+
+
 def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str) -> DeploySpec:
     """The DeploySpec of ``halfmoon serve --ray ARGS``."""
     if args.mode == "coupled":
@@ -231,6 +244,8 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
         replan=replan_config_from_args(args), max_num_seqs=getattr(args, "max_num_seqs", 64),
         decode_guard=getattr(args, "decode_guard", "reject"),
+        generation_config=getattr(args, "generation_config", "auto"),
+        override_generation_config=_override(getattr(args, "override_generation_config", None)),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -55,6 +55,18 @@ def test_spec_sizes_follow_the_mode():
         deploy_spec(_serve("--ray", "--decode", "0"), "{}", "{}")
 
 
+def test_the_gateway_spec_carries_the_sampling_defaults_options():
+    spec = deploy_spec(_serve("--ray"), "{}", "{}").gateway
+    assert (spec.generation_config, spec.override_generation_config) == ("auto", ())
+    args = _serve("--ray", "--generation-config", "vllm",
+                  "--override-generation-config", '{"temperature": 0.3}')  # fmt: skip
+    spec = deploy_spec(args, "{}", "{}").gateway
+    assert (spec.generation_config, spec.override_generation_config) == (
+        "vllm", (("temperature", 0.3),))  # fmt: skip
+    with pytest.raises(HalfmoonError, match="unknown fields"):
+        deploy_spec(_serve("--ray", "--override-generation-config", '{"t": 1}'), "{}", "{}")
+
+
 @pytest.mark.parametrize("text", ["", ":2", "CPU", "x:0", "x:-1", "x:lots"])
 def test_bad_resources_are_clear_errors(text):
     with pytest.raises(HalfmoonError):

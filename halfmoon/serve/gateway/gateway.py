@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from halfmoon.core.errors import HalfmoonError
@@ -46,7 +46,9 @@ class GatewayConfig:
 
     model_name: str
     max_model_len: int
-    default_max_tokens: int = 16
+    #: The output limit of a chat request that sets none (None: the rest of the served
+    #: context, as in vLLM; a completion's default is the API's 16).
+    default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
@@ -66,6 +68,9 @@ class GatewayConfig:
     #: One log line per request: method, path, status, tokens, TTFT, total time
     #: (halfmoon.serve.gateway.access_log; ``halfmoon serve --disable-access-log``).
     access_log: bool = True
+    #: Sampling options a request leaves out take these (the model's generation config,
+    #: halfmoon.serve.gateway.generation; ``max_new_tokens``: a chat request's limit).
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or (self.max_tokens_limit or 1) < 1:
@@ -146,7 +151,7 @@ class Gateway:
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompt_ids = self.chat_prompt(messages)
-            max_tokens = body.output_limit(cfg.default_max_tokens)
+            max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
             prompt_ids = self._completion_prompt(body)
             max_tokens = body.max_tokens
@@ -181,6 +186,17 @@ class Gateway:
             ),
         )  # fmt: skip
 
+    def _default_output(self, num_prompt_tokens: int) -> int:
+        """A chat request's output limit when it sets none: the model's default
+        (``max_new_tokens``) or the server's, within what the context and the server's
+        limit leave (at least 1: a prompt that fills the context is refused after)."""
+        cfg = self.config
+        limits = [cfg.max_model_len - num_prompt_tokens, cfg.max_tokens_limit or cfg.max_model_len]
+        default = cfg.sampling_defaults.get("max_new_tokens", cfg.default_max_tokens)
+        if default is not None:
+            limits.append(int(default))
+        return max(1, min(limits))
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """``messages`` through the chat template, tokenized; a 400 when the model has no
         template or the template refuses them (``raise_exception``)."""
@@ -192,25 +208,31 @@ class Gateway:
     def _sampling_params(
         self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
     ) -> SamplingParams:
-        """The request's sampling options, checked (a 400 names what is wrong)."""
+        """The request's sampling options, checked (a 400 names what is wrong); an option
+        the request leaves out takes the model's default where it has one."""
+        defaults, given = self.config.sampling_defaults, body.model_fields_set
+
+        def option(name: str) -> Any:
+            return defaults[name] if name in defaults and name not in given else getattr(body, name)
+
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
+                temperature=option("temperature"),
+                top_p=option("top_p"),
                 seed=body.seed,
                 stop=body.stop_strings(),
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
-                top_k=body.top_k,
+                top_k=option("top_k"),
                 logprobs=body.num_logprobs(),
                 stop_token_ids=tuple(
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
                 ),
                 logit_bias=self._logit_bias(list((body.logit_bias or {}).items())),
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
+                presence_penalty=option("presence_penalty"),
+                frequency_penalty=option("frequency_penalty"),
+                repetition_penalty=option("repetition_penalty"),
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None

@@ -13,7 +13,9 @@ characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
 prompt log-probabilities) are refused with a 400 naming them, never silently ignored;
-unknown fields are ignored, as OpenAI's own server does.
+unknown fields are ignored, as OpenAI's own server does. A sampling option a request
+leaves out takes the served model's default where it has one, as on vLLM
+(:mod:`halfmoon.serve.gateway.generation`); the field defaults below are the API's.
 """
 
 from __future__ import annotations

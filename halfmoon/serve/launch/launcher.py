@@ -127,6 +127,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     _QuietServer = _make_quiet_server()  # noqa: N806
     from halfmoon.serve.gateway.app import GatewayConfig, create_app
     from halfmoon.serve.gateway.cluster_client import ClusterBackend
+    from halfmoon.serve.gateway.generation import defaults_from_args, startup_line
     from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
     from halfmoon.serve.gateway.limits import served_context
     from halfmoon.serve.launch.startup import announce_when_listening, has_page, ready_line
@@ -149,6 +150,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         cache_salt_from_api_key=args.cache_salt_from_api_key,
         public=tuple(args.public or ()),
         access_log=not getattr(args, "disable_access_log", False),
+        sampling_defaults=defaults_from_args(args, model_dir),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
@@ -156,6 +158,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
         limit.max_model_len, limit.source, config.max_tokens_limit,
     )  # fmt: skip
+    log.info("%s", startup_line(config.sampling_defaults, args.generation_config))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
@@ -317,6 +320,10 @@ def check_shape(args: argparse.Namespace) -> None:
         )
     if (getattr(args, "max_tokens_limit", None) or 1) < 1:
         raise HalfmoonError("--max-tokens-limit must be >= 1")
+    if getattr(args, "override_generation_config", None):
+        from halfmoon.serve.gateway.generation import parse_override
+
+        parse_override(args.override_generation_config)  # a bad value fails here, by name
     if getattr(args, "chat_template", None):
         from halfmoon.engine.tokenizer import load_chat_template
 
@@ -427,6 +434,16 @@ def register(subparsers: Any) -> None:
         "--max-tokens-limit", type=int, default=None,
         help="most output tokens one request may ask for (default: the served context, "
         "i.e. the smallest of the model's context, one worker's KV pool and --max-model-len)",
+    )  # fmt: skip
+    p.add_argument(
+        "--generation-config", default="auto", choices=["auto", "vllm"],
+        help="sampling defaults for options a request leaves out: 'auto' takes the model's "
+        "generation_config.json (temperature, top_p, top_k, penalties, max_new_tokens), "
+        "'vllm' the API's own (temperature 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--override-generation-config", default=None, metavar="JSON",
+        help='sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'',
     )  # fmt: skip
     p.add_argument(
         "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
