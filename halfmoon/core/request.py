@@ -21,7 +21,7 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling options plus vLLM's ``ignore_eos`` / ``min_tokens`` /
-    ``top_k`` (0 = off) and extra ``stop_token_ids``. ``logprobs``: None, or return each
+    ``top_k`` (0 = off), ``min_p`` (0 = off) and extra ``stop_token_ids``. ``logprobs``: None, or return each
     generated token's log-probability with that many top alternatives (0..20).
     Penalties as OpenAI's (``presence_penalty``, ``frequency_penalty``: subtracted from
     the logits of tokens already generated, once / per occurrence) and vLLM's
@@ -36,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     top_k: int = 0
+    #: vLLM's min-p: tokens less likely than ``min_p`` times the likeliest one are never
+    #: drawn (after temperature; 0 = off).
+    min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -61,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

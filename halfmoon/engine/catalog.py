@@ -194,7 +194,7 @@ def resolve_model(
 
 
 #: Generation-config fields that say how to sample (halfmoon.serve.gateway.generation).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def add_sampling(model_dir: Path, sampling: dict[str, float]) -> None:

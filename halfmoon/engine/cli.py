@@ -72,6 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
@@ -141,6 +142,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    gen.add_argument(
+        "--min-p", type=float, default=0.0,
+        help="draw only tokens at least this fraction as likely as the likeliest (0 = off)",
+    )  # fmt: skip
     gen.add_argument(
         "--seed",
         type=int,

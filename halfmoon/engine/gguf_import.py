@@ -11,7 +11,7 @@ dequantizes its tensors; this module maps names and metadata onto what transform
     tokenizer_config.json   special tokens, chat template, add_bos_token
     generation_config.json  bos, the end-of-turn ids (eos, eot, eom) and the sampling the
                             file recommends (``general.sampling.*``: temperature, top_p,
-                            top_k, repetition_penalty), if any
+                            top_k, min_p, repetition_penalty), if any
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of Llama-architecture
 models (it stores RoPE pairs interleaved, per head: rows ``[x0, x1, ..., x_{d-1}]`` of
@@ -210,12 +210,13 @@ def end_of_turn_ids(gguf: GGUFFile) -> tuple[int, ...]:
 
 
 #: GGUF's recommended-sampling keys -> the generation_config.json fields a server takes
-#: as defaults (halfmoon.serve.gateway.generation); the rest (min_p, mirostat, ...) have
+#: as defaults (halfmoon.serve.gateway.generation); the rest (mirostat, xtc, ...) have
 #: no counterpart here.
 SAMPLING_KEYS = {
     "general.sampling.temp": "temperature",
     "general.sampling.top_p": "top_p",
     "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
 

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, repetition penalties, logit bias,
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, repetition penalties, logit bias,
 with per-request seeds.
 
 Randomness never depends on the batch: the draw for a request's ``n``-th output token
@@ -9,6 +9,7 @@ after a KV handoff.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class SamplingRow:
     #: ``num_output_tokens``.
     token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
 
 def row_for(
@@ -67,6 +69,7 @@ def row_for(
         repetition_penalty=params.repetition_penalty,
         token_ids=tuple(token_ids) if params.has_penalties else (),
         logit_bias=params.logit_bias,
+        min_p=params.min_p,
     )
 
 
@@ -115,7 +118,12 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask, out of place, what ``min_p``, then ``top_k``, then ``top_p`` exclude from the
+    temperature-scaled ``logits`` ``[vocab]`` (vLLM's order)."""
+    if min_p > 0.0:
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p): no softmax needed
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -146,7 +154,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         if row.temperature == 0.0:
             continue
-        filtered = _filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
+        filtered = _filter(logits[i] / row.temperature, row.min_p, row.top_k, row.top_p)
         probs = torch.softmax(filtered, dim=-1).cpu()
         generator = torch.Generator().manual_seed(
             (row.seed * _SEED_MIX + row.num_output_tokens) & _MASK_63

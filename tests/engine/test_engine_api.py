@@ -12,7 +12,7 @@ from halfmoon.core.request import SamplingParams
 from halfmoon.engine.attention import LayerKV
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.kv_cache import export_to_bytes
-from halfmoon.engine.sampling import EngineSamplingParams
+from halfmoon.engine.sampling import EngineSamplingParams, row_for, sample
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # Bytes of one block of the reference checkpoint: 2 layers x K,V x 16 x 2 heads x 16 x 4.
@@ -177,9 +177,27 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     assert engine.generate([a], other_seed)[0].token_ids != alone.token_ids
     greedy = engine.generate([a], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     for narrow in (EngineSamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True),
-                   EngineSamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True)):  # fmt: skip
+                   EngineSamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True),
+                   EngineSamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, ignore_eos=True)):  # fmt: skip
         assert engine.generate([a], narrow)[0].token_ids == greedy[0].token_ids
     engine.check_integrity()
+
+
+def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
+    """Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps the tokens at >= 0.25 (the
+    first two), in their proportion; 0 keeps all four."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+    def draws(min_p: float) -> list[int]:
+        rows = [row_for(SamplingParams(temperature=1.0, min_p=min_p), seed, 0, ())
+                for seed in range(400)]  # fmt: skip
+        return sample(logits.repeat(len(rows), 1), rows)
+
+    kept = draws(0.5)
+    assert set(kept) == {0, 1} and 0.55 < kept.count(0) / len(kept) < 0.7  # 0.5 / 0.8
+    assert set(draws(0.0)) == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
 
 
 def test_layer_hook_sees_each_chunk_per_layer(llama_ref: Reference, prompts) -> None:

@@ -177,7 +177,11 @@ def test_penalties_reach_the_backend_and_are_bounded(served):
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
         0.5, -1.0, 1.3
     )  # fmt: skip
-    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
+    body = {"model": "m", "prompt": "hi", "min_p": 0.1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.params[-1].min_p == 0.1
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+                {"min_p": 1.5}):  # fmt: skip
         response = client.post("/v1/completions", json={"model": "m", "prompt": "hi", **bad})
         assert response.status_code == 400 and next(iter(bad)) in response.text
 

@@ -105,6 +105,7 @@ class WireParams(Record):
     logprobs: int | None = None
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     penalties: tuple[float, float, float] | None = None
+    min_p: float = 0.0
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -117,6 +118,7 @@ class WireParams(Record):
             logit_bias=[(t, float(b)) for t, b in params.logit_bias],
             penalties=(float(params.presence_penalty), float(params.frequency_penalty),
                        float(params.repetition_penalty)) if params.has_penalties else None,
+            min_p=float(params.min_p),
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -128,7 +130,7 @@ class WireParams(Record):
             top_k=self.top_k, stop_token_ids=tuple(self.stop_token_ids),
             logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
             presence_penalty=presence, frequency_penalty=frequency,
-            repetition_penalty=repetition,
+            repetition_penalty=repetition, min_p=self.min_p,
         )  # fmt: skip
 
 

@@ -225,6 +225,7 @@ class Gateway:
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
                 top_k=option("top_k"),
+                min_p=option("min_p"),
                 logprobs=body.num_logprobs(),
                 stop_token_ids=tuple(
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")

@@ -7,7 +7,7 @@ serves it: the sampling fields of the model directory's ``generation_config.json
 JSON`` on top of either. An option the request sets, even to the API's default value,
 is the request's.
 
-The fields: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
+The fields: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
 ``presence_penalty``, ``frequency_penalty`` and ``max_new_tokens`` (the output limit of
 a request that sets no ``max_tokens``; a chat request without one otherwise runs to the
 end of the served context, a completion to 16 tokens). A value outside what the API
@@ -33,6 +33,7 @@ FIELDS: dict[str, tuple[type, float, bool, float | None]] = {
     "temperature": (float, 0.0, False, 2.0),
     "top_p": (float, 0.0, True, 1.0),
     "top_k": (int, 0, False, None),
+    "min_p": (float, 0.0, False, 1.0),
     "repetition_penalty": (float, 0.0, True, 2.0),
     "presence_penalty": (float, -2.0, False, 2.0),
     "frequency_penalty": (float, -2.0, False, 2.0),

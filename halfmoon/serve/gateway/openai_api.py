@@ -7,7 +7,7 @@ Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
 characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
@@ -64,6 +64,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False

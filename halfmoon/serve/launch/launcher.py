@@ -438,7 +438,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--generation-config", default="auto", choices=["auto", "vllm"],
         help="sampling defaults for options a request leaves out: 'auto' takes the model's "
-        "generation_config.json (temperature, top_p, top_k, penalties, max_new_tokens), "
+        "generation_config.json (temperature, top_p, top_k, min_p, penalties, max_new_tokens), "
         "'vllm' the API's own (temperature 1)",
     )  # fmt: skip
     p.add_argument(

@@ -131,11 +131,12 @@ def request_body(
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
+        # Always sent, 0 (off) too: the gateway has applied the model's defaults already,
+        # and an option left out would take the vLLM server's own.
+        "top_k": params.top_k, "min_p": params.min_p,
         # The gateway cuts the text at a stop string from the token ids it gets.
         "include_stop_str_in_output": True,
     }  # fmt: skip
-    if params.top_k:
-        body["top_k"] = params.top_k
     if params.seed is not None:
         body["seed"] = params.seed
     if params.logit_bias:
