@@ -197,9 +197,18 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize the result."""
+        """Render ``messages`` with the chat template and tokenize the result.
+
+        ``continue_final_message``: cut the text right after the final message's content,
+        so that the model goes on with it (the template must render that content as it
+        is). ``template_kwargs``: more variables for the template (not the names it is
+        given here, :data:`RESERVED_TEMPLATE_NAMES`)."""
         if not self.chat_template:
             raise HalfmoonError(
                 "this model has no chat template: give one with --chat-template (a file or "
@@ -211,10 +220,14 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise HalfmoonError(f"chat template: {message}")
 
+        reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise HalfmoonError(f"chat template variables cannot set {', '.join(reserved)}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
             text = env.from_string(self.chat_template).render(
+                **dict(template_kwargs or {}),
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -222,12 +235,27 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise HalfmoonError(f"chat template failed: {exc}") from None
+        if continue_final_message:
+            final = str(messages[-1].get("content", "")) if messages else ""
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise HalfmoonError(
+                    "continue_final_message needs a final message with text that the chat "
+                    "template renders as it is"
+                )
+            text = text[: end + len(final)]
         return self.encode(text, add_special_tokens=False)
 
     def save(self, model_dir: Path, config: Mapping[str, Any]) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``model_dir``."""
         self._tok.save(str(model_dir / "tokenizer.json"))
         (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+#: Names the chat template is always given (``chat_template_kwargs`` cannot set them).
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
 
 
 class IncrementalDetokenizer:

@@ -93,3 +93,33 @@ def test_serve_refuses_a_missing_template_file_before_starting(tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.startswith("halfmoon: error:") and "missing.jinja" in err
     assert not (tmp_path / "cache").exists()  # nothing was prepared or started
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking %}<think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_the_final_message_left_open_and_template_variables(tmp_path, hf_tokenizer):
+    """vLLM's continue_final_message (the text ends with the final message's content,
+    no end of turn) and chat_template_kwargs (a variable of the template)."""
+    tok = Tokenizer.from_dir(_model_dir(tmp_path, hf_tokenizer, CHATML))
+    chat = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+
+    def text(messages, **options) -> str:
+        ids = tok.apply_chat_template(messages, **options)
+        return tok.decode(ids, skip_special_tokens=False)
+
+    assert text(chat, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|im_start|>assistant\nThe answer is"
+    )
+    assert text(chat, add_generation_prompt=False).endswith("The answer is<|im_end|>\n")
+    assert text(MESSAGES).endswith("<|im_start|>assistant\n")
+    assert text(MESSAGES, template_kwargs={"thinking": True}).endswith("assistant\n<think>")
+    with pytest.raises(HalfmoonError, match="cannot set messages"):
+        text(MESSAGES, template_kwargs={"messages": []})
+    empty = [*MESSAGES, {"role": "assistant", "content": ""}]
+    with pytest.raises(HalfmoonError, match="continue_final_message needs"):
+        text(empty, add_generation_prompt=False, continue_final_message=True)

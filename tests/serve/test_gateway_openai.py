@@ -272,3 +272,58 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
                       ({"7": 101}, "[-100, 100]")):  # fmt: skip
         response = client.post("/v1/completions", json={**body, "logit_bias": bad})
         assert response.status_code == 400 and says in response.text
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"guided_json": {"type": "object"}}, {"guided_regex": "a+"}, {"guided_choice": ["a"]},
+     {"structured_outputs": {"json": {}}}, {"use_beam_search": True},
+     {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}],
+)  # fmt: skip
+def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option):
+    client, _, _ = served
+    name = next(iter(option))
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        response = client.post(path, json={"model": "m", **body, **option})
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == name
+
+
+def test_neutral_values_of_refused_options_pass(served):
+    client, _, _ = served
+    body = {"model": "m", "prompt": "hi", "use_beam_search": False, "guided_json": None,
+            "allowed_token_ids": None, "bad_words": []}  # fmt: skip
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_chat_template_options_shape_the_prompt(served):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the
+    template, on chat completions and /tokenize alike; contradictions are 400s."""
+    client, backend, tok = served
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, it is"}]
+
+    def tokens(**options) -> list[int]:
+        body = {"model": "m", "messages": chat, **options}
+        response = client.post("/tokenize", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    open_turn = tok.decode(tokens(add_generation_prompt=False, continue_final_message=True),
+                           skip_special_tokens=False)  # fmt: skip
+    assert open_turn.endswith("Sure, it is")
+    closed = tok.decode(tokens(add_generation_prompt=False), skip_special_tokens=False)
+    assert closed.startswith(open_turn) and len(closed) > len(open_turn)
+    body = {"model": "m", "messages": chat, "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 2}  # fmt: skip
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    both = {"model": "m", "messages": chat, "continue_final_message": True}
+    response = client.post("/v1/chat/completions", json=both)
+    assert response.status_code == 400 and "add_generation_prompt" in response.text
+    reserved = {"model": "m", "messages": chat, "chat_template_kwargs": {"messages": []}}
+    response = client.post("/v1/chat/completions", json=reserved)
+    assert response.status_code == 400 and "cannot set messages" in response.text
+    for extra in ({"echo": True}, {"functions": [{"name": "f"}]}):
+        response = client.post("/v1/chat/completions", json={"model": "m", "messages": chat,
+                                                              **extra})  # fmt: skip
+        assert response.status_code == 400 and next(iter(extra)) in response.text

@@ -164,7 +164,7 @@ def create_app(
             raise HTTPError(400, "give either prompt or messages", "BadRequestError")
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = await gw.off_loop(gw.chat_prompt, messages)
+            tokens = await gw.off_loop(gw.chat_prompt, messages, body.template_options())
         else:
             tokens = await gw.off_loop(tokenizer.encode, body.prompt or "")
         return {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens}

@@ -150,7 +150,7 @@ class Gateway:
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = self.chat_prompt(messages)
+            prompt_ids = self.chat_prompt(messages, body.template_options())
             max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
             prompt_ids = self._completion_prompt(body)
@@ -197,11 +197,14 @@ class Gateway:
             limits.append(int(default))
         return max(1, min(limits))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """``messages`` through the chat template, tokenized; a 400 when the model has no
-        template or the template refuses them (``raise_exception``)."""
+    def chat_prompt(
+        self, messages: list[dict[str, str]], options: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """``messages`` through the chat template (with ``options``: the request's
+        :meth:`ChatTemplateOptions.template_options`), tokenized; a 400 when the model has
+        no template or the template refuses them (``raise_exception``)."""
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(messages, **(options or {}))
         except HalfmoonError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
 

@@ -12,7 +12,9 @@ log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
-prompt log-probabilities) are refused with a 400 naming them, never silently ignored;
+prompt log-probabilities, vLLM's structured outputs, beam search and token constraints)
+are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
+(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
 leaves out takes the served model's default where it has one, as on vLLM
 (:mod:`halfmoon.serve.gateway.generation`); the field defaults below are the API's.
@@ -23,9 +25,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
+from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
 from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
@@ -83,10 +86,23 @@ class _Common(BaseModel):
     cache_salt: str | None = None
     # Known options that are not implemented: refused unless left at their defaults.
     prompt_logprobs: int | None = None
+    # vLLM's structured outputs, beam search and token constraints, likewise.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
+    allowed_token_ids: Any = None
+    bad_words: Any = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this server cannot do (empty: all fine)."""
-        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        out = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        for name in _REFUSED_WHEN_SET:
+            if getattr(self, name):
+                out.append(name)
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -116,6 +132,45 @@ class _Common(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+#: vLLM options of :class:`_Common` refused when set to anything but their neutral value
+#: (None, False, empty): the output would silently not be what they ask for.
+_REFUSED_WHEN_SET = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "use_beam_search", "allowed_token_ids", "bad_words")  # fmt: skip
+
+
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat-template options (chat completions and ``/tokenize`` with messages):
+    ``add_generation_prompt`` (default true: end with the assistant's turn opened),
+    ``continue_final_message`` (leave the final message open, for the model to go on
+    with it; needs ``add_generation_prompt: false``, as in vLLM) and
+    ``chat_template_kwargs`` (more variables for the template, e.g. a model's
+    ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_open_turn(self) -> ChatTemplateOptions:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt: false to continue the final message)"
+            )
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`Tokenizer.apply_chat_template`."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs or {},
+        }
 
 
 class CompletionRequest(_Common):
@@ -191,7 +246,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ChatTemplateOptions):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -201,6 +256,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
+    echo: bool = False  # vLLM's: the final message's text before the output
 
     @field_validator("top_logprobs")
     @classmethod
@@ -217,6 +274,10 @@ class ChatCompletionRequest(_Common):
         out = super().unsupported()
         if self.tools:
             out.append("tools")
+        if self.functions:
+            out.append("functions")
+        if self.echo:
+            out.append("echo (on chat completions)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(f"response_format {self.response_format.get('type')!r}")
         return out
@@ -226,7 +287,7 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens or self.max_tokens or default
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """Body of ``POST /tokenize`` (vLLM's): a prompt, or chat messages (with the chat
     template applied, as ``/v1/chat/completions`` would)."""
 
