@@ -327,3 +327,36 @@ def test_chat_template_options_shape_the_prompt(served):
         response = client.post("/v1/chat/completions", json={"model": "m", "messages": chat,
                                                               **extra})  # fmt: skip
         assert response.status_code == 400 and next(iter(extra)) in response.text
+
+
+def test_a_batch_of_prompts_gets_n_choices_each(served):
+    """OpenAI's and vLLM's batched completions: choices ``prompt * n + i``, each its own
+    request seeded ``seed + i``; every prompt counted once in the usage."""
+    client, backend, tok = served
+    before = len(backend.params)
+    body = {"model": "m", "prompt": ["ab", "cde"], "n": 2, "seed": 7, "echo": True}
+    whole = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    generated = tok.decode(list(OUTPUT))
+    texts = [c["text"] for c in whole["choices"]]
+    assert texts == ["ab" + generated] * 2 + ["cde" + generated] * 2
+    assert sorted(p.seed for p in backend.params[before:]) == [7, 7, 8, 8]
+    prompt_tokens = len(tok.encode("ab")) + len(tok.encode("cde"))
+    assert whole["usage"]["prompt_tokens"] == prompt_tokens
+    assert whole["usage"]["completion_tokens"] == 4 * len(OUTPUT)
+    # token-id prompts, streamed: every choice ends once, usage at the end
+    body = {"model": "m", "prompt": [[65, 66], [67]], "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    events = _events(client.post("/v1/completions", json=body).text)
+    finished = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
+    assert finished == [0, 1] and events[-1]["usage"]["prompt_tokens"] == 3
+
+
+def test_bad_batches_are_refused(served):
+    client, _, _ = served
+    for prompt, message in ((["a", ""], "no prompt of a batch may be empty"),
+                            ([[1], []], "no prompt of a batch may be empty"),
+                            (["x"] * 65, "at most 64 prompts"),
+                            ([[1], [10**9]], "prompt token ids")):  # fmt: skip
+        response = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+        assert response.status_code == 400 and message in response.text, response.text

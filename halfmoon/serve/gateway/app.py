@@ -111,7 +111,7 @@ def create_app(
 
     def _check_busy(body: CompletionRequest | ChatCompletionRequest) -> None:
         busy = gw.in_flight + gw.preparing
-        if busy + body.n > config.max_concurrent_requests:
+        if busy + body.num_choices() > config.max_concurrent_requests:
             gw.metrics.rejections.inc()
             gw.series.rejected()
             raise HTTPError(
@@ -124,11 +124,12 @@ def create_app(
     ) -> Response:
         _check_busy(body)  # refused at once, before tokenizing
         api_key = getattr(request.state, "api_key", None) if request is not None else None
-        gw.preparing += body.n  # holds its place while tokenized (see Gateway.preparing)
+        choices = body.num_choices()
+        gw.preparing += choices  # holds its place while tokenized (see Gateway.preparing)
         try:
             p = await gw.off_loop(gw.prepare, body, api_key)
         finally:
-            gw.preparing -= body.n
+            gw.preparing -= choices
         _check_busy(body)  # again: choices of n > 1 count only once their tasks start
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:

@@ -153,7 +153,8 @@ class Gateway:
             prompt_ids = self.chat_prompt(messages, body.template_options())
             max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
-            prompt_ids = self._completion_prompt(body)
+            batch = [self._completion_prompt(prompt) for prompt in body.prompts()]
+            prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
             max_tokens = body.max_tokens
         if max_tokens > cfg.max_tokens_limit:
             raise HTTPError(
@@ -178,12 +179,18 @@ class Gateway:
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
+        prompts = [(prompt_ids, "")]
+        if not chat:
+            prompts = [(ids, self._echo_text(body, text, ids))
+                       for text, ids in zip(body.prompts(), batch, strict=True)]  # fmt: skip
+        (first_ids, first_echo), *more = prompts
         return Prepared(
-            self._ids.next(), prompt_ids, params, body.stop_strings(), include_usage, chat,
-            continuous, self._echo_text(body, prompt_ids), body.n, body.include_stop_str_in_output,
+            self._ids.next(), first_ids, params, body.stop_strings(), include_usage, chat,
+            continuous, first_echo, body.n, body.include_stop_str_in_output,
             cache_salt=effective_salt(
                 body.cache_salt, api_key if cfg.cache_salt_from_api_key else None
             ),
+            more=tuple(more),
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -241,21 +248,15 @@ class Gateway:
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
 
-    def _echo_text(
-        self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
-    ) -> str:
-        """The prompt text a completion with ``echo`` sends first ("" otherwise)."""
-        if not isinstance(body, CompletionRequest) or not body.echo:
+    def _echo_text(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
+        """The text of ``prompt`` (its token ``ids``) a completion with ``echo`` sends
+        first ("" otherwise)."""
+        if not body.echo:
             return ""
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]  # (one prompt in a list)
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """One prompt of a completion as token ids (token ids checked)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return self.checked_token_ids(prompt, "prompt token ids")

@@ -4,6 +4,7 @@ Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream``, ``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``),
 ``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``),
+batched completion prompts (up to 64, ``n`` choices each),
 log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
@@ -33,6 +34,8 @@ from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16
+#: Prompts in one batched completion at most (each with its ``n`` choices).
+MAX_BATCH_PROMPTS = 64
 #: Seeds are 64-bit signed integers (as vLLM's); choice i of ``n`` uses ``seed + i``.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1 - MAX_CHOICES
 
@@ -95,6 +98,10 @@ class _Common(BaseModel):
     use_beam_search: bool = False
     allowed_token_ids: Any = None
     bad_words: Any = None
+
+    def num_choices(self) -> int:
+        """Choices of the response, each its own request to the cluster."""
+        return self.n
 
     def unsupported(self) -> list[str]:
         """The options set to something this server cannot do (empty: all fine)."""
@@ -176,7 +183,9 @@ class ChatTemplateOptions(BaseModel):
 class CompletionRequest(_Common):
     """Body of ``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str]
+    #: One prompt (text or token ids) or a batch of them (texts or token-id lists), as
+    #: OpenAI's and vLLM's completions take; each prompt gets ``n`` choices.
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -199,18 +208,28 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(v, str) for v in value) and len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-        elif not value:
+    def _prompts(cls, value: Any) -> Any:
+        if not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            if len(value) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts")
+            if any(not item for item in value):
+                raise ValueError("no prompt of a batch may be empty")
         for text in [value] if isinstance(value, str) else value:
             if isinstance(text, str):
                 check_text(text, "the prompt")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch, each text or token ids."""
+        value = self.prompt
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            return list(value)
+        return [value]  # type: ignore[list-item]
+
+    def num_choices(self) -> int:
+        return self.n * len(self.prompts())
 
 
 class ChatMessage(BaseModel):
@@ -389,12 +408,17 @@ def chunk_body(
     }
 
 
-def merged_usage(uses: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``usage`` of ``n`` choices of one prompt: the prompt counted once."""
-    first = uses[0]
+def merged_usage(uses: list[dict[str, Any]], per_prompt: int | None = None) -> dict[str, Any]:
+    """The ``usage`` of a response's choices, ``per_prompt`` (default: all) consecutive
+    ones for each prompt: every prompt (and its cached tokens) counted once."""
+    firsts = uses[:: per_prompt or len(uses)]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
     completion = sum(u["completion_tokens"] for u in uses)
-    out = {**first, "completion_tokens": completion}
-    out["total_tokens"] = first["prompt_tokens"] + completion
+    out = {**firsts[0], "prompt_tokens": prompt, "completion_tokens": completion}
+    out["total_tokens"] = prompt + completion
+    if len(firsts) > 1 and "prompt_tokens_details" in out:
+        cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in firsts)
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
 

@@ -68,19 +68,38 @@ class Prepared:
     include_stop: bool = False
     #: Roots its prefix-cache hashes (request ``cache_salt`` and/or API key; None: none).
     cache_salt: str | None = None
+    #: The further prompts of a batched completion (``prompt`` a list of prompts), each
+    #: with its ``echo`` text; each has ``n`` choices, numbered after the first's.
+    more: tuple[tuple[list[int], str], ...] = ()
+
+    @property
+    def num_choices(self) -> int:
+        """Choices of the response: ``n`` per prompt."""
+        return self.n * (1 + len(self.more))
+
+    def echo_of(self, index: int) -> str:
+        """The ``echo`` text of choice ``index`` (its prompt's)."""
+        prompt = index // self.n
+        return self.echo if prompt == 0 else self.more[prompt - 1][1]
 
     def choices(self) -> list[Prepared]:
-        """One prepared request per choice: ``<id>.<i>`` with seed ``seed + i`` (n > 1)."""
-        if self.n == 1:
+        """One prepared request per choice: ``<id>.<k>`` for choice ``k`` (when more than
+        one), its prompt's, seeded ``seed + i`` for its prompt's ``i``-th choice."""
+        if self.num_choices == 1:
             return [self]
         seed = self.params.seed
+        prompts = [(self.prompt_ids, self.echo), *self.more]
         return [
             replace(
                 self,
-                request_id=f"{self.request_id}.{i}",
+                request_id=f"{self.request_id}.{j * self.n + i}",
+                prompt_ids=ids,
+                echo=echo,
                 params=replace(self.params, seed=None if seed is None else seed + i),
                 n=1,
+                more=(),
             )
+            for j, (ids, echo) in enumerate(prompts)
             for i in range(self.n)
         ]
 
@@ -94,10 +113,11 @@ async def collect(
     token_text: Callable[[int], str],
 ) -> JSONResponse:
     """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
-    parts: list[list[str]] = [[p.echo] for _ in range(p.n)]
-    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(p.n)]
-    finishes: list[str | None] = [None] * p.n
-    uses: list[dict] = [{}] * p.n
+    total = p.num_choices
+    parts: list[list[str]] = [[p.echo_of(i)] for i in range(total)]
+    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(total)]
+    finishes: list[str | None] = [None] * total
+    uses: list[dict] = [{}] * total
     try:
         item: tuple[int, Delta] | None = first
         while item is not None:
@@ -114,12 +134,13 @@ async def collect(
         metrics.errors.inc()
         raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
     choices = []
-    for index in range(p.n):
+    for index in range(total):
         logprobs = None
         if p.params.logprobs is not None:
-            logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo))
+            logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo_of(index)))
         choices.append(choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs))
-    return JSONResponse(completion_body(p.request_id, model, choices, merged_usage(uses), p.chat))
+    use = merged_usage(uses, p.n)
+    return JSONResponse(completion_body(p.request_id, model, choices, use, p.chat))
 
 
 async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
@@ -164,16 +185,17 @@ async def sse(
     def event(obj: dict) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
-    opening = [True] * p.n
-    offsets = [0] * p.n  # of each choice's next token text (completions' text_offset)
-    uses: list[dict] = [{}] * p.n
-    running = p.n
+    opening = [True] * p.num_choices
+    offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
+    uses: list[dict] = [{}] * p.num_choices
+    running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries) = item
-            if opening[index] and p.echo:
-                text, offsets[index] = p.echo + text, len(p.echo)
+            echo = p.echo_of(index) if opening[index] else ""
+            if echo:
+                text, offsets[index] = echo + text, len(echo)
             if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
                 logprobs = None
                 if p.params.logprobs is not None:
@@ -193,7 +215,7 @@ async def sse(
                     if p.include_usage:
                         body = chunk_body(p.request_id, model, None, None, p.chat)
                         body["choices"] = []
-                        body["usage"] = merged_usage(uses)
+                        body["usage"] = merged_usage(uses, p.n)
                         yield event(body)
                     break
             item = await anext(rest, None)
