@@ -47,6 +47,8 @@ class SamplingParams:
     #: ``(token id, bias)`` pairs added to the logits before the choice (OpenAI's
     #: ``logit_bias``; -100 bans a token, +100 all but forces it).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: vLLM's ``allowed_token_ids``: only these may be drawn (empty: any token).
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -75,6 +77,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(token < 0 for token, _ in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids >= 0")
+        if any(token < 0 for token in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -45,6 +45,7 @@ class SamplingRow:
     token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
 
 
 def row_for(
@@ -70,6 +71,7 @@ def row_for(
         token_ids=tuple(token_ids) if params.has_penalties else (),
         logit_bias=params.logit_bias,
         min_p=params.min_p,
+        allowed_token_ids=params.allowed_token_ids,
     )
 
 
@@ -148,8 +150,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         if row.logit_bias:
             ids, biases = zip(*row.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        if row.allowed_token_ids:
+            allowed = [t for t in row.allowed_token_ids if t < logits.shape[-1]]
+            kept = logits[i, allowed].clone()
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
         if row.banned_token_ids:
+            before = logits[i].clone() if row.allowed_token_ids else None
             logits[i, list(row.banned_token_ids)] = float("-inf")
+            if before is not None and not torch.isfinite(logits[i]).any():
+                logits[i] = before  # only stop tokens are allowed: they win over min_tokens
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, row in enumerate(rows):
         if row.temperature == 0.0:

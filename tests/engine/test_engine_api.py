@@ -200,6 +200,22 @@ def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
         SamplingParams(min_p=1.5)
 
 
+def test_allowed_token_ids_are_the_only_ones_drawn() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+    def draws(**options) -> list[int]:
+        params = SamplingParams(**options)
+        rows = [row_for(params, seed, 0, (3,)) for seed in range(200)]  # stop id 3
+        return sample(logits.repeat(len(rows), 1), rows)
+
+    assert set(draws(temperature=0.0, allowed_token_ids=(2, 3))) == {2}  # greedy: the likelier
+    assert set(draws(temperature=1.0, allowed_token_ids=(1, 2))) == {1, 2}
+    # only the stop token allowed, but min_tokens bans it: the allowed token still wins
+    assert set(draws(temperature=1.0, allowed_token_ids=(3,), min_tokens=2)) == {3}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(-1,))
+
+
 def test_layer_hook_sees_each_chunk_per_layer(llama_ref: Reference, prompts) -> None:
     calls: list[tuple[str, int, list[int], LayerKV]] = []
 

@@ -277,8 +277,7 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
 @pytest.mark.parametrize(
     "option",
     [{"guided_json": {"type": "object"}}, {"guided_regex": "a+"}, {"guided_choice": ["a"]},
-     {"structured_outputs": {"json": {}}}, {"use_beam_search": True},
-     {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}],
+     {"structured_outputs": {"json": {}}}, {"use_beam_search": True}, {"bad_words": ["x"]}],
 )  # fmt: skip
 def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option):
     client, _, _ = served
@@ -295,6 +294,16 @@ def test_neutral_values_of_refused_options_pass(served):
     body = {"model": "m", "prompt": "hi", "use_beam_search": False, "guided_json": None,
             "allowed_token_ids": None, "bad_words": []}  # fmt: skip
     assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_allowed_token_ids_reach_the_backend_checked(served):
+    client, backend, _ = served
+    body = {"model": "m", "prompt": "hi", "allowed_token_ids": [65, 66]}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.params[-1].allowed_token_ids == (65, 66)
+    for bad in ([], [10**9], [-1]):
+        response = client.post("/v1/completions", json={**body, "allowed_token_ids": bad})
+        assert response.status_code == 400 and "allowed_token_ids" in response.text
 
 
 def test_chat_template_options_shape_the_prompt(served):

@@ -20,7 +20,7 @@ SECRET = b"messages-test-secret"
 HASHES = hashes_to_wire([1, 2**128 - 1])
 PARAMS = m.WireParams.of(SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                                         logit_bias=((5, -2.5),), presence_penalty=0.5,
-                                        min_p=0.05))  # fmt: skip
+                                        min_p=0.05, allowed_token_ids=(5, 9)))  # fmt: skip
 P0 = m.Endpoints(instance_id="p0", command="tcp://h:1", transfer="h:2", incarnation="i1")
 D0 = m.Endpoints(instance_id="d0", command="tcp://h:3", transfer="h:4")
 TOKENS = m.Tokens(request_id="r", index=0, token_ids=[7], finish_reason=None,
@@ -130,7 +130,8 @@ def test_typed_views_of_the_wire_forms():
     assert EXAMPLES["decision"].replications[0].block_hashes == [1, 2**128 - 1]
     assert TOKENS.token_logprobs == (TokenLogprob(-0.5, ((7, -0.5), (9, -1.0))),)
     params = SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
-                            logit_bias=((5, -2.5),), presence_penalty=0.5, min_p=0.05)  # fmt: skip
+                            logit_bias=((5, -2.5),), presence_penalty=0.5, min_p=0.05,
+                            allowed_token_ids=(5, 9))  # fmt: skip
     assert PARAMS.to_params() == params
     assert m.params_from_wire(m.params_to_wire(params)) == params
     assert m.Member(instance_id="p0", command="tcp://h:1", transfer="h:2",

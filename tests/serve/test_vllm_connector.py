@@ -58,6 +58,7 @@ def test_request_body_maps_every_sampling_option() -> None:
         max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("\n\n",), ignore_eos=True,
         min_tokens=2, top_k=5, stop_token_ids=(9,), logprobs=2, presence_penalty=0.1,
         frequency_penalty=0.2, repetition_penalty=1.1, logit_bias=((17, -100.0),), min_p=0.05,
+        allowed_token_ids=(4, 17),
     )  # fmt: skip
     body = request_body("smol", [1, 2, 3], params, "tenant-a")
     assert body["model"] == "smol" and body["prompt"] == [1, 2, 3]
@@ -71,11 +72,12 @@ def test_request_body_maps_every_sampling_option() -> None:
     assert body["stop"] == ["\n\n"] and body["stop_token_ids"] == [9] and body["ignore_eos"]
     assert (body["min_tokens"], body["top_k"], body["logprobs"], body["min_p"]) == (2, 5, 2, 0.05)
     assert body["return_tokens_as_token_ids"] and body["logit_bias"] == {"17": -100.0}
+    assert body["allowed_token_ids"] == [4, 17]
     assert body["repetition_penalty"] == 1.1 and body["cache_salt"] == "tenant-a"
     plain = request_body("smol", [1], SamplingParams(), None)
     # top_k and min_p go off (0) too, or the server would apply its model's defaults
     assert (plain["top_k"], plain["min_p"]) == (0, 0.0)
-    assert "seed" not in plain and "cache_salt" not in plain
+    assert "seed" not in plain and "cache_salt" not in plain and "allowed_token_ids" not in plain
     assert "logprobs" not in plain
     json.dumps(body)  # what goes on the wire
 

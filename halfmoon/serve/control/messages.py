@@ -106,6 +106,7 @@ class WireParams(Record):
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     penalties: tuple[float, float, float] | None = None
     min_p: float = 0.0
+    allowed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -118,7 +119,7 @@ class WireParams(Record):
             logit_bias=[(t, float(b)) for t, b in params.logit_bias],
             penalties=(float(params.presence_penalty), float(params.frequency_penalty),
                        float(params.repetition_penalty)) if params.has_penalties else None,
-            min_p=float(params.min_p),
+            min_p=float(params.min_p), allowed_token_ids=list(params.allowed_token_ids),
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -131,6 +132,7 @@ class WireParams(Record):
             logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
             presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, min_p=self.min_p,
+            allowed_token_ids=tuple(self.allowed_token_ids),
         )  # fmt: skip
 
 

@@ -241,6 +241,9 @@ class Gateway:
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
                 ),
                 logit_bias=self._logit_bias(list((body.logit_bias or {}).items())),
+                allowed_token_ids=tuple(
+                    self.checked_token_ids(body.allowed_token_ids or (), "allowed_token_ids")
+                ),
                 presence_penalty=option("presence_penalty"),
                 frequency_penalty=option("frequency_penalty"),
                 repetition_penalty=option("repetition_penalty"),

@@ -9,11 +9,12 @@ log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 ``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
+``allowed_token_ids``,
 ``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
 characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
-prompt log-probabilities, vLLM's structured outputs, beam search and token constraints)
+prompt log-probabilities, vLLM's structured outputs, beam search and ``bad_words``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -34,6 +35,8 @@ from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16
+#: Token ids one request may allow at most (``allowed_token_ids``).
+MAX_ALLOWED_TOKENS = 4096
 #: Prompts in one batched completion at most (each with its ``n`` choices).
 MAX_BATCH_PROMPTS = 64
 #: Seeds are 64-bit signed integers (as vLLM's); choice i of ``n`` uses ``seed + i``.
@@ -96,8 +99,9 @@ class _Common(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: bool = False
-    allowed_token_ids: Any = None
     bad_words: Any = None
+    #: vLLM's: only these tokens may be generated (checked against the vocabulary).
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
 
     def num_choices(self) -> int:
         """Choices of the response, each its own request to the cluster."""
@@ -144,7 +148,7 @@ class _Common(BaseModel):
 #: vLLM options of :class:`_Common` refused when set to anything but their neutral value
 #: (None, False, empty): the output would silently not be what they ask for.
 _REFUSED_WHEN_SET = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "use_beam_search", "allowed_token_ids", "bad_words")  # fmt: skip
+                     "structured_outputs", "use_beam_search", "bad_words")  # fmt: skip
 
 
 class ChatTemplateOptions(BaseModel):

@@ -141,6 +141,8 @@ def request_body(
         body["seed"] = params.seed
     if params.logit_bias:
         body["logit_bias"] = {str(tid): bias for tid, bias in params.logit_bias}
+    if params.allowed_token_ids:
+        body["allowed_token_ids"] = list(params.allowed_token_ids)
     if params.logprobs is not None:
         body["logprobs"] = params.logprobs
         body["return_tokens_as_token_ids"] = True
