@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import secrets
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
@@ -43,6 +47,13 @@ _LOWEST_DRAWN_PORT = 20000
 #: Ports :func:`free_port` handed out or :func:`reserve_port` was told of, in this process.
 _TAKEN: set[int] = set()
 _TAKEN_LOCK = threading.Lock()
+#: Ports any process of this user on this machine drew lately (port -> time drawn), kept
+#: in one file under an exclusive lock: another process's draw is skipped for
+#: ``_HOLD_S``, the time its owner may take to bind it (a vLLM server binds its KV-event
+#: ports tens of seconds after its worker drew them, and lost one to a draw of another
+#: test's cluster: "Address already in use").
+_REGISTRY = Path(tempfile.gettempdir()) / f"halfmoon-ports-{os.getuid()}.json"
+_HOLD_S = 600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,20 +68,50 @@ def free_port(host: str = "127.0.0.1") -> int:
     A port handed out stays free until its owner binds it, which may be seconds later (a
     worker binds its command port once its model is loaded): without the record, the
     launcher once gave a worker the port it had just given the Conductor, and the worker
-    died on start with "Address already in use".
+    died on start with "Address already in use". Other processes of this machine skip it
+    too for ``_HOLD_S`` (the registry file, :func:`_machine_draws`): two test clusters
+    starting at once drew the same port that way.
     """
     low, high = _LOWEST_DRAWN_PORT, _ephemeral_start()
-    with _TAKEN_LOCK:
+    with _TAKEN_LOCK, _machine_draws() as drawn:
         for _ in range(64 if high - low >= 1000 else 0):
             port = low + secrets.randbelow(high - low)
-            if port not in _TAKEN and _bindable(host, port):
+            if port not in _TAKEN and port not in drawn and _bindable(host, port):
                 _TAKEN.add(port)
+                drawn[port] = time.time()
                 return port
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
         _TAKEN.add(port)
+        drawn[port] = time.time()
         return port
+
+
+@contextlib.contextmanager
+def _machine_draws() -> Iterator[dict[int, float]]:
+    """The ports this machine's processes drew in the last ``_HOLD_S`` (port -> time),
+    under an exclusive lock on the registry file, written back at the end; a map no
+    other process sees where no registry can be kept (no fcntl, an unwritable /tmp)."""
+    try:
+        import fcntl
+
+        fd = os.open(_REGISTRY, os.O_RDWR | os.O_CREAT, 0o600)
+    except (ImportError, OSError):
+        yield {}
+        return
+    with os.fdopen(fd, "r+", encoding="ascii") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            drawn = {int(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError, TypeError):  # a damaged file: start over
+            drawn = {}
+        now = time.time()
+        drawn = {port: t for port, t in drawn.items() if 0 <= now - t < _HOLD_S}
+        yield drawn
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(drawn))
 
 
 def reserve_port(port: int) -> None:

@@ -69,18 +69,19 @@ def test_f32_import_restores_the_original_weights(tmp_path: Path, arch: str, tie
 
 def test_the_files_recommended_sampling_goes_into_the_generation_config(tmp_path: Path) -> None:
     """``general.sampling.*`` -> the fields a server takes as defaults; keys without a
-    counterpart (min_p) are left out."""
+    counterpart (mirostat) are left out."""
     sampling = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95,
                 "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.1,
-                "general.sampling.min_p": 0.05}  # fmt: skip
+                "general.sampling.min_p": 0.05, "general.sampling.mirostat": 2}  # fmt: skip
     write_gguf(tmp_path / "m.gguf", metadata=sampling)
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["temperature"] == pytest.approx(0.6)
     assert generation["top_p"] == pytest.approx(0.95)
     assert generation["top_k"] == 20
+    assert generation["min_p"] == pytest.approx(0.05)
     assert generation["repetition_penalty"] == pytest.approx(1.1)
-    assert "min_p" not in generation
+    assert "mirostat" not in generation
 
 
 def test_a_named_models_sampling_is_added_once_and_never_over_the_files(tmp_path: Path) -> None:

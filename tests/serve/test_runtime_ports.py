@@ -1,8 +1,20 @@
 """halfmoon.serve.runtime.free_port: ports drawn below the kernel's ephemeral range."""
 
+import json
 import socket
+import time
+
+import pytest
 
 from halfmoon.serve import runtime
+
+
+@pytest.fixture(autouse=True)
+def own_registry(tmp_path, monkeypatch):
+    """A machine registry of this test's own (the suite's other worker draws ports too)."""
+    path = tmp_path / "ports.json"
+    monkeypatch.setattr(runtime, "_REGISTRY", path)
+    return path
 
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable_everywhere():
@@ -48,3 +60,22 @@ def test_a_port_is_never_handed_out_twice_in_one_process(monkeypatch):
     runtime.reserve_port(low + 13)
     draws = iter([12, 13, 14])
     assert runtime.free_port() == low + 14
+
+
+def test_a_port_another_process_drew_lately_is_skipped(monkeypatch, own_registry):
+    """The machine-wide record: another process's draw of the last ``_HOLD_S`` is skipped,
+    an older one is drawn again, and every draw is recorded for the others."""
+    monkeypatch.setattr(runtime, "_TAKEN", set())
+    monkeypatch.setattr(runtime, "_ephemeral_start", lambda: 65535)
+    low = runtime._LOWEST_DRAWN_PORT
+    now = time.time()
+    own_registry.write_text(json.dumps({str(low + 21): now - 5, str(low + 22): now - 3600}))
+    draws = iter([21, 22])
+    monkeypatch.setattr(runtime.secrets, "randbelow", lambda n: next(draws))
+    assert runtime.free_port() == low + 22
+    recorded = json.loads(own_registry.read_text())
+    assert sorted(int(p) for p in recorded) == [low + 21, low + 22]  # the stale one renewed
+    own_registry.write_text("not json")  # a damaged registry starts over
+    draws = iter([23])
+    assert runtime.free_port() == low + 23
+    assert list(json.loads(own_registry.read_text())) == [str(low + 23)]
