@@ -212,7 +212,8 @@ class GatewayHost:
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip
-        log.info("%s", startup_line(config.sampling_defaults, spec.generation_config))
+        log.info("%s", startup_line(config.sampling_defaults, spec.generation_config,
+                                    bool(spec.override_generation_config)))  # fmt: skip
         controller = _ControllerClient(controller_name)
         app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip

@@ -369,3 +369,12 @@ def test_bad_batches_are_refused(served):
                             ([[1], [10**9]], "prompt token ids")):  # fmt: skip
         response = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
         assert response.status_code == 400 and message in response.text, response.text
+
+
+def test_a_batch_that_can_never_fit_the_server_is_a_400_not_a_429(gateways):
+    backend = LogprobBackend()
+    with TestClient(gateways.app(backend, "m", max_concurrent_requests=8)) as client:
+        body = {"model": "m", "prompt": ["a", "b", "c"], "n": 3}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400 and "asks for 9 choices" in response.text
+        assert client.post("/v1/completions", json={**body, "n": 2}).status_code == 200

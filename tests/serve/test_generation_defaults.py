@@ -61,8 +61,10 @@ def test_the_models_sampling_fields_are_read_and_overridden(tmp_path: Path) -> N
     assert generation_defaults(model, "auto", override)["temperature"] == 0.2
     assert generation_defaults(tmp_path / "none") == {}  # no file: no defaults
     assert describe({"temperature": 0.2, "top_p": 0.9}) == "temperature 0.2, top_p 0.9"
-    assert "temperature 0.2" in startup_line({"temperature": 0.2}, "auto")
+    line = startup_line({"temperature": 0.2}, "auto")
+    assert "temperature 0.2" in line and "override" not in line
     assert "none" in startup_line({}, "vllm")
+    assert "with --override-generation-config" in startup_line({"top_k": 5}, "vllm", True)
 
 
 @pytest.mark.parametrize(

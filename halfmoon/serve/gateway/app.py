@@ -110,6 +110,14 @@ def create_app(
         return {"version": __version__}
 
     def _check_busy(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.num_choices() > config.max_concurrent_requests:  # never fits: not a 429
+            raise HTTPError(
+                400,
+                f"the request asks for {body.num_choices()} choices (n per prompt); this "
+                f"server runs at most {config.max_concurrent_requests} requests at once",
+                "BadRequestError",
+                param="n",
+            )
         busy = gw.in_flight + gw.preparing
         if busy + body.num_choices() > config.max_concurrent_requests:
             gw.metrics.rejections.inc()

@@ -117,10 +117,11 @@ def defaults_from_args(args: Any, model_dir: Path) -> Defaults:
     return generation_defaults(model_dir, getattr(args, "generation_config", "auto"), override)
 
 
-def startup_line(defaults: Mapping[str, float | int], source: str) -> str:
+def startup_line(defaults: Mapping[str, float | int], source: str, overridden: bool = False) -> str:
     """The start-up log line that says which defaults requests get."""
     origin = "the model's generation_config.json" if source == "auto" else "the API's own"
+    more = " with --override-generation-config" if overridden else ""
     return (
         f"sampling defaults for options a request leaves out: {describe(defaults)} "
-        f"(--generation-config {source}: {origin}, plus --override-generation-config)"
+        f"(--generation-config {source}: {origin}{more})"
     )

@@ -158,7 +158,8 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
         limit.max_model_len, limit.source, config.max_tokens_limit,
     )  # fmt: skip
-    log.info("%s", startup_line(config.sampling_defaults, args.generation_config))
+    log.info("%s", startup_line(config.sampling_defaults, args.generation_config,
+                                bool(args.override_generation_config)))  # fmt: skip
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
