@@ -150,16 +150,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         if row.logit_bias:
             ids, biases = zip(*row.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        banned = row.banned_token_ids
         if row.allowed_token_ids:
             allowed = [t for t in row.allowed_token_ids if t < logits.shape[-1]]
-            kept = logits[i, allowed].clone()
-            logits[i] = float("-inf")
-            logits[i, allowed] = kept
-        if row.banned_token_ids:
-            before = logits[i].clone() if row.allowed_token_ids else None
-            logits[i, list(row.banned_token_ids)] = float("-inf")
-            if before is not None and not torch.isfinite(logits[i]).any():
-                logits[i] = before  # only stop tokens are allowed: they win over min_tokens
+            mask = torch.full_like(logits[i], float("-inf"))
+            mask[allowed] = 0.0
+            logits[i] += mask
+            if set(allowed) <= set(banned):  # only stop tokens allowed: they beat min_tokens
+                banned = ()
+        if banned:
+            logits[i, list(banned)] = float("-inf")
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, row in enumerate(rows):
         if row.temperature == 0.0:

@@ -46,9 +46,6 @@ class GatewayConfig:
 
     model_name: str
     max_model_len: int
-    #: The output limit of a chat request that sets none (None: the rest of the served
-    #: context, as in vLLM; a completion's default is the API's 16).
-    default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
@@ -179,8 +176,9 @@ class Gateway:
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
-        prompts = [(prompt_ids, "")]
-        if not chat:
+        if chat:
+            prompts = [(prompt_ids, "")]
+        else:
             prompts = [(ids, self._echo_text(body, text, ids))
                        for text, ids in zip(body.prompts(), batch, strict=True)]  # fmt: skip
         (first_ids, first_echo), *more = prompts
@@ -194,14 +192,13 @@ class Gateway:
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
-        """A chat request's output limit when it sets none: the model's default
-        (``max_new_tokens``) or the server's, within what the context and the server's
-        limit leave (at least 1: a prompt that fills the context is refused after)."""
+        """A chat request's output limit when it sets none, as in vLLM: the rest of the
+        served context, within the server's limit and the model's ``max_new_tokens`` (at
+        least 1: a prompt that fills the context is refused after)."""
         cfg = self.config
-        limits = [cfg.max_model_len - num_prompt_tokens, cfg.max_tokens_limit or cfg.max_model_len]
-        default = cfg.sampling_defaults.get("max_new_tokens", cfg.default_max_tokens)
-        if default is not None:
-            limits.append(int(default))
+        limits = [cfg.max_model_len - num_prompt_tokens, cfg.max_tokens_limit]
+        if "max_new_tokens" in cfg.sampling_defaults:
+            limits.append(int(cfg.sampling_defaults["max_new_tokens"]))
         return max(1, min(limits))
 
     def chat_prompt(
