@@ -11,11 +11,14 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model, and the ``top`` most likely
-    tokens at that position as ``(token_id, logprob)``, most likely first."""
+    """A token's log-probability under the model, and the ``top`` most likely tokens at
+    that position as ``(token_id, logprob)``, most likely first. ``rank``: the token's
+    place among all of the vocabulary (1 = the likeliest), where it was computed (prompt
+    log-probabilities report it, as vLLM's do)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    #: vLLM's ``prompt_logprobs``: None, or the log-probability of every prompt token
+    #: after the first (with that many top alternatives, 0..20), computed in the prefill.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -81,6 +87,10 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

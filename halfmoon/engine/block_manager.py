@@ -115,16 +115,20 @@ class BlockManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         cache_salt: str | None = None,
+        max_cached_tokens: int | None = None,
     ) -> int | None:
         """Start ``request_id``: take its cached prefix and blocks for ``num_new_tokens`` more.
 
         Returns the number of prefix tokens served from the cache, or None (and changes
         nothing) when the free blocks do not suffice. ``cache_salt`` roots the request's
-        hash chain (matching here and registering in :meth:`commit`).
+        hash chain (matching here and registering in :meth:`commit`);
+        ``max_cached_tokens`` caps the prefix taken from the cache (None: no cap).
         """
         if request_id in self._tables:
             raise HalfmoonError(f"request {request_id!r} already holds blocks")
         hits = self.match_prefix(token_ids, cache_salt)
+        if max_cached_tokens is not None:
+            hits = hits[: max_cached_tokens // self.block_size]
         num_cached_tokens = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, len(token_ids) - num_cached_tokens)
         needed = self.blocks_for(num_cached_tokens + num_new_tokens) - len(hits)

@@ -52,7 +52,13 @@ from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOut
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
 from halfmoon.engine.profiler import cached_profile
-from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
+from halfmoon.engine.sampling import (
+    finish_reason,
+    prompt_token_logprobs,
+    row_for,
+    sample_with_logprobs,
+    stop_ids_for,
+)
 from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
 from halfmoon.engine.stage import StageExecutor
 
@@ -130,10 +136,12 @@ class StageConnector(ABC):
     @abstractmethod
     def start(
         self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, prompt_logprobs: int | None = None,
     ) -> int:  # fmt: skip
         """Take blocks for the prompt reusing at most ``max_cached_tokens``; returns the
-        prefix tokens reused. Raises HalfmoonError when the pool is too small."""
+        prefix tokens reused. Raises HalfmoonError when the pool is too small.
+        ``prompt_logprobs`` (last stage; the group then starts at token 0): compute the
+        prompt's log-probabilities with this many alternatives, for :meth:`take_prompt_logprobs`."""
 
     @abstractmethod
     def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray | memoryview],
@@ -159,6 +167,11 @@ class StageConnector(ABC):
         """Last stage, after the prompt's last chunk: ``(token, logprob or None, seed,
         finish)`` of the first token; ``finish`` is ``stop``/``length`` when the request
         ends with it (the same rule as the engine's)."""
+
+    @abstractmethod
+    def take_prompt_logprobs(self, request_id: str) -> tuple[TokenLogprob, ...] | None:
+        """Last stage, after the prompt's last chunk: the log-probabilities of prompt
+        tokens 1.. (None when :meth:`start` asked for none)."""
 
     @abstractmethod
     def release(self, request_id: str) -> None:
@@ -328,6 +341,8 @@ class _LocalStage(StageConnector):
         )  # fmt: skip
         self._last_rows: dict[str, object] = {}
         self._prompt_len: dict[str, int] = {}
+        #: request -> (alternatives wanted, entries so far) for prompt log-probabilities.
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
         self._rng = random.Random(engine.config.seed)
 
     @property
@@ -343,10 +358,14 @@ class _LocalStage(StageConnector):
 
     def start(
         self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, prompt_logprobs: int | None = None,
     ) -> int:  # fmt: skip
+        if prompt_logprobs is not None:
+            max_cached_tokens = 0
         cached = self.executor.start(request_id, token_ids, max_cached_tokens, cache_salt)
         self._prompt_len[request_id] = len(token_ids)
+        if prompt_logprobs is not None and self.layers.is_last:
+            self._prompt_logprobs[request_id] = (prompt_logprobs, [])
         return cached
 
     def load_prefix(self, request_id: str, payloads: Sequence[bytes | bytearray | memoryview],
@@ -363,6 +382,13 @@ class _LocalStage(StageConnector):
         self.executor.commit(request_id, token_ids, end)  # later prompts reuse this slice
         if self.layers.is_last:
             self._last_rows[request_id] = out[-1:]
+            wanted = self._prompt_logprobs.get(request_id)
+            num_rows = min(end, len(token_ids) - 1) - start
+            if wanted is not None and num_rows > 0:  # row j: prompt token start + j + 1
+                k, entries = wanted
+                targets = list(token_ids[start + 1 : start + 1 + num_rows])
+                logits = self.executor.logits(out[:num_rows])
+                entries += prompt_token_logprobs(logits, targets, k)
             return None
         return self.executor.hidden_bytes(out, pad_rows)
 
@@ -382,9 +408,14 @@ class _LocalStage(StageConnector):
         finish = finish_reason(token, params, stop_ids, 1, len(prompt) + 1, engine.max_model_len)
         return token, entry, seed, finish
 
+    def take_prompt_logprobs(self, request_id: str) -> tuple[TokenLogprob, ...] | None:
+        wanted = self._prompt_logprobs.pop(request_id, None)
+        return None if wanted is None else tuple(wanted[1])
+
     def release(self, request_id: str) -> None:
         self._last_rows.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         self.executor.release(request_id)
 
 

@@ -8,6 +8,7 @@ between steps: that is the prefill -> decode handoff.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Sequence as SequenceABC
@@ -35,9 +36,15 @@ from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
-from halfmoon.engine.runner import LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
-from halfmoon.engine.sampling import finish_reason, row_for, sample_with_logprobs, stop_ids_for
-from halfmoon.engine.scheduler import Scheduler, Sequence, Status
+from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
+from halfmoon.engine.sampling import (
+    finish_reason,
+    prompt_token_logprobs,
+    row_for,
+    sample_with_logprobs,
+    stop_ids_for,
+)
+from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,9 @@ class RequestOutput:
     num_cached_tokens: int
     #: Log-probabilities of ``new_token_ids`` when the request asked for them.
     new_logprobs: tuple[TokenLogprob, ...] = ()
+    #: With the first token of a request that asked for them (``prompt_logprobs``): the
+    #: log-probabilities of its prompt tokens after the first, in order.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -310,12 +320,16 @@ class LLMEngine:
                 token_ids=c.seq.token_ids[c.start : c.end],
                 start=c.start,
                 block_table=self.block_manager.block_table(c.seq.request_id),
-                logits=LOGITS_LAST if c.samples else LOGITS_NONE,
+                logits=self._logits_wanted(c),
                 hook=c.start < c.seq.num_prompt_tokens,
             )
             for c in plan.chunks
         ]
         logits = self.runner.execute(inputs)
+        for i, (c, chunk_input) in enumerate(zip(plan.chunks, inputs, strict=True)):
+            if chunk_input.logits == LOGITS_ALL:
+                self._take_prompt_logprobs(c.seq, c.start, logits[i])
+                logits[i] = logits[i][-1:] if c.samples else None
         sampling = [(c, lg) for c, lg in zip(plan.chunks, logits, strict=True) if lg is not None]
         rows = [
             row_for(
@@ -340,6 +354,29 @@ class LLMEngine:
             self._append(c.seq, t, lp)
             for (c, _), t, lp in zip(sampling, tokens, logprobs, strict=True)
         ]
+
+    @staticmethod
+    def _logits_wanted(chunk: ScheduledChunk) -> str:
+        """Every row of a chunk whose prompt log-probabilities are due, else the last
+        row of one that samples."""
+        seq = chunk.seq
+        if seq.wants_prompt_logprobs and chunk.start < seq.num_prompt_tokens - 1:
+            return LOGITS_ALL
+        return LOGITS_LAST if chunk.samples else LOGITS_NONE
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Add the prompt log-probabilities the rows of a chunk from position ``start``
+        give (row ``j`` predicts prompt token ``start + j + 1``) past those known."""
+        have = len(seq.prompt_logprobs)  # of prompt tokens 1..have (start <= have)
+        last = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
+        if last <= have:
+            return
+        targets = seq.token_ids[have + 1 : last + 1]
+        k = seq.params.prompt_logprobs or 0
+        seq.prompt_logprobs += prompt_token_logprobs(
+            logits[have - start : last - start], targets, k
+        )
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
@@ -366,6 +403,11 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=() if logprob is None else (logprob,),
+            prompt_logprobs=(
+                tuple(seq.prompt_logprobs)
+                if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1
+                else None
+            ),
         )
 
     @staticmethod
@@ -452,6 +494,9 @@ class LLMEngine:
             raise HalfmoonError(
                 f"request {request_id!r} already generated max_tokens={params.max_tokens} tokens"
             )
+        # The prompt's log-probabilities came with the first token (and a preempted
+        # request here must not recompute its prompt for them).
+        params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, token_ids, handoff.num_prompt_tokens, params,
                                  handoff.seed, False)  # fmt: skip
         seq.cache_salt = handoff.cache_salt

@@ -195,6 +195,40 @@ def token_logprobs(
     return out
 
 
+#: Rows of prompt logits turned into log-probabilities at a time (bounds the float32
+#: copy: 256 x a 150k vocabulary is 150 MB).
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, targets: list[int], num_top: int
+) -> list[TokenLogprob]:
+    """Per row ``i`` of ``logits`` ``[N, vocab]`` (the model's raw logits at a prompt
+    position): the log-probability of ``targets[i]`` (the prompt's next token), its rank
+    in the vocabulary (1 = the likeliest; ties share the best place) and the ``num_top``
+    likeliest tokens, as vLLM's ``prompt_logprobs`` report them."""
+    out: list[TokenLogprob] = []
+    ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        hi = min(lo + PROMPT_LOGPROB_ROWS, len(targets))
+        rows = torch.log_softmax(logits[lo:hi].to(torch.float32), dim=-1)
+        chosen = rows.gather(1, ids[lo:hi, None])
+        ranks = (rows > chosen).sum(dim=1) + 1
+        values = chosen[:, 0].tolist()
+        tops: list[tuple[tuple[int, float], ...]] = [()] * (hi - lo)
+        if num_top:
+            top_values, top_ids = torch.topk(rows, min(num_top, rows.shape[-1]), dim=-1)
+            tops = [
+                tuple(zip(i, v, strict=True))
+                for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+            ]
+        out += [
+            TokenLogprob(value, top, rank)
+            for value, top, rank in zip(values, tops, ranks.tolist(), strict=True)
+        ]
+    return out
+
+
 def sample_with_logprobs(
     logits: torch.Tensor, rows: list[SamplingRow], num_top: list[int | None]
 ) -> tuple[list[int], list[TokenLogprob | None]]:

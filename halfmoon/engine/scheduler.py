@@ -16,7 +16,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -49,6 +49,17 @@ class Sequence:
     text: str = field(default="")
     #: Roots its blocks' hash chain: prefix-cache hits only among requests with the same.
     cache_salt: str | None = None
+    #: The prompt's log-probabilities computed so far (of prompt tokens 1, 2, ...), when
+    #: the request asked for them (``params.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt log-probabilities remain to be computed: then the prompt
+        positions they need are computed, never taken from the prefix cache."""
+        return self.params.prompt_logprobs is not None and (
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -190,8 +201,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             wanted = min(seq.num_tokens, self.chunk_tokens, budget)
+            # Positions whose prompt log-probabilities are still due are computed, not
+            # taken from the cache (those of the first ``len(prompt_logprobs)`` are known).
+            limit = len(seq.prompt_logprobs) if seq.wants_prompt_logprobs else None
             num_cached = self.block_manager.admit(
-                seq.request_id, seq.token_ids, wanted, seq.cache_salt
+                seq.request_id, seq.token_ids, wanted, seq.cache_salt, max_cached_tokens=limit
             )
             if num_cached is None:
                 break

@@ -170,3 +170,32 @@ def test_cache_salt_isolates_every_stage(cpp):
     reused = [p.stats["cpp_prefix_tokens_reused"] - r for p, r in
               zip(_stage_stats(cpp), reused_before, strict=True)]  # fmt: skip
     assert reused == [hit, hit]
+
+
+def test_prompt_logprobs_through_the_pipeline_equal_an_offline_engine(cpp):
+    """A long prompt's log-probabilities are computed by the pipeline's last stage, chunk
+    by chunk, from token 0 even though the group holds the prompt cached."""
+    import httpx
+
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    from .test_serve_disaggregated import offline_prompt_logprobs
+
+    prompt = _prompt("a", 1500)  # the first test ran it: cached in both stages
+    engine = LLMEngine(EngineConfig(model=str(cpp.cache / "presets" / "tiny-seed0")))
+    ids = engine.tokenizer.encode(prompt)
+    ref = offline_prompt_logprobs(engine, ids, 0)
+    before = [p.stats["cpp_requests"] for p in _stage_stats(cpp)]
+    answer = httpx.post(cpp.base_url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0,
+    }).json()  # fmt: skip
+    after = [p.stats["cpp_requests"] for p in _stage_stats(cpp)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    field = answer["choices"][0]["prompt_logprobs"]
+    assert len(field) == len(ids) and field[0] is None
+    worst = max(
+        abs(entry[str(token)]["logprob"] - theirs.logprob)
+        for entry, token, theirs in zip(field[1:], ids[1:], ref, strict=True)
+    )
+    assert worst < 1e-3
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -291,3 +291,45 @@ def test_cache_salt_isolates_the_cluster_cache(disagg):
     reply = httpx.post(disagg.base_url + "/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": "hi", "cache_salt": ""})  # fmt: skip
     assert reply.status_code == 400 and "cache_salt" in reply.json()["error"]["message"]
+
+
+def offline_prompt_logprobs(engine, prompt, k):
+    """The offline engine's prompt log-probabilities (of prompt tokens 1..)."""
+    from halfmoon.core.request import SamplingParams
+
+    engine.add_request("offline-prompt", prompt, SamplingParams(max_tokens=1, prompt_logprobs=k))
+    first = None
+    while engine.has_unfinished_requests():
+        for step in engine.step():
+            first = first or step
+    return first.prompt_logprobs
+
+
+def test_prompt_logprobs_equal_an_offline_engine(disagg):
+    """What lm-evaluation-harness sends for a log-likelihood (token ids, ``echo``,
+    ``logprobs: 1``, ``max_tokens: 1``) and vLLM's ``prompt_logprobs``: computed by the
+    prefill worker (the prompt is in the cluster's cache from an earlier request, and is
+    computed again), the model's own values."""
+    from halfmoon.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(disagg.cache / "presets" / "tiny-seed0")))
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    _greedy(disagg, ids, 2)  # now cached in the cluster
+    ref = offline_prompt_logprobs(engine, ids, 1)
+    assert len(ref) == len(ids) - 1
+    body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}  # fmt: skip
+    answer = httpx.post(disagg.base_url + "/v1/completions", json=body, timeout=60).json()
+    lp = answer["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    for ours, theirs in zip(lp["token_logprobs"][1 : len(ids)], ref, strict=True):
+        assert abs(ours - theirs.logprob) < 1e-3
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed again
+    vllm_style = httpx.post(disagg.base_url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPTS[1], "max_tokens": 2, "prompt_logprobs": 2,
+    }).json()  # fmt: skip
+    field = vllm_style["choices"][0]["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(ids)
+    for entry, token, theirs in zip(field[1:], ids[1:], ref, strict=True):
+        assert entry[str(token)]["rank"] == theirs.rank
+        assert abs(entry[str(token)]["logprob"] - theirs.logprob) < 1e-3

@@ -303,3 +303,26 @@ def test_import_checks_layout(llama_ref: Reference, prompts) -> None:
         same.import_request(truncated, GREEDY)
     assert not same.has_unfinished_requests()
     same.check_integrity()
+
+
+def test_prompt_logprobs_survive_preemption(llama_ref: Reference, prompts) -> None:
+    """A request preempted in the middle of its prompt recomputes what it lost but keeps
+    the prompt log-probabilities it had: the same entries as in a roomy pool."""
+    batch = prompts(13, [20, 22, 25, 28], llama_ref.vocab_size)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    def first_outputs(engine: LLMEngine) -> dict[str, object]:
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"r{i}", prompt, params)
+        seen = run_checked(engine)
+        return {rid: outs[0].prompt_logprobs for rid, outs in seen.items()}
+
+    roomy = first_outputs(LLMEngine(engine_config(llama_ref.path, prefill_chunk_tokens=7)))
+    tight = LLMEngine(engine_config(llama_ref.path, prefill_chunk_tokens=7,
+                                    kv_cache_mb=10 * REF_BLOCK_BYTES / 2**20))  # fmt: skip
+    got = first_outputs(tight)
+    assert tight.stats().num_preemptions > 0
+    for rid, entries in roomy.items():
+        assert entries is not None and len(entries) == len(batch[int(rid[1:])]) - 1
+        for ours, theirs in zip(got[rid], entries, strict=True):
+            assert ours.rank == theirs.rank and abs(ours.logprob - theirs.logprob) < 1e-4

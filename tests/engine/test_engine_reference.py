@@ -195,3 +195,38 @@ def test_logit_bias_forces_and_bans_tokens(llama_ref: Reference, prompts) -> Non
     expected = torch.log_softmax(hf_logits(llama_ref, tokens)[-1], dim=-1)
     expected[plain[0]] = float("-inf")
     assert banned[0] == int(torch.argmax(expected))
+
+
+def test_prompt_logprobs_match_the_reference(llama_ref: Reference, prompts) -> None:
+    """Every prompt token's log-probability, rank and top alternatives, against
+    transformers' logits of the whole prompt: computed over chunks whose edges lie off
+    the block grid, and never taken from the prefix cache (the prompt is cached by an
+    earlier request)."""
+    engine = LLMEngine(engine_config(llama_ref.path, prefill_chunk_tokens=13))
+    (tokens,) = prompts(12, [53], llama_ref.vocab_size)
+    engine.generate([tokens], SamplingParams(max_tokens=1, temperature=0))  # caches the prompt
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=4)
+    engine.add_request("p", tokens, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == 0
+    entries = outs[0].prompt_logprobs
+    assert entries is not None and len(entries) == len(tokens) - 1
+    assert all(out.prompt_logprobs is None for out in outs[1:])
+    theirs = torch.log_softmax(hf_logits(llama_ref, tokens), dim=-1)
+    for i, entry in enumerate(entries, start=1):
+        row = theirs[i - 1]
+        assert abs(entry.logprob - row[tokens[i]].item()) < 1e-3
+        assert entry.rank == int((row > row[tokens[i]]).sum()) + 1
+        top_values, top_ids = torch.topk(row, 4)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        assert (
+            max(abs(a - b) for (_, a), b in zip(entry.top, top_values.tolist(), strict=True)) < 1e-3
+        )
+    # The first token is still the greedy one.
+    assert outs[0].new_token_ids[0] == int(theirs[-1].argmax())
+    # The request's own blocks went into the cache as usual: a later one hits them.
+    (later,) = engine.generate([tokens], SamplingParams(max_tokens=1, temperature=0))
+    assert later.num_cached_tokens == (len(tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    engine.check_integrity()

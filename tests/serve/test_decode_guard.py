@@ -203,7 +203,8 @@ def _hand_off(role: DecodeRole, rid: str, prompt: int = 40) -> None:
 
 def _finish(role: DecodeRole, rid: str) -> None:
     out = SimpleNamespace(request_id=rid, new_token_ids=(7,), finished=True, finish_reason="length",
-                          new_logprobs=(), num_cached_tokens=0, token_ids=(7,))  # fmt: skip
+                          new_logprobs=(), num_cached_tokens=0, token_ids=(7,),
+                          prompt_logprobs=None)  # fmt: skip
     role.on_outputs([out])
 
 

@@ -20,7 +20,8 @@ OUTPUT = (65, 66, 67, 68)  # token ids the backend "generates", two per chunk
 
 class LogprobBackend:
     """Generates ``OUTPUT``; when asked, token t has logprob -t/100 and alternatives
-    t, t+1, ... (as many as requested)."""
+    t, t+1, ... (as many as requested); prompt token i (from 1) has logprob -t/1000,
+    rank i and alternatives 7, 8, ... (as many as requested)."""
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
@@ -42,9 +43,17 @@ class LogprobBackend:
                     for t in tokens
                 )
             last = i + 2 >= len(out)
+            prompt = None
+            if i == 0 and params.prompt_logprobs is not None:
+                k = params.prompt_logprobs
+                prompt = tuple(
+                    TokenLogprob(-t / 1000, tuple((7 + j, -(j + 1) / 10) for j in range(k)), i)
+                    for i, t in enumerate(prompt_token_ids[1:], start=1)
+                )
             yield GenerationChunk(
-                tokens, "length" if last else None, 0 if i == 0 else None, logprobs=entries
-            )
+                tokens, "length" if last else None, 0 if i == 0 else None, logprobs=entries,
+                prompt_logprobs=prompt,
+            )  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -139,8 +148,8 @@ def test_echo_puts_the_prompt_before_the_output(served):
     [
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs with stream"),
+        ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "json_object"),
     ],
@@ -378,3 +387,62 @@ def test_a_batch_that_can_never_fit_the_server_is_a_400_not_a_429(gateways):
         response = client.post("/v1/completions", json=body)
         assert response.status_code == 400 and "asks for 9 choices" in response.text
         assert client.post("/v1/completions", json={**body, "n": 2}).status_code == 200
+
+
+def _text(tok, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def test_echo_with_logprobs_puts_the_prompt_tokens_first(served):
+    """What lm-evaluation-harness sends for a log-likelihood (token ids, ``echo``,
+    ``logprobs: 1``, ``max_tokens: 1``): the prompt's tokens lead the log-probabilities,
+    the first with nulls, and the offsets count from the prompt's start; streamed too."""
+    client, backend, tok = served
+    prompt = [40, 41, 42, 43]
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}  # fmt: skip
+    whole = client.post("/v1/completions", json=body).json()
+    assert backend.params[-1].prompt_logprobs == 1 and backend.params[-1].logprobs == 1
+    lp = whole["choices"][0]["logprobs"]
+    ids = prompt + [OUTPUT[0]]
+    texts = [_text(tok, t) for t in ids]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"] == [None, -0.041, -0.042, -0.043, -0.65]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {texts[1]: -0.041, _text(tok, 7): -0.1}
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    assert "prompt_logprobs" not in whole["choices"][0]  # vLLM's field only when asked
+    assert whole["choices"][0]["text"] == tok.decode(prompt) + texts[-1]
+    events = _events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert streamed[0]["tokens"][:4] == texts[:4]
+    assert [v for part in streamed for v in part["token_logprobs"]] == lp["token_logprobs"]
+    assert [v for part in streamed for v in part["text_offset"]] == lp["text_offset"]
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(served):
+    client, backend, tok = served
+    body = {"model": "m", "prompt": [[40, 41, 42], [50]], "prompt_logprobs": 2, "max_tokens": 2}
+    answer = client.post("/v1/completions", json=body).json()
+    assert backend.params[-1].prompt_logprobs == 2 and backend.params[-1].logprobs is None
+    first, second = (c["prompt_logprobs"] for c in answer["choices"])
+    assert first[0] is None and len(first) == 3
+    assert first[1] == {
+        "41": {"logprob": -0.041, "rank": 1, "decoded_token": _text(tok, 41)},
+        "7": {"logprob": -0.1, "rank": 1, "decoded_token": _text(tok, 7)},
+        "8": {"logprob": -0.2, "rank": 2, "decoded_token": _text(tok, 8)},
+    }
+    assert first[2]["42"]["rank"] == 2
+    assert second == [None]  # a one-token prompt: nothing to predict it from
+    assert answer["choices"][0]["logprobs"] is None
+    chat = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0,
+        "max_tokens": 2, "n": 2,
+    }).json()  # fmt: skip
+    prompt_len = chat["usage"]["prompt_tokens"]
+    assert len(chat["prompt_logprobs"]) == prompt_len and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
+    # Out of range: a 400 naming the field.
+    bad = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "prompt_logprobs": 21})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text

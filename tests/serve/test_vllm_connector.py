@@ -13,6 +13,8 @@ import pytest
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.vllm.connector import (
+    VllmServerConnector,
+    VllmUnsupported,
     _Request,
     parse_completion,
     parse_event,
@@ -350,3 +352,13 @@ def test_requests_without_a_token_yet_count_as_prefill_work() -> None:
     requests = [_Request(prompt_len=300), _Request(prompt_len=50, tokens=[7]), _Request(40)]
     assert prefill_tokens(requests) == 340  # the one that has a token is decoding
     assert prefill_tokens([]) == 0
+
+
+def test_prompt_logprobs_are_refused_by_name_not_dropped() -> None:
+    """A vLLM server streams no prompt log-probabilities: such a request is refused with
+    a message naming them, before anything is sent."""
+    connector = object.__new__(VllmServerConnector)
+    connector._requests = {}
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    with pytest.raises(VllmUnsupported, match="prompt log-probabilities"):
+        connector._body("r", [1, 2, 3], params, None, None)

@@ -41,8 +41,11 @@ from halfmoon.serve.control.codec import (
 )
 from halfmoon.serve.control.protocol import ProtocolError, hashes_from_wire
 
-#: Log-probabilities of generated tokens: ``(logprob, ((token, logprob), ...))`` each.
-WireLogprobs = list[tuple[float, list[tuple[int, float]]]]
+#: Log-probabilities of tokens: ``(logprob, ((token, logprob), ...))`` each, with the
+#: token's rank as a third item where it is known (prompt log-probabilities).
+WireLogprobs = list[
+    tuple[float, list[tuple[int, float]]] | tuple[float, list[tuple[int, float]], int]
+]
 #: Lifecycle event kinds, in a request's order.
 LIFECYCLE_KINDS = ("prefill_started", "prefill_finished", "decode_started", "request_finished")
 
@@ -107,6 +110,7 @@ class WireParams(Record):
     penalties: tuple[float, float, float] | None = None
     min_p: float = 0.0
     allowed_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -120,6 +124,7 @@ class WireParams(Record):
             penalties=(float(params.presence_penalty), float(params.frequency_penalty),
                        float(params.repetition_penalty)) if params.has_penalties else None,
             min_p=float(params.min_p), allowed_token_ids=list(params.allowed_token_ids),
+            prompt_logprobs=params.prompt_logprobs,
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -133,6 +138,7 @@ class WireParams(Record):
             presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, min_p=self.min_p,
             allowed_token_ids=tuple(self.allowed_token_ids),
+            prompt_logprobs=self.prompt_logprobs,
         )  # fmt: skip
 
 
@@ -694,7 +700,8 @@ class CppStart(Message):
 class Tokens(Message):
     """Worker -> gateway: a request's new tokens from output position ``index`` (the
     first token's message also says how many prompt tokens were cached and how many KV
-    bytes moved)."""
+    bytes moved, and carries the prompt's log-probabilities when they were asked for:
+    one per prompt token after the first)."""
 
     wire_name: ClassVar[str] = "tokens"
     request_id: str
@@ -704,11 +711,17 @@ class Tokens(Message):
     logprobs: WireLogprobs | None = None
     cached_tokens: int | None = None
     kv_bytes: int = 0
+    prompt_logprobs: WireLogprobs | None = None
 
     @property
     def token_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The log-probability records (empty when none were asked for)."""
         return logprobs_from_wire(self.logprobs or ())
+
+    @property
+    def prompt_token_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's log-probability records (None when none were asked for)."""
+        return None if self.prompt_logprobs is None else logprobs_from_wire(self.prompt_logprobs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -755,13 +768,23 @@ def check_cache_salt(salt: str | None) -> None:
 
 def logprobs_to_wire(entries: tuple[TokenLogprob, ...]) -> WireLogprobs:
     """Token log-probabilities in their wire form."""
-    return [(e.logprob, [(t, lp) for t, lp in e.top]) for e in entries]
+    return [
+        (e.logprob, [(t, lp) for t, lp in e.top])
+        if e.rank is None
+        else (e.logprob, [(t, lp) for t, lp in e.top], e.rank)
+        for e in entries
+    ]
 
 
 def logprobs_from_wire(data: Any) -> tuple[TokenLogprob, ...]:
     """The records of :func:`logprobs_to_wire`'s lists."""
     return tuple(
-        TokenLogprob(float(lp), tuple((int(t), float(v)) for t, v in top)) for lp, top in data
+        TokenLogprob(
+            float(item[0]),
+            tuple((int(t), float(v)) for t, v in item[1]),
+            None if len(item) < 3 else int(item[2]),
+        )
+        for item in data
     )
 
 

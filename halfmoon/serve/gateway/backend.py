@@ -34,6 +34,9 @@ class GenerationChunk:
     conductor_rtt_s: float | None = None
     #: Log-probabilities of ``token_ids`` when the request asked for them.
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: With the first chunk of a request that asked for them (``prompt_logprobs``): the
+    #: log-probabilities of its prompt tokens after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Rejected(HalfmoonError):

@@ -461,6 +461,7 @@ class ClusterBackend:
                     decision.decision_s if first else None,
                     rtt_s if first else None,
                     msg.token_logprobs,
+                    msg.prompt_token_logprobs,
                 )
                 if first:  # once the client has it: the Conductor learns how late it came
                     await self._tell_conductor(FirstTokenSeen(request_id=request_id))

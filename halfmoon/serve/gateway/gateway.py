@@ -20,10 +20,10 @@ from halfmoon.core.ids import IdGenerator
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.gateway.access_log import note_generation
-from halfmoon.serve.gateway.backend import Backend, GenerationChunk
+from halfmoon.serve.gateway.backend import Backend, BackendError, GenerationChunk
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, CompletionRequest, usage
 from halfmoon.serve.gateway.prom import GatewayMetrics
-from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared
+from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
 from halfmoon.serve.gateway.text import OutputText
 from halfmoon.serve.gateway.timeseries import TimeSeries
@@ -189,6 +189,8 @@ class Gateway:
                 body.cache_salt, api_key if cfg.cache_salt_from_api_key else None
             ),
             more=tuple(more),
+            echo_logprobs=not chat and body.echo and body.logprobs is not None,
+            show_prompt_logprobs=body.prompt_logprobs is not None,
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -234,6 +236,7 @@ class Gateway:
                 top_k=option("top_k"),
                 min_p=option("min_p"),
                 logprobs=body.num_logprobs(),
+                prompt_logprobs=body.num_prompt_logprobs(),
                 stop_token_ids=tuple(
                     self.checked_token_ids(body.stop_token_ids or (), "stop_token_ids")
                 ),
@@ -336,11 +339,14 @@ class Gateway:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def run(self, p: Prepared) -> AsyncIterator[Delta]:
-        """Yield (text delta, None, None, logprobs) as text arrives, then (tail, finish,
-        usage, logprobs); ``logprobs`` are the entries of the tokens since the last yield."""
+        """Yield (text delta, None, None, logprobs, prompt) as text arrives, then (tail,
+        finish, usage, logprobs, prompt); ``logprobs`` are the entries of the tokens since
+        the last yield, ``prompt`` the prompt's entries (with the first yield, when the
+        request asked for them; else None)."""
         arrival = time.monotonic()
         out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop)
-        entries: list[tuple[int, TokenLogprob]] = []
+        entries: list[Entry] = []
+        prompt: list[Entry] | None = None
         times: list[float] = []
         finish: str | None = None
         cached = est = None
@@ -350,6 +356,8 @@ class Gateway:
                 async for chunk in chunks:
                     if chunk.cached_tokens is not None:
                         cached, est = chunk.cached_tokens, chunk.est_ttft_s
+                    if chunk.prompt_logprobs is not None:
+                        prompt = self._prompt_entries(p.prompt_ids, chunk.prompt_logprobs)
                     self.metrics.kv_transfer_bytes.inc(chunk.kv_transfer_bytes)
                     self.series.kv_moved(chunk.kv_transfer_bytes)
                     if chunk.conductor_decision_s is not None:
@@ -370,15 +378,25 @@ class Gateway:
                         break
                     if p.continuous_usage:  # every token batch, text or not
                         use = usage(len(p.prompt_ids), out.num_tokens, cached)
-                        yield delta, None, use, entries
-                        entries = []
+                        yield delta, None, use, entries, prompt
+                        entries, prompt = [], None
                     elif delta:
-                        yield delta, None, None, entries
-                        entries = []
+                        yield delta, None, None, entries, prompt
+                        entries, prompt = [], None
         except BaseException:
             await self.backend.abort(p.request_id)
             raise
         finish = finish or "abort"
         self._observe_end(p, arrival, times, out, finish, cached, est)
         use = usage(len(p.prompt_ids), out.num_tokens, cached)
-        yield pending + out.flush(), finish, use, entries
+        yield pending + out.flush(), finish, use, entries, prompt
+
+    @staticmethod
+    def _prompt_entries(prompt_ids: list[int], values: tuple[TokenLogprob, ...]) -> list[Entry]:
+        """The prompt's ``(token id, log-probability)`` entries (None for the first
+        token); a backend that sent the wrong number fails the request."""
+        if len(values) != len(prompt_ids) - 1:
+            raise BackendError(
+                f"{len(values)} prompt log-probabilities for a prompt of {len(prompt_ids)} tokens"
+            )
+        return [(prompt_ids[0], None), *zip(prompt_ids[1:], values, strict=True)]

@@ -6,7 +6,10 @@ Supported: ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 ``n`` (up to 16 choices, each its own request to the cluster; seeds ``seed + i``),
 batched completion prompts (up to 64, ``n`` choices each),
 log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
-``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions, without logprobs),
+``logprobs`` + ``top_logprobs`` for chat), ``echo`` (completions; with ``logprobs`` the
+prompt tokens' log-probabilities come first, as lm-evaluation-harness reads them), vLLM's
+``prompt_logprobs`` (0-20, not streamed; prompt positions are then computed, never taken
+from a prefix cache),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
 ``allowed_token_ids``,
@@ -14,7 +17,7 @@ log-probabilities of the generated tokens (``logprobs`` 0-20 for completions;
 characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
-prompt log-probabilities, vLLM's structured outputs, beam search and ``bad_words``)
+vLLM's structured outputs, beam search and ``bad_words``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -90,9 +93,11 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
     #: vLLM's per-tenant prefix-cache isolation: hits only among requests with this salt.
     cache_salt: str | None = None
-    # Known options that are not implemented: refused unless left at their defaults.
-    prompt_logprobs: int | None = None
-    # vLLM's structured outputs, beam search and token constraints, likewise.
+    #: vLLM's: the log-probability of every prompt token after the first, with this many
+    #: alternatives (in the response, not in a stream).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Known options that are not implemented: refused unless left at their defaults
+    # (vLLM's structured outputs, beam search and token constraints).
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -107,9 +112,17 @@ class _Common(BaseModel):
         """Choices of the response, each its own request to the cluster."""
         return self.n
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token, or None (no prompt log-probabilities)."""
+        return self.prompt_logprobs
+
     def unsupported(self) -> list[str]:
         """The options set to something this server cannot do (empty: all fine)."""
-        out = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        out = (
+            ["prompt_logprobs with stream"]
+            if self.prompt_logprobs is not None and self.stream
+            else []
+        )
         for name in _REFUSED_WHEN_SET:
             if getattr(self, name):
                 out.append(name)
@@ -200,14 +213,19 @@ class CompletionRequest(_Common):
         """Top alternatives per generated token, or None (no log-probabilities)."""
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, else ``logprobs`` when ``echo`` sends the prompt (its
+        tokens then come with their log-probabilities, as on vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
     def unsupported(self) -> list[str]:
         out = super().unsupported()
         if self.best_of not in (None, 1):
             out.append("best_of")
         if self.suffix:
             out.append("suffix")
-        if self.echo and self.logprobs is not None:
-            out.append("echo with logprobs (prompt log-probabilities)")
         return out
 
     @field_validator("prompt")
@@ -432,43 +450,73 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 
 
 def logprobs_body(
-    entries: list[tuple[int, TokenLogprob]], token_text: Any, chat: bool, text_offset: int
+    entries: list[tuple[int, TokenLogprob | None]], token_text: Any, chat: bool, text_offset: int
 ) -> dict[str, Any]:
     """The ``logprobs`` object of a choice for ``(token id, TokenLogprob)`` entries.
 
     ``token_text(id)`` is a token's text. Completions get the legacy shape (``tokens``,
     ``token_logprobs``, ``top_logprobs`` with the sampled token among the alternatives,
-    as vLLM returns it, and ``text_offset`` counted from ``text_offset``); chat gets
-    ``content`` items with ``bytes``.
+    as vLLM returns it, and ``text_offset`` counted from ``text_offset``; an entry of
+    None, an echoed prompt's first token, has null log-probabilities); chat gets
+    ``content`` items with ``bytes``. A log-probability of -inf reads -9999.0, as vLLM's.
     """
     if chat:
         content = []
         for tid, entry in entries:
+            assert entry is not None, "chat logprobs are of generated tokens"
             text = token_text(tid)
             content.append(
                 {
                     "token": text,
-                    "logprob": entry.logprob,
+                    "logprob": _finite(entry.logprob),
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
-                        {"token": (t := token_text(i)), "logprob": lp, "bytes": list(t.encode())}
+                        {
+                            "token": (t := token_text(i)),
+                            "logprob": _finite(lp),
+                            "bytes": list(t.encode()),
+                        }
                         for i, lp in entry.top
-                    ],
+                    ],  # fmt: skip
                 }
             )
         return {"content": content}
-    tokens, offsets, tops = [], [], []
+    tokens, offsets, values, tops = [], [], [], []
     for tid, entry in entries:
         text = token_text(tid)
         offsets.append(text_offset)
         text_offset += len(text)
         tokens.append(text)
-        top = {token_text(i): lp for i, lp in entry.top}
-        top.setdefault(text, entry.logprob)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(_finite(entry.logprob))
+        top = {token_text(i): _finite(lp) for i, lp in entry.top}
+        top.setdefault(text, _finite(entry.logprob))
         tops.append(top)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [entry.logprob for _, entry in entries],
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def prompt_logprobs_body(
+    prompt_ids: list[int], entries: tuple[TokenLogprob, ...], token_text: Any
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a map
+    from token id to ``logprob``, ``rank`` and ``decoded_token``: the prompt's own token
+    first, then the top alternatives (ranks 1..)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for tid, entry in zip(prompt_ids[1:], entries, strict=True):
+        items = {str(tid): {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                            "decoded_token": token_text(tid)}}  # fmt: skip
+        for rank, (alt, lp) in enumerate(entry.top, start=1):
+            items.setdefault(
+                str(alt), {"logprob": _finite(lp), "rank": rank, "decoded_token": token_text(alt)}
+            )
+        out.append(items)
+    return out
+
+
+def _finite(value: float) -> float:
+    """JSON has no infinities: -inf (a banned token) reads -9999.0, as vLLM's."""
+    return max(value, -9999.0)

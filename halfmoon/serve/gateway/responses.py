@@ -26,6 +26,7 @@ from halfmoon.serve.gateway.openai_api import (
     error_body,
     logprobs_body,
     merged_usage,
+    prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
 
@@ -43,9 +44,12 @@ class HTTPError(Exception):
         self.param = param
 
 
-#: What :meth:`Gateway.run` yields: text delta, finish reason, usage, and the
-#: ``(token id, TokenLogprob)`` entries of the tokens since the previous item.
-Delta = tuple[str, str | None, dict | None, list[tuple[int, TokenLogprob]]]
+#: A token id and its log-probability record (None: an echoed prompt's first token).
+Entry = tuple[int, TokenLogprob | None]
+#: What :meth:`Gateway.run` yields: text delta, finish reason, usage, the entries of the
+#: tokens since the previous item, and (first item only, when asked for) the prompt's:
+#: ``(prompt token id, its TokenLogprob)``, None for the first token's.
+Delta = tuple[str, str | None, dict | None, list[Entry], list[Entry] | None]
 
 
 @dataclass
@@ -71,6 +75,10 @@ class Prepared:
     #: The further prompts of a batched completion (``prompt`` a list of prompts), each
     #: with its ``echo`` text; each has ``n`` choices, numbered after the first's.
     more: tuple[tuple[list[int], str], ...] = ()
+    #: Completions' ``echo`` with ``logprobs``: the prompt's tokens lead the log-probabilities.
+    echo_logprobs: bool = False
+    #: vLLM's ``prompt_logprobs`` field in the response (per choice; top level for chat).
+    show_prompt_logprobs: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -115,15 +123,17 @@ async def collect(
     """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
     total = p.num_choices
     parts: list[list[str]] = [[p.echo_of(i)] for i in range(total)]
-    entries: list[list[tuple[int, TokenLogprob]]] = [[] for _ in range(total)]
+    entries: list[list[Entry]] = [[] for _ in range(total)]
+    prompts: list[list[Entry]] = [[] for _ in range(total)]
     finishes: list[str | None] = [None] * total
     uses: list[dict] = [{}] * total
     try:
         item: tuple[int, Delta] | None = first
         while item is not None:
-            index, (text, finish, use, new) = item
+            index, (text, finish, use, new, prompt) = item
             parts[index].append(text)
             entries[index] += new
+            prompts[index] += prompt or ()
             if finish is not None:
                 finishes[index], uses[index] = finish, use
             item = await anext(rest, None)
@@ -136,11 +146,28 @@ async def collect(
     choices = []
     for index in range(total):
         logprobs = None
-        if p.params.logprobs is not None:
+        if p.params.logprobs is not None and p.echo_logprobs:
+            logprobs = logprobs_body(prompts[index] + entries[index], token_text, p.chat, 0)
+        elif p.params.logprobs is not None:
             logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo_of(index)))
-        choices.append(choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs))
+        choice = choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs)
+        if p.show_prompt_logprobs and not p.chat:
+            choice["prompt_logprobs"] = _prompt_field(prompts[index], token_text)
+        choices.append(choice)
     use = merged_usage(uses, p.n)
-    return JSONResponse(completion_body(p.request_id, model, choices, use, p.chat))
+    body = completion_body(p.request_id, model, choices, use, p.chat)
+    if p.show_prompt_logprobs and p.chat:  # one prompt for every choice: at the top, as vLLM
+        body["prompt_logprobs"] = _prompt_field(prompts[0], token_text)
+    return JSONResponse(body)
+
+
+def _prompt_field(prompt: list[Entry], token_text: Callable[[int], str]) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice from its prompt entries (None: none came)."""
+    if not prompt:
+        return None
+    ids = [tid for tid, _ in prompt]
+    values = tuple(entry for _, entry in prompt[1:] if entry is not None)
+    return prompt_logprobs_body(ids, values, token_text)
 
 
 async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
@@ -192,10 +219,12 @@ async def sse(
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
-            index, (text, finish, use, entries) = item
+            index, (text, finish, use, entries, prompt) = item
             echo = p.echo_of(index) if opening[index] else ""
             if echo:
                 text, offsets[index] = echo + text, len(echo)
+            if prompt and p.echo_logprobs:  # the prompt's tokens lead, from offset 0
+                entries, offsets[index] = prompt + entries, 0
             if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
                 logprobs = None
                 if p.params.logprobs is not None:

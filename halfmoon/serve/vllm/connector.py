@@ -419,6 +419,11 @@ class VllmServerConnector(EngineConnector):
     ) -> dict[str, Any]:  # fmt: skip
         if request_id in self._requests:
             raise HalfmoonError(f"request {request_id!r} is already running")
+        if params.prompt_logprobs is not None:  # vLLM streams none; its prefill keeps them
+            raise VllmUnsupported(
+                "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not "
+                "served by vLLM-backed workers yet"
+            )
         if len(token_ids) + params.max_tokens > self.max_model_len > 0:
             raise HalfmoonError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "

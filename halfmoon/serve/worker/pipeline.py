@@ -122,7 +122,10 @@ class PipelineStage:
             next_transfer=msg.next_transfer, decode=msg.decode, commands=commands,
             suspects=(group[stage - 1] if 0 < stage <= len(group) else "",
                       group[stage + 1] if stage + 1 < len(group) else ""),
-            offered_blocks=self._offer(executor, tokens, msg.cached_tokens, salt),
+            offered_blocks=(
+                0 if msg.params.prompt_logprobs is not None  # every position is computed
+                else self._offer(executor, tokens, msg.cached_tokens, salt)
+            ),
             cache_source=msg.cache_source, cache_salt=salt,
         )  # fmt: skip
         self.jobs[rid] = job
@@ -181,7 +184,8 @@ class PipelineStage:
         job.progress_s = job.began_s = time.monotonic()
         start = start_blocks * self.block_size
         try:
-            cached = job.executor.start(job.rid, job.tokens, start, job.cache_salt)
+            cached = job.executor.start(job.rid, job.tokens, start, job.cache_salt,
+                                        job.params.prompt_logprobs)  # fmt: skip
         except HalfmoonError as exc:
             job.error = str(exc)  # the next tick fails it as retryable
             return
@@ -355,6 +359,8 @@ class PipelineStage:
                 )
                 job.first_token = token
                 job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
+                prompt = job.executor.take_prompt_logprobs(job.rid)
+                job.prompt_logprobs = None if prompt is None else logprobs_to_wire(prompt)
             outs = [out for out in (job.hidden_out, job.kv_out) if out is not None]
             finish_all(outs, job.sent.set)
 
@@ -405,6 +411,7 @@ class PipelineStage:
         self.worker.send(job.identity, Tokens(
             request_id=job.rid, index=0, token_ids=[token], finish_reason=finish,
             cached_tokens=job.start, kv_bytes=kv_bytes, logprobs=job.first_logprob,
+            prompt_logprobs=job.prompt_logprobs,
         ))  # fmt: skip
 
     def _fail(self, job: StageJob) -> None:

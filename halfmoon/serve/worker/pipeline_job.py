@@ -56,6 +56,7 @@ class StageJob:
     next_chunk: int = 0
     first_token: int | None = None
     first_logprob: WireLogprobs | None = None  # its log-probability, wire form (if asked)
+    prompt_logprobs: WireLogprobs | None = None  # the prompt's, wire form (if asked)
     #: Its agreed prefix blocks on their way (a peer's pulled on a pull thread), and
     #: which: (blocks it had, blocks agreed).
     prefix_fetch: PrefixFetch | None = None

@@ -142,7 +142,10 @@ class PrefillRole(TokenStreaming):
         remote = ""
         if source is not None and source.instance_id != self.worker.me.instance_id:
             remote = source.transfer
-        load = self.cache.begin_load(msg.token_ids, self.transfer, remote, msg.cache_salt)
+        if msg.params.prompt_logprobs is not None:  # computed, never taken from a cache
+            load = PrefixLoad(list(msg.token_ids), msg.cache_salt)
+        else:
+            load = self.cache.begin_load(msg.token_ids, self.transfer, remote, msg.cache_salt)
         if load.fetch.done():
             self._start(identity, msg, load)
         else:  # tick() starts it once its pull ended; the loop goes on meanwhile

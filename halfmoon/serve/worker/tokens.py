@@ -60,6 +60,9 @@ class TokenStreaming:
             logprobs=logprobs_to_wire(out.new_logprobs) if out.new_logprobs else None,
             cached_tokens=out.num_cached_tokens if with_cached else None,
             kv_bytes=kv_bytes if first else 0,
+            prompt_logprobs=(
+                logprobs_to_wire(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+            ),
         )  # fmt: skip
         client.index += len(out.new_token_ids)
         if batch:
