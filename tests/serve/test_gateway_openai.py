@@ -446,3 +446,25 @@ def test_prompt_logprobs_field_as_vllm_returns_it(served):
     # Out of range: a 400 naming the field.
     bad = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "prompt_logprobs": 21})
     assert bad.status_code == 400 and "prompt_logprobs" in bad.text
+
+
+def test_max_tokens_zero_with_echo_answers_the_prompt_alone(served):
+    """vLLM's ``echo`` with ``max_tokens: 0`` (prompt scoring): the prompt and its
+    log-probabilities are the answer; one token is computed upstream and not sent."""
+    client, backend, tok = served
+    prompt = [40, 41, 42]
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 0}
+    answer = client.post("/v1/completions", json=body).json()
+    assert backend.params[-1].max_tokens == 1
+    choice = answer["choices"][0]
+    assert choice["text"] == tok.decode(prompt) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [_text(tok, t) for t in prompt]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.041, -0.042]
+    assert answer["usage"]["completion_tokens"] == 0
+    events = _events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events) == tok.decode(prompt)
+    streamed = [v for e in events if e["choices"][0]["logprobs"]
+                for v in e["choices"][0]["logprobs"]["token_logprobs"]]  # fmt: skip
+    assert streamed == [None, -0.041, -0.042]
+    refused = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 0})
+    assert refused.status_code == 400 and "max_tokens" in refused.text

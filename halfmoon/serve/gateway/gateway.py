@@ -152,7 +152,7 @@ class Gateway:
         else:
             batch = [self._completion_prompt(prompt) for prompt in body.prompts()]
             prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
-            max_tokens = body.max_tokens
+            max_tokens = body.max_tokens or 1  # 0 (with echo): one is computed, none sent
         if max_tokens > cfg.max_tokens_limit:
             raise HTTPError(
                 400,
@@ -190,6 +190,7 @@ class Gateway:
             ),
             more=tuple(more),
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
+            echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
         )  # fmt: skip
 
@@ -367,7 +368,9 @@ class Gateway:
                     times += [time.monotonic()] * len(chunk.token_ids)
                     counted = out.num_tokens
                     delta = out.add(chunk.token_ids)
-                    if chunk.logprobs:  # of the tokens the text kept (none past a stop)
+                    if p.echo_only:  # max_tokens 0: the prompt alone is the answer
+                        delta = ""
+                    elif chunk.logprobs:  # of the tokens the text kept (none past a stop)
                         kept = out.num_tokens - counted
                         entries += zip(chunk.token_ids[:kept], chunk.logprobs[:kept], strict=True)
                     finish = "stop" if out.stopped else chunk.finish_reason
@@ -388,6 +391,10 @@ class Gateway:
             raise
         finish = finish or "abort"
         self._observe_end(p, arrival, times, out, finish, cached, est)
+        if p.echo_only:
+            use = usage(len(p.prompt_ids), 0, cached)
+            yield "", finish, use, [], prompt
+            return
         use = usage(len(p.prompt_ids), out.num_tokens, cached)
         yield pending + out.flush(), finish, use, entries, prompt
 

@@ -203,11 +203,18 @@ class CompletionRequest(_Common):
     #: One prompt (text or token ids) or a batch of them (texts or token-id lists), as
     #: OpenAI's and vLLM's completions take; each prompt gets ``n`` choices.
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    #: 0 only with ``echo``: the prompt (with its log-probabilities) is the answer.
+    max_tokens: int = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: true)")
+        return self
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per generated token, or None (no log-probabilities)."""

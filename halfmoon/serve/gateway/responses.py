@@ -79,6 +79,9 @@ class Prepared:
     echo_logprobs: bool = False
     #: vLLM's ``prompt_logprobs`` field in the response (per choice; top level for chat).
     show_prompt_logprobs: bool = False
+    #: Completions' ``max_tokens: 0`` with ``echo``: the prompt (and its log-probabilities)
+    #: is the whole answer; one token is computed and not sent, as on vLLM.
+    echo_only: bool = False
 
     @property
     def num_choices(self) -> int:
