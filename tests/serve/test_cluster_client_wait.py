@@ -55,3 +55,21 @@ def test_a_failed_over_request_waits_longer_for_a_restarted_worker() -> None:
     decision, _ = place(backend, "again", admitted=True)
     assert decision.accepted and decision.prefill == WORKER
     assert asked[-1] >= 2.0 and len(asked) >= 4  # asked every 0.5 s meanwhile
+
+
+def test_a_request_that_computes_its_whole_prompt_is_placed_without_its_hashes() -> None:
+    """Prompt log-probabilities: the Conductor must not count (or pull) a cached prefix
+    the workers will not use, so the request goes without its block hashes."""
+    backend = ClusterBackend("tcp://127.0.0.1:1", b"secret", 2)
+    sent = []
+
+    async def call(endpoint, msg, timeout_s):
+        sent.append(msg)
+        return PLACED
+
+    backend._call = call
+    for params in (SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, prompt_logprobs=0)):
+        asyncio.run(backend._place("r", [1, 2, 3, 4, 5], params))
+    plain, full = sent
+    assert len(plain.block_hashes) == 3 and full.block_hashes == []
+    assert full.input_length == plain.input_length == 5

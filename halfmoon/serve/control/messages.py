@@ -230,7 +230,9 @@ def event_entry(kind: str, **fields: Any) -> Event:
 class Schedule(Message):
     """Gateway -> Conductor: place one request (answered by a ``decision``). ``admitted``:
     the request was placed before and its worker died; it is placed again without early
-    rejection (a 429 now would break a stream the client already has)."""
+    rejection (a 429 now would break a stream the client already has). ``hashes`` is
+    empty for a request that computes its whole prompt whatever is cached (prompt
+    log-probabilities): it is placed and estimated as one without a cached prefix."""
 
     wire_name: ClassVar[str] = "schedule"
     request_id: str

@@ -499,6 +499,8 @@ class ClusterBackend:
         ``failover_wait_s``."""
         root = chain_root(cache_salt)
         hashes = hash_blocks(prompt_token_ids, self.block_size, root).hashes  # partial last too
+        if params.prompt_logprobs is not None:  # computes its whole prompt: no cache counts
+            hashes = []
         msg = Schedule(
             request_id=request_id, input_length=len(prompt_token_ids),
             output_length=params.max_tokens, block_size=self.block_size,
