@@ -25,10 +25,13 @@ pytestmark = pytest.mark.timeout(900)
 def real(cluster_factory):
     # The CPP test needs the group chosen: by the profile's estimates, not by scales
     # learned while another test worker loads the cores (a member that looked 1.5x slow
-    # made a lone worker the better placement, and CI failed once on it).
+    # made a lone worker the better placement, and CI failed once on it). Chunks of 256
+    # tokens: a profile measured on loaded cores has a large fixed cost per prefill call
+    # (0.24 s against 2.6 ms a token in one CI run), and over 128-token chunks the
+    # group's six calls then cost as much as one worker's whole prompt (1.98 / 1.94 s).
     return cluster_factory(
         "--model", MODEL, "--prefill", "2", "--decode", "1", "--cpp-stages", "2",
-        "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "128", "--kv-cache-mb", "48",
+        "--cpp-min-tokens", str(CPP_MIN_TOKENS), "--cpp-chunk-tokens", "256", "--kv-cache-mb", "48",
         "--transport", "tcp", "--wire-checksum", "none", "--prefill-calibration", "off",
         timeout_s=600,
     )  # fmt: skip
