@@ -53,8 +53,8 @@ from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
 from halfmoon.engine.profiler import cached_profile
 from halfmoon.engine.sampling import (
+    chunk_prompt_logprobs,
     finish_reason,
-    prompt_token_logprobs,
     row_for,
     sample_with_logprobs,
     stop_ids_for,
@@ -383,12 +383,12 @@ class _LocalStage(StageConnector):
         if self.layers.is_last:
             self._last_rows[request_id] = out[-1:]
             wanted = self._prompt_logprobs.get(request_id)
-            num_rows = min(end, len(token_ids) - 1) - start
-            if wanted is not None and num_rows > 0:  # row j: prompt token start + j + 1
+            if wanted is not None:  # the LM head for the rows that predict prompt tokens only
                 k, entries = wanted
-                targets = list(token_ids[start + 1 : start + 1 + num_rows])
-                logits = self.executor.logits(out[:num_rows])
-                entries += prompt_token_logprobs(logits, targets, k)
+                entries += chunk_prompt_logprobs(
+                    lambda lo, hi: self.executor.logits(out[lo:hi]), token_ids, len(token_ids),
+                    start, end, len(entries), k,
+                )  # fmt: skip
             return None
         return self.executor.hidden_bytes(out, pad_rows)
 

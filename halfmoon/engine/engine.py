@@ -38,8 +38,8 @@ from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
 from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
 from halfmoon.engine.sampling import (
+    chunk_prompt_logprobs,
     finish_reason,
-    prompt_token_logprobs,
     row_for,
     sample_with_logprobs,
     stop_ids_for,
@@ -366,17 +366,11 @@ class LLMEngine:
 
     @staticmethod
     def _take_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        """Add the prompt log-probabilities the rows of a chunk from position ``start``
-        give (row ``j`` predicts prompt token ``start + j + 1``) past those known."""
-        have = len(seq.prompt_logprobs)  # of prompt tokens 1..have (start <= have)
-        last = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
-        if last <= have:
-            return
-        targets = seq.token_ids[have + 1 : last + 1]
-        k = seq.params.prompt_logprobs or 0
-        seq.prompt_logprobs += prompt_token_logprobs(
-            logits[have - start : last - start], targets, k
-        )
+        """Add the prompt log-probabilities a chunk's rows from position ``start`` give."""
+        seq.prompt_logprobs += chunk_prompt_logprobs(
+            lambda lo, hi: logits[lo:hi], seq.token_ids, seq.num_prompt_tokens, start,
+            start + logits.shape[0], len(seq.prompt_logprobs), seq.params.prompt_logprobs or 0,
+        )  # fmt: skip
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)

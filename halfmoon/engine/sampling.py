@@ -10,7 +10,7 @@ after a KV handoff.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -227,6 +227,22 @@ def prompt_token_logprobs(
             for value, top, rank in zip(values, tops, ranks.tolist(), strict=True)
         ]
     return out
+
+
+def chunk_prompt_logprobs(
+    logits_of: Callable[[int, int], torch.Tensor], token_ids: SequenceABC[int], num_prompt: int,
+    start: int, end: int, have: int, num_top: int,
+) -> list[TokenLogprob]:  # fmt: skip
+    """The prompt log-probabilities a chunk of positions ``start..end-1`` adds past the
+    ``have`` already known (of prompt tokens 1..have; ``start <= have``): row ``j`` of
+    the chunk predicts token ``start + j + 1``, and the row at the prompt's last position
+    predicts no prompt token. ``logits_of(lo, hi)``: the logits of the chunk's rows
+    ``lo..hi-1`` (computed only for the rows wanted, where the caller can)."""
+    last = min(end, num_prompt - 1)
+    if last <= have:
+        return []
+    targets = list(token_ids[have + 1 : last + 1])
+    return prompt_token_logprobs(logits_of(have - start, last - start), targets, num_top)
 
 
 def sample_with_logprobs(
