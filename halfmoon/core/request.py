@@ -21,6 +21,35 @@ class TokenLogprob:
     rank: int | None = None
 
 
+#: The kinds of :class:`StructuredOutput` (vLLM's ``structured_outputs`` fields).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's structured outputs): ``kind`` one of
+    :data:`STRUCTURED_KINDS`, ``spec`` its text: a JSON schema (``json``), a regular
+    expression (``regex``), a JSON list of strings (``choice``), a Lark or GBNF grammar
+    (``grammar``); empty for ``json_object`` (any JSON object). ``compact``: JSON with no
+    whitespace of the model's choosing (vLLM's ``disable_any_whitespace``). Plain data:
+    the engine compiles it (:mod:`halfmoon.engine.structured`)."""
+
+    kind: str
+    spec: str = ""
+    compact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if self.kind == "json_object" and self.spec:
+            raise ValueError("a json_object structured output takes no spec")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} structured output needs a spec")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling options plus vLLM's ``ignore_eos`` / ``min_tokens`` /
@@ -55,6 +84,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: vLLM's ``allowed_token_ids``: only these may be drawn (empty: any token).
     allowed_token_ids: tuple[int, ...] = ()
+    #: The output held to a JSON schema, a regular expression, choices or a grammar.
+    structured: StructuredOutput | None = None
 
     @property
     def has_penalties(self) -> bool:

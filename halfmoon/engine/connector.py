@@ -401,11 +401,15 @@ class _LocalStage(StageConnector):
         engine = self.owner.engine
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         stop_ids = stop_ids_for(params, engine.eos_token_ids)
-        row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt))
+        constraint = engine.new_constraint(params)
+        mask = constraint.allowed() if constraint is not None else None
+        row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt), mask)
         (token,), (entry,) = sample_with_logprobs(
             self.executor.logits(rows), [row], [params.logprobs]
         )
         finish = finish_reason(token, params, stop_ids, 1, len(prompt) + 1, engine.max_model_len)
+        if constraint is not None:
+            finish = constraint.finish_after(token) or finish
         return token, entry, seed, finish
 
     def take_prompt_logprobs(self, request_id: str) -> tuple[TokenLogprob, ...] | None:

@@ -45,6 +45,7 @@ from halfmoon.engine.sampling import (
     stop_ids_for,
 )
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,21 @@ class LLMEngine:
         seq = Sequence(request_id, list(token_ids), num_prompt, params, seed,
                        stop_ids, detok, keep_kv)  # fmt: skip
         seq.text = detok.text if detok else ""
+        seq.constraint = self.new_constraint(params)
+        if seq.constraint is not None:  # a request continued here: its tokens so far
+            seq.constraint.consume(token_ids[num_prompt:])
         return seq
+
+    def new_constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh :class:`Constraint` for ``params.structured`` (None without one);
+        HalfmoonError when it does not compile or the model has no tokenizer."""
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise HalfmoonError("structured outputs need the model's tokenizer")
+        vocab = self.model_config.vocab_size
+        grammar_tok = grammar_tokenizer(self.tokenizer, vocab, self.eos_token_ids)
+        return Constraint(params.structured, grammar_tok)
 
     def add_request(
         self,
@@ -338,6 +353,7 @@ class LLMEngine:
                 c.seq.num_output_tokens,
                 tuple(c.seq.stop_token_ids),
                 c.seq.token_ids,
+                c.seq.constraint.allowed() if c.seq.constraint is not None else None,
             )
             for c, _ in sampling
         ]
@@ -383,6 +399,8 @@ class LLMEngine:
             token, seq.params, seq.stop_token_ids, seq.num_output_tokens, seq.num_tokens,
             self.max_model_len,
         )  # fmt: skip
+        if seq.constraint is not None:  # it ends once its grammar admits nothing more
+            reason = seq.constraint.finish_after(token) or reason
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if not seq.keep_kv:

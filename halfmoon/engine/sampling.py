@@ -1,5 +1,5 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, repetition penalties, logit bias,
-with per-request seeds.
+allowed tokens and structured outputs' grammar masks, with per-request seeds.
 
 Randomness never depends on the batch: the draw for a request's ``n``-th output token
 uses a generator seeded from ``(seed, n)``. A request therefore samples the same tokens
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class SamplingRow:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] = ()
+    #: What a structured output admits next (bool over the vocabulary), or None.
+    grammar_mask: torch.Tensor | None = field(default=None, compare=False)
 
 
 def row_for(
@@ -54,9 +56,11 @@ def row_for(
     num_output_tokens: int,
     stop_ids: tuple[int, ...],
     token_ids: SequenceABC[int] = (),
+    grammar_mask: torch.Tensor | None = None,
 ) -> SamplingRow:
     """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``.
-    ``token_ids`` (prompt + output so far) matter only to penalties."""
+    ``token_ids`` (prompt + output so far) matter only to penalties; ``grammar_mask`` is
+    its structured output's :meth:`~halfmoon.engine.structured.Constraint.allowed`."""
     banned = stop_ids if num_output_tokens < params.min_tokens else ()
     return SamplingRow(
         temperature=params.temperature,
@@ -72,6 +76,7 @@ def row_for(
         logit_bias=params.logit_bias,
         min_p=params.min_p,
         allowed_token_ids=params.allowed_token_ids,
+        grammar_mask=grammar_mask,
     )
 
 
@@ -140,26 +145,46 @@ def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> tor
     return logits
 
 
+def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """The tokens a row may draw (bool ``[vocab]``), None for all. A structured output's
+    grammar wins over ``allowed_token_ids`` when they share no token, and either wins over
+    ``min_tokens``: stop tokens are banned only while something else is left."""
+    keep = grammar = None
+    if row.grammar_mask is not None:
+        keep = grammar = torch.zeros(vocab, dtype=torch.bool, device=device)
+        width = min(vocab, row.grammar_mask.shape[0])
+        keep[:width] = row.grammar_mask[:width].to(device)
+    if row.allowed_token_ids:
+        listed = torch.zeros(vocab, dtype=torch.bool, device=device)
+        listed[[t for t in row.allowed_token_ids if t < vocab]] = True
+        keep = listed if keep is None else keep & listed
+        if grammar is not None and not bool(keep.any()):
+            keep = grammar
+    if row.banned_token_ids:
+        unbanned = (
+            torch.ones(vocab, dtype=torch.bool, device=device) if keep is None else keep.clone()
+        )
+        unbanned[[t for t in row.banned_token_ids if t < vocab]] = False
+        if bool(unbanned.any()):
+            keep = unbanned
+    return keep
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """One token id per row of ``logits`` ``[N, vocab]``, on any device (the seeded draw
-    itself uses a CPU generator on every device)."""
+    itself uses a CPU generator on every device). ``logits`` may change in place."""
     logits = logits.to(torch.float32)
+    if logits.is_inference() and not torch.is_inference_mode_enabled():
+        logits = logits.clone()  # masks and penalties write into it (a pipeline stage's)
     for i, row in enumerate(rows):
         if row.token_ids:
             _apply_penalties(logits[i], row)
         if row.logit_bias:
             ids, biases = zip(*row.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-        banned = row.banned_token_ids
-        if row.allowed_token_ids:
-            allowed = [t for t in row.allowed_token_ids if t < logits.shape[-1]]
-            mask = torch.full_like(logits[i], float("-inf"))
-            mask[allowed] = 0.0
-            logits[i] += mask
-            if set(allowed) <= set(banned):  # only stop tokens allowed: they beat min_tokens
-                banned = ()
-        if banned:
-            logits[i, list(banned)] = float("-inf")
+        keep = _kept(row, logits.shape[-1], logits.device)
+        if keep is not None:
+            logits[i].masked_fill_(~keep, float("-inf"))
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, row in enumerate(rows):
         if row.temperature == 0.0:

@@ -15,10 +15,14 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from halfmoon.engine.structured import Constraint
 
 
 class Status(enum.Enum):
@@ -52,6 +56,8 @@ class Sequence:
     #: The prompt's log-probabilities computed so far (of prompt tokens 1, 2, ...), when
     #: the request asked for them (``params.prompt_logprobs``).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Its place in its structured output's grammar (``params.structured``), or None.
+    constraint: Constraint | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -184,6 +184,10 @@ class Tokenizer:
         """Number of token ids (added tokens included)."""
         return self._tok.get_vocab_size()
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what llguidance loads)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None."""
         return self._tok.token_to_id(token)

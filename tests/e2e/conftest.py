@@ -8,6 +8,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -78,12 +79,12 @@ def vllm_groups(root_pid: int) -> set[int]:
     return groups
 
 
-def vllm_greedy(url: str, token_ids: list[int], max_tokens: int) -> list[int]:
+def vllm_greedy(url: str, token_ids: list[int], max_tokens: int, **extra: Any) -> list[int]:
     """vLLM's own greedy answer (token ids), asked of the server at ``url`` directly: no
     transfer parameters, so a KV connector inside it stays idle and vLLM prefills and
-    decodes by itself."""
+    decodes by itself. ``extra``: more fields of the body (``structured_outputs``)."""
     body = {"model": "smollm2-135m-instruct", "prompt": token_ids, "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True}  # fmt: skip
+            "temperature": 0, "return_token_ids": True, **extra}  # fmt: skip
     out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
     return out["choices"][0]["token_ids"]
 

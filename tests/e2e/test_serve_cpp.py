@@ -8,6 +8,7 @@ engine's; a stage killed mid-prompt must not hang the request.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -46,7 +47,7 @@ def _stage_stats(cluster) -> list:
 
 
 def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
-    from halfmoon.core.request import SamplingParams
+    from halfmoon.core.request import SamplingParams, StructuredOutput
     from halfmoon.engine import EngineConfig, LLMEngine
 
     prompts = [_prompt("a", 1500), _prompt("b", 2200)]  # ~4,300 and ~6,700 tokens
@@ -76,9 +77,29 @@ def test_greedy_and_seeded_outputs_equal_an_offline_engine(cpp):
     ours = out.choices[0].logprobs.token_logprobs
     assert len(ours) == len(ref) == 3
     assert all(abs(x - e.logprob) < 1e-3 for x, (_, e) in zip(ours, ref, strict=True))
+    # Masks on the first token, drawn by the last stage: a structured output, and the
+    # options that write into its logits (min_tokens, logit_bias: those once failed there).
+    from .test_serve_disaggregated import SMALL_SCHEMA
+
+    structured = StructuredOutput("json", json.dumps(SMALL_SCHEMA), compact=True)
+    masked = [
+        (SamplingParams(max_tokens=40, temperature=0.9, seed=4, structured=structured),
+         {"structured_outputs": {"json": SMALL_SCHEMA, "disable_any_whitespace": True}}),
+        (SamplingParams(max_tokens=4, temperature=0, min_tokens=2, logit_bias=((7, 5.0),)),
+         {"min_tokens": 2}),
+    ]  # fmt: skip
+    for params, extra in masked:
+        (ref,) = engine.generate([prompts[1]], params)
+        out = client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=params.max_tokens,
+            temperature=params.temperature, seed=params.seed,
+            logit_bias={"7": 5.0} if params.logit_bias else None, extra_body=extra,
+        )  # fmt: skip
+        assert out.choices[0].text == ref.text
+    assert json.loads(engine.generate([prompts[1]], masked[0][0])[0].text)["tag"]
     after = [p.stats["cpp_requests"] for p in _stage_stats(cpp)]
     # Both stages ran every request (the Conductor chose the group: it lowers TTFT).
-    assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [7, 7]
     assert all(p.stats["cpp_jobs"] == 0 and p.integrity == "ok" for p in _stage_stats(cpp))
 
 

@@ -206,3 +206,35 @@ def _running(url: str) -> float:
             if line.startswith("vllm:num_requests_running{"):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
+    """A JSON schema (OpenAI's ``response_format``) and a choice list through halfmoon to
+    vLLM (as its own ``structured_outputs``): the answers equal vLLM's own."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    client = _client(fleet)
+    url = next(iter(_vllm_servers(fleet).values()))
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    prompt = "The capital of France, as JSON:"
+    ours = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=24, temperature=0,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "a", "schema": schema}}},
+    )  # fmt: skip
+    theirs = vllm_greedy(url, tokenizer.encode(prompt), 24, structured_outputs={"json": schema})
+    text = ours.choices[0].text
+    assert text == tokenizer.decode(theirs) and set(json.loads(text)) == {"city"}
+    choices = {"choice": [" yes", " no"]}
+    ours = client.completions.create(
+        model="smollm2-135m-instruct", prompt="Is the sky blue? Answer:", max_tokens=8,
+        temperature=0, extra_body={"structured_outputs": choices},
+    )  # fmt: skip
+    ids = tokenizer.encode("Is the sky blue? Answer:")
+    theirs = vllm_greedy(url, ids, 8, structured_outputs=choices)
+    assert (
+        ours.choices[0].text == tokenizer.decode(theirs)
+        and ours.choices[0].text in choices["choice"]
+    )

@@ -112,6 +112,24 @@ def test_greedy_outputs_equal_vllms_own_streamed_and_not(pd, tokenized):
     assert {len(p) for p in prompts} <= streamed_prompts, records
 
 
+def test_a_structured_output_through_the_pair_equals_vllms_own(pd, tokenized):
+    """A JSON schema through a disaggregated vLLM pair (both sides get vLLM's
+    ``structured_outputs``; the decode server generates every token): the same answer as
+    the decode server alone."""
+    tokenizer, _ = tokenized
+    schema = {"type": "object", "properties": {"fruit": {"enum": ["apple", "pear", "plum"]}},
+              "required": ["fruit"], "additionalProperties": False}  # fmt: skip
+    prompt = "My favourite fruit, as JSON:"
+    ours = _client(pd).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )  # fmt: skip
+    want = vllm_greedy(_decode_server_url(pd), tokenizer.encode(prompt), MAX_TOKENS,
+                       structured_outputs={"json": schema})  # fmt: skip
+    assert ours.choices[0].text == tokenizer.decode(want)
+    assert json.loads(ours.choices[0].text)["fruit"] in ("apple", "pear", "plum")
+
+
 def test_a_prefix_cached_on_one_prefill_is_pulled_by_the_other(pd):
     """While the prefill server holding a long prefix is busy, a second request sharing it
     goes to the other prefill server, which pulls the prefix's blocks from the holder's

@@ -37,8 +37,8 @@ def test_serve_never_touches_tensors() -> None:
 
 #: The engine modules serve may import: the connector (the whole runtime boundary), and
 #: what the gateway and the launcher need before any engine runs (tokenizer, model
-#: catalog, the engine's config).
-ENGINE_MODULES = {"connector", "tokenizer", "catalog", "config"}
+#: catalog, the engine's config, the check of a structured output's spec).
+ENGINE_MODULES = {"connector", "tokenizer", "catalog", "config", "structured"}
 #: Engine internals a serving role must reach only through the connector.
 INTERNALS = {"block_manager", "kv_cache", "runner", "kv_layout", "model_config", "scheduler"}
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.gateway.backend import GenerationChunk
 
 OUTPUT = (65, 66, 67, 68)  # token ids the backend "generates", two per chunk
@@ -151,7 +151,6 @@ def test_echo_puts_the_prompt_before_the_output(served):
         ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs with stream"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "json_object"),
     ],
 )
 def test_unimplemented_options_are_refused_by_name(served, path, extra, named):
@@ -285,8 +284,7 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
 
 @pytest.mark.parametrize(
     "option",
-    [{"guided_json": {"type": "object"}}, {"guided_regex": "a+"}, {"guided_choice": ["a"]},
-     {"structured_outputs": {"json": {}}}, {"use_beam_search": True}, {"bad_words": ["x"]}],
+    [{"use_beam_search": True}, {"bad_words": ["x"]}],
 )  # fmt: skip
 def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option):
     client, _, _ = served
@@ -468,3 +466,76 @@ def test_max_tokens_zero_with_echo_answers_the_prompt_alone(served):
     assert streamed == [None, -0.041, -0.042]
     refused = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 0})
     assert refused.status_code == 400 and "max_tokens" in refused.text
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+         StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         StructuredOutput("json", json.dumps(SCHEMA), compact=True)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}},
+         StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutput("regex", "[ab]+")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}},
+         StructuredOutput("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"grammar": 'root ::= "a"+'}},
+         StructuredOutput("grammar", 'root ::= "a"+')),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+        ({"guided_json": SCHEMA}, StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"guided_regex": "a+"}, StructuredOutput("regex", "a+")),
+        ({"guided_choice": ["a"]}, StructuredOutput("choice", '["a"]')),
+        ({"guided_grammar": "start: /[0-9]+/"}, StructuredOutput("grammar", "start: /[0-9]+/")),
+    ],
+)  # fmt: skip
+def test_structured_outputs_reach_the_backend(served, option, expected):
+    """vLLM's ``structured_outputs``, its older ``guided_*`` fields and OpenAI's
+    ``response_format`` all become one :class:`StructuredOutput`, on both endpoints."""
+    client, backend, _ = served
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        response = client.post(path, json={"model": "m", **body, **option})
+        assert response.status_code == 200, (path, response.text)
+        assert backend.params[-1].structured == expected
+
+
+@pytest.mark.parametrize(
+    ("option", "param", "says"),
+    [
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+        ({"guided_json": "{bad"}, "guided_json", "structured output (json)"),
+        ({"guided_json": [1, 2]}, "guided_json", "takes a JSON schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+        ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "list of strings"),
+        ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs", "grammar"),
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs", "non-empty string"),
+        ({"structured_outputs": {"json": SCHEMA}, "guided_regex": "a"}, "structured_outputs",
+         "only one structured output"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "only one structured output"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+         "response_format", "only one"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs",
+         "whitespace_pattern"),
+    ],
+)  # fmt: skip
+def test_bad_structured_outputs_are_400s_naming_them(served, option, param, says):
+    client, backend, _ = served
+    before = len(backend.params)
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **option},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert len(backend.params) == before  # nothing reached the cluster

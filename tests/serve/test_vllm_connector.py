@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, StructuredOutput
 from halfmoon.serve.vllm.connector import (
     VllmServerConnector,
     VllmUnsupported,
@@ -80,8 +80,24 @@ def test_request_body_maps_every_sampling_option() -> None:
     # top_k and min_p go off (0) too, or the server would apply its model's defaults
     assert (plain["top_k"], plain["min_p"]) == (0, 0.0)
     assert "seed" not in plain and "cache_salt" not in plain and "allowed_token_ids" not in plain
-    assert "logprobs" not in plain
+    assert "logprobs" not in plain and "structured_outputs" not in plain
     json.dumps(body)  # what goes on the wire
+
+
+@pytest.mark.parametrize(
+    ("structured", "expected"),
+    [
+        (StructuredOutput("json", '{"type": "object"}'), {"json": {"type": "object"}}),
+        (StructuredOutput("json_object", compact=True),
+         {"json_object": True, "disable_any_whitespace": True}),
+        (StructuredOutput("regex", "[ab]+"), {"regex": "[ab]+"}),
+        (StructuredOutput("choice", '["y", "n"]'), {"choice": ["y", "n"]}),
+        (StructuredOutput("grammar", 'root ::= "a"'), {"grammar": 'root ::= "a"'}),
+    ],
+)  # fmt: skip
+def test_structured_outputs_go_to_vllm_as_its_own_field(structured, expected) -> None:
+    body = request_body("smol", [1], SamplingParams(structured=structured), None)
+    assert body["structured_outputs"] == {"disable_any_whitespace": False, **expected}
 
 
 def test_stream_lines_become_tokens_logprobs_finish_and_cached_count() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.control.codec import (
     MESSAGE_TYPES,
     MalformedMessage,
@@ -111,6 +111,8 @@ class WireParams(Record):
     min_p: float = 0.0
     allowed_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int | None = None
+    #: A structured output as (kind, spec, compact), or None.
+    structured: tuple[str, str, bool] | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -125,6 +127,8 @@ class WireParams(Record):
                        float(params.repetition_penalty)) if params.has_penalties else None,
             min_p=float(params.min_p), allowed_token_ids=list(params.allowed_token_ids),
             prompt_logprobs=params.prompt_logprobs,
+            structured=None if (so := params.structured) is None
+            else (so.kind, so.spec, so.compact),
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -139,6 +143,7 @@ class WireParams(Record):
             repetition_penalty=repetition, min_p=self.min_p,
             allowed_token_ids=tuple(self.allowed_token_ids),
             prompt_logprobs=self.prompt_logprobs,
+            structured=None if self.structured is None else StructuredOutput(*self.structured),
         )  # fmt: skip
 
 

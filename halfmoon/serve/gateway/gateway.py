@@ -17,11 +17,17 @@ from typing import Any, TypeVar
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.ids import IdGenerator
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
+from halfmoon.engine.structured import check, grammar_tokenizer
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.gateway.access_log import note_generation
 from halfmoon.serve.gateway.backend import Backend, BackendError, GenerationChunk
-from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, CompletionRequest, usage
+from halfmoon.serve.gateway.openai_api import (
+    STRUCTURED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    usage,
+)
 from halfmoon.serve.gateway.prom import GatewayMetrics
 from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
@@ -248,9 +254,27 @@ class Gateway:
                 presence_penalty=option("presence_penalty"),
                 frequency_penalty=option("frequency_penalty"),
                 repetition_penalty=option("repetition_penalty"),
+                structured=self._structured(body),
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def _structured(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> StructuredOutput | None:
+        """The request's structured output, compiled here once so that a bad schema,
+        regex or grammar is a 400 naming its field, not a failure on a worker."""
+        try:
+            structured = body.structured_output()
+            if structured is not None:
+                tok = self.tokenizer
+                eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+                check(structured, grammar_tokenizer(tok, tok.vocab_size, eos))
+        except (ValueError, HalfmoonError) as exc:
+            fields = [f for f in STRUCTURED_FIELDS if getattr(body, f) is not None]
+            raise HTTPError(400, str(exc), "BadRequestError",
+                            param=fields[0] if fields else None) from None  # fmt: skip
+        return structured
 
     def _echo_text(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
         """The text of ``prompt`` (its token ``ids``) a completion with ``echo`` sends

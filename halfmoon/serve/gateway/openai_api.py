@@ -12,12 +12,14 @@ prompt tokens' log-probabilities come first, as lm-evaluation-harness reads them
 from a prefix cache),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
-``allowed_token_ids``,
+``allowed_token_ids``, structured outputs (vLLM's ``structured_outputs``: ``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``; its older
+``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
 ``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
 characters: prefix-cache hits only among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
-this server does not implement (``best_of``, ``suffix``, tools, JSON response formats,
-vLLM's structured outputs, beam search and ``bad_words``)
+this server does not implement (``best_of``, ``suffix``, tools, vLLM's structural tags,
+beam search and ``bad_words``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -27,12 +29,13 @@ leaves out takes the served model's default where it has one, as on vLLM
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
+from halfmoon.core.request import MAX_LOGPROBS, StructuredOutput, TokenLogprob
 from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
 from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 
@@ -96,13 +99,16 @@ class _Common(BaseModel):
     #: vLLM's: the log-probability of every prompt token after the first, with this many
     #: alternatives (in the response, not in a stream).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Known options that are not implemented: refused unless left at their defaults
-    # (vLLM's structured outputs, beam search and token constraints).
+    #: A structured output: vLLM's ``structured_outputs``, OpenAI's ``response_format``,
+    #: or vLLM's older ``guided_*`` fields (:meth:`structured_output`).
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # Known options that are not implemented: refused unless left at their defaults
+    # (beam search and token constraints).
     use_beam_search: bool = False
     bad_words: Any = None
     #: vLLM's: only these tokens may be generated (checked against the vocabulary).
@@ -151,6 +157,46 @@ class _Common(BaseModel):
             )
         return check_text(value, "cache_salt")
 
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's structured output, from vLLM's ``structured_outputs`` (``json``,
+        ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``),
+        OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's older
+        ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None
+        without one. ValueError naming the field when one is malformed, unsupported, or
+        more than one is set."""
+        so = self.structured_outputs or {}
+        for key in ("structural_tag", "whitespace_pattern", "disable_additional_properties"):
+            if so.get(key):
+                raise ValueError(f"structured_outputs.{key} is not supported")
+        given = [(f"structured_outputs.{kind}", kind, so.get(kind)) for kind in
+                 ("json", "regex", "choice", "grammar", "json_object")]  # fmt: skip
+        given += [(f"guided_{kind}", kind, getattr(self, f"guided_{kind}"))
+                  for kind in ("json", "regex", "choice", "grammar")]  # fmt: skip
+        if self.response_format is not None:
+            given.append(_response_format(self.response_format))
+        given = [g for g in given if g[2] is not None and g[2] is not False]
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _, _ in given)
+            raise ValueError(f"only one structured output may be given, got {names}")
+        name, kind, value = given[0]
+        if kind == "json_object":
+            spec = ""
+        elif kind == "json":
+            if not isinstance(value, str | dict | bool):
+                raise ValueError(f"{name} takes a JSON schema (an object, or its text)")
+            spec = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            if not isinstance(value, list):  # its items are checked as the spec compiles
+                raise ValueError(f"{name} takes a list of strings")
+            spec = json.dumps(value)
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} takes a non-empty string")
+            spec = value
+        return StructuredOutput(kind, spec, compact=bool(so.get("disable_any_whitespace")))
+
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple."""
         if self.stop is None:
@@ -158,10 +204,29 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+#: The fields that may set a structured output (:meth:`_Common.structured_output`).
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")  # fmt: skip
 #: vLLM options of :class:`_Common` refused when set to anything but their neutral value
 #: (None, False, empty): the output would silently not be what they ask for.
-_REFUSED_WHEN_SET = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "use_beam_search", "bad_words")  # fmt: skip
+_REFUSED_WHEN_SET = ("use_beam_search", "bad_words")
+
+
+def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:
+    """OpenAI's ``response_format`` as (field, kind, value); ``text`` sets nothing."""
+    kind = value.get("type", "text")
+    if kind == "text":
+        return "response_format", "json_object", None
+    if kind == "json_object":
+        return "response_format", "json_object", True
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict | bool):
+            raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+        return "response_format", "json", inner["schema"]
+    raise ValueError(
+        f"response_format {kind!r} is not supported (text, json_object and json_schema are)"
+    )
 
 
 class ChatTemplateOptions(BaseModel):
@@ -303,7 +368,6 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
     echo: bool = False  # vLLM's: the final message's text before the output
 
@@ -326,8 +390,6 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
             out.append("functions")
         if self.echo:
             out.append("echo (on chat completions)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(f"response_format {self.response_format.get('type')!r}")
         return out
 
     def output_limit(self, default: int) -> int:

@@ -45,7 +45,7 @@ import httpx
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.costmodel import CostProfile
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.connector import (
@@ -148,7 +148,20 @@ def request_body(
         body["return_tokens_as_token_ids"] = True
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if params.structured is not None:
+        body["structured_outputs"] = structured_outputs_body(params.structured)
     return body
+
+
+def structured_outputs_body(structured: StructuredOutput) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` object for ``structured`` (on a disaggregated vLLM
+    pair both sides get it: the decode side generates every output token)."""
+    kind, spec = structured.kind, structured.spec
+    value: Any = {"json": json.loads, "choice": json.loads}.get(kind, str)(spec)
+    return {
+        kind: True if kind == "json_object" else value,
+        "disable_any_whitespace": structured.compact,
+    }
 
 
 def _refused(request_id: str, status: int, text: str) -> _Chunk:

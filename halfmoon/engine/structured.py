@@ -1,0 +1,144 @@
+"""Structured outputs: a request's output held to a JSON schema, a regular expression, a
+list of choices or a grammar, by masking the logits of every token it samples.
+
+The matching is llguidance's (the Rust library behind Guidance, one of vLLM's backends):
+a :class:`StructuredOutput` compiles to an llguidance grammar (:func:`grammar_text`,
+cached), a :class:`Constraint` follows one request through it — which tokens may come
+next (:meth:`Constraint.allowed`), then the token drawn (:meth:`Constraint.finish_after`).
+A request ends (``stop``) as soon as its grammar admits nothing more; until then the
+model's EOS is allowed only where the grammar may end. The grammar compiles against the
+model's tokenizer (:func:`grammar_tokenizer`, built once per tokenizer: ~0.25 s for a
+49K vocabulary). Torch-free at import: the gateway checks specs with :func:`check`.
+
+As in vLLM: JSON schemas allow free whitespace between items unless ``compact``; a
+``grammar`` is Lark (llguidance's dialect) or GBNF (llama.cpp's); ``json_object`` is any
+JSON object.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise HalfmoonError("structured outputs need the llguidance package") from None
+    return llguidance
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> Any:
+    """llguidance's view of ``tokenizer`` (a :class:`halfmoon.engine.tokenizer.Tokenizer`)
+    over ``vocab_size`` logits, ending at ``eos_token_ids``; built once per tokenizer."""
+    eos = sorted(set(eos_token_ids))
+    key = (vocab_size, tuple(eos))
+    built = _TOKENIZERS.setdefault(tokenizer, {})
+    if key not in built:
+        ll = _llguidance()
+        built[key] = ll.LLTokenizer(tokenizer.backend_json(), n_vocab=vocab_size, eos_token=eos)
+    return built[key]
+
+
+@functools.lru_cache(maxsize=256)
+def grammar_text(structured: StructuredOutput) -> str:
+    """The llguidance grammar of ``structured`` (HalfmoonError naming what is wrong when
+    its spec does not parse)."""
+    ll = _llguidance()
+    kind, spec = structured.kind, structured.spec
+    options = {"whitespace_flexible": not structured.compact}
+    try:
+        if kind == "json_object":
+            return ll.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+        if kind == "json":
+            schema = json.loads(spec)
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema is an object (or true/false)")
+            return ll.LLMatcher.grammar_from_json_schema(spec, defaults=options)
+        if kind == "regex":
+            return ll.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            if (
+                not isinstance(choices, list)
+                or not choices
+                or any(not isinstance(c, str) or not c for c in choices)
+            ):
+                raise ValueError("choice takes a non-empty list of non-empty strings")
+            return ll.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in choices)
+            )
+        return ll.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+    except ValueError as exc:
+        raise HalfmoonError(f"structured output ({kind}): {exc}") from None
+
+
+def check(structured: StructuredOutput, tokenizer: Any) -> None:
+    """Raise HalfmoonError (naming the problem) unless ``structured`` compiles against
+    ``tokenizer`` (llguidance's, :func:`grammar_tokenizer`)."""
+    grammar = grammar_text(structured)
+    error = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise HalfmoonError(f"structured output ({structured.kind}): {error.strip()}")
+
+
+class Constraint:
+    """One request's place in its grammar."""
+
+    def __init__(self, structured: StructuredOutput, tokenizer: Any):
+        self.structured = structured
+        self._matcher = _llguidance().LLMatcher(tokenizer, grammar_text(structured), log_level=0)
+        if self._matcher.is_error():
+            raise HalfmoonError(
+                f"structured output ({structured.kind}): {self._matcher.get_error()}"
+            )
+
+    def allowed(self) -> torch.Tensor:
+        """Which tokens may come next: a bool tensor over the vocabulary."""
+        import torch
+
+        bias = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)
+        return torch.from_numpy(bias != 0)
+
+    def consume(self, tokens: Iterable[int]) -> None:
+        """Follow tokens already generated (a request continued from another worker);
+        HalfmoonError when the grammar does not admit them."""
+        tokens = list(tokens)
+        if tokens and not self._matcher.consume_tokens(tokens):
+            raise HalfmoonError(
+                f"structured output ({self.structured.kind}): the generated tokens do not "
+                f"follow it: {self._matcher.get_error().splitlines()[0]}"
+            )
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar admits nothing more."""
+        return self._matcher.is_stopped()
+
+    def finish_after(self, token: int) -> str | None:
+        """Follow the drawn ``token``: ``stop`` when the grammar then admits nothing more
+        (or, never expected, did not admit the token), else None."""
+        if not self._matcher.consume_token(token):
+            log.warning(
+                "structured output (%s): token %d broke the grammar: %s",
+                self.structured.kind, token, self._matcher.get_error().splitlines()[0],
+            )  # fmt: skip
+            return "stop"
+        return "stop" if self._matcher.is_stopped() else None

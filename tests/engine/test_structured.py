@@ -1,0 +1,206 @@
+"""Structured outputs in the engine (halfmoon/engine/structured.py): what a request's
+grammar admits is all it generates, whether it runs alone, batched, sampled, continued in
+another engine after a handoff, or started by a pipeline's last stage."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from engine_testlib import engine_config
+
+from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import SamplingParams, StructuredOutput
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.sampling import row_for, sample
+from halfmoon.engine.structured import check, grammar_text, grammar_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"enum": ["red", "green"]},
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+JSON = StructuredOutput("json", json.dumps(SCHEMA), compact=True)
+
+
+def _valid(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        set(value) == {"ok", "n", "tag"}
+        and isinstance(value["ok"], bool)
+        and type(value["n"]) is int
+        and 0 <= value["n"] <= 99
+        and value["tag"] in ("red", "green")
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir) -> LLMEngine:
+    return LLMEngine(engine_config(tiny_dir))
+
+
+@pytest.mark.parametrize(
+    ("structured", "error"),
+    [
+        (StructuredOutput("json", "{bad"), "json"),
+        (StructuredOutput("json", "[1, 2]"), "a JSON schema is an object"),
+        (StructuredOutput("regex", "a(b"), "unclosed group"),
+        (StructuredOutput("choice", "[]"), "non-empty list"),
+        (StructuredOutput("choice", '["a", ""]'), "non-empty list"),
+        (StructuredOutput("grammar", "root ::= missing_rule"), "grammar"),
+    ],
+)
+def test_bad_specs_are_errors_naming_them(engine: LLMEngine, structured, error: str) -> None:
+    tok = grammar_tokenizer(engine.tokenizer, engine.model_config.vocab_size, [1])
+    with pytest.raises(HalfmoonError, match=error):
+        check(structured, tok)
+    params = SamplingParams(max_tokens=4, structured=structured)
+    with pytest.raises(HalfmoonError):
+        engine.add_request("bad", [5, 6, 7], params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_kinds_need_their_spec() -> None:
+    with pytest.raises(ValueError, match="needs a spec"):
+        StructuredOutput("regex")
+    with pytest.raises(ValueError, match="takes no spec"):
+        StructuredOutput("json_object", "{}")
+    with pytest.raises(ValueError, match="must be one of"):
+        StructuredOutput("xml", "<a/>")
+    assert grammar_text(StructuredOutput("json_object"))  # compiles to a grammar text
+
+
+def test_a_random_model_writes_only_what_its_grammar_admits(engine: LLMEngine) -> None:
+    """A random-weight model left alone writes noise; held to a schema, a regex, choices
+    or a GBNF grammar it writes only what they admit, greedy and sampled, batched."""
+    cases = {
+        "json": (JSON, _valid),
+        "regex": (
+            StructuredOutput("regex", r"[ab]{3}-\d{2}"),
+            lambda t: re.fullmatch(r"[ab]{3}-\d{2}", t),
+        ),
+        "choice": (
+            StructuredOutput("choice", json.dumps(["alpha", "beta", "gamma"])),
+            lambda t: t in ("alpha", "beta", "gamma"),
+        ),
+        "grammar": (
+            StructuredOutput("grammar", 'root ::= ("x" | "y")+ "."'),
+            lambda t: re.fullmatch(r"[xy]+\.", t),
+        ),
+    }
+    prompts, params, expect = [], [], []
+    for kind, (structured, ok) in cases.items():
+        for seed in range(4):
+            temperature = 0.0 if seed == 0 else 1.0
+            prompts.append([5 + seed, 9, 17, 33])
+            params.append(SamplingParams(max_tokens=40, temperature=temperature, seed=seed,
+                                         structured=structured))  # fmt: skip
+            expect.append((kind, ok))
+    outs = engine.generate(prompts, params)
+    for out, (kind, ok) in zip(outs, expect, strict=True):
+        assert out.finish_reason == "stop", (kind, out.text)
+        assert ok(out.text), (kind, out.text)
+    unconstrained = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=12, seed=1))
+    assert not re.fullmatch(r"[ab]{3}-\d{2}|[xy]+\.", unconstrained[0].text)
+
+
+def test_the_request_ends_when_the_grammar_does(engine: LLMEngine) -> None:
+    """No EOS needed: the step that completes the grammar ends the request (``stop``),
+    even with ``ignore_eos``; an unbounded pattern runs to its ``max_tokens``."""
+    choice = StructuredOutput("choice", json.dumps(["alpha"]))
+    (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=30, temperature=0.0,
+                                                       ignore_eos=True, structured=choice))  # fmt: skip
+    assert out.text == "alpha" and out.finish_reason == "stop"
+    digits = StructuredOutput("regex", r"\d+")
+    (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=7, temperature=0.0,
+                                                       ignore_eos=True, structured=digits))  # fmt: skip
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    assert re.fullmatch(r"\d+", out.text)
+
+
+def test_a_handoff_continues_the_grammar(tiny_dir) -> None:
+    """The prefill engine samples the first token held to the grammar; the decode engine
+    follows the tokens it gets and continues exactly as one engine would."""
+    prompt = [7, 11, 13, 17, 19]
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=JSON)
+    (whole,) = LLMEngine(engine_config(tiny_dir)).generate([prompt], params)
+    assert _valid(whole.text)
+
+    prefill = LLMEngine(engine_config(tiny_dir))
+    prefill.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}),
+                        keep_kv=True)  # fmt: skip
+    (first,) = prefill.step()
+    handoff = prefill.export_kv("r")
+    decode = LLMEngine(engine_config(tiny_dir))
+    decode.import_request(handoff, params)
+    final = None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            final = out
+    assert final.token_ids == whole.token_ids and final.text == whole.text
+    assert first.token_ids == whole.token_ids[:1]
+
+    # A continued request whose tokens break its grammar is refused, not decoded.
+    broken = type(handoff)(**{**handoff.__dict__, "token_ids": [*prompt, 0]})
+    with pytest.raises(HalfmoonError, match="do not follow"):
+        LLMEngine(engine_config(tiny_dir)).import_request(broken, params)
+
+
+def test_the_grammar_outranks_allowed_tokens_and_min_tokens() -> None:
+    """Masks combine; when they leave nothing, the grammar wins over
+    ``allowed_token_ids``, and either over ``min_tokens`` (stop tokens then allowed)."""
+    logits = torch.zeros(1, 8)
+    logits[0, 5] = 3.0
+    grammar = torch.tensor([False, True, True, False, False, False, False, False])
+    base = SamplingParams(max_tokens=4, temperature=0.0)
+    assert sample(logits.clone(), [row_for(base, 0, 0, (), grammar_mask=grammar)]) in ([1], [2])
+    listed = SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=(2, 5))
+    assert sample(logits.clone(), [row_for(listed, 0, 0, (), grammar_mask=grammar)]) == [2]
+    disjoint = SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=(5, 6))
+    assert sample(logits.clone(), [row_for(disjoint, 0, 0, (), grammar_mask=grammar)]) in (
+        [1],
+        [2],
+    )
+    only_stop = torch.zeros(8, dtype=torch.bool)
+    only_stop[1] = True  # the grammar may only end here; the stop id is banned till min_tokens
+    waiting = SamplingParams(max_tokens=4, temperature=1.0, min_tokens=3)
+    row = row_for(waiting, 7, 0, (1,), grammar_mask=only_stop)
+    assert row.banned_token_ids == (1,)
+    assert sample(logits.clone(), [row]) == [1]
+
+
+@pytest.mark.parametrize("masked", ["grammar", "bias and min_tokens"])
+def test_a_pipeline_stage_samples_the_first_token_under_the_grammar(tiny_dir, masked) -> None:
+    """A CPP group's last stage samples as the engine does, masks and all (its logits
+    are inference tensors: the sampler must not write into them)."""
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.connector import LocalConnector
+
+    config = EngineConfig(model=str(tiny_dir), kv_cache_mb=16, num_threads=1)
+    connector = LocalConnector.create(config)
+    prompt = [(i * 29) % 4000 + 5 for i in range(40)]
+    if masked == "grammar":
+        choice = StructuredOutput("choice", json.dumps(["gamma ray", "delta"]))
+        params = SamplingParams(max_tokens=8, temperature=0.0, structured=choice)
+    else:
+        params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=2,
+                                logit_bias=((7, 5.0),))  # fmt: skip
+    reference = connector.engine.generate([prompt], params)[0]
+    stages = [connector.pipeline_stage(2, s) for s in range(2)]
+    for stage in stages:
+        assert stage.start("p", prompt, 0) == 0
+    hidden = None
+    for stage in stages:
+        hidden = stage.run_chunk("p", prompt, 0, len(prompt), hidden, len(prompt))
+    token, _, _, finish = stages[-1].sample_first("p", prompt, params)
+    for stage in stages:
+        stage.release("p")
+    assert token == reference.token_ids[0]
+    assert finish == (reference.finish_reason if len(reference.token_ids) == 1 else None)
