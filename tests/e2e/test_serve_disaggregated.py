@@ -383,3 +383,36 @@ def test_structured_outputs_equal_an_offline_engine(disagg):
     with pytest.raises(openai.BadRequestError, match="unclosed group"):
         client.completions.create(model="tiny", prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a(b"})  # fmt: skip
+
+
+def test_forced_tool_calls_through_the_cluster(disagg):
+    """``tool_choice`` a named function or ``required``: the output, held to the
+    function's parameters (or to an array of calls), comes back as OpenAI's
+    ``tool_calls``, whole and streamed; the conversation goes on with the call's result."""
+    client = _client(disagg)
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": SMALL_SCHEMA}}]
+    messages = [{"role": "user", "content": "Paint something."}]
+    named = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=60, seed=3,
+        tool_choice={"type": "function", "function": {"name": "paint"}},
+    )  # fmt: skip
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "paint" and named.choices[0].finish_reason == "stop"
+    assert json.loads(call.function.arguments)["tag"] in ("red", "green")
+    required = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=60, seed=4, stream=True,
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    chunks = [c for c in required if c.choices]
+    (streamed,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert streamed.function.name == "paint" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert json.loads(streamed.function.arguments)["tag"] in ("red", "green")
+    after = client.chat.completions.create(
+        model="tiny", tools=tools, tool_choice="none", max_tokens=4, messages=[
+            *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "done"},
+        ],
+    )  # fmt: skip
+    assert after.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=4)

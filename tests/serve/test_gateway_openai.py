@@ -150,7 +150,7 @@ def test_echo_puts_the_prompt_before_the_output(served):
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs with stream"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_unimplemented_options_are_refused_by_name(served, path, extra, named):

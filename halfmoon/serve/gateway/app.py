@@ -172,7 +172,7 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "give either prompt or messages", "BadRequestError")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             tokens = await gw.off_loop(gw.chat_prompt, messages, body.template_options())
         else:
             tokens = await gw.off_loop(tokenizer.encode, body.prompt or "")

@@ -152,7 +152,7 @@ class Gateway:
             )
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             prompt_ids = self.chat_prompt(messages, body.template_options())
             max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
@@ -198,6 +198,7 @@ class Gateway:
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
             echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
+            tool_mode=body.tool_mode()[0] if chat else None,
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -211,7 +212,7 @@ class Gateway:
         return max(1, min(limits))
 
     def chat_prompt(
-        self, messages: list[dict[str, str]], options: Mapping[str, Any] | None = None
+        self, messages: list[dict[str, Any]], options: Mapping[str, Any] | None = None
     ) -> list[int]:
         """``messages`` through the chat template (with ``options``: the request's
         :meth:`ChatTemplateOptions.template_options`), tokenized; a 400 when the model has
@@ -271,9 +272,9 @@ class Gateway:
                 eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
                 check(structured, grammar_tokenizer(tok, tok.vocab_size, eos))
         except (ValueError, HalfmoonError) as exc:
-            fields = [f for f in STRUCTURED_FIELDS if getattr(body, f) is not None]
-            raise HTTPError(400, str(exc), "BadRequestError",
-                            param=fields[0] if fields else None) from None  # fmt: skip
+            fields = [f for f in STRUCTURED_FIELDS if getattr(body, f, None) is not None]
+            param = getattr(exc, "param", None) or (fields[0] if fields else "tool_choice")
+            raise HTTPError(400, str(exc), "BadRequestError", param=param) from None
         return structured
 
     def _echo_text(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:

@@ -15,11 +15,13 @@ from a prefix cache),
 ``allowed_token_ids``, structured outputs (vLLM's ``structured_outputs``: ``json``,
 ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``; its older
 ``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
-``include_stop_str_in_output``, ``cache_salt`` (a non-empty string of at most 256
-characters: prefix-cache hits only among requests with the same salt, see
+tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required`` or
+``none``: :mod:`halfmoon.serve.gateway.tools`), ``include_stop_str_in_output``,
+``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
+among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
-this server does not implement (``best_of``, ``suffix``, tools, vLLM's structural tags,
-beam search and ``bad_words``)
+this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"``, the older
+``functions``, vLLM's structural tags, beam search and ``bad_words``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -38,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from halfmoon.core.request import MAX_LOGPROBS, StructuredOutput, TokenLogprob
 from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
 from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
+from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_schema
 
 #: Most choices (``n``) one request may ask for; each is a request to the cluster.
 MAX_CHOICES = 16
@@ -204,6 +207,14 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+class FieldError(ValueError):
+    """A bad value of request field ``param`` (the 400's ``param``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 #: The fields that may set a structured output (:meth:`_Common.structured_output`).
 STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar")  # fmt: skip
@@ -240,6 +251,9 @@ class ChatTemplateOptions(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's tool definitions: the template's ``tools`` variable (and, with
+    #: ``tool_choice``, what the output may call: :mod:`halfmoon.serve.gateway.tools`).
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_open_turn(self) -> ChatTemplateOptions:
@@ -255,10 +269,13 @@ class ChatTemplateOptions(BaseModel):
 
     def template_options(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`Tokenizer.apply_chat_template`."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
         return {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
-            "template_kwargs": self.chat_template_kwargs or {},
+            "template_kwargs": kwargs,
         }
 
 
@@ -332,13 +349,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    #: Text, or a list of text parts; None only on an assistant turn of tool calls.
+    content: str | list[dict[str, Any]] | None = None
+    #: An assistant turn's tool calls (OpenAI's shape), for the chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    #: A ``tool`` message's answer to this call id.
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs content (only an assistant's tool calls need none)")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _text_only(
+        cls, value: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
         # Refused while parsing (a 400), not later in the route.
-        parts = [value] if isinstance(value, str) else value
+        parts = [value] if isinstance(value, str) else value or []
         for part in parts:
             if isinstance(part, str):
                 check_text(part, "message content")
@@ -353,10 +384,18 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str:
-        """The message's text (its text parts joined)."""
+        """The message's text (its text parts joined; "" when it has none)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part["text"] for part in self.content)
+        return "".join(part["text"] for part in self.content or [])
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (:func:`tools.template_message`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return template_message(out)
 
 
 class ChatCompletionRequest(_Common, ChatTemplateOptions):
@@ -367,7 +406,8 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
     echo: bool = False  # vLLM's: the final message's text before the output
 
@@ -384,13 +424,34 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        if self.tools:
-            out.append("tools")
         if self.functions:
             out.append("functions")
         if self.echo:
             out.append("echo (on chat completions)")
         return out
+
+    def tool_mode(self) -> tuple[ToolMode | None, dict[str, Any] | None]:
+        """How the output becomes tool calls, and the schema that holds it
+        (:func:`tools.tool_schema`; None, None: plain text); FieldError when malformed."""
+        try:
+            return tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as exc:
+            field = "tool_choice" if "tool_choice" in str(exc) else "tools"
+            raise FieldError(str(exc), field) from None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """:meth:`_Common.structured_output`, or the schema of the forced tool calls
+        (both at once: a FieldError)."""
+        given = super().structured_output()
+        _, schema = self.tool_mode()
+        if schema is None:
+            return given
+        if given is not None:
+            raise FieldError("tool_choice forces tool calls: give no other structured output",
+                             "tool_choice")  # fmt: skip
+        # Without whitespace of the model's choosing: arguments are read by programs, and a
+        # small model held to flexible JSON can wander in whitespace until max_tokens.
+        return StructuredOutput("json", json.dumps(schema), compact=True)
 
     def output_limit(self, default: int) -> int:
         """The requested output length, or ``default``."""
@@ -442,11 +503,14 @@ def response_id(rid: str, chat: bool) -> str:
 
 
 def choice_body(
-    index: int, text: str, finish: str | None, chat: bool, logprobs: dict[str, Any] | None
-) -> dict[str, Any]:
-    """One choice of a complete (non-streaming) response."""
+    index: int, text: str, finish: str | None, chat: bool, logprobs: dict[str, Any] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One choice of a complete (non-streaming) response (chat: with its tool calls)."""
     if chat:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
@@ -474,15 +538,18 @@ def chunk_body(
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk of choice ``index``; ``delta=None`` with ``finish=None`` makes
-    a usage-only chunk."""
+    a usage-only chunk. Chat ``tool_calls`` go whole, each with its ``index``."""
     if chat:
         d: dict[str, Any] = {}
         if first:
             d["role"] = "assistant"
         if delta:
             d["content"] = delta
+        if tool_calls:
+            d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:

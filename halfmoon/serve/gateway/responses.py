@@ -29,6 +29,7 @@ from halfmoon.serve.gateway.openai_api import (
     prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.tools import ToolMode, tool_calls
 
 
 class HTTPError(Exception):
@@ -82,6 +83,8 @@ class Prepared:
     #: Completions' ``max_tokens: 0`` with ``echo``: the prompt (and its log-probabilities)
     #: is the whole answer; one token is computed and not sent, as on vLLM.
     echo_only: bool = False
+    #: Chat with a forced ``tool_choice``: the output is answered as tool calls.
+    tool_mode: ToolMode | None = None
 
     @property
     def num_choices(self) -> int:
@@ -153,7 +156,12 @@ async def collect(
             logprobs = logprobs_body(prompts[index] + entries[index], token_text, p.chat, 0)
         elif p.params.logprobs is not None:
             logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo_of(index)))
-        choice = choice_body(index, "".join(parts[index]), finishes[index], p.chat, logprobs)
+        text, finish, calls = "".join(parts[index]), finishes[index], None
+        if p.tool_mode is not None:
+            calls = tool_calls(p.tool_mode, text)
+            if calls is not None:
+                text, finish = "", p.tool_mode.finish(finish)
+        choice = choice_body(index, text, finish, p.chat, logprobs, calls)
         if p.show_prompt_logprobs and not p.chat:
             choice["prompt_logprobs"] = _prompt_field(prompts[index], token_text)
         choices.append(choice)
@@ -218,11 +226,28 @@ async def sse(
     opening = [True] * p.num_choices
     offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
     uses: list[dict] = [{}] * p.num_choices
+    # Forced tool calls: each choice's output is held back and sent as calls at its end.
+    held: list[tuple[str, list[Entry]]] = [("", [])] * p.num_choices
     running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries, prompt) = item
+            if p.tool_mode is not None:
+                held[index] = (held[index][0] + text, held[index][1] + list(entries))
+                text, entries = "", []
+                if finish is not None:
+                    calls = tool_calls(p.tool_mode, held[index][0])
+                    if calls is None:  # not whole: its text as it came
+                        text, entries = held[index]
+                    else:
+                        finish = p.tool_mode.finish(finish)
+                        logprobs = None
+                        if p.params.logprobs is not None:
+                            logprobs = logprobs_body(held[index][1], token_text, True, 0)
+                        yield event(chunk_body(p.request_id, model, None, None, True,
+                                               opening[index], logprobs, index, calls))  # fmt: skip
+                        opening[index] = False
             echo = p.echo_of(index) if opening[index] else ""
             if echo:
                 text, offsets[index] = echo + text, len(echo)

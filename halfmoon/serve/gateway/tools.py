@@ -1,0 +1,167 @@
+"""Tool calling on chat completions: OpenAI's ``tools`` and ``tool_choice``, as vLLM
+serves them without a model-specific tool-call parser.
+
+- ``tool_choice`` a named function (``{"type": "function", "function": {"name": ...}}``):
+  the output is held to that function's ``parameters`` schema (a structured output, JSON
+  without free whitespace: arguments are read by programs, and a small model held to
+  flexible JSON can wander in whitespace until ``max_tokens``) and
+  answered as one tool call whose ``arguments`` are the output; ``finish_reason`` stays
+  the generation's (``stop``), as OpenAI's API does for a forced function.
+- ``"required"``: the output is held to a JSON array of ``{"name", "parameters"}``
+  objects, one of the tools each (at most one with ``parallel_tool_calls: false``), and
+  answered as those tool calls; ``finish_reason`` ``tool_calls``.
+- ``"none"``: plain text (the tools still reach the chat template).
+- ``"auto"`` (the default when tools are given) needs a parser of the model's own
+  tool-call format, which this server does not have: a 400 saying so, as vLLM answers
+  without ``--enable-auto-tool-choice``.
+
+The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
+and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
+expect) and ``tool_call_id``. A streamed answer sends each choice's tool calls whole, in
+one chunk before its finish (a client joining the deltas gets the same calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+#: An empty parameters object: the schema of a function that declares none.
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a chat request's output becomes tool calls: ``name`` a forced function, or
+    None (``required``: a JSON array of calls)."""
+
+    name: str | None = None
+
+    def finish(self, reason: str | None) -> str | None:
+        """The finish reason of an answer whose calls came out whole: ``tool_calls`` for
+        ``required`` calls that ended on their own, else the generation's (vLLM's rule)."""
+        return "tool_calls" if self.name is None and reason == "stop" else reason
+
+
+def tool_call_id() -> str:
+    """A fresh tool call id (vLLM's shape)."""
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> parameters schema of each tool (ValueError for a malformed tool)."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools[{i}].function needs a name")
+        name = function["name"]
+        if not name or name in out:
+            raise ValueError(f"tools[{i}].function.name {name!r} is empty or given twice")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out[name] = params or NO_PARAMETERS
+    return out
+
+
+def tool_schema(
+    tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None
+) -> tuple[ToolMode | None, dict[str, Any] | None]:
+    """The mode and the JSON schema that ``tool_choice`` ``choice`` holds the output to
+    (None, None: plain text); ValueError naming what is wrong."""
+    if tools is not None and not tools:
+        raise ValueError("tools must not be empty (leave the field out instead)")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        if tools:
+            _functions(tools)
+        return None, None
+    if not tools:
+        raise ValueError("tool_choice needs tools")
+    functions = _functions(tools)
+    if choice == "auto":
+        raise ValueError(
+            'tool_choice "auto" (the default when tools are given) needs a parser of the '
+            "model's tool-call format, which this server does not have: set tool_choice "
+            'to "required", a named function, or "none"'
+        )
+    if choice == "required":
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "object", "anyOf": [
+                {"properties": {"name": {"type": "string", "enum": [name]},
+                                "parameters": params},
+                 "required": ["name", "parameters"]}
+                for name, params in functions.items()
+            ]},
+        }  # fmt: skip
+        if parallel is False:
+            calls["maxItems"] = 1
+        return ToolMode(), calls
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(
+            'tool_choice is "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}'
+        )
+    if function["name"] not in functions:
+        raise ValueError(f"tool_choice names {function['name']!r}, which is not in tools")
+    return ToolMode(function["name"]), functions[function["name"]]
+
+
+def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
+    """The tool calls of an output held to ``mode``'s schema (None when the output is not
+    whole: cut by ``max_tokens`` or a stop string, it is answered as text)."""
+    if mode.name is not None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [_call(mode.name, text)]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) for c in items
+    ):
+        return None
+    return [
+        _call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items
+    ]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": tool_call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as templates read it: text ``content`` ("" when none), and tool
+    calls' ``arguments`` as objects where they are JSON text (as vLLM renders them)."""
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    calls = []
+    for call in out.get("tool_calls") or ():
+        call = dict(call)
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):  # else the text as it came
+            with contextlib.suppress(ValueError):
+                function["arguments"] = json.loads(function["arguments"])
+        call["function"] = function
+        calls.append(call)
+    if calls:
+        out["tool_calls"] = calls
+    return out

@@ -1,0 +1,206 @@
+"""Tool calling on chat completions (halfmoon/serve/gateway/tools.py): ``tool_choice``
+turned into the schema the output is held to, the output into OpenAI's ``tool_calls``
+(whole and streamed), the tools and earlier calls into the chat template, and every
+malformed combination into a 400 naming its field.
+
+In-process (ASGI) over a backend that "generates" a fixed answer; a live cluster's
+answers are checked in tests/e2e/test_serve_disaggregated.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.serve.gateway.backend import GenerationChunk
+from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
+from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_calls, tool_schema
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "clock"}},
+]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class AnswerBackend:
+    """Generates the tokens of ``answer`` (set per test), two per chunk, ending ``stop``."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.answer = ""
+        self.params: list[SamplingParams] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self.params.append(params)
+        ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
+        for i in range(0, len(ids), 2):
+            last = i + 2 >= len(ids)
+            yield GenerationChunk(tuple(ids[i : i + 2]), "stop" if last else None,
+                                  0 if i == 0 else None)  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def health(self) -> dict[str, Any]:
+        return {"mode": "answer"}
+
+
+@pytest.fixture(scope="module")
+def served(gateways):
+    backend = AnswerBackend(gateways.tokenizer)
+    with TestClient(gateways.app(backend, "m", max_tokens_limit=64)) as client:
+        yield client, backend
+
+
+def _chat(client, **extra):
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 32, **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_a_named_function_holds_the_output_to_its_parameters(served):
+    client, backend = served
+    backend.answer = '{"city": "Paris"}'
+    choice = {"type": "function", "function": {"name": "weather"}}
+    body = _chat(client, tools=TOOLS, tool_choice=choice).json()
+    structured = backend.params[-1].structured
+    assert structured.kind == "json" and json.loads(structured.spec) == WEATHER
+    message = body["choices"][0]["message"]
+    assert message["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_required_calls_come_from_a_json_array(served):
+    client, backend = served
+    backend.answer = json.dumps([{"name": "weather", "parameters": {"city": "Oslo"}},
+                                 {"name": "clock", "parameters": {}}])  # fmt: skip
+    body = _chat(client, tools=TOOLS, tool_choice="required").json()
+    schema = json.loads(backend.params[-1].structured.spec)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [alt["properties"]["name"]["enum"] for alt in schema["items"]["anyOf"]]
+    assert names == [["weather"], ["clock"]]
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    assert calls == [{"name": "weather", "arguments": '{"city": "Oslo"}'},
+                     {"name": "clock", "arguments": "{}"}]  # fmt: skip
+    _chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(backend.params[-1].structured.spec)["maxItems"] == 1
+
+
+def test_streamed_tool_calls_come_whole_before_the_finish(served):
+    client, backend = served
+    backend.answer = '[{"name": "weather", "parameters": {"city": "Rome"}}]'
+    text = _chat(client, tools=TOOLS, tool_choice="required", stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant"} and not any("content" in d for d in deltas)
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0
+    assert calls[0][0]["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "tool_calls"
+
+
+def test_an_output_cut_short_is_answered_as_text(served):
+    client, backend = served
+    backend.answer = '[{"name": "weather", "param'
+    body = _chat(client, tools=TOOLS, tool_choice="required").json()
+    message = body["choices"][0]["message"]
+    assert message["content"] == backend.answer and "tool_calls" not in message
+
+
+def test_tool_choice_none_answers_text_and_no_constraint(served):
+    client, backend = served
+    backend.answer = "It is sunny."
+    body = _chat(client, tools=TOOLS, tool_choice="none").json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert backend.params[-1].structured is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"tools": TOOLS}, "tool_choice", '"auto"'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "parser"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [], "tool_choice": "none"}, "tools", "must not be empty"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice", "not in tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
+         "tools", "needs a name"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "given twice"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice", "no other structured output"),
+    ],
+)  # fmt: skip
+def test_malformed_tool_requests_are_400s_naming_the_field(served, extra, param, says):
+    client, backend = served
+    before = len(backend.params)
+    response = _chat(client, **extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert len(backend.params) == before
+
+
+def test_messages_with_tool_calls_and_results_are_accepted(served):
+    client, backend = served
+    backend.answer = "Sunny."
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]  # fmt: skip
+    body = {"model": "m", "messages": history, "tools": TOOLS, "tool_choice": "none"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    no_content = {"model": "m", "messages": [{"role": "user", "content": None}]}
+    response = client.post("/v1/chat/completions", json=no_content)
+    assert response.status_code == 400 and "needs content" in response.text
+
+
+def test_the_template_sees_the_tools_and_the_calls_as_objects(gateways):
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>"
+        "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %};{% endfor %}"
+    )
+    tok = gateways.tokenizer
+    tokenizer = Tokenizer(tok._tok, {}, template)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    request = ChatCompletionRequest(model="m", tools=TOOLS, tool_choice="none", messages=[
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ])  # fmt: skip
+    ids = tokenizer.apply_chat_template([m.for_template() for m in request.messages],
+                                        **request.template_options())  # fmt: skip
+    assert tokenizer.decode(ids) == (
+        "[weather][clock]user:Weather in Paris?;assistant:<weather Paris>;tool:18 C#c1;"
+    )
+
+
+def test_tool_helpers() -> None:
+    assert tool_schema(None, None, None) == (None, None)
+    mode, schema = tool_schema(TOOLS, {"type": "function", "function": {"name": "clock"}}, None)
+    assert mode == ToolMode("clock") and schema == {"type": "object", "properties": {}}
+    assert ToolMode("clock").finish("stop") == "stop" and ToolMode().finish("stop") == "tool_calls"
+    assert ToolMode().finish("length") == "length"
+    assert tool_calls(ToolMode("clock"), "{") is None
+    assert tool_calls(ToolMode(), '{"name": "clock"}') is None  # not an array
+    assert tool_calls(ToolMode(), '[{"parameters": {}}]') is None  # no name
+    kept = template_message({"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "not json"}}]})  # fmt: skip
+    assert kept["content"] == "" and kept["tool_calls"][0]["function"]["arguments"] == "not json"
