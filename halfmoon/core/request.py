@@ -86,6 +86,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     #: The output held to a JSON schema, a regular expression, choices or a grammar.
     structured: StructuredOutput | None = None
+    #: vLLM's ``bad_words``: words never generated (the engine bans each one's last
+    #: token where the output already ends with the rest of it).
+    bad_words: tuple[str, ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -114,6 +117,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(token < 0 for token, _ in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids >= 0")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-blank strings")
         if any(token < 0 for token in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

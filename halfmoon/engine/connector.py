@@ -403,7 +403,8 @@ class _LocalStage(StageConnector):
         stop_ids = stop_ids_for(params, engine.eos_token_ids)
         constraint = engine.new_constraint(params)
         mask = constraint.allowed() if constraint is not None else None
-        row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt), mask)
+        row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt), mask,
+                      engine.bad_words_ids(params))  # fmt: skip
         (token,), (entry,) = sample_with_logprobs(
             self.executor.logits(rows), [row], [params.logprobs]
         )

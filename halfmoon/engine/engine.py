@@ -261,9 +261,21 @@ class LLMEngine:
                        stop_ids, detok, keep_kv)  # fmt: skip
         seq.text = detok.text if detok else ""
         seq.constraint = self.new_constraint(params)
+        seq.bad_words = self.bad_words_ids(params)
         if seq.constraint is not None:  # a request continued here: its tokens so far
             seq.constraint.consume(token_ids[num_prompt:])
         return seq
+
+    def bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences (:meth:`Tokenizer.bad_word_ids`)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise HalfmoonError("bad_words need the model's tokenizer")
+        try:
+            return self.tokenizer.bad_word_ids(params.bad_words)
+        except ValueError as exc:
+            raise HalfmoonError(str(exc)) from None
 
     def new_constraint(self, params: SamplingParams) -> Constraint | None:
         """A fresh :class:`Constraint` for ``params.structured`` (None without one);
@@ -354,6 +366,7 @@ class LLMEngine:
                 tuple(c.seq.stop_token_ids),
                 c.seq.token_ids,
                 c.seq.constraint.allowed() if c.seq.constraint is not None else None,
+                c.seq.bad_words,
             )
             for c, _ in sampling
         ]

@@ -48,6 +48,8 @@ class SamplingRow:
     allowed_token_ids: tuple[int, ...] = ()
     #: What a structured output admits next (bool over the vocabulary), or None.
     grammar_mask: torch.Tensor | None = field(default=None, compare=False)
+    #: ``bad_words`` as token sequences (:meth:`Tokenizer.bad_word_ids`).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 def row_for(
@@ -57,10 +59,12 @@ def row_for(
     stop_ids: tuple[int, ...],
     token_ids: SequenceABC[int] = (),
     grammar_mask: torch.Tensor | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingRow:
     """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``.
-    ``token_ids`` (prompt + output so far) matter only to penalties; ``grammar_mask`` is
-    its structured output's :meth:`~halfmoon.engine.structured.Constraint.allowed`."""
+    ``token_ids`` (prompt + output so far) matter only to penalties and ``bad_words``
+    (:meth:`~halfmoon.engine.tokenizer.Tokenizer.bad_word_ids`); ``grammar_mask`` is its structured output's
+    :meth:`~halfmoon.engine.structured.Constraint.allowed`."""
     banned = stop_ids if num_output_tokens < params.min_tokens else ()
     return SamplingRow(
         temperature=params.temperature,
@@ -72,12 +76,26 @@ def row_for(
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        token_ids=tuple(token_ids) if params.has_penalties else (),
+        token_ids=tuple(token_ids) if params.has_penalties or bad_words else (),
         logit_bias=params.logit_bias,
         min_p=params.min_p,
         allowed_token_ids=params.allowed_token_ids,
         grammar_mask=grammar_mask,
+        bad_words=bad_words,
     )
+
+
+def _bad_word_bans(row: SamplingRow) -> tuple[int, ...]:
+    """The last token of every bad word whose other tokens end the output so far."""
+    if not row.bad_words:
+        return ()
+    output = row.token_ids[len(row.token_ids) - row.num_output_tokens :]
+    bans = []
+    for word in row.bad_words:
+        head = len(word) - 1
+        if head <= len(output) and (head == 0 or tuple(output[-head:]) == word[:-1]):
+            bans.append(word[-1])
+    return tuple(bans)
 
 
 def stop_ids_for(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
@@ -148,7 +166,8 @@ def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> tor
 def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | None:
     """The tokens a row may draw (bool ``[vocab]``), None for all. A structured output's
     grammar wins over ``allowed_token_ids`` when they share no token, and either wins over
-    ``min_tokens``: stop tokens are banned only while something else is left."""
+    ``min_tokens`` and ``bad_words``: stop tokens and bad words' tokens are banned only
+    while something else is left."""
     keep = grammar = None
     if row.grammar_mask is not None:
         keep = grammar = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -160,11 +179,12 @@ def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | 
         keep = listed if keep is None else keep & listed
         if grammar is not None and not bool(keep.any()):
             keep = grammar
-    if row.banned_token_ids:
+    banned = row.banned_token_ids + _bad_word_bans(row)
+    if banned:
         unbanned = (
             torch.ones(vocab, dtype=torch.bool, device=device) if keep is None else keep.clone()
         )
-        unbanned[[t for t in row.banned_token_ids if t < vocab]] = False
+        unbanned[[t for t in banned if t < vocab]] = False
         if bool(unbanned.any()):
             keep = unbanned
     return keep

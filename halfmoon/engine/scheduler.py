@@ -58,6 +58,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Its place in its structured output's grammar (``params.structured``), or None.
     constraint: Constraint | None = None
+    #: ``params.bad_words`` as token sequences.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

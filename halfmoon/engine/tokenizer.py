@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,21 @@ class Tokenizer:
     def backend_json(self) -> str:
         """The whole tokenizer as ``tokenizer.json`` text (what llguidance loads)."""
         return self._tok.to_str()
+
+    def bad_word_ids(self, words: Iterable[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as token sequences: each word as it stands at the start of
+        a text, and after a space where that is another token sequence of the same length
+        (so it is banned mid-text too). ValueError for a word that is no token."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise ValueError(f"bad_words entry {word!r} is no token")
+            out.append(alone)
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None."""

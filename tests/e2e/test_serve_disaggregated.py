@@ -210,6 +210,16 @@ def test_logprobs_penalties_and_n_equal_an_offline_engine(disagg):
     )
     assert biased.choices[0].text == engine.generate([PROMPTS[1]], forced)[0].text
     assert list(engine.generate([PROMPTS[1]], forced)[0].token_ids) == [300] * 4
+    # bad_words: both workers ban them (a word the free run writes, so the ban matters)
+    free = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0,
+                                                         ignore_eos=True))[0]  # fmt: skip
+    word = engine.tokenizer.decode(list(free.token_ids[1:3]))
+    banned = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, bad_words=(word,))
+    out = _client(disagg).completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "bad_words": [word]},
+    )  # fmt: skip
+    assert out.choices[0].text == engine.generate([PROMPTS[1]], banned)[0].text != free.text
     # n = 2: two requests in the cluster, seeds 5 and 6, each as an offline engine samples it
     out = _client(disagg).completions.create(
         model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=5, n=2,

@@ -164,6 +164,33 @@ def test_stop_strings_truncate_text(tiny_dir, prompts) -> None:
     engine.check_integrity()
 
 
+def _contains(seq: tuple[int, ...] | list[int], part: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i : i + len(part)]) == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words_are_never_generated(tiny_dir) -> None:
+    """vLLM's ``bad_words``: a word's token sequences (alone and after a space) never
+    appear in the output, whether one token or several; the rest of the run is the
+    model's own choice."""
+    engine = LLMEngine(engine_config(tiny_dir))
+    prompt = "The quick brown fox"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (free_run,) = engine.generate([prompt], params)
+    ids = free_run.token_ids
+    one = engine.tokenizer.decode([ids[2]])  # a token the model picks, as a word
+    two = engine.tokenizer.decode(list(ids[4:6]))  # and a pair of them
+    words = (one, two)
+    banned = engine.tokenizer.bad_word_ids(words)
+    assert banned[0] == tuple(engine.tokenizer.encode(one.lstrip(), add_special_tokens=False))
+    assert any(_contains(ids, seq) for seq in banned)
+    (held,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0,
+                                                       ignore_eos=True, bad_words=words))  # fmt: skip
+    assert held.token_ids != ids and len(held.token_ids) == 24
+    assert not any(_contains(held.token_ids, seq) for seq in banned)
+    with pytest.raises(ValueError, match="non-blank"):
+        SamplingParams(bad_words=(" ",))
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(
     llama_ref: Reference, prompts
 ) -> None:
@@ -181,6 +208,24 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
                    EngineSamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, ignore_eos=True)):  # fmt: skip
         assert engine.generate([a], narrow)[0].token_ids == greedy[0].token_ids
     engine.check_integrity()
+
+
+def test_a_bad_words_last_token_is_banned_only_after_the_rest() -> None:
+    """A one-token bad word is always banned; a longer one's last token only where the
+    output (not the prompt) already ends with its other tokens."""
+    logits = torch.zeros(1, 8)
+    logits[0, 4], logits[0, 5] = 2.0, 3.0
+    params = SamplingParams(temperature=0.0)
+    words = ((5,), (3, 4))
+
+    def greedy(prompt: tuple[int, ...], output: tuple[int, ...]) -> int:
+        row = row_for(params, 0, len(output), (), prompt + output, bad_words=words)
+        return sample(logits.clone(), [row])[0]
+
+    assert greedy((1,), ()) == 4  # 5 banned, 4 free: nothing generated yet
+    assert greedy((1,), (3,)) not in (4, 5)  # after 3, 4 is banned too
+    assert greedy((3,), ()) == 4  # a 3 in the prompt does not count
+    assert greedy((1,), (3, 2)) == 4
 
 
 def test_min_p_draws_only_tokens_near_the_likeliest() -> None:

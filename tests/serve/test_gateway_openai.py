@@ -284,7 +284,7 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
 
 @pytest.mark.parametrize(
     "option",
-    [{"use_beam_search": True}, {"bad_words": ["x"]}],
+    [{"use_beam_search": True}],
 )  # fmt: skip
 def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option):
     client, _, _ = served
@@ -539,3 +539,13 @@ def test_bad_structured_outputs_are_400s_naming_them(served, option, param, says
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
     assert len(backend.params) == before  # nothing reached the cluster
+
+
+def test_bad_words_reach_the_backend_checked(served):
+    client, backend, _ = served
+    body = {"model": "m", "prompt": "hi", "bad_words": ["hello", " world"]}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.params[-1].bad_words == ("hello", " world")
+    for bad, says in (([" "], "no token"), ([5], "bad_words"), (["x"] * 65, "bad_words")):
+        response = client.post("/v1/completions", json={**body, "bad_words": bad})
+        assert response.status_code == 400 and says in response.text, response.text

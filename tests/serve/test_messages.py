@@ -22,7 +22,7 @@ STRUCTURED = StructuredOutput("json", '{"type": "object"}', compact=True)
 PARAMS = m.WireParams.of(SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                                         logit_bias=((5, -2.5),), presence_penalty=0.5,
                                         min_p=0.05, allowed_token_ids=(5, 9),
-                                        structured=STRUCTURED))  # fmt: skip
+                                        structured=STRUCTURED, bad_words=("x",)))  # fmt: skip
 P0 = m.Endpoints(instance_id="p0", command="tcp://h:1", transfer="h:2", incarnation="i1")
 D0 = m.Endpoints(instance_id="d0", command="tcp://h:3", transfer="h:4")
 TOKENS = m.Tokens(request_id="r", index=0, token_ids=[7], finish_reason=None,
@@ -133,7 +133,8 @@ def test_typed_views_of_the_wire_forms():
     assert TOKENS.token_logprobs == (TokenLogprob(-0.5, ((7, -0.5), (9, -1.0))),)
     params = SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                             logit_bias=((5, -2.5),), presence_penalty=0.5, min_p=0.05,
-                            allowed_token_ids=(5, 9), structured=STRUCTURED)  # fmt: skip
+                            allowed_token_ids=(5, 9), structured=STRUCTURED,
+                            bad_words=("x",))  # fmt: skip
     assert PARAMS.to_params() == params
     assert m.params_from_wire(m.params_to_wire(params)) == params
     assert m.Member(instance_id="p0", command="tcp://h:1", transfer="h:2",

@@ -98,6 +98,9 @@ def test_request_body_maps_every_sampling_option() -> None:
 def test_structured_outputs_go_to_vllm_as_its_own_field(structured, expected) -> None:
     body = request_body("smol", [1], SamplingParams(structured=structured), None)
     assert body["structured_outputs"] == {"disable_any_whitespace": False, **expected}
+    assert "bad_words" not in body
+    banned = request_body("smol", [1], SamplingParams(bad_words=("a b",)), None)
+    assert banned["bad_words"] == ["a b"]
 
 
 def test_stream_lines_become_tokens_logprobs_finish_and_cached_count() -> None:

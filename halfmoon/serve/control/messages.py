@@ -113,6 +113,7 @@ class WireParams(Record):
     prompt_logprobs: int | None = None
     #: A structured output as (kind, spec, compact), or None.
     structured: tuple[str, str, bool] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -129,6 +130,7 @@ class WireParams(Record):
             prompt_logprobs=params.prompt_logprobs,
             structured=None if (so := params.structured) is None
             else (so.kind, so.spec, so.compact),
+            bad_words=list(params.bad_words),
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -144,6 +146,7 @@ class WireParams(Record):
             allowed_token_ids=tuple(self.allowed_token_ids),
             prompt_logprobs=self.prompt_logprobs,
             structured=None if self.structured is None else StructuredOutput(*self.structured),
+            bad_words=tuple(self.bad_words),
         )  # fmt: skip
 
 

@@ -256,9 +256,18 @@ class Gateway:
                 frequency_penalty=option("frequency_penalty"),
                 repetition_penalty=option("repetition_penalty"),
                 structured=self._structured(body),
+                bad_words=self._bad_words(body.bad_words or ()),
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def _bad_words(self, words: Sequence[str]) -> tuple[str, ...]:
+        """``bad_words``, each checked to be some token (a 400 otherwise)."""
+        try:
+            self.tokenizer.bad_word_ids(words)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "BadRequestError", param="bad_words") from None
+        return tuple(words)
 
     def _structured(
         self, body: CompletionRequest | ChatCompletionRequest

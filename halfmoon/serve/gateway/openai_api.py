@@ -12,7 +12,7 @@ prompt tokens' log-probabilities come first, as lm-evaluation-harness reads them
 from a prefix cache),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
-``allowed_token_ids``, structured outputs (vLLM's ``structured_outputs``: ``json``,
+``allowed_token_ids``, ``bad_words``, structured outputs (vLLM's ``structured_outputs``: ``json``,
 ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``; its older
 ``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required`` or
@@ -21,7 +21,7 @@ tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required`
 among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"``, the older
-``functions``, vLLM's structural tags, beam search and ``bad_words``)
+``functions``, vLLM's structural tags and beam search)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -46,6 +46,9 @@ from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_schema
 MAX_CHOICES = 16
 #: Token ids one request may allow at most (``allowed_token_ids``).
 MAX_ALLOWED_TOKENS = 4096
+#: Words one request may ban at most (``bad_words``; vLLM's default limit is 128 token
+#: sequences, a word giving one or two).
+MAX_BAD_WORDS = 64
 #: Prompts in one batched completion at most (each with its ``n`` choices).
 MAX_BATCH_PROMPTS = 64
 #: Seeds are 64-bit signed integers (as vLLM's); choice i of ``n`` uses ``seed + i``.
@@ -110,10 +113,10 @@ class _Common(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # Known options that are not implemented: refused unless left at their defaults
-    # (beam search and token constraints).
+    #: vLLM's: words never generated.
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # Known options that are not implemented: refused unless left at their defaults.
     use_beam_search: bool = False
-    bad_words: Any = None
     #: vLLM's: only these tokens may be generated (checked against the vocabulary).
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
 
@@ -220,7 +223,7 @@ STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "gu
                      "guided_choice", "guided_grammar")  # fmt: skip
 #: vLLM options of :class:`_Common` refused when set to anything but their neutral value
 #: (None, False, empty): the output would silently not be what they ask for.
-_REFUSED_WHEN_SET = ("use_beam_search", "bad_words")
+_REFUSED_WHEN_SET = ("use_beam_search",)
 
 
 def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:

@@ -150,6 +150,8 @@ def request_body(
         body["cache_salt"] = cache_salt
     if params.structured is not None:
         body["structured_outputs"] = structured_outputs_body(params.structured)
+    if params.bad_words:
+        body["bad_words"] = list(params.bad_words)
     return body
 
 
