@@ -7,6 +7,7 @@ the streamed answer must still equal the offline engine's, token for token."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -57,6 +58,21 @@ def test_greedy_chat_answer_is_paris(real):
         max_tokens=32, temperature=0,
     )  # fmt: skip
     assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_answers_are_the_facts_asked_for(real):
+    """The real model held to a schema (OpenAI's ``response_format``) writes JSON with
+    the facts of the question, and ends when the object does."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}  # fmt: skip
+    chat = _client(real).chat.completions.create(
+        model=MODEL, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Describe a person called Ann, aged 31, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )  # fmt: skip
+    assert json.loads(chat.choices[0].message.content) == {"name": "Ann", "age": 31}
     assert chat.choices[0].finish_reason == "stop"
 
 
