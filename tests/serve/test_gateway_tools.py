@@ -204,3 +204,70 @@ def test_tool_helpers() -> None:
     kept = template_message({"role": "assistant", "content": None, "tool_calls": [
         {"function": {"name": "f", "arguments": "not json"}}]})  # fmt: skip
     assert kept["content"] == "" and kept["tool_calls"][0]["function"]["arguments"] == "not json"
+
+
+HERMES = ('Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>')  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hermes(gateways):
+    backend = AnswerBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser="hermes")
+    with TestClient(app) as client:
+        yield client, backend
+
+
+def test_auto_reads_hermes_calls_out_of_the_text(hermes):
+    """``tool_choice: "auto"`` with ``--tool-call-parser hermes``: the model is not held
+    to anything; its ``<tool_call>`` blocks become calls, the text before them content."""
+    client, backend = hermes
+    backend.answer = HERMES
+    body = _chat(client, tools=TOOLS).json()
+    assert backend.params[-1].structured is None
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    assert calls == [{"name": "weather", "arguments": '{"city": "Paris"}'},
+                     {"name": "clock", "arguments": "{}"}]  # fmt: skip
+    backend.answer = "It is sunny in Paris."  # no call: plain text
+    body = _chat(client, tools=TOOLS, tool_choice="auto").json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": backend.answer}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    backend.answer = '<tool_call>{"name": "clock", "arguments": {}}'  # left open at EOS
+    body = _chat(client, tools=TOOLS).json()
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "clock"
+    backend.answer = "<tool_call>{not json</tool_call>"  # unreadable: text as it came
+    body = _chat(client, tools=TOOLS).json()
+    assert body["choices"][0]["message"]["content"] == backend.answer
+
+
+def test_auto_streams_the_text_then_the_calls(hermes):
+    client, backend = hermes
+    backend.answer = HERMES
+    text = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    content = "".join(d.get("content", "") for d in deltas)
+    assert content == "Let me check."  # nothing of the blocks leaked as text
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["index"] for c in calls] == [0, 1]
+    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    first_call = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
+    assert all("content" not in d for d in deltas[first_call:])
+    backend.answer = "Plain <tool text, no call."  # a tail that looked like a tag: sent
+    text = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == backend.answer
+
+
+def test_held_from_keeps_back_what_may_start_a_block() -> None:
+    auto = ToolMode(parser="hermes")
+    assert auto.held_from("Hello") == 5
+    assert auto.held_from("Hello <tool") == 6
+    assert auto.held_from("Hi <tool_call>{") == 3
+    assert auto.held_from("a <b") == 4 and auto.held_from("x<") == 1
+    assert ToolMode().held_from("[{") == 0

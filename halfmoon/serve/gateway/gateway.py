@@ -33,6 +33,7 @@ from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
 from halfmoon.serve.gateway.text import OutputText
 from halfmoon.serve.gateway.timeseries import TimeSeries
+from halfmoon.serve.gateway.tools import PARSERS
 
 T = TypeVar("T")
 
@@ -74,8 +75,13 @@ class GatewayConfig:
     #: Sampling options a request leaves out take these (the model's generation config,
     #: halfmoon.serve.gateway.generation; ``max_new_tokens``: a chat request's limit).
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    #: How ``tool_choice: "auto"`` reads the model's tool calls (``tools.PARSERS``; None:
+    #: such requests are refused).
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
         if self.max_model_len < 2 or (self.max_tokens_limit or 1) < 1:
             raise ValueError("max_model_len must be >= 2 and max_tokens_limit >= 1")
         if self.max_tokens_limit is None:  # frozen: set once, here
@@ -198,7 +204,7 @@ class Gateway:
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
             echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
-            tool_mode=body.tool_mode()[0] if chat else None,
+            tool_mode=body.tool_mode(cfg.tool_call_parser)[0] if chat else None,
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -275,7 +281,10 @@ class Gateway:
         """The request's structured output, compiled here once so that a bad schema,
         regex or grammar is a 400 naming its field, not a failure on a worker."""
         try:
-            structured = body.structured_output()
+            if isinstance(body, ChatCompletionRequest):
+                structured = body.tool_structured_output(self.config.tool_call_parser)
+            else:
+                structured = body.structured_output()
             if structured is not None:
                 tok = self.tokenizer
                 eos = [] if tok.eos_token_id is None else [tok.eos_token_id]

@@ -15,12 +15,14 @@ from a prefix cache),
 ``allowed_token_ids``, ``bad_words``, structured outputs (vLLM's ``structured_outputs``: ``json``,
 ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``; its older
 ``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
-tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required`` or
-``none``: :mod:`halfmoon.serve.gateway.tools`), ``include_stop_str_in_output``,
+tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
+``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
+``include_stop_str_in_output``,
 ``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
 among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
-this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"``, the older
+this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"`` without a
+parser, the older
 ``functions``, vLLM's structural tags and beam search)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
@@ -433,20 +435,21 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
             out.append("echo (on chat completions)")
         return out
 
-    def tool_mode(self) -> tuple[ToolMode | None, dict[str, Any] | None]:
+    def tool_mode(self, parser: str | None = None) -> tuple[ToolMode | None, dict[str, Any] | None]:
         """How the output becomes tool calls, and the schema that holds it
-        (:func:`tools.tool_schema`; None, None: plain text); FieldError when malformed."""
+        (:func:`tools.tool_schema`, ``auto`` read by ``parser``; None, None: plain text);
+        FieldError when malformed."""
         try:
-            return tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+            return tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
         except ValueError as exc:
             field = "tool_choice" if "tool_choice" in str(exc) else "tools"
             raise FieldError(str(exc), field) from None
 
-    def structured_output(self) -> StructuredOutput | None:
-        """:meth:`_Common.structured_output`, or the schema of the forced tool calls
-        (both at once: a FieldError)."""
-        given = super().structured_output()
-        _, schema = self.tool_mode()
+    def tool_structured_output(self, parser: str | None = None) -> StructuredOutput | None:
+        """:meth:`_Common.structured_output`, or the schema of forced tool calls (both at
+        once: a FieldError)."""
+        given = self.structured_output()
+        _, schema = self.tool_mode(parser)
         if schema is None:
             return given
         if given is not None:
@@ -506,7 +509,7 @@ def response_id(rid: str, chat: bool) -> str:
 
 
 def choice_body(
-    index: int, text: str, finish: str | None, chat: bool, logprobs: dict[str, Any] | None,
+    index: int, text: str | None, finish: str | None, chat: bool, logprobs: dict[str, Any] | None,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One choice of a complete (non-streaming) response (chat: with its tool calls)."""

@@ -159,8 +159,11 @@ async def collect(
         text, finish, calls = "".join(parts[index]), finishes[index], None
         if p.tool_mode is not None:
             calls = tool_calls(p.tool_mode, text)
-            if calls is not None:
-                text, finish = "", p.tool_mode.finish(finish)
+            if calls is not None:  # forced calls: content ""; parsed ones: the text before
+                text = text[: p.tool_mode.held_from(text)].strip() or (
+                    None if p.tool_mode.parser else ""
+                )
+                finish = p.tool_mode.finish(finish)
         choice = choice_body(index, text, finish, p.chat, logprobs, calls)
         if p.show_prompt_logprobs and not p.chat:
             choice["prompt_logprobs"] = _prompt_field(prompts[index], token_text)
@@ -226,28 +229,39 @@ async def sse(
     opening = [True] * p.num_choices
     offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
     uses: list[dict] = [{}] * p.num_choices
-    # Forced tool calls: each choice's output is held back and sent as calls at its end.
+    # Tool calls: each choice's output is held back from where calls may begin (all of
+    # it for forced calls), and sent as calls at its end; its log-probabilities then too.
     held: list[tuple[str, list[Entry]]] = [("", [])] * p.num_choices
+    sent = [0] * p.num_choices  # characters of each choice's output sent as content
     running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries, prompt) = item
             if p.tool_mode is not None:
-                held[index] = (held[index][0] + text, held[index][1] + list(entries))
-                text, entries = "", []
+                full, kept = held[index][0] + text, held[index][1] + list(entries)
+                held[index], entries = (full, kept), []
+                calls = tool_calls(p.tool_mode, full) if finish is not None else None
+                upto = len(full) if finish is not None else p.tool_mode.held_from(full)
+                if calls is not None:
+                    upto = p.tool_mode.held_from(full)
+                text = full[sent[index] : upto]
+                sent[index] = max(sent[index], upto)
                 if finish is not None:
-                    calls = tool_calls(p.tool_mode, held[index][0])
-                    if calls is None:  # not whole: its text as it came
-                        text, entries = held[index]
-                    else:
-                        finish = p.tool_mode.finish(finish)
-                        logprobs = None
-                        if p.params.logprobs is not None:
-                            logprobs = logprobs_body(held[index][1], token_text, True, 0)
-                        yield event(chunk_body(p.request_id, model, None, None, True,
-                                               opening[index], logprobs, index, calls))  # fmt: skip
+                    entries = kept
+                if calls is not None:
+                    finish = p.tool_mode.finish(finish)
+                    if text:
+                        yield event(chunk_body(p.request_id, model, text, None, True,
+                                               opening[index], None, index))  # fmt: skip
                         opening[index] = False
+                    logprobs = None
+                    if p.params.logprobs is not None:
+                        logprobs = logprobs_body(entries, token_text, True, 0)
+                    yield event(chunk_body(p.request_id, model, None, None, True,
+                                           opening[index], logprobs, index, calls))  # fmt: skip
+                    opening[index] = False
+                    text, entries = "", []
             echo = p.echo_of(index) if opening[index] else ""
             if echo:
                 text, offsets[index] = echo + text, len(echo)

@@ -11,9 +11,14 @@ serves them without a model-specific tool-call parser.
   objects, one of the tools each (at most one with ``parallel_tool_calls: false``), and
   answered as those tool calls; ``finish_reason`` ``tool_calls``.
 - ``"none"``: plain text (the tools still reach the chat template).
-- ``"auto"`` (the default when tools are given) needs a parser of the model's own
-  tool-call format, which this server does not have: a 400 saying so, as vLLM answers
-  without ``--enable-auto-tool-choice``.
+- ``"auto"`` (the default when tools are given): the model decides, and its own
+  tool-call format is parsed out of the text: ``hermes`` (``halfmoon serve
+  --tool-call-parser hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, as Qwen2.5/3, Hermes and many other templates ask for; the text before the
+  first block is the message's ``content``; ``finish_reason`` ``tool_calls`` when there
+  are calls). Without a parser, a 400 saying so, as vLLM answers without
+  ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
+  begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
@@ -33,17 +38,37 @@ from typing import Any
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
+#: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
+PARSERS = ("hermes",)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
 @dataclass(frozen=True)
 class ToolMode:
-    """How a chat request's output becomes tool calls: ``name`` a forced function, or
-    None (``required``: a JSON array of calls)."""
+    """How a chat request's output becomes tool calls: ``name`` a forced function;
+    ``parser`` the model's own format (``auto``); neither: ``required`` (a JSON array)."""
 
     name: str | None = None
+    parser: str | None = None
 
     def finish(self, reason: str | None) -> str | None:
-        """The finish reason of an answer whose calls came out whole: ``tool_calls`` for
-        ``required`` calls that ended on their own, else the generation's (vLLM's rule)."""
+        """The finish reason of an answer with calls: ``tool_calls`` for ``required`` or
+        ``auto`` calls that ended on their own, else the generation's (vLLM's rule)."""
         return "tool_calls" if self.name is None and reason == "stop" else reason
+
+    def held_from(self, text: str) -> int:
+        """Where ``text`` (the output so far) stops being plain content that may go out
+        now: 0 for held calls; for ``auto``, the first block's start, or a tail that
+        could begin one."""
+        if self.parser is None:
+            return 0
+        start = text.find(_HERMES_OPEN)
+        if start >= 0:
+            return start
+        for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(_HERMES_OPEN[:k]):
+                return len(text) - k
+        return len(text)
 
 
 def tool_call_id() -> str:
@@ -71,10 +96,12 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def tool_schema(
-    tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None
-) -> tuple[ToolMode | None, dict[str, Any] | None]:
+    tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None,
+    parser: str | None = None,
+) -> tuple[ToolMode | None, dict[str, Any] | None]:  # fmt: skip
     """The mode and the JSON schema that ``tool_choice`` ``choice`` holds the output to
-    (None, None: plain text); ValueError naming what is wrong."""
+    (None, None: plain text; a mode without a schema: ``auto``, read by ``parser``);
+    ValueError naming what is wrong."""
     if tools is not None and not tools:
         raise ValueError("tools must not be empty (leave the field out instead)")
     if choice is None:
@@ -86,11 +113,14 @@ def tool_schema(
     if not tools:
         raise ValueError("tool_choice needs tools")
     functions = _functions(tools)
+    if choice == "auto" and parser is not None:
+        return ToolMode(parser=parser), None
     if choice == "auto":
         raise ValueError(
             'tool_choice "auto" (the default when tools are given) needs a parser of the '
-            "model's tool-call format, which this server does not have: set tool_choice "
-            'to "required", a named function, or "none"'
+            "model's tool-call format (halfmoon serve --tool-call-parser), which this "
+            'server was not started with: set tool_choice to "required", a named '
+            'function, or "none"'
         )
     if choice == "required":
         calls: dict[str, Any] = {
@@ -118,8 +148,12 @@ def tool_schema(
 
 
 def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
-    """The tool calls of an output held to ``mode``'s schema (None when the output is not
-    whole: cut by ``max_tokens`` or a stop string, it is answered as text)."""
+    """The tool calls of an output held to ``mode``'s schema, or written in its parser's
+    format (None when there are none, or the output is not whole: cut by ``max_tokens``
+    or a stop string, it is answered as text). With a parser, the text before
+    :meth:`ToolMode.held_from` is the message's content."""
+    if mode.parser is not None:
+        return _hermes(text)
     if mode.name is not None:
         try:
             json.loads(text)
@@ -137,6 +171,26 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     return [
         _call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items
     ]
+
+
+def _hermes(text: str) -> list[dict[str, Any]] | None:
+    """Hermes-style calls: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks (the
+    last one may be left open, as models often end it at EOS)."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return None
+    calls = []
+    for block in text[start:].split(_HERMES_OPEN)[1:]:
+        body = block.split(_HERMES_CLOSE, 1)[0].strip()
+        try:
+            item = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

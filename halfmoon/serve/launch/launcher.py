@@ -23,6 +23,7 @@ from halfmoon.conductor.options import add_conductor_options, conductor_config_f
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
+from halfmoon.serve.gateway.tools import PARSERS
 from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.runtime import (
     SECRET_ENV,
@@ -151,6 +152,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         public=tuple(args.public or ()),
         access_log=not getattr(args, "disable_access_log", False),
         sampling_defaults=defaults_from_args(args, model_dir),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
@@ -445,6 +447,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--override-generation-config", default=None, metavar="JSON",
         help='sampling defaults on top of --generation-config, e.g. \'{"temperature": 0.5}\'',
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default=None, choices=PARSERS,
+        help="read the model's own tool calls out of its text, so that chat requests with "
+        "tools may leave tool_choice at 'auto' (hermes: <tool_call>{...}</tool_call> blocks, "
+        "as Qwen2.5/3 and Hermes templates ask for); without it such requests get a 400",
     )  # fmt: skip
     p.add_argument(
         "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
