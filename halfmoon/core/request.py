@@ -30,13 +30,19 @@ class StructuredOutput:
     """A constraint on a request's output (vLLM's structured outputs): ``kind`` one of
     :data:`STRUCTURED_KINDS`, ``spec`` its text: a JSON schema (``json``), a regular
     expression (``regex``), a JSON list of strings (``choice``), a Lark or GBNF grammar
-    (``grammar``); empty for ``json_object`` (any JSON object). ``compact``: JSON with no
-    whitespace of the model's choosing (vLLM's ``disable_any_whitespace``). Plain data:
-    the engine compiles it (:mod:`halfmoon.engine.structured`)."""
+    (``grammar``); empty for ``json_object`` (any JSON object). For JSON: ``compact``, no
+    whitespace of the model's choosing (vLLM's ``disable_any_whitespace``);
+    ``whitespace``, a regex for the whitespace allowed between items instead (vLLM's
+    ``whitespace_pattern``; "" for the default); ``closed``, objects without an
+    ``additionalProperties`` admit only their listed properties (vLLM's
+    ``disable_additional_properties``). Plain data: the engine compiles it
+    (:mod:`halfmoon.engine.structured`)."""
 
     kind: str
     spec: str = ""
     compact: bool = False
+    closed: bool = False
+    whitespace: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

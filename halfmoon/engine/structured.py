@@ -10,7 +10,8 @@ model's EOS is allowed only where the grammar may end. The grammar compiles agai
 model's tokenizer (:func:`grammar_tokenizer`, built once per tokenizer: ~0.25 s for a
 49K vocabulary). Torch-free at import: the gateway checks specs with :func:`check`.
 
-As in vLLM: JSON schemas allow free whitespace between items unless ``compact``; a
+As in vLLM: JSON schemas allow free whitespace between items unless ``compact`` (or
+as ``whitespace`` says), and ``closed`` closes objects (:func:`closed_objects`); a
 ``grammar`` is Lark (llguidance's dialect) or GBNF (llama.cpp's); ``json_object`` is any
 JSON object.
 """
@@ -63,7 +64,9 @@ def grammar_text(structured: StructuredOutput) -> str:
     its spec does not parse)."""
     ll = _llguidance()
     kind, spec = structured.kind, structured.spec
-    options = {"whitespace_flexible": not structured.compact}
+    options: dict[str, Any] = {"whitespace_flexible": not structured.compact}
+    if structured.whitespace:
+        options["whitespace_pattern"] = structured.whitespace
     try:
         if kind == "json_object":
             return ll.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
@@ -71,7 +74,9 @@ def grammar_text(structured: StructuredOutput) -> str:
             schema = json.loads(spec)
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema is an object (or true/false)")
-            return ll.LLMatcher.grammar_from_json_schema(spec, defaults=options)
+            if structured.closed:
+                schema = closed_objects(schema)
+            return ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
         if kind == "regex":
             return ll.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
@@ -88,6 +93,37 @@ def grammar_text(structured: StructuredOutput) -> str:
         return ll.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise HalfmoonError(f"structured output ({kind}): {exc}") from None
+
+
+#: Keywords whose value maps names to subschemas, and those whose value is a subschema
+#: (or a list of them), where :func:`closed_objects` looks for objects.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "anyOf", "allOf", "oneOf", "not",
+               "if", "then", "else", "contains", "propertyNames", "additionalProperties",
+               "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of JSON schema ``schema`` in which every object schema that lists
+    properties and says nothing of others admits no others (``additionalProperties:
+    false``), as vLLM's ``disable_additional_properties``."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict | list):
+            out[key] = closed_objects(out[key])
+    listed = isinstance(out.get("properties"), dict) or isinstance(
+        out.get("patternProperties"), dict
+    )
+    if listed and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def check(structured: StructuredOutput, tokenizer: Any) -> None:

@@ -286,8 +286,12 @@ class IncrementalDetokenizer:
     drop a leading space at the start of a decode (SentencePiece) stay right.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], context: int = 4):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], context: int = 4,
+        skip_special_tokens: bool = True,
+    ) -> None:  # fmt: skip
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prompt_token_ids[-context:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -296,9 +300,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; returns the new text (possibly empty) and extends ``self.text``."""
         self._ids.append(token_id)
+        skip = self._skip_special
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = decode(self._ids[self._prefix_offset :])
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        full_text = decode(self._ids[self._prefix_offset :], skip)
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""
         delta = full_text[len(prefix_text) :]

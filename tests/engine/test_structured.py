@@ -15,7 +15,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams, StructuredOutput
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.sampling import row_for, sample
-from halfmoon.engine.structured import check, grammar_text, grammar_tokenizer
+from halfmoon.engine.structured import check, closed_objects, grammar_text, grammar_tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -109,6 +109,50 @@ def test_a_random_model_writes_only_what_its_grammar_admits(engine: LLMEngine) -
         assert ok(out.text), (kind, out.text)
     unconstrained = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=12, seed=1))
     assert not re.fullmatch(r"[ab]{3}-\d{2}|[xy]+\.", unconstrained[0].text)
+
+
+def test_closed_objects_and_a_whitespace_pattern(engine: LLMEngine) -> None:
+    """vLLM's ``disable_additional_properties`` and ``whitespace_pattern``: a random
+    model left to an open schema adds keys of its own; closed, it writes only the listed
+    ones; with a pattern of one optional space, no other whitespace between items."""
+    schema = json.dumps({"type": "object", "required": ["a", "b"],
+                         "properties": {"a": {"type": "boolean"}, "b": {"enum": [1, 2]}}})  # fmt: skip
+    prompts = [[5, 9, 17]] * 4
+
+    def run(structured: StructuredOutput) -> list:
+        return engine.generate(prompts, [
+            SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=structured)
+            for i in range(4)
+        ])  # fmt: skip
+
+    open_run = run(StructuredOutput("json", schema, compact=True))
+    assert any(o.finish_reason == "length" or set(json.loads(o.text)) != {"a", "b"}
+               for o in open_run)  # fmt: skip
+    for out in run(StructuredOutput("json", schema, compact=True, closed=True)):
+        assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"a", "b"}
+    spaced = run(StructuredOutput("json", schema, closed=True, whitespace="[ ]"))
+    for out in spaced:
+        assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"a", "b"}
+        assert not re.search(r"[\n\t\r]|  ", out.text)
+
+
+def test_closed_objects_closes_every_object_schema_it_reaches() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                       "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+        "$defs": {"d": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}},
+        "patternProperties": {"^p": {"properties": {"w": {}}, "additionalProperties": True}},
+    }  # fmt: skip
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]  # a map of names, not a schema
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert out["patternProperties"]["^p"]["additionalProperties"] is True  # as it said
+    assert "additionalProperties" not in schema  # a copy
+    assert closed_objects(True) is True
 
 
 def test_the_request_ends_when_the_grammar_does(engine: LLMEngine) -> None:

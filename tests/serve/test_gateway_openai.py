@@ -339,10 +339,19 @@ def test_chat_template_options_shape_the_prompt(served):
     reserved = {"model": "m", "messages": chat, "chat_template_kwargs": {"messages": []}}
     response = client.post("/v1/chat/completions", json=reserved)
     assert response.status_code == 400 and "cannot set messages" in response.text
-    for extra in ({"echo": True}, {"functions": [{"name": "f"}]}):
-        response = client.post("/v1/chat/completions", json={"model": "m", "messages": chat,
-                                                              **extra})  # fmt: skip
-        assert response.status_code == 400 and next(iter(extra)) in response.text
+    response = client.post("/v1/chat/completions", json={"model": "m", "messages": chat,
+                                                          "functions": [{"name": "f"}]})  # fmt: skip
+    assert response.status_code == 400 and "functions" in response.text
+    # vLLM's chat echo: the final assistant message's text leads the answer
+    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    expected = "Sure, it is" + tok.decode(list(OUTPUT[:2]))
+    assert echoed["choices"][0]["message"]["content"] == expected
+    streamed = client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in _events(streamed.text) if e["choices"]]
+    assert "".join(d.get("content", "") for d in deltas) == expected
+    user_last = {"model": "m", "messages": chat[:1], "echo": True, "max_tokens": 2}
+    plain = client.post("/v1/chat/completions", json=user_last).json()
+    assert plain["choices"][0]["message"]["content"] == tok.decode(list(OUTPUT[:2]))
 
 
 def test_a_batch_of_prompts_gets_n_choices_each(served):
@@ -482,6 +491,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
          StructuredOutput("json", json.dumps(SCHEMA), compact=True)),
         ({"structured_outputs": {"json": json.dumps(SCHEMA)}},
          StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True,
+                                 "whitespace_pattern": "[ ]"}},
+         StructuredOutput("json", json.dumps(SCHEMA), closed=True, whitespace="[ ]")),
         ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutput("regex", "[ab]+")),
         ({"structured_outputs": {"choice": ["yes", "no"]}},
          StructuredOutput("choice", '["yes", "no"]')),
@@ -524,8 +536,8 @@ def test_structured_outputs_reach_the_backend(served, option, expected):
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
         ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
-        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs",
-         "whitespace_pattern"),
+        ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": 5}},
+         "structured_outputs", "whitespace_pattern takes a regex"),
     ],
 )  # fmt: skip
 def test_bad_structured_outputs_are_400s_naming_them(served, option, param, says):
@@ -549,3 +561,46 @@ def test_bad_words_reach_the_backend_checked(served):
     for bad, says in (([" "], "no token"), ([5], "bad_words"), (["x"] * 65, "bad_words")):
         response = client.post("/v1/completions", json={**body, "bad_words": bad})
         assert response.status_code == 400 and says in response.text, response.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(served):
+    client, backend, tok = served
+    ids = tok.encode("one two three four five six seven", add_special_tokens=False)
+    body = {"model": "m", "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 3,
+            "echo": True}  # fmt: skip
+    answer = client.post("/v1/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == 3
+    assert answer["choices"][0]["text"].startswith(tok.decode(ids[-3:]))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a b c d e f g h"}],
+            "max_tokens": 2, "truncate_prompt_tokens": 4}  # fmt: skip
+    assert client.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 4
+    whole = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)  # it fits: nothing cut
+    for bad in (256, -2):
+        response = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": bad})
+        assert response.status_code == 400 and "truncate_prompt_tokens" in response.text
+
+
+def test_skip_special_tokens_false_keeps_their_text(gateways):
+    """vLLM's ``skip_special_tokens``: special tokens (here EOS) stay out of the text by
+    default, and are in it with ``false``."""
+    tok = gateways.tokenizer
+    eos = tok.eos_token_id
+
+    class Eos:
+        async def generate(self, request_id, prompt_token_ids, params):
+            yield GenerationChunk((65, eos), "stop", 0)
+
+        async def abort(self, request_id):
+            return None
+
+        async def health(self):
+            return {}
+
+    with TestClient(gateways.app(Eos(), "m")) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        skipped = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False})
+        assert skipped == tok.decode([65])
+        assert kept.json()["choices"][0]["text"] == tok.decode([65, eos], skip_special_tokens=False)
+        assert tok.eos_token in kept.json()["choices"][0]["text"]

@@ -18,7 +18,9 @@ from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
 
 SECRET = b"messages-test-secret"
 HASHES = hashes_to_wire([1, 2**128 - 1])
-STRUCTURED = StructuredOutput("json", '{"type": "object"}', compact=True)
+STRUCTURED = StructuredOutput(
+    "json", '{"type": "object"}', compact=True, closed=True, whitespace="[ ]"
+)
 PARAMS = m.WireParams.of(SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                                         logit_bias=((5, -2.5),), presence_penalty=0.5,
                                         min_p=0.05, allowed_token_ids=(5, 9),

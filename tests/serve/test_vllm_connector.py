@@ -90,6 +90,8 @@ def test_request_body_maps_every_sampling_option() -> None:
         (StructuredOutput("json", '{"type": "object"}'), {"json": {"type": "object"}}),
         (StructuredOutput("json_object", compact=True),
          {"json_object": True, "disable_any_whitespace": True}),
+        (StructuredOutput("json", "{}", closed=True, whitespace=" "),
+         {"json": {}, "disable_additional_properties": True, "whitespace_pattern": " "}),
         (StructuredOutput("regex", "[ab]+"), {"regex": "[ab]+"}),
         (StructuredOutput("choice", '["y", "n"]'), {"choice": ["y", "n"]}),
         (StructuredOutput("grammar", 'root ::= "a"'), {"grammar": 'root ::= "a"'}),
@@ -97,7 +99,8 @@ def test_request_body_maps_every_sampling_option() -> None:
 )  # fmt: skip
 def test_structured_outputs_go_to_vllm_as_its_own_field(structured, expected) -> None:
     body = request_body("smol", [1], SamplingParams(structured=structured), None)
-    assert body["structured_outputs"] == {"disable_any_whitespace": False, **expected}
+    base = {"disable_any_whitespace": False, "disable_additional_properties": False}
+    assert body["structured_outputs"] == {**base, **expected}
     assert "bad_words" not in body
     banned = request_body("smol", [1], SamplingParams(bad_words=("a b",)), None)
     assert banned["bad_words"] == ["a b"]

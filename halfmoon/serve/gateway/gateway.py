@@ -159,10 +159,12 @@ class Gateway:
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             messages = [m.for_template() for m in body.messages]
-            prompt_ids = self.chat_prompt(messages, body.template_options())
+            prompt_ids = self._truncated(self.chat_prompt(messages, body.template_options()),
+                                         body.truncate_prompt_tokens)  # fmt: skip
             max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
-            batch = [self._completion_prompt(prompt) for prompt in body.prompts()]
+            batch = [self._truncated(self._completion_prompt(prompt), body.truncate_prompt_tokens)
+                     for prompt in body.prompts()]  # fmt: skip
             prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
             max_tokens = body.max_tokens or 1  # 0 (with echo): one is computed, none sent
         if max_tokens > cfg.max_tokens_limit:
@@ -188,8 +190,9 @@ class Gateway:
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
-        if chat:
-            prompts = [(prompt_ids, "")]
+        tool_mode = body.tool_mode(cfg.tool_call_parser)[0] if chat else None
+        if chat:  # (echo with tool calls: they would not parse)
+            prompts = [(prompt_ids, "" if tool_mode else body.echo_text())]
         else:
             prompts = [(ids, self._echo_text(body, text, ids))
                        for text, ids in zip(body.prompts(), batch, strict=True)]  # fmt: skip
@@ -204,7 +207,8 @@ class Gateway:
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
             echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
-            tool_mode=body.tool_mode(cfg.tool_call_parser)[0] if chat else None,
+            tool_mode=tool_mode,
+            skip_special_tokens=body.skip_special_tokens,
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -296,11 +300,26 @@ class Gateway:
         return structured
 
     def _echo_text(self, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
-        """The text of ``prompt`` (its token ``ids``) a completion with ``echo`` sends
-        first ("" otherwise)."""
+        """The text of ``prompt`` (its token ``ids``, maybe truncated) a completion with
+        ``echo`` sends first ("" otherwise)."""
         if not body.echo:
             return ""
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+            return prompt
+        return self.tokenizer.decode(ids)
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last ``keep`` prompt tokens (-1: as many
+        as the context holds with one token of output); None keeps them all."""
+        if keep is None:
+            return ids
+        limit = self.config.max_model_len - 1
+        if keep > limit:
+            raise HTTPError(400, f"truncate_prompt_tokens {keep} exceeds this model's context "
+                            f"of {self.config.max_model_len} tokens (at most {limit})",
+                            "BadRequestError", param="truncate_prompt_tokens")  # fmt: skip
+        keep = limit if keep == -1 else keep
+        return ids[-keep:] if keep else ids[:0]
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         """One prompt of a completion as token ids (token ids checked)."""
@@ -388,7 +407,8 @@ class Gateway:
         the last yield, ``prompt`` the prompt's entries (with the first yield, when the
         request asked for them; else None)."""
         arrival = time.monotonic()
-        out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop)
+        out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop,
+                         p.skip_special_tokens)  # fmt: skip
         entries: list[Entry] = []
         prompt: list[Entry] | None = None
         times: list[float] = []

@@ -13,11 +13,13 @@ from a prefix cache),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
 ``allowed_token_ids``, ``bad_words``, structured outputs (vLLM's ``structured_outputs``: ``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``; its older
+``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``,
+``disable_additional_properties``, ``whitespace_pattern``; its older
 ``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
-``include_stop_str_in_output``,
+``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``, chat
+``echo`` (the final assistant message's text first),
 ``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
 among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
@@ -117,6 +119,10 @@ class _Common(BaseModel):
     guided_grammar: Any = None
     #: vLLM's: words never generated.
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    #: vLLM's: keep only the last k prompt tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    #: vLLM's: leave special tokens (EOS, chat markers) out of the text (the default).
+    skip_special_tokens: bool = True
     # Known options that are not implemented: refused unless left at their defaults.
     use_beam_search: bool = False
     #: vLLM's: only these tokens may be generated (checked against the vocabulary).
@@ -173,9 +179,11 @@ class _Common(BaseModel):
         without one. ValueError naming the field when one is malformed, unsupported, or
         more than one is set."""
         so = self.structured_outputs or {}
-        for key in ("structural_tag", "whitespace_pattern", "disable_additional_properties"):
-            if so.get(key):
-                raise ValueError(f"structured_outputs.{key} is not supported")
+        if so.get("structural_tag"):
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        whitespace = so.get("whitespace_pattern") or ""
+        if not isinstance(whitespace, str):
+            raise ValueError("structured_outputs.whitespace_pattern takes a regex")
         given = [(f"structured_outputs.{kind}", kind, so.get(kind)) for kind in
                  ("json", "regex", "choice", "grammar", "json_object")]  # fmt: skip
         given += [(f"guided_{kind}", kind, getattr(self, f"guided_{kind}"))
@@ -203,7 +211,10 @@ class _Common(BaseModel):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} takes a non-empty string")
             spec = value
-        return StructuredOutput(kind, spec, compact=bool(so.get("disable_any_whitespace")))
+        return StructuredOutput(
+            kind, spec, compact=bool(so.get("disable_any_whitespace")),
+            closed=bool(so.get("disable_additional_properties")), whitespace=whitespace,
+        )  # fmt: skip
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple."""
@@ -414,7 +425,7 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
-    echo: bool = False  # vLLM's: the final message's text before the output
+    echo: bool = False  # vLLM's: the final (assistant's) message's text before the output
 
     @field_validator("top_logprobs")
     @classmethod
@@ -431,9 +442,13 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
         out = super().unsupported()
         if self.functions:
             out.append("functions")
-        if self.echo:
-            out.append("echo (on chat completions)")
         return out
+
+    def echo_text(self) -> str:
+        """vLLM's chat ``echo``: the final message's text, when it is the assistant's
+        (the answer goes on with it, e.g. with ``continue_final_message``), else ""."""
+        final = self.messages[-1]
+        return final.text() if self.echo and final.role == "assistant" else ""
 
     def tool_mode(self, parser: str | None = None) -> tuple[ToolMode | None, dict[str, Any] | None]:
         """How the output becomes tool calls, and the schema that holds it

@@ -83,8 +83,11 @@ class Prepared:
     #: Completions' ``max_tokens: 0`` with ``echo``: the prompt (and its log-probabilities)
     #: is the whole answer; one token is computed and not sent, as on vLLM.
     echo_only: bool = False
-    #: Chat with a forced ``tool_choice``: the output is answered as tool calls.
+    #: Chat with tools and a ``tool_choice`` other than ``none``: the output is answered
+    #: as tool calls (forced ones, or those its parser reads).
     tool_mode: ToolMode | None = None
+    #: vLLM's ``skip_special_tokens``: special tokens stay out of the text.
+    skip_special_tokens: bool = True
 
     @property
     def num_choices(self) -> int:

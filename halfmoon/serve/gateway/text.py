@@ -22,10 +22,13 @@ class OutputText:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         """``include_stop``: keep the stop string that ended the text (vLLM's
-        ``include_stop_str_in_output``)."""
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        ``include_stop_str_in_output``); ``skip_special_tokens`` False: special tokens'
+        text too."""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             skip_special_tokens=skip_special_tokens)  # fmt: skip
         self._stop = tuple(stop)
         self._include_stop = include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1

@@ -160,10 +160,14 @@ def structured_outputs_body(structured: StructuredOutput) -> dict[str, Any]:
     pair both sides get it: the decode side generates every output token)."""
     kind, spec = structured.kind, structured.spec
     value: Any = {"json": json.loads, "choice": json.loads}.get(kind, str)(spec)
-    return {
+    out = {
         kind: True if kind == "json_object" else value,
         "disable_any_whitespace": structured.compact,
+        "disable_additional_properties": structured.closed,
     }
+    if structured.whitespace:
+        out["whitespace_pattern"] = structured.whitespace
+    return out
 
 
 def _refused(request_id: str, status: int, text: str) -> _Chunk:
