@@ -158,6 +158,7 @@ def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> tor
         # Drop a token when the tokens ranked above it already reach top_p; the first
         # token is always kept.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # also when top_p rounds to 0 in float32 (5e-324 did: all dropped)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

@@ -429,3 +429,31 @@ def test_forced_tool_calls_through_the_cluster(disagg):
     auto = client.chat.completions.create(model="tiny", messages=messages, tools=tools,
                                           max_tokens=4, temperature=0)  # fmt: skip
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+
+
+def test_the_responses_api_through_the_cluster(disagg):
+    """The ``openai`` client's ``responses.create`` (OpenAI's Responses API): seeded text
+    equal to the same chat request's, streamed deltas adding up to the final text, and a
+    forced function call."""
+    client = _client(disagg)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
+        temperature=0.8, seed=9,
+    )  # fmt: skip
+    answer = client.responses.create(
+        model="tiny", input="Hello", max_output_tokens=12, temperature=0.8,
+        extra_body={"seed": 9},
+    )  # fmt: skip
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(model="tiny", input="Hello", max_output_tokens=12,
+                                          temperature=0.8, extra_body={"seed": 9},
+                                          stream=True))  # fmt: skip
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.completed" and deltas == answer.output_text
+    tools = [{"type": "function", "name": "paint", "parameters": SMALL_SCHEMA}]
+    called = client.responses.create(model="tiny", input="Paint.", tools=tools,
+                                     tool_choice={"type": "function", "name": "paint"},
+                                     max_output_tokens=60)  # fmt: skip
+    (call,) = called.output
+    assert call.type == "function_call" and json.loads(call.arguments)["tag"] in ("red", "green")

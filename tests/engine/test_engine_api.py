@@ -210,6 +210,14 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     engine.check_integrity()
 
 
+def test_a_top_p_below_float32s_range_keeps_the_likeliest_token() -> None:
+    """top_p 5e-324 (valid: > 0) is 0 in float32: the likeliest token is still kept (it
+    once dropped every token, and the draw failed, taking its worker down)."""
+    logits = torch.tensor([[0.1, 2.0, 0.5]])
+    row = row_for(SamplingParams(temperature=1.0, top_p=5e-324), 3, 0, ())
+    assert sample(logits, [row]) == [1]
+
+
 def test_a_bad_words_last_token_is_banned_only_after_the_rest() -> None:
     """A one-token bad word is always banned; a longer one's last token only where the
     output (not the prompt) already ends with its other tokens."""

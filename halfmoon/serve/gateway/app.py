@@ -4,7 +4,9 @@ body limits, errors, docs, access log) around a :class:`~halfmoon.serve.gateway.
 
 The gateway is written against :class:`~halfmoon.serve.gateway.backend.Backend`; placement,
 prefill and decode happen behind it. Routes: ``/v1/completions``,
-``/v1/chat/completions`` (SSE when ``stream``), ``/v1/models`` (and ``/v1/models/{id}``),
+``/v1/chat/completions`` (SSE when ``stream``), ``/v1/responses`` (OpenAI's Responses API,
+served as a chat request: :mod:`halfmoon.serve.gateway.openai_responses`), ``/v1/models``
+(and ``/v1/models/{id}``),
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
 OpenAI-shaped (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
@@ -16,11 +18,11 @@ Assembling the answer from the backend's streams is :mod:`halfmoon.serve.gateway
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halfmoon import __version__
 from halfmoon.engine.tokenizer import Tokenizer
@@ -36,8 +38,21 @@ from halfmoon.serve.gateway.openai_api import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from halfmoon.serve.gateway.openai_responses import (
+    ResponsesRequest,
+    collect_response,
+    response_events,
+    to_chat,
+)
 from halfmoon.serve.gateway.openapi import install_docs, install_openapi
-from halfmoon.serve.gateway.responses import HTTPError, collect, merge_choices, sse
+from halfmoon.serve.gateway.responses import (
+    Delta,
+    HTTPError,
+    Prepared,
+    collect,
+    merge_choices,
+    sse,
+)
 from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.tenancy import matching_key
 
@@ -127,9 +142,11 @@ def create_app(
                 {"Retry-After": "1"},
             )  # fmt: skip
 
-    async def _serve(
-        body: CompletionRequest | ChatCompletionRequest, request: Request | None = None
-    ) -> Response:
+    async def _start(
+        body: CompletionRequest | ChatCompletionRequest, request: Request | None
+    ) -> tuple[Prepared, tuple[int, Delta], AsyncIterator]:
+        """Prepare ``body`` and start its choices: the prepared request, its first item
+        and the rest (429 / 503 when the cluster turns it away before any item)."""
         _check_busy(body)  # refused at once, before tokenizing
         api_key = getattr(request.state, "api_key", None) if request is not None else None
         choices = body.num_choices()
@@ -155,6 +172,12 @@ def create_app(
             gw.metrics.errors.inc()
             gw.series.failed()
             raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+        return p, first, stream
+
+    async def _serve(
+        body: CompletionRequest | ChatCompletionRequest, request: Request | None = None
+    ) -> Response:
+        p, first, stream = await _start(body, request)
         if body.stream:
             return StreamingResponse(
                 sse(p, body.model, first, stream, gw.metrics, gw.token_text),
@@ -187,6 +210,27 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = to_chat(body)
+        except ValueError as exc:  # (FieldError names the field)
+            param = getattr(exc, "param", None)
+            raise HTTPError(400, str(exc), "BadRequestError", param=param) from None
+        p, first, stream = await _start(chat, request)
+        if body.stream:
+            return StreamingResponse(
+                response_events(body, p, first, stream), media_type="text/event-stream"
+            )
+        try:
+            return JSONResponse(await collect_response(body, p, first, stream))
+        except Rejected as exc:
+            gw.metrics.rejections.inc()
+            raise HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
+        except BackendError as exc:
+            gw.metrics.errors.inc()
+            raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
 
     if config.access_log:  # added last, so outermost: it sees every answer (401, 413...)
         app.add_middleware(AccessLog)

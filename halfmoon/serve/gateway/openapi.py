@@ -104,6 +104,18 @@ class ChatCompletionResponse(_Open):
     usage: Usage | None = None
 
 
+class ResponseObject(_Open):
+    """Body of a non-streaming ``POST /v1/responses`` (OpenAI's ``response`` object)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: float
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
 class ModelCard(_Open):
     """One served model; ``max_model_len`` (prompt + output tokens) and
     ``max_tokens_limit`` (output tokens) are the limits the server enforces."""
@@ -153,6 +165,7 @@ class DetokenizeResponse(_Open):
 RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
     ("/v1/chat/completions", "post"): ChatCompletionResponse,
+    ("/v1/responses", "post"): ResponseObject,
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model}", "get"): ModelCard,
     ("/version", "get"): VersionResponse,
@@ -164,12 +177,14 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
 ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/completions", "post"): (404, 413, 429, 503),
     ("/v1/chat/completions", "post"): (404, 413, 429, 503),
+    ("/v1/responses", "post"): (404, 413, 429, 503),
     ("/v1/models/{model}", "get"): (404,),
     ("/tokenize", "post"): (404, 413),
     ("/detokenize", "post"): (404, 413),
     ("/health", "get"): (503,),
 }
-STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post")}
+STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
+             ("/v1/responses", "post")}  # fmt: skip
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
@@ -251,13 +266,13 @@ def _pin_requests(
     capped at the server's limit, token ids at the vocabulary (what the gateway enforces
     with a 400)."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
-                 "DetokenizeRequest"):  # fmt: skip
+                 "DetokenizeRequest", "ResponsesRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props:
             pinned = {"type": "string", "enum": [model_name]}
             nullable = any(o.get("type") == "null" for o in props["model"].get("anyOf", []))
             props["model"] = {"anyOf": [pinned, {"type": "null"}]} if nullable else pinned
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if field in props:
                 _cap_integers(props[field], max_tokens_limit)
         for field in ("prompt", "tokens", "stop_token_ids"):

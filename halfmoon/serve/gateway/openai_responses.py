@@ -1,0 +1,359 @@
+"""OpenAI's Responses API (``POST /v1/responses``), served through chat completions.
+
+A request becomes a :class:`ChatCompletionRequest` (:func:`to_chat`): ``instructions`` a
+system message; ``input`` text, or items — messages (text content parts),
+``function_call`` items (an assistant turn's tool calls) and ``function_call_output``
+items (a ``tool`` message); ``tools`` (function tools, the Responses API's flat shape) and
+``tool_choice``; ``text.format`` (``json_object``, ``json_schema``) a structured output;
+``max_output_tokens``, ``temperature``, ``top_p`` (left out: the model's defaults), and
+vLLM's ``seed``. It then runs as any chat request, and its answer is rendered as a
+``response`` object (:func:`response_body`): an ``output`` of a ``message`` item (its
+``output_text``) and/or ``function_call`` items; ``status`` ``incomplete`` with
+``incomplete_details.reason`` ``max_output_tokens`` when the output was cut there.
+Streamed (:func:`response_events`), the events are ``response.created``,
+``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+``response.output_text.delta`` ..., their ``done`` events, a function call's
+``response.function_call_arguments.delta`` / ``.done``, and ``response.completed`` with the
+whole object; each has a ``sequence_number``.
+
+Not served: ``previous_response_id`` (nothing is stored: a client sends the conversation
+as ``input``), built-in tools (web search, files, ...), non-text input, ``n``; each a 400
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from halfmoon.serve.gateway.backend import BackendError, Rejected
+from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError
+from halfmoon.serve.gateway.responses import Delta, Prepared
+from halfmoon.serve.gateway.tools import tool_call_id, tool_calls
+
+
+class ResponsesRequest(BaseModel):
+    """Body of ``POST /v1/responses`` (the fields served; others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A Responses message's content as text (text parts only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError(f"{where}.content must be text or a list of text parts", "input")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(
+            part.get("text"), str
+        ):
+            raise FieldError(
+                f"{where}: content parts of type {kind!r} are not supported (text only)", "input"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append(
+                {"role": item.get("role"), "content": _text_of(item.get("content"), where)}
+            )
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if (
+                last
+                and last["role"] == "assistant"
+                and last.get("tool_calls")
+                and not last["content"]
+            ):
+                last["tool_calls"].append(call)  # calls of one turn: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})  # fmt: skip
+        else:
+            raise FieldError(f"{where}: items of type {kind!r} are not supported", "input")
+    return messages
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat) as chat tools."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise FieldError(f"tools[{i}]: only function tools are served, not {kind!r}", "tools")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema",
+                "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema")}}  # fmt: skip
+    return {"type": fmt.get("type")}
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that serves ``req`` (FieldError / ValueError for what
+    cannot be served)."""
+    if req.previous_response_id is not None:
+        raise FieldError(
+            "previous_response_id is not supported: this server stores no responses; send "
+            "the conversation so far as input",
+            "previous_response_id",
+        )
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "stream": req.stream,
+        "tools": _tools(req.tools),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text),
+    }
+    given = req.model_fields_set
+    for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                         ("top_p", "top_p"), ("seed", "seed")):  # fmt: skip
+        if ours in given and getattr(req, ours) is not None:
+            body[theirs] = getattr(req, ours)
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:  # one line naming the field, as the API's other 400s
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        field = "input" if where.startswith("messages") else where.split(".")[0]
+        raise FieldError(f"{field}: {first['msg']}", field) from None
+
+
+def _ids() -> tuple[str, str]:
+    return f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
+
+
+def output_items(p: Prepared, text: str, finish: str | None, msg_id: str) -> list[dict[str, Any]]:
+    """The ``output`` of an answer: a message with its text, and/or its function calls."""
+    status = "incomplete" if finish == "length" else "completed"
+    calls = tool_calls(p.tool_mode, text) if p.tool_mode is not None else None
+    items = []
+    if calls is not None:
+        text = text[: p.tool_mode.held_from(text)].strip() if p.tool_mode.parser else ""
+    if text or calls is None:
+        items.append(_message(msg_id, text, status))
+    for call in calls or ():
+        items.append(_function_call(call, "completed"))
+    return items
+
+
+def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
+            "content": content}  # fmt: skip
+
+
+def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{secrets.token_hex(12)}",
+        "call_id": call.get("id") or tool_call_id(),
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
+
+
+def response_body(
+    req: ResponsesRequest, resp_id: str, created: float, model: str,
+    output: list[dict[str, Any]], finish: str | None, use: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``response`` object (``output`` None: still in progress)."""
+    done = output is not None
+    incomplete = done and finish == "length"
+    use = use or {}
+    usage = None
+    if done:
+        usage = {
+            "input_tokens": use.get("prompt_tokens", 0),
+            "input_tokens_details": {
+                "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            },
+            "output_tokens": use.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": use.get("total_tokens", 0),
+        }
+    return {
+        "id": resp_id,
+        "object": "response",
+        "created_at": created,
+        "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": output if done else [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": req.metadata or {},
+        "user": req.user,
+    }
+
+
+async def collect_response(
+    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
+) -> dict[str, Any]:
+    """The whole ``response`` object of one answer (BackendError / Rejected propagate)."""
+    resp_id, msg_id = _ids()
+    created = time.time()
+    parts, finish, use = [], None, None
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            _, (text, fin, u, _entries, _prompt) = item
+            parts.append(text)
+            if fin is not None:
+                finish, use = fin, u
+            item = await anext(rest, None)
+    finally:
+        await rest.aclose()
+    output = output_items(p, "".join(parts), finish, msg_id)
+    return response_body(req, resp_id, created, req.model, output, finish, use)
+
+
+async def response_events(
+    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
+) -> AsyncIterator[bytes]:
+    """The server-sent events of one streamed answer (an ``error`` event when the
+    cluster fails mid-way)."""
+    resp_id, msg_id = _ids()
+    created = time.time()
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        body = {"type": kind, "sequence_number": seq - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+
+    pending = response_body(req, resp_id, created, req.model, None, None, None)  # type: ignore[arg-type]
+    yield event("response.created", response=pending)
+    yield event("response.in_progress", response=pending)
+    text, sent, opened = "", 0, False
+    finish, use = None, None
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            _, (delta, fin, u, _entries, _prompt) = item
+            text += delta
+            upto = p.tool_mode.held_from(text) if p.tool_mode is not None else len(text)
+            calls = None
+            if fin is not None:
+                finish, use = fin, u
+                calls = tool_calls(p.tool_mode, text) if p.tool_mode is not None else None
+                if calls is None:
+                    upto = len(text)
+            # Text before calls goes out once it is more than whitespace (it may be none).
+            if upto > sent and (text[:upto].strip() or (fin is not None and calls is None)):
+                if not opened:
+                    yield event("response.output_item.added", output_index=0,
+                                item={**_message(msg_id, "", "in_progress"), "content": []})  # fmt: skip
+                    yield event("response.content_part.added", item_id=msg_id, output_index=0,
+                                content_index=0, part={"type": "output_text", "text": "",
+                                                       "annotations": []})  # fmt: skip
+                    opened = True
+                yield event("response.output_text.delta", item_id=msg_id, output_index=0,
+                            content_index=0, delta=text[sent:upto], logprobs=[])  # fmt: skip
+                sent = upto
+            item = await anext(rest, None)
+    except (BackendError, Rejected) as exc:
+        yield event("error", code="server_error", message=f"request failed: {exc}", param=None)
+        return
+    finally:
+        await rest.aclose()
+    output = output_items(p, text, finish, msg_id)
+    index = 0
+    for out in output:
+        if out["type"] == "message":
+            if not opened:  # an empty answer: its message all the same
+                yield event("response.output_item.added", output_index=0,
+                            item={**out, "status": "in_progress", "content": []})  # fmt: skip
+                yield event("response.content_part.added", item_id=msg_id, output_index=0,
+                            content_index=0, part={"type": "output_text", "text": "",
+                                                   "annotations": []})  # fmt: skip
+            part = out["content"][0]
+            yield event("response.output_text.done", item_id=msg_id, output_index=0,
+                        content_index=0, text=part["text"], logprobs=[])  # fmt: skip
+            yield event("response.content_part.done", item_id=msg_id, output_index=0,
+                        content_index=0, part=part)  # fmt: skip
+            yield event("response.output_item.done", output_index=0, item=out)
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**out, "arguments": "", "status": "in_progress"})  # fmt: skip
+            yield event("response.function_call_arguments.delta", item_id=out["id"],
+                        output_index=index, delta=out["arguments"])  # fmt: skip
+            yield event("response.function_call_arguments.done", item_id=out["id"],
+                        output_index=index, arguments=out["arguments"])  # fmt: skip
+            yield event("response.output_item.done", output_index=index, item=out)
+        index += 1
+    done = response_body(req, resp_id, created, req.model, output, finish, use)
+    yield event("response.completed", response=done)
