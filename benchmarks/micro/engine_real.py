@@ -159,9 +159,12 @@ class VllmPeer:
             self.info = self._read()
         return self.info
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, fill: bool):
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None
+    ):
         assert self.proc.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "fill": fill}
+        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "fill": fill,
+               "regex": regex}  # fmt: skip
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         msg = self._read()

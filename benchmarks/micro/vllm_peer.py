@@ -10,8 +10,8 @@ compiles the model, 30-50 s, so one process measures every case):
 - otherwise: runs the decode/prefill grid by itself and prints one JSON row per point.
 
 Commands (``--serve``): ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n,
-"fill": bool}`` runs ``LLM.generate`` on the token-id prompts (greedy, ``ignore_eos``,
-no detokenization) and answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated
+"fill": bool, "regex": optional}`` runs ``LLM.generate`` on the token-id prompts (greedy,
+``ignore_eos``, no detokenization; held to ``regex`` by vLLM's structured outputs if given) and answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated
 ids of each prompt); ``{"op": "quit"}`` ends. ``fill`` marks the requests for vLLM's
 own ``DecodeBenchConnector`` (below): their KV, all but the last prompt token, counts as
 already computed (filled once at startup with N(0, 1) values), so a decode step at a
@@ -164,12 +164,16 @@ class Peer:
             "affinity": sorted(os.sched_getaffinity(0)),
         }
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, fill: bool) -> dict[str, Any]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None
+    ) -> dict[str, Any]:
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
             extra_args={FILL_FLAG: True} if fill else None,
+            structured_outputs=StructuredOutputsParams(regex=regex) if regex else None,
         )  # fmt: skip
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
         start = time.perf_counter()
@@ -197,7 +201,8 @@ def serve(peer: Peer, out: Any) -> None:
                 break
             if cmd["op"] != "generate":
                 raise ValueError(f"unknown op {cmd['op']!r}")
-            send(peer.generate(cmd["prompts"], int(cmd["max_tokens"]), bool(cmd.get("fill"))))
+            send(peer.generate(cmd["prompts"], int(cmd["max_tokens"]), bool(cmd.get("fill")),
+                               cmd.get("regex")))  # fmt: skip
         except Exception as exc:  # answer, so the driver does not hang
             send({"error": f"{type(exc).__name__}: {exc}"})
 
