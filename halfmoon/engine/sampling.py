@@ -9,6 +9,7 @@ after a KV handoff.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
@@ -18,6 +19,12 @@ import torch
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
 
+#: Temperatures below this are greedy, as in vLLM: the draw would be all but greedy, and
+#: dividing float32 logits by, e.g., 1e-300 gives infinities (the draw then failed, and
+#: took its worker down).
+GREEDY_BELOW = 1e-5
+log = logging.getLogger(__name__)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, n) over the seed space
 _MASK_63 = (1 << 63) - 1
 
@@ -208,10 +215,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
             logits[i].masked_fill_(~keep, float("-inf"))
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, row in enumerate(rows):
-        if row.temperature == 0.0:
+        if row.temperature < GREEDY_BELOW:
             continue
-        filtered = _filter(logits[i] / row.temperature, row.min_p, row.top_k, row.top_p)
+        # Finite, or the softmax makes NaNs of inf - inf (a repetition penalty of 1e-40
+        # divides a positive logit into +inf; the draw then failed, taking its worker down).
+        scaled = (logits[i] / row.temperature).clamp(max=_FLOAT32_MAX)
+        filtered = _filter(scaled, row.min_p, row.top_k, row.top_p)
         probs = torch.softmax(filtered, dim=-1).cpu()
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            # Never expected (every input above is kept finite): the likeliest token, not
+            # an exception that would take the whole batch's worker down.
+            log.warning("sampling: no valid distribution for a row (temperature %g, seed "
+                        "%d): drawn greedily", row.temperature, row.seed)  # fmt: skip
+            continue
         generator = torch.Generator().manual_seed(
             (row.seed * _SEED_MIX + row.num_output_tokens) & _MASK_63
         )

@@ -218,6 +218,36 @@ def test_a_top_p_below_float32s_range_keeps_the_likeliest_token() -> None:
     assert sample(logits, [row]) == [1]
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Temperatures below 1e-5 are greedy (as vLLM's): 1e-300 once made the scaled
+    logits infinite and the draw fail."""
+    logits = torch.tensor([[0.1, 2.0, 0.5, 1.9]])
+    row = row_for(SamplingParams(temperature=temperature), 3, 0, ())
+    assert sample(logits, [row]) == [1]
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40])
+def test_a_vanishing_repetition_penalty_still_draws(penalty: float) -> None:
+    """A repetition penalty in (0, 2] as small as 1e-40 divides positive logits into
+    +inf: the draw still gives one of them (it once failed on NaNs)."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5]])
+    row = row_for(SamplingParams(temperature=1.0, repetition_penalty=penalty), 4, 1, (),
+                  [1, 3])  # fmt: skip
+    assert sample(logits, [row])[0] in (1, 3)
+
+
+def test_a_row_without_a_valid_distribution_is_drawn_greedily(caplog) -> None:
+    """Logits the model made NaN (never expected) give the row's argmax and a warning,
+    not an exception that would end the worker and every request on it."""
+    logits = torch.tensor([[0.5, float("nan"), 1.0], [0.1, 0.2, 30.0]])
+    rows = [row_for(SamplingParams(temperature=1.0), s, 0, ()) for s in (1, 2)]
+    with caplog.at_level("WARNING", logger="halfmoon.engine.sampling"):
+        tokens = sample(logits, rows)
+    assert tokens[1] == 2 and 0 <= tokens[0] < 3
+    assert "drawn greedily" in caplog.text
+
+
 def test_a_bad_words_last_token_is_banned_only_after_the_rest() -> None:
     """A one-token bad word is always banned; a longer one's last token only where the
     output (not the prompt) already ends with its other tokens."""
