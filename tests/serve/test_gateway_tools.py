@@ -271,3 +271,49 @@ def test_held_from_keeps_back_what_may_start_a_block() -> None:
     assert auto.held_from("Hi <tool_call>{") == 3
     assert auto.held_from("a <b") == 4 and auto.held_from("x<") == 1
     assert ToolMode().held_from("[{") == 0
+
+
+@pytest.fixture(scope="module")
+def llama(gateways):
+    backend = AnswerBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser="llama3_json")
+    with TestClient(app) as client:
+        yield client, backend
+
+
+def test_auto_reads_llama3_json_calls(llama):
+    """``--tool-call-parser llama3_json``: an answer that is one or more ``{"name",
+    "parameters"}`` objects (``;`` between them) is calls; any other answer is text, and
+    streams as it comes."""
+    client, backend = llama
+    backend.answer = ('{"name": "weather", "parameters": {"city": "Paris; France"}}; '
+                      '{"name": "clock", "parameters": {}}')  # fmt: skip
+    body = _chat(client, tools=TOOLS).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Paris; France"}'},
+        {"name": "clock", "arguments": "{}"},
+    ]
+    streamed = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not any(d.get("content") for d in deltas)
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    backend.answer = "It is sunny; no call needed."
+    streamed = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+    contents = [e["choices"][0]["delta"].get("content") for e in events]
+    assert "".join(c for c in contents if c) == backend.answer
+    assert len([c for c in contents if c]) > 1  # not held back to the end
+    backend.answer = '{"weather": "sunny"}'  # JSON, but not a call: text
+    body = _chat(client, tools=TOOLS).json()
+    assert body["choices"][0]["message"]["content"] == backend.answer
+
+
+def test_llama3_held_from() -> None:
+    mode = ToolMode(parser="llama3_json")
+    assert mode.held_from("") == 0 and mode.held_from("  {") == 0
+    assert mode.held_from("<|py") == 0 and mode.held_from("<|python_tag|>{") == 0
+    assert mode.held_from("Sunny") == 5 and mode.held_from("<b>") == 3

@@ -16,7 +16,10 @@ serves them without a model-specific tool-call parser.
   --tool-call-parser hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks, as Qwen2.5/3, Hermes and many other templates ask for; the text before the
   first block is the message's ``content``; ``finish_reason`` ``tool_calls`` when there
-  are calls). Without a parser, a 400 saying so, as vLLM answers without
+  are calls); ``llama3_json`` (Llama 3.x: the whole answer one or more ``{"name",
+  "parameters"}`` objects, ``;`` between them, after an optional ``<|python_tag|>``;
+  streamed, an answer is held back while it may still be a call). Without a parser, a
+  400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
 
@@ -39,8 +42,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 #: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+#: Llama 3.x's marker before a tool call (a special token: usually not in the text).
+_PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,10 @@ class ToolMode:
         could begin one."""
         if self.parser is None:
             return 0
+        if self.parser == "llama3_json":  # a call is the whole answer: decided by its start
+            head = text.lstrip()
+            undecided = not head or _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)])
+            return 0 if undecided or head.startswith(("{", _PYTHON_TAG)) else len(text)
         start = text.find(_HERMES_OPEN)
         if start >= 0:
             return start
@@ -152,6 +161,8 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     format (None when there are none, or the output is not whole: cut by ``max_tokens``
     or a stop string, it is answered as text). With a parser, the text before
     :meth:`ToolMode.held_from` is the message's content."""
+    if mode.parser == "llama3_json":
+        return _llama3_json(text)
     if mode.parser is not None:
         return _hermes(text)
     if mode.name is not None:
@@ -190,6 +201,28 @@ def _hermes(text: str) -> list[dict[str, Any]] | None:
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _llama3_json(text: str) -> list[dict[str, Any]] | None:
+    """Llama 3.x JSON calls: the answer is one or more ``{"name", "parameters"}`` objects
+    (``;`` between them), after an optional ``<|python_tag|>``."""
+    body = text.strip()
+    body = body[len(_PYTHON_TAG) :].lstrip() if body.startswith(_PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return None
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("parameters", item.get("arguments", {}))
+        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
     return calls
 
 

@@ -452,7 +452,9 @@ def register(subparsers: Any) -> None:
         "--tool-call-parser", default=None, choices=PARSERS,
         help="read the model's own tool calls out of its text, so that chat requests with "
         "tools may leave tool_choice at 'auto' (hermes: <tool_call>{...}</tool_call> blocks, "
-        "as Qwen2.5/3 and Hermes templates ask for); without it such requests get a 400",
+        "as Qwen2.5/3 and Hermes templates ask for; llama3_json: an answer of "
+        '{"name", "parameters"} objects, as Llama 3.x writes them); without it such '
+        "requests get a 400",
     )  # fmt: skip
     p.add_argument(
         "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
