@@ -9,21 +9,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from halfmoon.serve.gateway.openai_responses import ResponsesRequest, to_chat
 
-from .test_gateway_tools import WEATHER, AnswerBackend
+from .test_gateway_tools import WEATHER, answering
 
 TOOLS = [{"type": "function", "name": "weather", "parameters": WEATHER}]
 
 
 @pytest.fixture(scope="module")
 def served(gateways):
-    backend = AnswerBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser="hermes")
-    with TestClient(app) as client:
-        yield client, backend
+    with answering(gateways, "hermes") as pair:
+        yield pair
 
 
 def _post(client, **body):

@@ -8,6 +8,7 @@ answers are checked in tests/e2e/test_serve_disaggregated.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -53,11 +54,20 @@ class AnswerBackend:
         return {"mode": "answer"}
 
 
+@contextlib.contextmanager
+def answering(gateways, parser: str | None = None):
+    """A gateway over an :class:`AnswerBackend` (``parser``: its ``tool_call_parser``):
+    (test client, backend)."""
+    backend = AnswerBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser=parser)
+    with TestClient(app) as client:
+        yield client, backend
+
+
 @pytest.fixture(scope="module")
 def served(gateways):
-    backend = AnswerBackend(gateways.tokenizer)
-    with TestClient(gateways.app(backend, "m", max_tokens_limit=64)) as client:
-        yield client, backend
+    with answering(gateways) as pair:
+        yield pair
 
 
 def _chat(client, **extra):
@@ -212,10 +222,8 @@ HERMES = ('Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "
 
 @pytest.fixture(scope="module")
 def hermes(gateways):
-    backend = AnswerBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser="hermes")
-    with TestClient(app) as client:
-        yield client, backend
+    with answering(gateways, "hermes") as pair:
+        yield pair
 
 
 def test_auto_reads_hermes_calls_out_of_the_text(hermes):
@@ -275,10 +283,8 @@ def test_held_from_keeps_back_what_may_start_a_block() -> None:
 
 @pytest.fixture(scope="module")
 def llama(gateways):
-    backend = AnswerBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser="llama3_json")
-    with TestClient(app) as client:
-        yield client, backend
+    with answering(gateways, "llama3_json") as pair:
+        yield pair
 
 
 def test_auto_reads_llama3_json_calls(llama):

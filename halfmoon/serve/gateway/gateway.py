@@ -7,6 +7,7 @@ that call it are :func:`halfmoon.serve.gateway.app.create_app`'s.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from halfmoon.serve.gateway.openai_api import (
     STRUCTURED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
+    FieldError,
     usage,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
@@ -33,7 +35,7 @@ from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
 from halfmoon.serve.gateway.text import OutputText
 from halfmoon.serve.gateway.timeseries import TimeSeries
-from halfmoon.serve.gateway.tools import PARSERS
+from halfmoon.serve.gateway.tools import PARSERS, ToolMode
 
 T = TypeVar("T")
 
@@ -185,12 +187,12 @@ class Gateway:
                 "BadRequestError",
                 param="messages" if chat else "prompt",
             )
-        params = self._sampling_params(body, max_tokens)
+        tool_mode, tool_schema = self._tool_mode(body) if chat else (None, None)
+        params = self._sampling_params(body, max_tokens, tool_schema)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
         )
-        tool_mode = body.tool_mode(cfg.tool_call_parser)[0] if chat else None
         if chat:  # (echo with tool calls: they would not parse)
             prompts = [(prompt_ids, "" if tool_mode else body.echo_text())]
         else:
@@ -232,11 +234,21 @@ class Gateway:
         except HalfmoonError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
 
+    def _tool_mode(self, body: ChatCompletionRequest) -> tuple[ToolMode | None, dict | None]:
+        """:meth:`ChatCompletionRequest.tool_mode` under this server's tool-call parser
+        (a 400 naming the field when malformed)."""
+        try:
+            return body.tool_mode(self.config.tool_call_parser)
+        except FieldError as exc:
+            raise HTTPError(400, str(exc), "BadRequestError", param=exc.param) from None
+
     def _sampling_params(
-        self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
-    ) -> SamplingParams:
+        self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+        tool_schema: dict | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """The request's sampling options, checked (a 400 names what is wrong); an option
-        the request leaves out takes the model's default where it has one."""
+        the request leaves out takes the model's default where it has one; ``tool_schema``:
+        what forced tool calls hold the output to."""
         defaults, given = self.config.sampling_defaults, body.model_fields_set
 
         def option(name: str) -> Any:
@@ -265,7 +277,7 @@ class Gateway:
                 presence_penalty=option("presence_penalty"),
                 frequency_penalty=option("frequency_penalty"),
                 repetition_penalty=option("repetition_penalty"),
-                structured=self._structured(body),
+                structured=self._structured(body, tool_schema),
                 bad_words=self._bad_words(body.bad_words or ()),
             )
         except ValueError as exc:
@@ -280,15 +292,20 @@ class Gateway:
         return tuple(words)
 
     def _structured(
-        self, body: CompletionRequest | ChatCompletionRequest
+        self, body: CompletionRequest | ChatCompletionRequest, tool_schema: dict | None
     ) -> StructuredOutput | None:
-        """The request's structured output, compiled here once so that a bad schema,
-        regex or grammar is a 400 naming its field, not a failure on a worker."""
+        """The request's structured output, or the schema of its forced tool calls (both:
+        a 400), compiled here once so that a bad schema, regex or grammar is a 400 naming
+        its field, not a failure on a worker."""
         try:
-            if isinstance(body, ChatCompletionRequest):
-                structured = body.tool_structured_output(self.config.tool_call_parser)
-            else:
-                structured = body.structured_output()
+            structured = body.structured_output()
+            if tool_schema is not None:
+                if structured is not None:
+                    raise FieldError("tool_choice forces tool calls: give no other "
+                                     "structured output", "tool_choice")  # fmt: skip
+                # No whitespace of the model's choosing: programs read the arguments, and a
+                # small model held to flexible JSON can wander in whitespace until max_tokens.
+                structured = StructuredOutput("json", json.dumps(tool_schema), compact=True)
             if structured is not None:
                 tok = self.tokenizer
                 eos = [] if tok.eos_token_id is None else [tok.eos_token_id]

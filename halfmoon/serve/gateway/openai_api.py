@@ -460,20 +460,6 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
             field = "tool_choice" if "tool_choice" in str(exc) else "tools"
             raise FieldError(str(exc), field) from None
 
-    def tool_structured_output(self, parser: str | None = None) -> StructuredOutput | None:
-        """:meth:`_Common.structured_output`, or the schema of forced tool calls (both at
-        once: a FieldError)."""
-        given = self.structured_output()
-        _, schema = self.tool_mode(parser)
-        if schema is None:
-            return given
-        if given is not None:
-            raise FieldError("tool_choice forces tool calls: give no other structured output",
-                             "tool_choice")  # fmt: skip
-        # Without whitespace of the model's choosing: arguments are read by programs, and a
-        # small model held to flexible JSON can wander in whitespace until max_tokens.
-        return StructuredOutput("json", json.dumps(schema), compact=True)
-
     def output_limit(self, default: int) -> int:
         """The requested output length, or ``default``."""
         return self.max_completion_tokens or self.max_tokens or default

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError
 from halfmoon.serve.gateway.responses import Delta, Prepared
-from halfmoon.serve.gateway.tools import tool_call_id, tool_calls
+from halfmoon.serve.gateway.tools import HeldText, split_answer, tool_call_id
 
 
 class ResponsesRequest(BaseModel):
@@ -186,12 +186,10 @@ def _ids() -> tuple[str, str]:
 def output_items(p: Prepared, text: str, finish: str | None, msg_id: str) -> list[dict[str, Any]]:
     """The ``output`` of an answer: a message with its text, and/or its function calls."""
     status = "incomplete" if finish == "length" else "completed"
-    calls = tool_calls(p.tool_mode, text) if p.tool_mode is not None else None
+    content, calls = split_answer(p.tool_mode, text) if p.tool_mode else (text, None)
     items = []
-    if calls is not None:
-        text = text[: p.tool_mode.held_from(text)].strip() if p.tool_mode.parser else ""
-    if text or calls is None:
-        items.append(_message(msg_id, text, status))
+    if content or calls is None:
+        items.append(_message(msg_id, content or "", status))
     for call in calls or ():
         items.append(_function_call(call, "completed"))
     return items
@@ -298,22 +296,21 @@ async def response_events(
     pending = response_body(req, resp_id, created, req.model, None, None, None)  # type: ignore[arg-type]
     yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
-    text, sent, opened = "", 0, False
+    held = HeldText(p.tool_mode) if p.tool_mode is not None else None
+    text, opened = "", False
     finish, use = None, None
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             _, (delta, fin, u, _entries, _prompt) = item
-            text += delta
-            upto = p.tool_mode.held_from(text) if p.tool_mode is not None else len(text)
-            calls = None
             if fin is not None:
                 finish, use = fin, u
-                calls = tool_calls(p.tool_mode, text) if p.tool_mode is not None else None
-                if calls is None:
-                    upto = len(text)
-            # Text before calls goes out once it is more than whitespace (it may be none).
-            if upto > sent and (text[:upto].strip() or (fin is not None and calls is None)):
+            if held is None:
+                text, out = text + delta, delta
+            else:  # text before calls (there may be none): as it may go out
+                out, _ = held.add(delta, fin is not None)
+                text = held.text
+            if out:
                 if not opened:
                     yield event("response.output_item.added", output_index=0,
                                 item={**_message(msg_id, "", "in_progress"), "content": []})  # fmt: skip
@@ -322,8 +319,7 @@ async def response_events(
                                                        "annotations": []})  # fmt: skip
                     opened = True
                 yield event("response.output_text.delta", item_id=msg_id, output_index=0,
-                            content_index=0, delta=text[sent:upto], logprobs=[])  # fmt: skip
-                sent = upto
+                            content_index=0, delta=out, logprobs=[])  # fmt: skip
             item = await anext(rest, None)
     except (BackendError, Rejected) as exc:
         yield event("error", code="server_error", message=f"request failed: {exc}", param=None)

@@ -29,7 +29,7 @@ from halfmoon.serve.gateway.openai_api import (
     prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
-from halfmoon.serve.gateway.tools import ToolMode, tool_calls
+from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer
 
 
 class HTTPError(Exception):
@@ -159,13 +159,11 @@ async def collect(
             logprobs = logprobs_body(prompts[index] + entries[index], token_text, p.chat, 0)
         elif p.params.logprobs is not None:
             logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo_of(index)))
-        text, finish, calls = "".join(parts[index]), finishes[index], None
+        text: str | None = "".join(parts[index])
+        finish, calls = finishes[index], None
         if p.tool_mode is not None:
-            calls = tool_calls(p.tool_mode, text)
-            if calls is not None:  # forced calls: content ""; parsed ones: the text before
-                text = text[: p.tool_mode.held_from(text)].strip() or (
-                    None if p.tool_mode.parser else ""
-                )
+            text, calls = split_answer(p.tool_mode, text)
+            if calls is not None:
                 finish = p.tool_mode.finish(finish)
         choice = choice_body(index, text, finish, p.chat, logprobs, calls)
         if p.show_prompt_logprobs and not p.chat:
@@ -232,26 +230,19 @@ async def sse(
     opening = [True] * p.num_choices
     offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
     uses: list[dict] = [{}] * p.num_choices
-    # Tool calls: each choice's output is held back from where calls may begin (all of
-    # it for forced calls), and sent as calls at its end; its log-probabilities then too.
-    held: list[tuple[str, list[Entry]]] = [("", [])] * p.num_choices
-    sent = [0] * p.num_choices  # characters of each choice's output sent as content
+    # Tool calls: each choice's output is held back where calls may be (all of it for
+    # forced calls) and sent as calls at its end; its log-probabilities then too.
+    held = [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode else []
+    kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]
     running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries, prompt) = item
-            if p.tool_mode is not None:
-                full, kept = held[index][0] + text, held[index][1] + list(entries)
-                held[index], entries = (full, kept), []
-                calls = tool_calls(p.tool_mode, full) if finish is not None else None
-                upto = len(full) if finish is not None else p.tool_mode.held_from(full)
-                if calls is not None:
-                    upto = p.tool_mode.held_from(full)
-                text = full[sent[index] : upto]
-                sent[index] = max(sent[index], upto)
-                if finish is not None:
-                    entries = kept
+            if held:
+                kept[index] += entries
+                text, calls = held[index].add(text, finish is not None)
+                entries = kept[index] if finish is not None and calls is None else []
                 if calls is not None:
                     finish = p.tool_mode.finish(finish)
                     if text:
@@ -260,11 +251,11 @@ async def sse(
                         opening[index] = False
                     logprobs = None
                     if p.params.logprobs is not None:
-                        logprobs = logprobs_body(entries, token_text, True, 0)
+                        logprobs = logprobs_body(kept[index], token_text, True, 0)
                     yield event(chunk_body(p.request_id, model, None, None, True,
                                            opening[index], logprobs, index, calls))  # fmt: skip
                     opening[index] = False
-                    text, entries = "", []
+                    text = ""
             echo = p.echo_of(index) if opening[index] else ""
             if echo:
                 text, offsets[index] = echo + text, len(echo)

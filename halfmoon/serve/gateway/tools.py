@@ -165,23 +165,55 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
         return _llama3_json(text)
     if mode.parser is not None:
         return _hermes(text)
-    if mode.name is not None:
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
-        return [_call(mode.name, text)]
     try:
-        items = json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(items, list) or not all(
-        isinstance(c, dict) and isinstance(c.get("name"), str) for c in items
-    ):
-        return None
-    return [
-        _call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items
-    ]
+    if mode.name is not None:
+        return [_call(mode.name, text)]
+    return _calls(value) if isinstance(value, list) else None
+
+
+def split_answer(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A whole answer as (content, calls): without calls, the text as it is; with forced
+    calls, content ""; with parsed ones, the text before them (None when there is none)."""
+    calls = tool_calls(mode, text)
+    if calls is None:
+        return text, None
+    return text[: mode.held_from(text)].strip() or (None if mode.parser else ""), calls
+
+
+class HeldText:
+    """One streamed choice's output under a tool mode: what may go out as content now
+    (never text that may still be, or is, a call; nor whitespace alone before one),
+    and at the end the calls."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode, self.text, self._sent = mode, "", 0
+
+    def add(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]] | None]:
+        """Take the next ``delta`` (``final``: the last); the content to send now, and the
+        calls once they are whole."""
+        self.text += delta
+        calls = tool_calls(self.mode, self.text) if final else None
+        plain_end = final and calls is None
+        upto = len(self.text) if plain_end else self.mode.held_from(self.text)
+        if upto <= self._sent or not (plain_end or self.text[:upto].strip()):
+            return "", calls
+        out, self._sent = self.text[self._sent : upto], upto
+        return out, calls
+
+
+def _calls(items: list[Any]) -> list[dict[str, Any]] | None:
+    """JSON objects ``{"name", "parameters" (or "arguments")}`` as tool calls (None if
+    any is not one)."""
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item["parameters"] if "parameters" in item else item.get("arguments", {})
+        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
 
 
 def _hermes(text: str) -> list[dict[str, Any]] | None:
@@ -190,18 +222,13 @@ def _hermes(text: str) -> list[dict[str, Any]] | None:
     start = text.find(_HERMES_OPEN)
     if start < 0:
         return None
-    calls = []
+    items = []
     for block in text[start:].split(_HERMES_OPEN)[1:]:
-        body = block.split(_HERMES_CLOSE, 1)[0].strip()
         try:
-            item = json.loads(body)
+            items.append(json.loads(block.split(_HERMES_CLOSE, 1)[0]))
         except ValueError:
             return None
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls
+    return _calls(items)
 
 
 def _llama3_json(text: str) -> list[dict[str, Any]] | None:
@@ -211,19 +238,16 @@ def _llama3_json(text: str) -> list[dict[str, Any]] | None:
     body = body[len(_PYTHON_TAG) :].lstrip() if body.startswith(_PYTHON_TAG) else body
     if not body.startswith("{"):
         return None
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    decoder, items, pos = json.JSONDecoder(), [], 0
     while pos < len(body):
         try:
             item, pos = decoder.raw_decode(body, pos)
         except ValueError:
             return None
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        arguments = item.get("parameters", item.get("arguments", {}))
-        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        items.append(item)
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
-    return calls
+    return _calls(items)
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
