@@ -30,9 +30,13 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
 )  # fmt: skip
 #: The tiny cluster: its TTFT SLO refuses the long prompts of :func:`send_traffic` (their
-#: prefill takes ~0.3-0.7 s by the measured profile, depending on the machine) and admits
-#: the short ones (~15-30 ms).
-SERVE_ARGS = ("--kv-cache-mb", "64", "--ttft-slo", "0.2", "--early-reject", "snapshot")
+#: prefill takes ~7 s by the measured profile on a 2-core VM, 20x the SLO) and admits the
+#: short ones (~10-50 ms). The TTFT estimates are the profile's alone: with the prefill
+#: calibration on, a host busy with other work (a test suite beside it) teaches the
+#: Conductor a slowdown of up to 20x and refuses short prompts too, which is right for
+#: serving but not what the page's picture (or its e2e test) is meant to show.
+SERVE_ARGS = ("--kv-cache-mb", "64", "--ttft-slo", "0.3", "--early-reject", "snapshot",
+              "--prefill-calibration", "off")  # fmt: skip
 SHARED_PREFIX = "You are a helpful assistant. Answer briefly and precisely. " * 4
 
 
@@ -68,7 +72,7 @@ def complete(base_url: str, prompt: str, max_tokens: int, api_key: str = "") -> 
 
 def send_traffic(
     base_url: str, num_requests: int = 12, num_long: int = 2, api_key: str = "",
-    long_words: int = 900,
+    long_words: int = 3000,
 ) -> list[int]:  # fmt: skip
     """``num_requests`` short completions sharing a prefix (two at a time), then
     ``num_long`` long prompts meant to be refused; returns the statuses."""
