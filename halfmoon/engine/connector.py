@@ -48,7 +48,13 @@ from halfmoon.costmodel import CostProfile
 from halfmoon.engine.attention import LayerKV
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig, ModelConfig
-from halfmoon.engine.engine import EngineStats, KVHandoff, LLMEngine, RequestOutput
+from halfmoon.engine.engine import (
+    EngineStats,
+    KVHandoff,
+    LLMEngine,
+    RequestFailure,
+    RequestOutput,
+)
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.kvcodec import KVCodec, compiled_or_eager
 from halfmoon.engine.profiler import cached_profile
@@ -64,7 +70,9 @@ from halfmoon.engine.stage import StageExecutor
 
 #: ``hook(request_id, layer, keys, values)``: layer ``layer``'s K and V of the request's
 #: whole prompt (one host ``memoryview`` per block), called once per layer after the
-#: prompt's last chunk wrote it. ``layer`` is the model's global layer index.
+#: prompt's last chunk wrote it. ``layer`` is the model's global layer index. A step
+#: that failed and is computed again hands over its layers again (same bytes): a hook
+#: skips those it has.
 PromptKVHook = Callable[[str, int, list[memoryview], list[memoryview]], None]
 #: Receives the engine pool's cache events (a block hash became reusable or went away).
 CacheListener = Callable[[CacheEvent], None]
@@ -87,16 +95,6 @@ class HandoffState:
     num_computed_tokens: int
     seed: int
     cache_salt: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """A request the engine dropped: why, and whether another instance may retry it (the
-    engine became unreachable) or not (the engine refused the request)."""
-
-    request_id: str
-    error: str
-    retryable: bool = False
 
 
 def model_kv_layout(model_dir: str | Path, block_size: int, dtype: str) -> KVLayout:
@@ -248,8 +246,8 @@ class EngineConnector(ABC):
 
     def take_failures(self) -> list[RequestFailure]:
         """Requests that failed inside the engine since the last call (an engine in
-        another process can lose one); each is gone from the engine. This package's
-        engine fails a request only by raising from :meth:`add_request`."""
+        another process can lose one; a step that fails fails the requests it computed);
+        each is gone from the engine."""
         return []
 
     # -- KV out --------------------------------------------------------------------------------
@@ -469,6 +467,9 @@ class LocalConnector(EngineConnector):
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
+
+    def take_failures(self) -> list[RequestFailure]:
+        return self.engine.take_failures()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()

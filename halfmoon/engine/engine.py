@@ -8,9 +8,12 @@ between steps: that is the prefill -> decode handoff.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import random
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -54,6 +57,14 @@ Prompt = str | SequenceABC[int]
 #: The block manager's owner of blocks being seeded (a NUL cannot start a request id that
 #: came through the API, so it never collides with one).
 _SEED_HOLDER = "\0seed"
+#: Steps in a row that may fail (see :meth:`LLMEngine.step`) before the engine counts
+#: itself broken and raises: a failed batch and then each of its requests alone fail
+#: in a row when several requests break their steps at once, while an engine whose every
+#: step fails (a CUDA error poisons its context) must end.
+MAX_FAILED_STEPS_IN_A_ROW = 8
+#: A token id whose presence in a step's computed tokens fails the step (a fault to test
+#: the failure path with, in tests and drills; unset in serving).
+FAIL_STEP_ENV = "HALFMOON_FAIL_STEP_ON_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,21 @@ class RequestOutput:
     #: With the first token of a request that asked for them (``prompt_logprobs``): the
     #: log-probabilities of its prompt tokens after the first, in order.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine dropped: why, and whether another instance may retry it.
+
+    ``retryable``: the request itself may well succeed elsewhere (its engine became
+    unreachable, or a step it was part of failed); not when the engine refused it.
+    ``instance_failed``: whether the instance is to blame (an unreachable engine: the
+    gateway reports it to the Conductor), or only the step (the instance goes on)."""
+
+    request_id: str
+    error: str
+    retryable: bool = False
+    instance_failed: bool = True
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,12 @@ class LLMEngine:
             self.attention_backend += ", CUDA graphs for decode"
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self._failures: list[RequestFailure] = []
+        self._failed_steps_in_a_row = 0
+        #: Requests of a failed step, each computed alone until a step of it succeeds.
+        self._suspects: set[str] = set()
+        fail_on = os.environ.get(FAIL_STEP_ENV, "").strip()
+        self._fail_on_token = int(fail_on) if fail_on.lstrip("-").isdigit() else None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -323,6 +355,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        self._suspects.discard(request_id)
         self.scheduler.remove(seq)
         return True
 
@@ -337,10 +370,74 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for every request that got a token."""
+        """Run one scheduling step; returns an output for every request that got a token.
+
+        A failure while a step computes (the model, the sampler) does not end the engine.
+        A failed step of several requests makes each a *suspect*, computed alone (one
+        suspect per step, the others waiting meanwhile) until a step of it succeeds: the
+        requests batched with a culprit lose one step, not their work. A failed step of
+        one request fails it: it leaves the engine (its blocks free, none of what the step
+        computed cached) and :meth:`take_failures` reports it as retryable (the fault may
+        have been passing: memory, a neighbour). A failure after sampling (detokenizing,
+        a grammar) fails its request alone, not retryable. Only
+        :data:`MAX_FAILED_STEPS_IN_A_ROW` failed steps in a row raise (the engine itself
+        is broken)."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        chunks = plan.chunks
+        if self._suspects:
+            alone = [c for c in chunks if c.seq.request_id in self._suspects]
+            chunks = tuple(alone[:1]) or chunks
+        try:
+            # (Prompt log-probabilities a failed step took stay: each chunk computes only
+            # those its sequence does not have yet.)
+            sampled = self._compute(chunks)
+        except Exception as exc:
+            self._step_failed(chunks, exc)
+            return []
+        self._failed_steps_in_a_row = 0
+        for chunk in chunks:
+            self._suspects.discard(chunk.seq.request_id)
+            chunk.seq.num_computed_tokens = chunk.end
+            self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)
+        outputs = []
+        for seq, token, logprob in sampled:
+            try:
+                outputs.append(self._append(seq, token, logprob))
+            except Exception as exc:
+                logger.exception("request %s failed after its step", seq.request_id)
+                error = f"request failed in the engine: {type(exc).__name__}: {exc}"
+                self._fail(seq, error, retryable=False)
+        return outputs
+
+    def _step_failed(self, chunks: SequenceABC[ScheduledChunk], exc: Exception) -> None:
+        """A step raised ``exc``: its requests become suspects, or its one request fails;
+        the engine raises once steps failed :data:`MAX_FAILED_STEPS_IN_A_ROW` times in a
+        row."""
+        self._failed_steps_in_a_row += 1
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise HalfmoonError(
+                f"the engine failed {self._failed_steps_in_a_row} steps in a row (last: {exc!r})"
+            ) from exc
+        if len(chunks) > 1:
+            logger.warning("an engine step of %d requests failed (%r): computing each alone",
+                           len(chunks), exc)  # fmt: skip
+            self._suspects.update(c.seq.request_id for c in chunks)
+            return
+        seq = chunks[0].seq
+        logger.error("request %s failed its engine step", seq.request_id, exc_info=exc)
+        self._fail(seq, f"engine step failed: {type(exc).__name__}: {exc}", retryable=True)
+
+    def _compute(
+        self, chunks: SequenceABC[ScheduledChunk]
+    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Run the model over the step's chunks and sample a token for each that is due:
+        ``(sequence, token, its log-probability)``. Changes no scheduling state."""
+        if self._fail_on_token is not None and any(
+            self._fail_on_token in c.seq.token_ids[c.start : c.end] for c in chunks
+        ):
+            raise HalfmoonError(f"token {self._fail_on_token} computed ({FAIL_STEP_ENV})")
         inputs = [
             ChunkInput(
                 request_id=c.seq.request_id,
@@ -350,14 +447,16 @@ class LLMEngine:
                 logits=self._logits_wanted(c),
                 hook=c.start < c.seq.num_prompt_tokens,
             )
-            for c in plan.chunks
+            for c in chunks
         ]
         logits = self.runner.execute(inputs)
-        for i, (c, chunk_input) in enumerate(zip(plan.chunks, inputs, strict=True)):
+        for i, (c, chunk_input) in enumerate(zip(chunks, inputs, strict=True)):
             if chunk_input.logits == LOGITS_ALL:
                 self._take_prompt_logprobs(c.seq, c.start, logits[i])
                 logits[i] = logits[i][-1:] if c.samples else None
-        sampling = [(c, lg) for c, lg in zip(plan.chunks, logits, strict=True) if lg is not None]
+        sampling = [(c, lg) for c, lg in zip(chunks, logits, strict=True) if lg is not None]
+        if not sampling:
+            return []
         rows = [
             row_for(
                 c.seq.params,
@@ -370,19 +469,39 @@ class LLMEngine:
             )
             for c, _ in sampling
         ]
-        logprobs: list[TokenLogprob | None] = []
-        tokens: list[int] = []
-        if sampling:
-            batch = torch.cat([lg for _, lg in sampling])
-            num_top = [c.seq.params.logprobs for c, _ in sampling]
-            tokens, logprobs = sample_with_logprobs(batch, rows, num_top)
-        for chunk in plan.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-            self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)
-        return [
-            self._append(c.seq, t, lp)
-            for (c, _), t, lp in zip(sampling, tokens, logprobs, strict=True)
-        ]
+        batch = torch.cat([lg for _, lg in sampling])
+        num_top = [c.seq.params.logprobs for c, _ in sampling]
+        tokens, logprobs = sample_with_logprobs(batch, rows, num_top)
+        return [(c.seq, t, lp) for (c, _), t, lp in zip(sampling, tokens, logprobs, strict=True)]
+
+    def _fail(self, seq: Sequence, error: str, retryable: bool) -> None:
+        """``seq`` leaves the engine failed: its blocks go back (the ones it computed
+        since its last commit were never cached), :meth:`take_failures` reports it."""
+        self._suspects.discard(seq.request_id)
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
+        if seq.status is not Status.FINISHED:
+            self.scheduler.remove(seq)
+        elif self.block_manager.has_request(seq.request_id):  # a finished keep_kv request
+            self.block_manager.free(seq.request_id)
+        self._failures.append(RequestFailure(
+            seq.request_id, error, retryable=retryable, instance_failed=False,
+        ))  # fmt: skip
+
+    def take_failures(self) -> list[RequestFailure]:
+        """Requests that failed in a step since the last call (each gone from the engine)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    @contextlib.contextmanager
+    def faults_suspended(self) -> Iterator[None]:
+        """No step fails on :data:`FAIL_STEP_ENV`'s token inside (the engine measuring
+        itself: its random prompts may hold the token)."""
+        token, self._fail_on_token = self._fail_on_token, None
+        try:
+            yield
+        finally:
+            self._fail_on_token = token
 
     @staticmethod
     def _logits_wanted(chunk: ScheduledChunk) -> str:
@@ -473,6 +592,13 @@ class LLMEngine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+            if self._failures:
+                mine = [f for f in self._failures if f.request_id in ids]
+                if mine:
+                    self._failures = [f for f in self._failures if f.request_id not in ids]
+                    for request_id in ids:
+                        self.abort_request(request_id)
+                    raise HalfmoonError(mine[0].error)
         return [final[i] for i in ids]
 
     # -- KV handoff ------------------------------------------------------------------------

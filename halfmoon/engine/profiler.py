@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel import CostProfile, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
@@ -82,7 +83,15 @@ def _prefilled(engine: Any, request_id: str, num_tokens: int, salt: int) -> Any:
     engine.add_request(request_id, _tokens(engine, num_tokens, salt), once, keep_kv=True)
     while engine.has_unfinished_requests():
         engine.step()
+    _raise_failures(engine)
     return engine.export_kv(request_id, release=True)
+
+
+def _raise_failures(engine: Any) -> None:
+    """A step that failed while profiling fails the profile (no time of it is kept)."""
+    failures = engine.take_failures()
+    if failures:
+        raise HalfmoonError(f"profiling failed: {failures[0].error}")
 
 
 def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
@@ -109,6 +118,7 @@ def _time_decode(engine: Any, batch: int, context: int, salt: int) -> float:
         start = time.perf_counter()
         outputs = engine.step()
         times.append(time.perf_counter() - start)
+        _raise_failures(engine)
         if len(outputs) != batch:  # a sequence ended (context limit) or was preempted
             break
     for request_id in ids:
@@ -132,8 +142,14 @@ def _time_kv_import(engine: Any, num_tokens: int, salt: int) -> float:
 def measure_profile(engine: Any, model_name: str, say: Say | None = None) -> CostProfile:
     """Time the engine and fit a cost profile (a few seconds on the tiny preset, about a
     minute for a 135M model on a small CPU); ``say`` (default: this module's logger) gets
-    a line per point measured, ``profiling prefill 3/8 ...``."""
-    say = say or log.info
+    a line per point measured, ``profiling prefill 3/8 ...``. A fault drill's failing
+    token (``HALFMOON_FAIL_STEP_ON_TOKEN``) is off meanwhile: its random prompts may hold it."""
+    with engine.faults_suspended():
+        return _measure(engine, model_name, say or log.info)
+
+
+def _measure(engine: Any, model_name: str, say: Say) -> CostProfile:
+    """:func:`measure_profile`'s work."""
     _time_prefill(engine, 16, 0, 999)  # warm-up
     limit = engine.max_model_len - 8
     # A prompt or a batch must fit in the KV pool at once, or it would be refused or

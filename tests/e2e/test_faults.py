@@ -352,3 +352,68 @@ def test_the_cluster_settles_quickly_after_five_quick_decode_kills(cluster):
         assert settled_s < SETTLE_BOUND_S, f"not idle {settled_s:.1f}s after the load: {pong}"
         time.sleep(0.25)
     print(f"idle {settled_s:.1f}s after the load ended")
+
+
+#: The token whose computation fails a worker's engine step (``HALFMOON_FAIL_STEP_ON_TOKEN``
+#: in the workers' environment; the tiny preset's vocabulary has 4,096 ids).
+POISON = 4000
+
+
+def _complete_ids(cluster, prompt, bias, max_tokens=12, stream=False):
+    """A greedy completion of token ids ``prompt`` with ``bias`` on :data:`POISON`: (its
+    text and token count, or None), the API error or None."""
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                  logit_bias={str(POISON): bias}, extra_body={"ignore_eos": True})  # fmt: skip
+    try:
+        if not stream:
+            answer = _client(cluster).completions.create(**kwargs)
+            return (answer.choices[0].text, answer.usage.completion_tokens), None
+        text, usage = [], None
+        for chunk in _client(cluster).completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        ):
+            text += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+        return ("".join(text), usage.completion_tokens), None
+    except openai.APIError as exc:
+        return None, exc
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "coupled"])
+def test_a_request_that_fails_engine_steps_fails_alone(cluster_factory, monkeypatch, mode):
+    """A request whose computation raises in the engine fails (503 naming the error, after
+    the gateway tried it 3 times), not the workers: none restarts, and the requests
+    batched with it go on (each computed alone once) to the same tokens as when they ran
+    alone. The poison is computed in a prefill step (in the prompt) or in a decode step
+    (the first token, then in the prompt of the next attempts)."""
+    monkeypatch.setenv("HALFMOON_FAIL_STEP_ON_TOKEN", str(POISON))
+    args = ("--mode", "coupled", "--instances", "1") if mode == "coupled" else ()
+    cluster = cluster_factory(*args, "--kv-cache-mb", "64")
+    workers = sorted(children_of(cluster.proc.pid))
+    prompts = [[100 + 7 * i + j for j in range(40 + 9 * i)] for i in range(4)]
+    alone = [_complete_ids(cluster, p, -100, 24)[0] for p in prompts]
+    assert all(t is not None and t[1] == 24 for t in alone)
+    poisoned = [[*prompts[0][:10], POISON, *prompts[0][10:]], prompts[1]]
+    results: dict = {}
+
+    def run(key, prompt, bias, max_tokens, stream):
+        results[key] = _complete_ids(cluster, prompt, bias, max_tokens, stream)
+
+    threads = [threading.Thread(target=run, args=(i, p, -100, 24, i % 2 == 0))
+               for i, p in enumerate(prompts)]  # fmt: skip
+    threads += [threading.Thread(target=run, args=("prompt", poisoned[0], -100, 8, False)),
+                threading.Thread(target=run, args=("decode", poisoned[1], 100, 8, True))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(len(prompts)):
+        assert results[i] == (alone[i], None), i
+    for key in ("prompt", "decode"):
+        tokens, error = results[key]
+        assert tokens is None, key
+        assert "engine step failed" in error.message and "computed" in error.message, error
+    assert results["prompt"][1].status_code == 503  # (the other stream had begun: an event)
+    assert sorted(children_of(cluster.proc.pid)) == workers  # no worker restarted
+    assert _complete_ids(cluster, prompts[2], -100, 24) == (alone[2], None)

@@ -65,6 +65,9 @@ class IdleRole:
     def on_abort(self, request_id: str) -> None:
         return None
 
+    def on_failure(self, failure: object) -> None:
+        return None
+
     def tick(self) -> None:
         return None
 

@@ -29,6 +29,7 @@ def reporting_worker(
         config=SimpleNamespace(block_size=16),
         has_unfinished_requests=lambda: False,
         close=lambda: None,
+        take_failures=lambda: [],
     )
     with conductor_thread(SECRET) as service:
         me = WorkerIdentity("prefill", instance_id, "")

@@ -157,6 +157,7 @@ def test_a_worker_answers_metrics_query_with_its_engine_servers_metrics_after_it
     engine = SimpleNamespace(
         stats=lambda: EngineStats(2, 1, 10, 5, 0, 0), config=SimpleNamespace(block_size=16),
         has_unfinished_requests=lambda: False, close=lambda: None, metrics_text=vllm_text,
+        take_failures=lambda: [],
     )  # fmt: skip
     me = WorkerIdentity("coupled", "c0", "")
     link = ConductorLink(f"tcp://127.0.0.1:{free_port()}", SECRET, me)

@@ -59,7 +59,7 @@ def prefill_worker(conductor):
     def start(store: TieredStore) -> Worker:
         engine = SimpleNamespace(
             stats=lambda: EngineStats(0, 0, 8, 8, 0, 0), config=SimpleNamespace(block_size=16),
-            has_unfinished_requests=lambda: False, close=lambda: None,
+            has_unfinished_requests=lambda: False, close=lambda: None, take_failures=lambda: [],
         )  # fmt: skip
         me = WorkerIdentity("prefill", "p0", "")
         link = ConductorLink(conductor.endpoint, SECRET, me)

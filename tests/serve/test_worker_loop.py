@@ -37,6 +37,9 @@ class _Engine:
     def stats(self) -> EngineStats:
         return EngineStats(0, 1, 8, 8, 0, 0)
 
+    def take_failures(self) -> list:
+        return []
+
     def close(self) -> None:
         return None
 
@@ -96,6 +99,9 @@ class _IdleEngine:
 
     def check_integrity(self) -> None:
         return None
+
+    def take_failures(self) -> list:
+        return []
 
     def close(self) -> None:
         return None

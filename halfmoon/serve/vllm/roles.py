@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import Error, Expect, Prefill, PrefillDone, Replicate
@@ -35,6 +35,9 @@ from halfmoon.serve.vllm.pd import PrefillResult, prefill_params
 from halfmoon.serve.worker.coupled import CoupledRole
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import HANDOFF_TIMEOUT_S, HANDOFF_TTFT_FACTOR, StreamClient
+
+if TYPE_CHECKING:
+    from halfmoon.engine.connector import RequestFailure
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +122,10 @@ class VllmPrefillRole(CoupledRole):
         self.prefilling.pop(request_id, None)
         super().on_abort(request_id)
 
-    def tick(self) -> None:
-        """Fail the prefills the server dropped (see :meth:`CoupledRole.tick`)."""
-        super().tick()
-        for rid in [r for r in self.prefilling if r not in self.clients]:
-            del self.prefilling[rid]
+    def on_failure(self, failure: RequestFailure) -> None:
+        """A prefill the server dropped (see :meth:`CoupledRole.on_failure`)."""
+        self.prefilling.pop(failure.request_id, None)
+        super().on_failure(failure)
 
     def stats(self) -> dict[str, Any]:
         """Prefills handed to decode, how many named a remote prefix source and how many
@@ -197,6 +199,11 @@ class VllmDecodeRole(CoupledRole):
                 self.worker.conductor.event("request_finished", request_id=rid)
         self.flush_tokens()
 
+    def on_failure(self, failure: RequestFailure) -> None:
+        """A request the server dropped (see :meth:`CoupledRole.on_failure`)."""
+        self.firsts.pop(failure.request_id, None)
+        super().on_failure(failure)
+
     def on_abort(self, request_id: str) -> None:
         self.firsts.pop(request_id, None)
         if self.expected.pop(request_id, None) is not None:
@@ -205,7 +212,7 @@ class VllmDecodeRole(CoupledRole):
 
     def tick(self) -> None:
         """Fail expectations whose prefill never came (retryable, naming the prefill
-        instance), then the requests the server dropped."""
+        instance)."""
         now = time.monotonic()
         for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected.pop(rid)

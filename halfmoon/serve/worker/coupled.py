@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.serve.control.messages import Error, Generate, HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import StreamClient, TokenStreaming
+
+if TYPE_CHECKING:
+    from halfmoon.engine.connector import RequestFailure
 
 
 class CoupledRole(TokenStreaming):
@@ -73,19 +76,22 @@ class CoupledRole(TokenStreaming):
         if self.worker.engine.abort_request(request_id):
             self.worker.conductor.event("request_finished", request_id=request_id)
 
+    def on_failure(self, failure: RequestFailure) -> None:
+        """Tell the gateway: a retryable request goes to another instance (naming this one
+        when its engine is what failed, e.g. a vLLM server that went away)."""
+        client = self.clients.pop(failure.request_id, None)
+        self.worker.metrics.request_dropped(failure.request_id)
+        if client is None:
+            return
+        suspect = failure.retryable and failure.instance_failed
+        self.worker.send(client.identity, Error(
+            error=failure.error, request_id=failure.request_id, retryable=failure.retryable,
+            suspect=self.worker.me.instance_id if suspect else "",
+        ))  # fmt: skip
+        self.worker.conductor.event("request_finished", request_id=failure.request_id)
+
     def tick(self) -> None:
-        """Tell the gateway of requests the engine dropped (an engine in another process,
-        e.g. a vLLM server, can lose one): retryable ones go to another instance."""
-        for failure in self.worker.engine.take_failures():
-            client = self.clients.pop(failure.request_id, None)
-            self.worker.metrics.request_dropped(failure.request_id)
-            if client is None:
-                continue
-            self.worker.send(client.identity, Error(
-                error=failure.error, request_id=failure.request_id, retryable=failure.retryable,
-                suspect=self.worker.me.instance_id if failure.retryable else "",
-            ))  # fmt: skip
-            self.worker.conductor.event("request_finished", request_id=failure.request_id)
+        """All its work is in the engine: nothing waits outside it."""
 
     def has_work(self) -> bool:
         """All its work is in the engine."""

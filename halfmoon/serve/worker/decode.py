@@ -14,7 +14,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams
 from halfmoon.costmodel.decode_guard import REJECT, WAIT
-from halfmoon.engine.connector import HandoffState, LayerSlice
+from halfmoon.engine.connector import HandoffState, LayerSlice, RequestFailure
 from halfmoon.serve.control.messages import Error, Expect, Handoff, HeldBlocks
 from halfmoon.serve.worker.decode_guard import DecodeGuard, Held
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S, num_blocks
@@ -316,6 +316,21 @@ class DecodeRole(TokenStreaming):
                 self.guard.left(out.request_id)
                 self.worker.conductor.event("request_finished", request_id=out.request_id)
         self.flush_tokens()
+
+    def on_failure(self, failure: RequestFailure) -> None:
+        """A request failed in the engine (a step it was part of failed): its client
+        hears the error (retryable: the gateway places it again with the tokens it had)."""
+        rid = failure.request_id
+        self.worker.metrics.request_dropped(rid)
+        self.guard.left(rid)
+        client = self.clients.pop(rid, None)
+        if client is None:
+            return
+        log.warning("request %s: %s", rid, failure.error)
+        self.worker.send(client.identity, Error(
+            request_id=rid, error=failure.error, retryable=failure.retryable,
+        ))  # fmt: skip
+        self.worker.conductor.event("request_finished", request_id=rid)
 
     def on_abort(self, request_id: str) -> None:
         self.worker.metrics.request_dropped(request_id)

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import (
@@ -58,6 +58,9 @@ from halfmoon.serve.worker.process import IDLE_WAIT_S, Handler, Worker
 from halfmoon.serve.worker.tokens import HANDOFF_TIMEOUT_S, StreamClient, TokenStreaming
 from halfmoon.transfer import TransferEngine
 
+if TYPE_CHECKING:
+    from halfmoon.engine.connector import RequestFailure
+
 log = logging.getLogger(__name__)
 
 
@@ -77,6 +80,9 @@ class _Prefill:
     out: Any = None
     handing_s: float = 0.0
     streamed: threading.Event = field(default_factory=threading.Event)
+    #: The next prompt-KV layer to stream (a step computed again after a failed one
+    #: hands over the layers it had already handed over again).
+    next_layer: int = 0
 
 
 class PrefillRole(TokenStreaming):
@@ -184,7 +190,8 @@ class PrefillRole(TokenStreaming):
         p = self.prefills.get(rid)
         if p is None:
             self.stage.on_prompt_kv(rid, layer, keys, values)
-        elif not p.error:
+        elif not p.error and layer >= p.next_layer:
+            p.next_layer = layer + 1
             p.stream.submit_kv(layer, keys, values)
 
     # -- first token: hand over ----------------------------------------------------------------------
@@ -252,6 +259,22 @@ class PrefillRole(TokenStreaming):
         # The decode side failed, not the request: the gateway may place it again.
         self.worker.send(p.identity, Error(
             request_id=rid, error=error, retryable=True, suspect=p.decode.instance_id,
+        ))  # fmt: skip
+        self.worker.conductor.event("request_finished", request_id=rid)
+
+    def on_failure(self, failure: RequestFailure) -> None:
+        """A prefill failed in the engine (a step it was part of failed): its stream is
+        cancelled, its client hears the error (retryable: the gateway places it again)."""
+        rid = failure.request_id
+        self.worker.metrics.request_dropped(rid)
+        p = self.prefills.pop(rid, None) or self.handing.pop(rid, None)
+        if p is None:
+            return
+        log.warning("request %s: %s", rid, failure.error)
+        p.error = failure.error
+        p.stream.submit_cancel()
+        self.worker.send(p.identity, Error(
+            request_id=rid, error=failure.error, retryable=failure.retryable,
         ))  # fmt: skip
         self.worker.conductor.event("request_finished", request_id=rid)
 

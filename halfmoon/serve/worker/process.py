@@ -6,6 +6,7 @@ Single-threaded loop: drain commands, run one engine step, hand the outputs to t
         handle every command waiting on the ROUTER socket (no wait while the engine is busy)
         outputs = engine.step()
         role.on_outputs(outputs)      # stream tokens, hand KV over, report events
+        role.on_failure(failure)      # for each request the engine dropped
         role.tick()                   # expire what waited too long
 
 Roles (:mod:`halfmoon.serve.worker.prefill`): ``coupled`` does prefill and decode (the vLLM-like
@@ -55,7 +56,7 @@ from halfmoon.serve.runtime import RateLimitedLog, bind_router
 from halfmoon.serve.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from halfmoon.engine.connector import EngineConnector, RequestOutput
+    from halfmoon.engine.connector import EngineConnector, RequestFailure, RequestOutput
     from halfmoon.store import StoreStats, TieredStore
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,11 @@ class Role(Protocol):
 
     def on_abort(self, request_id: str) -> None: ...
 
+    def on_failure(self, failure: RequestFailure) -> None:
+        """The engine dropped a request (it is gone from the engine): its client must
+        hear of it, the Conductor that it finished."""
+        ...
+
     def tick(self) -> None: ...
 
     def has_work(self) -> bool: ...
@@ -351,6 +357,8 @@ class Worker:
                 waiting = self.engine.stats().num_waiting
                 self.metrics.observe_step(started_s, step_s, outputs, waiting)
                 self.role.on_outputs(outputs)
+            for failure in self.engine.take_failures():
+                self.role.on_failure(failure)
             self.role.tick()
             if self.heartbeat is not None and self.heartbeat.register_again.is_set():
                 self.heartbeat.register_again.clear()
