@@ -376,6 +376,7 @@ class _LocalStage(StageConnector):
         self, request_id: str, token_ids: Sequence[int], start: int, end: int,
         hidden_in: memoryview | None, pad_rows: int,
     ) -> memoryview | None:  # fmt: skip
+        self.owner.engine.check_fault(token_ids[start:end])
         out = self.executor.run(request_id, token_ids[start:end], start, hidden_in)
         self.executor.commit(request_id, token_ids, end)  # later prompts reuse this slice
         if self.layers.is_last:

@@ -434,10 +434,9 @@ class LLMEngine:
     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """Run the model over the step's chunks and sample a token for each that is due:
         ``(sequence, token, its log-probability)``. Changes no scheduling state."""
-        if self._fail_on_token is not None and any(
-            self._fail_on_token in c.seq.token_ids[c.start : c.end] for c in chunks
-        ):
-            raise HalfmoonError(f"token {self._fail_on_token} computed ({FAIL_STEP_ENV})")
+        if self._fail_on_token is not None:
+            for c in chunks:
+                self.check_fault(c.seq.token_ids[c.start : c.end])
         inputs = [
             ChunkInput(
                 request_id=c.seq.request_id,
@@ -492,6 +491,12 @@ class LLMEngine:
         """Requests that failed in a step since the last call (each gone from the engine)."""
         failures, self._failures = self._failures, []
         return failures
+
+    def check_fault(self, token_ids: SequenceABC[int]) -> None:
+        """Raise the drill's fault when ``token_ids``, about to be computed, hold
+        :data:`FAIL_STEP_ENV`'s token (a pipeline stage's chunks ask too)."""
+        if self._fail_on_token is not None and self._fail_on_token in token_ids:
+            raise HalfmoonError(f"token {self._fail_on_token} computed ({FAIL_STEP_ENV})")
 
     @contextlib.contextmanager
     def faults_suspended(self) -> Iterator[None]:

@@ -220,3 +220,35 @@ def test_prompt_logprobs_through_the_pipeline_equal_an_offline_engine(cpp):
     )
     assert worst < 1e-3
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_prompt_that_fails_a_stage_fails_alone(cluster_factory, monkeypatch):
+    """A long prompt whose computation raises in a stage (``HALFMOON_FAIL_STEP_ON_TOKEN``
+    in the workers' environment) fails with a 503 naming the error after the gateway's
+    three tries, and no worker restarts: the group then runs the next long prompt."""
+    from .conftest import children_of
+
+    monkeypatch.setenv("HALFMOON_FAIL_STEP_ON_TOKEN", "4000")
+    cluster = cluster_factory(
+        "--prefill", "2", "--decode", "1", "--cpp-stages", "2", "--cpp-chunk-tokens", "512",
+        "--cpp-min-tokens", "1024", "--kv-cache-mb", "128", "--prefill-calibration", "off",
+    )  # fmt: skip
+    workers = sorted(children_of(cluster.proc.pid))
+    client = _client(cluster)
+    before = [p.stats["cpp_requests"] for p in _stage_stats(cluster)]
+    ids = [100 + i % 3000 for i in range(3000)]
+    ids[2000] = 4000  # in the fourth chunk: three went through both stages first
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0,
+                                  logit_bias={"4000": -100})  # fmt: skip
+    assert failed.value.status_code == 503
+    assert "engine step failed" in failed.value.message, failed.value.message
+    ran = [p.stats["cpp_requests"] - b for p, b in zip(_stage_stats(cluster), before,
+                                                      strict=True)]  # fmt: skip
+    assert ran[0] == ran[1] >= 1  # the group ran it (a try with its prefix cached may not)
+    ids[2000] = 2100
+    done = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0,
+                                     logit_bias={"4000": -100})  # fmt: skip
+    assert done.usage.completion_tokens == 2
+    assert sorted(children_of(cluster.proc.pid)) == workers  # no worker restarted
+    assert all(p.stats["cpp_jobs"] == 0 and p.integrity == "ok" for p in _stage_stats(cluster))

@@ -341,8 +341,13 @@ class PipelineStage:
             offset = c * job.chunk_tokens * row_bytes
             hidden_in = view[offset : offset + (hi - lo) * row_bytes]
         t0 = time.monotonic()
-        # Host bytes of the output, padded to a whole slot of the stream (chunk_tokens rows).
-        data = job.executor.run_chunk(job.rid, job.tokens, lo, hi, hidden_in, job.chunk_tokens)
+        try:
+            # Host bytes of the output, padded to a whole slot of the stream (chunk_tokens
+            # rows).
+            data = job.executor.run_chunk(job.rid, job.tokens, lo, hi, hidden_in, job.chunk_tokens)
+        except Exception as exc:  # the request fails (the next tick), not the worker
+            self._compute_failed(job, exc)
+            return
         job.compute_s += time.monotonic() - t0
         job.next_chunk += 1
         job.progress_s = time.monotonic()
@@ -354,15 +359,27 @@ class PipelineStage:
         if job.computed:
             job.computed_s = time.monotonic()
             if job.stage + 1 == job.num_stages:
-                token, entry, job.seed, job.first_finish = job.executor.sample_first(
-                    job.rid, job.tokens, job.params
-                )
+                try:
+                    token, entry, job.seed, job.first_finish = job.executor.sample_first(
+                        job.rid, job.tokens, job.params
+                    )
+                except Exception as exc:
+                    self._compute_failed(job, exc)
+                    return
                 job.first_token = token
                 job.first_logprob = None if entry is None else logprobs_to_wire((entry,))
                 prompt = job.executor.take_prompt_logprobs(job.rid)
                 job.prompt_logprobs = None if prompt is None else logprobs_to_wire(prompt)
             outs = [out for out in (job.hidden_out, job.kv_out) if out is not None]
             finish_all(outs, job.sent.set)
+
+    @staticmethod
+    def _compute_failed(job: StageJob, exc: Exception) -> None:
+        """The stage's computation raised: the next tick fails the request (retryable,
+        naming no peer: the fault may have been passing), never the worker; nothing the
+        chunk computed was cached."""
+        log.error("request %s, stage %d: computing failed", job.rid, job.stage, exc_info=exc)
+        job.error, job.suspect = f"engine step failed: {type(exc).__name__}: {exc}", ""
 
     # -- endings -----------------------------------------------------------------------------------
     def _release(self, job: StageJob) -> None:
