@@ -18,6 +18,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -237,4 +238,36 @@ def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
     assert (
         ours.choices[0].text == tokenizer.decode(theirs)
         and ours.choices[0].text in choices["choice"]
+    )
+
+
+def test_prompt_logprobs_and_echo_come_from_the_vllm_server(fleet, smollm2_dir):
+    """vLLM's ``prompt_logprobs`` and an evaluation harness's echo with ``logprobs`` (the
+    prompt scored, lm-evaluation-harness's ``local-completions``) through a vLLM-backed
+    worker: every value, rank and alternative equal to what the server answers itself."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    url = next(iter(_vllm_servers(fleet).values()))
+    body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 2}  # fmt: skip
+    theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    expected = theirs["choices"][0]["prompt_logprobs"]
+    ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120).json()
+    got = ours["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for position, (mine, vllm) in enumerate(zip(got[1:], expected[1:], strict=True), 1):
+        assert set(mine) == set(vllm), position  # the token and its 2 likeliest
+        for tid, entry in mine.items():
+            assert entry["rank"] == vllm[tid]["rank"], (position, tid)
+            assert entry["logprob"] == pytest.approx(vllm[tid]["logprob"], abs=1e-4)
+    echoed = _client(fleet).completions.create(
+        model="smollm2-135m-instruct", prompt=ids, max_tokens=0, echo=True, logprobs=1,
+        temperature=0,
+    ).choices[0].logprobs  # fmt: skip
+    assert echoed.token_logprobs[0] is None and len(echoed.token_logprobs) == len(ids)
+    assert echoed.token_logprobs[1:] == pytest.approx(
+        [vllm[str(t)]["logprob"] for t, vllm in zip(ids[1:], expected[1:], strict=True)],
+        abs=1e-4,
     )

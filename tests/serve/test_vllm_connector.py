@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from halfmoon.core.request import SamplingParams, StructuredOutput
+from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.vllm.connector import (
     VllmServerConnector,
     VllmUnsupported,
@@ -19,6 +19,7 @@ from halfmoon.serve.vllm.connector import (
     parse_completion,
     parse_event,
     parse_logprobs,
+    parse_prompt_logprobs,
     prefill_tokens,
     request_body,
 )
@@ -376,11 +377,43 @@ def test_requests_without_a_token_yet_count_as_prefill_work() -> None:
     assert prefill_tokens([]) == 0
 
 
-def test_prompt_logprobs_are_refused_by_name_not_dropped() -> None:
-    """A vLLM server streams no prompt log-probabilities: such a request is refused with
-    a message naming them, before anything is sent."""
+def test_prompt_logprobs_of_a_whole_answer() -> None:
+    # the shape of vLLM's answer with prompt_logprobs 1 (not streamed): null first, then
+    # the prompt's token and the likeliest one per position (once when they are the same)
+    answer = {
+        "choices": [{"token_ids": [9], "finish_reason": "length",
+                     "logprobs": {"tokens": ["token_id:9"], "token_logprobs": [-0.5],
+                                  "top_logprobs": [{"token_id:9": -0.5}]},
+                     "prompt_logprobs": [
+                         None,
+                         {"7": {"logprob": -2.5, "rank": 4, "decoded_token": "a"},
+                          "3": {"logprob": -0.25, "rank": 1, "decoded_token": "b"}},
+                         {"8": {"logprob": -0.125, "rank": 1, "decoded_token": "c"}},
+                     ]}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }  # fmt: skip
+    chunk = parse_completion(answer, "r", ([5, 7, 8], 1))
+    assert chunk.token_ids == [9] and chunk.logprobs == [TokenLogprob(-0.5, ((9, -0.5),))]
+    assert chunk.prompt_logprobs == [
+        TokenLogprob(-2.5, ((3, -0.25),), 4), TokenLogprob(-0.125, ((8, -0.125),), 1),
+    ]  # fmt: skip
+    assert parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 7, 8], 0) == [
+        TokenLogprob(-2.5, (), 4), TokenLogprob(-0.125, (), 1),
+    ]  # fmt: skip
+    assert parse_completion(answer, "r").prompt_logprobs is None  # not asked for
+    with pytest.raises(ValueError, match="lack token 6 at 1"):
+        parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 6, 8], 1)
+    with pytest.raises(ValueError, match="cover 3 of 4 prompt tokens"):
+        parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 7, 8, 1], 1)
+
+
+def test_a_disaggregated_vllm_pair_refuses_prompt_logprobs_by_name() -> None:
+    """Its prefill answers whole but hands the request to the decode server: the prompt
+    log-probabilities have no way to the client yet, so the request is refused, naming
+    them, before anything is sent."""
     connector = object.__new__(VllmServerConnector)
     connector._requests = {}
     params = SamplingParams(max_tokens=2, prompt_logprobs=0)
     with pytest.raises(VllmUnsupported, match="prompt log-probabilities"):
-        connector._body("r", [1, 2, 3], params, None, None)
+        connector.add_prefill("r", [1, 2, 3], params, cache_salt=None, kv_transfer_params={})
+    assert connector._requests == {}

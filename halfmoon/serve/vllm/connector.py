@@ -116,6 +116,7 @@ class _Chunk:
     cached: int | None = None
     failure: RequestFailure | None = None
     transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def request_body(
@@ -201,6 +202,32 @@ def parse_logprobs(raw: dict[str, Any] | None, num_tokens: int) -> list[TokenLog
     return out
 
 
+def parse_prompt_logprobs(
+    raw: list[Any] | None, token_ids: Sequence[int], num_top: int
+) -> list[TokenLogprob]:
+    """vLLM's ``prompt_logprobs`` of a whole answer (None at the first position, then per
+    position ``{token id: {logprob, rank, decoded_token}}``: the prompt's token and the
+    ``num_top`` likeliest) as halfmoon's entries for prompt tokens 1..n-1; ValueError when
+    a position lacks its token."""
+    out = []
+    for position, entry in enumerate((raw or [])[1:], start=1):
+        values = {int(tid): value for tid, value in (entry or {}).items()}
+        target = token_ids[position]
+        if target not in values:
+            raise ValueError(f"vLLM's prompt_logprobs lack token {target} at {position}")
+        top = sorted(((tid, float(v["logprob"])) for tid, v in values.items()
+                      if v.get("rank") is not None and v["rank"] <= num_top),
+                     key=lambda pair: -pair[1])[:num_top]  # fmt: skip
+        mine = values[target]
+        rank = mine.get("rank")
+        out.append(TokenLogprob(float(mine["logprob"]), tuple(top),
+                                None if rank is None else int(rank)))  # fmt: skip
+    if len(out) != max(0, len(token_ids) - 1):
+        raise ValueError(f"vLLM's prompt_logprobs cover {len(out) + 1} of "
+                         f"{len(token_ids)} prompt tokens")  # fmt: skip
+    return out
+
+
 def parse_event(data: str, request_id: str) -> _Chunk:
     """One ``data:`` line of vLLM's completion stream."""
     chunk = json.loads(data)
@@ -224,16 +251,25 @@ def parse_event(data: str, request_id: str) -> _Chunk:
     return _Chunk(request_id, ids, logprobs, finish, cached)
 
 
-def parse_completion(answer: dict[str, Any], request_id: str) -> _Chunk:
-    """A whole (not streamed) ``/v1/completions`` answer: its tokens, finish, cached
-    prompt tokens and the KV connector's ``kv_transfer_params``."""
+def parse_completion(
+    answer: dict[str, Any], request_id: str, prompt: tuple[Sequence[int], int] | None = None
+) -> _Chunk:
+    """A whole (not streamed) ``/v1/completions`` answer: its tokens (and their
+    log-probabilities when asked for), finish, cached prompt tokens, the KV connector's
+    ``kv_transfer_params``, and with ``prompt`` (its token ids and how many likeliest
+    tokens were asked for) its prompt log-probabilities."""
     choice = (answer.get("choices") or [{}])[0]
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    ids = [int(t) for t in choice.get("token_ids") or []]
     return _Chunk(
-        request_id, [int(t) for t in choice.get("token_ids") or []], [],
+        request_id, ids, parse_logprobs(choice.get("logprobs"), len(ids)),
         finish=choice.get("finish_reason") or "length",
         cached=int(details.get("cached_tokens") or 0),
         transfer_params=answer.get("kv_transfer_params"),
+        prompt_logprobs=(
+            None if prompt is None
+            else parse_prompt_logprobs(choice.get("prompt_logprobs"), *prompt)
+        ),
     )  # fmt: skip
 
 
@@ -362,16 +398,21 @@ class VllmServerConnector(EngineConnector):
             )
             put(_Chunk(request_id, [], [], failure=failure))
 
-    async def _complete(self, request_id: str, body: dict[str, Any]) -> None:
+    async def _complete(
+        self, request_id: str, body: dict[str, Any],
+        prompt: tuple[Sequence[int], int] | None = None,
+    ) -> None:  # fmt: skip
         """One non-streamed completion (a disaggregated prefill: vLLM returns the KV
-        connector's ``kv_transfer_params`` only in a whole response)."""
+        connector's ``kv_transfer_params`` only in a whole response; a request for
+        prompt log-probabilities, which vLLM streams in no form halfmoon reads: see
+        :func:`parse_completion` for ``prompt``)."""
         assert self._client is not None
         try:
             resp = await self._client.post("/v1/completions", json=body)
             if resp.status_code != 200:
                 self._chunks.put(_refused(request_id, resp.status_code, resp.text))
                 return
-            self._chunks.put(parse_completion(resp.json(), request_id))
+            self._chunks.put(parse_completion(resp.json(), request_id, prompt))
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, OSError, ValueError, AttributeError, TypeError) as exc:
@@ -411,7 +452,14 @@ class VllmServerConnector(EngineConnector):
         body = self._body(request_id, token_ids, params, cache_salt, kv_transfer_params)
         req = _Request(len(token_ids))
         self._requests[request_id] = req
-        req.future = asyncio.run_coroutine_threadsafe(self._stream(request_id, body), self._loop)
+        if params.prompt_logprobs is None:
+            job = self._stream(request_id, body)
+        else:  # the whole answer at once: vLLM returns them only there
+            body["prompt_logprobs"] = params.prompt_logprobs
+            body["stream"] = False
+            body.pop("stream_options", None)
+            job = self._complete(request_id, body, (list(token_ids), params.prompt_logprobs))
+        req.future = asyncio.run_coroutine_threadsafe(job, self._loop)
 
     def add_prefill(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
@@ -420,6 +468,11 @@ class VllmServerConnector(EngineConnector):
         """Prefill only (``max_tokens`` 1, not streamed): the server's KV connector streams
         the KV where ``kv_transfer_params`` say; the output's params for the decode side
         come from :meth:`take_transfer_params`."""
+        if params.prompt_logprobs is not None:
+            raise VllmUnsupported(
+                "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not "
+                "served by a disaggregated vLLM pair yet (coupled vLLM workers serve them)"
+            )
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         body = self._body(request_id, token_ids, first_only, cache_salt, kv_transfer_params)
         body["stream"] = False
@@ -438,11 +491,6 @@ class VllmServerConnector(EngineConnector):
     ) -> dict[str, Any]:  # fmt: skip
         if request_id in self._requests:
             raise HalfmoonError(f"request {request_id!r} is already running")
-        if params.prompt_logprobs is not None:  # vLLM streams none; its prefill keeps them
-            raise VllmUnsupported(
-                "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not "
-                "served by vLLM-backed workers yet"
-            )
         if len(token_ids) + params.max_tokens > self.max_model_len > 0:
             raise HalfmoonError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
@@ -491,6 +539,8 @@ class VllmServerConnector(EngineConnector):
             finish = next((c.finish for c in parts if c.finish), None)
             if not new and finish is None:
                 continue  # only usage: it rides on the finishing output
+            prompt = next((c.prompt_logprobs for c in parts if c.prompt_logprobs is not None),
+                          None)  # fmt: skip
             if finish is not None:
                 del self._requests[rid]
             outputs.append(RequestOutput(
@@ -498,6 +548,7 @@ class VllmServerConnector(EngineConnector):
                 finished=finish is not None, finish_reason=finish,
                 num_prompt_tokens=req.prompt_len, num_cached_tokens=req.cached,
                 new_logprobs=tuple(lp for c in parts for lp in c.logprobs),
+                prompt_logprobs=None if prompt is None else tuple(prompt),
             ))  # fmt: skip
         return outputs
 
