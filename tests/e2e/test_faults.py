@@ -417,3 +417,19 @@ def test_a_request_that_fails_engine_steps_fails_alone(cluster_factory, monkeypa
     assert results["prompt"][1].status_code == 503  # (the other stream had begun: an event)
     assert sorted(children_of(cluster.proc.pid)) == workers  # no worker restarted
     assert _complete_ids(cluster, prompts[2], -100, 24) == (alone[2], None)
+    assert engine_request_failures(cluster) >= 6  # each poison failed three times
+
+
+def engine_request_failures(cluster, retryable: str = "true") -> float:
+    """The cluster's ``halfmoon:engine_request_failures_total`` (all workers), from the
+    gateway's ``/metrics``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "halfmoon:engine_request_failures_total"
+               and sample.labels.get("retryable") == retryable)  # fmt: skip

@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 
-from .test_faults import _pids, _stream, _wait_registered
+from .test_faults import _pids, _stream, _wait_registered, engine_request_failures
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +243,7 @@ def test_a_prompt_that_fails_a_stage_fails_alone(cluster_factory, monkeypatch):
                                   logit_bias={"4000": -100})  # fmt: skip
     assert failed.value.status_code == 503
     assert "engine step failed" in failed.value.message, failed.value.message
+    assert engine_request_failures(cluster) >= 3  # a stage failed in each try
     ran = [p.stats["cpp_requests"] - b for p, b in zip(_stage_stats(cluster), before,
                                                       strict=True)]  # fmt: skip
     assert ran[0] == ran[1] >= 1  # the group ran it (a try with its prefix cached may not)

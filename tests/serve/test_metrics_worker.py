@@ -118,6 +118,15 @@ def test_load_gauges_and_preemptions(metrics):
     assert _value(metrics, "halfmoon:kv_cache_usage_perc") == 0.0
 
 
+def test_requests_the_engine_dropped_count_by_retryable(metrics):
+    metrics.request_failed(True)
+    metrics.request_failed(True)
+    metrics.request_failed(False)
+    text = metrics.render(EngineStats(0, 0, 100, 100, 0, 0))
+    assert 'halfmoon:engine_request_failures_total{retryable="true"} 2.0' in text
+    assert 'halfmoon:engine_request_failures_total{retryable="false"} 1.0' in text
+
+
 def test_kv_bytes_and_transfer_time(metrics):
     metrics.observe_kv_sent(1000, 0.02)
     metrics.observe_kv_sent(500, 0.01)

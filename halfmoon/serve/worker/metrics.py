@@ -165,6 +165,12 @@ class WorkerMetrics:
             "Requests the engine preempted (blocks freed, recomputed later). Stays 0 for an "
             "engine that never preempts or does not say (a vLLM server's).", registry=r,
         )  # fmt: skip
+        self.request_failures = Counter(
+            "halfmoon:engine_request_failures",
+            "Requests the engine dropped: its step failed with them (computed alone, they "
+            "failed again), a vLLM server lost or refused them; retryable: whether the "
+            "gateway may place them again.", ["retryable"], registry=r,
+        )  # fmt: skip
 
     def _define_requests(self) -> None:
         r = self.registry
@@ -241,6 +247,10 @@ class WorkerMetrics:
         if t.first_token_s is not None and t.last_token_s is not None:
             self.decode_time.observe(t.last_token_s - t.first_token_s)
         self.generation_tokens.observe(num_generated_tokens)
+
+    def request_failed(self, retryable: bool) -> None:
+        """The engine dropped a request (see ``halfmoon:engine_request_failures``)."""
+        self.request_failures.labels(retryable=str(retryable).lower()).inc()
 
     def request_dropped(self, rid: str) -> None:
         """Forget ``rid`` (aborted, failed, or handed over to a decode worker)."""

@@ -373,13 +373,13 @@ class PipelineStage:
             outs = [out for out in (job.hidden_out, job.kv_out) if out is not None]
             finish_all(outs, job.sent.set)
 
-    @staticmethod
-    def _compute_failed(job: StageJob, exc: Exception) -> None:
+    def _compute_failed(self, job: StageJob, exc: Exception) -> None:
         """The stage's computation raised: the next tick fails the request (retryable,
         naming no peer: the fault may have been passing), never the worker; nothing the
         chunk computed was cached."""
         log.error("request %s, stage %d: computing failed", job.rid, job.stage, exc_info=exc)
         job.error, job.suspect = f"engine step failed: {type(exc).__name__}: {exc}", ""
+        self.worker.metrics.request_failed(retryable=True)
 
     # -- endings -----------------------------------------------------------------------------------
     def _release(self, job: StageJob) -> None:

@@ -358,6 +358,7 @@ class Worker:
                 self.metrics.observe_step(started_s, step_s, outputs, waiting)
                 self.role.on_outputs(outputs)
             for failure in self.engine.take_failures():
+                self.metrics.request_failed(failure.retryable)
                 self.role.on_failure(failure)
             self.role.tick()
             if self.heartbeat is not None and self.heartbeat.register_again.is_set():
