@@ -72,6 +72,22 @@ def _vllm_servers(cluster) -> dict[str, str]:
     return out
 
 
+def _live_server(cluster, timeout_s: float = 600.0) -> str:
+    """The URL of a vLLM server that answers ``/health`` (a killed one is restarted by
+    its worker, which takes a while: tests in any order after the kill test)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        for url in sorted(_vllm_servers(cluster).values()):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:
+                continue
+        assert time.monotonic() < end, "no vLLM server answers /health"
+        time.sleep(1)
+
+
 PROMPTS = [
     "The quick brown fox",
     "Here is a list of three fruits:",
@@ -84,7 +100,7 @@ def test_greedy_outputs_equal_vllms_own_streamed_and_not(fleet, smollm2_dir):
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     client = _client(fleet)
-    url = next(iter(_vllm_servers(fleet).values()))
+    url = _live_server(fleet)
     for prompt in PROMPTS:
         expected = tokenizer.decode(vllm_greedy(url, tokenizer.encode(prompt), 24))
         whole = client.completions.create(
@@ -159,7 +175,7 @@ def test_the_conductors_index_matches_what_the_servers_report(fleet):
 def test_a_server_refused_at_start_names_the_mismatch(fleet, smollm2_dir, tmp_path):
     """A worker attached to a server whose blocks do not split into the cluster's exits
     at once, naming both block sizes (32-token vLLM blocks, a 64-token cluster)."""
-    url = next(iter(_vllm_servers(fleet).values()))
+    url = _live_server(fleet)
     spec = f"{url},tcp://127.0.0.1:1"
     env = {**os.environ, "HALFMOON_SECRET": SECRET, "HALFMOON_CACHE": str(tmp_path)}
     done = subprocess.run(
@@ -216,7 +232,7 @@ def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     client = _client(fleet)
-    url = next(iter(_vllm_servers(fleet).values()))
+    url = _live_server(fleet)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
               "required": ["city"], "additionalProperties": False}  # fmt: skip
     prompt = "The capital of France, as JSON:"
@@ -249,7 +265,7 @@ def test_prompt_logprobs_and_echo_come_from_the_vllm_server(fleet, smollm2_dir):
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
-    url = next(iter(_vllm_servers(fleet).values()))
+    url = _live_server(fleet)
     body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": 2}  # fmt: skip
     theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -80,10 +81,23 @@ def _decode_servers(cluster) -> list[int]:
             for pid in children_of(w)]  # fmt: skip
 
 
-def _decode_server_url(cluster) -> str:
-    """The URL of the decode worker's vLLM server, from its command line."""
-    argv = argv_of(_decode_servers(cluster)[0])
-    return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+def _decode_server_url(cluster, timeout_s: float = 600.0) -> str:
+    """The URL of the decode worker's vLLM server, from its command line, once it answers
+    ``/health`` (the kill test's victim is restarted by its worker, which takes a while)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        servers = _decode_servers(cluster)
+        if servers:
+            argv = argv_of(servers[0])
+            url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:
+                pass
+        assert time.monotonic() < end, "the decode worker's vLLM server does not answer"
+        time.sleep(1)
 
 
 def test_greedy_outputs_equal_vllms_own_streamed_and_not(pd, tokenized):
@@ -120,14 +134,47 @@ def test_a_structured_output_through_the_pair_equals_vllms_own(pd, tokenized):
     schema = {"type": "object", "properties": {"fruit": {"enum": ["apple", "pear", "plum"]}},
               "required": ["fruit"], "additionalProperties": False}  # fmt: skip
     prompt = "My favourite fruit, as JSON:"
+    url = _decode_server_url(pd)  # (up again, if the kill test ran before)
     ours = _client(pd).completions.create(
         model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"structured_outputs": {"json": schema}},
     )  # fmt: skip
-    want = vllm_greedy(_decode_server_url(pd), tokenizer.encode(prompt), MAX_TOKENS,
+    want = vllm_greedy(url, tokenizer.encode(prompt), MAX_TOKENS,
                        structured_outputs={"json": schema})  # fmt: skip
     assert ours.choices[0].text == tokenizer.decode(want)
     assert json.loads(ours.choices[0].text)["fruit"] in ("apple", "pear", "plum")
+
+
+def test_prompt_logprobs_through_the_pair_equal_vllms_own(pd, tokenized):
+    """vLLM's ``prompt_logprobs`` through a disaggregated pair (the prefill server computes
+    them; they reach the client with the decode worker's first tokens) and an echo with
+    ``logprobs``: every value, rank and alternative as the decode server answers alone,
+    and the same continuation."""
+    import httpx
+
+    tokenizer, _ = tokenized
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Spain is")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 1}  # fmt: skip
+    url = _decode_server_url(pd)  # (up again, if the kill test ran before)
+    ours = httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=120).json()
+    theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    got, expected = ours["choices"][0]["prompt_logprobs"], theirs["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for position, (mine, vllm) in enumerate(zip(got[1:], expected[1:], strict=True), 1):
+        assert set(mine) == set(vllm), position
+        for tid, entry in mine.items():
+            assert entry["rank"] == vllm[tid]["rank"], (position, tid)
+            assert entry["logprob"] == pytest.approx(vllm[tid]["logprob"], abs=1e-4)
+    assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
+    echoed = _client(pd).completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0,
+    ).choices[0].logprobs  # fmt: skip
+    assert echoed.token_logprobs[0] is None and len(echoed.token_logprobs) == len(ids) + 1
+    assert echoed.token_logprobs[1 : len(ids)] == pytest.approx(
+        [vllm[str(t)]["logprob"] for t, vllm in zip(ids[1:], expected[1:], strict=True)],
+        abs=1e-4,
+    )
 
 
 def test_a_prefix_cached_on_one_prefill_is_pulled_by_the_other(pd):
