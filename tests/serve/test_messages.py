@@ -87,7 +87,8 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.Handoff(request_id="r", token_ids=[1, 2, 3, 7], num_prompt_tokens=3,
               num_computed_tokens=3, seed=2**63 - 1),
     m.PrefillDone(request_id="r", token_ids=[1, 2, 3], session="r", num_tokens=3, streamed=True,
-                  cached_tokens=2, kv_bytes=4096),
+                  cached_tokens=2, kv_bytes=4096, prompt_logprobs=m.logprobs_to_wire(
+                      (TokenLogprob(-1.5, ((4, -0.5),), 3), TokenLogprob(-0.25, (), 1)))),
     m.CppOffer(request_id="r", stage=1, blocks=2),
     m.CppStart(request_id="r", start_blocks=2),
     TOKENS,

@@ -13,8 +13,6 @@ import pytest
 
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.vllm.connector import (
-    VllmServerConnector,
-    VllmUnsupported,
     _Request,
     parse_completion,
     parse_event,
@@ -405,15 +403,3 @@ def test_prompt_logprobs_of_a_whole_answer() -> None:
         parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 6, 8], 1)
     with pytest.raises(ValueError, match="cover 3 of 4 prompt tokens"):
         parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 7, 8, 1], 1)
-
-
-def test_a_disaggregated_vllm_pair_refuses_prompt_logprobs_by_name() -> None:
-    """Its prefill answers whole but hands the request to the decode server: the prompt
-    log-probabilities have no way to the client yet, so the request is refused, naming
-    them, before anything is sent."""
-    connector = object.__new__(VllmServerConnector)
-    connector._requests = {}
-    params = SamplingParams(max_tokens=2, prompt_logprobs=0)
-    with pytest.raises(VllmUnsupported, match="prompt log-probabilities"):
-        connector.add_prefill("r", [1, 2, 3], params, cache_salt=None, kv_transfer_params={})
-    assert connector._requests == {}

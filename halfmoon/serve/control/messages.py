@@ -673,8 +673,9 @@ class Handoff(Message):
 class PrefillDone(Message):
     """vLLM prefill worker -> vLLM decode worker (#19): the prompt's KV went by the servers'
     KV connectors as ``session`` (``streamed``: all ``num_tokens`` of it); decode the whole
-    request (the decode server samples the first token again). ``cached_tokens`` and
-    ``kv_bytes`` are the prefill's, for the first tokens message."""
+    request (the decode server samples the first token again). ``cached_tokens``,
+    ``kv_bytes`` and the prompt's log-probabilities (when asked for: the prefill server
+    computed them) are the prefill's, for the first tokens message."""
 
     wire_name: ClassVar[str] = "prefill_done"
     request_id: str
@@ -684,6 +685,12 @@ class PrefillDone(Message):
     streamed: bool
     cached_tokens: int = 0
     kv_bytes: int = 0
+    prompt_logprobs: WireLogprobs | None = None
+
+    @property
+    def prompt_token_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's log-probability records (None when none were asked for)."""
+        return None if self.prompt_logprobs is None else logprobs_from_wire(self.prompt_logprobs)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -468,18 +468,19 @@ class VllmServerConnector(EngineConnector):
         """Prefill only (``max_tokens`` 1, not streamed): the server's KV connector streams
         the KV where ``kv_transfer_params`` say; the output's params for the decode side
         come from :meth:`take_transfer_params`."""
-        if params.prompt_logprobs is not None:
-            raise VllmUnsupported(
-                "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not "
-                "served by a disaggregated vLLM pair yet (coupled vLLM workers serve them)"
-            )
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         body = self._body(request_id, token_ids, first_only, cache_salt, kv_transfer_params)
         body["stream"] = False
         body.pop("stream_options", None)
+        prompt = None
+        if params.prompt_logprobs is not None:  # computed here, sent on with the handoff
+            body["prompt_logprobs"] = params.prompt_logprobs
+            prompt = (list(token_ids), params.prompt_logprobs)
         req = _Request(len(token_ids))
         self._requests[request_id] = req
-        req.future = asyncio.run_coroutine_threadsafe(self._complete(request_id, body), self._loop)
+        req.future = asyncio.run_coroutine_threadsafe(
+            self._complete(request_id, body, prompt), self._loop
+        )
 
     def take_transfer_params(self, request_id: str) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` a finished prefill answered with (once)."""

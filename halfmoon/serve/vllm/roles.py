@@ -28,8 +28,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from halfmoon.core.request import SamplingParams
-from halfmoon.serve.control.messages import Error, Expect, Prefill, PrefillDone, Replicate
+from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.serve.control.messages import (
+    Error,
+    Expect,
+    Prefill,
+    PrefillDone,
+    Replicate,
+    logprobs_to_wire,
+)
 from halfmoon.serve.vllm.connector import VllmServerConnector
 from halfmoon.serve.vllm.pd import PrefillResult, prefill_params
 from halfmoon.serve.worker.coupled import CoupledRole
@@ -107,11 +114,13 @@ class VllmPrefillRole(CoupledRole):
             self.prefix_tokens_pulled += result.loaded_tokens
             layout = self.engine.layout
             kv_bytes = result.num_tokens * layout.bytes_per_block // layout.block_size
+            prompt = out.prompt_logprobs
             try:
                 self.worker.send_to(p.decode_command, PrefillDone(
                     request_id=rid, token_ids=client.prompt_token_ids, session=result.session,
                     num_tokens=result.num_tokens, streamed=result.streamed,
                     cached_tokens=out.num_cached_tokens, kv_bytes=kv_bytes if result.streamed else 0,
+                    prompt_logprobs=None if prompt is None else logprobs_to_wire(prompt),
                 ))  # fmt: skip
             except ConnectionError as exc:
                 self.worker.send(client.identity, Error(
@@ -156,8 +165,9 @@ class VllmDecodeRole(CoupledRole):
         assert isinstance(worker.engine, VllmServerConnector)
         self.engine: VllmServerConnector = worker.engine
         self.expected: dict[str, _Expected] = {}
-        #: cached tokens and KV bytes of the prefill, for the first tokens message
-        self.firsts: dict[str, tuple[int, int]] = {}
+        #: cached tokens, KV bytes and prompt log-probabilities (None: not asked for) of
+        #: the prefill, for the first tokens message
+        self.firsts: dict[str, tuple[int, int, tuple[TokenLogprob, ...] | None]] = {}
 
     def handlers(self) -> dict[str, Handler]:
         return {"expect": self._on_expect, "prefill_done": self._on_prefill_done}
@@ -174,14 +184,16 @@ class VllmDecodeRole(CoupledRole):
         if e is None:
             return  # aborted meanwhile
         result = PrefillResult(msg.session, msg.num_tokens, msg.streamed)
+        # The prefill server computed the prompt's log-probabilities: not again here.
+        params = dataclasses.replace(e.params, prompt_logprobs=None)
         try:
-            self.engine.add_request(rid, msg.token_ids, e.params, cache_salt=e.cache_salt,
+            self.engine.add_request(rid, msg.token_ids, params, cache_salt=e.cache_salt,
                                     kv_transfer_params=result.decode_params())  # fmt: skip
         except Exception as exc:
             self.worker.send(e.identity, Error(request_id=rid, error=str(exc)))
             return
         self.clients[rid] = StreamClient(e.identity, msg.token_ids)
-        self.firsts[rid] = (msg.cached_tokens, msg.kv_bytes)
+        self.firsts[rid] = (msg.cached_tokens, msg.kv_bytes, msg.prompt_token_logprobs)
         self.worker.conductor.event("decode_started", request_id=rid)
 
     def on_outputs(self, outputs: list[Any]) -> None:
@@ -190,9 +202,9 @@ class VllmDecodeRole(CoupledRole):
             client = self.clients.get(rid)
             if client is None:
                 continue
-            cached, kv_bytes = self.firsts.pop(rid, (None, 0))
+            cached, kv_bytes, prompt = self.firsts.pop(rid, (None, 0, None))
             if cached is not None:  # the prefill's count, not the decode's (its whole prompt)
-                out = dataclasses.replace(out, num_cached_tokens=cached)
+                out = dataclasses.replace(out, num_cached_tokens=cached, prompt_logprobs=prompt)
             self.send_tokens(rid, client, out, out.finish_reason, kv_bytes=kv_bytes, batch=True)
             if out.finished:
                 del self.clients[rid]
