@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,24 @@ def vllm_groups(root_pid: int) -> set[int]:
                 groups.add(os.getpgid(pid))
         todo += children_of(pid)
     return groups
+
+
+def healthy_vllm(urls: Callable[[], Iterable[str]], timeout_s: float = 600.0) -> str:
+    """The first of ``urls()`` (asked again each round) whose vLLM server answers
+    ``/health``: a killed server is restarted by its worker, which takes a while, so a
+    test that asks a server directly after the kill tests (any order) waits for one."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            candidates = list(urls())
+        except (OSError, ValueError):  # a process read from /proc went away meanwhile
+            candidates = []
+        for url in candidates:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+        assert time.monotonic() < end, "no vLLM server answers /health"
+        time.sleep(1)
 
 
 def vllm_greedy(url: str, token_ids: list[int], max_tokens: int, **extra: Any) -> list[int]:

@@ -25,7 +25,7 @@ import pytest
 from halfmoon.serve.launch.local import argv_of, children_of
 from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
 
-from .conftest import SECRET, Cluster, stop_vllm_cluster, vllm_greedy
+from .conftest import SECRET, Cluster, healthy_vllm, stop_vllm_cluster, vllm_greedy
 
 try:
     VLLM_PYTHON = find_vllm_python()
@@ -72,20 +72,9 @@ def _vllm_servers(cluster) -> dict[str, str]:
     return out
 
 
-def _live_server(cluster, timeout_s: float = 600.0) -> str:
-    """The URL of a vLLM server that answers ``/health`` (a killed one is restarted by
-    its worker, which takes a while: tests in any order after the kill test)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        for url in sorted(_vllm_servers(cluster).values()):
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return url
-            except OSError:
-                continue
-        assert time.monotonic() < end, "no vLLM server answers /health"
-        time.sleep(1)
+def _live_server(cluster) -> str:
+    """The URL of a vLLM server of the fleet that answers (see :func:`healthy_vllm`)."""
+    return healthy_vllm(lambda: sorted(_vllm_servers(cluster).values()))
 
 
 PROMPTS = [

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import openai
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from halfmoon.serve.launch.local import argv_of, children_of
 from halfmoon.serve.vllm.server import VllmServerError, find_vllm_python
 
-from .conftest import Cluster, stop_vllm_cluster, vllm_greedy
+from .conftest import Cluster, healthy_vllm, stop_vllm_cluster, vllm_greedy
 
 try:
     VLLM_PYTHON = find_vllm_python()
@@ -81,23 +80,15 @@ def _decode_servers(cluster) -> list[int]:
             for pid in children_of(w)]  # fmt: skip
 
 
-def _decode_server_url(cluster, timeout_s: float = 600.0) -> str:
+def _decode_server_url(cluster) -> str:
     """The URL of the decode worker's vLLM server, from its command line, once it answers
-    ``/health`` (the kill test's victim is restarted by its worker, which takes a while)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        servers = _decode_servers(cluster)
-        if servers:
-            argv = argv_of(servers[0])
-            url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return url
-            except OSError:
-                pass
-        assert time.monotonic() < end, "the decode worker's vLLM server does not answer"
-        time.sleep(1)
+    (see :func:`healthy_vllm`)."""
+
+    def urls() -> list[str]:
+        argvs = [argv_of(pid) for pid in _decode_servers(cluster)[:1]]
+        return [f"http://127.0.0.1:{argv[argv.index('--port') + 1]}" for argv in argvs]
+
+    return healthy_vllm(urls)
 
 
 def test_greedy_outputs_equal_vllms_own_streamed_and_not(pd, tokenized):
