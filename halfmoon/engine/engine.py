@@ -479,10 +479,7 @@ class LLMEngine:
         self._suspects.discard(seq.request_id)
         if self._seqs.get(seq.request_id) is seq:
             del self._seqs[seq.request_id]
-        if seq.status is not Status.FINISHED:
-            self.scheduler.remove(seq)
-        elif self.block_manager.has_request(seq.request_id):  # a finished keep_kv request
-            self.block_manager.free(seq.request_id)
+        self.scheduler.remove(seq)  # (a finished keep_kv request's blocks too)
         self._failures.append(RequestFailure(
             seq.request_id, error, retryable=retryable, instance_failed=False,
         ))  # fmt: skip

@@ -103,6 +103,9 @@ def test_structured_outputs_go_to_vllm_as_its_own_field(structured, expected) ->
     assert "bad_words" not in body
     banned = request_body("smol", [1], SamplingParams(bad_words=("a b",)), None)
     assert banned["bad_words"] == ["a b"]
+    assert "prompt_logprobs" not in body
+    scored = request_body("smol", [1, 2], SamplingParams(prompt_logprobs=0), None)
+    assert scored["prompt_logprobs"] == 0
 
 
 def test_stream_lines_become_tokens_logprobs_finish_and_cached_count() -> None:

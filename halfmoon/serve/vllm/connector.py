@@ -153,6 +153,15 @@ def request_body(
         body["structured_outputs"] = structured_outputs_body(params.structured)
     if params.bad_words:
         body["bad_words"] = list(params.bad_words)
+    if params.prompt_logprobs is not None:  # (vLLM returns them in a whole answer only)
+        body["prompt_logprobs"] = params.prompt_logprobs
+    return body
+
+
+def whole_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` asking for one whole answer instead of a stream."""
+    body["stream"] = False
+    body.pop("stream_options", None)
     return body
 
 
@@ -455,10 +464,8 @@ class VllmServerConnector(EngineConnector):
         if params.prompt_logprobs is None:
             job = self._stream(request_id, body)
         else:  # the whole answer at once: vLLM returns them only there
-            body["prompt_logprobs"] = params.prompt_logprobs
-            body["stream"] = False
-            body.pop("stream_options", None)
-            job = self._complete(request_id, body, (list(token_ids), params.prompt_logprobs))
+            prompt = (list(token_ids), params.prompt_logprobs)
+            job = self._complete(request_id, whole_answer(body), prompt)
         req.future = asyncio.run_coroutine_threadsafe(job, self._loop)
 
     def add_prefill(
@@ -470,16 +477,13 @@ class VllmServerConnector(EngineConnector):
         come from :meth:`take_transfer_params`."""
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         body = self._body(request_id, token_ids, first_only, cache_salt, kv_transfer_params)
-        body["stream"] = False
-        body.pop("stream_options", None)
-        prompt = None
-        if params.prompt_logprobs is not None:  # computed here, sent on with the handoff
-            body["prompt_logprobs"] = params.prompt_logprobs
-            prompt = (list(token_ids), params.prompt_logprobs)
+        # Prompt log-probabilities are computed here and sent on with the handoff.
+        k = params.prompt_logprobs
+        prompt = None if k is None else (list(token_ids), k)
         req = _Request(len(token_ids))
         self._requests[request_id] = req
         req.future = asyncio.run_coroutine_threadsafe(
-            self._complete(request_id, body, prompt), self._loop
+            self._complete(request_id, whole_answer(body), prompt), self._loop
         )
 
     def take_transfer_params(self, request_id: str) -> dict[str, Any] | None:

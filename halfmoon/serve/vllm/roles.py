@@ -228,11 +228,8 @@ class VllmDecodeRole(CoupledRole):
         now = time.monotonic()
         for rid in [r for r, e in self.expected.items() if now - e.since_s > e.timeout_s]:
             e = self.expected.pop(rid)
-            self.worker.send(e.identity, Error(
-                request_id=rid, error=f"no prefill handoff within {e.timeout_s:.0f}s",
-                retryable=True, suspect=e.prefill_instance,
-            ))  # fmt: skip
-            self.worker.conductor.event("request_finished", request_id=rid)
+            self.end_failed(e.identity, rid, f"no prefill handoff within {e.timeout_s:.0f}s",
+                            retryable=True, suspect=e.prefill_instance)  # fmt: skip
         super().tick()
 
     def num_pending(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.events import BlockStored, CacheEvent
-from halfmoon.serve.control.messages import Error, Generate, HeldBlocks
+from halfmoon.serve.control.messages import Generate, HeldBlocks
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.process import Handler, Worker
 from halfmoon.serve.worker.tokens import StreamClient, TokenStreaming
@@ -84,11 +84,9 @@ class CoupledRole(TokenStreaming):
         if client is None:
             return
         suspect = failure.retryable and failure.instance_failed
-        self.worker.send(client.identity, Error(
-            error=failure.error, request_id=failure.request_id, retryable=failure.retryable,
-            suspect=self.worker.me.instance_id if suspect else "",
-        ))  # fmt: skip
-        self.worker.conductor.event("request_finished", request_id=failure.request_id)
+        self.end_failed(client.identity, failure.request_id, failure.error,
+                        retryable=failure.retryable,
+                        suspect=self.worker.me.instance_id if suspect else "")  # fmt: skip
 
     def tick(self) -> None:
         """All its work is in the engine: nothing waits outside it."""

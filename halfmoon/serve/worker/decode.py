@@ -269,8 +269,7 @@ class DecodeRole(TokenStreaming):
         finished (its booking released); its landing goes back."""
         self._release(e.landing, abandoned)
         self._release(e.raw, abandoned)
-        self.worker.send(e.identity, Error(request_id=rid, error=error))
-        self.worker.conductor.event("request_finished", request_id=rid)
+        self.end_failed(e.identity, rid, error)
 
     def _join(self, rid: str, e: _Expected, msg: Handoff) -> None:
         """Import the landed KV: the request joins the engine's batch."""
@@ -327,10 +326,7 @@ class DecodeRole(TokenStreaming):
         if client is None:
             return
         log.warning("request %s: %s", rid, failure.error)
-        self.worker.send(client.identity, Error(
-            request_id=rid, error=failure.error, retryable=failure.retryable,
-        ))  # fmt: skip
-        self.worker.conductor.event("request_finished", request_id=rid)
+        self.end_failed(client.identity, rid, failure.error, retryable=failure.retryable)
 
     def on_abort(self, request_id: str) -> None:
         self.worker.metrics.request_dropped(request_id)

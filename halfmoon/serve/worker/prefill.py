@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import (
     Endpoints,
-    Error,
     Handoff,
     HeldBlocks,
     Prefill,
@@ -257,10 +256,7 @@ class PrefillRole(TokenStreaming):
         log.warning("request %s: %s", rid, error)
         p.stream.submit_cancel()
         # The decode side failed, not the request: the gateway may place it again.
-        self.worker.send(p.identity, Error(
-            request_id=rid, error=error, retryable=True, suspect=p.decode.instance_id,
-        ))  # fmt: skip
-        self.worker.conductor.event("request_finished", request_id=rid)
+        self.end_failed(p.identity, rid, error, retryable=True, suspect=p.decode.instance_id)
 
     def on_failure(self, failure: RequestFailure) -> None:
         """A prefill failed in the engine (a step it was part of failed): its stream is
@@ -273,10 +269,7 @@ class PrefillRole(TokenStreaming):
         log.warning("request %s: %s", rid, failure.error)
         p.error = failure.error
         p.stream.submit_cancel()
-        self.worker.send(p.identity, Error(
-            request_id=rid, error=failure.error, retryable=failure.retryable,
-        ))  # fmt: skip
-        self.worker.conductor.event("request_finished", request_id=rid)
+        self.end_failed(p.identity, rid, failure.error, retryable=failure.retryable)
 
     def on_abort(self, request_id: str) -> None:
         self.worker.metrics.request_dropped(request_id)

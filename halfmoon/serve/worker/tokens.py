@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from halfmoon.serve.control.messages import Batch, Tokens, logprobs_to_wire
+from halfmoon.serve.control.messages import Batch, Error, Tokens, logprobs_to_wire
 from halfmoon.serve.worker.process import Worker
 
 if TYPE_CHECKING:
@@ -69,6 +69,17 @@ class TokenStreaming:
             self._outbox.setdefault(client.identity, []).append(msg)
         else:
             self.worker.send(client.identity, msg)
+
+    def end_failed(
+        self, identity: bytes, rid: str, error: str, retryable: bool = False, suspect: str = ""
+    ) -> None:
+        """``rid`` ends here, failed: the gateway at ``identity`` hears ``error``
+        (``retryable``: it places the request again, reporting ``suspect`` to the Conductor
+        when one is named), the Conductor that the request finished."""
+        self.worker.send(identity, Error(
+            request_id=rid, error=error, retryable=retryable, suspect=suspect,
+        ))  # fmt: skip
+        self.worker.conductor.event("request_finished", request_id=rid)
 
     def flush_tokens(self) -> None:
         """One message per gateway for the tokens batched since the last flush (one
