@@ -52,6 +52,7 @@ from halfmoon.serve.gateway.responses import (
     collect,
     merge_choices,
     sse,
+    turned_away,
 )
 from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.tenancy import matching_key
@@ -159,19 +160,13 @@ def create_app(
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
-        except Rejected as exc:
+        except (Rejected, BackendError) as exc:
             await stream.aclose()
-            gw.metrics.rejections.inc()
-            gw.series.rejected()
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-            raise HTTPError(
-                429, f"request rejected: {exc.reason}", "RateLimitError", headers
-            ) from None
-        except BackendError as exc:
-            await stream.aclose()
-            gw.metrics.errors.inc()
-            gw.series.failed()
-            raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+            if isinstance(exc, Rejected):
+                gw.series.rejected()
+            else:
+                gw.series.failed()
+            raise turned_away(exc, gw.metrics) from None
         return p, first, stream
 
     async def _serve(
@@ -225,12 +220,8 @@ def create_app(
             )
         try:
             return JSONResponse(await collect_response(body, p, first, stream))
-        except Rejected as exc:
-            gw.metrics.rejections.inc()
-            raise HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
-        except BackendError as exc:
-            gw.metrics.errors.inc()
-            raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+        except (Rejected, BackendError) as exc:
+            raise turned_away(exc, gw.metrics) from None
 
     if config.access_log:  # added last, so outermost: it sees every answer (401, 413...)
         app.add_middleware(AccessLog)

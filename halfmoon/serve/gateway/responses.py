@@ -45,6 +45,17 @@ class HTTPError(Exception):
         self.param = param
 
 
+def turned_away(exc: Rejected | BackendError, metrics: GatewayMetrics) -> HTTPError:
+    """The answer to a request the cluster refused (429 with ``Retry-After``) or failed
+    (503), counted in ``metrics``."""
+    if isinstance(exc, Rejected):
+        metrics.rejections.inc()
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError", headers)
+    metrics.errors.inc()
+    return HTTPError(503, f"request failed: {exc}", "ServiceUnavailable")
+
+
 #: A token id and its log-probability record (None: an echoed prompt's first token).
 Entry = tuple[int, TokenLogprob | None]
 #: What :meth:`Gateway.run` yields: text delta, finish reason, usage, the entries of the
@@ -146,12 +157,8 @@ async def collect(
             if finish is not None:
                 finishes[index], uses[index] = finish, use
             item = await anext(rest, None)
-    except Rejected as exc:  # a later choice was turned away
-        metrics.rejections.inc()
-        raise HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError") from None
-    except BackendError as exc:
-        metrics.errors.inc()
-        raise HTTPError(503, f"request failed: {exc}", "ServiceUnavailable") from None
+    except (Rejected, BackendError) as exc:  # a later choice was turned away, or failed
+        raise turned_away(exc, metrics) from None
     choices = []
     for index in range(total):
         logprobs = None
