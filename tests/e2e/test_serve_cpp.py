@@ -246,7 +246,9 @@ def test_a_prompt_that_fails_a_stage_fails_alone(cluster_factory, monkeypatch):
     assert engine_request_failures(cluster) >= 3  # a stage failed in each try
     ran = [p.stats["cpp_requests"] - b for p, b in zip(_stage_stats(cluster), before,
                                                       strict=True)]  # fmt: skip
-    assert ran[0] == ran[1] >= 1  # the group ran it (a try with its prefix cached may not)
+    # The group ran it (a try with its prefix cached may not; a try aborted when the
+    # first stage failed may never have reached the second).
+    assert min(ran) >= 1
     ids[2000] = 2100
     done = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0,
                                      logit_bias={"4000": -100})  # fmt: skip
