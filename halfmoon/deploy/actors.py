@@ -209,6 +209,7 @@ class GatewayHost:
             sampling_defaults=generation_defaults(
                 model_dir, spec.generation_config, dict(spec.override_generation_config)
             ),
+            responses_store_bytes=spec.responses_store_bytes,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip

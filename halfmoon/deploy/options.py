@@ -179,6 +179,8 @@ class GatewaySpec:
     #: the command runs; the model's own file is read on the gateway's node).
     generation_config: str = "auto"
     override_generation_config: tuple[tuple[str, float | int], ...] = ()
+    #: ``--responses-store-mb`` in bytes (GatewayConfig.responses_store_bytes).
+    responses_store_bytes: int = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         decode_guard=getattr(args, "decode_guard", "reject"),
         generation_config=getattr(args, "generation_config", "auto"),
         override_generation_config=_override(getattr(args, "override_generation_config", None)),
+        responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

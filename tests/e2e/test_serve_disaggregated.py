@@ -457,3 +457,34 @@ def test_the_responses_api_through_the_cluster(disagg):
                                      max_output_tokens=60)  # fmt: skip
     (call,) = called.output
     assert call.type == "function_call" and json.loads(call.arguments)["tag"] in ("red", "green")
+
+
+def test_stored_responses_continue_through_the_cluster(disagg):
+    """``previous_response_id`` with the ``openai`` client: the second turn's seeded text
+    equals the chat answer to the whole conversation, and the first turn's prompt is
+    found in the prefix cache; the stored response is retrieved, its input items listed,
+    and deleted."""
+    client = _client(disagg)
+    first = client.responses.create(model="tiny", input="Hello " * 40, max_output_tokens=8,
+                                    temperature=0)  # fmt: skip
+    second = client.responses.create(
+        model="tiny", input="Tell me more.", previous_response_id=first.id,
+        max_output_tokens=10, temperature=0.8, extra_body={"seed": 5},
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=10, temperature=0.8, seed=5,
+        messages=[{"role": "user", "content": "Hello " * 40},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "Tell me more."}],
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    # the first turn's prompt is the second's prefix: its KV came from the prefix cache
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    (item,) = client.responses.input_items.list(second.id).data
+    assert item.type == "message" and item.content[0].text == "Tell me more."
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)

@@ -1,5 +1,7 @@
 """OpenAI's Responses API (``/v1/responses``, halfmoon/serve/gateway/openai_responses.py):
-the request as a chat request, the answer as a ``response`` object, whole and streamed.
+the request as a chat request, the answer as a ``response`` object, whole and streamed;
+stored responses (halfmoon/serve/gateway/response_store.py) continued by
+``previous_response_id``, read, listed and deleted.
 
 In-process (ASGI) over a backend that "generates" a fixed answer (the tools tests'); a
 live cluster answers the ``openai`` client's ``responses.create`` in tests/e2e."""
@@ -7,10 +9,12 @@ live cluster answers the ``openai`` client's ``responses.create`` in tests/e2e."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from halfmoon.serve.gateway.openai_responses import ResponsesRequest, to_chat
+from halfmoon.serve.gateway.response_store import ResponseStore
 
 from .test_gateway_tools import WEATHER, answering
 
@@ -145,7 +149,7 @@ def test_text_streams_as_deltas_that_add_up(served):
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not found"),
         ({"tools": [{"type": "web_search"}], "tool_choice": "none"}, "tools", "function tools"),
         ({"input": [{"type": "input_image"}]}, "input", "input_image"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input",
@@ -163,3 +167,173 @@ def test_what_is_not_served_is_a_400_naming_it(served, body, param, says):
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
     assert len(backend.params) == before
+
+
+def _prompt_of_chat(client, backend, messages, **extra) -> list[int]:
+    """The prompt tokens the backend got for a chat request of ``messages``."""
+    body = {"model": "m", "messages": messages, "max_tokens": 8, **extra}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    return backend.prompts[-1]
+
+
+def test_previous_response_id_continues_the_conversation(served):
+    """A turn after a stored response is served as the whole conversation: the earlier
+    input and output, then the new input, under the new instructions only (the API does
+    not carry instructions over); its prompt is the equivalent chat request's."""
+    client, backend = served
+    backend.answer = "Paris."
+    first = _post(client, input="Capital of France?", instructions="Be brief.").json()
+    assert first["store"] is True and first["previous_response_id"] is None
+    backend.answer = "Rome."
+    second = _post(client, input="And Italy?", instructions="Be kind.",
+                   previous_response_id=first["id"]).json()  # fmt: skip
+    assert second["previous_response_id"] == first["id"] and second["store"] is True
+    chained = backend.prompts[-1]
+    messages = [{"role": "system", "content": "Be kind."},
+                {"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And Italy?"}]  # fmt: skip
+    assert chained == _prompt_of_chat(client, backend, messages)
+    # and a third turn continues the second (two turns back, through the chain)
+    third = _post(client, input=[{"role": "user", "content": "Spain?"}],
+                  previous_response_id=second["id"]).json()  # fmt: skip
+    assert third["status"] == "completed"
+    messages = [*messages[1:], {"role": "assistant", "content": "Rome."},
+                {"role": "user", "content": "Spain?"}]  # fmt: skip
+    assert backend.prompts[-1] == _prompt_of_chat(client, backend, messages)
+
+
+def test_a_function_call_is_answered_by_its_output_in_the_next_turn(served):
+    """The agent loop: a stored turn ends in a function call, the next sends only the
+    call's output (``function_call_output`` with its ``call_id``), streamed."""
+    client, backend = served
+    backend.answer = '{"city": "Oslo"}'
+    forced = {"type": "function", "name": "weather"}
+    call_turn = _post(client, input="Weather?", tools=TOOLS, tool_choice=forced).json()
+    (call,) = call_turn["output"]
+    backend.answer = "Mild."
+    events = _events(_post(client, stream=True, previous_response_id=call_turn["id"], tools=TOOLS,
+                           input=[{"type": "function_call_output", "call_id": call["call_id"],
+                                   "output": "18 C"}]).text)  # fmt: skip
+    done = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert done["previous_response_id"] == call_turn["id"] and done["store"] is True
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call["call_id"], "type": "function",
+                     "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": call["call_id"], "content": "18 C"}]  # fmt: skip
+    chained = backend.prompts[-1]
+    assert chained == _prompt_of_chat(client, backend, messages, tools=[
+        {"type": "function", "function": {"name": "weather", "parameters": WEATHER}}])  # fmt: skip
+    # stored before response.completed went out: readable at once, as streamed
+    assert client.get(f"/v1/responses/{done['id']}").json() == done
+
+
+def test_a_stored_response_is_read_listed_and_deleted(served):
+    client, backend = served
+    backend.answer = "Noted."
+    items = [{"role": "user", "content": f"note {i}"} for i in range(5)]
+    body = _post(client, input=items).json()
+    got = client.get(f"/v1/responses/{body['id']}")
+    assert got.status_code == 200 and got.json() == body
+    listed = client.get(f"/v1/responses/{body['id']}/input_items").json()
+    assert listed["object"] == "list" and not listed["has_more"]
+    texts = [item["content"][0]["text"] for item in listed["data"]]
+    assert texts == [f"note {i}" for i in reversed(range(5))]  # newest first by default
+    assert all(item["id"].startswith("msg_") and item["type"] == "message"
+               and item["content"][0]["type"] == "input_text" for item in listed["data"])  # fmt: skip
+    assert listed["first_id"] == listed["data"][0]["id"]
+    page = client.get(f"/v1/responses/{body['id']}/input_items",
+                      params={"order": "asc", "limit": 2}).json()  # fmt: skip
+    assert [i["content"][0]["text"] for i in page["data"]] == ["note 0", "note 1"]
+    assert page["has_more"] and page["last_id"] == page["data"][-1]["id"]
+    rest = client.get(f"/v1/responses/{body['id']}/input_items",
+                      params={"order": "asc", "after": page["last_id"]}).json()  # fmt: skip
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["note 2", "note 3", "note 4"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"),
+                          ({"limit": "ten"}, "limit")):  # fmt: skip
+        bad = client.get(f"/v1/responses/{body['id']}/input_items", params=params)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    deleted = client.delete(f"/v1/responses/{body['id']}")
+    assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
+    for path in (f"/v1/responses/{body['id']}", f"/v1/responses/{body['id']}/input_items"):
+        gone = client.get(path)
+        assert gone.status_code == 404 and "not found" in gone.json()["error"]["message"]
+    assert client.delete(f"/v1/responses/{body['id']}").status_code == 404
+    later = _post(client, input="x", previous_response_id=body["id"])
+    assert later.status_code == 400 and later.json()["error"]["param"] == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(served):
+    client, backend = served
+    backend.answer = "Fine."
+    body = _post(client, input="x", store=False).json()
+    assert body["store"] is False
+    assert client.get(f"/v1/responses/{body['id']}").status_code == 404
+    events = _events(_post(client, input="x", store=False, stream=True).text)
+    assert events[-1]["response"]["store"] is False
+    assert client.get(f"/v1/responses/{events[-1]['response']['id']}").status_code == 404
+
+
+def test_a_server_that_stores_nothing_says_so(gateways):
+    with answering(gateways, responses_store_bytes=0) as (client, backend):
+        backend.answer = "Fine."
+        body = _post(client, input="x").json()
+        assert body["store"] is False
+        assert client.get(f"/v1/responses/{body['id']}").status_code == 404
+        later = _post(client, input="x", previous_response_id=body["id"])
+        error = later.json()["error"]
+        assert later.status_code == 400 and error["param"] == "previous_response_id"
+        assert "--responses-store-mb 0" in error["message"]
+
+
+def test_each_api_key_sees_its_own_responses(gateways):
+    with answering(gateways, api_keys=("key-a", "key-b")) as (client, backend):
+        backend.answer = "Secret."
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        body = client.post("/v1/responses", headers=a, json={"model": "m", "input": "x"}).json()
+        path = f"/v1/responses/{body['id']}"
+        assert client.get(path, headers=a).status_code == 200
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers=b).status_code == 404  # another's: as if missing
+        assert client.delete(path, headers=b).status_code == 404
+        chained = client.post("/v1/responses", headers=b, json={
+            "model": "m", "input": "y", "previous_response_id": body["id"]})  # fmt: skip
+        assert chained.status_code == 400
+        assert client.get(path, headers=a).status_code == 200  # still there for its owner
+        metrics = client.get("/metrics", headers=a).text
+        assert re.search(r"^halfmoon:responses_stored\{[^}]*\} 1\.0$", metrics, re.M), metrics
+
+
+def _answer(i: int, text: str) -> dict:
+    return {"id": f"resp_{i}", "object": "response",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}  # fmt: skip
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_bytes():
+    store = ResponseStore(4000)
+    item = [{"type": "message", "role": "user", "content": "q" * 100}]
+    kept = [store.put(None, _answer(i, "a" * 300), item) for i in range(3)]
+    assert all(kept) and len(store) == 3
+    assert store.bytes == sum(k.size for k in kept) <= 4000
+    assert store.get(None, "resp_0") is not None  # used: now the most recent
+    for i in range(3, 8):
+        store.put(None, _answer(i, "a" * 300), item)
+    assert store.bytes <= 4000 and store.evictions > 0
+    assert store.get(None, "resp_1") is None and store.get(None, "resp_7") is not None
+    # a chained turn holds the whole conversation and counts it
+    last = store.get(None, "resp_7")
+    turn = store.put(None, _answer(8, "b"), [{"type": "message", "role": "user", "content": "n"}],
+                     last)  # fmt: skip
+    assert [i.get("content") for i in turn.conversation] == [
+        "q" * 100, [{"type": "output_text", "text": "a" * 300}], "n",
+        [{"type": "output_text", "text": "b"}]]  # fmt: skip
+    assert turn.size > last.conversation_bytes
+    assert store.put(None, _answer(9, "z" * 5000), item) is None  # larger than the store
+    assert store.get(None, "resp_9") is None
+    assert store.get("someone", "resp_8") is None and not store.delete("someone", "resp_8")
+    before = store.bytes
+    assert store.delete(None, "resp_8") and store.bytes == before - turn.size

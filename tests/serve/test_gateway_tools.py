@@ -36,11 +36,13 @@ class AnswerBackend:
         self.tokenizer = tokenizer
         self.answer = ""
         self.params: list[SamplingParams] = []
+        self.prompts: list[list[int]] = []
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         self.params.append(params)
+        self.prompts.append(list(prompt_token_ids))
         ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
         for i in range(0, len(ids), 2):
             last = i + 2 >= len(ids)
@@ -55,11 +57,11 @@ class AnswerBackend:
 
 
 @contextlib.contextmanager
-def answering(gateways, parser: str | None = None):
-    """A gateway over an :class:`AnswerBackend` (``parser``: its ``tool_call_parser``):
-    (test client, backend)."""
+def answering(gateways, parser: str | None = None, **config):
+    """A gateway over an :class:`AnswerBackend` (``parser``: its ``tool_call_parser``;
+    ``config``: more GatewayConfig fields): (test client, backend)."""
     backend = AnswerBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser=parser)
+    app = gateways.app(backend, "m", max_tokens_limit=64, tool_call_parser=parser, **config)
     with TestClient(app) as client:
         yield client, backend
 

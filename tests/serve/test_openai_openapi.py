@@ -48,11 +48,17 @@ def test_errors_and_bodies_are_documented(schema):
     for path, body in [("/v1/models", "ModelList"), ("/v1/models/{model}", "ModelCard"),
                        ("/version", "VersionResponse"), ("/health", "HealthResponse"),
                        ("/tokenize", "TokenizeResponse"), ("/detokenize", "DetokenizeResponse"),
-                       ("/v1/chat/completions", "ChatCompletionResponse")]:  # fmt: skip
+                       ("/v1/chat/completions", "ChatCompletionResponse"),
+                       ("/v1/responses/{response_id}", "ResponseObject"),
+                       ("/v1/responses/{response_id}/input_items", "InputItemList")]:  # fmt: skip
         op = next(iter(schema["paths"][path].values()))
         got = op["responses"]["200"]["content"]["application/json"]["schema"]
         assert got == {"$ref": f"#/components/schemas/{body}"}, path
     assert "404" in schema["paths"]["/v1/models/{model}"]["get"]["responses"]
+    stored = schema["paths"]["/v1/responses/{response_id}"]
+    assert "404" in stored["get"]["responses"] and "404" in stored["delete"]["responses"]
+    deleted = stored["delete"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert deleted == {"$ref": "#/components/schemas/ResponseDeleted"}
     assert "503" in schema["paths"]["/health"]["get"]["responses"]
     metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]

@@ -19,6 +19,7 @@ from halfmoon.core.errors import HalfmoonError
         (["--dtype", "float8"], "unknown dtype 'float8'"),
         (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
         (["--cuda-graphs"], "--cuda-graphs) needs a cuda device (--device cuda), not 'cpu'"),
+        (["--responses-store-mb", "-1"], "--responses-store-mb must be >= 0"),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ body limits, errors, docs, access log) around a :class:`~halfmoon.serve.gateway.
 The gateway is written against :class:`~halfmoon.serve.gateway.backend.Backend`; placement,
 prefill and decode happen behind it. Routes: ``/v1/completions``,
 ``/v1/chat/completions`` (SSE when ``stream``), ``/v1/responses`` (OpenAI's Responses API,
-served as a chat request: :mod:`halfmoon.serve.gateway.openai_responses`), ``/v1/models``
+served as a chat request: :mod:`halfmoon.serve.gateway.openai_responses`; stored answers
+read, listed and deleted under ``/v1/responses/{id}``:
+:mod:`halfmoon.serve.gateway.response_store`), ``/v1/models``
 (and ``/v1/models/{id}``),
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
@@ -41,10 +43,13 @@ from halfmoon.serve.gateway.openai_api import (
 from halfmoon.serve.gateway.openai_responses import (
     ResponsesRequest,
     collect_response,
+    input_items,
+    input_items_page,
     response_events,
     to_chat,
 )
 from halfmoon.serve.gateway.openapi import install_docs, install_openapi
+from halfmoon.serve.gateway.response_store import StoredResponse
 from halfmoon.serve.gateway.responses import (
     Delta,
     HTTPError,
@@ -206,22 +211,72 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(body, request)
 
+    store = gw.responses
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
+        owner = getattr(request.state, "api_key", None)
+        previous = None
+        if body.previous_response_id is not None:
+            previous = _stored(owner, body.previous_response_id, "previous_response_id")
+        items = input_items(body)
         try:
-            chat = to_chat(body)
+            chat = to_chat(body, items, previous.conversation if previous else ())
         except ValueError as exc:  # (FieldError names the field)
             param = getattr(exc, "param", None)
             raise HTTPError(400, str(exc), "BadRequestError", param=param) from None
+        keep = None
+        if body.store is not False and store.enabled:
+
+            def keep(answer: dict[str, Any]) -> None:
+                store.put(owner, answer, items, previous)
+
         p, first, stream = await _start(chat, request)
         if body.stream:
             return StreamingResponse(
-                response_events(body, p, first, stream), media_type="text/event-stream"
+                response_events(body, p, first, stream, keep), media_type="text/event-stream"
             )
         try:
-            return JSONResponse(await collect_response(body, p, first, stream))
+            return JSONResponse(await collect_response(body, p, first, stream, keep))
         except (Rejected, BackendError) as exc:
             raise turned_away(exc, gw.metrics) from None
+
+    def _stored(owner: str | None, response_id: str, param: str | None) -> StoredResponse:
+        """``owner``'s stored response ``response_id``: a 400 naming ``param`` (a request
+        field) or a 404 (a path) when there is none."""
+        if not store.enabled:
+            raise HTTPError(400 if param else 404, "this server stores no responses "
+                            "(--responses-store-mb 0): send the conversation as input",
+                            "BadRequestError" if param else "NotFoundError", param=param)  # fmt: skip
+        entry = store.get(owner, response_id)
+        if entry is None:
+            raise HTTPError(
+                400 if param else 404,
+                f"response {response_id!r} not found (never stored, deleted, or evicted: "
+                f"this server keeps the most recent {store.max_bytes >> 20} MiB of responses)",
+                "BadRequestError" if param else "NotFoundError",
+                param=param,
+            )
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return _stored(getattr(request.state, "api_key", None), response_id, None).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        owner = getattr(request.state, "api_key", None)
+        _stored(owner, response_id, None)
+        store.delete(owner, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, request: Request, limit: int = 20, order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        entry = _stored(getattr(request.state, "api_key", None), response_id, None)
+        return input_items_page(entry.input_items, limit, order, after)
 
     if config.access_log:  # added last, so outermost: it sees every answer (401, 413...)
         app.add_middleware(AccessLog)

@@ -54,9 +54,12 @@ def error_response(
 def param_name(loc: Sequence[Any], body: Any, missing: bool = False) -> str | None:
     """The field a validation error's location names in ``body``, as OpenAI spells it
     (``("body", "messages", 0, "content")`` -> ``"messages.[0].content"``); None for the
-    body as a whole. The path stops where ``body`` does: pydantic adds the union member it
-    tried (``content.str``), which is no field; a ``missing`` field ends it."""
-    steps = list(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)
+    body as a whole; a query, path or header parameter by its name. The path stops where
+    ``body`` does: pydantic adds the union member it tried (``content.str``), which is no
+    field; a ``missing`` field ends it."""
+    if len(loc) > 1 and loc[0] in ("query", "path", "header"):  # a parameter: its name
+        return str(loc[1])
+    steps = list(loc[1:] if loc and loc[0] == "body" else loc)
     parts, value = [], body
     for i, step in enumerate(steps):
         if isinstance(value, dict) and step in value:

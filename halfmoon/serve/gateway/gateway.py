@@ -31,6 +31,7 @@ from halfmoon.serve.gateway.openai_api import (
     usage,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.response_store import ResponseStore
 from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
 from halfmoon.serve.gateway.text import OutputText
@@ -80,10 +81,15 @@ class GatewayConfig:
     #: How ``tool_choice: "auto"`` reads the model's tool calls (``tools.PARSERS``; None:
     #: such requests are refused).
     tool_call_parser: str | None = None
+    #: Bytes of Responses API answers kept for ``previous_response_id`` and
+    #: ``GET /v1/responses/{id}`` (halfmoon.serve.gateway.response_store; 0: none kept).
+    responses_store_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
+        if self.responses_store_bytes < 0:
+            raise ValueError("responses_store_bytes must be >= 0")
         if self.max_model_len < 2 or (self.max_tokens_limit or 1) < 1:
             raise ValueError("max_model_len must be >= 2 and max_tokens_limit >= 1")
         if self.max_tokens_limit is None:  # frozen: set once, here
@@ -128,6 +134,10 @@ class Gateway:
         self.series = TimeSeries()
         #: The re-planner's latest rounds, newest last (``--replan``; empty without it).
         self.replan_rounds: Sequence[dict[str, Any]] = ()
+        #: Responses API answers kept for later turns.
+        self.responses = ResponseStore(config.responses_store_bytes)
+        self.metrics.stored_responses.set_function(lambda: len(self.responses))
+        self.metrics.stored_response_bytes.set_function(lambda: self.responses.bytes)
         # Request ids are unique across gateways and restarts (a random prefix per
         # gateway); the OpenAI responses show them as cmpl-<id> / chatcmpl-<id>.
         self._ids = IdGenerator(secrets.token_hex(4))

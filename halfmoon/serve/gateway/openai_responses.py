@@ -16,8 +16,13 @@ Streamed (:func:`response_events`), the events are ``response.created``,
 ``response.function_call_arguments.delta`` / ``.done``, and ``response.completed`` with the
 whole object; each has a ``sequence_number``.
 
-Not served: ``previous_response_id`` (nothing is stored: a client sends the conversation
-as ``input``), built-in tools (web search, files, ...), non-text input, ``n``; each a 400
+A response is stored (``store``, true unless the request says false; in the gateway's
+:class:`~halfmoon.serve.gateway.response_store.ResponseStore`) with its input items
+(:func:`input_items`: the request's ``input`` as items with ids) and the conversation so
+far, which a later request's ``previous_response_id`` continues (:func:`to_chat`'s
+``history``).
+
+Not served: built-in tools (web search, files, ...), non-text input, ``n``; each a 400
 naming it.
 """
 
@@ -26,14 +31,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError
-from halfmoon.serve.gateway.responses import Delta, Prepared
+from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared
 from halfmoon.serve.gateway.tools import HeldText, split_answer, tool_call_id
 
 
@@ -79,15 +84,72 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``instructions`` and ``input``."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``req.input`` as the API lists a response's input items: each with an ``id`` (its
+    own, or a new one), a message's text content as parts. Items that are not served stay
+    as they are (:func:`to_chat` refuses them)."""
     if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+        content = [{"type": "input_text", "text": req.input}]
+        return [{"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "user",
+                 "content": content, "status": "completed"}]  # fmt: skip
+    items = []
+    for item in req.input:
+        if not isinstance(item, dict):
+            items.append(item)
+            continue
+        item = {"type": "message", **item}
+        prefix = _ITEM_ID_PREFIX.get(item["type"], "item")
+        item.setdefault("id", f"{prefix}_{secrets.token_hex(12)}")
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        items.append(item)
+    return items
+
+
+def input_items_page(
+    items: Sequence[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """A page of a response's input items as ``GET /v1/responses/{id}/input_items`` lists
+    them: ``limit`` (1-100) items in ``order`` (``asc``, or ``desc``: newest first), those
+    after the item ``after``; a 400 naming the parameter that is out of range."""
+    if not 1 <= limit <= 100:
+        raise HTTPError(400, f"limit must be 1-100, not {limit}", "BadRequestError", param="limit")
+    if order not in ("asc", "desc"):
+        raise HTTPError(400, f"order must be 'asc' or 'desc', not {order!r}", "BadRequestError",
+                        param="order")  # fmt: skip
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise HTTPError(400, f"no input item {after!r} in this response", "BadRequestError",
+                            param="after")  # fmt: skip
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
+
+
+def _messages(
+    instructions: str | None, history: Sequence[Any], items: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and the conversation: ``history``'s items
+    (earlier turns, served before), then ``items`` (this request's input)."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate([*history, *items], -len(history)):
+        where = f"input[{i}]" if i >= 0 else "an earlier turn's item"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append(
@@ -145,18 +207,18 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat(
+    req: ResponsesRequest, items: Sequence[dict[str, Any]] | None = None,
+    history: Sequence[dict[str, Any]] = (),
+) -> ChatCompletionRequest:  # fmt: skip
     """The chat completion request that serves ``req`` (FieldError / ValueError for what
-    cannot be served)."""
-    if req.previous_response_id is not None:
-        raise FieldError(
-            "previous_response_id is not supported: this server stores no responses; send "
-            "the conversation so far as input",
-            "previous_response_id",
-        )
+    cannot be served): ``instructions``, then the items of ``history`` (the conversation
+    of its ``previous_response_id``) and of ``items`` (its input; default
+    :func:`input_items`)."""
+    items = input_items(req) if items is None else items
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req),
+        "messages": _messages(req.instructions, history, items),
         "stream": req.stream,
         "tools": _tools(req.tools),
         "tool_choice": _tool_choice(req.tool_choice),
@@ -215,8 +277,10 @@ def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
 def response_body(
     req: ResponsesRequest, resp_id: str, created: float, model: str,
     output: list[dict[str, Any]], finish: str | None, use: dict[str, Any] | None,
+    stored: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """The ``response`` object (``output`` None: still in progress)."""
+    """The ``response`` object (``output`` None: still in progress; ``stored``: kept for
+    later turns)."""
     done = output is not None
     incomplete = done and finish == "length"
     use = use or {}
@@ -243,8 +307,8 @@ def response_body(
         "model": model,
         "output": output if done else [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None,
-        "store": False,
+        "previous_response_id": req.previous_response_id,
+        "store": stored,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "text": req.text or {"format": {"type": "text"}},
@@ -257,10 +321,16 @@ def response_body(
     }
 
 
+#: Called with a finished ``response`` object to store it (see :mod:`response_store`).
+Keep = Callable[[dict[str, Any]], None]
+
+
 async def collect_response(
-    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
-) -> dict[str, Any]:
-    """The whole ``response`` object of one answer (BackendError / Rejected propagate)."""
+    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator,
+    keep: Keep | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The whole ``response`` object of one answer, handed to ``keep`` (when given) before
+    it is returned (BackendError / Rejected propagate)."""
     resp_id, msg_id = _ids()
     created = time.time()
     parts, finish, use = [], None, None
@@ -275,14 +345,20 @@ async def collect_response(
     finally:
         await rest.aclose()
     output = output_items(p, "".join(parts), finish, msg_id)
-    return response_body(req, resp_id, created, req.model, output, finish, use)
+    body = response_body(req, resp_id, created, req.model, output, finish, use, keep is not None)
+    if keep is not None:
+        keep(body)
+    return body
 
 
 async def response_events(
-    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
-) -> AsyncIterator[bytes]:
+    req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator,
+    keep: Keep | None = None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     """The server-sent events of one streamed answer (an ``error`` event when the
-    cluster fails mid-way)."""
+    cluster fails mid-way); the finished ``response`` goes to ``keep`` (when given) before
+    ``response.completed``, so a client may continue it as soon as it reads that event."""
+    stored = keep is not None
     resp_id, msg_id = _ids()
     created = time.time()
     seq = 0
@@ -293,7 +369,7 @@ async def response_events(
         body = {"type": kind, "sequence_number": seq - 1, **fields}
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
-    pending = response_body(req, resp_id, created, req.model, None, None, None)  # type: ignore[arg-type]
+    pending = response_body(req, resp_id, created, req.model, None, None, None, stored)  # type: ignore[arg-type]
     yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
     held = HeldText(p.tool_mode) if p.tool_mode is not None else None
@@ -351,5 +427,7 @@ async def response_events(
                         output_index=index, arguments=out["arguments"])  # fmt: skip
             yield event("response.output_item.done", output_index=index, item=out)
         index += 1
-    done = response_body(req, resp_id, created, req.model, output, finish, use)
+    done = response_body(req, resp_id, created, req.model, output, finish, use, stored)
+    if keep is not None:
+        keep(done)
     yield event("response.completed", response=done)

@@ -116,6 +116,25 @@ class ResponseObject(_Open):
     usage: dict[str, Any] | None = None
 
 
+class ResponseDeleted(_Open):
+    """Body of ``DELETE /v1/responses/{response_id}``."""
+
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItemList(_Open):
+    """Body of ``GET /v1/responses/{response_id}/input_items``: a page of the response's
+    own input items (``limit`` 1-100, ``order`` asc or desc, ``after`` an item id)."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ModelCard(_Open):
     """One served model; ``max_model_len`` (prompt + output tokens) and
     ``max_tokens_limit`` (output tokens) are the limits the server enforces."""
@@ -166,6 +185,9 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
     ("/v1/chat/completions", "post"): ChatCompletionResponse,
     ("/v1/responses", "post"): ResponseObject,
+    ("/v1/responses/{response_id}", "get"): ResponseObject,
+    ("/v1/responses/{response_id}", "delete"): ResponseDeleted,
+    ("/v1/responses/{response_id}/input_items", "get"): InputItemList,
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model}", "get"): ModelCard,
     ("/version", "get"): VersionResponse,
@@ -178,6 +200,9 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/completions", "post"): (404, 413, 429, 503),
     ("/v1/chat/completions", "post"): (404, 413, 429, 503),
     ("/v1/responses", "post"): (404, 413, 429, 503),
+    ("/v1/responses/{response_id}", "get"): (404,),
+    ("/v1/responses/{response_id}", "delete"): (404,),
+    ("/v1/responses/{response_id}/input_items", "get"): (400, 404),
     ("/v1/models/{model}", "get"): (404,),
     ("/tokenize", "post"): (404, 413),
     ("/detokenize", "post"): (404, 413),
@@ -189,7 +214,7 @@ _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
     401: "Missing or invalid API key",
-    404: "Unknown model (or path)",
+    404: "Unknown model, stored response (or path)",
     413: "Request body too large",
     429: "Server busy or request rejected by the Conductor (see Retry-After)",
     503: "Cluster not ready or the request failed",

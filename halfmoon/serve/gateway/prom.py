@@ -109,6 +109,16 @@ class GatewayMetrics:
         self.running = Gauge(
             "halfmoon:num_requests_running", "Requests being generated.", registry=r
         )
+        self.stored_responses = Gauge(
+            "halfmoon:responses_stored",
+            "Responses API answers kept for previous_response_id (--responses-store-mb).",
+            registry=r,
+        )
+        self.stored_response_bytes = Gauge(
+            "halfmoon:responses_stored_bytes",
+            "Bytes (JSON) those stored answers count against the store's budget.",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "halfmoon:scrape_errors",
             "Processes (worker: its instance id, or conductor) that did not answer a /metrics "

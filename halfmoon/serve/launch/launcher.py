@@ -153,6 +153,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         access_log=not getattr(args, "disable_access_log", False),
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
@@ -323,6 +324,8 @@ def check_shape(args: argparse.Namespace) -> None:
         )
     if (getattr(args, "max_tokens_limit", None) or 1) < 1:
         raise HalfmoonError("--max-tokens-limit must be >= 1")
+    if getattr(args, "responses_store_mb", 0) < 0:
+        raise HalfmoonError("--responses-store-mb must be >= 0 (0 keeps no responses)")
     if getattr(args, "override_generation_config", None):
         from halfmoon.serve.gateway.generation import parse_override
 
@@ -455,6 +458,11 @@ def register(subparsers: Any) -> None:
         "as Qwen2.5/3 and Hermes templates ask for; llama3_json: an answer of "
         '{"name", "parameters"} objects, as Llama 3.x writes them); without it such '
         "requests get a 400",
+    )  # fmt: skip
+    p.add_argument(
+        "--responses-store-mb", type=float, default=256, metavar="MB",
+        help="memory for Responses API answers kept for previous_response_id and GET "
+        "/v1/responses/{id} (least recently used out first; lost on restart); 0 keeps none",
     )  # fmt: skip
     p.add_argument(
         "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
