@@ -23,7 +23,7 @@ from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.pool import TRANSPORTS
 from halfmoon.transfer.regions import MemoryRegion, RegionTable, SegmentCache
 from halfmoon.transfer.server import TransferServer
-from halfmoon.transfer.store_service import PullEncoder, StoreFallback
+from halfmoon.transfer.store_service import EncodedBlocks, PullEncoder, StoreFallback
 from halfmoon.transfer.streams import LayerCallback, StreamLayout, StreamReceiver, StreamTable
 
 #: Where an unannounced stream lands: ``(session_id, num_layers, num_blocks, block_bytes)
@@ -98,10 +98,19 @@ class TransferEngine:
         such blocks are misses)."""
         self._server.store_fallback = reader
 
-    def set_pull_encoder(self, encode: PullEncoder | None) -> None:
+    def set_pull_encoder(self, encode: PullEncoder | None, keep_bytes: int = 0) -> None:
         """Send the store's blocks encoded by ``encode`` (compressed KV) to tcp peers whose
-        ``pull`` can decode them (None: raw)."""
+        ``pull`` can decode them (None: raw), keeping up to ``keep_bytes`` of encoded
+        blocks for later pulls of the same blocks (0: every pull encodes)."""
         self._server.pull_encoder = encode
+        self._server.encoded_blocks = (
+            EncodedBlocks(keep_bytes) if encode is not None and keep_bytes > 0 else None
+        )
+
+    @property
+    def encoded_blocks(self) -> EncodedBlocks | None:
+        """The encoded blocks kept for later pulls (None: none are)."""
+        return self._server.encoded_blocks
 
     def start(self) -> str:
         """Start listening; returns this engine's ``host:port``."""

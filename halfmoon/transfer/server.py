@@ -22,7 +22,7 @@ from halfmoon.transfer.errors import RemoteError
 from halfmoon.transfer.link import Link
 from halfmoon.transfer.messages import CompletionListener
 from halfmoon.transfer.regions import RegionTable
-from halfmoon.transfer.store_service import PullEncoder, StoreFallback
+from halfmoon.transfer.store_service import EncodedBlocks, PullEncoder, StoreFallback
 from halfmoon.transfer.streams import StreamTable
 
 #: Connections served at once (each has a thread); more are closed as they come. A peer
@@ -57,6 +57,8 @@ class TransferServer:
         self.store_fallback: StoreFallback | None = None
         #: Encodes pulled blocks for clients that decode (compressed KV on the wire).
         self.pull_encoder: PullEncoder | None = None
+        #: Payloads ``pull_encoder`` wrote, kept for later pulls of the same blocks.
+        self.encoded_blocks: EncodedBlocks | None = None
         self.on_complete = on_complete
         self.pushes = PushTracker(on_complete)
         self.handshake_timeout_s = handshake_timeout_s

@@ -25,6 +25,8 @@ engine's pull encoder (``set_pull_encoder``: compressed KV), each with its size.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +60,59 @@ _COPY_PULL_MAX_BYTES = 256 << 10
 #: A co-located client's pull up to this size comes inline too: for a few small blocks the
 #: extra RELEASE message and the lease cost more than copying through the socket.
 _DIRECT_INLINE_MAX_BYTES = 64 << 10
+
+
+class EncodedBlocks:
+    """Pulled blocks as the pull encoder wrote them, kept for the next pull of the same
+    block (at most ``max_bytes`` of payloads, the least recently used dropped first).
+
+    A block's hash names its content, so a kept payload stays right for as long as it is
+    kept, whatever the store does with the block meanwhile; a prefix that many workers
+    pull (a shared system prompt) is encoded once instead of once per pull. Shared by
+    the server's connection threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[int, tuple[list[Any], memoryview]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, block_hash: int) -> tuple[list[Any], memoryview] | None:
+        """``(meta on the wire, payload)`` of a kept block, or None."""
+        with self._lock:
+            found = self._items.get(block_hash)
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(block_hash)
+            self.hits += 1
+            return found
+
+    def put(self, block_hash: int, wire_meta: list[Any], payload: memoryview) -> None:
+        """Keep ``payload`` (never written again) for ``block_hash``."""
+        size = payload.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(block_hash, None)
+            if old is not None:
+                self.bytes -= old[1].nbytes
+            while self._items and self.bytes + size > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.bytes -= dropped.nbytes
+            self._items[block_hash] = (wire_meta, payload)
+            self.bytes += size
+
+    def clear(self) -> None:
+        """Forget every kept payload."""
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
 
 
 class StoreSession:
@@ -240,26 +295,40 @@ class StoreSession:
     def _pull_encoded(
         self, store: TieredStore, xfer: str, hashes: list[bytes], encoder: PullEncoder
     ) -> None:
-        """A pull whose client decodes: every hit encoded straight from the store's
-        memory (pinned under a lease meanwhile; a miss the fallback serves is copied out
-        first), sent inline with its payload's size (``lengths``)."""
+        """A pull whose client decodes: a block encoded before comes from the server's
+        :class:`EncodedBlocks`; any other hit is encoded straight from the store's memory
+        (pinned under a lease meanwhile; a miss the fallback serves is copied out first)
+        and kept there. Sent inline, each payload with its size (``lengths``)."""
         block_hashes = hashes_from_wire(hashes)
         fallback = self._server.store_fallback
+        kept = self._server.encoded_blocks
+        ready = {}
+        if kept is not None:
+            for block_hash in block_hashes:
+                found = kept.get(block_hash)
+                if found is not None:
+                    ready[block_hash] = found
+        to_read = [h for h in block_hashes if h not in ready]
         items: list[list[Any]] = []
         payloads: list[memoryview] = []
-        lease, blocks = store.lease_reads(block_hashes)
+        lease, blocks = store.lease_reads(to_read) if to_read else (None, [])
+        read = dict(zip(to_read, blocks, strict=True))
         try:
-            for block_hash, block in zip(block_hashes, blocks, strict=True):
-                if block is not None:
-                    items.append([True, meta_to_wire(block.meta)])
-                    payloads.append(encoder(block.view))
-                    continue
-                found = _from_fallback(fallback, block_hash, store.block_bytes)
-                if found is None:
-                    items.append([False])
+            for block_hash in block_hashes:
+                if block_hash in ready:
+                    wire_meta, payload = ready[block_hash]
+                elif (block := read[block_hash]) is not None:
+                    wire_meta, payload = meta_to_wire(block.meta), encoder(block.view)
                 else:
-                    items.append([True, meta_to_wire(found[0])])
-                    payloads.append(encoder(found[1]))
+                    found = _from_fallback(fallback, block_hash, store.block_bytes)
+                    if found is None:
+                        items.append([False])
+                        continue
+                    wire_meta, payload = meta_to_wire(found[0]), encoder(found[1])
+                if kept is not None and block_hash not in ready:
+                    kept.put(block_hash, wire_meta, payload)
+                items.append([True, wire_meta])
+                payloads.append(payload)
             reply = {"xfer": xfer, "items": items, "encoded": True,
                      "lengths": [p.nbytes for p in payloads]}  # fmt: skip
             self._link.send(Kind.PULL_REPLY, reply, payloads, self._deadline())

@@ -318,14 +318,20 @@ def test_int8_prefix_pull_between_workers_sends_compressed_blocks(engines):
         TransferEngine(secret, store=cache_a.store, **tcp) as source,
         TransferEngine(secret, **tcp) as puller,
     ):
-        source.set_pull_encoder(encode)
+        source.set_pull_encoder(encode, keep_bytes=4 << 20)  # as a worker keeps them
         prompt = [(i * 43) % 4000 + 13 for i in range(100)]
         _run(a, "p1", prompt)
         assert cache_a.save("p1", prompt) == 6
         raw = [bytes(LocalConnector(a).block_bytes("p1", i)) for i in range(6)]
         a.export_kv("p1", release=True)
-        got = cache_b.fetch([_hash(prompt, i) for i in range(6)], puller, source.endpoint)
-    assert len(got) == 6 and cache_b.num_blocks_pulled == 6
+        hashes = [_hash(prompt, i) for i in range(6)]
+        got = cache_b.fetch(hashes, puller, source.endpoint)
+        # a second puller of the same prefix gets the same payloads, encoded only once
+        for h in hashes:
+            cache_b.store.delete(h)
+        again = cache_b.fetch(hashes, puller, source.endpoint)
+    assert [bytes(x) for x in again] == [bytes(x) for x in got]
+    assert len(got) == 6 and cache_b.num_blocks_pulled == 12
     per_block = wire_bytes_per_block(a.kv_bytes_per_block, codec)
     assert sizes == [per_block] * 6 and per_block < a.kv_bytes_per_block / 3.5
     for pulled, exact in zip(got, raw, strict=True):

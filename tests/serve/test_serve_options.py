@@ -20,6 +20,7 @@ from halfmoon.core.errors import HalfmoonError
         (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
         (["--cuda-graphs"], "--cuda-graphs) needs a cuda device (--device cuda), not 'cpu'"),
         (["--responses-store-mb", "-1"], "--responses-store-mb must be >= 0"),
+        (["--kv-compression-keep-mb", "-1"], "--kv-compression-keep-mb must be >= 0"),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):
@@ -101,7 +102,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "8", "--decode-guard", "wait", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
-             "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs"]  # fmt: skip
+             "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs",
+             "--kv-compression-keep-mb", "12"]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -112,7 +114,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     )
     assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
-    assert options.cuda_graphs
+    assert options.cuda_graphs and options.kv_compression_keep_mb == 12
     with pytest.raises(HalfmoonError, match="--prefix-store demote needs halfmoon's engine"):
         EngineOptions(prefix_store="demote", engine="vllm")
     # Without the flag: demote with halfmoon's engine, copy with vLLM's.

@@ -378,6 +378,66 @@ def test_pulled_blocks_go_encoded_over_tcp_to_a_client_that_decodes(pair, transp
         store.close()
 
 
+def test_kept_encodings_serve_later_pulls_without_encoding_again(pair):
+    """With ``keep_bytes`` a peer encodes a block once: later pulls of it (by any client,
+    also after the store dropped it) get the kept payload; the least recently used
+    leave when the budget is full; a fallback's blocks are kept too."""
+    import zlib
+
+    store = TieredStore(StoreConfig(block_bytes=BLOCK, dram_capacity_bytes=8 * BLOCK))
+    try:
+        sender, receiver, _ = pair("tcp", store=store)
+        encoded: list[int] = []
+
+        def encode(view: memoryview) -> memoryview:
+            encoded.append(int(view[0]))
+            return memoryview(zlib.compress(bytes(view)))
+
+        def decode(payload: memoryview, dest: memoryview) -> None:
+            dest[:] = zlib.decompress(payload)
+
+        size = len(zlib.compress(bytes(block(1))))  # every block compresses to this
+        receiver.set_pull_encoder(encode, keep_bytes=3 * size)
+
+        def from_pool(block_hash: int, dest: memoryview) -> BlockMeta | None:
+            if block_hash != 120:
+                return None
+            dest[:] = block(block_hash).tobytes()
+            return BlockMeta(16, 119)
+
+        receiver.set_store_fallback(from_pool)
+        for h in (110, 111, 112, 113):
+            store.put(h, block(h), BlockMeta(16, h - 1))
+        client = sender.connect(receiver.endpoint)
+
+        def pull(hashes):
+            dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+            metas = client.pull(hashes, dests, decode=decode)
+            for h, dest, meta in zip(hashes, dests, metas, strict=True):
+                assert meta is not None and (dest == h % 251).all(), h
+            return metas
+
+        pull([110, 111])
+        assert encoded == [110, 111]
+        metas = pull([110, 111, 112])  # two kept, one new
+        assert encoded == [110, 111, 112] and [m.parent_hash for m in metas] == [109, 110, 111]
+        kept = receiver.encoded_blocks
+        assert kept is not None and len(kept) == 3 and kept.bytes == 3 * size
+        store.delete(110)  # the kept payload still names the same content
+        pull([110])
+        assert encoded == [110, 111, 112]
+        pull([113])  # the budget is full: the least recently used (111) leaves
+        assert sorted(kept._items) == [110, 112, 113]
+        pull([112, 120])  # the fallback's block is encoded once, then kept
+        pull([120])
+        assert encoded == [110, 111, 112, 113, 120]
+        assert kept.hits >= 4 and eventually(lambda: store.stats().num_pinned == 0)
+        receiver.set_pull_encoder(None, keep_bytes=3 * size)  # no encoder: nothing kept
+        assert receiver.encoded_blocks is None
+    finally:
+        store.close()
+
+
 def test_an_encoded_pull_is_pipelined_in_requests_of_a_few_blocks(pair, monkeypatch):
     """An encoded pull is cut into requests of ``ENCODED_GROUP_BYTES`` (here two blocks)
     that follow each other on each connection, so that the peer encodes the next while

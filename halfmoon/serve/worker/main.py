@@ -95,6 +95,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(lossless, ~1.2x); every worker of a cluster must use the same (docs/serving.md)",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-compression-keep-mb", type=float, default=64.0, metavar="MB",
+        help="with --kv-compression: encoded blocks a prefill worker keeps for its peers' "
+        "later pulls of the same prefix (a shared system prompt is encoded once, not once "
+        "per pull; least recently used out first); 0 encodes every pull",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="turn off prefix reuse (engine pools and block stores) to measure its effect",
     )  # fmt: skip
@@ -160,6 +166,7 @@ class EngineOptions:
     cuda_graphs: bool = False
     seed: int = 0
     kv_compression: str = "none"
+    kv_compression_keep_mb: float = 64.0
     prefix_caching: bool = True
     store_dram_mb: float = 256.0
     prefix_store: str | None = None  # None: demote with halfmoon's engine, else copy
@@ -175,6 +182,8 @@ class EngineOptions:
                 f"unknown --kv-compression {self.kv_compression!r}; use one of "
                 f"{', '.join(KV_COMPRESSION_MODES)}"
             )
+        if self.kv_compression_keep_mb < 0:
+            raise HalfmoonError("--kv-compression-keep-mb must be >= 0")
         if self.decode_guard not in DECODE_GUARDS:
             raise HalfmoonError(
                 f"unknown --decode-guard {self.decode_guard!r}; use one of "
@@ -361,7 +370,8 @@ def run_worker(args: argparse.Namespace) -> int:
         if options.prefix_store == "demote":  # blocks only in the pool are pulled from it
             transfer.set_store_fallback(cache.read_for_peer)
         if worker.kv_codec.name != "none":  # prefix pulls between workers go compressed
-            transfer.set_pull_encoder(worker.kv_codec.encode)
+            keep = int(options.kv_compression_keep_mb * 2**20)
+            transfer.set_pull_encoder(worker.kv_codec.encode, keep)
             cache.pull_decode = worker.kv_codec.decode
         role = PrefillRole(worker, transfer, cache, holdings)
         worker.set_role(role)
