@@ -320,8 +320,53 @@ def test_auto_reads_llama3_json_calls(llama):
     assert body["choices"][0]["message"]["content"] == backend.answer
 
 
+@pytest.fixture(scope="module")
+def pythonic(gateways):
+    with answering(gateways, "pythonic") as pair:
+        yield pair
+
+
+def test_auto_reads_pythonic_calls(pythonic):
+    """``--tool-call-parser pythonic``: an answer that is a Python list of calls with
+    keyword arguments (Llama 3.2 / 4) is calls, its literals as JSON arguments, whole
+    and streamed, with or without Llama 4's markers; anything else is text."""
+    client, backend = pythonic
+    backend.answer = ('[weather(city="Paris", days=[1, 2], metric=True, note=None), '
+                      "clock()]")  # fmt: skip
+    choice = _chat(client, tools=TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "weather",
+         "arguments": '{"city": "Paris", "days": [1, 2], "metric": true, "note": null}'},
+        {"name": "clock", "arguments": "{}"},
+    ]  # fmt: skip
+    backend.answer = '<|python_start|>[weather(city="Oslo")]<|python_end|>'
+    streamed = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not any(d.get("content") for d in deltas)
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    for text in ("It is sunny.", "[1, 2, 3]", '[weather("Paris")]', "[weather(city=x)]",
+                 '[os.system(cmd="ls")]', '[weather(city="P")] and more'):  # fmt: skip
+        backend.answer = text  # not calls: the text as it is
+        body = _chat(client, tools=TOOLS).json()
+        assert body["choices"][0]["message"]["content"] == text, text
+        assert "tool_calls" not in body["choices"][0]["message"]
+    backend.answer = "Sunny and mild today."  # plain text streams as it comes
+    streamed = _chat(client, tools=TOOLS, stream=True).text
+    contents = [json.loads(x[6:])["choices"][0]["delta"].get("content")
+                for x in streamed.splitlines() if x.startswith("data: {")]  # fmt: skip
+    assert len([c for c in contents if c]) > 1
+
+
 def test_llama3_held_from() -> None:
     mode = ToolMode(parser="llama3_json")
     assert mode.held_from("") == 0 and mode.held_from("  {") == 0
     assert mode.held_from("<|py") == 0 and mode.held_from("<|python_tag|>{") == 0
     assert mode.held_from("Sunny") == 5 and mode.held_from("<b>") == 3
+    mode = ToolMode(parser="pythonic")
+    assert mode.held_from("") == 0 and mode.held_from(" [") == 0
+    assert mode.held_from("<|py") == 0 and mode.held_from("<|python_start|>[") == 0
+    assert mode.held_from("Sunny") == 5 and mode.held_from("{") == 1

@@ -18,8 +18,11 @@ serves them without a model-specific tool-call parser.
   first block is the message's ``content``; ``finish_reason`` ``tool_calls`` when there
   are calls); ``llama3_json`` (Llama 3.x: the whole answer one or more ``{"name",
   "parameters"}`` objects, ``;`` between them, after an optional ``<|python_tag|>``;
-  streamed, an answer is held back while it may still be a call). Without a parser, a
-  400 saying so, as vLLM answers without
+  streamed, an answer is held back while it may still be a call); ``pythonic`` (Llama
+  3.2 and 4, and others: the whole answer a Python list of calls with keyword arguments,
+  ``[weather(city="Paris"), clock()]``, optionally between ``<|python_start|>`` and
+  ``<|python_end|>``; the values Python literals, read with :mod:`ast`, never run).
+  Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
 
@@ -31,6 +34,7 @@ one chunk before its finish (a client joining the deltas gets the same calls).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import secrets
@@ -42,10 +46,15 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 #: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 #: Llama 3.x's marker before a tool call (a special token: usually not in the text).
 _PYTHON_TAG = "<|python_tag|>"
+#: Llama 4's markers around pythonic calls (special tokens too).
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+#: Parsers whose calls are the whole answer: how an answer that is calls may begin
+#: (its marker, then the first character of its calls).
+_WHOLE_ANSWER_STARTS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
 
 
 @dataclass(frozen=True)
@@ -67,10 +76,11 @@ class ToolMode:
         could begin one."""
         if self.parser is None:
             return 0
-        if self.parser == "llama3_json":  # a call is the whole answer: decided by its start
+        if self.parser in _WHOLE_ANSWER_STARTS:  # calls are the whole answer: its start decides
+            marker, first = _WHOLE_ANSWER_STARTS[self.parser]
             head = text.lstrip()
-            undecided = not head or _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)])
-            return 0 if undecided or head.startswith(("{", _PYTHON_TAG)) else len(text)
+            undecided = not head or marker.startswith(head[: len(marker)])
+            return 0 if undecided or head.startswith((first, marker)) else len(text)
         start = text.find(_HERMES_OPEN)
         if start >= 0:
             return start
@@ -163,6 +173,8 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     :meth:`ToolMode.held_from` is the message's content."""
     if mode.parser == "llama3_json":
         return _llama3_json(text)
+    if mode.parser == "pythonic":
+        return _pythonic(text)
     if mode.parser is not None:
         return _hermes(text)
     try:
@@ -248,6 +260,32 @@ def _llama3_json(text: str) -> list[dict[str, Any]] | None:
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
     return _calls(items)
+
+
+def _pythonic(text: str) -> list[dict[str, Any]] | None:
+    """Pythonic calls: the answer is a list of calls with keyword arguments whose values
+    are Python literals (``[f(a=1, b="x"), g()]``), optionally between Llama 4's
+    ``<|python_start|>`` and ``<|python_end|>``. Parsed, never evaluated."""
+    body = text.strip()
+    if body.startswith(_PYTHON_START):
+        body = body[len(_PYTHON_START) :].removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                return None
+            if call.args or any(k.arg is None for k in call.keywords):
+                return None  # positional or **-arguments: not a call with named parameters
+            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append(_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None  # (literal_eval: ValueError for a name or an expression; json: a set)
+    return calls
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
