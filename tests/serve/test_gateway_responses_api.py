@@ -110,12 +110,25 @@ def test_function_calls_whole_and_streamed(served):
     assert call["arguments"] == '{"city": "Oslo"}' and call["call_id"] and call["id"]
     events = _events(_post(client, input="x", tools=TOOLS, tool_choice=forced, stream=True).text)
     kinds = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1  # a named function's arguments stream as they come
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.function_call_arguments.delta",
-                     "response.function_call_arguments.done", "response.output_item.done",
-                     "response.completed"]  # fmt: skip
+                     *[d["type"] for d in deltas], "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]  # fmt: skip
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert events[-1]["response"]["output"][0]["arguments"] == '{"city": "Oslo"}'
+    final = events[-1]["response"]["output"][0]
+    assert final["arguments"] == "".join(d["delta"] for d in deltas) == '{"city": "Oslo"}'
+    added = events[2]["item"]
+    assert added["arguments"] == "" and added["status"] == "in_progress"
+    assert (added["id"], added["call_id"]) == (final["id"], final["call_id"])
+    assert {d["item_id"] for d in deltas} == {final["id"]} and final["status"] == "completed"
+    # required calls still come whole at the end
+    backend.answer = '[{"name": "weather", "parameters": {"city": "Rome"}}]'
+    events = _events(_post(client, input="x", tools=TOOLS, tool_choice="required",
+                           stream=True).text)  # fmt: skip
+    (delta,) = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert delta["delta"] == '{"city": "Rome"}'
+    assert events[-1]["response"]["output"][0]["arguments"] == '{"city": "Rome"}'
 
 
 def test_auto_calls_and_text_streamed(served):

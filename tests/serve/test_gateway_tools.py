@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.serve.gateway.backend import GenerationChunk
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
 from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_calls, tool_schema
@@ -30,7 +30,8 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 class AnswerBackend:
-    """Generates the tokens of ``answer`` (set per test), two per chunk, ending ``stop``."""
+    """Generates the tokens of ``answer`` (set per test), two per chunk, ending ``stop``
+    (each token's log-probability -0.5 when asked for)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -46,8 +47,10 @@ class AnswerBackend:
         ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
         for i in range(0, len(ids), 2):
             last = i + 2 >= len(ids)
-            yield GenerationChunk(tuple(ids[i : i + 2]), "stop" if last else None,
-                                  0 if i == 0 else None)  # fmt: skip
+            chunk = tuple(ids[i : i + 2])
+            logprobs = () if params.logprobs is None else tuple(TokenLogprob(-0.5) for _ in chunk)
+            yield GenerationChunk(chunk, "stop" if last else None, 0 if i == 0 else None,
+                                  logprobs=logprobs)  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -120,6 +123,53 @@ def test_streamed_tool_calls_come_whole_before_the_finish(served):
     assert len(calls) == 1 and calls[0][0]["index"] == 0
     assert calls[0][0]["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
     assert [e["choices"][0]["finish_reason"] for e in events][-1] == "tool_calls"
+
+
+def test_a_named_functions_arguments_stream_as_they_come(served):
+    """Streamed, a forced function's arguments go out as generated: the first chunk
+    carries the call's id, type and name, the next ones only argument text (with their
+    log-probabilities); joined, they are the whole answer's call. Cut short by
+    ``max_tokens``, the call is what was generated, ``finish_reason`` ``length``, whole
+    and streamed alike (as OpenAI and vLLM answer)."""
+    client, backend = served
+    backend.answer = '{"city": "Buenos Aires"}'
+    forced = {"type": "function", "function": {"name": "weather"}}
+    text = _chat(client, tools=TOOLS, tool_choice=forced, stream=True, logprobs=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    calls = [e["choices"][0]["delta"]["tool_calls"] for e in events
+             if "tool_calls" in e["choices"][0]["delta"]]  # fmt: skip
+    assert len(calls) > 3 and all(len(c) == 1 and c[0]["index"] == 0 for c in calls)
+    first, *rest = (c[0] for c in calls)
+    assert first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
+    assert first["function"]["name"] == "weather"
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+               for c in rest)  # fmt: skip
+    joined = first["function"]["arguments"] + "".join(c["function"]["arguments"] for c in rest)
+    assert joined == backend.answer
+    tokens = [t for e in events if e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert "".join(t["token"] for t in tokens) == backend.answer
+    assert not any(e["choices"][0]["delta"].get("content") for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    backend.answer = '{"city": "Bue'  # what max_tokens let through
+
+    async def cut(request_id, prompt_token_ids, params):
+        ids = backend.tokenizer.encode(backend.answer, add_special_tokens=False)
+        yield GenerationChunk(tuple(ids), "length", 0)
+
+    original, backend.generate = backend.generate, cut
+    try:
+        whole = _chat(client, tools=TOOLS, tool_choice=forced).json()["choices"][0]
+        text = _chat(client, tools=TOOLS, tool_choice=forced, stream=True).text
+    finally:
+        backend.generate = original
+    assert whole["finish_reason"] == "length"
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == backend.answer
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    (call,) = [e["choices"][0]["delta"]["tool_calls"][0] for e in events
+               if "tool_calls" in e["choices"][0]["delta"]]  # fmt: skip
+    assert call["function"] == {"name": "weather", "arguments": backend.answer}
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_an_output_cut_short_is_answered_as_text(served):
@@ -210,7 +260,8 @@ def test_tool_helpers() -> None:
     assert mode == ToolMode("clock") and schema == {"type": "object", "properties": {}}
     assert ToolMode("clock").finish("stop") == "stop" and ToolMode().finish("stop") == "tool_calls"
     assert ToolMode().finish("length") == "length"
-    assert tool_calls(ToolMode("clock"), "{") is None
+    (cut,) = tool_calls(ToolMode("clock"), "{")  # a named call's arguments, cut short
+    assert cut["function"] == {"name": "clock", "arguments": "{"}
     assert tool_calls(ToolMode(), '{"name": "clock"}') is None  # not an array
     assert tool_calls(ToolMode(), '[{"parameters": {}}]') is None  # no name
     kept = template_message({"role": "assistant", "content": None, "tool_calls": [

@@ -13,8 +13,9 @@ vLLM's ``seed``. It then runs as any chat request, and its answer is rendered as
 Streamed (:func:`response_events`), the events are ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta`` ..., their ``done`` events, a function call's
-``response.function_call_arguments.delta`` / ``.done``, and ``response.completed`` with the
-whole object; each has a ``sequence_number``.
+``response.function_call_arguments.delta`` (as generated for a named ``tool_choice``;
+other calls' whole at the end) / ``.done``, and ``response.completed`` with the whole
+object; each has a ``sequence_number``.
 
 A response is stored (``store``, true unless the request says false; in the gateway's
 :class:`~halfmoon.serve.gateway.response_store.ResponseStore`) with its input items
@@ -253,7 +254,7 @@ def output_items(p: Prepared, text: str, finish: str | None, msg_id: str) -> lis
     if content or calls is None:
         items.append(_message(msg_id, content or "", status))
     for call in calls or ():
-        items.append(_function_call(call, "completed"))
+        items.append(_function_call(call, status))
     return items
 
 
@@ -261,6 +262,11 @@ def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
             "content": content}  # fmt: skip
+
+
+def _call_of(name: str) -> dict[str, Any]:
+    """A new chat tool call of ``name`` with no arguments yet."""
+    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
 
 
 def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -372,7 +378,9 @@ async def response_events(
     pending = response_body(req, resp_id, created, req.model, None, None, None, stored)  # type: ignore[arg-type]
     yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
-    held = HeldText(p.tool_mode) if p.tool_mode is not None else None
+    named = p.tool_mode.name if p.tool_mode is not None else None
+    held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
+    call: dict[str, Any] | None = None  # a named function's call, its arguments streamed
     text, opened = "", False
     finish, use = None, None
     item: tuple[int, Delta] | None = first
@@ -381,6 +389,16 @@ async def response_events(
             _, (delta, fin, u, _entries, _prompt) = item
             if fin is not None:
                 finish, use = fin, u
+            if named is not None:  # the output is the call's arguments: out as they come
+                if call is None:
+                    call = _function_call(_call_of(named), "in_progress")
+                    yield event("response.output_item.added", output_index=0, item=call)
+                if delta:
+                    yield event("response.function_call_arguments.delta", item_id=call["id"],
+                                output_index=0, delta=delta)  # fmt: skip
+                text += delta
+                item = await anext(rest, None)
+                continue
             if held is None:
                 text, out = text + delta, delta
             else:  # text before calls (there may be none): as it may go out
@@ -403,9 +421,15 @@ async def response_events(
     finally:
         await rest.aclose()
     output = output_items(p, text, finish, msg_id)
+    if call is not None:  # the item streamed already: its ids
+        output[0].update(id=call["id"], call_id=call["call_id"])
     index = 0
     for out in output:
-        if out["type"] == "message":
+        if call is not None:
+            yield event("response.function_call_arguments.done", item_id=out["id"],
+                        output_index=0, arguments=out["arguments"])  # fmt: skip
+            yield event("response.output_item.done", output_index=0, item=out)
+        elif out["type"] == "message":
             if not opened:  # an empty answer: its message all the same
                 yield event("response.output_item.added", output_index=0,
                             item={**out, "status": "in_progress", "content": []})  # fmt: skip

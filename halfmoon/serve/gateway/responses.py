@@ -29,7 +29,7 @@ from halfmoon.serve.gateway.openai_api import (
     prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
-from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer
+from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer, tool_call_id
 
 
 class HTTPError(Exception):
@@ -237,16 +237,34 @@ async def sse(
     opening = [True] * p.num_choices
     offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
     uses: list[dict] = [{}] * p.num_choices
-    # Tool calls: each choice's output is held back where calls may be (all of it for
-    # forced calls) and sent as calls at its end; its log-probabilities then too.
-    held = [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode else []
+    # Tool calls: a named function's arguments go out as they come, its first chunk
+    # with the call's id and name (``call_ids``); any other choice's output is held back
+    # where calls may be (all of it for ``required``) and sent as calls at its end, its
+    # log-probabilities then too.
+    named = p.tool_mode.name if p.tool_mode is not None else None
+    call_ids: list[str | None] = [None] * p.num_choices
+    held = (
+        [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode and not named else []
+    )
     kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]
     running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries, prompt) = item
-            if held:
+            if named is not None and (text or call_ids[index] is None):
+                call: dict = {"function": {"arguments": text}}
+                if call_ids[index] is None:
+                    call_ids[index] = tool_call_id()
+                    call = {"id": call_ids[index], "type": "function",
+                            "function": {"name": named, "arguments": text}}  # fmt: skip
+                logprobs = None
+                if p.params.logprobs is not None:
+                    logprobs = logprobs_body(entries, token_text, True, 0)
+                yield event(chunk_body(p.request_id, model, None, None, True, opening[index],
+                                       logprobs, index, [call]))  # fmt: skip
+                opening[index], text, entries = False, "", []
+            elif held:
                 kept[index] += entries
                 text, calls = held[index].add(text, finish is not None)
                 entries = kept[index] if finish is not None and calls is None else []

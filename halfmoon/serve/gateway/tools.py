@@ -6,7 +6,9 @@ serves them without a model-specific tool-call parser.
   without free whitespace: arguments are read by programs, and a small model held to
   flexible JSON can wander in whitespace until ``max_tokens``) and
   answered as one tool call whose ``arguments`` are the output; ``finish_reason`` stays
-  the generation's (``stop``), as OpenAI's API does for a forced function.
+  the generation's (``stop``; ``length`` when ``max_tokens`` cut the arguments short), as
+  OpenAI's API does for a forced function. Streamed, the arguments go out as they are
+  generated (the first chunk carries the call's id and name).
 - ``"required"``: the output is held to a JSON array of ``{"name", "parameters"}``
   objects, one of the tools each (at most one with ``parallel_tool_calls: false``), and
   answered as those tool calls; ``finish_reason`` ``tool_calls``.
@@ -28,8 +30,9 @@ serves them without a model-specific tool-call parser.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
-expect) and ``tool_call_id``. A streamed answer sends each choice's tool calls whole, in
-one chunk before its finish (a client joining the deltas gets the same calls).
+expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
+they come and any other choice's tool calls whole, in one chunk before its finish (a
+client joining the deltas gets the same calls).
 """
 
 from __future__ import annotations
@@ -169,20 +172,21 @@ def tool_schema(
 def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     """The tool calls of an output held to ``mode``'s schema, or written in its parser's
     format (None when there are none, or the output is not whole: cut by ``max_tokens``
-    or a stop string, it is answered as text). With a parser, the text before
-    :meth:`ToolMode.held_from` is the message's content."""
+    or a stop string, it is answered as text; except a named function's, whose output
+    is its call's arguments, as far as they got, as OpenAI and vLLM answer it). With a
+    parser, the text before :meth:`ToolMode.held_from` is the message's content."""
     if mode.parser == "llama3_json":
         return _llama3_json(text)
     if mode.parser == "pythonic":
         return _pythonic(text)
     if mode.parser is not None:
         return _hermes(text)
+    if mode.name is not None:  # the output is the arguments (cut short: as far as they got)
+        return [_call(mode.name, text)]
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if mode.name is not None:
-        return [_call(mode.name, text)]
     return _calls(value) if isinstance(value, list) else None
 
 
