@@ -183,7 +183,11 @@ class GatewayHost:
         from halfmoon.engine.tokenizer import Tokenizer
         from halfmoon.serve.gateway.app import GatewayConfig, create_app
         from halfmoon.serve.gateway.cluster_client import ClusterBackend
-        from halfmoon.serve.gateway.generation import generation_defaults, startup_line
+        from halfmoon.serve.gateway.generation import (
+            end_token_ids,
+            generation_defaults,
+            startup_line,
+        )
         from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
         from halfmoon.serve.gateway.limits import served_context
         from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -210,6 +214,7 @@ class GatewayHost:
                 model_dir, spec.generation_config, dict(spec.override_generation_config)
             ),
             responses_store_bytes=spec.responses_store_bytes,
+            end_token_ids=end_token_ids(model_dir),
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip

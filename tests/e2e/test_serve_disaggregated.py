@@ -315,6 +315,44 @@ def offline_prompt_logprobs(engine, prompt, k):
     return first.prompt_logprobs
 
 
+def test_beam_search_equals_the_same_search_over_an_offline_engine(disagg):
+    """``use_beam_search`` through the cluster (each step a one-token request per beam,
+    answered by the prefill worker from its prefix cache) returns the beams the same
+    search finds over an offline engine's log-probabilities; a beam of one is greedy."""
+    import asyncio
+
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.serve.gateway.backend import GenerationChunk
+    from halfmoon.serve.gateway.beam_search import beam_search
+    from halfmoon.serve.gateway.responses import Prepared
+
+    engine = LLMEngine(EngineConfig(model=str(disagg.cache / "presets" / "tiny-seed0")))
+    ids = engine.tokenizer.encode(PROMPTS[2])
+
+    async def offline(p):
+        ((token, logprob),) = offline_logprobs(engine, p.prompt_ids, p.params)
+        yield GenerationChunk((token,), "length", 0, logprobs=(logprob,))
+
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "n": 3, "use_beam_search": True,
+            "length_penalty": 0.5}  # fmt: skip
+    answer = httpx.post(disagg.base_url + "/v1/completions", json=body, timeout=120).json()
+    params = SamplingParams(max_tokens=6)
+    prepared = Prepared("ref", ids, params, (), False, False, n=3)
+    ref = asyncio.run(beam_search(prepared, offline, engine.eos_token_ids, 0.5))
+    assert [c["text"] for c in answer["choices"]] == [
+        engine.tokenizer.decode(list(b.tokens)) for b in ref.beams
+    ]
+    assert [c["finish_reason"] for c in answer["choices"]] == [b.finish for b in ref.beams]
+    assert len({c["text"] for c in answer["choices"]}) == 3
+    assert answer["usage"]["completion_tokens"] == sum(len(b.tokens) for b in ref.beams)
+    one = httpx.post(disagg.base_url + "/v1/completions", timeout=120, json={
+        **body, "n": 1, "ignore_eos": True, "length_penalty": 0.0}).json()  # fmt: skip
+    assert one["choices"][0]["text"] == _client(disagg).completions.create(
+        model="tiny", prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+
+
 def test_prompt_logprobs_equal_an_offline_engine(disagg):
     """What lm-evaluation-harness sends for a log-likelihood (token ids, ``echo``,
     ``logprobs: 1``, ``max_tokens: 1``) and vLLM's ``prompt_logprobs``: computed by the

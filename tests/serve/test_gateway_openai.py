@@ -283,17 +283,18 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
 
 
 @pytest.mark.parametrize(
-    "option",
-    [{"use_beam_search": True}],
+    ("option", "name"),
+    [({"use_beam_search": True, "stream": True}, "stream"),
+     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs")],
 )  # fmt: skip
-def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option):
+def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option, name):
     client, _, _ = served
-    name = next(iter(option))
     for path, body in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
         response = client.post(path, json={"model": "m", **body, **option})
         assert response.status_code == 400, (path, response.text)
-        assert response.json()["error"]["param"] == name
+        error = response.json()["error"]
+        assert error["param"] == name and next(iter(option)) in error["message"]
 
 
 def test_neutral_values_of_refused_options_pass(served):

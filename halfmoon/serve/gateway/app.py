@@ -30,6 +30,7 @@ from halfmoon import __version__
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.gateway.access_log import AccessLog
 from halfmoon.serve.gateway.backend import Backend, BackendError, Rejected
+from halfmoon.serve.gateway.beam_search import search_beams
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
 from halfmoon.serve.gateway.errors import error_response, install_error_handlers
 from halfmoon.serve.gateway.gateway import PUBLIC_PATHS, Gateway, GatewayConfig
@@ -148,11 +149,11 @@ def create_app(
                 {"Retry-After": "1"},
             )  # fmt: skip
 
-    async def _start(
+    async def _prepare(
         body: CompletionRequest | ChatCompletionRequest, request: Request | None
-    ) -> tuple[Prepared, tuple[int, Delta], AsyncIterator]:
-        """Prepare ``body`` and start its choices: the prepared request, its first item
-        and the rest (429 / 503 when the cluster turns it away before any item)."""
+    ) -> Prepared:
+        """``body`` validated and tokenized, its place among the requests in flight held
+        meanwhile (429 when there is none)."""
         _check_busy(body)  # refused at once, before tokenizing
         api_key = getattr(request.state, "api_key", None) if request is not None else None
         choices = body.num_choices()
@@ -162,6 +163,14 @@ def create_app(
         finally:
             gw.preparing -= choices
         _check_busy(body)  # again: choices of n > 1 count only once their tasks start
+        return p
+
+    async def _start(
+        body: CompletionRequest | ChatCompletionRequest, request: Request | None
+    ) -> tuple[Prepared, tuple[int, Delta], AsyncIterator]:
+        """Prepare ``body`` and start its choices: the prepared request, its first item
+        and the rest (429 / 503 when the cluster turns it away before any item)."""
+        p = await _prepare(body, request)
         stream = merge_choices([gw.run(choice) for choice in p.choices()])
         try:
             first = await anext(stream)
@@ -177,6 +186,13 @@ def create_app(
     async def _serve(
         body: CompletionRequest | ChatCompletionRequest, request: Request | None = None
     ) -> Response:
+        if body.use_beam_search:
+            p = await _prepare(body, request)
+            try:
+                answer = await search_beams(p, body.model, body.length_penalty, gw)
+            except (Rejected, BackendError) as exc:
+                raise turned_away(exc, gw.metrics) from None
+            return JSONResponse(answer)
         p, first, stream = await _start(body, request)
         if body.stream:
             return StreamingResponse(

@@ -84,6 +84,9 @@ class GatewayConfig:
     #: Bytes of Responses API answers kept for ``previous_response_id`` and
     #: ``GET /v1/responses/{id}`` (halfmoon.serve.gateway.response_store; 0: none kept).
     responses_store_bytes: int = 256 * 1024 * 1024
+    #: The model's end-of-sequence token ids (generation.end_token_ids), where beam
+    #: search ends a beam; the tokenizer's own is added.
+    end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *PARSERS):
@@ -136,6 +139,11 @@ class Gateway:
         self.replan_rounds: Sequence[dict[str, Any]] = ()
         #: Responses API answers kept for later turns.
         self.responses = ResponseStore(config.responses_store_bytes)
+        eos = tokenizer.eos_token_id
+        #: Where a beam ends (see halfmoon.serve.gateway.beam_search).
+        self.end_token_ids = tuple(
+            sorted({*config.end_token_ids, *([eos] if eos is not None else [])})
+        )
         self.metrics.stored_responses.set_function(lambda: len(self.responses))
         self.metrics.stored_response_bytes.set_function(lambda: self.responses.bytes)
         # Request ids are unique across gateways and restarts (a random prefix per
@@ -384,7 +392,8 @@ class Gateway:
             )
 
     # -- generation --------------------------------------------------------------------------
-    async def _chunks(self, p: Prepared) -> AsyncIterator[GenerationChunk]:
+    async def chunks(self, p: Prepared) -> AsyncIterator[GenerationChunk]:
+        """The backend's chunks of ``p`` (one choice), counted as running meanwhile."""
         self.metrics.running.inc()
         self.in_flight += 1
         try:
@@ -443,7 +452,7 @@ class Gateway:
         cached = est = None
         pending = ""
         try:
-            async with aclosing(self._chunks(p)) as chunks:
+            async with aclosing(self.chunks(p)) as chunks:
                 async for chunk in chunks:
                     if chunk.cached_tokens is not None:
                         cached, est = chunk.cached_tokens, chunk.est_ttft_s

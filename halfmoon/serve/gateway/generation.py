@@ -104,6 +104,22 @@ def generation_defaults(
     return out
 
 
+def end_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The model's end-of-sequence token ids as its ``config.json`` and generation
+    config name them (the engine stops on these; the tokenizer's own is added by the
+    gateway), read without loading the model."""
+    ids: list[int] = []
+    for name in ("config.json", GENERATION_CONFIG):
+        path = Path(model_dir) / name
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            continue  # (its loader reports a broken file)
+        values = value if isinstance(value, list) else [value]
+        ids += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return tuple(sorted(set(ids)))
+
+
 def describe(defaults: Mapping[str, float | int]) -> str:
     """``temperature 0.2, top_p 0.9`` (``none`` when empty), for the start-up log."""
     return ", ".join(f"{k} {v:g}" for k, v in defaults.items()) or "none"

@@ -19,13 +19,14 @@ from a prefix cache),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
 ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``, chat
-``echo`` (the final assistant message's text first),
+``echo`` (the final assistant message's text first), vLLM's ``use_beam_search`` with
+``length_penalty`` (``n`` beams, not streamed: :mod:`halfmoon.serve.gateway.beam_search`),
 ``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
 among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"`` without a
 parser, the older
-``functions``, vLLM's structural tags and beam search)
+``functions``, vLLM's structural tags)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -35,6 +36,7 @@ leaves out takes the served model's default where it has one, as on vLLM
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any, Literal
@@ -123,8 +125,11 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     #: vLLM's: leave special tokens (EOS, chat markers) out of the text (the default).
     skip_special_tokens: bool = True
-    # Known options that are not implemented: refused unless left at their defaults.
+    #: vLLM's beam search: ``n`` beams, the ``n`` best answers (halfmoon.serve.gateway.beam_search).
     use_beam_search: bool = False
+    #: Beam search's length penalty: a beam's score is its summed log-probability over
+    #: its length to this power.
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     #: vLLM's: only these tokens may be generated (checked against the vocabulary).
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
 
@@ -143,9 +148,27 @@ class _Common(BaseModel):
             if self.prompt_logprobs is not None and self.stream
             else []
         )
-        for name in _REFUSED_WHEN_SET:
-            if getattr(self, name):
-                out.append(name)
+        if self.use_beam_search:
+            out += [f"{name} with use_beam_search" for name in self.beam_conflicts()]
+        return out
+
+    def beam_conflicts(self) -> list[str]:
+        """The options set that beam search cannot honour (it ranks whole sequences by
+        the model's own log-probabilities, token by token)."""
+        neutral = {"stream": False, "stop": None, "stop_token_ids": None, "min_tokens": 0,
+                   "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0, "prompt_logprobs": None, "echo": False,
+                   "tools": None}  # fmt: skip
+        out = [name for name, value in neutral.items()
+               if (given := getattr(self, name, value)) != value and given not in ([], {})]  # fmt: skip
+        if self.num_logprobs() is not None:
+            out.append("logprobs")
+        with contextlib.suppress(ValueError):  # (a malformed one is refused by its own 400)
+            if self.structured_output() is not None:
+                out.append("structured outputs")
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            out.append(f"n above {MAX_BEAM_WIDTH} (the beam width)")
         return out
 
     @field_validator("stop")
@@ -234,9 +257,8 @@ class FieldError(ValueError):
 #: The fields that may set a structured output (:meth:`_Common.structured_output`).
 STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar")  # fmt: skip
-#: vLLM options of :class:`_Common` refused when set to anything but their neutral value
-#: (None, False, empty): the output would silently not be what they ask for.
-_REFUSED_WHEN_SET = ("use_beam_search",)
+#: The widest beam of ``use_beam_search`` (each step asks for 2n log-probabilities).
+MAX_BEAM_WIDTH = 10
 
 
 def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:

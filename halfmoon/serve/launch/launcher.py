@@ -128,7 +128,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     _QuietServer = _make_quiet_server()  # noqa: N806
     from halfmoon.serve.gateway.app import GatewayConfig, create_app
     from halfmoon.serve.gateway.cluster_client import ClusterBackend
-    from halfmoon.serve.gateway.generation import defaults_from_args, startup_line
+    from halfmoon.serve.gateway.generation import defaults_from_args, end_token_ids, startup_line
     from halfmoon.serve.gateway.http_limits import ConnectionLimits, server_config
     from halfmoon.serve.gateway.limits import served_context
     from halfmoon.serve.launch.startup import announce_when_listening, has_page, ready_line
@@ -154,6 +154,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
+        end_token_ids=end_token_ids(model_dir),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
