@@ -501,7 +501,7 @@ def test_stored_responses_continue_through_the_cluster(disagg):
     """``previous_response_id`` with the ``openai`` client: the second turn's seeded text
     equals the chat answer to the whole conversation, and the first turn's prompt is
     found in the prefix cache; the stored response is retrieved, its input items listed,
-    and deleted."""
+    and deleted; a background turn is polled until done."""
     client = _client(disagg)
     first = client.responses.create(model="tiny", input="Hello " * 40, max_output_tokens=8,
                                     temperature=0)  # fmt: skip
@@ -526,3 +526,18 @@ def test_stored_responses_continue_through_the_cluster(disagg):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    # in the background: polled until done, the same seeded text
+    queued = client.responses.create(
+        model="tiny", input="Tell me more.", previous_response_id=second.id, background=True,
+        max_output_tokens=10, temperature=0.8, extra_body={"seed": 5},
+    )  # fmt: skip
+    assert queued.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 60
+    while (polled := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    direct = client.responses.create(
+        model="tiny", input="Tell me more.", previous_response_id=second.id,
+        max_output_tokens=10, temperature=0.8, extra_body={"seed": 5},
+    )  # fmt: skip
+    assert polled.status == direct.status and polled.output_text == direct.output_text

@@ -8,15 +8,20 @@ live cluster answers the ``openai`` client's ``responses.create`` in tests/e2e."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
+import time
 
 import pytest
+from fastapi.testclient import TestClient
 
+from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.openai_responses import ResponsesRequest, to_chat
 from halfmoon.serve.gateway.response_store import ResponseStore
 
-from .test_gateway_tools import WEATHER, answering
+from .test_gateway_tools import WEATHER, AnswerBackend, answering
 
 TOOLS = [{"type": "function", "name": "weather", "parameters": WEATHER}]
 
@@ -350,3 +355,95 @@ def test_the_store_keeps_the_most_recently_used_within_its_bytes():
     assert store.get("someone", "resp_8") is None and not store.delete("someone", "resp_8")
     before = store.bytes
     assert store.delete(None, "resp_8") and store.bytes == before - turn.size
+
+
+class GatedBackend(AnswerBackend):
+    """An answer that waits for ``gate`` (set from the test's thread), or fails."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.gate = threading.Event()
+        self.fail = False
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        if self.fail:
+            raise BackendError("the decode worker went away")
+        async for chunk in super().generate(request_id, prompt_token_ids, params):
+            yield chunk
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _until(client, resp_id, *statuses, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/responses/{resp_id}").json()
+        if body["status"] in statuses:
+            return body
+        time.sleep(0.01)
+    raise AssertionError(f"{resp_id} never reached {statuses}: {body['status']}")
+
+
+@pytest.fixture
+def gated(gateways):
+    backend = GatedBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", max_tokens_limit=64)
+    with TestClient(app) as client:
+        yield client, backend
+
+
+def test_a_background_response_is_polled_until_done(gated):
+    client, backend = gated
+    backend.answer = "Done in the background."
+    queued = _post(client, input="x", background=True).json()
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    in_progress = _until(client, queued["id"], "queued", "in_progress")
+    chained = _post(client, input="y", previous_response_id=queued["id"])  # not yet
+    assert chained.status_code == 400 and "still" in chained.json()["error"]["message"]
+    assert in_progress["status"] in ("queued", "in_progress")
+    backend.gate.set()
+    done = _until(client, queued["id"], "completed")
+    assert done["output"][0]["content"][0]["text"] == backend.answer
+    assert done["id"] == queued["id"] and done["created_at"] == queued["created_at"]
+    later = _post(client, input="y", previous_response_id=queued["id"]).json()
+    assert later["status"] == "completed"
+    cancelled_late = client.post(f"/v1/responses/{queued['id']}/cancel").json()
+    assert cancelled_late == done  # finished already: unchanged
+
+
+def test_a_background_response_is_cancelled(gated):
+    client, backend = gated
+    queued = _post(client, input="x", background=True).json()
+    _until(client, queued["id"], "queued", "in_progress")
+    cancelled = client.post(f"/v1/responses/{queued['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert backend.aborted  # the cluster was told to stop it
+    assert client.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+    backend.gate.set()  # nothing runs on: the stored response stays cancelled
+    time.sleep(0.05)
+    assert client.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+    plain = _post(client, input="x").json()
+    refused = client.post(f"/v1/responses/{plain['id']}/cancel")
+    assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
+    assert client.post("/v1/responses/resp_nope/cancel").status_code == 404
+
+
+def test_a_background_response_that_fails_says_why(gated):
+    client, backend = gated
+    backend.fail = True
+    backend.gate.set()
+    queued = _post(client, input="x", background=True).json()
+    failed = _until(client, queued["id"], "failed")
+    assert "decode worker went away" in failed["error"]["message"]
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"store": False}, "store"),
+                                               ({"stream": True}, "stream")])  # fmt: skip
+def test_background_needs_store_and_no_stream(gated, extra, param):
+    client, _ = gated
+    response = _post(client, input="x", background=True, **extra)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -20,6 +20,8 @@ Assembling the answer from the backend's streams is :mod:`halfmoon.serve.gateway
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -42,10 +44,13 @@ from halfmoon.serve.gateway.openai_api import (
     TokenizeRequest,
 )
 from halfmoon.serve.gateway.openai_responses import (
+    Keep,
     ResponsesRequest,
     collect_response,
     input_items,
     input_items_page,
+    new_ids,
+    response_body,
     response_events,
     to_chat,
 )
@@ -247,6 +252,13 @@ def create_app(
             def keep(answer: dict[str, Any]) -> None:
                 store.put(owner, answer, items, previous)
 
+        if body.background:
+            if keep is None or body.stream:
+                raise HTTPError(400, "background responses need store (and are not streamed: "
+                                "poll GET /v1/responses/{id})", "BadRequestError",
+                                param="store" if keep is None else "stream")  # fmt: skip
+            _check_busy(chat)  # refused now, not in the background
+            return JSONResponse(_in_background(body, chat, request, keep, owner, items, previous))
         p, first, stream = await _start(chat, request)
         if body.stream:
             return StreamingResponse(
@@ -256,6 +268,39 @@ def create_app(
             return JSONResponse(await collect_response(body, p, first, stream, keep))
         except (Rejected, BackendError) as exc:
             raise turned_away(exc, gw.metrics) from None
+
+    background: dict[str, asyncio.Task] = {}  # a background response's id -> its task
+
+    def _in_background(
+        body: ResponsesRequest, chat: ChatCompletionRequest, request: Request, keep: Keep,
+        owner: str | None, items: list[dict[str, Any]], previous: StoredResponse | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Start ``body``'s generation as a task and store it as ``queued`` (then
+        ``in_progress``, and its answer, ``failed`` or ``cancelled`` in the end)."""
+        resp_id, msg_id = new_ids()
+        created = time.time()
+        queued = {**response_body(body, resp_id, created, body.model, None, None, None, True),
+                  "status": "queued"}  # type: ignore[arg-type]  # fmt: skip
+
+        def mark(status: str, **fields: Any) -> None:
+            store.put(owner, {**queued, "status": status, **fields}, items, previous)
+
+        async def run() -> None:
+            try:
+                p, first, stream = await _start(chat, request)
+                mark("in_progress")
+                await collect_response(body, p, first, stream, keep, (resp_id, msg_id), created)
+            except asyncio.CancelledError:
+                mark("cancelled")
+            except (Rejected, BackendError, HTTPError) as exc:
+                message = exc.message if isinstance(exc, HTTPError) else f"request failed: {exc}"
+                mark("failed", error={"code": "server_error", "message": message})
+            finally:
+                background.pop(resp_id, None)
+
+        mark("queued")
+        background[resp_id] = asyncio.get_running_loop().create_task(run())
+        return queued
 
     def _stored(owner: str | None, response_id: str, param: str | None) -> StoredResponse:
         """``owner``'s stored response ``response_id``: a 400 naming ``param`` (a request
@@ -273,7 +318,18 @@ def create_app(
                 "BadRequestError" if param else "NotFoundError",
                 param=param,
             )
+        if param and entry.body["status"] in ("queued", "in_progress"):
+            raise HTTPError(400, f"response {response_id!r} is still {entry.body['status']}: "
+                            "continue it once it has finished", "BadRequestError", param=param)  # fmt: skip
         return entry
+
+    async def _cancel(response_id: str) -> None:
+        """Cancel a background response's generation (if it still runs) and wait until
+        it has stored its end."""
+        task = background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -283,8 +339,17 @@ def create_app(
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         owner = getattr(request.state, "api_key", None)
         _stored(owner, response_id, None)
+        await _cancel(response_id)
         store.delete(owner, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+        owner = getattr(request.state, "api_key", None)
+        if not _stored(owner, response_id, None).body.get("background"):
+            raise HTTPError(400, "only a background response can be cancelled", "BadRequestError")
+        await _cancel(response_id)
+        return _stored(owner, response_id, None).body
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(

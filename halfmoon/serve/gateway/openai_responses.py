@@ -21,7 +21,8 @@ A response is stored (``store``, true unless the request says false; in the gate
 :class:`~halfmoon.serve.gateway.response_store.ResponseStore`) with its input items
 (:func:`input_items`: the request's ``input`` as items with ids) and the conversation so
 far, which a later request's ``previous_response_id`` continues (:func:`to_chat`'s
-``history``).
+``history``). With ``background`` the gateway answers at once (``queued``) and stores the
+answer when it is done (halfmoon.serve.gateway.app).
 
 Not served: built-in tools (web search, files, ...), non-text input, ``n``; each a 400
 naming it.
@@ -62,6 +63,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: bool | None = None
+    background: bool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -242,7 +244,8 @@ def to_chat(
         raise FieldError(f"{field}: {first['msg']}", field) from None
 
 
-def _ids() -> tuple[str, str]:
+def new_ids() -> tuple[str, str]:
+    """A new response's id and its message's."""
     return f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
 
 
@@ -315,6 +318,7 @@ def response_body(
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "store": stored,
+        "background": req.background,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "text": req.text or {"format": {"type": "text"}},
@@ -333,12 +337,13 @@ Keep = Callable[[dict[str, Any]], None]
 
 async def collect_response(
     req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator,
-    keep: Keep | None = None,
+    keep: Keep | None = None, ids: tuple[str, str] | None = None, created: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The whole ``response`` object of one answer, handed to ``keep`` (when given) before
-    it is returned (BackendError / Rejected propagate)."""
-    resp_id, msg_id = _ids()
-    created = time.time()
+    """The whole ``response`` object of one answer (``ids``: its and its message's, and
+    ``created``, when given beforehand: a background response's), handed to ``keep``
+    (when given) before it is returned (BackendError / Rejected propagate)."""
+    resp_id, msg_id = ids or new_ids()
+    created = time.time() if created is None else created
     parts, finish, use = [], None, None
     item: tuple[int, Delta] | None = first
     try:
@@ -365,7 +370,7 @@ async def response_events(
     cluster fails mid-way); the finished ``response`` goes to ``keep`` (when given) before
     ``response.completed``, so a client may continue it as soon as it reads that event."""
     stored = keep is not None
-    resp_id, msg_id = _ids()
+    resp_id, msg_id = new_ids()
     created = time.time()
     seq = 0
 

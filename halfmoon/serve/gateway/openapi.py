@@ -105,12 +105,13 @@ class ChatCompletionResponse(_Open):
 
 
 class ResponseObject(_Open):
-    """Body of a non-streaming ``POST /v1/responses`` (OpenAI's ``response`` object)."""
+    """Body of a non-streaming ``POST /v1/responses`` (OpenAI's ``response`` object; a
+    background one starts ``queued``)."""
 
     id: str
     object: Literal["response"]
     created_at: float
-    status: Literal["completed", "incomplete"]
+    status: Literal["completed", "incomplete", "queued", "in_progress", "failed", "cancelled"]
     model: str
     output: list[dict[str, Any]]
     usage: dict[str, Any] | None = None
@@ -188,6 +189,7 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/responses/{response_id}", "get"): ResponseObject,
     ("/v1/responses/{response_id}", "delete"): ResponseDeleted,
     ("/v1/responses/{response_id}/input_items", "get"): InputItemList,
+    ("/v1/responses/{response_id}/cancel", "post"): ResponseObject,
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model}", "get"): ModelCard,
     ("/version", "get"): VersionResponse,
@@ -203,6 +205,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/responses/{response_id}", "get"): (404,),
     ("/v1/responses/{response_id}", "delete"): (404,),
     ("/v1/responses/{response_id}/input_items", "get"): (400, 404),
+    ("/v1/responses/{response_id}/cancel", "post"): (400, 404),
     ("/v1/models/{model}", "get"): (404,),
     ("/tokenize", "post"): (404, 413),
     ("/detokenize", "post"): (404, 413),
