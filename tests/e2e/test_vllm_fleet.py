@@ -276,3 +276,20 @@ def test_prompt_logprobs_and_echo_come_from_the_vllm_server(fleet, smollm2_dir):
         [vllm[str(t)]["logprob"] for t, vllm in zip(ids[1:], expected[1:], strict=True)],
         abs=1e-4,
     )
+
+
+def test_beam_search_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
+    """``use_beam_search`` through vLLM-backed workers (halfmoon's gateway runs the
+    search over one-token requests the worker's server answers) finds the beams vLLM's
+    own beam search finds on the same server."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(smollm2_dir).encode("The three primary colours are")
+    body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": 5, "n": 3,
+            "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0,
+            "temperature": 0}  # fmt: skip
+    url = _live_server(fleet)
+    theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120).json()
+    assert [c["text"] for c in ours["choices"]] == [c["text"] for c in theirs["choices"]]
+    assert len({c["text"] for c in ours["choices"]}) == 3

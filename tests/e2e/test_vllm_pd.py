@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -240,3 +241,18 @@ def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
     else:
         assert text
     assert time.monotonic() - started < 240
+
+
+def test_beam_search_through_the_pair_equals_vllms_own(pd, tokenized):
+    """``use_beam_search`` through a disaggregated vLLM pair (each step a one-token
+    request, answered by the prefill server) finds the beams vLLM's own beam search finds
+    on the decode server."""
+    _, prompts = tokenized
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 4, "n": 2,
+            "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0,
+            "temperature": 0}  # fmt: skip
+    ours = httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=120).json()
+    theirs = httpx.post(f"{_decode_server_url(pd)}/v1/completions", json=body, timeout=120)
+    assert [c["text"] for c in ours["choices"]] == [
+        c["text"] for c in theirs.json()["choices"]
+    ], ours
