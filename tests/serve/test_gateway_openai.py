@@ -297,6 +297,29 @@ def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, opti
         assert error["param"] == name and next(iter(option)) in error["message"]
 
 
+def test_add_special_tokens_and_priority_as_vllm_takes_them(served):
+    """Completions' ``add_special_tokens: false`` tokenizes a text prompt without BOS;
+    on chat, where the template writes them, true is refused; a ``priority`` other than
+    0 is refused, as vLLM's first-come-first-served default does."""
+    client, _, tokenizer = served
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    with_bos = client.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"]
+    plain = client.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
+    assert with_bos == len(tokenizer.encode("hi")) == 3
+    assert plain["usage"]["prompt_tokens"] == len(tokenizer.encode("hi", False)) == 2
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json={**chat, "add_special_tokens": False}
+                       ).status_code == 200  # fmt: skip
+    for path, request, extra, param in (
+        ("/v1/chat/completions", chat, {"add_special_tokens": True}, "add_special_tokens"),
+        ("/v1/completions", body, {"priority": 1}, "priority"),
+        ("/v1/chat/completions", chat, {"priority": -5}, "priority"),
+    ):
+        refused = client.post(path, json={**request, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
 def test_neutral_values_of_refused_options_pass(served):
     client, _, _ = served
     body = {"model": "m", "prompt": "hi", "use_beam_search": False, "guided_json": None,

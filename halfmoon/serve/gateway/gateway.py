@@ -183,7 +183,8 @@ class Gateway:
                                          body.truncate_prompt_tokens)  # fmt: skip
             max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
         else:
-            batch = [self._truncated(self._completion_prompt(prompt), body.truncate_prompt_tokens)
+            batch = [self._truncated(self._completion_prompt(prompt, body.add_special_tokens),
+                                     body.truncate_prompt_tokens)
                      for prompt in body.prompts()]  # fmt: skip
             prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
             max_tokens = body.max_tokens or 1  # 0 (with echo): one is computed, none sent
@@ -356,10 +357,11 @@ class Gateway:
         keep = limit if keep == -1 else keep
         return ids[-keep:] if keep else ids[:0]
 
-    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
-        """One prompt of a completion as token ids (token ids checked)."""
+    def _completion_prompt(self, prompt: str | list[int], special: bool = True) -> list[int]:
+        """One prompt of a completion as token ids (token ids checked; text with the
+        tokenizer's special tokens, e.g. BOS, unless ``special`` is False)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=special)
         return self.checked_token_ids(prompt, "prompt token ids")
 
     def checked_token_ids(self, ids: Sequence[Any], what: str) -> list[int]:

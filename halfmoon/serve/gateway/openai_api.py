@@ -18,7 +18,8 @@ from a prefix cache),
 ``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
-``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``, chat
+``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+``add_special_tokens`` (completions), chat
 ``echo`` (the final assistant message's text first), vLLM's ``use_beam_search`` with
 ``length_penalty`` (``n`` beams, not streamed: :mod:`halfmoon.serve.gateway.beam_search`),
 ``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
@@ -26,7 +27,8 @@ among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"`` without a
 parser, the older
-``functions``, vLLM's structural tags)
+``functions``, vLLM's structural tags, a ``priority`` other than 0, chat's
+``add_special_tokens``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
 unknown fields are ignored, as OpenAI's own server does. A sampling option a request
@@ -125,6 +127,9 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     #: vLLM's: leave special tokens (EOS, chat markers) out of the text (the default).
     skip_special_tokens: bool = True
+    #: vLLM's request priority (its ``priority`` scheduling policy): only 0, the
+    #: first-come-first-served order every request gets here, as vLLM answers by default.
+    priority: int = 0
     #: vLLM's beam search: ``n`` beams, the ``n`` best answers (halfmoon.serve.gateway.beam_search).
     use_beam_search: bool = False
     #: Beam search's length penalty: a beam's score is its summed log-probability over
@@ -150,6 +155,8 @@ class _Common(BaseModel):
         )
         if self.use_beam_search:
             out += [f"{name} with use_beam_search" for name in self.beam_conflicts()]
+        if self.priority:
+            out.append("priority (requests are served first come, first served)")
         return out
 
     def beam_conflicts(self) -> list[str]:
@@ -329,6 +336,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    #: vLLM's: a text prompt gets the tokenizer's special tokens (BOS); false: it does not.
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _zero_tokens_need_echo(self) -> CompletionRequest:
@@ -448,6 +457,8 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
     echo: bool = False  # vLLM's: the final (assistant's) message's text before the output
+    #: vLLM's: special tokens added to the rendered template too (its BOS usually is already).
+    add_special_tokens: bool = False
 
     @field_validator("top_logprobs")
     @classmethod
@@ -464,6 +475,8 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
         out = super().unsupported()
         if self.functions:
             out.append("functions")
+        if self.add_special_tokens:
+            out.append("add_special_tokens on chat (the template writes them)")
         return out
 
     def echo_text(self) -> str:
