@@ -50,6 +50,13 @@ def test_greedy_identical_across_disaggregated_coupled_and_offline(disagg, clust
     for prompt, ref in zip(PROMPTS, offline, strict=True):
         assert _greedy(disagg, prompt)[0] == ref.text
         assert _greedy(coupled, prompt)[0] == ref.text
+    # return_token_ids: the ids the offline engine generated, and the prompt's
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    choice = httpx.post(disagg.base_url + "/v1/completions", json=body, timeout=60).json()
+    choice = choice["choices"][0]
+    assert choice["token_ids"] == list(offline[0].token_ids)
+    assert choice["prompt_token_ids"] == engine.tokenizer.encode(PROMPTS[0])
 
 
 def test_chat_and_streaming(disagg):

@@ -253,6 +253,6 @@ def test_beam_search_through_the_pair_equals_vllms_own(pd, tokenized):
             "temperature": 0}  # fmt: skip
     ours = httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=120).json()
     theirs = httpx.post(f"{_decode_server_url(pd)}/v1/completions", json=body, timeout=120)
-    assert [c["text"] for c in ours["choices"]] == [
-        c["text"] for c in theirs.json()["choices"]
-    ], ours
+    assert [c["text"] for c in ours["choices"]] == [c["text"] for c in theirs.json()["choices"]], (
+        ours
+    )

@@ -320,6 +320,50 @@ def test_add_special_tokens_and_priority_as_vllm_takes_them(served):
     assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
 
 
+def test_return_token_ids_whole_and_streamed(served):
+    """vLLM's ``return_token_ids``: completions carry each choice's ``token_ids`` and
+    ``prompt_token_ids`` (streamed: every chunk its tokens, a choice's first chunk its
+    prompt's), chat each choice's ``token_ids`` and the ``prompt_token_ids`` at the top
+    (streamed: in the first chunk only); without it, neither field."""
+    client, _, tokenizer = served
+    prompts = ["hi", "hello there"]
+    body = {"model": "m", "prompt": prompts, "max_tokens": 4, "n": 2, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=body).json()
+    for choice in whole["choices"]:
+        assert choice["token_ids"] == list(OUTPUT)
+        assert choice["prompt_token_ids"] == tokenizer.encode(prompts[choice["index"] // 2])
+    events = _events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    for index in range(4):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert sum((c["token_ids"] for c in mine), []) == list(OUTPUT)
+        assert mine[0]["prompt_token_ids"] == tokenizer.encode(prompts[index // 2])
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "return_token_ids": True}  # fmt: skip
+    answer = client.post("/v1/chat/completions", json=chat).json()
+    assert answer["choices"][0]["token_ids"] == list(OUTPUT)
+    assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+    events = _events(client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    assert events[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == list(OUTPUT)
+    plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(served):
+    client, _, _ = served
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": 1,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["token_id:65", "token_id:66"]
+    assert [list(top) for top in lp["top_logprobs"]] == [["token_id:65"], ["token_id:66"]]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]
+    assert [c["token"] for c in content["content"]] == ["token_id:65", "token_id:66"]
+
+
 def test_neutral_values_of_refused_options_pass(served):
     client, _, _ = served
     body = {"model": "m", "prompt": "hi", "use_beam_search": False, "guided_json": None,

@@ -230,6 +230,8 @@ class Gateway:
             show_prompt_logprobs=body.prompt_logprobs is not None,
             tool_mode=tool_mode,
             skip_special_tokens=body.skip_special_tokens,
+            return_token_ids=bool(body.return_token_ids),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:
@@ -471,9 +473,10 @@ class Gateway:
                     delta = out.add(chunk.token_ids)
                     if p.echo_only:  # max_tokens 0: the prompt alone is the answer
                         delta = ""
-                    elif chunk.logprobs:  # of the tokens the text kept (none past a stop)
-                        kept = out.num_tokens - counted
-                        entries += zip(chunk.token_ids[:kept], chunk.logprobs[:kept], strict=True)
+                    else:  # the tokens the text kept (none past a stop), with their
+                        kept = out.num_tokens - counted  # log-probabilities when asked for
+                        values = chunk.logprobs or (None,) * len(chunk.token_ids)
+                        entries += zip(chunk.token_ids[:kept], values[:kept], strict=True)
                     finish = "stop" if out.stopped else chunk.finish_reason
                     if finish is not None:
                         pending = delta

@@ -19,7 +19,8 @@ from a prefix cache),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
 ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
-``add_special_tokens`` (completions), chat
+``add_special_tokens`` (completions), ``return_token_ids`` and
+``return_tokens_as_token_ids``, chat
 ``echo`` (the final assistant message's text first), vLLM's ``use_beam_search`` with
 ``length_penalty`` (``n`` beams, not streamed: :mod:`halfmoon.serve.gateway.beam_search`),
 ``cache_salt`` (a non-empty string of at most 256 characters: prefix-cache hits only
@@ -127,6 +128,11 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     #: vLLM's: leave special tokens (EOS, chat markers) out of the text (the default).
     skip_special_tokens: bool = True
+    #: vLLM's: the prompt's and the output's token ids in the response (``prompt_token_ids``,
+    #: ``token_ids``; streamed: the prompt's with a choice's first chunk, each chunk's own).
+    return_token_ids: bool = False
+    #: vLLM's: log-probability tokens as ``token_id:<id>`` instead of their text.
+    return_tokens_as_token_ids: bool = False
     #: vLLM's request priority (its ``priority`` scheduling policy): only 0, the
     #: first-come-first-served order every request gets here, as vLLM answers by default.
     priority: int = 0

@@ -56,7 +56,8 @@ def turned_away(exc: Rejected | BackendError, metrics: GatewayMetrics) -> HTTPEr
     return HTTPError(503, f"request failed: {exc}", "ServiceUnavailable")
 
 
-#: A token id and its log-probability record (None: an echoed prompt's first token).
+#: A token id and its log-probability record (None: an echoed prompt's first token, or
+#: a generated token of a request that asked for no log-probabilities).
 Entry = tuple[int, TokenLogprob | None]
 #: What :meth:`Gateway.run` yields: text delta, finish reason, usage, the entries of the
 #: tokens since the previous item, and (first item only, when asked for) the prompt's:
@@ -99,6 +100,14 @@ class Prepared:
     tool_mode: ToolMode | None = None
     #: vLLM's ``skip_special_tokens``: special tokens stay out of the text.
     skip_special_tokens: bool = True
+    #: vLLM's ``return_token_ids``: the prompt's and output's token ids in the response.
+    return_token_ids: bool = False
+    #: vLLM's ``return_tokens_as_token_ids``: log-probability tokens as ``token_id:<id>``.
+    tokens_as_ids: bool = False
+
+    def token_text(self, text_of: Callable[[int], str]) -> Callable[[int], str]:
+        """How this request's log-probabilities name a token (``text_of``, or its id)."""
+        return (lambda token: f"token_id:{token}") if self.tokens_as_ids else text_of
 
     @property
     def num_choices(self) -> int:
@@ -109,6 +118,11 @@ class Prepared:
         """The ``echo`` text of choice ``index`` (its prompt's)."""
         prompt = index // self.n
         return self.echo if prompt == 0 else self.more[prompt - 1][1]
+
+    def prompt_ids_of(self, index: int) -> list[int]:
+        """The prompt token ids of choice ``index``."""
+        prompt = index // self.n
+        return self.prompt_ids if prompt == 0 else self.more[prompt - 1][0]
 
     def choices(self) -> list[Prepared]:
         """One prepared request per choice: ``<id>.<k>`` for choice ``k`` (when more than
@@ -140,7 +154,9 @@ async def collect(
     metrics: GatewayMetrics,
     token_text: Callable[[int], str],
 ) -> JSONResponse:
-    """A whole (non-streaming) response: every choice's text, log-probabilities, usage."""
+    """A whole (non-streaming) response: every choice's text, log-probabilities, usage
+    (and token ids, when asked for)."""
+    token_text = p.token_text(token_text)
     total = p.num_choices
     parts: list[list[str]] = [[p.echo_of(i)] for i in range(total)]
     entries: list[list[Entry]] = [[] for _ in range(total)]
@@ -175,9 +191,15 @@ async def collect(
         choice = choice_body(index, text, finish, p.chat, logprobs, calls)
         if p.show_prompt_logprobs and not p.chat:
             choice["prompt_logprobs"] = _prompt_field(prompts[index], token_text)
+        if p.return_token_ids:  # (completions: the prompt's per choice, as on vLLM)
+            choice["token_ids"] = [token for token, _ in entries[index]]
+            if not p.chat:
+                choice["prompt_token_ids"] = p.prompt_ids_of(index)
         choices.append(choice)
     use = merged_usage(uses, p.n)
     body = completion_body(p.request_id, model, choices, use, p.chat)
+    if p.return_token_ids and p.chat:
+        body["prompt_token_ids"] = p.prompt_ids
     if p.show_prompt_logprobs and p.chat:  # one prompt for every choice: at the top, as vLLM
         body["prompt_logprobs"] = _prompt_field(prompts[0], token_text)
     return JSONResponse(body)
@@ -234,6 +256,19 @@ async def sse(
     def event(obj: dict) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
+    token_text = p.token_text(token_text)
+
+    def with_ids(chunk: dict, index: int, entries: list[Entry], first: bool) -> dict:
+        """``chunk`` with its tokens' ids (``return_token_ids``), and the prompt's with a
+        choice's first chunk (chat: once, at the top, as vLLM sends them)."""
+        if p.return_token_ids:
+            chunk["choices"][0]["token_ids"] = [token for token, _ in entries]
+            if first and not p.chat:
+                chunk["choices"][0]["prompt_token_ids"] = p.prompt_ids_of(index)
+            elif first and index == 0:
+                chunk["prompt_token_ids"] = p.prompt_ids
+        return chunk
+
     opening = [True] * p.num_choices
     offsets = [0] * p.num_choices  # of each choice's next token text (completions' text_offset)
     uses: list[dict] = [{}] * p.num_choices
@@ -261,8 +296,9 @@ async def sse(
                 logprobs = None
                 if p.params.logprobs is not None:
                     logprobs = logprobs_body(entries, token_text, True, 0)
-                yield event(chunk_body(p.request_id, model, None, None, True, opening[index],
-                                       logprobs, index, [call]))  # fmt: skip
+                chunk = chunk_body(p.request_id, model, None, None, True, opening[index],
+                                   logprobs, index, [call])  # fmt: skip
+                yield event(with_ids(chunk, index, entries, opening[index]))
                 opening[index], text, entries = False, "", []
             elif held:
                 kept[index] += entries
@@ -277,16 +313,19 @@ async def sse(
                     logprobs = None
                     if p.params.logprobs is not None:
                         logprobs = logprobs_body(kept[index], token_text, True, 0)
-                    yield event(chunk_body(p.request_id, model, None, None, True,
-                                           opening[index], logprobs, index, calls))  # fmt: skip
+                    chunk = chunk_body(p.request_id, model, None, None, True,
+                                       opening[index], logprobs, index, calls)  # fmt: skip
+                    yield event(with_ids(chunk, index, kept[index], opening[index]))
                     opening[index] = False
                     text = ""
             echo = p.echo_of(index) if opening[index] else ""
             if echo:
                 text, offsets[index] = echo + text, len(echo)
+            generated = entries
             if prompt and p.echo_logprobs:  # the prompt's tokens lead, from offset 0
                 entries, offsets[index] = prompt + entries, 0
-            if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
+            shown = entries and (p.params.logprobs is not None or p.return_token_ids)
+            if text or finish or (opening[index] and p.chat) or p.continuous_usage or shown:
                 logprobs = None
                 if p.params.logprobs is not None:
                     logprobs = logprobs_body(entries, token_text, p.chat, offsets[index])
@@ -296,7 +335,7 @@ async def sse(
                 )
                 if p.continuous_usage:
                     chunk["usage"] = use
-                yield event(chunk)
+                yield event(with_ids(chunk, index, generated, opening[index]))
                 opening[index] = False
             if finish is not None:
                 uses[index] = use
