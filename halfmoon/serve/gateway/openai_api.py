@@ -647,7 +647,8 @@ def logprobs_body(
     if chat:
         content = []
         for tid, entry in entries:
-            assert entry is not None, "chat logprobs are of generated tokens"
+            if entry is None:  # (a token the backend sent no log-probability for)
+                continue
             text = token_text(tid)
             content.append(
                 {
