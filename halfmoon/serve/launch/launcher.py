@@ -165,9 +165,17 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     log.info("%s", startup_line(config.sampling_defaults, args.generation_config,
                                 bool(args.override_generation_config)))  # fmt: skip
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
     supervisor = loop.create_task(_supervise(group, backend))
+
+    def stop_serving() -> None:
+        # No restarts once asked to stop: a child that got the signal too (a process
+        # group's) would otherwise be started again while the gateway drains, and then
+        # killed half-started (a vLLM worker then leaves its server's directory behind).
+        supervisor.cancel()
+        server.should_exit = True
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_serving)
     replanner = _replanner(args, group, backend, model_dir, conductor)
     replanning = None
     if replanner is not None:

@@ -154,3 +154,6 @@ class ProcessGroup:
                 proc.kill()
                 proc.wait()
         sweep_orphan_segments()  # of the children killed with their resource trackers
+        from halfmoon.serve.vllm.server import sweep_stale_rpc_dirs
+
+        sweep_stale_rpc_dirs()  # of vLLM workers killed before they could remove them
