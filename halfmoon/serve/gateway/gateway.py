@@ -473,9 +473,9 @@ class Gateway:
                     delta = out.add(chunk.token_ids)
                     if p.echo_only:  # max_tokens 0: the prompt alone is the answer
                         delta = ""
-                    else:  # the tokens the text kept (none past a stop), with their
-                        kept = out.num_tokens - counted  # log-probabilities when asked for
-                        values = chunk.logprobs or (None,) * len(chunk.token_ids)
+                    elif chunk.logprobs or p.return_token_ids:  # only when they are shown:
+                        kept = out.num_tokens - counted  # the tokens the text kept (none past
+                        values = chunk.logprobs or (None,) * len(chunk.token_ids)  # a stop)
                         entries += zip(chunk.token_ids[:kept], values[:kept], strict=True)
                     finish = "stop" if out.stopped else chunk.finish_reason
                     if finish is not None:

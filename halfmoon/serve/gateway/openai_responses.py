@@ -22,7 +22,7 @@ A response is stored (``store``, true unless the request says false; in the gate
 (:func:`input_items`: the request's ``input`` as items with ids) and the conversation so
 far, which a later request's ``previous_response_id`` continues (:func:`to_chat`'s
 ``history``). With ``background`` the gateway answers at once (``queued``) and stores the
-answer when it is done (halfmoon.serve.gateway.app).
+answer when it is done (:mod:`halfmoon.serve.gateway.responses_api`, the routes).
 
 Not served: built-in tools (web search, files, ...), non-text input, ``n``; each a 400
 naming it.

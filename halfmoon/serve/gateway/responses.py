@@ -56,8 +56,8 @@ def turned_away(exc: Rejected | BackendError, metrics: GatewayMetrics) -> HTTPEr
     return HTTPError(503, f"request failed: {exc}", "ServiceUnavailable")
 
 
-#: A token id and its log-probability record (None: an echoed prompt's first token, or
-#: a generated token of a request that asked for no log-probabilities).
+#: A token id and its log-probability record (None: an echoed prompt's first token, or a
+#: generated token of a request that asked for its id, not its log-probability).
 Entry = tuple[int, TokenLogprob | None]
 #: What :meth:`Gateway.run` yields: text delta, finish reason, usage, the entries of the
 #: tokens since the previous item, and (first item only, when asked for) the prompt's:
@@ -114,15 +114,18 @@ class Prepared:
         """Choices of the response: ``n`` per prompt."""
         return self.n * (1 + len(self.more))
 
+    def _prompt_of(self, index: int) -> tuple[list[int], str]:
+        """Choice ``index``'s prompt: its token ids and ``echo`` text."""
+        prompt = index // self.n
+        return (self.prompt_ids, self.echo) if prompt == 0 else self.more[prompt - 1]
+
     def echo_of(self, index: int) -> str:
         """The ``echo`` text of choice ``index`` (its prompt's)."""
-        prompt = index // self.n
-        return self.echo if prompt == 0 else self.more[prompt - 1][1]
+        return self._prompt_of(index)[1]
 
     def prompt_ids_of(self, index: int) -> list[int]:
         """The prompt token ids of choice ``index``."""
-        prompt = index // self.n
-        return self.prompt_ids if prompt == 0 else self.more[prompt - 1][0]
+        return self._prompt_of(index)[0]
 
     def choices(self) -> list[Prepared]:
         """One prepared request per choice: ``<id>.<k>`` for choice ``k`` (when more than
@@ -324,8 +327,7 @@ async def sse(
             generated = entries
             if prompt and p.echo_logprobs:  # the prompt's tokens lead, from offset 0
                 entries, offsets[index] = prompt + entries, 0
-            shown = entries and (p.params.logprobs is not None or p.return_token_ids)
-            if text or finish or (opening[index] and p.chat) or p.continuous_usage or shown:
+            if text or finish or (opening[index] and p.chat) or p.continuous_usage or entries:
                 logprobs = None
                 if p.params.logprobs is not None:
                     logprobs = logprobs_body(entries, token_text, p.chat, offsets[index])
