@@ -8,8 +8,10 @@ prompt's blocks, served by a transfer engine that encodes pulled blocks with its
 codec as a prefill worker's does (``none``: raw). The puller is a worker's own
 :class:`ClusterPrefixCache` (``--policy``: its ``--prefix-store``, ``demote`` by default
 as a worker's) over a stand-in engine of the given block size, decoding with the same
-codec, so only the pull is measured, not a model; seeding copies the blocks into the
-stand-in's pool, as an engine does. One such worker per mode lives across the rounds,
+codec, so only the pull is measured, not a model: a real block manager and KV pool,
+into which the load copies each block as it arrives (the pool blocks held when the
+load begins, as an engine's are), or with ``--seed-at-end`` all of them on the loop
+thread once the pull ended (as before prefix reservations). One such worker per mode lives across the rounds,
 as a worker's store, pool and pull threads do (fresh ones every round paid ~23,000 page
 faults a 90 MiB pull, on memory a running worker has mapped already). Every round
 starts with the prompt's blocks deleted from the worker's store and pulls once per mode
@@ -52,8 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from halfmoon.core.buffers import copy_into
 from halfmoon.core.hashing import NONE_HASH, hash_blocks
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.kv_cache import KVCache, KVLayout
+from halfmoon.engine.seeding import reserve_prefix, seed_prefix
 from halfmoon.serve.worker.prefix_cache import (
     PREFIX_STORE_POLICIES,
     ClusterPrefixCache,
@@ -139,27 +143,38 @@ def serve(data: Path, mode: str, transport: str, host: str, keep_encoded_mb: flo
 
 
 class _Engine:
-    """The engine side of a prefix cache, without a model: nothing cached, every seeded
-    block copied into a pool that lives as long as it does (and checked there)."""
+    """The engine side of a prefix cache, without a model: a real block manager and KV
+    pool (of a layout with the blocks' size), nothing cached at the start of a round;
+    blocks are seeded as an engine seeds them (held when the load begins and copied
+    into the pool as they arrive, or with ``seed_at_end`` all copied when it ends)."""
 
-    def __init__(self, block_bytes: int) -> None:
-        self.layout = SimpleNamespace(block_size=BLOCK_TOKENS)
+    def __init__(self, block_bytes: int, num_blocks: int, seed_at_end: bool = False) -> None:
+        self.layout = stand_in_layout(block_bytes)
         self.config = SimpleNamespace(enable_prefix_caching=True)
         self.kv_bytes_per_block = block_bytes
-        self.seeded: list[Any] = []
-        self.pool: np.ndarray | None = None
+        self.kv_cache = KVCache(self.layout, num_blocks + 2)
+        self.seed_at_end = seed_at_end
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every cached block (the pool's memory stays, touched, as a worker's)."""
+        self.blocks = BlockManager(self.kv_cache.num_blocks, BLOCK_TOKENS)
+
+    def seeded(self, token_ids: list[int]) -> list[bytes]:
+        """The bytes of the prompt's cached blocks in the pool."""
+        ids = self.blocks.match_prefix(token_ids)
+        return [bytes(self.kv_cache.export_bytes([b])) for b in ids]
 
     def cached_prefix_blocks(self, token_ids: Any, cache_salt: Any) -> int:
-        return 0
+        return len(self.blocks.match_prefix(token_ids, cache_salt))
+
+    def reserve_prefix(self, token_ids: Any, first: int, count: int, cache_salt: Any) -> Any:
+        if self.seed_at_end:
+            return None
+        return reserve_prefix(self.blocks, self.kv_cache, token_ids, first, count, cache_salt)
 
     def seed_prefix(self, token_ids: Any, first: int, payloads: Any, cache_salt: Any) -> int:
-        # Copied, as an engine copies them into its pool (the buffers are reused).
-        if self.pool is None or self.pool.shape[0] < len(payloads):
-            self.pool = np.empty((len(payloads), self.kv_bytes_per_block), np.uint8)
-        for i, payload in enumerate(payloads):
-            copy_into(memoryview(self.pool[i]), 0, payload)
-        self.seeded = [memoryview(self.pool[i]) for i in range(len(payloads))]
-        return len(payloads)
+        return seed_prefix(self.blocks, self.kv_cache, token_ids, first, payloads, cache_salt)
 
     def read_cached_block(self, block_hash: int) -> None:
         return None
@@ -169,6 +184,17 @@ class _Engine:
 
     def set_cache_listener(self, listener: Any) -> None:
         self.cache_listener = listener
+
+
+def stand_in_layout(block_bytes: int) -> KVLayout:
+    """A float32 KV layout whose blocks have ``block_bytes``: SmolLM2's (3 KV heads of 64)
+    with as many layers as fit exactly, else one layer of one head."""
+    per_layer = 2 * BLOCK_TOKENS * 3 * HEAD_DIM * 4
+    if block_bytes % per_layer == 0:
+        return KVLayout(block_bytes // per_layer, BLOCK_TOKENS, 3, HEAD_DIM, "float32")
+    if block_bytes % (2 * BLOCK_TOKENS * 4) == 0:
+        return KVLayout(1, BLOCK_TOKENS, 1, block_bytes // (2 * BLOCK_TOKENS * 4), "float32")
+    raise ValueError(f"--block-bytes {block_bytes} is not a whole number of float32 KV rows")
 
 
 class _Events:
@@ -217,8 +243,10 @@ class Worker:
     a pool the blocks are seeded into), its store and its prefix cache (with the
     buffers it reuses from load to load)."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, codec: Any, policy: str) -> None:
-        self.engine = _Engine(block_bytes)
+    def __init__(
+        self, num_blocks: int, block_bytes: int, codec: Any, policy: str, seed_at_end: bool
+    ) -> None:
+        self.engine = _Engine(block_bytes, num_blocks, seed_at_end)
         holdings = Holdings(_Events())
         self.store = ClusterPrefixCache.make_store(  # type: ignore[arg-type]
             self.engine, block_bytes * (num_blocks + 4) / 2**20, None, 0, holdings
@@ -229,7 +257,9 @@ class Worker:
         self.hashes = list(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full)
 
     def reset(self, blocks: list[bytes] | None) -> None:
-        """Empty the store of the prompt's blocks, then (``blocks``) put them there."""
+        """Empty the store and the pool of the prompt's blocks, then (``blocks``) put them
+        in the store."""
+        self.engine.reset()
         for h in self.hashes:
             self.store.delete(h)
         if blocks is not None:
@@ -262,9 +292,8 @@ def one_round(
     total_s = time.perf_counter() - started
     seed_s = time.perf_counter() - seeding
     late = ticker.stop()
-    ok = loaded == num_blocks and all(
-        bytes(p) == e for p, e in zip(worker.engine.seeded, expected, strict=True)
-    )
+    seeded = worker.engine.seeded(prompt_of(num_blocks))
+    ok = loaded == num_blocks and seeded == expected
     return {"loop_held_s": held_s, "seed_s": seed_s, "pull_s": total_s, "blocks": loaded,
             "pulled": load.fetch.num_pulled, "stored": sum(map(worker.store.contains,
                                                                worker.hashes)),
@@ -305,7 +334,9 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
             for m in modes:
                 peers[m] = start_peer(data, m, args, netns, host)
             n, block_bytes = blocks.shape
-            workers.update((m, Worker(n, block_bytes, codecs[m], args.policy)) for m in modes)
+            workers.update(
+                (m, Worker(n, block_bytes, codecs[m], args.policy, args.seed_at_end)) for m in modes
+            )
             with TransferEngine(SECRET, transport=args.transport) as puller:
                 for r in range(args.rounds):
                     for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
@@ -351,7 +382,7 @@ def print_report(where: str, per_mode: dict[str, list[dict]], mib: float) -> Non
         print(f"  {mode}: every block verified: {s['verified']}")
         print("    loop held ms: median {:.2f}, rounds {}".format(s["loop_held_ms"], " ".join(
             f"{r['loop_held_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
-        print("    seeding at the end (loop) ms: median {:.2f}, rounds {}".format(s["seed_ms"],
+        print("    end_load (loop) ms: median {:.2f}, rounds {}".format(s["seed_ms"],
               " ".join(f"{r['seed_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
         print("    a ticking thread's longest wait ms: median {:.2f}, rounds {}".format(
             s["ticker_max_late_ms"], " ".join(
@@ -390,6 +421,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="encoded blocks a peer keeps for later pulls (a worker's "
                         "--kv-compression cache; 0: every pull encodes, so every round is "
                         "a first pull)")  # fmt: skip
+    parser.add_argument("--seed-at-end", action="store_true",
+                        help="copy the pulled blocks into the pool when the pull ended, on "
+                        "the loop (as before prefix reservations), not as they arrive")  # fmt: skip
     parser.add_argument("--json", help="write every round here")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--serve-mode", default="none", help=argparse.SUPPRESS)
@@ -419,6 +453,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         if args.block_bytes % (4 * HEAD_DIM) and modes != ["none"]:
             parser.error(f"--block-bytes must be a multiple of {4 * HEAD_DIM} to compress")
+        try:
+            stand_in_layout(args.block_bytes)
+        except ValueError as exc:
+            parser.error(str(exc))
         blocks = synthetic_blocks(args.blocks, args.block_bytes)
     mib = blocks.nbytes / 2**20
     result: dict[str, Any] = {"args": vars(args), "modes": modes, "block_bytes": blocks.shape[1]}

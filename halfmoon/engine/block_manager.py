@@ -169,10 +169,13 @@ class BlockManager:
         self._roots[request_id] = chain_root(cache_salt)
         return list(self._tables[request_id])
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the hashes of ``request_id``'s blocks that ``num_computed_tokens`` fill."""
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        """Register the hashes of ``request_id``'s blocks that ``num_computed_tokens`` fill;
+        returns how many it registered (not those registered before, nor a block whose
+        hash another block already holds)."""
         if not self.enable_prefix_caching:
-            return
+            return 0
+        registered = 0
         chain = self._chains[request_id]
         table = self._tables[request_id]
         num_full = num_computed_tokens // self.block_size
@@ -189,8 +192,10 @@ class BlockManager:
                 self._origin_by_block[block] = (parent, i)
                 self._hash_by_block[block] = h
                 self._block_by_hash[h] = block
+                registered += 1
                 if self.listener is not None:
                     self.listener(BlockStored(h))
+        return registered
 
     def free(self, request_id: str) -> None:
         """Release ``request_id``'s blocks; cached ones stay reusable until evicted.

@@ -13,7 +13,8 @@ Threads
     stage's :meth:`~StageConnector.run_chunk`): they must be quick (the forward pass
     waits) and must not call back into the connector. So is the demote hook
     (:meth:`EngineConnector.set_demote_hook`). :meth:`~EngineConnector.read_cached_block`
-    is the exception: any thread may call it.
+    is the exception: any thread may call it, and so may a prefix reservation's
+    ``write`` (:meth:`EngineConnector.reserve_prefix`).
 
 Who frees what
     - A request's blocks belong to the engine. ``add_request(keep_kv=True)`` keeps them
@@ -65,6 +66,7 @@ from halfmoon.engine.sampling import (
     sample_with_logprobs,
     stop_ids_for,
 )
+from halfmoon.engine.seeding import PrefixReservation
 from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
 from halfmoon.engine.stage import StageExecutor
 
@@ -293,6 +295,16 @@ class EngineConnector(ABC):
         in the pool (free but matchable, so the next request with this prefix reuses
         them); returns how many were added (0 when the pool has no room or its cached
         prefix is no longer ``first_block`` blocks)."""
+
+    def reserve_prefix(
+        self, token_ids: Sequence[int], first_block: int, count: int, cache_salt: str | None
+    ) -> PrefixReservation | None:
+        """Hold ``count`` pool blocks for blocks ``first_block..`` of ``token_ids``, to be
+        written (from any thread) as their bytes arrive and kept as cached blocks by the
+        reservation's ``finish`` (see :mod:`halfmoon.engine.seeding`); None when the
+        pool has no room, its cached prefix is no longer ``first_block`` blocks, or the
+        engine cannot take blocks that way (the caller then uses :meth:`seed_prefix`)."""
+        return None
 
     @abstractmethod
     def import_request(
@@ -528,6 +540,11 @@ class LocalConnector(EngineConnector):
         payloads: Sequence[bytes | bytearray | memoryview], cache_salt: str | None,
     ) -> int:  # fmt: skip
         return self.engine.seed_cached_blocks(token_ids, first_block, payloads, cache_salt)
+
+    def reserve_prefix(
+        self, token_ids: Sequence[int], first_block: int, count: int, cache_salt: str | None
+    ) -> PrefixReservation | None:
+        return self.engine.reserve_cached_blocks(token_ids, first_block, count, cache_salt)
 
     def import_request(
         self, state: HandoffState, params: SamplingParams, kv: bytes | bytearray | memoryview

@@ -48,15 +48,13 @@ from halfmoon.engine.sampling import (
     stop_ids_for,
 )
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_prefix
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | SequenceABC[int]
-#: The block manager's owner of blocks being seeded (a NUL cannot start a request id that
-#: came through the API, so it never collides with one).
-_SEED_HOLDER = "\0seed"
 #: Steps in a row that may fail (see :meth:`LLMEngine.step`) before the engine counts
 #: itself broken and raises: a failed batch and then each of its requests alone fail
 #: in a row when several requests break their steps at once, while an engine whose every
@@ -683,23 +681,22 @@ class LLMEngine:
         The pool's cached prefix (blocks ``0..first_block-1``) is held while the new blocks
         are taken, so taking them cannot evict it.
         """
-        if not payloads:
-            return 0
-        bm, size = self.block_manager, self.config.block_size
-        have = first_block + len(payloads)
-        prefix = list(token_ids[: have * size + 1])
-        cached = bm.admit(_SEED_HOLDER, prefix, len(payloads) * size, cache_salt)
-        if cached is None:
-            return 0
-        try:
-            if cached != first_block * size:
-                return 0
-            table = bm.block_table(_SEED_HOLDER)
-            self.kv_cache.import_payloads(table[first_block:have], payloads)
-            bm.commit(_SEED_HOLDER, list(token_ids), have * size)
-            return len(payloads)
-        finally:
-            bm.free(_SEED_HOLDER)
+        return seed_prefix(
+            self.block_manager, self.kv_cache, token_ids, first_block, payloads, cache_salt
+        )
+
+    def reserve_cached_blocks(
+        self, token_ids: SequenceABC[int], first_block: int, count: int,
+        cache_salt: str | None = None,
+    ) -> PrefixReservation | None:  # fmt: skip
+        """Hold ``count`` pool blocks for blocks ``first_block..`` of ``token_ids``'s chain
+        (and its cached prefix with them), to be written as their KV arrives and kept as
+        cached blocks once it has (:class:`~halfmoon.engine.seeding.PrefixReservation`);
+        None when the pool has no room or its cached prefix is no longer ``first_block``
+        blocks long."""
+        return reserve_prefix(
+            self.block_manager, self.kv_cache, token_ids, first_block, count, cache_salt
+        )
 
     def check_integrity(self) -> None:
         """Assert the block pool is consistent with the live requests."""

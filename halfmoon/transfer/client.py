@@ -213,6 +213,7 @@ class PeerClient:
         dests: Sequence[object],
         timeout_s: float | None = None,
         decode: PullDecoder | None = None,
+        on_block: Callable[[int], None] | None = None,
     ) -> list[BlockMeta | None]:
         """Read blocks of the peer's store into ``dests`` (one ``block_bytes`` buffer each).
 
@@ -220,9 +221,11 @@ class PeerClient:
         untouched). Large batches are split over several connections. With ``decode``
         (over tcp) the peer may send its blocks encoded by its pull encoder (compressed KV:
         :meth:`~halfmoon.transfer.engine.TransferEngine.set_pull_encoder`); ``decode``
-        turns each back into its destination.
+        turns each back into its destination. ``on_block(i)`` is called as soon as block
+        ``i`` is whole in its destination (on the connection's thread, before this
+        returns), so a caller can use a block while the rest is still on the wire.
         """
-        return self._store.pull(block_hashes, dests, self._deadline(timeout_s), decode)
+        return self._store.pull(block_hashes, dests, self._deadline(timeout_s), decode, on_block)
 
     # ------------------------------------------------------------ streams
     def open_stream(

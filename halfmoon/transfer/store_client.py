@@ -200,8 +200,11 @@ class StoreClient:
         dests: Sequence[object],
         deadline: float,
         decode: PullDecoder | None = None,
+        on_block: Callable[[int], None] | None = None,
     ) -> list[BlockMeta | None]:
-        """Read blocks of the peer's store into ``dests``; each one's metadata or None."""
+        """Read blocks of the peer's store into ``dests``; each one's metadata or None.
+        ``on_block(i)`` is called (on the thread that received it, before this returns)
+        as soon as block ``i`` is whole in ``dests[i]``, for every block the peer had."""
         if len(block_hashes) != len(dests):
             raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
         if not dests:
@@ -209,26 +212,30 @@ class StoreClient:
         if self._transport() != "tcp":
             decode = None  # blocks come through shared memory: nothing to save on the wire
         if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
-            return self._pull_group([block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode)
+            return self._pull_group(
+                [block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode, on_block
+            )
         views = [as_bytes_view(d) for d in dests]
         if len({v.nbytes for v in views}) > 1:
             raise ValueError("pull destinations must all have the store's block size")
         if self._transport() != "tcp" and _pipelined(len(views), views[0].nbytes):
-            return self._pull_pipelined(list(block_hashes), views, deadline)
+            return self._pull_pipelined(list(block_hashes), views, deadline, on_block=on_block)
         results: list[BlockMeta | None] = [None] * len(views)
 
         # An encoded pull's groups are pipelined in requests of ENCODED_GROUP_BYTES.
         step = max(1, ENCODED_GROUP_BYTES // views[0].nbytes) if decode is not None else 0
 
-        def pull_group(hashes: list[int], group_views: list[memoryview]):
+        def pull_group(hashes: list[int], group: range):
+            done = _offset(on_block, group.start)
+            group_views = views[group.start : group.stop]
             if step and len(group_views) > step:
-                return self._pull_pipelined(hashes, group_views, deadline, decode, step)
-            return self._pull_group(hashes, group_views, deadline, decode)
+                return self._pull_pipelined(hashes, group_views, deadline, decode, step, done)
+            return self._pull_group(hashes, group_views, deadline, decode, done)
 
         def job(group: range) -> Callable[[], None]:
             def run() -> None:
                 hashes = [block_hashes[i] for i in group]
-                metas = pull_group(hashes, [views[i] for i in group])
+                metas = pull_group(hashes, group)
                 for i, meta in zip(group, metas, strict=True):
                     results[i] = meta
 
@@ -236,7 +243,7 @@ class StoreClient:
 
         groups = split_batch([v.nbytes for v in views], self._links.num_connections)
         if len(groups) == 1:  # the common small pull: no thread hand-off
-            return pull_group(list(block_hashes), views)
+            return pull_group(list(block_hashes), range(len(views)))
         self._links.run_parallel([job(g) for g in groups])
         return results
 
@@ -246,13 +253,14 @@ class StoreClient:
         views: list[memoryview],
         deadline: float,
         decode: PullDecoder | None = None,
+        on_block: Callable[[int], None] | None = None,
     ) -> list[BlockMeta | None]:
         with self._links.borrowed(deadline) as link:
             xfer = self._send_pull(link, block_hashes, views[0].nbytes, deadline, decode)
             reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
             if reply.meta.get("xfer") != xfer:
                 raise ProtocolError(f"peer {self.endpoint} answered another pull")
-            return self._finish_pull(link, reply, views, deadline, decode)
+            return self._finish_pull(link, reply, views, deadline, decode, on_block)
 
     def _pull_pipelined(
         self,
@@ -261,6 +269,7 @@ class StoreClient:
         deadline: float,
         decode: PullDecoder | None = None,
         step: int = PIPELINE_GROUP_BLOCKS,
+        on_block: Callable[[int], None] | None = None,
     ) -> list[BlockMeta | None]:
         """The pull's groups of ``step`` blocks one after another on one link,
         ``PIPELINE_DEPTH`` ahead (encoded with ``decode``)."""
@@ -289,7 +298,10 @@ class StoreClient:
                     request(ahead)
                     ahead += 1
                 g = groups[k]
-                metas += self._finish_pull(link, reply, views[g.start : g.stop], deadline, decode)
+                metas += self._finish_pull(
+                    link, reply, views[g.start : g.stop], deadline, decode,
+                    _offset(on_block, g.start),
+                )  # fmt: skip
             return metas
 
     def _send_pull(
@@ -320,14 +332,16 @@ class StoreClient:
         views: list[memoryview],
         deadline: float,
         decode: PullDecoder | None = None,
+        on_block: Callable[[int], None] | None = None,
     ) -> list[BlockMeta | None]:
         """Take a PULL_REPLY's blocks into ``views``: inline payloads, encoded ones, or
-        copies out of the peer's shared arena (then RELEASE); each one's metadata."""
+        copies out of the peer's shared arena (then RELEASE); each one's metadata.
+        ``on_block(i)`` hears each block once it is whole in ``views[i]``."""
         items: list[list[Any]] = reply.meta["items"]
         if len(items) != len(views):
             raise ProtocolError(f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls")
         metas: list[BlockMeta | None] = []
-        inline: list[memoryview] = []
+        inline: list[int] = []
         in_place: list[int] = []
         for i, item in enumerate(items):  # [False] | [True, meta] | [True, meta, offset]
             if not item[0]:
@@ -337,13 +351,17 @@ class StoreClient:
             if len(item) == 3:  # in the peer's shared arena (reply["segment"]): copied below
                 in_place.append(i)
             else:
-                inline.append(views[i])
+                inline.append(i)
         if reply.meta.get("encoded"):
-            self._recv_encoded(link, reply, inline, decode, deadline)
+            done = None if on_block is None else lambda k: on_block(inline[k])
+            self._recv_encoded(link, reply, [views[i] for i in inline], decode, deadline, done)
             return metas
-        link.recv_payload_into(reply, inline, deadline)
+        link.recv_payload_into(reply, [views[i] for i in inline], deadline)
         if in_place:
             self._copy_in_place(link, reply, views, in_place, deadline)
+        if on_block is not None:
+            for i in sorted(inline + in_place):
+                on_block(i)
         return metas
 
     def _recv_encoded(
@@ -353,22 +371,25 @@ class StoreClient:
         dests: list[memoryview],
         decode: PullDecoder | None,
         deadline: float,
+        on_block: Callable[[int], None] | None = None,
     ) -> None:
         """Receive encoded blocks (one payload each, sizes in the reply) and decode each
-        into its destination."""
+        into its destination (then ``on_block`` hears its index)."""
         lengths = [int(n) for n in reply.meta.get("lengths", [])]
         if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
             link.close()  # an answer we cannot read: its payload's end is unknown
             raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
         payloads = [uninitialized(n) for n in lengths]
         link.recv_payload_into(reply, payloads, deadline)
-        for payload, dest in zip(payloads, dests, strict=True):
+        for k, (payload, dest) in enumerate(zip(payloads, dests, strict=True)):
             try:
                 decode(payload, dest)
             except (HalfmoonError, ValueError) as exc:
                 raise ProtocolError(
                     f"a block pulled from {self.endpoint} does not decode: {exc}"
                 ) from exc
+            if on_block is not None:
+                on_block(k)
 
     def _copy_in_place(
         self,
@@ -391,6 +412,13 @@ class StoreClient:
                 ) from exc
         finally:
             link.send(Kind.RELEASE, {"xfer": reply.meta["xfer"]}, deadline=deadline)
+
+
+def _offset(on_block: Callable[[int], None] | None, start: int) -> Callable[[int], None] | None:
+    """``on_block`` for a slice of a pull that begins at block ``start``."""
+    if on_block is None or start == 0:
+        return on_block
+    return lambda i: on_block(start + i)
 
 
 def _pipelined(num_blocks: int, block_bytes: int) -> bool:

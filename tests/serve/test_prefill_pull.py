@@ -66,17 +66,24 @@ def _tick_until(role, done, timeout_s: float = 10.0) -> None:
 
 def test_an_abort_while_the_prefix_is_pulled_leaves_nothing_behind(prefill):
     role, link = prefill
+    blocks = role.worker.engine.engine.block_manager
     with socket.create_server(("127.0.0.1", 0)) as silent:  # a frozen peer
         role._on_prefill(b"client", _prefill("r1", f"127.0.0.1:{silent.getsockname()[1]}"))
         # Not in the engine, not announced: it waits for its pull.
         assert list(role.loading) == ["r1"] and role.has_work() and role.num_pending() == 1
         assert not role.worker.engine.has_unfinished_requests()
         assert ("prefill_started", "r1") not in link.events
+        # The pool blocks its prefix needs are held for the pull from the start.
+        assert blocks.num_free_blocks == blocks.num_blocks - 6
         role.on_abort("r1")
         assert not role.loading and role.num_pending() == 0
         assert ("request_finished", "r1") in link.events  # the Conductor's booking goes
         assert len(role.side_fetches) == 1  # the pull runs out on its own deadline
+        # ... and so are its blocks, which the pull may still write into
+        assert blocks.num_free_blocks == blocks.num_blocks - 6
         _tick_until(role, lambda: not role.side_fetches)
+    assert blocks.num_free_blocks == blocks.num_blocks and blocks.num_cached_blocks == 0
+    blocks.check_integrity()
     assert not role.has_work() and not role.worker.engine.has_unfinished_requests()
     assert ("prefill_started", "r1") not in link.events and role.cache.num_blocks_pulled == 0
 

@@ -269,6 +269,39 @@ def test_with_demote_pulled_blocks_go_into_the_pool_only(engines):
                 store.close()
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_pulled_blocks_are_in_the_pool_before_the_load_ends(engines, held):
+    """begin_load holds the pool blocks the prefix needs; every pulled block is copied
+    into them as it arrives (on the transfer's threads), so end_load on the loop only
+    registers them; the engine then computes exactly what computing the prefix gives.
+    An engine that cannot hold blocks (None) gets them seeded at the end as before."""
+    a, b = engines
+    events = _Events()
+    prompt = [(i * (67 if held else 71)) % 4000 + 31 for i in range(100)]
+    with _served_prompt(a, f"h1-{held}", prompt, events) as source:
+        cache_b, _ = _cache(b, None, events)
+        if not held:
+            cache_b.engine.reserve_prefix = lambda *args: None
+        free = b.block_manager.num_free_blocks
+        load = cache_b.begin_load(prompt, source.puller, source.endpoint)
+        assert (load.reservation is not None) == held
+        assert b.block_manager.num_free_blocks == free - 6 * held  # held from the start
+        assert load.fetch.wait(10)
+        if held:
+            assert load.reservation.num_written() == 6  # before end_load
+            pulled = [source.cache.store.get(_hash(prompt, i))[1] for i in range(6)]
+            ids = load.reservation.block_ids
+            assert [bytes(b.kv_cache.export_bytes([k])) for k in ids] == pulled
+        assert b.block_manager.match_prefix(prompt) == []  # registered by end_load only
+        assert cache_b.end_load(load) == 6 and cache_b.num_blocks_loaded == 6
+        assert b.block_manager.num_free_blocks == free
+        out = _run(b, f"h2-{held}", prompt)
+        assert out.num_cached_tokens == 96 and out.token_ids == source.ref.token_ids
+        b.export_kv(f"h2-{held}", release=True)
+        b.check_integrity()
+        cache_b.close()
+
+
 def test_holdings_announce_a_block_while_either_source_holds_it():
     from halfmoon.core.events import BlockEvicted, BlockStored
     from halfmoon.serve.worker.prefix_cache import Holdings

@@ -506,6 +506,56 @@ def test_an_encoded_pull_is_pipelined_in_requests_of_a_few_blocks(pair, monkeypa
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("encoded", [False, True])
+@pytest.mark.parametrize("num_blocks", [1, 3, 40])  # one / one group / split and pipelined
+def test_on_block_hears_each_block_once_it_is_whole(pair, monkeypatch, transport, encoded,
+                                                     num_blocks):  # fmt: skip
+    """``pull(on_block=...)`` names each block the peer had as soon as its destination
+    holds all of it (whatever path it came by: inline, from a shared arena, decoded, in
+    parallel groups or pipelined ones), once, before ``pull`` returns; never a miss."""
+    import zlib
+
+    from halfmoon.transfer import store_client
+
+    size = 4 << 10  # small blocks: several groups of a pipelined co-located pull
+    monkeypatch.setattr(store_client, "ENCODED_GROUP_BYTES", 4 * size)
+    monkeypatch.setattr(store_client, "PIPELINE_GROUP_BLOCKS", 8)
+    store = TieredStore(
+        StoreConfig(block_bytes=size, dram_capacity_bytes=64 * size, shared_dram=True)
+    )
+    try:
+        sender, receiver, _ = pair(transport, store=store)
+        hashes = [500 + i for i in range(num_blocks)]
+        missing = hashes[num_blocks // 2] if num_blocks > 1 else None
+        for h in hashes:
+            if h != missing:
+                store.put(h, block(h, size), BlockMeta(16, h - 1))
+        receiver.set_pull_encoder(lambda view: memoryview(zlib.compress(bytes(view))))
+
+        def decode(payload: memoryview, dest: memoryview) -> None:
+            dest[:] = zlib.decompress(payload)
+
+        dests = [np.zeros(size, np.uint8) for _ in hashes]
+        heard: list[int] = []
+        lock = threading.Lock()
+
+        def on_block(i: int) -> None:
+            assert (dests[i] == hashes[i] % 251).all(), f"block {i} not whole yet"
+            with lock:
+                heard.append(i)
+
+        client = sender.connect(receiver.endpoint)
+        metas = client.pull(hashes, dests, decode=decode if encoded else None,
+                            on_block=on_block)  # fmt: skip
+        found = [i for i, m in enumerate(metas) if m is not None]
+        assert len(found) == num_blocks - (missing is not None)
+        assert sorted(heard) == found  # each found block once, no miss
+        assert eventually(lambda: store.stats().num_pinned == 0)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_store_errors_reach_the_client(store_peer, pair, transport):
     client, store, _, _ = store_peer(transport)
     with pytest.raises(RemoteError, match="blocks have 65536 bytes"):

@@ -106,9 +106,10 @@ class PrefillRole(TokenStreaming):
         self.handing: dict[str, _Prefill] = {}
         #: Not in the engine yet: their prefix is being pulled from a peer.
         self.loading: dict[str, tuple[bytes, Prefill, PrefixLoad]] = {}
-        #: Pulls whose blocks only go to the store (replication; an aborted request's),
-        #: each with what it is, for the log line once it ended.
-        self.side_fetches: list[tuple[PrefixFetch, str]] = []
+        #: Pulls whose blocks only go to the store or the pool's cache (replication; an
+        #: aborted request's prefix, whose load ends once its pull has), each with what
+        #: it is, for the log line once it ended.
+        self.side_fetches: list[tuple[PrefixFetch, str, PrefixLoad | None]] = []
         layout = worker.engine.layout
         self.num_layers = layout.num_layers
         self.bytes_per_block = layout.bytes_per_block
@@ -140,7 +141,7 @@ class PrefillRole(TokenStreaming):
     def _on_replicate(self, identity: bytes, msg: Replicate) -> None:
         fetch = self.cache.begin_replicate(self.transfer, msg.source, msg.block_hashes)
         what = f"replication of {len(msg.block_hashes)} blocks from {msg.source}"
-        self.side_fetches.append((fetch, what))
+        self.side_fetches.append((fetch, what, None))
 
     def _on_prefill(self, identity: bytes, msg: Prefill) -> None:
         source = msg.cache_source
@@ -274,8 +275,9 @@ class PrefillRole(TokenStreaming):
     def on_abort(self, request_id: str) -> None:
         self.worker.metrics.request_dropped(request_id)
         waiting = self.loading.pop(request_id, None)
-        if waiting is not None:  # its pull goes on: the blocks still go to the store
-            self.side_fetches.append((waiting[2].fetch, f"the prefix of aborted {request_id}"))
+        if waiting is not None:  # its pull goes on: the blocks still go to the store/pool
+            load = waiting[2]
+            self.side_fetches.append((load.fetch, f"the prefix of aborted {request_id}", load))
             self.worker.conductor.event("request_finished", request_id=request_id)
             return
         p = self.prefills.pop(request_id, None) or self.handing.get(request_id)
@@ -296,9 +298,13 @@ class PrefillRole(TokenStreaming):
                 del self.loading[rid]
                 self._start(identity, msg, load)
         if self.side_fetches:
-            for fetch, what in [f for f in self.side_fetches if f[0].done()]:
-                self.side_fetches.remove((fetch, what))
-                log.info("%s: %d blocks stored", what, len(self.cache.end_fetch(fetch)))
+            for side in [f for f in self.side_fetches if f[0].done()]:
+                self.side_fetches.remove(side)
+                fetch, what, load = side
+                if load is None:
+                    log.info("%s: %d blocks stored", what, len(self.cache.end_fetch(fetch)))
+                else:  # its pool blocks are held until now (and kept cached)
+                    log.info("%s: the pool holds %d of its blocks", what, self.cache.end_load(load))
         now = time.monotonic()
         for rid, p in list(self.handing.items()):
             if not p.streamed.is_set() and now - p.handing_s > HANDOFF_TIMEOUT_S:
@@ -312,7 +318,7 @@ class PrefillRole(TokenStreaming):
             # Nothing to compute: wake the moment the oldest stream or pull ends, not a
             # poll later.
             fetches = [load.fetch for _, _, load in self.loading.values()]
-            fetches += [fetch for fetch, _ in self.side_fetches]
+            fetches += [fetch for fetch, _, _ in self.side_fetches]
             if self.handing:
                 next(iter(self.handing.values())).streamed.wait(IDLE_WAIT_S)
             elif fetches:

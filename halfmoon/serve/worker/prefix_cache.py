@@ -49,7 +49,7 @@ from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 from halfmoon.transfer.store_service import PullDecoder
 
 if TYPE_CHECKING:
-    from halfmoon.engine.connector import EngineConnector
+    from halfmoon.engine.connector import EngineConnector, PrefixReservation
 
 log = logging.getLogger(__name__)
 #: A pull's deadline allows this many bytes per second on top of ``PEER_TIMEOUT_S``.
@@ -104,6 +104,9 @@ class PrefixLoad:
     cache_salt: str | None = None
     in_engine: int = 0
     fetch: PrefixFetch = field(default_factory=lambda: PrefixFetch([]))
+    #: The pool blocks the fetched blocks are copied into as they arrive (None: the
+    #: engine could not hold them, and they are seeded at the end).
+    reservation: PrefixReservation | None = None
 
 
 class Holdings:
@@ -282,7 +285,9 @@ class ClusterPrefixCache:
     ) -> PrefixLoad:
         """Start loading the longest available prefix: what the engine lacks is read
         from this store now and, past that, pulled from ``source_endpoint`` on a pull
-        thread."""
+        thread. The pool blocks it needs are held now (with the cached prefix they
+        continue), so that each block is copied into the pool as soon as it is read or
+        has arrived, on the thread that has it, not all at the end on the loop."""
         load = PrefixLoad(list(prompt_token_ids), cache_salt)
         if not self.engine.config.enable_prefix_caching:
             return load
@@ -291,22 +296,37 @@ class ClusterPrefixCache:
         # The block holding the prompt's last token is always recomputed by the engine.
         usable = min(len(hashes), (len(prompt_token_ids) - 1) // self.block_size)
         load.in_engine = self.engine.cached_prefix_blocks(prompt_token_ids, cache_salt)
+        wanted = hashes[load.in_engine : usable]
+        # As many blocks as can come: all of them from a peer (the Conductor saw it hold
+        # them), else the run this store holds (holding more would evict for nothing).
+        coming = len(wanted)
+        if source is None or not source_endpoint:
+            coming = next((i for i, h in enumerate(wanted) if not self.store.contains(h)), coming)
+        if coming:
+            load.reservation = self.engine.reserve_prefix(
+                prompt_token_ids, load.in_engine, coming, cache_salt
+            )
         # With demote, pulled blocks go into the pool only (and reach the store when the
         # pool evicts them), like the blocks this worker computes: none is kept twice.
         load.fetch = self.begin_fetch(
-            hashes[load.in_engine : usable], source, source_endpoint,
-            store_pulled=self.policy != "demote",
+            wanted, source, source_endpoint, store_pulled=self.policy != "demote",
+            into=load.reservation,
         )  # fmt: skip
         return load
 
     def end_load(self, load: PrefixLoad) -> int:
         """Seed a finished load's blocks into the engine's pool (the loop thread); returns
-        the prompt's cached blocks there. Blocks the pool gained meanwhile are not seeded
-        again; if it lost some of the prefix the load started from, the rest is dropped
-        (a chain with a gap would not match)."""
+        the prompt's cached blocks there. With a reservation the blocks are in the pool
+        already and are kept as cached now; without one they are copied in now, except
+        blocks the pool gained meanwhile, and if it lost some of the prefix the load
+        started from, the rest is dropped (a chain with a gap would not match)."""
         payloads = self.end_fetch(load.fetch)
         if not self.engine.config.enable_prefix_caching:
             return 0
+        if load.reservation is not None:
+            seeded = load.reservation.finish(len(payloads))
+            self.num_blocks_loaded += seeded
+            return self.engine.cached_prefix_blocks(load.prompt_token_ids, load.cache_salt)
         now = self.engine.cached_prefix_blocks(load.prompt_token_ids, load.cache_salt)
         skip = now - load.in_engine
         if not 0 <= skip < len(payloads):
@@ -336,6 +356,7 @@ class ClusterPrefixCache:
         source_endpoint: str = "",
         pool: bool = False,
         store_pulled: bool = True,
+        into: PrefixReservation | None = None,
     ) -> PrefixFetch:
         """:meth:`fetch` without the wait: the first ``INLINE_READ_BYTES`` of the blocks
         this store holds in DRAM are read now (with ``pool``, a block the store lacks is
@@ -344,7 +365,9 @@ class ClusterPrefixCache:
         SSD (milliseconds a block) or missing, the rest is read, and then pulled from
         ``source_endpoint`` (if named and not skipped as stalled), on a pull thread,
         which puts the pulled blocks in this store too (unless ``store_pulled`` is
-        False)."""
+        False). With ``into`` every block is also written into that reservation of the
+        engine's pool (block ``i`` of ``hashes`` into its block ``i``) as soon as it is
+        read or has arrived."""
         local: list[memoryview] = []
         inline = max(1, INLINE_READ_BYTES // self.engine.kv_bytes_per_block)
         for h in hashes:
@@ -356,6 +379,7 @@ class ClusterPrefixCache:
             buf = self._read_local(h, in_store=bool(tiers), pool=pool)
             if buf is None:
                 break  # not here (or evicted or corrupt meanwhile): stop at the gap
+            _write(into, len(local), buf)
             local.append(buf)
         rest = list(hashes[len(local) :])
         remote = source is not None and bool(source_endpoint)
@@ -365,7 +389,7 @@ class ClusterPrefixCache:
             return PrefixFetch(local)
         future = self._pull_pool().submit(
             self._fetch_rest, rest, source if remote else None, source_endpoint, pool,
-            store_pulled,
+            store_pulled, into, len(local),
         )  # fmt: skip
         return PrefixFetch(local, rest, future)
 
@@ -400,22 +424,34 @@ class ClusterPrefixCache:
         endpoint: str,
         pool: bool,
         store_pulled: bool = True,
+        into: PrefixReservation | None = None,
+        first: int = 0,
     ) -> FetchedRest:
         """A pull thread's part of a fetch: the leading blocks this worker holds (on SSD,
         or in the pool with ``pool``), then the rest pulled from ``endpoint`` (with a
         ``transfer`` engine; a failed pull is logged and gives nothing) and, with
-        ``store_pulled``, put in this store, here rather than on the loop thread."""
+        ``store_pulled``, put in this store, here rather than on the loop thread. With
+        ``into``, each block is written into the reservation (``hashes[0]`` is its block
+        ``first``) as it is read or arrives (a pulled one on the connection's thread)."""
         read: list[memoryview] = []
         for h in hashes:
             buf = self._read_local(h, in_store=True, pool=pool)
             if buf is None:
                 break
+            _write(into, first + len(read), buf)
             read.append(buf)
         rest = hashes[len(read) :]
         if transfer is None or not rest:
             return read, []
+        arrived = None
+        if into is not None:
+            offset = first + len(read)
+
+            def arrived(i: int, buf: memoryview) -> None:
+                _write(into, offset + i, buf)
+
         try:
-            blocks = self._pull(transfer, endpoint, rest)
+            blocks = self._pull(transfer, endpoint, rest, arrived)
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", endpoint, exc)
             return read, []
@@ -435,19 +471,25 @@ class ClusterPrefixCache:
         return time.monotonic() < self._stalled.get(endpoint, 0.0)
 
     def _pull(
-        self, transfer: TransferEngine, endpoint: str, hashes: list[int]
+        self,
+        transfer: TransferEngine,
+        endpoint: str,
+        hashes: list[int],
+        arrived: Callable[[int, memoryview], None] | None = None,
     ) -> list[tuple[BlockMeta | None, memoryview]]:
         """Pull ``hashes`` from a peer's store within a deadline (a pull thread); what a
         slow or frozen peer could not give, the engine computes. After a timeout the peer
         is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one wait, not one per
-        request (pulls queued behind it give up at once)."""
+        request (pulls queued behind it give up at once). ``arrived(i, buf)`` hears each
+        block the peer had as soon as it is whole."""
         if self._skipped(endpoint):
             raise TransferError(f"{endpoint} is skipped after a timeout")
         dests = [uninitialized(self.engine.kv_bytes_per_block) for _ in hashes]
         timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
+            on_block = None if arrived is None else lambda i: arrived(i, dests[i])
             metas = transfer.connect(endpoint).pull(
-                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode
+                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode, on_block=on_block
             )
         except TransferTimeout:
             self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
@@ -473,3 +515,10 @@ class ClusterPrefixCache:
         ones this store lacks are pulled on a pull thread, and stored by :meth:`end_fetch`."""
         missing = [h for h in hashes if not self.store.contains(h)]
         return self.begin_fetch(missing, transfer, endpoint)
+
+
+def _write(into: PrefixReservation | None, index: int, payload: memoryview) -> None:
+    """Block ``index`` of a fetch into its reservation, if it holds a block for it (a
+    block the store gained after the reservation was made has none: it is not seeded)."""
+    if into is not None and index < into.num_blocks:
+        into.write(index, payload)
