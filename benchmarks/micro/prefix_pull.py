@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from halfmoon.core.hashing import NONE_HASH, hash_blocks
+from halfmoon.core.heap import settle_gc
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.seeding import reserve_prefix, seed_prefix
@@ -138,7 +139,9 @@ def serve(data: Path, mode: str, transport: str, host: str, keep_encoded_mb: flo
     codec = codec_of(mode)
     if codec is not None:
         engine.set_pull_encoder(codec.encode, int(keep_encoded_mb * 2**20))
-    print(engine.start(), flush=True)
+    endpoint = engine.start()
+    settle_gc()  # as a serving worker does
+    print(endpoint, flush=True)
     time.sleep(3600)
 
 
@@ -253,7 +256,7 @@ class Worker:
         )
         self.cache = ClusterPrefixCache(self.engine, self.store, holdings, policy)  # type: ignore[arg-type]
         if codec is not None:
-            self.cache.pull_decode = codec.decode
+            self.cache.pull_codec = codec
         self.hashes = list(hash_blocks(prompt_of(num_blocks), BLOCK_TOKENS).full)
 
     def reset(self, blocks: list[bytes] | None) -> None:
@@ -338,6 +341,8 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
                 (m, Worker(n, block_bytes, codecs[m], args.policy, args.seed_at_end)) for m in modes
             )
             with TransferEngine(SECRET, transport=args.transport) as puller:
+                settle_gc()  # as a worker does once started (no full collection of the
+                # reference model's objects inside a pull: ~170-200 ms every ~5th round)
                 for r in range(args.rounds):
                     for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
                         result = one_round(expected[m], workers[m], puller, peers[m][1],

@@ -251,6 +251,21 @@ class KVCache:
             full = data.view(self.pool.dtype).view(total, *block_shape)
             self.pool[:, :, block] = full[first:last, :, 0].to(self.pool.device)
 
+    def import_encoded(self, block_id: int, payload: memoryview, codec: Any) -> None:
+        """Decode ``payload``, ``codec``'s encoding (a
+        :class:`~halfmoon.engine.kvcodec.KVCodec`) of a one-block export buffer of the
+        whole model, straight into block ``block_id`` (no buffer in between where the
+        pool is on the host and holds every layer; else through one)."""
+        self._index([block_id])
+        first, last, total = self.payload_layers()
+        if self.pool.device.type == "cpu" and (first, last) == (0, total):
+            codec.decode_into(payload, self.pool[:, :, block_id])
+            return
+        raw = total * self.layout.bytes_per_block // self.layout.num_layers
+        buffer = torch.empty(raw, dtype=torch.uint8)
+        codec.decode(payload, memoryview(buffer.numpy()))
+        self.import_payloads([block_id], [memoryview(buffer.numpy())])
+
     def payload_layers(self) -> tuple[int, int, int]:
         """``(first, last, total)``: this pool holds layers ``first..last-1`` of a
         ``total``-layer model (all of them here)."""

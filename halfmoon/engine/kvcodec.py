@@ -26,8 +26,11 @@ head size into the kernel cache, like the engine's kernels). ``int8`` decodes in
 two of torch's own vectorized passes over the destination (the codes converted into it,
 then scaled: 10-20 GiB/s of float32 KV on one thread, where the compiled pass, whose
 loads of 8 one-byte codes at a time convert slowly, made ~2); ``fp8``, whose codes this
-CPU converts in software, decodes through its compiled pass too. All work is on the host,
-on the calling thread (torch ops release the GIL).
+CPU converts in software, decodes through its compiled pass too. ``decode_into`` writes
+a payload straight into a strided host tensor (a block of the engine's pool, where a
+pulled prefix block goes): ``int8`` in one pass (the codes times their scales, written
+into it), the others through a buffer. All work is on the host, on the calling thread
+(torch ops release the GIL).
 """
 
 from __future__ import annotations
@@ -153,6 +156,16 @@ class KVCodec:
             raise HalfmoonError(f"a raw KV payload of {payload.nbytes} bytes for {out.nbytes}")
         out[:] = payload
 
+    def decode_into(self, payload: memoryview, out: torch.Tensor) -> None:
+        """Write the KV of ``payload`` into ``out``, a host tensor of this codec's dtype
+        whose elements in row-major order are the payload's values; it may be strided
+        (a block of the engine's pool, ``[L, 2, B, H_kv, D]``), so that a pulled block
+        lands in the pool without a copy through a buffer where the codec allows it.
+        This one decodes into a contiguous buffer, then copies."""
+        buffer = torch.empty(out.shape, dtype=self.dtype)
+        self.decode(payload, memoryview(buffer.view(-1).view(torch.uint8).numpy()))
+        out.copy_(buffer)
+
     def encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (any shape whose last dimension is ``head_dim``) through the codec and
         back: what the receiver gets. For measuring the codec's error."""
@@ -269,15 +282,33 @@ class _Scaled(KVCodec):
         payload = self._quantize(x.view(groups, self.head_dim))
         return memoryview(payload.view(torch.uint8).numpy())
 
-    def decode(self, payload: memoryview, out: memoryview) -> None:
-        groups = self._check_raw(out.nbytes)
+    def _parts(self, payload: memoryview, raw_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes [G, D], scales [G])`` of a payload for ``raw_bytes`` of KV (checked)."""
+        groups = self._check_raw(raw_bytes)
         if payload.nbytes != groups * (self.head_dim + 4):
             raise HalfmoonError(
-                f"a {self.name} KV payload of {payload.nbytes} bytes for {out.nbytes} raw "
+                f"a {self.name} KV payload of {payload.nbytes} bytes for {raw_bytes} raw "
                 f"bytes (expected {groups * (self.head_dim + 4)})"
             )
-        codes, scales = self._split(from_bytes(payload, torch.uint8), groups)
-        dest = from_bytes(out, self.dtype).view(groups, self.head_dim)
+        return self._split(from_bytes(payload, torch.uint8), groups)
+
+    def decode_into(self, payload: memoryview, out: torch.Tensor) -> None:
+        if out.shape[-1] != self.head_dim or out.dtype != self.dtype or out.device.type != "cpu":
+            return super().decode_into(payload, out)
+        codes, scales = self._parts(payload, out.numel() * self.element_size)
+        shape, scale = out.shape, scales.view(*out.shape[:-1], 1)
+        if self._dequantize is not None:
+            out.copy_(self._dequantize(codes, scales).view(shape))
+        elif codes.dtype == torch.int8:
+            # One pass over the destination, strided or not; the same values as decode.
+            torch.mul(codes.view(shape), scale, out=out)
+        else:
+            out.copy_(codes.view(shape))
+            out.mul_(scale)
+
+    def decode(self, payload: memoryview, out: memoryview) -> None:
+        codes, scales = self._parts(payload, out.nbytes)
+        dest = from_bytes(out, self.dtype).view(codes.shape)
         if self._dequantize is None:
             # The same values as DequantizeGroups (codes are small integers, exact in any
             # float dtype; the product is computed in float32 and rounded once).

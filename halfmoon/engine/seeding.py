@@ -6,8 +6,10 @@ whole pull: 11-14 ms for 90 MiB of SmolLM2's KV, during which the loop neither s
 the engine nor answered commands, and which every pull waited for after its last byte.
 A :class:`PrefixReservation` takes the blocks the prefix needs when the load begins, so
 that each block can be copied into the pool the moment it arrives (on the thread that
-received it, while the next ones are still on the wire); once the load ended, the loop
-thread registers the blocks that arrived as cached (:meth:`PrefixReservation.finish`).
+received it, while the next ones are still on the wire; one that came compressed is
+decoded straight into its pool block, :meth:`PrefixReservation.write_encoded`); once the
+load ended, the loop thread registers the blocks that arrived as cached
+(:meth:`PrefixReservation.finish`).
 
 Held blocks are ordinary blocks of the :class:`~halfmoon.engine.block_manager.BlockManager`
 owned by a holder that is not a request: the engine cannot hand them out, evict them
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.kv_cache import KVCache
+from halfmoon.engine.kvcodec import KVCodec
 
 #: Holder names: a NUL cannot start a request id that came through the API, so a holder
 #: never collides with a request.
@@ -67,12 +70,26 @@ class PrefixReservation:
     def write(self, index: int, payload: bytes | bytearray | memoryview) -> None:
         """Copy ``payload`` into held block ``index`` (0: block ``first_block`` of the
         chain); any thread, until the load's fetch ended."""
+        self.kv_cache.import_payloads([self._block(index)], [payload])
+        self._written[index] = True
+
+    def write_encoded(self, index: int, payload: memoryview, codec: KVCodec) -> None:
+        """:meth:`write` of a block that came encoded by ``codec`` (``--kv-compression``):
+        decoded straight into its pool block, without a buffer in between."""
+        self.kv_cache.import_encoded(self._block(index), payload, codec)
+        self._written[index] = True
+
+    def _block(self, index: int) -> int:
+        """The pool block held for block ``index`` (raises once finished, or out of range)."""
         if self.finished:
             raise HalfmoonError("a finished prefix reservation takes no more blocks")
         if not 0 <= index < len(self.block_ids):
             raise HalfmoonError(f"block {index} of a {len(self.block_ids)}-block reservation")
-        self.kv_cache.import_payloads([self.block_ids[index]], [payload])
-        self._written[index] = True
+        return self.block_ids[index]
+
+    def written(self, index: int) -> bool:
+        """Whether held block ``index`` has been written."""
+        return 0 <= index < len(self._written) and self._written[index]
 
     def num_written(self) -> int:
         """The leading run of held blocks written so far (what :meth:`finish` can keep)."""

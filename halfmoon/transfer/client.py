@@ -214,6 +214,7 @@ class PeerClient:
         timeout_s: float | None = None,
         decode: PullDecoder | None = None,
         on_block: Callable[[int], None] | None = None,
+        take_encoded: Callable[[int, memoryview], bool] | None = None,
     ) -> list[BlockMeta | None]:
         """Read blocks of the peer's store into ``dests`` (one ``block_bytes`` buffer each).
 
@@ -224,8 +225,12 @@ class PeerClient:
         turns each back into its destination. ``on_block(i)`` is called as soon as block
         ``i`` is whole in its destination (on the connection's thread, before this
         returns), so a caller can use a block while the rest is still on the wire.
+        ``take_encoded(i, payload)`` sees an encoded block before ``decode``: returning
+        True, it decoded the block where it keeps blocks and ``dests[i]`` is untouched.
         """
-        return self._store.pull(block_hashes, dests, self._deadline(timeout_s), decode, on_block)
+        return self._store.pull(
+            block_hashes, dests, self._deadline(timeout_s), decode, on_block, take_encoded
+        )
 
     # ------------------------------------------------------------ streams
     def open_stream(

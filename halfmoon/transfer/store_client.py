@@ -201,10 +201,15 @@ class StoreClient:
         deadline: float,
         decode: PullDecoder | None = None,
         on_block: Callable[[int], None] | None = None,
+        take_encoded: TakeEncoded | None = None,
     ) -> list[BlockMeta | None]:
         """Read blocks of the peer's store into ``dests``; each one's metadata or None.
         ``on_block(i)`` is called (on the thread that received it, before this returns)
-        as soon as block ``i`` is whole in ``dests[i]``, for every block the peer had."""
+        as soon as block ``i`` is whole in ``dests[i]``, for every block the peer had.
+        ``take_encoded(i, payload)`` sees each block that came encoded before ``decode``
+        does; when it returns True it has decoded the block itself (wherever it keeps
+        blocks) and ``dests[i]`` is left as it was (``on_block`` still hears it)."""
+        hooks = _Hooks(on_block, take_encoded)
         if len(block_hashes) != len(dests):
             raise ValueError(f"{len(block_hashes)} hashes but {len(dests)} destination buffers")
         if not dests:
@@ -213,20 +218,20 @@ class StoreClient:
             decode = None  # blocks come through shared memory: nothing to save on the wire
         if len(dests) == 1:  # the latency-critical single read: no grouping, no threads
             return self._pull_group(
-                [block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode, on_block
+                [block_hashes[0]], [as_bytes_view(dests[0])], deadline, decode, hooks
             )
         views = [as_bytes_view(d) for d in dests]
         if len({v.nbytes for v in views}) > 1:
             raise ValueError("pull destinations must all have the store's block size")
         if self._transport() != "tcp" and _pipelined(len(views), views[0].nbytes):
-            return self._pull_pipelined(list(block_hashes), views, deadline, on_block=on_block)
+            return self._pull_pipelined(list(block_hashes), views, deadline, hooks=hooks)
         results: list[BlockMeta | None] = [None] * len(views)
 
         # An encoded pull's groups are pipelined in requests of ENCODED_GROUP_BYTES.
         step = max(1, ENCODED_GROUP_BYTES // views[0].nbytes) if decode is not None else 0
 
         def pull_group(hashes: list[int], group: range):
-            done = _offset(on_block, group.start)
+            done = hooks.shifted(group.start)
             group_views = views[group.start : group.stop]
             if step and len(group_views) > step:
                 return self._pull_pipelined(hashes, group_views, deadline, decode, step, done)
@@ -253,14 +258,14 @@ class StoreClient:
         views: list[memoryview],
         deadline: float,
         decode: PullDecoder | None = None,
-        on_block: Callable[[int], None] | None = None,
+        hooks: _Hooks | None = None,
     ) -> list[BlockMeta | None]:
         with self._links.borrowed(deadline) as link:
             xfer = self._send_pull(link, block_hashes, views[0].nbytes, deadline, decode)
             reply = self._links.expect(link, Kind.PULL_REPLY, deadline)
             if reply.meta.get("xfer") != xfer:
                 raise ProtocolError(f"peer {self.endpoint} answered another pull")
-            return self._finish_pull(link, reply, views, deadline, decode, on_block)
+            return self._finish_pull(link, reply, views, deadline, decode, hooks)
 
     def _pull_pipelined(
         self,
@@ -269,7 +274,7 @@ class StoreClient:
         deadline: float,
         decode: PullDecoder | None = None,
         step: int = PIPELINE_GROUP_BLOCKS,
-        on_block: Callable[[int], None] | None = None,
+        hooks: _Hooks | None = None,
     ) -> list[BlockMeta | None]:
         """The pull's groups of ``step`` blocks one after another on one link,
         ``PIPELINE_DEPTH`` ahead (encoded with ``decode``)."""
@@ -298,10 +303,10 @@ class StoreClient:
                     request(ahead)
                     ahead += 1
                 g = groups[k]
+                shifted = hooks.shifted(g.start) if hooks is not None else None
                 metas += self._finish_pull(
-                    link, reply, views[g.start : g.stop], deadline, decode,
-                    _offset(on_block, g.start),
-                )  # fmt: skip
+                    link, reply, views[g.start : g.stop], deadline, decode, shifted
+                )
             return metas
 
     def _send_pull(
@@ -332,11 +337,11 @@ class StoreClient:
         views: list[memoryview],
         deadline: float,
         decode: PullDecoder | None = None,
-        on_block: Callable[[int], None] | None = None,
+        hooks: _Hooks | None = None,
     ) -> list[BlockMeta | None]:
         """Take a PULL_REPLY's blocks into ``views``: inline payloads, encoded ones, or
         copies out of the peer's shared arena (then RELEASE); each one's metadata.
-        ``on_block(i)`` hears each block once it is whole in ``views[i]``."""
+        ``hooks`` hear each block once it is whole (see :meth:`pull`)."""
         items: list[list[Any]] = reply.meta["items"]
         if len(items) != len(views):
             raise ProtocolError(f"peer {self.endpoint} answered {len(items)} of {len(views)} pulls")
@@ -353,15 +358,15 @@ class StoreClient:
             else:
                 inline.append(i)
         if reply.meta.get("encoded"):
-            done = None if on_block is None else lambda k: on_block(inline[k])
-            self._recv_encoded(link, reply, [views[i] for i in inline], decode, deadline, done)
+            picked = hooks.picked(inline) if hooks is not None else None
+            self._recv_encoded(link, reply, [views[i] for i in inline], decode, deadline, picked)
             return metas
         link.recv_payload_into(reply, [views[i] for i in inline], deadline)
         if in_place:
             self._copy_in_place(link, reply, views, in_place, deadline)
-        if on_block is not None:
+        if hooks is not None and hooks.on_block is not None:
             for i in sorted(inline + in_place):
-                on_block(i)
+                hooks.on_block(i)
         return metas
 
     def _recv_encoded(
@@ -371,25 +376,28 @@ class StoreClient:
         dests: list[memoryview],
         decode: PullDecoder | None,
         deadline: float,
-        on_block: Callable[[int], None] | None = None,
+        hooks: _Hooks | None = None,
     ) -> None:
         """Receive encoded blocks (one payload each, sizes in the reply) and decode each
-        into its destination (then ``on_block`` hears its index)."""
+        into its destination, unless ``hooks.take_encoded`` takes it (then
+        ``hooks.on_block`` hears its index)."""
         lengths = [int(n) for n in reply.meta.get("lengths", [])]
         if decode is None or len(lengths) != len(dests) or any(n <= 0 for n in lengths):
             link.close()  # an answer we cannot read: its payload's end is unknown
             raise ProtocolError(f"peer {self.endpoint} sent encoded blocks we did not ask for")
         payloads = [uninitialized(n) for n in lengths]
         link.recv_payload_into(reply, payloads, deadline)
+        take = hooks.take_encoded if hooks is not None else None
         for k, (payload, dest) in enumerate(zip(payloads, dests, strict=True)):
             try:
-                decode(payload, dest)
+                if take is None or not take(k, payload):
+                    decode(payload, dest)
             except (HalfmoonError, ValueError) as exc:
                 raise ProtocolError(
                     f"a block pulled from {self.endpoint} does not decode: {exc}"
                 ) from exc
-            if on_block is not None:
-                on_block(k)
+            if hooks is not None and hooks.on_block is not None:
+                hooks.on_block(k)
 
     def _copy_in_place(
         self,
@@ -414,11 +422,34 @@ class StoreClient:
             link.send(Kind.RELEASE, {"xfer": reply.meta["xfer"]}, deadline=deadline)
 
 
-def _offset(on_block: Callable[[int], None] | None, start: int) -> Callable[[int], None] | None:
-    """``on_block`` for a slice of a pull that begins at block ``start``."""
-    if on_block is None or start == 0:
-        return on_block
-    return lambda i: on_block(start + i)
+#: ``take_encoded(i, payload) -> bool`` of :meth:`StoreClient.pull`.
+TakeEncoded = Callable[[int, memoryview], bool]
+
+
+class _Hooks:
+    """A pull's per-block callbacks (see :meth:`StoreClient.pull`), with the indices of
+    a slice of the pull mapped back to the whole pull's."""
+
+    def __init__(
+        self, on_block: Callable[[int], None] | None, take_encoded: TakeEncoded | None
+    ) -> None:
+        self.on_block = on_block
+        self.take_encoded = take_encoded
+
+    def _mapped(self, index: Callable[[int], int]) -> _Hooks:
+        on_block, take = self.on_block, self.take_encoded
+        return _Hooks(
+            None if on_block is None else lambda k: on_block(index(k)),
+            None if take is None else lambda k, payload: take(index(k), payload),
+        )
+
+    def shifted(self, start: int) -> _Hooks:
+        """The hooks of the slice of the pull that begins at block ``start``."""
+        return self if start == 0 else self._mapped(lambda k: start + k)
+
+    def picked(self, indices: list[int]) -> _Hooks:
+        """The hooks of the pull's blocks ``indices``, in that order."""
+        return self._mapped(indices.__getitem__)
 
 
 def _pipelined(num_blocks: int, block_bytes: int) -> bool:

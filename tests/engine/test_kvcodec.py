@@ -81,6 +81,28 @@ def test_int8_decodes_in_place_to_the_modules_values(dtype):
     assert torch.equal(out.reshape(groups, HEAD_DIM), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_into_a_strided_pool_block_gives_the_decoded_values(mode, dtype):
+    """``decode_into`` writes a payload straight into a block of the engine's pool (a
+    strided view ``[L, 2, B, H_kv, D]``), the same values, bit for bit, as ``decode``
+    into a buffer; neighbouring blocks are left alone."""
+    if mode == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    codec = make_codec(mode, dtype, HEAD_DIM)
+    layout = KVLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=HEAD_DIM,
+                      dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+    pool = torch.zeros(layout.buffer_shape(4), dtype=dtype)
+    x = torch.randn(layout.buffer_shape(1), generator=torch.Generator().manual_seed(3))
+    x = x.to(dtype)
+    payload = bytes(codec.encode(memoryview(x.view(-1).view(torch.uint8).numpy())))
+    expected = torch.empty_like(x)
+    codec.decode(memoryview(payload), memoryview(expected.view(-1).view(torch.uint8).numpy()))
+    codec.decode_into(memoryview(payload), pool[:, :, 2])
+    assert torch.equal(pool[:, :, 2], expected[:, :, 0])
+    assert not pool[:, :, [0, 1, 3]].any()
+
+
 def test_fp8_error_is_relative_to_each_value():
     codec = make_codec("fp8", torch.float32, HEAD_DIM)
     x = kv()

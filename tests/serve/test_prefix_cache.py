@@ -302,6 +302,58 @@ def test_pulled_blocks_are_in_the_pool_before_the_load_ends(engines, held):
         cache_b.close()
 
 
+def test_int8_pulled_blocks_are_decoded_straight_into_the_pool(engines):
+    """With --kv-compression int8 and demote (pulled blocks go to the pool only), each
+    encoded block is decoded straight into its held pool block, not into a buffer first:
+    the pool then holds exactly the codec's decode of the source's blocks."""
+    from halfmoon.engine.connector import wire_codec
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
+    from halfmoon.transfer import TransferEngine
+
+    a, b = engines
+    events = _Events()
+    prompt = [(i * 73) % 4000 + 37 for i in range(100)]
+    cache_a, _ = _saved_prompt(a, "i1", prompt, events)
+    codec = wire_codec("int8", a.kv_layout, ["encode", "decode"])
+    into_pool: list[tuple[int, ...]] = []
+    decode_into = codec.decode_into
+
+    def spy(payload, out):
+        into_pool.append(tuple(out.shape))
+        decode_into(payload, out)
+
+    codec.decode_into = spy
+    holdings = Holdings(events)
+    store = ClusterPrefixCache.make_store(LocalConnector(b), 8, None, 0, holdings)
+    cache_b = ClusterPrefixCache(LocalConnector(b), store, holdings, "demote")
+    cache_b.pull_codec = codec
+    secret = b"i" * 32
+    with (
+        TransferEngine(secret, store=cache_a.store, transport="tcp") as source,
+        TransferEngine(secret, transport="tcp") as puller,
+    ):
+        source.set_pull_encoder(codec.encode)
+        try:
+            load = cache_b.begin_load(prompt, puller, source.endpoint)
+            assert load.fetch.wait(10) and load.reservation.num_written() == 6
+            # one decode per block, each into a pool block [L, 2, B, H_kv, D]
+            assert into_pool == [b.kv_cache.pool[:, :, 0].shape] * 6
+            expected = []
+            for i in range(6):
+                raw = cache_a.store.get(_hash(prompt, i))[1]
+                out = bytearray(len(raw))
+                codec.decode(codec.encode(memoryview(raw)), memoryview(out))
+                expected.append(bytes(out))
+            ids = load.reservation.block_ids
+            assert [bytes(b.kv_cache.export_bytes([k])) for k in ids] == expected
+            assert cache_b.end_load(load) == 6 and cache_b.num_blocks_pulled == 6
+            assert not any(store.contains(_hash(prompt, i)) for i in range(6))  # demote
+            b.check_integrity()
+        finally:
+            cache_b.close()
+            store.close()
+
+
 def test_holdings_announce_a_block_while_either_source_holds_it():
     from halfmoon.core.events import BlockEvicted, BlockStored
     from halfmoon.serve.worker.prefix_cache import Holdings
@@ -344,7 +396,7 @@ def test_int8_prefix_pull_between_workers_sends_compressed_blocks(engines):
         sizes.append(payload.nbytes)
         return payload
 
-    cache_b.pull_decode = codec.decode
+    cache_b.pull_codec = codec
     secret = b"s" * 32
     tcp = {"transport": "tcp"}  # between hosts (co-located workers pull through shm, raw)
     with (

@@ -555,6 +555,58 @@ def test_on_block_hears_each_block_once_it_is_whole(pair, monkeypatch, transport
         store.close()
 
 
+@pytest.mark.parametrize("num_blocks", [1, 40])
+def test_take_encoded_may_decode_a_block_where_the_caller_keeps_it(pair, monkeypatch,
+                                                                   num_blocks):  # fmt: skip
+    """``pull(take_encoded=...)`` sees each encoded block before ``decode``: a block it
+    takes (returns True) is its own to decode (its destination stays as it was), the
+    others are decoded into theirs; ``on_block`` hears every block either way."""
+    import zlib
+
+    from halfmoon.transfer import store_client
+
+    size = 4 << 10
+    monkeypatch.setattr(store_client, "ENCODED_GROUP_BYTES", 4 * size)
+    store = TieredStore(StoreConfig(block_bytes=size, dram_capacity_bytes=64 * size))
+    try:
+        sender, receiver, _ = pair("tcp", store=store)
+        hashes = [700 + i for i in range(num_blocks)]
+        for h in hashes:
+            store.put(h, block(h, size), BlockMeta(16, h - 1))
+        receiver.set_pull_encoder(lambda view: memoryview(zlib.compress(bytes(view))))
+        kept: dict[int, bytes] = {}
+        heard: list[int] = []
+        lock = threading.Lock()
+
+        def take(i: int, payload: memoryview) -> bool:
+            if i % 2:
+                return False
+            with lock:
+                kept[i] = zlib.decompress(payload)
+            return True
+
+        def on_block(i: int) -> None:
+            with lock:
+                heard.append(i)
+
+        def decode(payload: memoryview, dest: memoryview) -> None:
+            dest[:] = zlib.decompress(payload)
+
+        dests = [np.zeros(size, np.uint8) for _ in hashes]
+        metas = sender.connect(receiver.endpoint).pull(
+            hashes, dests, decode=decode, on_block=on_block, take_encoded=take
+        )
+        assert all(m is not None for m in metas) and sorted(heard) == list(range(num_blocks))
+        assert sorted(kept) == list(range(0, num_blocks, 2))
+        for i, (h, dest) in enumerate(zip(hashes, dests, strict=True)):
+            if i % 2:
+                assert (dest == h % 251).all()
+            else:
+                assert not dest.any() and kept[i] == block(h, size).tobytes()
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_store_errors_reach_the_client(store_peer, pair, transport):
     client, store, _, _ = store_peer(transport)

@@ -372,7 +372,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if worker.kv_codec.name != "none":  # prefix pulls between workers go compressed
             keep = int(options.kv_compression_keep_mb * 2**20)
             transfer.set_pull_encoder(worker.kv_codec.encode, keep)
-            cache.pull_decode = worker.kv_codec.decode
+            cache.pull_codec = worker.kv_codec
         role = PrefillRole(worker, transfer, cache, holdings)
         worker.set_role(role)
     else:

@@ -46,10 +46,9 @@ from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
 from halfmoon.serve.worker.main import PREFIX_STORE_POLICIES
 from halfmoon.store import TIER_DRAM, BlockMeta, StoreConfig, StoreError, TieredStore
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
-from halfmoon.transfer.store_service import PullDecoder
 
 if TYPE_CHECKING:
-    from halfmoon.engine.connector import EngineConnector, PrefixReservation
+    from halfmoon.engine.connector import EngineConnector, KVCodec, PrefixReservation
 
 log = logging.getLogger(__name__)
 #: A pull's deadline allows this many bytes per second on top of ``PEER_TIMEOUT_S``.
@@ -187,8 +186,9 @@ class ClusterPrefixCache:
         self.num_blocks_pulled = 0
         self.num_blocks_demoted = 0
         self.num_blocks_read_for_peers = 0  # out of the pool (demote), by transfer threads
-        #: Decodes blocks a peer sends compressed (``--kv-compression``; None: raw).
-        self.pull_decode: PullDecoder | None = None
+        #: The codec of blocks a peer sends compressed (``--kv-compression``; None: raw):
+        #: a pulled block is decoded straight into its pool block where it can be.
+        self.pull_codec: KVCodec | None = None
         self._stalled: dict[str, float] = {}  # peer endpoint -> skipped until (monotonic)
         self._pulls: ThreadPoolExecutor | None = None  # started at the first pull
         if policy == "demote" and engine.config.enable_prefix_caching:
@@ -443,15 +443,25 @@ class ClusterPrefixCache:
         rest = hashes[len(read) :]
         if transfer is None or not rest:
             return read, []
-        arrived = None
+        arrived = take = None
+        codec = self.pull_codec
         if into is not None:
             offset = first + len(read)
 
             def arrived(i: int, buf: memoryview) -> None:
-                _write(into, offset + i, buf)
+                if not into.written(offset + i):  # (decoded into the pool already)
+                    _write(into, offset + i, buf)
+
+            if codec is not None and not store_pulled:
+                # Nothing needs the decoded bytes but the pool: decode straight into it.
+                def take(i: int, payload: memoryview) -> bool:
+                    if offset + i >= into.num_blocks:
+                        return False
+                    into.write_encoded(offset + i, payload, codec)
+                    return True
 
         try:
-            blocks = self._pull(transfer, endpoint, rest, arrived)
+            blocks = self._pull(transfer, endpoint, rest, arrived, take)
         except TransferError as exc:
             log.warning("prefix pull from %s failed: %s", endpoint, exc)
             return read, []
@@ -476,21 +486,25 @@ class ClusterPrefixCache:
         endpoint: str,
         hashes: list[int],
         arrived: Callable[[int, memoryview], None] | None = None,
+        take: Callable[[int, memoryview], bool] | None = None,
     ) -> list[tuple[BlockMeta | None, memoryview]]:
         """Pull ``hashes`` from a peer's store within a deadline (a pull thread); what a
         slow or frozen peer could not give, the engine computes. After a timeout the peer
         is skipped for ``PEER_TIMEOUT_S``, so a frozen peer costs one wait, not one per
         request (pulls queued behind it give up at once). ``arrived(i, buf)`` hears each
-        block the peer had as soon as it is whole."""
+        block the peer had as soon as it is whole; ``take(i, payload)`` may decode an
+        encoded one itself (then its buffer here is left undecoded)."""
         if self._skipped(endpoint):
             raise TransferError(f"{endpoint} is skipped after a timeout")
         dests = [uninitialized(self.engine.kv_bytes_per_block) for _ in hashes]
         timeout_s = PEER_TIMEOUT_S + len(hashes) * self.engine.kv_bytes_per_block / PULL_MIN_RATE
         try:
             on_block = None if arrived is None else lambda i: arrived(i, dests[i])
+            decode = self.pull_codec.decode if self.pull_codec is not None else None
             metas = transfer.connect(endpoint).pull(
-                hashes, dests, timeout_s=timeout_s, decode=self.pull_decode, on_block=on_block
-            )
+                hashes, dests, timeout_s=timeout_s, decode=decode, on_block=on_block,
+                take_encoded=take,
+            )  # fmt: skip
         except TransferTimeout:
             self._stalled[endpoint] = time.monotonic() + PEER_TIMEOUT_S
             raise
