@@ -293,3 +293,27 @@ def test_beam_search_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
     ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120).json()
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in theirs["choices"]]
     assert len({c["text"] for c in ours["choices"]}) == 3
+
+
+def test_stop_reason_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
+    """A choice's ``stop_reason`` (the stop string or stop token id that ended it, else
+    null) through vLLM-backed workers is what vLLM's own server answers, with the same
+    text and finish reason."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode(PROMPTS[1])
+    url = _live_server(fleet)
+    greedy = vllm_greedy(url, ids, 12)
+    text = tokenizer.decode(greedy)
+    word = text.split()[2]  # a stop string the greedy answer holds
+    cases = [{"stop": [word]}, {"stop_token_ids": [greedy[4]]}, {}]
+    for extra in cases:
+        body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": 12,
+                "temperature": 0, **extra}  # fmt: skip
+        theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120).json()
+        fields = ("text", "finish_reason", "stop_reason")
+        got = [ours["choices"][0][f] for f in fields]
+        assert got == [theirs["choices"][0][f] for f in fields], extra
+    assert got[1:] == ["length", None]  # the last case: no stop asked for

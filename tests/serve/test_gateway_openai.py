@@ -651,7 +651,8 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(served):
 
 def test_skip_special_tokens_false_keeps_their_text(gateways):
     """vLLM's ``skip_special_tokens``: special tokens (here EOS) stay out of the text by
-    default, and are in it with ``false``."""
+    default, and are in it with ``false``; the token that stopped the request, though,
+    only with ``include_stop_str_in_output`` too (vLLM leaves it out otherwise)."""
     tok = gateways.tokenizer
     eos = tok.eos_token_id
 
@@ -668,7 +669,69 @@ def test_skip_special_tokens_false_keeps_their_text(gateways):
     with TestClient(gateways.app(Eos(), "m")) as client:
         body = {"model": "m", "prompt": "hi", "max_tokens": 4}
         skipped = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False})
-        assert skipped == tok.decode([65])
+        unskipped = {**body, "skip_special_tokens": False}
+        stopped = client.post("/v1/completions", json=unskipped).json()["choices"][0]["text"]
+        kept = client.post(
+            "/v1/completions", json={**unskipped, "include_stop_str_in_output": True}
+        )
+        assert skipped == stopped == tok.decode([65])
         assert kept.json()["choices"][0]["text"] == tok.decode([65, eos], skip_special_tokens=False)
         assert tok.eos_token in kept.json()["choices"][0]["text"]
+
+
+class StoppingBackend:
+    """Generates 70, 71, ... and ends as the engine does: ``stop`` with a token of the
+    request's ``stop_token_ids`` or the end-of-sequence token 75 (kept in the output),
+    ``length`` at ``max_tokens``."""
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        for i in range(params.max_tokens):
+            token = 70 + i
+            stop = token in params.stop_token_ids or token == 75
+            last = stop or i + 1 == params.max_tokens
+            yield GenerationChunk(
+                (token,), ("stop" if stop else "length") if last else None, 0 if i == 0 else None
+            )
+            if last:
+                return
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def health(self) -> dict[str, Any]:
+        return {"mode": "stopping"}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(gateways, chat):
+    """vLLM's ``stop_reason``: the matched stop string, the ``stop_token_ids`` entry that
+    ended the output, None for the end-of-sequence token and for ``length``; in whole
+    responses and on the streamed chunk that carries the finish reason."""
+    app = gateways.app(StoppingBackend(), "m", end_token_ids=(75,))
+    tok = gateways.tokenizer
+    text = tok.decode([70, 71, 72])
+    stop_string = text[-1]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    cases = [
+        ({"stop_token_ids": [72]}, "stop", 72),
+        ({"stop_token_ids": [75]}, "stop", None),  # an end-of-sequence token: None
+        ({}, "stop", None),  # the end-of-sequence token
+        ({"max_tokens": 3}, "length", None),
+        ({"stop": [stop_string]}, "stop", stop_string),
+    ]
+    with TestClient(app) as client:
+        for extra, finish, reason in cases:
+            body = {"model": "m", "max_tokens": 8, **prompt, **extra}
+            choice = client.post(path, json=body).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == (finish, reason), extra
+            content = choice["message"]["content"] if chat else choice["text"]
+            if "stop_token_ids" in extra:  # the stop token's text is left out, as on vLLM
+                assert content == tok.decode(list(range(70, extra["stop_token_ids"][0])))
+            streamed = _events(client.post(path, json={**body, "stream": True}).text)
+            choices = [e["choices"][0] for e in streamed if e["choices"]]
+            assert all("stop_reason" in c for c in choices)
+            assert [(c["finish_reason"], c["stop_reason"]) for c in choices if c["finish_reason"]
+                    ] == [(finish, reason)], extra  # fmt: skip

@@ -28,6 +28,7 @@ from halfmoon.serve.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
+    Finish,
     usage,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
@@ -455,6 +456,7 @@ class Gateway:
         finish: str | None = None
         cached = est = None
         pending = ""
+        last: int | None = None  # the newest output token
         try:
             async with aclosing(self.chunks(p)) as chunks:
                 async for chunk in chunks:
@@ -469,8 +471,12 @@ class Gateway:
                     if chunk.conductor_rtt_s is not None:
                         self.metrics.conductor_rtt.observe(chunk.conductor_rtt_s)
                     times += [time.monotonic()] * len(chunk.token_ids)
+                    if chunk.token_ids:
+                        last = chunk.token_ids[-1]
                     counted = out.num_tokens
-                    delta = out.add(chunk.token_ids)
+                    stop_token = chunk.finish_reason == "stop" and bool(chunk.token_ids)
+                    stop_token = stop_token and self._stop_token(p, chunk.token_ids[-1])
+                    delta = out.add(chunk.token_ids, stop_token)
                     if p.echo_only:  # max_tokens 0: the prompt alone is the answer
                         delta = ""
                     elif chunk.logprobs or p.return_token_ids:  # only when they are shown:
@@ -494,6 +500,8 @@ class Gateway:
             await self.backend.abort(p.request_id)
             raise
         finish = finish or "abort"
+        if finish == "stop":
+            finish = Finish(finish, self._stop_reason(p, out, last))
         self._observe_end(p, arrival, times, out, finish, cached, est)
         if p.echo_only:
             use = usage(len(p.prompt_ids), 0, cached)
@@ -501,6 +509,23 @@ class Gateway:
             return
         use = usage(len(p.prompt_ids), out.num_tokens, cached)
         yield pending + out.flush(), finish, use, entries, prompt
+
+    def _stop_token(self, p: Prepared, token: int) -> bool:
+        """Whether ``token`` ends ``p`` by itself: one of its ``stop_token_ids``, or an
+        end-of-sequence token unless it ignores them (a backend that also ends requests
+        at stop strings, as vLLM's do, says ``stop`` for those too)."""
+        eos = token in self.end_token_ids and not p.params.ignore_eos
+        return eos or token in p.params.stop_token_ids
+
+    def _stop_reason(self, p: Prepared, out: OutputText, last: int | None) -> int | str | None:
+        """What stopped a request that ended with ``stop`` (vLLM's ``stop_reason``): its
+        stop string, or its last token when that is one of its ``stop_token_ids`` and not
+        an end-of-sequence token (vLLM answers None for those)."""
+        if out.stop_string is not None:
+            return out.stop_string
+        if last in p.params.stop_token_ids and last not in self.end_token_ids:
+            return last
+        return None
 
     @staticmethod
     def _prompt_entries(prompt_ids: list[int], values: tuple[TokenLogprob, ...]) -> list[Entry]:

@@ -550,6 +550,25 @@ def response_id(rid: str, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
 
 
+class Finish(str):
+    """A ``finish_reason`` that also says what stopped the output (vLLM's ``stop_reason``):
+    the stop string that matched, or the request's ``stop_token_ids`` entry that ended it;
+    None for an end-of-sequence token or any other reason. Still the plain string
+    wherever a finish reason is compared or written."""
+
+    stop_reason: int | str | None
+
+    def __new__(cls, reason: str, stop_reason: int | str | None = None) -> Finish:
+        finish = super().__new__(cls, reason)
+        finish.stop_reason = stop_reason
+        return finish
+
+
+def stop_reason(finish: str | None) -> int | str | None:
+    """vLLM's ``stop_reason`` of a choice that ended with ``finish`` (None when unknown)."""
+    return getattr(finish, "stop_reason", None)
+
+
 def choice_body(
     index: int, text: str | None, finish: str | None, chat: bool, logprobs: dict[str, Any] | None,
     tool_calls: list[dict[str, Any]] | None = None,
@@ -559,8 +578,10 @@ def choice_body(
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls is not None:
             message["tool_calls"] = tool_calls
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish, "stop_reason": stop_reason(finish)}  # fmt: skip
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason(finish)}  # fmt: skip
 
 
 def completion_body(
@@ -605,6 +626,7 @@ def chunk_body(
             "index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish
         }  # fmt: skip
         obj = "text_completion"
+    choice["stop_reason"] = stop_reason(finish)
     return {
         "id": response_id(rid, chat),
         "object": obj,

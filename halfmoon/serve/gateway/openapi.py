@@ -64,6 +64,8 @@ class CompletionChoice(_Open):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended it (None: any other reason).
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(_Open):
@@ -91,6 +93,8 @@ class ChatChoice(_Open):
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended it (None: any other reason).
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(_Open):

@@ -35,6 +35,8 @@ class OutputText:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        #: The stop string that ended the text (None: none did).
+        self.stop_string: str | None = None
         self.num_tokens = 0
 
     @property
@@ -42,12 +44,18 @@ class OutputText:
         """All text so far (cut at a stop string once one appeared)."""
         return self._text
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Add tokens; returns the text that may be sent now."""
-        for tid in token_ids:
+    def add(self, token_ids: Sequence[int], stop_token: bool = False) -> str:
+        """Add tokens; returns the text that may be sent now. ``stop_token``: the last
+        one is the token that stopped the request (an end-of-sequence token or one of its
+        ``stop_token_ids``): counted, its text left out, as vLLM does unless
+        ``include_stop_str_in_output``."""
+        last = len(token_ids) - 1
+        for k, tid in enumerate(token_ids):
             if self.stopped:
                 break
             self.num_tokens += 1
+            if k == last and stop_token and not self._include_stop:
+                break
             delta = self._detok.add(tid)
             if not delta:
                 continue
@@ -58,6 +66,7 @@ class OutputText:
                 if pos >= 0:
                     self._text = self._text[: pos + (len(s) if self._include_stop else 0)]
                     self.stopped = True
+                    self.stop_string = s
                     break
         limit = len(self._text) if self.stopped else max(self._sent, len(self._text) - self._hold)
         out = self._text[self._sent : limit]
