@@ -354,6 +354,34 @@ def test_int8_pulled_blocks_are_decoded_straight_into_the_pool(engines):
             store.close()
 
 
+def test_a_block_the_pool_refuses_ends_the_seeded_prefix_there(engines, monkeypatch):
+    """A block whose copy into the pool fails (a HalfmoonError) is logged and skipped:
+    the load keeps the blocks before it, gives the rest back, and raises nothing."""
+    from halfmoon.core.errors import HalfmoonError
+    from halfmoon.engine.seeding import PrefixReservation
+    from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache
+
+    a, b = engines
+    events = _Events()
+    prompt = [(i * 79) % 4000 + 41 for i in range(100)]
+    cache_a, ref = _saved_prompt(a, "r1", prompt, events)
+    write = PrefixReservation.write
+
+    def refuse_block_3(self, index, payload):
+        if index == 3:
+            raise HalfmoonError("a KV payload holds 1 bytes")
+        write(self, index, payload)
+
+    monkeypatch.setattr(PrefixReservation, "write", refuse_block_3)
+    cache_b = ClusterPrefixCache(LocalConnector(b), cache_a.store, events)
+    free = b.block_manager.num_free_blocks
+    assert cache_b.load(prompt) == 3 and b.block_manager.num_free_blocks == free
+    out = _run(b, "r2", prompt)
+    assert out.num_cached_tokens == 48 and out.token_ids == ref.token_ids
+    b.export_kv("r2", release=True)
+    b.check_integrity()
+
+
 def test_holdings_announce_a_block_while_either_source_holds_it():
     from halfmoon.core.events import BlockEvicted, BlockStored
     from halfmoon.serve.worker.prefix_cache import Holdings

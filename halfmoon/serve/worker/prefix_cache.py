@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from halfmoon.core.buffers import uninitialized
+from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.serve.control.messages import HeldBlocks
@@ -533,6 +534,11 @@ class ClusterPrefixCache:
 
 def _write(into: PrefixReservation | None, index: int, payload: memoryview) -> None:
     """Block ``index`` of a fetch into its reservation, if it holds a block for it (a
-    block the store gained after the reservation was made has none: it is not seeded)."""
+    block the store gained after the reservation was made has none: it is not seeded).
+    A block the pool refuses (a payload of another size) is logged and left unwritten:
+    the load then keeps the blocks before it, and the engine computes the rest."""
     if into is not None and index < into.num_blocks:
-        into.write(index, payload)
+        try:
+            into.write(index, payload)
+        except HalfmoonError as exc:
+            log.warning("a prefix block could not be seeded: %s", exc)
