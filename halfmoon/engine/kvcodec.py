@@ -300,21 +300,16 @@ class _Scaled(KVCodec):
         if self._dequantize is not None:
             out.copy_(self._dequantize(codes, scales).view(shape))
         else:
-            # As decode does, strided or not (a one-pass mixed-type multiply into it was
-            # slower: 27 against 21 ms for 90 MiB of SmolLM2's blocks on one thread).
+            # The same values as DequantizeGroups (codes are small integers, exact in any
+            # float dtype; the product is computed in float32 and rounded once), strided
+            # or not (one mixed-type multiply into it was slower: 27 against 21 ms for
+            # 90 MiB of SmolLM2's blocks on one thread).
             out.copy_(codes.view(shape))
             out.mul_(scale)
 
     def decode(self, payload: memoryview, out: memoryview) -> None:
-        codes, scales = self._parts(payload, out.nbytes)
-        dest = from_bytes(out, self.dtype).view(codes.shape)
-        if self._dequantize is None:
-            # The same values as DequantizeGroups (codes are small integers, exact in any
-            # float dtype; the product is computed in float32 and rounded once).
-            dest.copy_(codes)
-            dest.mul_(scales.unsqueeze(1))
-        else:
-            dest.copy_(self._dequantize(codes, scales))
+        groups = self._check_raw(out.nbytes)
+        self.decode_into(payload, from_bytes(out, self.dtype).view(groups, self.head_dim))
 
 
 class Int8Codec(_Scaled):

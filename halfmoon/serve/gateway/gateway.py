@@ -456,7 +456,7 @@ class Gateway:
         finish: str | None = None
         cached = est = None
         pending = ""
-        last: int | None = None  # the newest output token
+        stopped_by: int | None = None  # the token that ended the request by itself
         try:
             async with aclosing(self.chunks(p)) as chunks:
                 async for chunk in chunks:
@@ -471,12 +471,11 @@ class Gateway:
                     if chunk.conductor_rtt_s is not None:
                         self.metrics.conductor_rtt.observe(chunk.conductor_rtt_s)
                     times += [time.monotonic()] * len(chunk.token_ids)
-                    if chunk.token_ids:
-                        last = chunk.token_ids[-1]
                     counted = out.num_tokens
-                    stop_token = chunk.finish_reason == "stop" and bool(chunk.token_ids)
-                    stop_token = stop_token and self._stop_token(p, chunk.token_ids[-1])
-                    delta = out.add(chunk.token_ids, stop_token)
+                    if chunk.finish_reason == "stop" and chunk.token_ids:
+                        if self._stop_token(p, chunk.token_ids[-1]):
+                            stopped_by = chunk.token_ids[-1]
+                    delta = out.add(chunk.token_ids, stopped_by is not None)
                     if p.echo_only:  # max_tokens 0: the prompt alone is the answer
                         delta = ""
                     elif chunk.logprobs or p.return_token_ids:  # only when they are shown:
@@ -501,7 +500,7 @@ class Gateway:
             raise
         finish = finish or "abort"
         if finish == "stop":
-            finish = Finish(finish, self._stop_reason(p, out, last))
+            finish = Finish(finish, self._stop_reason(p, out, stopped_by))
         self._observe_end(p, arrival, times, out, finish, cached, est)
         if p.echo_only:
             use = usage(len(p.prompt_ids), 0, cached)
@@ -517,14 +516,14 @@ class Gateway:
         eos = token in self.end_token_ids and not p.params.ignore_eos
         return eos or token in p.params.stop_token_ids
 
-    def _stop_reason(self, p: Prepared, out: OutputText, last: int | None) -> int | str | None:
+    def _stop_reason(self, p: Prepared, out: OutputText, token: int | None) -> int | str | None:
         """What stopped a request that ended with ``stop`` (vLLM's ``stop_reason``): its
-        stop string, or its last token when that is one of its ``stop_token_ids`` and not
-        an end-of-sequence token (vLLM answers None for those)."""
+        stop string, or the ``token`` that ended it when that is one of its
+        ``stop_token_ids`` and not an end-of-sequence token (vLLM answers None for those)."""
         if out.stop_string is not None:
             return out.stop_string
-        if last in p.params.stop_token_ids and last not in self.end_token_ids:
-            return last
+        if token in p.params.stop_token_ids and token not in self.end_token_ids:
+            return token
         return None
 
     @staticmethod
