@@ -13,6 +13,7 @@ import pytest
 
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.vllm.connector import (
+    StreamReader,
     _Request,
     parse_completion,
     parse_event,
@@ -115,6 +116,31 @@ def test_stream_lines_become_tokens_logprobs_finish_and_cached_count() -> None:
     assert first.logprobs[0].top == ((351, pytest.approx(-0.7195169)),)
     assert last.token_ids == [253] and last.finish == "length"
     assert usage.token_ids == [] and usage.cached == 0 and usage.failure is None
+
+
+def test_the_finishing_tokens_come_with_the_finish_after_the_usage() -> None:
+    """The gateway must see the token that stopped a request together with the finish
+    (to leave its text out): the finishing message is held until the stream ends."""
+    reader = StreamReader("r1")
+    out = [reader.feed(line) for line in [": ping", *(f"data: {x}" for x in STREAM)]]
+    assert out[0] is None and out[1].token_ids == [351] and out[1].finish is None
+    assert out[2] is None and out[3] is None  # held: the finish, then its usage
+    assert reader.feed("data: [DONE]") is None and reader.done
+    end = reader.end()
+    assert (end.token_ids, end.finish, end.cached, end.failure) == ([253], "length", 0, None)
+    assert end.logprobs[0].logprob == pytest.approx(-0.7071915)
+
+
+def test_a_stream_that_ends_unfinished_fails_retryable() -> None:
+    reader = StreamReader("r1")
+    assert reader.feed(f"data: {STREAM[0]}").token_ids == [351]
+    end = reader.end()  # the connection ended without a finish
+    assert end.failure is not None and end.failure.retryable and not end.token_ids
+    aborted = StreamReader("r2")
+    aborted.feed("data: " + STREAM[1].replace('"length"', '"abort"'))
+    assert "abort" in aborted.end().failure.error
+    failed = StreamReader("r3")
+    assert failed.feed('data: {"error": {"message": "boom"}}').failure is not None
 
 
 def test_top_logprobs_come_most_likely_first() -> None:

@@ -260,6 +260,58 @@ def parse_event(data: str, request_id: str) -> _Chunk:
     return _Chunk(request_id, ids, logprobs, finish, cached)
 
 
+class StreamReader:
+    """Turns the ``data:`` lines of one request's completion stream into chunks.
+
+    The message that finishes the request is held until the stream ends (vLLM's usage
+    message follows it), and its tokens go out with the finish: a reader of the chunks
+    then sees the token that stopped the request (an end-of-sequence token or a
+    ``stop_token_ids`` entry) together with the finish, and can leave its text out before
+    any of it was shown. (Before, the finish waited and its tokens did not, so whether
+    they arrived with it depended on timing.)"""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.last: _Chunk | None = None  # the finishing message, held
+        self.done = False  # [DONE] seen
+
+    def feed(self, line: str) -> _Chunk | None:
+        """One line of the stream: the chunk to hand over now, or None (nothing, or held)."""
+        if self.done or not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return None
+        chunk = parse_event(data, self.request_id)
+        if chunk.failure:
+            return chunk
+        last = self.last
+        if last is not None:  # after the finish (its usage): joins the held message
+            last.token_ids += chunk.token_ids
+            last.logprobs += chunk.logprobs
+            last.cached = chunk.cached if chunk.cached is not None else last.cached
+            last.finish = chunk.finish or last.finish
+            return None
+        if chunk.finish:
+            self.last = chunk
+            return None
+        return chunk if chunk.token_ids or chunk.cached is not None else None
+
+    def end(self) -> _Chunk:
+        """The closing chunk once the stream ended: the held message with its finish, or
+        a retryable failure when vLLM ended the request without finishing it."""
+        last = self.last
+        if last is None or last.finish in ("abort", "error"):
+            finish = None if last is None else last.finish
+            failure = RequestFailure(
+                self.request_id, f"vLLM ended the request without finishing ({finish})",
+                retryable=True,
+            )  # fmt: skip
+            return _Chunk(self.request_id, [], [], failure=failure)
+        return last
+
+
 def parse_completion(
     answer: dict[str, Any], request_id: str, prompt: tuple[Sequence[int], int] | None = None
 ) -> _Chunk:
@@ -376,29 +428,16 @@ class VllmServerConnector(EngineConnector):
                     text = (await resp.aread()).decode(errors="replace")
                     put(_refused(request_id, resp.status_code, text))
                     return
-                finish: str | None = None
+                reader = StreamReader(request_id)
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = parse_event(data, request_id)
-                    # The finish waits for the usage message that follows it.
-                    finish = chunk.finish or finish
-                    chunk.finish = None
-                    if chunk.token_ids or chunk.failure or chunk.cached is not None:
+                    chunk = reader.feed(line)
+                    if chunk is not None:
                         put(chunk)
-                    if chunk.failure:
-                        return
-                if finish in (None, "abort", "error"):
-                    failure = RequestFailure(
-                        request_id, f"vLLM ended the request without finishing ({finish})",
-                        retryable=True,
-                    )  # fmt: skip
-                    put(_Chunk(request_id, [], [], failure=failure))
-                else:
-                    put(_Chunk(request_id, [], [], finish=finish))
+                        if chunk.failure:
+                            return
+                    if reader.done:
+                        break
+                put(reader.end())
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, OSError, ValueError) as exc:
