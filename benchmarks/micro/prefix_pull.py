@@ -18,7 +18,10 @@ starts with the prompt's blocks deleted from the worker's store and pulls once p
 (one peer per mode; the order rotates); every pulled block is checked: against the peer's bytes (``none``, lossless modes), or
 against this process's own encode and decode of them (lossy modes: the same codec
 gives the same bytes). Effective throughput: the blocks' raw bytes over the pull's
-time; the wire ceiling is ``none`` in the same rounds.
+time; the wire ceiling is ``none`` in the same rounds. Each round also reports the CPU
+time the puller's process and the peer's spent during the pull, and how long their
+threads waited for a CPU (where both share a host's cores, that says whether the pull
+was bound by the wire or by the CPUs).
 
 The blocks: ``synthetic`` (default) float32 N(0, 1) values, SmolLM2-135M's block size
 (737,280 bytes); ``real``: SmolLM2-135M-Instruct's own KV of this repository's docs
@@ -276,16 +279,38 @@ class Worker:
         self.store.close()
 
 
+def process_cpu(pid: int) -> tuple[float, float]:
+    """Seconds the threads of process ``pid`` have run on a CPU, and waited for one
+    while ready to run, so far (``/proc/<pid>/task/*/schedstat``; threads that ended
+    are not counted; (0, 0) where the kernel does not say)."""
+    on_cpu = waiting = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                ran, waited, _ = f.read().split()
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        on_cpu += int(ran)
+        waiting += int(waited)
+    return on_cpu / 1e9, waiting / 1e9
+
+
 def one_round(
     expected: list[bytes], worker: Worker, puller: TransferEngine, endpoint: str,
-    local: bool = False,
+    local: bool = False, peer_pid: int | None = None,
 ) -> dict:  # fmt: skip
     """One pull with the prompt's blocks absent from the worker's store (``local``: in
     it): loop held (at the start, and while seeding at the end), whole pull, a ticking
-    thread's largest delay meanwhile, blocks checked."""
+    thread's largest delay meanwhile, the CPU time this process and the peer's
+    (``peer_pid``) spent on it and waited for a CPU, blocks checked."""
     num_blocks, block_bytes = len(expected), len(expected[0])
     worker.reset(expected if local else None)  # not timed
     ticker = Ticker()
+    cpu0 = process_cpu(os.getpid()), process_cpu(peer_pid) if peer_pid else (0.0, 0.0)
     started = time.perf_counter()
     load = worker.cache.begin_load(prompt_of(num_blocks), None if local else puller, endpoint)
     held_s = time.perf_counter() - started
@@ -294,6 +319,7 @@ def one_round(
     loaded = worker.cache.end_load(load)
     total_s = time.perf_counter() - started
     seed_s = time.perf_counter() - seeding
+    cpu1 = process_cpu(os.getpid()), process_cpu(peer_pid) if peer_pid else (0.0, 0.0)
     late = ticker.stop()
     seeded = worker.engine.seeded(prompt_of(num_blocks))
     ok = loaded == num_blocks and seeded == expected
@@ -301,7 +327,10 @@ def one_round(
             "pulled": load.fetch.num_pulled, "stored": sum(map(worker.store.contains,
                                                                worker.hashes)),
             "verified": ok, "effective_gib_s": num_blocks * block_bytes / total_s / 2**30,
-            "ticker_max_late_s": max(late, default=0.0)}  # fmt: skip
+            "ticker_max_late_s": max(late, default=0.0),
+            # (the puller's includes its ticking thread's wake-ups, a few ms a pull)
+            "puller_cpu_s": cpu1[0][0] - cpu0[0][0], "puller_wait_s": cpu1[0][1] - cpu0[0][1],
+            "peer_cpu_s": cpu1[1][0] - cpu0[1][0], "peer_wait_s": cpu1[1][1] - cpu0[1][1]}  # fmt: skip
 
 
 def start_peer(data: Path, mode: str, args: argparse.Namespace, netns: str | None, host: str):
@@ -346,7 +375,7 @@ def run_rounds(blocks: np.ndarray, modes: list[str], args, netns: str | None, ho
                 for r in range(args.rounds):
                     for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
                         result = one_round(expected[m], workers[m], puller, peers[m][1],
-                                           args.local)  # fmt: skip
+                                           args.local, peers[m][0].pid)  # fmt: skip
                         per_mode[m].append({"round": r, **result})
         finally:
             for worker in workers.values():
@@ -367,6 +396,10 @@ def summary(per_mode: dict[str, list[dict]]) -> dict[str, dict]:
             "loop_held_ms": statistics.median(r["loop_held_s"] * 1e3 for r in rounds),
             "seed_ms": statistics.median(r["seed_s"] * 1e3 for r in rounds),
             "ticker_max_late_ms": statistics.median(r["ticker_max_late_s"] * 1e3 for r in rounds),
+            **{
+                f"{k}_ms": statistics.median(r[f"{k}_s"] * 1e3 for r in rounds)
+                for k in ("puller_cpu", "puller_wait", "peer_cpu", "peer_wait")
+            },
             "pull_ms": statistics.median(r["pull_s"] * 1e3 for r in rounds),
             "effective_gib_s": statistics.median(eff),
             "rounds_vs_none": [e / c for e, c in zip(eff, ceiling, strict=False)],
@@ -392,6 +425,9 @@ def print_report(where: str, per_mode: dict[str, list[dict]], mib: float) -> Non
         print("    a ticking thread's longest wait ms: median {:.2f}, rounds {}".format(
             s["ticker_max_late_ms"], " ".join(
                 f"{r['ticker_max_late_s'] * 1e3:.2f}" for r in rounds)))  # fmt: skip
+        print("    CPU ms of the pull (median): puller {:.1f}, peer {:.1f}; waiting for a CPU:"
+              " {:.1f}, {:.1f}".format(s["puller_cpu_ms"], s["peer_cpu_ms"],
+                                      s["puller_wait_ms"], s["peer_wait_ms"]))  # fmt: skip
         print("    pull until seeded ms: median {:.1f}, rounds {}".format(s["pull_ms"], " ".join(
             f"{r['pull_s'] * 1e3:.1f}" for r in rounds)))  # fmt: skip
         print("    effective GiB/s: median {:.2f}, rounds {}".format(s["effective_gib_s"],

@@ -25,8 +25,11 @@ def test_every_round_pulls_and_verifies_every_block(tmp_path, capsys) -> None:
     # (demote, the default: into the pool only)
     assert [(r["pulled"], r["stored"]) for r in rounds] == [(6, 0), (6, 0)]
     assert all(0 < r["loop_held_s"] <= r["pull_s"] for r in rounds)
+    # both sides worked on it: the peer read and sent the blocks, this process took them
+    assert all(r["peer_cpu_s"] > 0 and r["puller_cpu_s"] > 0 for r in rounds)
     assert json.loads(out.read_text())["rounds"]["none"] == rounds
-    assert "every block verified: True" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "every block verified: True" in printed and "CPU ms of the pull" in printed
 
 
 def test_int8_pulls_arrive_as_the_codec_decodes_them(capsys) -> None:
