@@ -508,7 +508,8 @@ def test_stored_responses_continue_through_the_cluster(disagg):
     """``previous_response_id`` with the ``openai`` client: the second turn's seeded text
     equals the chat answer to the whole conversation, and the first turn's prompt is
     found in the prefix cache; the stored response is retrieved, its input items listed,
-    and deleted; a background turn is polled until done."""
+    and deleted; a background turn is polled until done, another streamed and streamed
+    again from its third event."""
     client = _client(disagg)
     first = client.responses.create(model="tiny", input="Hello " * 40, max_output_tokens=8,
                                     temperature=0)  # fmt: skip
@@ -548,3 +549,14 @@ def test_stored_responses_continue_through_the_cluster(disagg):
         max_output_tokens=10, temperature=0.8, extra_body={"seed": 5},
     )  # fmt: skip
     assert polled.status == direct.status and polled.output_text == direct.output_text
+    # in the background and streamed; streamed again from an event on (a client resuming)
+    events = list(client.responses.create(
+        model="tiny", input="Tell me more.", previous_response_id=second.id, background=True,
+        stream=True, max_output_tokens=10, temperature=0.8, extra_body={"seed": 5},
+    ))  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "queued" and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == direct.output_text
+    resumed = list(client.responses.retrieve(events[-1].response.id, stream=True,
+                                             starting_after=2))  # fmt: skip
+    assert [e.sequence_number for e in resumed] == [e.sequence_number for e in events[3:]]

@@ -14,12 +14,14 @@ import re
 import threading
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.openai_responses import ResponsesRequest, to_chat
-from halfmoon.serve.gateway.response_store import ResponseStore
+from halfmoon.serve.gateway.response_store import EventLogs, ResponseStore
+from halfmoon.serve.runtime import free_port
 
 from .test_gateway_tools import WEATHER, AnswerBackend, answering
 
@@ -441,9 +443,167 @@ def test_a_background_response_that_fails_says_why(gated):
     assert "decode worker went away" in failed["error"]["message"]
 
 
-@pytest.mark.parametrize(("extra", "param"), [({"store": False}, "store"),
-                                               ({"stream": True}, "stream")])  # fmt: skip
-def test_background_needs_store_and_no_stream(gated, extra, param):
+def test_background_needs_store(gated):
     client, _ = gated
-    response = _post(client, input="x", background=True, **extra)
-    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    response = _post(client, input="x", background=True, store=False)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "store"
+
+
+def test_a_streamed_background_response_is_streamed_again_from_any_event(gated):
+    """vLLM's streamed background responses: the events stream as they are made, and
+    ``GET ...?stream=true&starting_after=N`` streams them again from event N + 1."""
+    client, backend = gated
+    backend.answer = "Streamed in the background."
+    backend.gate.set()
+    made = _post(client, input="x", background=True, stream=True)
+    assert made.headers["content-type"].startswith("text/event-stream")
+    events = _events(made.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    assert events[0]["response"]["status"] == "queued" and events[0]["response"]["background"]
+    assert events[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == backend.answer
+    resp_id = events[0]["response"]["id"]
+    done = client.get(f"/v1/responses/{resp_id}").json()
+    assert done["status"] == "completed" and done == events[-1]["response"]
+    again = _events(client.get(f"/v1/responses/{resp_id}?stream=true").text)
+    assert again == events
+    rest = _events(client.get(f"/v1/responses/{resp_id}?stream=true&starting_after=2").text)
+    assert rest == events[3:]
+    assert _events(client.get(
+        f"/v1/responses/{resp_id}?stream=true&starting_after={len(events) - 1}").text) == []  # fmt: skip
+    bad = client.get(f"/v1/responses/{resp_id}?stream=true&starting_after=-5")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    plain = _post(client, input="x").json()  # not made in the background: nothing to stream
+    refused = client.get(f"/v1/responses/{plain['id']}?stream=true")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+    assert client.get("/v1/responses/resp_nope?stream=true").status_code == 404
+    client.delete(f"/v1/responses/{resp_id}")
+    assert client.get(f"/v1/responses/{resp_id}?stream=true").status_code == 404
+
+
+@pytest.fixture
+def live_gated(gateways):
+    """The gated gateway on a real uvicorn server (127.0.0.1, a free port), where a
+    client can go away mid-stream (the in-process test client reads a stream whole):
+    (base URL, backend)."""
+    import uvicorn
+
+    backend = GatedBackend(gateways.tokenizer)
+    port = free_port()
+    app = gateways.app(backend, "m", max_tokens_limit=64)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", backend
+    finally:
+        backend.gate.set()  # nothing left waiting
+        server.should_exit = True
+        thread.join(10)
+
+
+def _stream_events(base: str, path: str, into: list[dict], stop_after: int = 0) -> None:
+    """Read a stream's events into ``into``; with ``stop_after``, go away after that many."""
+    body = {"model": "m", "input": "x", "background": True, "stream": True}
+    request = ("POST", base + path) if path == "/v1/responses" else ("GET", base + path)
+    with httpx.stream(*request, json=body if request[0] == "POST" else None, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                into.append(json.loads(line[6:]))
+                if stop_after and len(into) >= stop_after:
+                    return
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_streamed_background_response_runs_on_without_its_client(live_gated):
+    """The stream follows the answer as it is made; a client that reads an event and
+    goes does not stop it, and resumes from where it was."""
+    base, backend = live_gated
+    backend.answer = "Still made after the client left."
+    first: list[dict] = []
+    _stream_events(base, "/v1/responses", first, stop_after=1)  # then the client goes
+    assert first[0]["type"] == "response.created" and first[0]["sequence_number"] == 0
+    resp_id = first[0]["response"]["id"]
+    backend.gate.set()  # the generation runs on, its client gone
+
+    def status() -> str:
+        return httpx.get(f"{base}/v1/responses/{resp_id}", timeout=10).json()["status"]
+
+    _wait_for(lambda: status() == "completed")
+    resumed: list[dict] = []
+    _stream_events(base, f"/v1/responses/{resp_id}?stream=true&starting_after=0", resumed)
+    assert resumed[0]["sequence_number"] == 1 and resumed[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in resumed if e["type"] == "response.output_text.delta")
+    assert text == backend.answer and not backend.aborted
+
+
+def test_a_streamed_background_response_that_fails_or_is_cancelled_ends_its_stream(live_gated):
+    base, backend = live_gated
+    backend.fail = True
+    backend.gate.set()
+    events: list[dict] = []
+    _stream_events(base, "/v1/responses", events)
+    assert events[-1]["type"] == "error" and "went away" in events[-1]["message"]
+    resp_id = events[0]["response"]["id"]
+    failed = httpx.get(f"{base}/v1/responses/{resp_id}", timeout=10).json()
+    assert failed["status"] == "failed" and failed["error"]["message"] == events[-1]["message"]
+    backend.fail = False
+    backend.gate.clear()  # held: cancelled while it waits
+    seen: list[dict] = []
+    reader = threading.Thread(target=_stream_events, args=(base, "/v1/responses", seen))
+    reader.start()
+    _wait_for(lambda: len(seen) >= 1)  # created (queued); then it waits for the gate
+    held = seen[0]["response"]["id"]
+    follower: list[dict] = []  # a second client following the same response
+    second = threading.Thread(target=_stream_events,
+                              args=(base, f"/v1/responses/{held}?stream=true", follower))  # fmt: skip
+    second.start()
+    _wait_for(lambda: len(follower) >= 1)
+    cancelled = httpx.post(f"{base}/v1/responses/{held}/cancel", timeout=10).json()
+    assert cancelled["status"] == "cancelled"
+    reader.join(timeout=10)
+    second.join(timeout=10)
+    assert not reader.is_alive() and not second.is_alive()  # both streams ended with it
+    assert [e["type"] for e in seen] == [e["type"] for e in follower]
+    assert seen[-1]["type"] != "response.completed" and backend.aborted
+
+
+def test_event_logs_keep_running_ones_and_the_latest_ended_within_their_bytes():
+    async def scenario() -> None:
+        logs = EventLogs(max_bytes=25)
+        a, b = logs.open("a"), logs.open("b")
+        for log in (a, b):
+            log.append(b"x" * 10)
+            log.append(b"y" * 10)
+        follower = asyncio.ensure_future(_collect(b.follow(1)))
+        await asyncio.sleep(0)
+        b.append(b"z")  # a follower sees events as they come ...
+        logs.end("a")  # 20 bytes ended: kept
+        assert logs.get("a") is a and a.ended and len(logs) == 2
+        logs.end("b")  # ... until the log ends; 41 bytes ended: the older one dropped
+        assert await follower == [b"y" * 10, b"z"]
+        assert logs.get("a") is None and logs.get("b") is b and logs.ended_bytes == 21
+        assert [e async for e in b.follow(5)] == []  # past the end: nothing, at once
+        logs.drop("b")
+        assert logs.get("b") is None and logs.ended_bytes == 0 and len(logs) == 0
+        c = logs.open("c")
+        c.append(b"w" * 100)  # a running log is kept whatever its size
+        logs.drop("c")  # (only an ended one is dropped: deletes cancel first)
+        assert logs.get("c") is c
+
+    asyncio.run(scenario())
+
+
+async def _collect(events) -> list[bytes]:
+    return [e async for e in events]

@@ -22,7 +22,9 @@ A response is stored (``store``, true unless the request says false; in the gate
 (:func:`input_items`: the request's ``input`` as items with ids) and the conversation so
 far, which a later request's ``previous_response_id`` continues (:func:`to_chat`'s
 ``history``). With ``background`` the gateway answers at once (``queued``) and stores the
-answer when it is done (:mod:`halfmoon.serve.gateway.responses_api`, the routes).
+answer when it is done; with ``stream`` too, it streams the events as they are made, and
+``GET /v1/responses/{id}?stream=true&starting_after=N`` streams them again from event
+``N + 1`` (:mod:`halfmoon.serve.gateway.responses_api`, the routes).
 
 Not served: built-in tools (web search, files, ...), non-text input, ``n``; each a 400
 naming it.
@@ -362,26 +364,45 @@ async def collect_response(
     return body
 
 
+def sse_event(kind: str, seq: int, **fields: Any) -> bytes:
+    """One server-sent event of the Responses API: ``kind`` with ``sequence_number``
+    ``seq``."""
+    body = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+
+
+def error_of(event: bytes) -> str | None:
+    """The message of an ``error`` event (None for any other event)."""
+    if not event.startswith(b"event: error\n"):
+        return None
+    data = event.split(b"\ndata: ", 1)[1]
+    return str(json.loads(data).get("message", ""))
+
+
 async def response_events(
     req: ResponsesRequest, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator,
-    keep: Keep | None = None,
+    keep: Keep | None = None, ids: tuple[str, str] | None = None, created: float | None = None,
+    announced: bool = False,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The server-sent events of one streamed answer (an ``error`` event when the
     cluster fails mid-way); the finished ``response`` goes to ``keep`` (when given) before
-    ``response.completed``, so a client may continue it as soon as it reads that event."""
+    ``response.completed``, so a client may continue it as soon as it reads that event.
+    ``ids`` and ``created``: as :func:`collect_response`'s; ``announced``: its
+    ``response.created`` went out already (a background response's, ``queued``, before it
+    started), so these begin with ``response.in_progress``."""
     stored = keep is not None
-    resp_id, msg_id = new_ids()
-    created = time.time()
-    seq = 0
+    resp_id, msg_id = ids or new_ids()
+    created = time.time() if created is None else created
+    seq = 1 if announced else 0
 
     def event(kind: str, **fields: Any) -> bytes:
         nonlocal seq
         seq += 1
-        body = {"type": kind, "sequence_number": seq - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+        return sse_event(kind, seq - 1, **fields)
 
     pending = response_body(req, resp_id, created, req.model, None, None, None, stored)  # type: ignore[arg-type]
-    yield event("response.created", response=pending)
+    if not announced:
+        yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None

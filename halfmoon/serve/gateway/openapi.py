@@ -206,7 +206,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/completions", "post"): (404, 413, 429, 503),
     ("/v1/chat/completions", "post"): (404, 413, 429, 503),
     ("/v1/responses", "post"): (404, 413, 429, 503),
-    ("/v1/responses/{response_id}", "get"): (404,),
+    ("/v1/responses/{response_id}", "get"): (400, 404),
     ("/v1/responses/{response_id}", "delete"): (404,),
     ("/v1/responses/{response_id}/input_items", "get"): (400, 404),
     ("/v1/responses/{response_id}/cancel", "post"): (400, 404),
@@ -216,7 +216,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/health", "get"): (503,),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
-             ("/v1/responses", "post")}  # fmt: skip
+             ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get")}  # fmt: skip
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",

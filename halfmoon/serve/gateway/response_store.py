@@ -8,13 +8,20 @@ of its ``previous_response_id`` chain; not ``instructions``, which the API does 
 over). It lives in the gateway's memory, bounded in bytes (least recently used out first),
 and is lost when the gateway restarts. Each response belongs to the API key that made it
 (``None`` on a server without keys): another key reads it as missing.
+
+A response made in the background *and* streamed keeps its server-sent events as they are
+made (:class:`EventLog`, in :class:`EventLogs`): the request that made it streams them, and
+``GET /v1/responses/{id}?stream=true&starting_after=N`` streams them again from event
+``N + 1`` on, following the generation while it runs (a client that lost its connection
+resumes where it was).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,3 +111,85 @@ class ResponseStore:
         del self._items[response_id]
         self.bytes -= entry.size
         return True
+
+
+class EventLog:
+    """The server-sent events of one streamed background response, in the order they
+    were made (event ``i`` has ``sequence_number`` ``i``), and whether it has ended."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.bytes = 0
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: bytes) -> None:
+        """Add the next event (wakes every follower)."""
+        self.events.append(event)
+        self.bytes += len(event)
+        self._wake()
+
+    def end(self) -> None:
+        """No event follows (the response finished, failed or was cancelled)."""
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        # A new event per change: a follower waits on the one it saw, so no wake-up is
+        # lost between its look at the events and its wait.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, start: int = 0) -> AsyncIterator[bytes]:
+        """The events from ``start`` on, then each as it comes, until the log ends."""
+        index = max(0, start)
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.ended:
+                return
+            await self._changed.wait()
+
+
+class EventLogs:
+    """The event logs of streamed background responses by response id: a running one's
+    is always kept; of those that ended, the most recently ended up to ``max_bytes`` (the
+    oldest dropped first; 0 keeps none once ended)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._running: dict[str, EventLog] = {}
+        self._ended: OrderedDict[str, EventLog] = OrderedDict()
+        self.ended_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._running) + len(self._ended)
+
+    def open(self, response_id: str) -> EventLog:
+        """A new, running log for ``response_id``."""
+        log = self._running[response_id] = EventLog()
+        return log
+
+    def get(self, response_id: str) -> EventLog | None:
+        """The log of ``response_id`` (None: it was not streamed in the background, or
+        its log was dropped)."""
+        return self._running.get(response_id) or self._ended.get(response_id)
+
+    def end(self, response_id: str) -> None:
+        """``response_id``'s generation is over: end its log and keep it within bounds."""
+        log = self._running.pop(response_id, None)
+        if log is None:
+            return
+        log.end()
+        self._ended[response_id] = log
+        self.ended_bytes += log.bytes
+        while self._ended and self.ended_bytes > self.max_bytes:
+            _, old = self._ended.popitem(last=False)
+            self.ended_bytes -= old.bytes
+
+    def drop(self, response_id: str) -> None:
+        """Forget ``response_id``'s log (its response was deleted)."""
+        old = self._ended.pop(response_id, None)
+        if old is not None:
+            self.ended_bytes -= old.bytes

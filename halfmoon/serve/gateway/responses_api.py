@@ -3,10 +3,18 @@
 
 ``POST /v1/responses`` turns the request into a chat request
 (:mod:`halfmoon.serve.gateway.openai_responses`), continued from a stored response with
-``previous_response_id``, and answers it whole, streamed or in the background; answers
-are kept in the gateway's :class:`~halfmoon.serve.gateway.response_store.ResponseStore`
-(``store``), read with ``GET``, listed (``/input_items``), cancelled (``/cancel``, a
-background one) and deleted (``DELETE``), each only by the API key that made it.
+``previous_response_id``, and answers it whole, streamed or in the background (streamed
+or not); answers are kept in the gateway's
+:class:`~halfmoon.serve.gateway.response_store.ResponseStore` (``store``), read with
+``GET`` (a streamed background one's events again with ``?stream=true``, from
+``starting_after`` on, as vLLM's server does), listed (``/input_items``), cancelled
+(``/cancel``, a background one) and deleted (``DELETE``), each only by the API key that
+made it.
+
+A background generation runs as a task of the gateway's loop: a client that goes away
+does not stop it (``/cancel`` does). Its stream, when it has one, ends after
+``response.completed``, after an ``error`` event when it failed, and with no more events
+when it was cancelled (``GET`` then says ``cancelled``).
 """
 
 from __future__ import annotations
@@ -26,14 +34,16 @@ from halfmoon.serve.gateway.openai_responses import (
     Keep,
     ResponsesRequest,
     collect_response,
+    error_of,
     input_items,
     input_items_page,
     new_ids,
     response_body,
     response_events,
+    sse_event,
     to_chat,
 )
-from halfmoon.serve.gateway.response_store import StoredResponse
+from halfmoon.serve.gateway.response_store import EventLog, EventLogs, StoredResponse
 from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared, turned_away
 
 #: ``start(chat, request)``: the app's way to prepare a chat request and start it (its
@@ -51,6 +61,8 @@ def responses_router(
     app's, so these requests are limited and counted as every other)."""
     router = APIRouter()
     store = gw.responses
+    # (ended logs within as many bytes again as the store keeps responses)
+    logs = EventLogs(store.max_bytes)
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -71,12 +83,15 @@ def responses_router(
                 store.put(owner, answer, items, previous)
 
         if body.background:
-            if keep is None or body.stream:
-                raise HTTPError(400, "background responses need store (and are not streamed: "
-                                "poll GET /v1/responses/{id})", "BadRequestError",
-                                param="store" if keep is None else "stream")  # fmt: skip
+            if keep is None:
+                raise HTTPError(400, "background responses need store (this server keeps "
+                                "them for GET /v1/responses/{id})", "BadRequestError",
+                                param="store")  # fmt: skip
             check_busy(chat)  # refused now, not in the background
-            return JSONResponse(_in_background(body, chat, request, keep, owner, items, previous))
+            queued, log = _in_background(body, chat, request, keep, owner, items, previous)
+            if log is not None:
+                return StreamingResponse(log.follow(), media_type="text/event-stream")
+            return JSONResponse(queued)
         p, first, stream = await start(chat, request)
         if body.stream:
             return StreamingResponse(
@@ -92,33 +107,52 @@ def responses_router(
     def _in_background(
         body: ResponsesRequest, chat: ChatCompletionRequest, request: Request, keep: Keep,
         owner: str | None, items: list[dict[str, Any]], previous: StoredResponse | None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> tuple[dict[str, Any], EventLog | None]:  # fmt: skip
         """Start ``body``'s generation as a task and store it as ``queued`` (then
-        ``in_progress``, and its answer, ``failed`` or ``cancelled`` in the end)."""
+        ``in_progress``, and its answer, ``failed`` or ``cancelled`` in the end); the
+        queued response, and the log its events go to when it is streamed."""
         resp_id, msg_id = new_ids()
         created = time.time()
         queued = {**response_body(body, resp_id, created, body.model, None, None, None, True),
                   "status": "queued"}  # type: ignore[arg-type]  # fmt: skip
+        log = logs.open(resp_id) if body.stream else None
+        if log is not None:  # its first event at once, before the cluster takes it
+            log.append(sse_event("response.created", 0, response=queued))
 
         def mark(status: str, **fields: Any) -> None:
             store.put(owner, {**queued, "status": status, **fields}, items, previous)
+
+        def fail(message: str) -> None:
+            mark("failed", error={"code": "server_error", "message": message})
 
         async def run() -> None:
             try:
                 p, first, stream = await start(chat, request)
                 mark("in_progress")
-                await collect_response(body, p, first, stream, keep, (resp_id, msg_id), created)
+                ids = (resp_id, msg_id)
+                if log is None:
+                    await collect_response(body, p, first, stream, keep, ids, created)
+                    return
+                events = response_events(body, p, first, stream, keep, ids, created, True)
+                async for event in events:
+                    log.append(event)
+                    if (message := error_of(event)) is not None:
+                        fail(message)
             except asyncio.CancelledError:
                 mark("cancelled")
             except (Rejected, BackendError, HTTPError) as exc:
                 message = exc.message if isinstance(exc, HTTPError) else f"request failed: {exc}"
-                mark("failed", error={"code": "server_error", "message": message})
+                fail(message)
+                if log is not None:  # turned away before its first event
+                    log.append(sse_event("error", len(log.events), code="server_error",
+                                         message=message, param=None))  # fmt: skip
             finally:
                 background.pop(resp_id, None)
+                logs.end(resp_id)
 
         mark("queued")
         background[resp_id] = asyncio.get_running_loop().create_task(run())
-        return queued
+        return queued, log
 
     def _stored(owner: str | None, response_id: str, param: str | None) -> StoredResponse:
         """``owner``'s stored response ``response_id``: a 400 naming ``param`` (a request
@@ -150,8 +184,24 @@ def responses_router(
             await asyncio.wait([task])
 
     @router.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return _stored(getattr(request.state, "api_key", None), response_id, None).body
+    async def get_response(
+        response_id: str, request: Request, stream: bool = False,
+        starting_after: int | None = None,
+    ) -> Response:  # fmt: skip
+        entry = _stored(getattr(request.state, "api_key", None), response_id, None)
+        if not stream:
+            return JSONResponse(entry.body)
+        log = logs.get(response_id)
+        if log is None:
+            raise HTTPError(400, f"response {response_id!r} has no events to stream (only a "
+                            "background response made with stream has them, kept for a "
+                            "while after it ends): GET it without stream",
+                            "BadRequestError", param="stream")  # fmt: skip
+        if starting_after is not None and starting_after < -1:
+            raise HTTPError(400, "starting_after must be a sequence number (>= -1)",
+                            "BadRequestError", param="starting_after")  # fmt: skip
+        start_at = 0 if starting_after is None else starting_after + 1
+        return StreamingResponse(log.follow(start_at), media_type="text/event-stream")
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -159,6 +209,7 @@ def responses_router(
         _stored(owner, response_id, None)
         await _cancel(response_id)
         store.delete(owner, response_id)
+        logs.drop(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.post("/v1/responses/{response_id}/cancel")
