@@ -22,7 +22,7 @@ class TokenLogprob:
 
 
 #: The kinds of :class:`StructuredOutput` (vLLM's ``structured_outputs`` fields).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,10 @@ class StructuredOutput:
     """A constraint on a request's output (vLLM's structured outputs): ``kind`` one of
     :data:`STRUCTURED_KINDS`, ``spec`` its text: a JSON schema (``json``), a regular
     expression (``regex``), a JSON list of strings (``choice``), a Lark or GBNF grammar
-    (``grammar``); empty for ``json_object`` (any JSON object). For JSON: ``compact``, no
+    (``grammar``), vLLM's structural tag as JSON (``structural_tag``: ``{"structures":
+    [{"begin", "schema", "end"}, ...], "triggers": [...]}``, free text in which each
+    trigger starts one of its structures: the ``begin`` text, JSON of the ``schema``,
+    the ``end`` text); empty for ``json_object`` (any JSON object). For JSON: ``compact``, no
     whitespace of the model's choosing (vLLM's ``disable_any_whitespace``);
     ``whitespace``, a regex for the whitespace allowed between items instead (vLLM's
     ``whitespace_pattern``; "" for the default); ``closed``, objects without an

@@ -13,7 +13,8 @@ model's tokenizer (:func:`grammar_tokenizer`, built once per tokenizer: ~0.25 s 
 As in vLLM: JSON schemas allow free whitespace between items unless ``compact`` (or
 as ``whitespace`` says), and ``closed`` closes objects (:func:`closed_objects`); a
 ``grammar`` is Lark (llguidance's dialect) or GBNF (llama.cpp's); ``json_object`` is any
-JSON object.
+JSON object; a ``structural_tag`` (vLLM's structures-and-triggers form) is free text in
+which each trigger starts one of its structures (:func:`_structural_tag`).
 """
 
 from __future__ import annotations
@@ -90,9 +91,51 @@ def grammar_text(structured: StructuredOutput) -> str:
             return ll.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in choices)
             )
+        if kind == "structural_tag":
+            return _structural_tag(spec, options, structured.closed)
         return ll.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise HalfmoonError(f"structured output ({kind}): {exc}") from None
+
+
+def _structural_tag(spec: str, options: dict[str, Any], closed: bool) -> str:
+    """The llguidance grammar of a structural tag (``{"structures": [...], "triggers":
+    [...]}``): free text in which a trigger may only go on as the ``begin`` of one of its
+    structures, then JSON of that structure's schema (with the request's JSON options),
+    then its ``end`` (llguidance's ``StructTag``, as vLLM's guidance backend builds it)."""
+    ll = _llguidance()
+    tag = json.loads(spec)
+    triggers = tag.get("triggers") if isinstance(tag, dict) else None
+    structures = tag.get("structures") if isinstance(tag, dict) else None
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or any(not isinstance(t, str) or not t for t in triggers)
+    ):
+        raise ValueError("triggers takes a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures takes a non-empty list of {begin, schema, end}")
+    tags = []
+    for item in structures:
+        if not isinstance(item, dict) or not all(
+            isinstance(item.get(key), str) for key in ("begin", "end")
+        ):
+            raise ValueError("each structure takes begin and end strings and a schema")
+        schema = item.get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError(f"structure {item['begin']!r}: schema is a JSON schema (an object)")
+        trigger = next((t for t in triggers if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structure {item['begin']!r} begins with none of the triggers")
+        if closed:
+            schema = closed_objects(schema)
+        # The JSON options go in the schema ("x-guidance"): a grammar made of it
+        # (grammar_from_json_schema) would be read here as a schema of unknown keywords,
+        # which admits any JSON.
+        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+        tags.append(ll.StructTag(trigger=trigger, begin=item["begin"], grammar=schema,
+                                 end=item["end"]))  # fmt: skip
+    return ll.StructTag.to_grammar(tags)
 
 
 #: Keywords whose value maps names to subschemas, and those whose value is a subschema

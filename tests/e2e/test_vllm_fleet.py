@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,8 +216,9 @@ def _running(url: str) -> float:
 
 
 def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
-    """A JSON schema (OpenAI's ``response_format``) and a choice list through halfmoon to
-    vLLM (as its own ``structured_outputs``): the answers equal vLLM's own."""
+    """A JSON schema (OpenAI's ``response_format``), a structural tag and a choice list
+    through halfmoon to vLLM (as its own ``structured_outputs``): the answers equal vLLM's
+    own."""
     from halfmoon.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
@@ -233,6 +235,20 @@ def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
     theirs = vllm_greedy(url, tokenizer.encode(prompt), 24, structured_outputs={"json": schema})
     text = ours.choices[0].text
     assert text == tokenizer.decode(theirs) and set(json.loads(text)) == {"city"}
+    # vLLM's structural tag (response_format): where the greedy answer says " Paris", the
+    # structure follows ("(", a digit as JSON, ")"); vLLM gets it as its own field
+    tag = {"triggers": [" Paris"],
+           "structures": [{"begin": " Paris(", "end": ")",
+                           "schema": {"type": "integer", "minimum": 0, "maximum": 9}}]}  # fmt: skip
+    prompt = "The capital of France is"
+    ours = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"response_format": {"type": "structural_tag", **tag}},
+    )  # fmt: skip
+    theirs = vllm_greedy(url, tokenizer.encode(prompt), 12, structured_outputs={
+        "structural_tag": json.dumps({"type": "structural_tag", **tag})})  # fmt: skip
+    text = ours.choices[0].text
+    assert text == tokenizer.decode(theirs) and re.match(r" Paris\(\d\)", text), text
     choices = {"choice": [" yes", " no"]}
     ours = client.completions.create(
         model="smollm2-135m-instruct", prompt="Is the sky blue? Answer:", max_tokens=8,

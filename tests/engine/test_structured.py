@@ -55,8 +55,13 @@ def engine(tiny_dir) -> LLMEngine:
         (StructuredOutput("choice", "[]"), "non-empty list"),
         (StructuredOutput("choice", '["a", ""]'), "non-empty list"),
         (StructuredOutput("grammar", "root ::= missing_rule"), "grammar"),
+        (StructuredOutput("structural_tag", '{"structures": [], "triggers": ["<"]}'),
+         "structures takes"),
+        (StructuredOutput("structural_tag", json.dumps(
+            {"triggers": ["<f"], "structures": [{"begin": "<g", "schema": {}, "end": ">"}]})),
+         "none of the triggers"),
     ],
-)
+)  # fmt: skip
 def test_bad_specs_are_errors_naming_them(engine: LLMEngine, structured, error: str) -> None:
     tok = grammar_tokenizer(engine.tokenizer, engine.model_config.vocab_size, [1])
     with pytest.raises(HalfmoonError, match=error):
@@ -109,6 +114,30 @@ def test_a_random_model_writes_only_what_its_grammar_admits(engine: LLMEngine) -
         assert ok(out.text), (kind, out.text)
     unconstrained = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=12, seed=1))
     assert not re.fullmatch(r"[ab]{3}-\d{2}|[xy]+\.", unconstrained[0].text)
+
+
+def test_a_structural_tag_holds_what_follows_its_trigger(engine: LLMEngine) -> None:
+    """vLLM's structural tag: free text, but wherever the trigger ("a") comes out, its
+    structure follows: the rest of its begin ("a("), JSON of its schema, its end (")").
+    A random model writes "a" often; left alone, it writes no such structures."""
+    tag = {"triggers": ["a"],
+           "structures": [{"begin": "a(", "schema": {"enum": [1, 2]}, "end": ")"}]}  # fmt: skip
+    structured = StructuredOutput("structural_tag", json.dumps(tag), compact=True)
+    prompts = [[5 + i, 9, 17, 33] for i in range(6)]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=structured)
+              for i in range(6)]  # fmt: skip
+    outs = engine.generate(prompts, params)
+    assert sum(o.text.count("a") for o in outs) > 0  # the trigger came out ...
+    for out in outs:  # ... and every time its structure followed (or the output ended)
+        text = (
+            re.sub(r"a(\(([12]\)?)?)?$", "", out.text)
+            if out.finish_reason == "length"
+            else out.text
+        )
+        assert text.count("a") == len(re.findall(r"a\([12]\)", text)), out.text
+    free = engine.generate(prompts, [SamplingParams(max_tokens=40, temperature=1.0, seed=i)
+                                     for i in range(6)])  # fmt: skip
+    assert any(o.text.count("a") > len(re.findall(r"a\([12]\)", o.text)) for o in free)
 
 
 def test_closed_objects_and_a_whitespace_pattern(engine: LLMEngine) -> None:

@@ -285,7 +285,8 @@ def test_logit_bias_reaches_the_backend_as_token_ids(served):
 @pytest.mark.parametrize(
     ("option", "name"),
     [({"use_beam_search": True, "stream": True}, "stream"),
-     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs")],
+     ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {}}'}},
+      "structured_outputs")],
 )  # fmt: skip
 def test_vllm_options_this_server_cannot_honour_are_refused_by_name(served, option, name):
     client, _, _ = served
@@ -548,6 +549,10 @@ def test_max_tokens_zero_with_echo_answers_the_prompt_alone(served):
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+#: vLLM's structural tag (its structures-and-triggers form).
+TAG = {"structures": [{"begin": "<f=w>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
+
+
 @pytest.mark.parametrize(
     ("option", "expected"),
     [
@@ -572,6 +577,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"guided_regex": "a+"}, StructuredOutput("regex", "a+")),
         ({"guided_choice": ["a"]}, StructuredOutput("choice", '["a"]')),
         ({"guided_grammar": "start: /[0-9]+/"}, StructuredOutput("grammar", "start: /[0-9]+/")),
+        ({"response_format": {"type": "structural_tag", **TAG}},
+         StructuredOutput("structural_tag", json.dumps(TAG))),
+        ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", **TAG}),
+                                 "disable_any_whitespace": True}},
+         StructuredOutput("structural_tag", json.dumps(TAG), compact=True)),
     ],
 )  # fmt: skip
 def test_structured_outputs_reach_the_backend(served, option, expected):
@@ -602,8 +612,18 @@ def test_structured_outputs_reach_the_backend(served, option, expected):
         ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
          "response_format", "only one"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-        ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
-        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+        ({"response_format": {"type": "json_tag"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "triggers"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "triggers"),
+        ({"structured_outputs": {"structural_tag": "{nope"}}, "structured_outputs", "as JSON"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                              "structures": [{"begin": "<g=", "schema": {}, "end": ">"}]}},
+         "response_format", "none of the triggers"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                              "structures": [{"begin": "<f=", "end": ">"}]}},
+         "response_format", "schema"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}},
+         "response_format", "'format' form"),
         ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": 5}},
          "structured_outputs", "whitespace_pattern takes a regex"),
     ],

@@ -95,6 +95,8 @@ def test_request_body_maps_every_sampling_option() -> None:
         (StructuredOutput("regex", "[ab]+"), {"regex": "[ab]+"}),
         (StructuredOutput("choice", '["y", "n"]'), {"choice": ["y", "n"]}),
         (StructuredOutput("grammar", 'root ::= "a"'), {"grammar": 'root ::= "a"'}),
+        (StructuredOutput("structural_tag", '{"structures": [], "triggers": ["<"]}'),
+         {"structural_tag": '{"type": "structural_tag", "structures": [], "triggers": ["<"]}'}),
     ],
 )  # fmt: skip
 def test_structured_outputs_go_to_vllm_as_its_own_field(structured, expected) -> None:

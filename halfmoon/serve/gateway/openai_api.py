@@ -14,8 +14,9 @@ from a prefix cache),
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``stop_token_ids``,
 ``allowed_token_ids``, ``bad_words``, structured outputs (vLLM's ``structured_outputs``: ``json``,
 ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``,
-``disable_additional_properties``, ``whitespace_pattern``; its older
-``guided_*`` fields; OpenAI's ``response_format`` ``json_object`` and ``json_schema``),
+``disable_additional_properties``, ``whitespace_pattern``, ``structural_tag`` (the
+structures-and-triggers form); its older ``guided_*`` fields; OpenAI's ``response_format``
+``json_object`` and ``json_schema``, and vLLM's ``structural_tag`` there),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
 ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
@@ -28,7 +29,7 @@ among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"`` without a
 parser, the older
-``functions``, vLLM's structural tags, a ``priority`` other than 0, chat's
+``functions``, the ``format`` form of vLLM's structural tags, a ``priority`` other than 0, chat's
 ``add_special_tokens``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
@@ -210,18 +211,17 @@ class _Common(BaseModel):
     def structured_output(self) -> StructuredOutput | None:
         """The request's structured output, from vLLM's ``structured_outputs`` (``json``,
         ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``),
-        OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's older
+        OpenAI's ``response_format`` (``json_object``, ``json_schema``; vLLM's
+        ``structural_tag`` there and in ``structured_outputs``) or vLLM's older
         ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None
         without one. ValueError naming the field when one is malformed, unsupported, or
         more than one is set."""
         so = self.structured_outputs or {}
-        if so.get("structural_tag"):
-            raise ValueError("structured_outputs.structural_tag is not supported")
         whitespace = so.get("whitespace_pattern") or ""
         if not isinstance(whitespace, str):
             raise ValueError("structured_outputs.whitespace_pattern takes a regex")
         given = [(f"structured_outputs.{kind}", kind, so.get(kind)) for kind in
-                 ("json", "regex", "choice", "grammar", "json_object")]  # fmt: skip
+                 ("json", "regex", "choice", "grammar", "json_object", "structural_tag")]  # fmt: skip
         given += [(f"guided_{kind}", kind, getattr(self, f"guided_{kind}"))
                   for kind in ("json", "regex", "choice", "grammar")]  # fmt: skip
         if self.response_format is not None:
@@ -243,6 +243,8 @@ class _Common(BaseModel):
             if not isinstance(value, list):  # its items are checked as the spec compiles
                 raise ValueError(f"{name} takes a list of strings")
             spec = json.dumps(value)
+        elif kind == "structural_tag":
+            spec = _structural_tag(name, value)
         else:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} takes a non-empty string")
@@ -274,9 +276,29 @@ STRUCTURED_FIELDS = ("structured_outputs", "response_format", "guided_json", "gu
 MAX_BEAM_WIDTH = 10
 
 
+def _structural_tag(name: str, value: Any) -> str:
+    """A structural tag's spec (``{"structures": ..., "triggers": ...}`` as JSON) from
+    ``value``: vLLM's ``structured_outputs.structural_tag`` (its JSON text, or the object)
+    or a ``response_format`` of type ``structural_tag`` (the structures and triggers are
+    checked as the spec compiles). vLLM's newer ``format`` form is refused by name."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name} takes a structural tag as JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} takes a structural tag (structures and triggers)")
+    if "format" in value:
+        raise ValueError(f"{name}: the structural tag's 'format' form is not supported "
+                         "(its 'structures' and 'triggers' form is)")  # fmt: skip
+    return json.dumps({"structures": value.get("structures"), "triggers": value.get("triggers")})
+
+
 def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:
     """OpenAI's ``response_format`` as (field, kind, value); ``text`` sets nothing."""
     kind = value.get("type", "text")
+    if kind == "structural_tag":  # vLLM's
+        return "response_format", "structural_tag", value
     if kind == "text":
         return "response_format", "json_object", None
     if kind == "json_object":
@@ -287,7 +309,8 @@ def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:
             raise ValueError("response_format json_schema needs json_schema.schema (an object)")
         return "response_format", "json", inner["schema"]
     raise ValueError(
-        f"response_format {kind!r} is not supported (text, json_object and json_schema are)"
+        f"response_format {kind!r} is not supported (text, json_object, json_schema and "
+        "vLLM's structural_tag are)"
     )
 
 

@@ -170,6 +170,8 @@ def structured_outputs_body(structured: StructuredOutput) -> dict[str, Any]:
     pair both sides get it: the decode side generates every output token)."""
     kind, spec = structured.kind, structured.spec
     value: Any = {"json": json.loads, "choice": json.loads}.get(kind, str)(spec)
+    if kind == "structural_tag":  # vLLM takes it as JSON text, with its type
+        value = json.dumps({"type": "structural_tag", **json.loads(spec)})
     out = {
         kind: True if kind == "json_object" else value,
         "disable_any_whitespace": structured.compact,
