@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -410,6 +411,62 @@ def test_auto_reads_pythonic_calls(pythonic):
     contents = [json.loads(x[6:])["choices"][0]["delta"].get("content")
                 for x in streamed.splitlines() if x.startswith("data: {")]  # fmt: skip
     assert len([c for c in contents if c]) > 1
+
+
+@pytest.fixture(scope="module")
+def mistral(gateways):
+    with answering(gateways, "mistral") as pair:
+        yield pair
+
+
+def test_auto_reads_mistral_calls_in_both_formats(mistral):
+    """``--tool-call-parser mistral``: text, then ``[TOOL_CALLS]`` and a JSON array of
+    ``{"name", "arguments"}`` (tokenizers before v11) or ``name[ARGS]{...}`` per call (v11
+    and later); ids of 9 letters and digits, as Mistral's templates require."""
+    client, backend = mistral
+    backend.answer = ('Let me look.[TOOL_CALLS][{"name": "weather", "arguments": {"city": '
+                      '"Paris"}}, {"name": "clock", "arguments": {}}]')  # fmt: skip
+    body = _chat(client, tools=TOOLS).json()
+    choice = body["choices"][0]
+    assert (
+        choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    )
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [{"name": "weather", "arguments": '{"city": "Paris"}'},
+                                              {"name": "clock", "arguments": "{}"}]  # fmt: skip
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls)
+    backend.answer = '[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]clock[ARGS]{}'
+    message = _chat(client, tools=TOOLS).json()["choices"][0]["message"]
+    assert message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Rome"}'},
+        {"name": "clock", "arguments": "{}"},
+    ]
+    backend.answer = "No call [here], just text."
+    body = _chat(client, tools=TOOLS).json()
+    assert body["choices"][0]["message"]["content"] == backend.answer
+    backend.answer = "[TOOL_CALLS]weather[ARGS]{not json"  # unreadable: text as it came
+    assert _chat(client, tools=TOOLS).json()["choices"][0]["message"]["content"] == backend.answer
+    # [TOOL_CALLS] is a special token: with tools, the text keeps special tokens
+    backend.answer = "a<|im_end|>b"
+    assert _chat(client, tools=TOOLS).json()["choices"][0]["message"]["content"] == "a<|im_end|>b"
+    assert _chat(client).json()["choices"][0]["message"]["content"] == "ab"  # no tools
+
+
+def test_mistral_calls_stream_after_the_text(mistral):
+    client, backend = mistral
+    backend.answer = 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}'
+    text = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content", "") for d in deltas) == "Sure."
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    mode = ToolMode(parser="mistral")
+    assert mode.held_from("Hi [TOOL") == 3 and mode.held_from("Hi [TOOL_CALLS]x") == 3
+    assert mode.held_from("Hi [x") == 5 and mode.keeps_special_tokens
+    assert not ToolMode(parser="hermes").keeps_special_tokens
 
 
 def test_llama3_held_from() -> None:

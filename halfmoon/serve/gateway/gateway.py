@@ -230,7 +230,10 @@ class Gateway:
             echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
             tool_mode=tool_mode,
-            skip_special_tokens=body.skip_special_tokens,
+            # (a tool-call format whose marker is a special token keeps them, as vLLM's
+            # parser asks)
+            skip_special_tokens=body.skip_special_tokens
+            and not (tool_mode is not None and tool_mode.keeps_special_tokens),
             return_token_ids=bool(body.return_token_ids),
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
         )  # fmt: skip

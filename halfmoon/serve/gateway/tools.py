@@ -23,7 +23,13 @@ serves them without a model-specific tool-call parser.
   streamed, an answer is held back while it may still be a call); ``pythonic`` (Llama
   3.2 and 4, and others: the whole answer a Python list of calls with keyword arguments,
   ``[weather(city="Paris"), clock()]``, optionally between ``<|python_start|>`` and
-  ``<|python_end|>``; the values Python literals, read with :mod:`ast`, never run).
+  ``<|python_end|>``; the values Python literals, read with :mod:`ast`, never run);
+  ``mistral`` (Mistral's instruct models: text, then ``[TOOL_CALLS]`` and either a JSON
+  array of ``{"name", "arguments"}`` objects, as tokenizers before v11 write it, or
+  ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``, as v11 and later
+  do; ``[TOOL_CALLS]`` is a special token, so such requests keep special tokens in their
+  text, as vLLM's parser asks; call ids are 9 letters and digits, which Mistral's chat
+  templates require of the ``tool_call_id`` that answers them).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
@@ -49,8 +55,13 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 #: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+#: Mistral's marker before its calls, and between a v11+ call's name and arguments.
+_TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"
+#: Parsers whose calls follow the content after a marker: the marker.
+_OPENERS = {"hermes": _HERMES_OPEN, "mistral": _TOOL_CALLS}
+_ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.x's marker before a tool call (a special token: usually not in the text).
 _PYTHON_TAG = "<|python_tag|>"
 #: Llama 4's markers around pythonic calls (special tokens too).
@@ -68,6 +79,11 @@ class ToolMode:
     name: str | None = None
     parser: str | None = None
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output's text must keep special tokens (its calls' marker is one)."""
+        return self.parser == "mistral"
+
     def finish(self, reason: str | None) -> str | None:
         """The finish reason of an answer with calls: ``tool_calls`` for ``required`` or
         ``auto`` calls that ended on their own, else the generation's (vLLM's rule)."""
@@ -84,11 +100,12 @@ class ToolMode:
             head = text.lstrip()
             undecided = not head or marker.startswith(head[: len(marker)])
             return 0 if undecided or head.startswith((first, marker)) else len(text)
-        start = text.find(_HERMES_OPEN)
+        opener = _OPENERS[self.parser]
+        start = text.find(opener)
         if start >= 0:
             return start
-        for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-            if text.endswith(_HERMES_OPEN[:k]):
+        for k in range(min(len(opener) - 1, len(text)), 0, -1):
+            if text.endswith(opener[:k]):
                 return len(text) - k
         return len(text)
 
@@ -96,6 +113,11 @@ class ToolMode:
 def tool_call_id() -> str:
     """A fresh tool call id (vLLM's shape)."""
     return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+def mistral_tool_call_id() -> str:
+    """A fresh tool call id as Mistral's templates require it: 9 letters and digits."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -179,6 +201,8 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
         return _llama3_json(text)
     if mode.parser == "pythonic":
         return _pythonic(text)
+    if mode.parser == "mistral":
+        return _mistral(text)
     if mode.parser is not None:
         return _hermes(text)
     if mode.name is not None:  # the output is the arguments (cut short: as far as they got)
@@ -220,16 +244,44 @@ class HeldText:
         return out, calls
 
 
-def _calls(items: list[Any]) -> list[dict[str, Any]] | None:
+def _calls(items: list[Any], make_id=tool_call_id) -> list[dict[str, Any]] | None:
     """JSON objects ``{"name", "parameters" (or "arguments")}`` as tool calls (None if
-    any is not one)."""
+    any is not one), their ids from ``make_id``."""
     calls = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         arguments = item["parameters"] if "parameters" in item else item.get("arguments", {})
-        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False), make_id()))
     return calls
+
+
+def _mistral(text: str) -> list[dict[str, Any]] | None:
+    """Mistral's calls after the first ``[TOOL_CALLS]``: a JSON array of ``{"name",
+    "arguments"}`` objects (tokenizers before v11), or ``name[ARGS]{...}`` after each
+    ``[TOOL_CALLS]`` (v11 and later)."""
+    start = text.find(_TOOL_CALLS)
+    if start < 0:
+        return None
+    items: list[Any] = []
+    for part in text[start:].split(_TOOL_CALLS)[1:]:
+        part = part.strip()
+        try:
+            if part.startswith("["):
+                found = json.loads(part)
+                if not isinstance(found, list):
+                    return None
+                items += found
+            elif _ARGS in part:
+                name, arguments = part.split(_ARGS, 1)
+                if not name.strip():
+                    return None
+                items.append({"name": name.strip(), "arguments": json.loads(arguments)})
+            else:
+                return None
+        except ValueError:
+            return None
+    return _calls(items, mistral_tool_call_id) if items else None
 
 
 def _hermes(text: str) -> list[dict[str, Any]] | None:
@@ -292,9 +344,9 @@ def _pythonic(text: str) -> list[dict[str, Any]] | None:
     return calls
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": tool_call_id(),
+        "id": call_id or tool_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }

@@ -466,8 +466,9 @@ def register(subparsers: Any) -> None:
         "tools may leave tool_choice at 'auto' (hermes: <tool_call>{...}</tool_call> blocks, "
         "as Qwen2.5/3 and Hermes templates ask for; llama3_json: an answer of "
         '{"name", "parameters"} objects, as Llama 3.x writes them; pythonic: an answer '
-        'that is a Python list of calls, [f(a=1)], as Llama 3.2 and 4 write them); '
-        "without it such requests get a 400",
+        'that is a Python list of calls, [f(a=1)], as Llama 3.2 and 4 write them; '
+        "mistral: [TOOL_CALLS] and a JSON array, or name[ARGS]{...} per call, as Mistral's "
+        "instruct models write them); without it such requests get a 400",
     )  # fmt: skip
     p.add_argument(
         "--responses-store-mb", type=float, default=256, metavar="MB",
