@@ -21,6 +21,10 @@ class TokenLogprob:
     rank: int | None = None
 
 
+#: How an engine orders its queue (vLLM's ``--scheduling-policy``): first come, first
+#: served, or by each request's ``priority`` (lower first; arrival order among equals).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 #: The kinds of :class:`StructuredOutput` (vLLM's ``structured_outputs`` fields).
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -98,6 +102,9 @@ class SamplingParams:
     #: vLLM's ``bad_words``: words never generated (the engine bans each one's last
     #: token where the output already ends with the rest of it).
     bad_words: tuple[str, ...] = ()
+    #: vLLM's request ``priority``: under the ``priority`` scheduling policy a lower value
+    #: is served earlier (and preempted later); ignored under ``fcfs``.
+    priority: int = 0
 
     @property
     def has_penalties(self) -> bool:

@@ -181,6 +181,8 @@ class GatewaySpec:
     override_generation_config: tuple[tuple[str, float | int], ...] = ()
     #: ``--responses-store-mb`` in bytes (GatewayConfig.responses_store_bytes).
     responses_store_bytes: int = 256 * 2**20
+    #: The engines' ``--scheduling-policy`` (GatewayConfig.scheduling_policy).
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         generation_config=getattr(args, "generation_config", "auto"),
         override_generation_config=_override(getattr(args, "override_generation_config", None)),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import SCHEDULING_POLICIES
 
 #: ``model_type`` values this engine runs, mapped to their HF architecture class name.
 ARCHITECTURES: Mapping[str, str] = {
@@ -258,7 +259,8 @@ class EngineConfig:
     by the exact-math reference (``reference``: gather + SDPA), or ``auto`` (the kernel
     when it can be built, else the reference). ``cuda_graphs``: on a CUDA device, replay
     decode steps from captured CUDA graphs (:mod:`halfmoon.engine.graphs`; off by
-    default until a GPU run has verified it).
+    default until a GPU run has verified it). ``scheduling_policy``: the queue's order,
+    ``fcfs`` or ``priority`` (:mod:`halfmoon.engine.scheduler`).
     """
 
     model: str = "tiny"
@@ -277,8 +279,14 @@ class EngineConfig:
     prepack_lm_head: bool = True
     attention: str = "auto"
     cuda_graphs: bool = False
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise HalfmoonError(
+                f"unknown scheduling policy {self.scheduling_policy!r}; use one of "
+                f"{', '.join(SCHEDULING_POLICIES)}"
+            )
         if self.dtype not in DTYPES:
             raise HalfmoonError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -196,7 +196,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.chunk_tokens,
+            config.chunk_tokens, config.scheduling_policy,
         )  # fmt: skip
         if config.prepack_weights:
             prepack_linears(loaded.model)

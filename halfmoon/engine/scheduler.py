@@ -8,11 +8,19 @@ then waiting ones are admitted (taking their cached prefix) while the token budg
 its next token, the youngest running sequence is preempted: its blocks are freed (full
 ones stay in the prefix cache) and it returns to the head of the queue to be recomputed
 from its prompt plus the tokens it already generated.
+
+Under the ``priority`` policy (vLLM's ``--scheduling-policy priority``) the queue is
+ordered by each request's ``priority`` (lower first), then by arrival; running sequences
+are still stepped in the order they were admitted, and the one preempted for room is
+the running sequence of the highest priority value (the latest to arrive among equals),
+which goes back to its place in the queue.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,6 +68,13 @@ class Sequence:
     constraint: Constraint | None = None
     #: ``params.bad_words`` as token sequences.
     bad_words: tuple[tuple[int, ...], ...] = ()
+    #: Its arrival order in its scheduler (set when queued; kept across preemptions).
+    arrival: int = -1
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its place under the ``priority`` policy: ``(priority, arrival)``, lower first."""
+        return self.params.priority, self.arrival
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -113,7 +128,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill and recompute preemption."""
+    """Continuous batching with chunked prefill and recompute preemption, first come
+    first served or by priority (``policy``, see the module docstring)."""
 
     def __init__(
         self,
@@ -121,23 +137,42 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunk_tokens: int,
+        policy: str = "fcfs",
     ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_tokens = chunk_tokens
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Put ``seq`` in the waiting queue: at its place by rank under ``priority``; else
+        at the back, or at the front (``front``: a preempted sequence)."""
+        seq.status = Status.WAITING
+        if seq.arrival < 0:
+            seq.arrival = next(self._arrivals)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=lambda s: s.rank)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
-        seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._queue(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose blocks are already allocated (KV import)."""
         seq.status = Status.RUNNING
+        if seq.arrival < 0:
+            seq.arrival = next(self._arrivals)
         self.running.append(seq)
 
     def num_prefill_tokens(self) -> int:
@@ -178,8 +213,14 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt for room: the youngest, or under ``priority``
+        the one of the highest rank."""
+        if self.by_priority:
+            return max(self.running, key=lambda s: s.rank)
+        return self.running[-1]
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks (see the module docstring)."""
@@ -193,9 +234,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_tokens, budget)
             while not self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                # (under ``priority`` it may have been scheduled earlier in this loop)
+                for k, chunk in enumerate(chunks):
+                    if chunk.seq is victim:
+                        budget += chunk.num_tokens
+                        del chunks[k]
+                        break
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:

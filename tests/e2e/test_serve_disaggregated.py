@@ -18,7 +18,9 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog " * 4, "1 2 3 4
 
 @pytest.fixture(scope="module")
 def disagg(cluster_factory):
-    return cluster_factory("--kv-cache-mb", "64", "--tool-call-parser", "hermes")
+    # (every request here but one has priority 0: the priority policy orders them by arrival)
+    return cluster_factory("--kv-cache-mb", "64", "--tool-call-parser", "hermes",
+                           "--scheduling-policy", "priority")  # fmt: skip
 
 
 def _client(cluster):
@@ -474,6 +476,17 @@ def test_forced_tool_calls_through_the_cluster(disagg):
     auto = client.chat.completions.create(model="tiny", messages=messages, tools=tools,
                                           max_tokens=4, temperature=0)  # fmt: skip
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+
+
+def test_a_request_priority_reaches_a_cluster_that_schedules_by_it(disagg):
+    """``--scheduling-policy priority``: a request's ``priority`` is taken (the prefill
+    and decode engines order their queues by it), and the answer is the same."""
+    client = _client(disagg)
+    answers = [client.completions.create(model="tiny", prompt="Order matters", max_tokens=6,
+                                         temperature=0.8, seed=4,
+                                         extra_body={"priority": priority}).choices[0].text
+               for priority in (0, 5, -2)]  # fmt: skip
+    assert answers[0] == answers[1] == answers[2]
 
 
 def test_the_responses_api_through_the_cluster(disagg):

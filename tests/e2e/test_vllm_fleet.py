@@ -44,6 +44,7 @@ def fleet(tmp_path_factory, smollm2_dir):
         tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
         "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
         "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
+        "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
     )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
@@ -309,6 +310,23 @@ def test_beam_search_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
     ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120).json()
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in theirs["choices"]]
     assert len({c["text"] for c in ours["choices"]}) == 3
+
+
+def test_a_request_priority_reaches_the_vllm_server(fleet, smollm2_dir):
+    """Under ``--scheduling-policy priority`` the servers are started with vLLM's own
+    priority policy, so a request's ``priority`` goes through (a vLLM server under its
+    default policy refuses any but 0) and the greedy answer is vLLM's own."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(smollm2_dir).encode(PROMPTS[0])
+    url = _live_server(fleet)
+    for priority in (4, -1):
+        body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": 6,
+                "temperature": 0, "priority": priority}  # fmt: skip
+        ours = httpx.post(f"{fleet.base_url}/v1/completions", json=body, timeout=120)
+        assert ours.status_code == 200, ours.text
+        assert ours.json()["choices"][0]["text"] == httpx.post(
+            f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]  # fmt: skip
 
 
 def test_stop_reason_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):

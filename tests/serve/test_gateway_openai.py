@@ -319,6 +319,26 @@ def test_add_special_tokens_and_priority_as_vllm_takes_them(served):
         refused = client.post(path, json={**request, **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+    assert "scheduling-policy priority" in client.post(
+        "/v1/completions", json={**body, "priority": 1}).json()["error"]["message"]  # fmt: skip
+
+
+def test_priority_reaches_the_engines_under_the_priority_policy(gateways):
+    backend = LogprobBackend()
+    app = gateways.app(backend, "m", max_tokens_limit=64, scheduling_policy="priority")
+    with TestClient(app) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        for priority in (-5, 0, 7):
+            assert client.post("/v1/completions", json={**body, "priority": priority}
+                               ).status_code == 200  # fmt: skip
+            assert backend.params[-1].priority == priority
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": 3}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        assert backend.params[-1].priority == 3
+        huge = client.post("/v1/completions", json={**body, "priority": 2**40})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "priority"
+    with pytest.raises(ValueError, match="scheduling policy"):
+        gateways.app(backend, "m", scheduling_policy="lifo")
 
 
 def test_return_token_ids_whole_and_streamed(served):

@@ -103,7 +103,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
              "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs",
-             "--kv-compression-keep-mb", "12"]  # fmt: skip
+             "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority"]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -115,6 +115,11 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     assert options.cuda_graphs and options.kv_compression_keep_mb == 12
+    assert options.scheduling_policy == "priority"
+    by_priority = EngineOptions(scheduling_policy="priority")
+    assert by_priority.engine_config("prefill").scheduling_policy == "priority"
+    with pytest.raises(HalfmoonError, match="--scheduling-policy"):
+        EngineOptions(scheduling_policy="lifo")
     with pytest.raises(HalfmoonError, match="--prefix-store demote needs halfmoon's engine"):
         EngineOptions(prefix_store="demote", engine="vllm")
     # Without the flag: demote with halfmoon's engine, copy with vLLM's.

@@ -76,6 +76,8 @@ def test_request_body_maps_every_sampling_option() -> None:
     assert body["return_tokens_as_token_ids"] and body["logit_bias"] == {"17": -100.0}
     assert body["allowed_token_ids"] == [4, 17]
     assert body["repetition_penalty"] == 1.1 and body["cache_salt"] == "tenant-a"
+    assert "priority" not in body  # 0, vLLM's default: left out
+    assert request_body("smol", [1], SamplingParams(priority=-3), None)["priority"] == -3
     plain = request_body("smol", [1], SamplingParams(), None)
     # top_k and min_p go off (0) too, or the server would apply its model's defaults
     assert (plain["top_k"], plain["min_p"]) == (0, 0.0)
@@ -213,6 +215,9 @@ def test_launch_line_binds_events_and_pins_nothing() -> None:
     assert argv[argv.index("--block-size") + 1] == "32"  # vLLM's CPU attention: 32k only
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 * 2**20)
     assert argv[-1] == "--enforce-eager"
+    assert argv[argv.index("--scheduling-policy") + 1] == "fcfs"
+    by_priority = VllmLaunch("python3", "/m", "smol", scheduling_policy="priority")
+    assert "priority" in by_priority.argv(8000, 5557, 5558, "t")
     env = launch.env()
     assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     # one worker: the model runs in the engine core's process (no third process)

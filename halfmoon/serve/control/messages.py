@@ -114,6 +114,7 @@ class WireParams(Record):
     #: A structured output as (kind, spec, compact, closed, whitespace), or None.
     structured: tuple[str, str, bool, bool, str] | None = None
     bad_words: list[str] = field(default_factory=list)
+    priority: int = 0
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -130,7 +131,7 @@ class WireParams(Record):
             prompt_logprobs=params.prompt_logprobs,
             structured=None if (so := params.structured) is None
             else (so.kind, so.spec, so.compact, so.closed, so.whitespace),
-            bad_words=list(params.bad_words),
+            bad_words=list(params.bad_words), priority=params.priority,
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -146,7 +147,7 @@ class WireParams(Record):
             allowed_token_ids=tuple(self.allowed_token_ids),
             prompt_logprobs=self.prompt_logprobs,
             structured=None if self.structured is None else StructuredOutput(*self.structured),
-            bad_words=tuple(self.bad_words),
+            bad_words=tuple(self.bad_words), priority=self.priority,
         )  # fmt: skip
 
 

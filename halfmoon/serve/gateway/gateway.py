@@ -18,7 +18,12 @@ from typing import Any, TypeVar
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.ids import IdGenerator
-from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
+from halfmoon.core.request import (
+    SCHEDULING_POLICIES,
+    SamplingParams,
+    StructuredOutput,
+    TokenLogprob,
+)
 from halfmoon.engine.structured import check, grammar_tokenizer
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.gateway.access_log import note_generation
@@ -88,8 +93,13 @@ class GatewayConfig:
     #: The model's end-of-sequence token ids (generation.end_token_ids), where beam
     #: search ends a beam; the tokenizer's own is added.
     end_token_ids: tuple[int, ...] = ()
+    #: The engines' queue order (``halfmoon serve --scheduling-policy``): a request's
+    #: ``priority`` other than 0 is refused unless it is ``priority``, as vLLM does.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
         if self.responses_store_bytes < 0:
@@ -177,6 +187,7 @@ class Gateway:
                 "BadRequestError",
                 param=unsupported[0].split()[0],
             )
+        self._check_priority(body.priority)
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             messages = [m.for_template() for m in body.messages]
@@ -304,9 +315,22 @@ class Gateway:
                 repetition_penalty=option("repetition_penalty"),
                 structured=self._structured(body, tool_schema),
                 bad_words=self._bad_words(body.bad_words or ()),
+                priority=body.priority,
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def _check_priority(self, priority: int) -> None:
+        """A 400 naming ``priority`` unless the engines schedule by it (or it is 0), or
+        when it does not fit in 32 bits."""
+        if priority and self.config.scheduling_policy != "priority":
+            raise HTTPError(400, "priority other than 0 needs the priority scheduling "
+                            "policy (halfmoon serve --scheduling-policy priority); this "
+                            "server serves first come, first served", "BadRequestError",
+                            param="priority")  # fmt: skip
+        if not -(2**31) <= priority < 2**31:
+            raise HTTPError(400, "priority must fit in 32 bits", "BadRequestError",
+                            param="priority")  # fmt: skip
 
     def _bad_words(self, words: Sequence[str]) -> tuple[str, ...]:
         """``bad_words``, each checked to be some token (a 400 otherwise)."""

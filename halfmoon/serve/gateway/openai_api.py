@@ -29,7 +29,8 @@ among requests with the same salt, see
 :mod:`halfmoon.serve.gateway.tenancy`); vLLM's ``/tokenize`` and ``/detokenize``. Known options
 this server does not implement (``best_of``, ``suffix``, ``tool_choice: "auto"`` without a
 parser, the older
-``functions``, the ``format`` form of vLLM's structural tags, a ``priority`` other than 0, chat's
+``functions``, the ``format`` form of vLLM's structural tags, a ``priority`` other than 0
+unless the server schedules by priority (``--scheduling-policy priority``), chat's
 ``add_special_tokens``)
 are refused with a 400 naming them, never silently ignored; vLLM's chat-template options
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) work;
@@ -134,8 +135,8 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     #: vLLM's: log-probability tokens as ``token_id:<id>`` instead of their text.
     return_tokens_as_token_ids: bool = False
-    #: vLLM's request priority (its ``priority`` scheduling policy): only 0, the
-    #: first-come-first-served order every request gets here, as vLLM answers by default.
+    #: vLLM's request priority: lower is served earlier, under ``halfmoon serve
+    #: --scheduling-policy priority``; under ``fcfs`` (the default) only 0, as vLLM answers.
     priority: int = 0
     #: vLLM's beam search: ``n`` beams, the ``n`` best answers (halfmoon.serve.gateway.beam_search).
     use_beam_search: bool = False
@@ -162,8 +163,6 @@ class _Common(BaseModel):
         )
         if self.use_beam_search:
             out += [f"{name} with use_beam_search" for name in self.beam_conflicts()]
-        if self.priority:
-            out.append("priority (requests are served first come, first served)")
         return out
 
     def beam_conflicts(self) -> list[str]:

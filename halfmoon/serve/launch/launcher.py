@@ -155,6 +155,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         tool_call_parser=getattr(args, "tool_call_parser", None),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))

@@ -153,6 +153,8 @@ def request_body(
         body["structured_outputs"] = structured_outputs_body(params.structured)
     if params.bad_words:
         body["bad_words"] = list(params.bad_words)
+    if params.priority:  # (its server runs --scheduling-policy priority: the gateway checked)
+        body["priority"] = params.priority
     if params.prompt_logprobs is not None:  # (vLLM returns them in a whole answer only)
         body["prompt_logprobs"] = params.prompt_logprobs
     return body

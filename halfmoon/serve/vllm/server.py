@@ -212,6 +212,7 @@ class VllmLaunch:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     num_threads: int = 1
+    scheduling_policy: str = "fcfs"
     extra_args: tuple[str, ...] = ()
 
     def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
@@ -230,6 +231,7 @@ class VllmLaunch:
             "--block-size", str(vllm_block_size(self.block_size)),
             "--kv-cache-memory-bytes", str(int(self.kv_cache_mb * 2**20)),
             "--max-num-seqs", str(self.max_num_seqs),
+            "--scheduling-policy", self.scheduling_policy,
             "--kv-events-config", json.dumps(events), "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip

@@ -59,6 +59,7 @@ def vllm_engine(
             model_dir, options.kv_cache_mb, options.block_size, options.dtype, options.vllm_args
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
+        scheduling_policy=options.scheduling_policy,
         extra_args=tuple(shlex.split(options.vllm_args)) + (
             ("--kv-transfer-config", kv_transfer_config(kv_connector)) if kv_connector else ()
         ),

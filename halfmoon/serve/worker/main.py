@@ -14,6 +14,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
+from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.serve.runtime import (
     load_secret,
@@ -60,6 +61,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
     )
+    parser.add_argument(
+        "--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+        help="how each engine orders its queue (vLLM's flag): fcfs (default; a request's "
+        "priority other than 0 is refused), or priority (lower 'priority' first, arrival "
+        "among equals; the running request of the highest value is preempted for room)",
+    )  # fmt: skip
     parser.add_argument(
         "--decode-guard", default=DEFAULT_DECODE_GUARD, choices=DECODE_GUARDS,
         help="what a decode worker does with a request whose joining would make its "
@@ -175,8 +182,14 @@ class EngineOptions:
     engine: str = "halfmoon"
     vllm_python: str | None = None
     vllm_args: str = ""
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise HalfmoonError(
+                f"unknown --scheduling-policy {self.scheduling_policy!r}; use one of "
+                f"{', '.join(SCHEDULING_POLICIES)}"
+            )
         if self.kv_compression not in KV_COMPRESSION_MODES:
             raise HalfmoonError(
                 f"unknown --kv-compression {self.kv_compression!r}; use one of "
@@ -234,7 +247,7 @@ class EngineOptions:
             max_model_len=self.max_model_len, prefill_chunk_tokens=self.prefill_chunk_tokens,
             seed=self.seed, num_threads=self.num_threads,
             enable_prefix_caching=self.prefix_caching, attention=self.attention,
-            cuda_graphs=self.cuda_graphs,
+            cuda_graphs=self.cuda_graphs, scheduling_policy=self.scheduling_policy,
         )  # fmt: skip
 
 
