@@ -335,6 +335,9 @@ def test_priority_reaches_the_engines_under_the_priority_policy(gateways):
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": 3}
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
         assert backend.params[-1].priority == 3
+        response = {"model": "m", "input": "hi", "priority": -4, "max_output_tokens": 2}
+        assert client.post("/v1/responses", json=response).status_code == 200
+        assert backend.params[-1].priority == -4
         huge = client.post("/v1/completions", json={**body, "priority": 2**40})
         assert huge.status_code == 400 and huge.json()["error"]["param"] == "priority"
     with pytest.raises(ValueError, match="scheduling policy"):

@@ -6,7 +6,7 @@ system message; ``input`` text, or items — messages (text content parts),
 items (a ``tool`` message); ``tools`` (function tools, the Responses API's flat shape) and
 ``tool_choice``; ``text.format`` (``json_object``, ``json_schema``) a structured output;
 ``max_output_tokens``, ``temperature``, ``top_p`` (left out: the model's defaults), and
-vLLM's ``seed``. It then runs as any chat request, and its answer is rendered as a
+vLLM's ``seed`` and ``priority``. It then runs as any chat request, and its answer is rendered as a
 ``response`` object (:func:`response_body`): an ``output`` of a ``message`` item (its
 ``output_text``) and/or ``function_call`` items; ``status`` ``incomplete`` with
 ``incomplete_details.reason`` ``max_output_tokens`` when the output was cut there.
@@ -68,6 +68,9 @@ class ResponsesRequest(BaseModel):
     background: bool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    #: vLLM's request priority (as on chat completions: under ``--scheduling-policy
+    #: priority``, lower first; else only 0).
+    priority: int = 0
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -232,7 +235,7 @@ def to_chat(
     }
     given = req.model_fields_set
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p"), ("seed", "seed")):  # fmt: skip
+                         ("top_p", "top_p"), ("seed", "seed"), ("priority", "priority")):  # fmt: skip
         if ours in given and getattr(req, ours) is not None:
             body[theirs] = getattr(req, ours)
     try:
