@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import SCHEDULING_POLICIES, SamplingParams, TokenLogprob
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -139,7 +139,7 @@ class Scheduler:
         chunk_tokens: int,
         policy: str = "fcfs",
     ):
-        if policy not in ("fcfs", "priority"):
+        if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
