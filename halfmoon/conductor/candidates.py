@@ -16,6 +16,7 @@ import numpy as np
 from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import PrefillLoads
 from halfmoon.conductor.messages import PrefillCandidate
+from halfmoon.conductor.priorities import WHOLE_QUEUE, QueueView
 from halfmoon.conductor.state import PrefillState
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
@@ -39,8 +40,10 @@ def local_candidates(
     matched_blocks: Mapping[str, int],
     now_s: float,
     memo: Memo,
+    view: QueueView = WHOLE_QUEUE,
 ) -> list[PrefillCandidate]:
-    """One candidate per instance, using the prefix it holds itself."""
+    """One candidate per instance, using the prefix it holds itself; its queue is the
+    request's wait there as ``view`` sees it (:mod:`halfmoon.conductor.priorities`)."""
     block = request.block_size_tokens
     out = []
     for iid in instance_ids:
@@ -48,7 +51,8 @@ def local_candidates(
         cached = min(matched_blocks[iid] * block, request.input_length - 1)
         raw_s = memo_prefill_s(memo, state.cost_model, request.input_length - cached, cached)
         prefill_s = raw_s * state.prefill_scale
-        out.append(PrefillCandidate(iid, cached, iid, state.queue_s(now_s), prefill_s, 0.0))
+        queue_s = view.state_s(state, now_s)
+        out.append(PrefillCandidate(iid, cached, iid, queue_s, prefill_s, 0.0))
     return out
 
 
@@ -111,8 +115,10 @@ def least_ttft_candidates(
     memo: Memo,
     links: LinkBook | None = None,
     overlap: bool = False,
+    view: QueueView = WHOLE_QUEUE,
 ) -> tuple[list[PrefillCandidate], int]:
-    """What ``local_candidates + remote_candidates`` over ``loads.ids`` would list, pruned
+    """What ``local_candidates + remote_candidates`` over ``loads.ids`` would list (the
+    queues as ``view`` sees them), pruned
     to the :data:`KEEP_CANDIDATES` least-TTFT ones of each kind (ties: instance order), in
     that list's order; and the length of the full list.
 
@@ -126,7 +132,7 @@ def least_ttft_candidates(
     """
     ids, position = loads.ids, loads.position
     block, length = request.block_size_tokens, request.input_length
-    queue = loads.queue_s(now_s)
+    queue = view.loads_s(loads, now_s)
     local_s = loads.per_model(lambda cm: memo_prefill_s(memo, cm, length, 0))
     cached = {}
     for iid, num_blocks in held_blocks.items():

@@ -58,6 +58,7 @@ from halfmoon.conductor.messages import (
     ReplicationPlan,
 )
 from halfmoon.conductor.policies import COUPLED_ROUTERS, get_policy
+from halfmoon.conductor.priorities import WHOLE_QUEUE, QueueView, UrgentShare
 from halfmoon.conductor.replication import HotSpotPlanner
 from halfmoon.conductor.state import DecodeState
 from halfmoon.core.clock import Clock
@@ -113,6 +114,8 @@ class Conductor(Cluster):
         self._loads: PrefillLoads | None = None
         self._decode_loads: DecodeLoads | None = None
         self._alive = 0  # the index's slot mask of the disaggregated prefill instances
+        # Prefill seconds placed per priority, recently (priorities.py; idle under fcfs).
+        self._urgent = UrgentShare()
 
     # -- the books' hooks (halfmoon.conductor.cluster) ------------------------------------
     def _instances_changed(self) -> None:
@@ -212,7 +215,8 @@ class Conductor(Cluster):
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
         memo: Memo = {}
         now = self.clock.now()
-        local = local_candidates(request, self._prefill, ids, matched, now, memo)
+        view = self._queue_view(request)
+        local = local_candidates(request, self._prefill, ids, matched, now, memo, view)
         out = local
         if self.policy.uses_remote_prefixes and local:
             threshold = self._balancer.decision_threshold()
@@ -226,9 +230,18 @@ class Conductor(Cluster):
             now = self.clock.now()
             remote = self.policy.uses_remote_prefixes
             out += group_candidates(
-                request, groups, self._prefill, matched, now, self._cpp, remote, self._links
-            )
+                request, groups, self._prefill, matched, now, self._cpp, remote, self._links,
+                view,
+            )  # fmt: skip
         return out
+
+    def _queue_view(self, request: Request) -> QueueView:
+        """How ``request`` sees the prefill queues (:mod:`halfmoon.conductor.priorities`;
+        with ``priority_estimates`` off, whole, as under ``fcfs``)."""
+        if not self.config.priority_estimates:
+            return WHOLE_QUEUE
+        num = len(self.prefill_instances) or len(self.coupled_instances)
+        return self._urgent.view(self.clock.now(), request.priority, num)
 
     def _pruned_candidates(self, request: Request) -> tuple[list[PrefillCandidate], int]:
         """What :meth:`prefill_candidates` lists, pruned to those that can win under
@@ -243,14 +256,15 @@ class Conductor(Cluster):
         # Per decision (the balancer may change it), asked when prefill_candidates would be.
         threshold = self._balancer.decision_threshold() if loads.ids else 0.0
         memo: Memo = {}
+        view = self._queue_view(request)
         out, num = least_ttft_candidates(
-            request, loads, held, threshold, now, memo, self._links, cfg.overlaps_fetches
+            request, loads, held, threshold, now, memo, self._links, cfg.overlaps_fetches, view
         )
         groups = cpp_groups(loads.ids, cfg.cpp_stages)
         if groups and request.input_length >= cfg.cpp_min_tokens:
             matched = dict.fromkeys(loads.ids, 0) | held
             groups_out = group_candidates(
-                request, groups, self._prefill, matched, now, self._cpp, True, self._links
+                request, groups, self._prefill, matched, now, self._cpp, True, self._links, view
             )
             out += groups_out
             num += len(groups_out)
@@ -434,7 +448,9 @@ class Conductor(Cluster):
                 reject_code=RejectCode.NO_INSTANCE,
             )
         matched = self.index.match(request.block_hashes[: request.num_full_blocks], ids)
-        cands = local_candidates(request, self._prefill, ids, matched, self.clock.now(), {})
+        cands = local_candidates(
+            request, self._prefill, ids, matched, self.clock.now(), {}, self._queue_view(request)
+        )
 
         def load(c: PrefillCandidate) -> tuple[float, int]:
             return (c.queue_s, self._decode[c.instance_id].num_running)
@@ -493,7 +509,9 @@ class Conductor(Cluster):
             fetch_s = 0.0 if self._links is None else chosen.transfer_s
             scale = group_scale(self._prefill, chosen.group)
             for member, held_s in zip(chosen.group, est.stage_end_s, strict=True):
-                self._prefill[member].add(rid, fetch_s + held_s * scale, new_tokens)
+                self._prefill[member].add(
+                    rid, fetch_s + held_s * scale, new_tokens, priority=request.priority
+                )
             self._group_of[rid] = chosen.group
             if self._links is not None:
                 self._book_group_links(request, chosen, decode_id, est)
@@ -505,10 +523,13 @@ class Conductor(Cluster):
             booked_s = chosen.prefill_s
             if self._links is not None and not chosen.overlap:  # the fetch holds it too
                 booked_s += chosen.transfer_s
-            state.add(rid, booked_s, new_tokens, estimated_s, request.input_length)
+            state.add(
+                rid, booked_s, new_tokens, estimated_s, request.input_length, request.priority
+            )
             if self._links is not None:
                 self._book_links(request, chosen, decode_id, ready_s)
         self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
+        self._urgent.placed(self.clock.now(), request.priority, chosen.prefill_s)
         if self._decode_loads is not None:
             self._decode_loads.touch(decode_id)
         self._placements[rid] = (chosen.instance_id, decode_id)

@@ -69,6 +69,11 @@ class ConductorConfig:
       only when its TTFT is lower than that of the policy's single-instance choice.
       ``cpp_hidden_bytes_per_token``: bytes handed between stages per token (None: the
       cost model's hidden size x dtype bytes).
+    - ``priority_estimates``: estimate a request's T_queue from the bookings its engine
+      serves before it under vLLM's ``priority`` policy (those of a lower or equal
+      priority value, and the one in service: :class:`~halfmoon.conductor.state.PrefillState`);
+      off, from every booking, as under ``fcfs`` (for comparison: under ``fcfs`` every
+      request has priority 0, and the two agree).
 
     The defaults are the ``paper`` preset (:mod:`halfmoon.conductor.options`).
     """
@@ -93,6 +98,7 @@ class ConductorConfig:
     cpp_chunk_tokens: int = 1024
     cpp_min_tokens: int = 2048
     cpp_hidden_bytes_per_token: int | None = None
+    priority_estimates: bool = True
 
     def __post_init__(self) -> None:
         if self.early_reject not in EARLY_REJECT_MODES:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from halfmoon.conductor.config import ConductorConfig
 from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.messages import PrefillCandidate
+from halfmoon.conductor.priorities import WHOLE_QUEUE, QueueView
 from halfmoon.conductor.state import PrefillState
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
@@ -110,10 +111,12 @@ def group_candidates(
     estimator: PipelineEstimator,
     use_remote: bool,
     links: LinkBook | None = None,
+    view: QueueView = WHOLE_QUEUE,
 ) -> list[PrefillCandidate]:
     """One candidate per group with the prefix all members hold, and (``use_remote``)
     one that first fetches the longest prefix held anywhere, when it is longer by more
-    than the balancing threshold (the fetch starts when the group's queue is through)."""
+    than the balancing threshold (the fetch starts when the group's queue is through);
+    a group's queue is its members' longest as ``view`` sees them."""
     block = request.block_size_tokens
     source = max(matched_blocks, key=matched_blocks.__getitem__) if matched_blocks else ""
     best_blocks = matched_blocks.get(source, 0)
@@ -121,7 +124,7 @@ def group_candidates(
     out = []
     for group in groups:
         cm = states[group[0]].cost_model
-        queue_s = max(states[m].queue_s(now_s) for m in group)
+        queue_s = max(view.state_s(states[m], now_s) for m in group)
         common = min(matched_blocks[m] for m in group)
         options = [(common, group[0], 0.0)]
         if use_remote and (best_blocks - common) * block > threshold_tokens:

@@ -69,6 +69,10 @@ class PrefillLoads:
         self._run_start = np.zeros(n)
         self._reported = np.zeros(n)
         self._reported_at = np.zeros(n)
+        # The highest priority value booked (-inf: nothing booked); an instance with one
+        # above a request's priority has its queue from PrefillState.queue_s.
+        self._max_priority = np.full(n, -np.inf)
+        self._prioritized: set[int] = set()  # instances holding a priority other than 0
         #: Each instance's ``PrefillState.prefill_scale``, in instance order.
         self.scale = np.ones(n)
         self.cost_models: list[CostModel] = []
@@ -97,17 +101,28 @@ class PrefillLoads:
         self._reported[i] = state.reported_queue_s
         self._reported_at[i] = state.reported_at_s
         self.scale[i] = state.prefill_scale
+        self._max_priority[i] = state.max_priority
+        if state.priority_of:
+            self._prioritized.add(i)
+        else:
+            self._prioritized.discard(i)
         self._run_s[i] = self._run_start[i] = 0.0
         if state.busy_mark_s is not None:
             self._run_s[i] = state.started_pending_s
             self._run_start[i] = state.busy_mark_s
 
-    def queue_s(self, now_s: float) -> np.ndarray:
-        """Every instance's ``PrefillState.queue_s(now_s)``, in instance order."""
+    def queue_s(self, now_s: float, priority: int | None = None) -> np.ndarray:
+        """Every instance's ``PrefillState.queue_s(now_s, priority)``, in instance order:
+        as arrays, but for the instances holding a booking of a higher priority value
+        than ``priority`` (asked one by one; none under ``fcfs``)."""
         done = np.minimum(self._run_s, np.maximum(0.0, now_s - self._run_start))
         booked = self._total - done
         reported = self._reported - (now_s - self._reported_at)
-        return np.maximum(np.maximum(booked, reported), 0.0)
+        queue = np.maximum(np.maximum(booked, reported), 0.0)
+        if priority is not None and (self._prioritized or priority < 0):  # else: fcfs's
+            for i in np.flatnonzero(self._max_priority > priority).tolist():
+                queue[i] = self.states[i].queue_s(now_s, priority)
+        return queue
 
     def per_model(self, value: Callable[[CostModel], float]) -> np.ndarray:
         """``value(cost model of each instance)``, in instance order (one call per model)."""

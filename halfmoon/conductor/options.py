@@ -59,6 +59,7 @@ _COMMON: dict[str, Any] = {
     # queue, but estimating it so measured no better (docs/simulation.md, section 7).
     "prefix_fetch": "queued",
     "lateness_stddevs": 0.0,
+    "priority_estimates": "on",
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -127,6 +128,13 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         "mean plus K standard deviations (0: the mean; 1.3: about its 90th percentile)",
     )  # fmt: skip
     g.add_argument(
+        "--priority-estimates", default=d["priority_estimates"], metavar="on|off",
+        help="under --scheduling-policy priority, estimate a request's queue from the "
+        "prefills its engine serves first (lower or equal priority values, and the one in "
+        "service), so urgent requests are placed and admitted by their own wait; off: "
+        "from the whole queue, as under fcfs",
+    )  # fmt: skip
+    g.add_argument(
         "--cpp-stages", type=int, default=d["cpp_stages"],
         help="chunked pipeline parallelism: prefill instances form groups of K consecutive "
         "ones that run long prompts as a K-stage pipeline (1: off)",
@@ -179,4 +187,8 @@ def conductor_config_from_args(
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
         cpp_min_tokens=check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
         cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
+        priority_estimates=check_choice(
+            "--priority-estimates", args.priority_estimates, ("on", "off")
+        )
+        == "on",
     )

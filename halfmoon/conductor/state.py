@@ -7,6 +7,7 @@ reports move requests along or correct the numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ class PrefillState:
     With a ``calibration`` (:mod:`halfmoon.conductor.calibration`) the instance's finished
     prefills teach it how far off the cost model is: :attr:`prefill_scale` multiplies the
     estimates made for it.
+
+    Under vLLM's ``priority`` scheduling policy an engine serves its queue by the
+    requests' ``priority`` (lower first, arrival among equals), so a request of priority
+    ``p`` waits only for the bookings of a value up to ``p`` and for the one in service
+    (the earliest started: engines step their running prefills oldest first and never
+    preempt one for another's compute). ``queue_s(now, p)`` leaves the others out::
+
+        booked (started first)   B(p 0, in service)  C(p 5)  D(p 0)  E(p -1)
+        a request of priority 0  waits for B, D, E   (C comes after it)
+        a request of priority -1 waits for B, E
     """
 
     instance_id: str
@@ -51,6 +62,8 @@ class PrefillState:
     busy_mark_s: float | None = None
     #: Booked seconds of the started prefills.
     started_pending_s: float = 0.0
+    #: The priorities of the bookings whose priority is not 0 (none under ``fcfs``).
+    priority_of: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_scale(self) -> float:
@@ -68,14 +81,18 @@ class PrefillState:
         new_tokens: int,
         estimated_s: float | None = None,
         prompt_tokens: int = 0,
+        priority: int = 0,
     ) -> None:
         """Queue a placed request booked for ``prefill_s`` seconds; ``estimated_s``: the
         cost model's unscaled estimate, when the booking is a plain prefill whose busy
         time can calibrate the instance (of a ``prompt_tokens`` prompt: the estimate is
-        made again if the instance reports another cached prefix)."""
+        made again if the instance reports another cached prefix); ``priority``: the
+        request's (see the class docstring)."""
         self.pending_s[request_id] = prefill_s
         self.pending_tokens[request_id] = new_tokens
         self.total_pending_s += prefill_s
+        if priority:
+            self.priority_of[request_id] = priority
         if estimated_s is not None:
             self.estimated_s[request_id] = (estimated_s, prompt_tokens)
         self._changed()
@@ -107,6 +124,7 @@ class PrefillState:
         if est is not None:
             self.total_pending_s -= est
         self.pending_tokens.pop(request_id, None)
+        self.priority_of.pop(request_id, None)
         started = self.started_at_s.pop(request_id, None) is not None
         if started and est is not None:
             self.started_pending_s -= est
@@ -143,18 +161,44 @@ class PrefillState:
         self.reported_at_s = now_s
         self._changed()
 
-    def queue_s(self, now_s: float) -> float:
+    @property
+    def max_priority(self) -> float:
+        """The highest priority value booked here (-inf with nothing booked)."""
+        if not self.pending_s:
+            return -math.inf
+        top = max(self.priority_of.values(), default=0)
+        return top if len(self.priority_of) == len(self.pending_s) else max(top, 0)
+
+    def in_service(self) -> str | None:
+        """The booking taken to be in service: the earliest started (None: none is)."""
+        return min(self.started_at_s, key=self.started_at_s.__getitem__, default=None)
+
+    def queue_s(self, now_s: float, priority: int | None = None) -> float:
         """Estimated seconds until a newly queued request could start.
 
         The larger of the Conductor's own bookkeeping and the instance's last report
-        (drained at one second of work per second since it was made).
+        (drained at one second of work per second since it was made). With ``priority``
+        (the request's, under the ``priority`` policy), bookings of a higher value that
+        are not in service are left out of both (see the class docstring); the work done
+        since the busy mark counts against the started bookings that remain.
         """
         done = 0.0
         if self.busy_mark_s is not None:
             done = min(self.started_pending_s, max(0.0, now_s - self.busy_mark_s))
-        booked = self.total_pending_s - done
         reported = self.reported_queue_s - (now_s - self.reported_at_s)
-        return max(0.0, booked, reported)
+        behind_s = behind_started_s = 0.0
+        if priority is not None and self.max_priority > priority:
+            head = self.in_service()
+            for rid, booked_s in self.pending_s.items():
+                if rid != head and self.priority_of.get(rid, 0) > priority:
+                    behind_s += booked_s
+                    if rid in self.started_at_s:
+                        behind_started_s += booked_s
+        if not behind_s:
+            return max(0.0, self.total_pending_s - done, reported)
+        ahead_started_s = max(0.0, self.started_pending_s - behind_started_s)
+        booked = (self.total_pending_s - behind_s) - min(done, ahead_started_s)
+        return max(0.0, booked, reported - behind_s)
 
     @property
     def queued_tokens(self) -> int:
@@ -249,6 +293,8 @@ def check_bookings(
         assert state.pending_s.keys() == state.pending_tokens.keys(), iid
         assert state.started_at_s.keys() <= state.pending_s.keys(), iid
         assert state.estimated_s.keys() <= state.pending_s.keys(), iid
+        assert state.priority_of.keys() <= state.pending_s.keys(), iid
+        assert all(state.priority_of.values()), f"{iid}: a priority 0 kept as one"
         assert (state.busy_mark_s is None) == (not state.started_at_s), iid
         started = sum(state.pending_s[rid] for rid in state.started_at_s)
         assert abs(state.started_pending_s - started) <= 1e-6 * max(1.0, started), iid

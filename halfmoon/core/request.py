@@ -158,7 +158,9 @@ class Request:
     ``prompt_token_ids`` is empty when only lengths are known (simulation of a trace).
     ``admitted`` marks a request that was admitted before and is placed again (its worker
     died mid-request): it is never rejected early, since rejecting it would lose work the
-    client was promised.
+    client was promised. ``priority``: vLLM's request priority (lower first under the
+    ``priority`` scheduling policy; always 0 under ``fcfs``), which the Conductor's queue
+    estimates follow (:meth:`~halfmoon.conductor.state.PrefillState.queue_s`).
     """
 
     request_id: str
@@ -169,6 +171,7 @@ class Request:
     block_size_tokens: int = 512
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
     admitted: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.input_length < 1:

@@ -67,6 +67,9 @@ class Twin:
             self.add("D", self.decode)
         self.live: list[tuple[str, str, str]] = []  # (request, prefill, decode)
         self.num = 0
+        # Odd seeds give requests priorities (the priority policy's estimates), drawn
+        # apart so that the other draws stay those of a priority-free stream.
+        self.priorities = random.Random(seed) if seed % 2 else None
 
     def add(self, kind, names):
         self.names += 1
@@ -146,7 +149,10 @@ class Twin:
         fresh = tuple(range(10**6 + self.num * 100, 10**6 + self.num * 100 + rng.randint(0, 8)))
         hashes = shared + fresh
         length = max(1, len(hashes) * BLOCK - rng.randrange(BLOCK))
-        request = Request(f"r{self.num}", 0.0, length, rng.randint(1, 50), hashes, BLOCK)
+        priority = self.priorities.choice([0, 0, -1, 3]) if self.priorities else 0
+        request = Request(
+            f"r{self.num}", 0.0, length, rng.randint(1, 50), hashes, BLOCK, priority=priority
+        )
         got = self.pruned.schedule(request)
         want = self.full.schedule(request, exhaustive=True)
         assert (got.accepted, got.reject_code, got.reject_reason) == (

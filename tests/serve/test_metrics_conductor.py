@@ -148,3 +148,33 @@ def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
     finally:
         sock.close(0)
         service.close()
+
+
+def test_a_requests_priority_reaches_the_conductors_books():
+    """The gateway's ``priority`` (vLLM's, under --scheduling-policy priority) is booked
+    with the placement, so later estimates leave it out or count it."""
+    core = Conductor(ConductorConfig(block_size_tokens=16), load_cost_model(None, 16384),
+                     ManualClock(), random.Random(0))  # fmt: skip
+    core.add_prefill_instance("p0")
+    core.add_decode_instance("d0")
+    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        for n, priority in enumerate((0, 3, -1)):
+            tokens = list(range(100 * n, 100 * n + 32))
+            schedule = Schedule(
+                request_id=f"r{n}", input_length=32, output_length=4, block_size=16,
+                hashes=hashes_to_wire(hash_blocks(tokens, 16).hashes), priority=priority,
+                msg_id=n + 1,
+            )  # fmt: skip
+            sock.send_multipart(encode_message(schedule, SECRET))
+            service.handle_one()
+            assert decode_message(sock.recv_multipart(), SECRET).accepted
+        state = core._prefill["p0"]
+        assert state.priority_of == {"r1": 3, "r2": -1}
+        assert state.queue_s(0.0, -1) < state.queue_s(0.0, 0) < state.queue_s(0.0)
+    finally:
+        sock.close(0)
+        service.close()

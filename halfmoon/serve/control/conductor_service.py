@@ -445,6 +445,7 @@ class ConductorService:
             tuple(message.block_hashes),
             block_size,
             admitted=message.admitted,
+            priority=message.priority,
         )
         start = time.perf_counter()
         if message.coupled:

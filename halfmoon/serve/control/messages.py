@@ -241,7 +241,9 @@ class Schedule(Message):
     the request was placed before and its worker died; it is placed again without early
     rejection (a 429 now would break a stream the client already has). ``hashes`` is
     empty for a request that computes its whole prompt whatever is cached (prompt
-    log-probabilities): it is placed and estimated as one without a cached prefix."""
+    log-probabilities): it is placed and estimated as one without a cached prefix.
+    ``priority``: the request's (vLLM's ``priority``, 0 under ``fcfs``), which its queue
+    estimate follows."""
 
     wire_name: ClassVar[str] = "schedule"
     request_id: str
@@ -251,6 +253,7 @@ class Schedule(Message):
     hashes: bytes
     coupled: bool = False
     admitted: bool = False
+    priority: int = 0
 
     @property
     def block_hashes(self) -> list[int]:
