@@ -27,6 +27,7 @@ from halfmoon.core.flags import check_positive
 from halfmoon.metrics.records import records_to_json
 from halfmoon.workload.cli import add_workload_args
 from halfmoon.workload.datasets import DATASETS, generate_dataset
+from halfmoon.workload.priority import parse_priority_mix, with_priorities
 from halfmoon.workload.trace import iter_trace
 
 
@@ -76,6 +77,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
             )
         requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
         label = f"{args.dataset}@{args.rate:g}/s"
+    if args.priority_mix:
+        requests = with_priorities(requests, parse_priority_mix(args.priority_mix), args.seed)
     planned = plan_requests(requests, args.time_scale, args.length_scale, args.max_requests)
     return planned, label
 
@@ -120,7 +123,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "url": base_url, "model": model, "workload": label, "time_scale": args.time_scale,
         "length_scale": args.length_scale, "max_concurrency": args.max_concurrency,
         "salt": args.salt,
-    })  # fmt: skip
+    }, {p.request_id: p.request.priority for p in planned if p.request.priority})  # fmt: skip
     print(format_bench(report))
     _write_outputs(args, report, run, label, slo)
     return 0

@@ -71,8 +71,10 @@ class StreamStats:
     num_reported_tokens: int | None = None
 
 
-def completion_body(config: ClientConfig, prompt_ids: Sequence[int], max_tokens: int) -> dict:
-    """The JSON body of one streamed completion."""
+def completion_body(
+    config: ClientConfig, prompt_ids: Sequence[int], max_tokens: int, priority: int = 0
+) -> dict:
+    """The JSON body of one streamed completion (``priority``: vLLM's, sent when not 0)."""
     body: dict[str, Any] = {
         "model": config.model,
         "prompt": list(prompt_ids),
@@ -81,6 +83,8 @@ def completion_body(config: ClientConfig, prompt_ids: Sequence[int], max_tokens:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if priority:
+        body["priority"] = priority
     if config.vllm_extensions:
         body["ignore_eos"] = True
         body["min_tokens"] = max_tokens
@@ -188,15 +192,17 @@ async def send_request(
     record: RequestRecord,
     prompt_ids: Sequence[int],
     now: Callable[[], float],
+    priority: int = 0,
 ) -> StreamStats:
-    """Send one request and fill ``record`` in place (token times, finish, outcome).
+    """Send one request (of ``priority``) and fill ``record`` in place (token times,
+    finish, outcome).
 
     ``record.arrival_s`` must already be the send time on the ``now`` clock; the record
     keeps whatever tokens arrived even when the request fails or times out.
     """
     stats = StreamStats()
     reader = _StreamReader(record, stats, now)
-    body = completion_body(config, prompt_ids, record.output_length)
+    body = completion_body(config, prompt_ids, record.output_length, priority)
     try:
         await asyncio.wait_for(_stream(client, config, body, reader), config.timeout_s)
     except asyncio.TimeoutError:

@@ -14,13 +14,19 @@ from halfmoon.bench.runner import BenchRun
 from halfmoon.core.config import SLOConfig
 from halfmoon.metrics.format import fmt_ms, fmt_num
 from halfmoon.metrics.latency import percentiles
-from halfmoon.metrics.report import summarize
+from halfmoon.metrics.report import summarize, summarize_by_priority
+from halfmoon.sim.report import format_priorities
 from halfmoon.workload.report import format_table
 
 Report = Mapping[str, Any]
 
 
-def bench_report(run: BenchRun, slo: SLOConfig, extra: Mapping[str, Any]) -> dict[str, Any]:
+def bench_report(
+    run: BenchRun,
+    slo: SLOConfig,
+    extra: Mapping[str, Any],
+    priority_of: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """``summarize(records)`` plus the live run's own entries:
 
     - ``num_output_tokens``: tokens the server reported generating (``usage``; token
@@ -29,7 +35,9 @@ def bench_report(run: BenchRun, slo: SLOConfig, extra: Mapping[str, Any]) -> dic
     - ``num_token_events`` / ``num_output_tokens``: below 1 when some events carried more
       than one token (their gaps then count once);
     - ``send_lag_s``: how late requests were sent against their plan (client overload);
-    - ``wall_s``: the run's wall time; then ``extra`` (url, model, workload...).
+    - ``wall_s``: the run's wall time; then ``extra`` (url, model, workload...);
+    - ``by_priority`` (with ``priority_of``, request id -> priority, when it names any):
+      each priority's figures, as ``halfmoon simulate`` reports them.
     """
     num_tokens = 0
     num_short = 0
@@ -47,7 +55,10 @@ def bench_report(run: BenchRun, slo: SLOConfig, extra: Mapping[str, Any]) -> dic
         "send_lag_s": percentiles(run.send_lag_s, include_max=True),
         "wall_s": run.wall_s,
     }
-    return summarize(run.records, slo, extra={**live, **extra})
+    report = summarize(run.records, slo, extra={**live, **extra})
+    if priority_of:
+        report["by_priority"] = summarize_by_priority(run.records, priority_of, slo)
+    return report
 
 
 _ROWS: tuple[tuple[str, Callable[[Report], str]], ...] = (
@@ -70,7 +81,8 @@ _P = ("p50", "p90", "p99")
 
 
 def format_bench(report: Report) -> str:
-    """A title line, the metrics table and the SLO the run was judged against."""
+    """A title line, the metrics table, each priority's figures when the requests had
+    priorities, and the SLO the run was judged against."""
     title = (
         f"{report.get('url', '?')}  model {report.get('model', '?')}  "
         f"workload {report.get('workload', '?')}  time-scale {report.get('time_scale', 1):g}"
@@ -80,4 +92,6 @@ def format_bench(report: Report) -> str:
     slo_line = (
         f"SLO: TTFT <= {slo['ttft_s']:g} s, TBT ({slo['tbt_metric']}) <= {slo['tbt_s'] * 1e3:g} ms"
     )
-    return "\n".join((title, format_table(["metric", "value"], rows), slo_line))
+    table = format_table(["metric", "value"], rows)
+    parts = (title, table, format_priorities(report), slo_line)
+    return "\n".join(part for part in parts if part is not None)

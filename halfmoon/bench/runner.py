@@ -64,7 +64,9 @@ async def _one(
         )
         run.records[index] = record
         run.send_lag_s[index] = max(0.0, sent_s - planned.send_at_s)
-        run.stats[index] = await send_request(client, config, record, prompt_ids, now)
+        run.stats[index] = await send_request(
+            client, config, record, prompt_ids, now, request.priority
+        )
     finally:
         if slots is not None:
             slots.release()

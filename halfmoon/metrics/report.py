@@ -112,6 +112,23 @@ def summarize(
     return report
 
 
+def summarize_by_priority(
+    records: Sequence[RequestRecord], priority_of: Mapping[str, int], slo: SLOConfig
+) -> dict[str, dict[str, Any]]:
+    """Each priority's requests summarized apart (``priority_of``: request id ->
+    priority; the others have 0), keyed by the priority as text, lowest first: how many,
+    rejected, completed, TTFT, SLO attainment (the :func:`summarize` entries)."""
+    classes: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        classes.setdefault(priority_of.get(record.request_id, 0), []).append(record)
+    out = {}
+    for priority in sorted(classes):
+        part = summarize(classes[priority], slo)
+        keys = ("num_requests", "num_rejected", "num_completed", "ttft_s", "slo_attainment")
+        out[str(priority)] = {key: part[key] for key in keys}
+    return out
+
+
 def cache_hit_ratio(records: Sequence[RequestRecord]) -> float | None:
     """Cached prompt tokens / prompt tokens over non-rejected requests; None if no tokens."""
     admitted = [record for record in records if not record.rejected]

@@ -18,7 +18,7 @@ from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
 from halfmoon.core.flags import check_choice, check_positive
-from halfmoon.core.request import Request
+from halfmoon.core.request import SCHEDULING_POLICIES, Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.hardware import get_gpu
 from halfmoon.costmodel.models import get_model
@@ -32,6 +32,7 @@ from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
 from halfmoon.workload.cli import add_workload_args
 from halfmoon.workload.datasets import DATASETS, generate_dataset
+from halfmoon.workload.priority import parse_priority_mix, with_priorities
 from halfmoon.workload.tokens import scale_request
 from halfmoon.workload.trace import (
     block_tokens_for_scale,
@@ -77,18 +78,22 @@ def make_cost_model(
 
 
 def workload_requests(args: argparse.Namespace) -> tuple[Iterable[Request], int | None]:
-    """The requests (length-scaled) and, when cheap to know, how many (progress bar)."""
+    """The requests (length-scaled, with ``--priority-mix``'s priorities) and, when cheap
+    to know, how many (progress bar)."""
     block_tokens = block_tokens_for_scale(args.length_scale)
+    mix = parse_priority_mix(args.priority_mix) if args.priority_mix else ()
     if args.trace is not None:
         if args.rate is not None or args.num_requests is not None:
             raise HalfmoonError("--rate and --num-requests go with --dataset, not --trace")
         total = count_lines(args.trace) if sys.stderr.isatty() else None
-        return (scale_request(r, block_tokens) for r in iter_trace(args.trace)), total
+        scaled = (scale_request(r, block_tokens) for r in iter_trace(args.trace))
+        return with_priorities(scaled, mix, args.seed), total
     if args.rate is None or args.num_requests is None:
         raise HalfmoonError("--dataset needs --rate and --num-requests")
     check_choice("dataset", args.dataset, DATASETS)
     requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
-    return [scale_request(r, block_tokens) for r in requests], len(requests)
+    scaled = [scale_request(r, block_tokens) for r in requests]
+    return list(with_priorities(scaled, mix, args.seed)), len(requests)
 
 
 def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTerms:
@@ -130,7 +135,15 @@ def _configs(
         host_cores=args.host_cores,
         first_token_at=args.first_token_at,
         instance_prefix_fetch=args.instance_prefix_fetch,
+        scheduling_policy=check_choice(
+            "--scheduling-policy", args.scheduling_policy, SCHEDULING_POLICIES
+        ),
     )
+    if args.priority_mix and sim.scheduling_policy == "fcfs" and conductor.priority_estimates:
+        raise HalfmoonError(
+            "--priority-mix under --scheduling-policy fcfs: the instances ignore priorities, "
+            "so the Conductor must too (add --priority-estimates off), or use priority"
+        )
     return sim, conductor
 
 
@@ -253,6 +266,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds between re-planning rounds (and after a move)")  # fmt: skip
     parser.add_argument("--replan-window", type=float, default=60.0, metavar="S",
                         help="seconds of recent arrivals a round simulates")  # fmt: skip
+    parser.add_argument(
+        "--scheduling-policy", default="fcfs", metavar="|".join(SCHEDULING_POLICIES),
+        help="how prefill instances order their queues: fcfs, or priority (vLLM's: by "
+        "each request's priority, lower first; see --priority-mix: under fcfs the "
+        "instances ignore priorities, so the Conductor must too, --priority-estimates off)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-coupled-prefix-caching",
         action="store_true",

@@ -9,6 +9,7 @@ from halfmoon.conductor.config import PREFIX_FETCH_MODES
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.eviction import POLICY_NAMES
+from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.costmodel.serving import ServingTerms
@@ -124,6 +125,10 @@ class SimConfig:
     prefill worker sends it once its KV stream is across (waiting for room and for the
     running step then shows as the gap to the second token, as a live client sees it).
 
+    ``scheduling_policy``: how prefill instances order their queues: ``fcfs`` (arrival
+    order) or ``priority`` (vLLM's: by each request's ``priority``, lower first, then
+    arrival; the one in progress is not interrupted). Coupled instances stay ``fcfs``.
+
     Workload: ``time_scale`` divides arrival times (2 replays twice as fast);
     ``max_requests`` stops reading the workload after that many requests.
     """
@@ -148,8 +153,14 @@ class SimConfig:
     host_cores: float | None = None
     first_token_at: str = "join"
     instance_prefix_fetch: str | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise HalfmoonError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
         fetch = self.instance_prefix_fetch
         if fetch is not None and fetch not in PREFIX_FETCH_MODES:
             raise HalfmoonError(

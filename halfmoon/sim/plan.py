@@ -293,6 +293,9 @@ def run_plan(args: argparse.Namespace) -> int:
         args.model, args.gpu, args.gpus_per_instance, args.profile, args.nic_gbps
     )
     spec = get_model(args.model)
+    if args.priority_mix:
+        raise HalfmoonError("halfmoon plan sizes fcfs clusters: --priority-mix is for "
+                            "halfmoon simulate and halfmoon bench")  # fmt: skip
     requests, _ = workload_requests(args)
     requests = list(requests)
     if args.max_requests is not None:

@@ -1,8 +1,9 @@
-"""A simulated prefill instance: FCFS queue, optional chunking, local DRAM prefix cache,
+"""A simulated prefill instance: FCFS (or priority) queue, optional chunking, local DRAM prefix cache,
 remote prefix fetches, and layer-wise KV streaming to the decode instance.
 
-One request at a time, in arrival order (a request run by a CPP group holds every
-member instance, see :mod:`halfmoon.sim.cpp`)::
+One request at a time, in arrival order, or under the ``priority`` scheduling policy by
+each request's ``priority`` (lower first) and then arrival (a request run by a CPP group
+holds every member instance, see :mod:`halfmoon.sim.cpp`)::
 
     start:    match the local cache; if the decision fetches a longer prefix from
               another instance, move the missing blocks first (NIC reservation); with
@@ -18,6 +19,7 @@ member instance, see :mod:`halfmoon.sim.cpp`)::
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -37,6 +39,11 @@ def chunk_sizes(num_tokens: int, chunk_tokens: int | None) -> list[int]:
         return [num_tokens]
     full, rest = divmod(num_tokens, chunk_tokens)
     return [chunk_tokens] * full + ([rest] if rest else [])
+
+
+def _rank(job: Job) -> tuple[int, float]:
+    """A job's place in a ``priority`` queue: its priority, then its arrival."""
+    return job.request.priority, job.request.arrival_time_s
 
 
 class PrefillInstance:
@@ -71,6 +78,7 @@ class PrefillInstance:
         self._host = host
         self._overlap = overlap
         self._queue: deque[Job] = deque()
+        self._by_priority = config.scheduling_policy == "priority"
         self._num_fetching = 0
         self._busy = False
         self.num_prefilled = 0
@@ -99,7 +107,10 @@ class PrefillInstance:
         return self._enqueue(job)
 
     def _enqueue(self, job: Job) -> Sequence[Event]:
-        self._queue.append(job)
+        if self._by_priority:  # after the equals already queued
+            bisect.insort(self._queue, job, key=_rank)
+        else:
+            self._queue.append(job)
         return NO_EVENTS if self._busy else self._start_next()
 
     def notify(self, event: object) -> None:

@@ -48,15 +48,38 @@ def _slo_line(report: Report) -> str:
     )
 
 
+def format_priorities(report: Report) -> str | None:
+    """Each priority's figures (``by_priority``: a run whose requests had priorities;
+    simulated or measured), else None."""
+    classes = report.get("by_priority")
+    if not classes:
+        return None
+    rows = [
+        [
+            priority,
+            fmt_num(c["num_requests"]),
+            fmt_num(c["num_rejected"]),
+            fmt_num(c["ttft_s"]["p50"], 2),
+            fmt_num(c["ttft_s"]["p90"], 2),
+            fmt_num(c["slo_attainment"]),
+        ]
+        for priority, c in classes.items()
+    ]
+    header = ["priority", "requests", "rejected", "TTFT p50 (s)", "TTFT p90 (s)", "SLO attainment"]
+    return format_table(header, rows)
+
+
 def format_report(report: Report) -> str:
-    """One run: a title line, the metrics table and the SLO it was judged against."""
+    """One run: a title line, the metrics table, each priority's figures when the
+    requests had priorities, and the SLO it was judged against."""
     title = (
         f"cluster {report.get('cluster', '?')}  policy {report.get('policy', '?')}  "
         f"early-reject {report.get('early_reject', 'none')}  "
         f"time-scale {report.get('time_scale', 1):g}"
     )
     rows = [[label, read(report)] for label, read in _ROWS]
-    return "\n".join((title, format_table(["metric", "value"], rows), _slo_line(report)))
+    parts = [title, format_table(["metric", "value"], rows), format_priorities(report)]
+    return "\n".join(part for part in (*parts, _slo_line(report)) if part is not None)
 
 
 def format_comparison(reports: Mapping[str, Report]) -> str:

@@ -27,7 +27,7 @@ from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.pipeline import hidden_bytes_per_token
 from halfmoon.metrics.records import RequestRecord
-from halfmoon.metrics.report import summarize
+from halfmoon.metrics.report import summarize, summarize_by_priority
 from halfmoon.sim.cache import InstanceCache
 from halfmoon.sim.config import InstanceSpec, SimConfig
 from halfmoon.sim.coupled import CoupledInstance
@@ -86,6 +86,7 @@ class Simulator:
         self.decode: dict[str, DecodeInstance] = {}
         self.coupled: dict[str, CoupledInstance] = {}
         self.records: list[RequestRecord] = []
+        self._priority_of: dict[str, int] = {}  # requests of a priority other than 0
         self.num_rejected_early = 0
         self.num_replications = 0
         self.num_replicated_blocks = 0
@@ -258,6 +259,8 @@ class Simulator:
             request.request_id, self.clock.now(), request.input_length, request.output_length
         )
         self.records.append(record)
+        if request.priority:
+            self._priority_of[request.request_id] = request.priority
         self.decode_load.sample(record.arrival_s)
         if self.replanner is not None:
             now = record.arrival_s
@@ -362,7 +365,8 @@ class Simulator:
         ``num_replications``, ``num_cpp_prefills`` (requests prefilled by a CPP group),
         ``num_events``, ``decode_load`` (the decode instances' load sampled at arrivals,
         :mod:`halfmoon.sim.loadtrace`), ``balancing`` (the cache-balancing threshold at the
-        end and how it was learned)."""
+        end and how it was learned); and ``by_priority`` when a request had a priority
+        other than 0."""
         if self.records:
             raise HalfmoonError("a Simulator runs once; build a new one for another run")
         limit = self.config.max_requests
@@ -418,6 +422,10 @@ class Simulator:
             },
         )
         report["effective_request_capacity"] = report["slo_attainment"]
+        if self._priority_of:
+            report["by_priority"] = summarize_by_priority(
+                self.records, self._priority_of, self.config.slo
+            )
         return report
 
 

@@ -35,7 +35,7 @@ def parse_capacity(text: str) -> int | None:
 def add_workload_args(parser: argparse.ArgumentParser, seed_help: str = "dataset seed") -> None:
     """The workload options ``halfmoon bench`` and ``halfmoon simulate`` share, so both
     replay the same requests from the same flags: a trace or a dataset, its rate and
-    size, time and length scaling, a request cap and the seed."""
+    size, time and length scaling, a request cap, the seed and a priority mix."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
     source.add_argument("--dataset", metavar="NAME", help=f"synthetic: {', '.join(DATASETS)}")
@@ -52,6 +52,12 @@ def add_workload_args(parser: argparse.ArgumentParser, seed_help: str = "dataset
         "halfmoon bench and halfmoon simulate shrink alike)",
     )  # fmt: skip
     parser.add_argument("--max-requests", type=int, help="use only the first N requests")
+    parser.add_argument(
+        "--priority-mix", metavar="VALUE:FRACTION,...",
+        help="give that fraction of the requests that priority (vLLM's: lower first under "
+        "--scheduling-policy priority; seeded by --seed, the rest keep 0), e.g. -1:0.1 for "
+        "10%% urgent requests; the report adds each priority's figures",
+    )  # fmt: skip
 
 
 def _with_progress(requests: Iterator[Request], path: Path, desc: str) -> Iterable[Request]:

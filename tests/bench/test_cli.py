@@ -111,3 +111,24 @@ def test_bad_url_and_unreachable_server(trace, capsys):
     assert main(["bench", "--url", url, "--trace", str(trace)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("halfmoon: error: cannot reach") and "\n" not in err
+
+
+def test_bench_sends_the_priority_mix_and_reports_each_class(tmp_path, capsys):
+    """``--priority-mix`` gives a seeded share of the requests vLLM's ``priority``; the
+    server sees it in their bodies (none in the others'), and the report has each
+    priority's figures, as the simulator's does."""
+    path = tmp_path / "trace.jsonl"
+    write_trace([Request(f"r{i}", i * 0.01, 64, 2, (i,), 512) for i in range(40)], path)
+    out = tmp_path / "r.json"
+    with FakeOpenAI(lambda body: Reply(gaps_s=[0.001])) as server:
+        code = main(["bench", "--url", server.url, "--trace", str(path), "--json", str(out),
+                     "--priority-mix=-1:0.3,4:0.2", "--seed", "5"])  # fmt: skip
+    assert code == 0
+    sent = [e.body.get("priority", 0) for e in server.exchanges]
+    assert set(sent) == {-1, 0, 4}
+    assert all(e.body.get("priority") != 0 for e in server.exchanges)  # 0 is not sent
+    by = json.loads(out.read_text())["by_priority"]
+    assert list(by) == ["-1", "0", "4"]
+    assert [by[p]["num_requests"] for p in by] == [sent.count(-1), sent.count(0), sent.count(4)]
+    assert all(c["num_completed"] == c["num_requests"] for c in by.values())
+    assert "priority  requests" in capsys.readouterr().out

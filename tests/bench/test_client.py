@@ -66,6 +66,8 @@ def test_request_body_asks_for_exact_output():
     plain = completion_body(ClientConfig("http://x", "m", vllm_extensions=False), [1], 3)
     assert "ignore_eos" not in plain and "min_tokens" not in plain
     assert plain["stream_options"] == {"include_usage": True}
+    assert "priority" not in plain
+    assert completion_body(ClientConfig("http://x", "m"), [1], 3, priority=-2)["priority"] == -2
 
 
 def test_multi_token_events_with_running_usage():
