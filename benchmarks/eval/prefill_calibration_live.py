@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,27 @@ import httpx
 from benchmarks.sim.prefill_calibration import mode_args
 from halfmoon.engine.catalog import cache_dir
 from halfmoon.serve.launch.local import LocalCluster
+
+
+def rotated(order: list[str], round_index: int) -> list[str]:
+    """The arms of a round: ``order`` started one further each round."""
+    start = round_index % len(order)
+    return order[start:] + order[:start]
+
+
+@contextlib.contextmanager
+def overloaded_1p1d(ttft_slo: float, serve_args: list[str]) -> Iterator[LocalCluster]:
+    """A fresh ``halfmoon serve --model tiny --prefill 1 --decode 1 --num-threads 1
+    --early-reject snapshot --ttft-slo S`` with ``serve_args`` (its log in a temporary
+    directory), stopped on exit."""
+    serve = [
+        "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
+        "--early-reject", "snapshot", "--ttft-slo", str(ttft_slo), *serve_args,
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="halfmoon-eval-") as tmp:
+        log = Path(tmp) / "serve.log"
+        with LocalCluster(serve, cache_dir(), secrets.token_hex(16), log) as cluster:
+            yield cluster
 
 
 async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, float]:
@@ -115,6 +138,20 @@ def summary(results: list[tuple[float, int, float]], slo: float, duration: float
     }
 
 
+def summary_cells(s: dict) -> tuple[str, str]:
+    """A :func:`summary`'s promise kept and TTFT p50 / p90 as table cells."""
+    kept = "-" if s["promise_kept"] is None else f"{s['promise_kept']:.2f}"
+    ttft = "-" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f}"
+    return kept, ttft
+
+
+def write_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    """Every run, with the arguments, to ``args.json`` (when given)."""
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "runs": runs}, indent=1) + "\n")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
@@ -138,17 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     order = list(modes)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        for mode in order[r % len(order) :] + order[: r % len(order)]:
-            serve = [
-                "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
-                "--early-reject", "snapshot", "--ttft-slo", str(args.ttft_slo),
-                *modes[mode], *args.serve_args,
-            ]  # fmt: skip
-            with tempfile.TemporaryDirectory(prefix="halfmoon-calibration-") as tmp:
-                log = Path(tmp) / "serve.log"
-                with LocalCluster(serve, cache_dir(), secrets.token_hex(16), log) as c:
-                    results = asyncio.run(stream(c.base_url, args))
-                    scales, lateness = learned(c.base_url)
+        for mode in rotated(order, r):
+            with overloaded_1p1d(args.ttft_slo, [*modes[mode], *args.serve_args]) as c:
+                results = asyncio.run(stream(c.base_url, args))
+                scales, lateness = learned(c.base_url)
             run = {"round": r, "calibration": mode, "scales": scales, "lateness_s": lateness,
                    **summary(results, args.ttft_slo, args.duration), "results": results}  # fmt: skip
             runs.append(run)
@@ -158,16 +188,12 @@ def main(argv: list[str] | None = None) -> int:
           "req/s | TTFT p50 / p90 s | learned scale | learned lateness s |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---|---|---:|")
     for run in runs:
-        kept = "-" if run["promise_kept"] is None else f"{run['promise_kept']:.2f}"
-        ttft = (f"{run['ttft_p50_s']:.2f} / {run['ttft_p90_s']:.2f}"
-                if run["ttft_p50_s"] is not None else "-")  # fmt: skip
+        kept, ttft = summary_cells(run)
         scale = ", ".join(f"{v:.2f}" for v in run["scales"].values()) or "-"
         print(f"| {run['round']} | {run['calibration']} | {run['admitted']} | {run['refused']} "
               f"| {run['admitted_on_time']} | {kept} | {run['goodput_rps']:.2f} | {ttft} "
               f"| {scale} | {run['lateness_s'] or 0:.3f} |")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "runs": runs}, indent=1) + "\n")  # fmt: skip
+    write_runs(args, runs)
     return 0
 
 

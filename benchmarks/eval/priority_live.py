@@ -27,18 +27,21 @@ import argparse
 import asyncio
 import json
 import random
-import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.eval.prefill_calibration_live import one, summary
-from halfmoon.engine.catalog import cache_dir
-from halfmoon.serve.launch.local import LocalCluster
+from benchmarks.eval.prefill_calibration_live import (
+    one,
+    overloaded_1p1d,
+    rotated,
+    summary,
+    summary_cells,
+    write_runs,
+)
 
 #: ``halfmoon serve`` flags of each arm.
 ARMS: dict[str, list[str]] = {
@@ -110,16 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan(args)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        for arm in order[r % len(order) :] + order[: r % len(order)]:
-            serve = [
-                "--model", "tiny", "--prefill", "1", "--decode", "1", "--num-threads", "1",
-                "--early-reject", "snapshot", "--ttft-slo", str(args.ttft_slo),
-                *ARMS[arm], *args.serve_args,
-            ]  # fmt: skip
-            with tempfile.TemporaryDirectory(prefix="halfmoon-priority-") as tmp:
-                log = Path(tmp) / "serve.log"
-                with LocalCluster(serve, cache_dir(), secrets.token_hex(16), log) as c:
-                    results = asyncio.run(stream(c.base_url, planned, args, arm))
+        for arm in rotated(order, r):
+            with overloaded_1p1d(args.ttft_slo, [*ARMS[arm], *args.serve_args]) as c:
+                results = asyncio.run(stream(c.base_url, planned, args, arm))
             classes = {}
             for priority in (-1, 0):
                 part = [(o, s, h) for o, s, h, p in results if p == priority]
@@ -135,15 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         for label, s in (("all", run), ("urgent", run["by_priority"]["-1"]),
                          ("normal", run["by_priority"]["0"])):  # fmt: skip
-            kept = "-" if s["promise_kept"] is None else f"{s['promise_kept']:.2f}"
-            ttft = (f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f}"
-                    if s["ttft_p50_s"] is not None else "-")  # fmt: skip
+            kept, ttft = summary_cells(s)
             print(f"| {run['round']} | {run['arm']} | {label} | {s['requests']} | "
                   f"{s['admitted']} | {s['refused']} | {s['failed']} | {s['admitted_on_time']} "
                   f"| {kept} | {s['goodput_rps']:.2f} | {ttft} |")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "runs": runs}, indent=1) + "\n")  # fmt: skip
+    write_runs(args, runs)
     return 0
 
 

@@ -3,7 +3,9 @@ answering ``metrics_query`` with decisions it really made."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -37,6 +39,21 @@ class _Decision:
     def __init__(self, accepted: bool, reject_code: str = "") -> None:
         self.accepted = accepted
         self.reject_code = reject_code
+
+
+@contextlib.contextmanager
+def _connected(core: Conductor) -> Iterator[tuple[ConductorService, zmq.Socket]]:
+    """A Conductor service on a free port around ``core`` and a socket to it, both
+    closed on exit."""
+    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        yield service, sock
+    finally:
+        sock.close(0)
+        service.close()
 
 
 def test_decisions_by_outcome_and_reason_and_instances():
@@ -77,11 +94,7 @@ def test_the_link_backlog_is_a_gauge():
 def test_the_service_counts_its_decisions_and_answers_metrics_query():
     config = ConductorConfig(block_size_tokens=16)
     core = Conductor(config, load_cost_model(None, 16384), WallClock(), random.Random(0))
-    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(service.endpoint)
-    try:
+    with _connected(core) as (service, sock):
         tokens = list(range(32))
         schedule = Schedule(
             request_id="r0", input_length=32, output_length=4, block_size=16,
@@ -102,9 +115,6 @@ def test_the_service_counts_its_decisions_and_answers_metrics_query():
         assert 'halfmoon:conductor_balancing_threshold{mode="fixed"} 0.1' in reply.text
         assert 'halfmoon:conductor_balancing_fetching{mode="fixed"} 1.0' in reply.text
         assert 'halfmoon:conductor_balancing_link_backlog_seconds{mode="fixed"} 0.0' in reply.text
-    finally:
-        sock.close(0)
-        service.close()
 
 
 def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
@@ -115,11 +125,7 @@ def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
     core = Conductor(config, load_cost_model(None, 16384), clock, random.Random(0))
     core.add_prefill_instance("p0")
     core.add_decode_instance("d0")
-    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(service.endpoint)
-    try:
+    with _connected(core) as (service, sock):
         for n in range(3):
             tokens = list(range(100 * n, 100 * n + 32))
             schedule = Schedule(
@@ -145,9 +151,6 @@ def test_the_gateways_first_token_notices_teach_the_conductor_its_lateness():
         service.handle_one()
         reply = decode_message(sock.recv_multipart(), SECRET)
         assert "halfmoon:conductor_ttft_lateness_seconds 0.25" in reply.text
-    finally:
-        sock.close(0)
-        service.close()
 
 
 def test_a_requests_priority_reaches_the_conductors_books():
@@ -157,11 +160,7 @@ def test_a_requests_priority_reaches_the_conductors_books():
                      ManualClock(), random.Random(0))  # fmt: skip
     core.add_prefill_instance("p0")
     core.add_decode_instance("d0")
-    service = ConductorService(core, SECRET, "tcp://127.0.0.1:*")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(service.endpoint)
-    try:
+    with _connected(core) as (service, sock):
         for n, priority in enumerate((0, 3, -1)):
             tokens = list(range(100 * n, 100 * n + 32))
             schedule = Schedule(
@@ -175,6 +174,3 @@ def test_a_requests_priority_reaches_the_conductors_books():
         state = core._prefill["p0"]
         assert state.priority_of == {"r1": 3, "r2": -1}
         assert state.queue_s(0.0, -1) < state.queue_s(0.0, 0) < state.queue_s(0.0)
-    finally:
-        sock.close(0)
-        service.close()
