@@ -268,7 +268,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds of recent arrivals a round simulates")  # fmt: skip
     parser.add_argument(
         "--scheduling-policy", default="fcfs", metavar="|".join(SCHEDULING_POLICIES),
-        help="how prefill instances order their queues: fcfs, or priority (vLLM's: by "
+        help="how prefill and coupled instances order their queues: fcfs, or priority (vLLM's: by "
         "each request's priority, lower first; see --priority-mix: under fcfs the "
         "instances ignore priorities, so the Conductor must too, --priority-estimates off)",
     )  # fmt: skip

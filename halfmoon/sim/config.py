@@ -125,9 +125,9 @@ class SimConfig:
     prefill worker sends it once its KV stream is across (waiting for room and for the
     running step then shows as the gap to the second token, as a live client sees it).
 
-    ``scheduling_policy``: how prefill instances order their queues: ``fcfs`` (arrival
-    order) or ``priority`` (vLLM's: by each request's ``priority``, lower first, then
-    arrival; the one in progress is not interrupted). Coupled instances stay ``fcfs``.
+    ``scheduling_policy``: how prefill and coupled instances order their waiting
+    requests: ``fcfs`` (arrival order) or ``priority`` (vLLM's: by each request's
+    ``priority``, lower first, then arrival; the ones in progress are not interrupted).
 
     Workload: ``time_scale`` divides arrival times (2 replays twice as fast);
     ``max_requests`` stops reading the workload after that many requests.

@@ -9,7 +9,7 @@ prompt + output tokens when admitted). Two schedulers:
   is a decode step of the running batch;
 - ``chunked``, Sarathi-style: each step has a budget of ``token_budget`` tokens; running
   decodes take one each first, the rest goes to prompt chunks (prompts already started
-  first, then new ones FCFS). A mixed step costs the prefill chunks plus what the decode
+  first, then new ones FCFS, or by priority: below). A mixed step costs the prefill chunks plus what the decode
   step adds beyond streaming the weights once::
 
       mixed_s = sum(prefill_time_s(chunk, done)) + max(0, decode_step(b, ctx) - decode_step(1, 0))
@@ -19,6 +19,10 @@ decode_per_seq_overhead_s``, the serving path's cost outside the forward, and
 every step is multiplied by a lognormal jitter factor (``step_jitter_sigma``) and waits
 an exponential time (``step_wait_mean_s``, see
 :class:`~halfmoon.costmodel.serving.ServingTerms`).
+
+Under the ``priority`` scheduling policy (``SimConfig.scheduling_policy``) waiting prompts
+are admitted by their requests' ``priority`` (lower first), then arrival; admitted ones
+are not preempted for them.
 
 A prompt's first token is emitted when its prefill completes (``PrefillFinished`` and
 ``DecodeStarted`` at that moment). With prefix caching, the prompt's full blocks are
@@ -43,7 +47,7 @@ from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
 from halfmoon.sim.host import Host, shared_step_s
-from halfmoon.sim.job import Job
+from halfmoon.sim.job import Job, enqueue
 
 Chunk = tuple[Job, int]
 
@@ -83,6 +87,7 @@ class CoupledInstance:
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()
+        self._by_priority = config.scheduling_policy == "priority"
         self._prefilling: list[Job] = []
         self._running: list[Job] = []
         self._context_tokens = 0
@@ -109,7 +114,7 @@ class CoupledInstance:
             self.num_refused += 1
             self._notify(RequestFinished(self.instance_id, job.request_id))
             return NO_EVENTS
-        self._waiting.append(job)
+        enqueue(self._waiting, job, self._by_priority)
         return NO_EVENTS if self._busy else self._next_step()
 
     # -- admission ------------------------------------------------------------------------
@@ -162,11 +167,11 @@ class CoupledInstance:
             if chunks and new_tokens + head.request.input_length > self._max_batched_tokens:
                 break
             job = self._admit()
+            self._prefilling.append(job)  # counted by the next _can_admit
             take = job.request.input_length - job.prefilled_tokens
             chunks.append((job, take))
             new_tokens += take
         if chunks:
-            self._prefilling.extend(job for job, _ in chunks)
             return self._prefill_s(chunks), [], chunks
         if self._running:
             step_s = self.cost_model.decode_step_time_s(len(self._running), self._context_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,3 +67,17 @@ class Job:
     def done(self) -> bool:
         """Every output token has been emitted."""
         return self.generated >= self.request.output_length
+
+
+def rank(job: Job) -> tuple[int, float]:
+    """A job's place in a ``priority`` queue: its priority (lower first), then arrival."""
+    return job.request.priority, job.request.arrival_time_s
+
+
+def enqueue(queue: deque[Job], job: Job, by_priority: bool) -> None:
+    """Append ``job`` to ``queue``, or (``by_priority``: vLLM's ``priority`` policy) put
+    it after the queued jobs ranked before or with it."""
+    if by_priority:
+        bisect.insort(queue, job, key=rank)
+    else:
+        queue.append(job)

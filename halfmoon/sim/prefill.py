@@ -19,7 +19,6 @@ holds every member instance, see :mod:`halfmoon.sim.cpp`)::
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -29,7 +28,7 @@ from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
 from halfmoon.sim.host import Host
-from halfmoon.sim.job import Job
+from halfmoon.sim.job import Job, enqueue
 from halfmoon.sim.network import Nic, kv_stream_tail_s, reserve_transfer
 
 
@@ -39,11 +38,6 @@ def chunk_sizes(num_tokens: int, chunk_tokens: int | None) -> list[int]:
         return [num_tokens]
     full, rest = divmod(num_tokens, chunk_tokens)
     return [chunk_tokens] * full + ([rest] if rest else [])
-
-
-def _rank(job: Job) -> tuple[int, float]:
-    """A job's place in a ``priority`` queue: its priority, then its arrival."""
-    return job.request.priority, job.request.arrival_time_s
 
 
 class PrefillInstance:
@@ -107,10 +101,7 @@ class PrefillInstance:
         return self._enqueue(job)
 
     def _enqueue(self, job: Job) -> Sequence[Event]:
-        if self._by_priority:  # after the equals already queued
-            bisect.insort(self._queue, job, key=_rank)
-        else:
-            self._queue.append(job)
+        enqueue(self._queue, job, self._by_priority)
         return NO_EVENTS if self._busy else self._start_next()
 
     def notify(self, event: object) -> None:

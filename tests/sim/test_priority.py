@@ -91,3 +91,21 @@ def test_plan_refuses_a_priority_mix(capsys) -> None:
                  "--instances", "2", "--priority-mix=-1:0.1"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--priority-mix" in err[0]
+
+
+def test_coupled_instances_admit_by_priority(run_sim, make_request) -> None:
+    """One coupled instance whose batch holds one request, so prompts are prefilled one
+    at a time (a prefill step used to admit every waiting prompt that fit, past
+    ``max_batch_size``)."""
+    requests = [
+        make_request("first", 0.0, 8000, 2),
+        make_request("normal", 0.1, 2000, 2),
+        dataclasses.replace(make_request("urgent", 0.2, 2000, 2), priority=-1),
+    ]
+    done = {}
+    for policy in ("fcfs", "priority"):
+        result, _ = run_sim("1M", requests, scheduling_policy=policy, max_batch_size=1)
+        done[policy] = {r.request_id: r.token_times_s[0] for r in result.records}
+    assert done["fcfs"]["normal"] < done["fcfs"]["urgent"]
+    assert done["priority"]["urgent"] < done["priority"]["normal"]
+    assert done["priority"]["first"] == done["fcfs"]["first"]  # not interrupted
