@@ -235,6 +235,17 @@ class Conductor(Cluster):
             )  # fmt: skip
         return out
 
+    @property
+    def priorities(self) -> dict[str, object]:
+        """How the queue estimates follow request priorities: on or off, and the work
+        placed per priority recently (:meth:`UrgentShare.summary`; empty until a request
+        of a priority other than 0 came)."""
+        num = len(self.prefill_instances) or len(self.coupled_instances)
+        return {
+            "estimates": self.config.priority_estimates,
+            **self._urgent.summary(self.clock.now(), num),
+        }
+
     def _queue_view(self, request: Request) -> QueueView:
         """How ``request`` sees the prefill queues (:mod:`halfmoon.conductor.priorities`;
         with ``priority_estimates`` off, whole, as under ``fcfs``)."""

@@ -94,6 +94,19 @@ class UrgentShare:
         urgent_s = sum(seconds for p, seconds in booked.items() if p < priority)
         return min(MAX_SHARE, max(0.0, urgent_s / (self.window_s * num_instances)))
 
+    def summary(self, now_s: float, num_instances: int) -> dict[str, object]:
+        """What an operator reads (the Conductor's status): the prefill seconds placed
+        per priority over the window, and the share of the instances' time more urgent
+        work took for a request of each priority seen (its wait is stretched by
+        ``1 / (1 - share)``)."""
+        self.share(now_s, 0, num_instances)  # drop what left the window
+        seen = sorted(self._booked_s)
+        return {
+            "window_s": self.window_s,
+            "placed_prefill_s": {str(p): self._booked_s[p] for p in seen},
+            "urgent_share": {str(p): self.share(now_s, p, num_instances) for p in seen},
+        }
+
     def view(self, now_s: float, priority: int, num_instances: int) -> QueueView:
         """A request of ``priority``'s view of the queues now."""
         if not self.active:  # nothing more urgent placed yet (always so under fcfs)

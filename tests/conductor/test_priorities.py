@@ -178,3 +178,16 @@ def test_more_urgent_placements_stretch_a_later_normal_wait(make_conductor):
     whole = c._prefill[aware.prefill.instance_id].queue_s(c.clock.now(), 0)
     assert aware.prefill.queue_s > whole > before  # stretched beyond what is booked
     assert np.isfinite(aware.prefill.queue_s)
+
+
+def test_the_conductor_says_what_it_placed_per_priority(make_conductor):
+    c = make_conductor()
+    assert c.priorities == {
+        "estimates": True, "window_s": 60.0, "placed_prefill_s": {}, "urgent_share": {}
+    }  # fmt: skip
+    c.schedule(Request("m0", 0.0, 4 * BLOCK, 8, (), BLOCK))  # before any priority: not kept
+    c.schedule(Request("u", 0.0, 4 * BLOCK, 8, (), BLOCK, priority=-1))
+    c.schedule(Request("m1", 0.0, 4 * BLOCK, 8, (), BLOCK))
+    shown = c.priorities
+    assert list(shown["placed_prefill_s"]) == ["-1", "0"]
+    assert shown["urgent_share"] == {"-1": 0.0, "0": pytest.approx(0.032 / (60 * 2))}

@@ -174,3 +174,8 @@ def test_a_requests_priority_reaches_the_conductors_books():
         state = core._prefill["p0"]
         assert state.priority_of == {"r1": 3, "r2": -1}
         assert state.queue_s(0.0, -1) < state.queue_s(0.0, 0) < state.queue_s(0.0)
+        # The operator's view (the status): what was placed per priority since the first
+        # request of a priority other than 0, and the share more urgent work took.
+        shown = conductor_state(service, [])["priorities"]
+        assert shown["estimates"] is True and list(shown["placed_prefill_s"]) == ["-1", "3"]
+        assert shown["urgent_share"]["-1"] == 0.0 < shown["urgent_share"]["3"]

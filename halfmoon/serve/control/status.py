@@ -75,8 +75,8 @@ def conductor_state(
     service: ConductorService, recent: list[tuple[float, Decision, float]]
 ) -> dict[str, Any]:
     """The Conductor's own figures: policy, SLOs, requests placed and not finished,
-    balancing, integrity, and what its ``recent`` decisions did (rejections by code,
-    mean decision time)."""
+    balancing, calibration, priorities, integrity, and what its ``recent`` decisions did
+    (rejections by code, mean decision time)."""
     conductor = service.conductor
     config = conductor.config
     rejected: dict[str, int] = {}
@@ -99,6 +99,7 @@ def conductor_state(
         "prefill_calibration": conductor.prefill_calibration,
         "ttft_lateness_s": conductor.ttft_lateness_s,
         "ttft_lateness_spread": conductor.ttft_lateness_spread,
+        "priorities": conductor.priorities,
         "integrity": service.integrity(),
         "cluster": dataclasses.asdict(service.cluster),
         "num_recent_decisions": len(recent),
