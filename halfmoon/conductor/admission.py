@@ -16,9 +16,12 @@ can hold the request now (the KV check is the snapshot's: running plus placed pr
 
 The distribution of D is learned from observed decode durations (:class:`DecodeTimes`,
 the last ``DURATION_WINDOW``); with ``decode_time_estimate_s`` configured it is the
-paper's uniform t_d (a request leaves exactly t_d after it joined). Either way a request
-older than every duration seen (older than t_d) is *not* assumed gone: it is running, so
-it counts until it leaves.
+paper's uniform t_d (a request leaves exactly t_d after it joined). With
+``decode_time_by_prefix``, a request whose duration is predicted from its prompt's
+first block (:mod:`halfmoon.conductor.lengths`) is weighed by the learned durations
+scaled to that prediction (:meth:`DecodeTimes.own_stay_probability`). Either way a
+request older than every duration seen (older than its t_d) is *not* assumed gone: it is
+running, so it counts until it leaves.
 """
 
 from __future__ import annotations
@@ -83,6 +86,39 @@ class DecodeTimes:
             return 1.0
         return (n - bisect_right(sample, age_s + horizon_s)) / alive_now
 
+    @property
+    def median_s(self) -> float | None:
+        """The median of the durations drawn on (None: none yet, or t_d configured)."""
+        sample = self._sorted
+        if self.configured_s is not None or not sample:
+            return None
+        half = len(sample) // 2
+        return sample[half] if len(sample) % 2 else (sample[half - 1] + sample[half]) / 2
+
+    def own_stay_probability(self, age_s: float, horizon_s: float, t_d: float) -> float:
+        """:meth:`stay_probability` of a request whose own duration is predicted as
+        ``t_d`` (:mod:`halfmoon.conductor.lengths`): the learned durations scaled so that
+        their median is ``t_d`` (the spread of all, the size of its own); before any
+        observation, or with t_d configured, the uniform rule with its own t_d."""
+        median = self.median_s
+        if median is None or not t_d > 0:
+            return 0.0 if age_s < t_d <= age_s + horizon_s else 1.0
+        k = median / t_d
+        return self.stay_probability(age_s * k, horizon_s * k, 0.0)
+
+    def own_stay_probabilities(
+        self, age_s: np.ndarray, horizon_s: np.ndarray, t_d: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`own_stay_probability` of many requests at once, the same floats."""
+        uniform = np.where((age_s < t_d) & (t_d <= age_s + horizon_s), 0.0, 1.0)
+        median = self.median_s
+        if median is None:
+            return uniform
+        positive = t_d > 0
+        k = np.where(positive, median / np.where(positive, t_d, 1.0), 1.0)
+        scaled = self.stay_probabilities(age_s * k, horizon_s * k, np.zeros_like(t_d))
+        return np.where(positive, scaled, uniform)
+
     def stay_probabilities(
         self, age_s: np.ndarray | float, horizon_s: np.ndarray | float, fallback_s: np.ndarray
     ) -> np.ndarray:
@@ -119,16 +155,23 @@ def predicted_decode_candidate(
     step_s = dstate.step_time_s(dstate.num_running, dstate.context_tokens)
     fallback_s = request.output_length * step_s  # t_d before any observation
     num, ctx = 1.0, float(request.input_length)
-    stay = times.stay_probability
-    for start_s, tokens in dstate.running.values():
-        p = stay(now_s - start_s, horizon_s, fallback_s)
+    predicted = dstate.predicted_s
+
+    def stay(rid: str, age_s: float, span_s: float) -> float:
+        t_d = predicted.get(rid)
+        if t_d is None:
+            return times.stay_probability(age_s, span_s, fallback_s)
+        return times.own_stay_probability(age_s, span_s, t_d)
+
+    for rid, (start_s, tokens) in dstate.running.items():
+        p = stay(rid, now_s - start_s, horizon_s)
         if p > 0.0:
             num += p
             ctx += p * (tokens + (ready_s - start_s) / step_s)
-    for done_s, tokens in dstate.incoming.values():
+    for rid, (done_s, tokens) in dstate.incoming.items():
         if done_s <= ready_s:  # joins by then, and may already have left again
             join_s = max(done_s, now_s)
-            p = stay(0.0, ready_s - join_s, fallback_s)
+            p = stay(rid, 0.0, ready_s - join_s)
             if p > 0.0:
                 num += p
                 ctx += p * (tokens + (ready_s - join_s) / step_s)

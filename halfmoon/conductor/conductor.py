@@ -48,6 +48,7 @@ from halfmoon.conductor.cpp import (
     group_fetches,
     group_scale,
 )
+from halfmoon.conductor.lengths import PrefixDurations, prefix_root
 from halfmoon.conductor.links import LinkBook
 from halfmoon.conductor.loads import DecodeLoads, PrefillLoads
 from halfmoon.conductor.messages import (
@@ -101,6 +102,9 @@ class Conductor(Cluster):
         self.rng = rng if rng is not None else random.Random(0)
         self._cpp = PipelineEstimator(config)
         self._decode_times = DecodeTimes(config.decode_time_estimate_s)
+        # Decode durations by the prompt's first block, and the placed requests' blocks.
+        self._by_prefix = PrefixDurations() if config.decode_time_by_prefix else None
+        self._root_of: dict[str, int] = {}
         self._round_robin = 0
         self._hot = HotSpotPlanner(
             config.hot_min_requests, config.hot_window_s, config.hot_max_replicas
@@ -136,6 +140,9 @@ class Conductor(Cluster):
 
     def _finished(self, request_id: str, decode_s: float | None) -> None:
         self._balancer.forget(request_id)
+        root = self._root_of.pop(request_id, None)
+        if root is not None and decode_s is not None and self._by_prefix is not None:
+            self._by_prefix.observe(root, decode_s)
         if self._lateness is not None:
             self._lateness.forget(request_id)
         if decode_s is not None:
@@ -147,9 +154,12 @@ class Conductor(Cluster):
             self._links.forget(instance_id)
         if self._lateness is not None:
             self._lateness.retain(self._placements)
+        for rid in self._root_of.keys() - self._placements.keys():
+            del self._root_of[rid]  # dropped with the instance: no duration to learn
 
     def check_integrity(self) -> None:
         super().check_integrity()
+        assert self._root_of.keys() <= self._placements.keys(), "prefix of no placement"
         if self._lateness is not None:
             pending = self._lateness.pending.keys()
             assert pending <= self._placements.keys(), "first token of no placement"
@@ -539,7 +549,12 @@ class Conductor(Cluster):
             )
             if self._links is not None:
                 self._book_links(request, chosen, decode_id, ready_s)
-        self._decode[decode_id].incoming[rid] = (ready_s, request.input_length)
+        dstate = self._decode[decode_id]
+        dstate.incoming[rid] = (ready_s, request.input_length)
+        if self._by_prefix is not None and (root := prefix_root(request)) is not None:
+            self._root_of[rid] = root
+            if (predicted_s := self._by_prefix.predict(root)) is not None:
+                dstate.predicted_s[rid] = predicted_s
         self._urgent.placed(self.clock.now(), request.priority, chosen.prefill_s)
         if self._decode_loads is not None:
             self._decode_loads.touch(decode_id)

@@ -69,6 +69,11 @@ class ConductorConfig:
       only when its TTFT is lower than that of the policy's single-instance choice.
       ``cpp_hidden_bytes_per_token``: bytes handed between stages per token (None: the
       cost model's hidden size x dtype bytes).
+    - ``decode_time_by_prefix``: predict each request's decode duration from those of
+      the earlier requests that share its prompt's first block (their median), and let
+      the prediction (``early_reject="predict"``) count a request with one as leaving
+      at its own t_d (:mod:`halfmoon.conductor.lengths`); off, every request by the
+      durations of all.
     - ``priority_estimates``: estimate a request's T_queue from the bookings its engine
       serves before it under vLLM's ``priority`` policy (those of a lower or equal
       priority value, and the one in service: :class:`~halfmoon.conductor.state.PrefillState`);
@@ -99,6 +104,7 @@ class ConductorConfig:
     cpp_min_tokens: int = 2048
     cpp_hidden_bytes_per_token: int | None = None
     priority_estimates: bool = True
+    decode_time_by_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.early_reject not in EARLY_REJECT_MODES:

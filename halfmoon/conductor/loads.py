@@ -248,8 +248,9 @@ class DecodeForecast:
         entries = {}
         for i in sorted(self._stale):
             s = self.states[i]
-            entries[i] = [(t, k, 1.0) for t, k in s.running.values()]
-            entries[i] += [(t, k, 0.0) for t, k in s.incoming.values()]
+            nan, predicted = float("nan"), s.predicted_s
+            entries[i] = [(t, k, 1.0, predicted.get(r, nan)) for r, (t, k) in s.running.items()]
+            entries[i] += [(t, k, 0.0, predicted.get(r, nan)) for r, (t, k) in s.incoming.items()]
             self._step_s[i] = s.step_time_s(s.num_running, s.context_tokens)
             self._free[i] = s.kv_capacity_tokens - s.committed_tokens
         self._stale.clear()
@@ -257,6 +258,7 @@ class DecodeForecast:
         requests.replace(entries)
         self._idx = np.concatenate((np.arange(len(self.states)), requests.inst))
         self._is_running = requests.kinds > 0.0
+        self._any_predicted = not np.isnan(requests.predicted).all()
         self._entry_step_s = self._step_s[requests.inst]
         self._all_steps = bool((self._step_s > 0.0).all())
 
@@ -297,6 +299,7 @@ class DecodeForecast:
             incoming (prefill end t): joins if t <= ready, age = 0, span = ready - max(t, now),
                                       stays with P(D > 0 + span)
             weight p, tokens p * (its tokens + span / step)   (one per step since)
+            a request with a predicted duration d: the same with D scaled to median d
         """
         requests, running = self._requests, self._is_running
         t, step_s = requests.times, self._entry_step_s
@@ -305,6 +308,9 @@ class DecodeForecast:
         horizon_s = np.where(running, max(0.0, ready_s - now_s), span_s)
         fallback_s = request.output_length * step_s  # t_d before any observation
         p = times.stay_probabilities(age_s, horizon_s, fallback_s)
+        if self._any_predicted:
+            t_d = requests.predicted
+            p = np.where(np.isnan(t_d), p, times.own_stay_probabilities(age_s, horizon_s, t_d))
         p = np.where(running | (t <= ready_s), p, 0.0)
         tokens = p * (requests.tokens + span_s / step_s)
         length = np.full(len(self.states), float(request.input_length))
@@ -314,20 +320,21 @@ class DecodeForecast:
 
 
 class _Entries:
-    """(time, tokens, kind) of the requests of every instance, flat in instance order
-    (each instance's in the order given) with ``inst``, the instance of each::
+    """(time, tokens, kind, predicted duration or NaN) of the requests of every
+    instance, flat in instance order (each instance's in the order given) with ``inst``,
+    the instance of each::
 
         counts  [2, 0, 1]          times  [t0a t0b | t2a]   inst  [0 0 | 2]
-        replace({1: [(t1a, k, 1.0)]})   times  [t0a t0b | t1a | t2a]   (one splice)
+        replace({1: [(t1a, k, 1.0, nan)]})   times  [t0a t0b | t1a | t2a]   (one splice)
     """
 
     def __init__(self, num_instances: int) -> None:
         self.counts = np.zeros(num_instances, dtype=np.intp)
-        self._table = np.zeros((0, 3))
-        self.times, self.tokens, self.kinds = self._table.T
+        self._table = np.zeros((0, 4))
+        self.times, self.tokens, self.kinds, self.predicted = self._table.T
         self.inst = np.zeros(0, dtype=np.intp)
 
-    def replace(self, entries: dict[int, list[tuple[float, int, float]]]) -> None:
+    def replace(self, entries: dict[int, list[tuple[float, int, float, float]]]) -> None:
         """Set the entries of some instances (``entries`` in ascending instance order)."""
         if not entries:
             return
@@ -342,5 +349,5 @@ class _Entries:
             pos = ends[i]
         parts.append(old[pos:])
         self._table = np.concatenate(parts)
-        self.times, self.tokens, self.kinds = self._table.T
+        self.times, self.tokens, self.kinds, self.predicted = self._table.T
         self.inst = np.repeat(np.arange(len(self.counts)), self.counts)

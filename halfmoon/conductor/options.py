@@ -60,6 +60,7 @@ _COMMON: dict[str, Any] = {
     "prefix_fetch": "queued",
     "lateness_stddevs": 0.0,
     "priority_estimates": "on",
+    "decode_time_by_prefix": "off",
 }
 #: Defaults per preset (the table in the module docstring).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -128,6 +129,12 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         "mean plus K standard deviations (0: the mean; 1.3: about its 90th percentile)",
     )  # fmt: skip
     g.add_argument(
+        "--decode-time-by-prefix", default=d["decode_time_by_prefix"], metavar="on|off",
+        help="with --early-reject predict, predict each request's decode duration as the "
+        "median of the earlier requests sharing its prompt's first block (the others: "
+        "by the durations of all)",
+    )  # fmt: skip
+    g.add_argument(
         "--priority-estimates", default=d["priority_estimates"], metavar="on|off",
         help="under --scheduling-policy priority, estimate a request's queue from the "
         "prefills its engine serves first (lower or equal priority values, and the one in "
@@ -187,6 +194,10 @@ def conductor_config_from_args(
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
         cpp_min_tokens=check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
         cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
+        decode_time_by_prefix=check_choice(
+            "--decode-time-by-prefix", args.decode_time_by_prefix, ("on", "off")
+        )
+        == "on",
         priority_estimates=check_choice(
             "--priority-estimates", args.priority_estimates, ("on", "off")
         )

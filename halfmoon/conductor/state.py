@@ -211,7 +211,8 @@ class DecodeState:
     """Requests decoding on, or heading to, one decode instance.
 
     ``incoming`` maps a request to (expected prefill-done time, context tokens);
-    ``running`` to (decode start time, context tokens).
+    ``running`` to (decode start time, context tokens); ``predicted_s`` those of either
+    with a predicted decode duration (:mod:`halfmoon.conductor.lengths`) to it.
     """
 
     instance_id: str
@@ -219,6 +220,7 @@ class DecodeState:
     kv_capacity_tokens: int
     running: dict[str, tuple[float, int]] = field(default_factory=dict)
     incoming: dict[str, tuple[float, int]] = field(default_factory=dict)
+    predicted_s: dict[str, float] = field(default_factory=dict)
     reported_running: int | None = None
     reported_context_tokens: int | None = None
 
@@ -268,6 +270,7 @@ class DecodeState:
     def finish(self, request_id: str) -> float | None:
         """The request left; returns its decode duration start->now if it was running."""
         self.incoming.pop(request_id, None)
+        self.predicted_s.pop(request_id, None)
         entry = self.running.pop(request_id, None)
         self.reported_running = self.reported_context_tokens = None
         return None if entry is None else entry[0]
@@ -308,4 +311,5 @@ def check_bookings(
     for iid, dstate in decode.items():
         for rid in (*dstate.incoming, *dstate.running):
             assert placements.get(rid, ("", ""))[1] == iid, f"{rid}: orphan on {iid}"
+        assert dstate.predicted_s.keys() <= dstate.incoming.keys() | dstate.running.keys(), iid
     assert group_of.keys() <= placements.keys(), "group of an unplaced request"

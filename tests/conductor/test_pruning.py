@@ -53,6 +53,8 @@ class Twin:
             link_backlog=rng.choice([False, True]),
             prefill_calibration=rng.choice([False, True]),
             prefix_fetch=rng.choice(["queued", "overlap"]),
+            # drawn apart, so that the other draws stay those of the streams before it
+            decode_time_by_prefix=random.Random(seed + 1).random() < 0.5,
         )
         models = _cost_models(rng)
         self.pruned, self.full = (
@@ -223,3 +225,18 @@ def test_decode_tie_goes_to_the_earlier_instance(make_conductor):
         "D2",
     ]
     assert got.decode == full.schedule(request, exhaustive=True).decode
+
+
+def test_prefix_durations_reach_the_pruned_predictions():
+    """With ``decode_time_by_prefix``, the random streams above place requests with a
+    predicted decode duration on instances whose forecast then uses it (so the seeds
+    compare pruned and exhaustive predictions with per-request durations too)."""
+    predicted = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        twin = Twin(rng, seed)
+        for _ in range(150):
+            twin.step()
+            if twin.pruned.config.early_reject == "predict":
+                predicted += sum(len(d.predicted_s) for d in twin.pruned._decode.values())
+    assert predicted >= 50
