@@ -160,6 +160,11 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
     )  # fmt: skip
 
 
+def _on(flag: str, value: str) -> bool:
+    """An ``on|off`` flag's value as a bool (HalfmoonError naming ``flag`` otherwise)."""
+    return check_choice(flag, value, ("on", "off")) == "on"
+
+
 def conductor_config_from_args(
     args: argparse.Namespace, block_size_tokens: int, hidden_bytes_per_token: int | None = None
 ) -> ConductorConfig:
@@ -184,22 +189,13 @@ def conductor_config_from_args(
         balancing=check_choice("balancing mode", args.balancing, BALANCING_MODES),
         link_backlog=bool(args.link_backlog),
         prefix_fetch=check_choice("--prefix-fetch", args.prefix_fetch, PREFIX_FETCH_MODES),
-        prefill_calibration=check_choice(
-            "--prefill-calibration", args.prefill_calibration, ("on", "off")
-        )
-        == "on",
+        prefill_calibration=_on("--prefill-calibration", args.prefill_calibration),
         lateness_stddevs=check_range("--lateness-stddevs", args.lateness_stddevs, 0.0, MAX_STDDEVS),
         coupled_router=check_choice("coupled router", args.coupled_router, COUPLED_ROUTERS),
         cpp_stages=check_at_least("--cpp-stages", args.cpp_stages, 1),
         cpp_chunk_tokens=check_at_least("--cpp-chunk-tokens", args.cpp_chunk_tokens, 1),
         cpp_min_tokens=check_at_least("--cpp-min-tokens", args.cpp_min_tokens, 0),
         cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
-        decode_time_by_prefix=check_choice(
-            "--decode-time-by-prefix", args.decode_time_by_prefix, ("on", "off")
-        )
-        == "on",
-        priority_estimates=check_choice(
-            "--priority-estimates", args.priority_estimates, ("on", "off")
-        )
-        == "on",
+        decode_time_by_prefix=_on("--decode-time-by-prefix", args.decode_time_by_prefix),
+        priority_estimates=_on("--priority-estimates", args.priority_estimates),
     )
