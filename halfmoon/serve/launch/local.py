@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from halfmoon.serve.control.messages import (
     decode_message,
     encode_message,
 )
-from halfmoon.serve.runtime import SECRET_ENV, free_port
+from halfmoon.serve.runtime import SECRET_ENV, die_with_parent, free_port
 
 
 def children_of(pid: int) -> list[int]:
@@ -105,12 +106,16 @@ class LocalCluster:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> LocalCluster:
-        """Spawn the launcher (output to ``log_path``)."""
+        """Spawn the launcher (output to ``log_path``). Started from the main thread, it
+        gets SIGTERM if this process dies (``die_with_parent``), so a test run or a
+        benchmark killed before its cleanup leaves no cluster behind (the signal follows
+        the thread that started it: from another thread it is left to :meth:`stop`)."""
+        main = threading.current_thread() is threading.main_thread()
         with self.log_path.open("wb") as log:
             argv = [sys.executable, "-m", "halfmoon.cli", "serve", "--port", str(self.port)]
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # noqa: PLW1509 (one prctl call)
                 [*argv, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent if main else None,
             )  # fmt: skip
         return self
 
