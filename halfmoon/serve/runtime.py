@@ -225,11 +225,17 @@ def read_config_document(text: str) -> str:
 
 
 _PR_SET_PDEATHSIG = 1
+# Resolved here, in the parent: a child between fork and exec should not load a library
+# (another thread of the parent may have held the loader's lock at the fork).
+try:
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:  # no glibc: nothing to ask of the kernel
+    _PRCTL = None
 
 
 def die_with_parent() -> None:
     """In a child, before exec (``preexec_fn``): get SIGTERM when the parent dies, so no
     orphan survives even a SIGKILL of it (Linux; elsewhere the parent's own cleanup
     still stops its children)."""
-    with contextlib.suppress(OSError):  # no glibc: nothing to ask of the kernel
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
