@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.eval.prefill_calibration_live import (
+from benchmarks.eval.live_arms import (
     one,
     overloaded_1p1d,
     rotated,

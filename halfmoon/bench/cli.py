@@ -25,9 +25,8 @@ from halfmoon.core.config import TBT_METRICS, SLOConfig
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.flags import check_positive
 from halfmoon.metrics.records import records_to_json
-from halfmoon.workload.cli import add_workload_args
+from halfmoon.workload.cli import add_workload_args, with_priority_mix
 from halfmoon.workload.datasets import DATASETS, generate_dataset
-from halfmoon.workload.priority import parse_priority_mix, with_priorities
 from halfmoon.workload.trace import iter_trace
 
 
@@ -77,9 +76,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
             )
         requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
         label = f"{args.dataset}@{args.rate:g}/s"
-    if args.priority_mix:
-        requests = with_priorities(requests, parse_priority_mix(args.priority_mix), args.seed)
-    planned = plan_requests(requests, args.time_scale, args.length_scale, args.max_requests)
+    planned = plan_requests(
+        with_priority_mix(requests, args), args.time_scale, args.length_scale, args.max_requests
+    )
     return planned, label
 
 

@@ -250,19 +250,23 @@ class Conductor(Cluster):
         """How the queue estimates follow request priorities: on or off, and the work
         placed per priority recently (:meth:`UrgentShare.summary`; empty until a request
         of a priority other than 0 came)."""
-        num = len(self.prefill_instances) or len(self.coupled_instances)
         return {
             "estimates": self.config.priority_estimates,
-            **self._urgent.summary(self.clock.now(), num),
+            **self._urgent.summary(self.clock.now(), self._num_queues),
         }
+
+    @property
+    def _num_queues(self) -> int:
+        """The instances whose time the urgent share is a share of: the prefill ones (the
+        coupled ones in a coupled cluster)."""
+        return len(self.prefill_instances) or len(self.coupled_instances)
 
     def _queue_view(self, request: Request) -> QueueView:
         """How ``request`` sees the prefill queues (:mod:`halfmoon.conductor.priorities`;
         with ``priority_estimates`` off, whole, as under ``fcfs``)."""
         if not self.config.priority_estimates:
             return WHOLE_QUEUE
-        num = len(self.prefill_instances) or len(self.coupled_instances)
-        return self._urgent.view(self.clock.now(), request.priority, num)
+        return self._urgent.view(self.clock.now(), request.priority, self._num_queues)
 
     def _pruned_candidates(self, request: Request) -> tuple[list[PrefillCandidate], int]:
         """What :meth:`prefill_candidates` lists, pruned to those that can win under

@@ -72,7 +72,6 @@ class PrefillLoads:
         # The highest priority value booked (-inf: nothing booked); an instance with one
         # above a request's priority has its queue from PrefillState.queue_s.
         self._max_priority = np.full(n, -np.inf)
-        self._prioritized: set[int] = set()  # instances holding a priority other than 0
         #: Each instance's ``PrefillState.prefill_scale``, in instance order.
         self.scale = np.ones(n)
         self.cost_models: list[CostModel] = []
@@ -102,10 +101,6 @@ class PrefillLoads:
         self._reported_at[i] = state.reported_at_s
         self.scale[i] = state.prefill_scale
         self._max_priority[i] = state.max_priority
-        if state.priority_of:
-            self._prioritized.add(i)
-        else:
-            self._prioritized.discard(i)
         self._run_s[i] = self._run_start[i] = 0.0
         if state.busy_mark_s is not None:
             self._run_s[i] = state.started_pending_s
@@ -119,7 +114,7 @@ class PrefillLoads:
         booked = self._total - done
         reported = self._reported - (now_s - self._reported_at)
         queue = np.maximum(np.maximum(booked, reported), 0.0)
-        if priority is not None and (self._prioritized or priority < 0):  # else: fcfs's
+        if priority is not None:  # none holds more than 0 under fcfs
             for i in np.flatnonzero(self._max_priority > priority).tolist():
                 queue[i] = self.states[i].queue_s(now_s, priority)
         return queue

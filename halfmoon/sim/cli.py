@@ -30,9 +30,8 @@ from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimC
 from halfmoon.sim.replan import ReplanConfig
 from halfmoon.sim.report import format_report
 from halfmoon.sim.simulator import SimResult, Simulator
-from halfmoon.workload.cli import add_workload_args
+from halfmoon.workload.cli import add_workload_args, with_priority_mix
 from halfmoon.workload.datasets import DATASETS, generate_dataset
-from halfmoon.workload.priority import parse_priority_mix, with_priorities
 from halfmoon.workload.tokens import scale_request
 from halfmoon.workload.trace import (
     block_tokens_for_scale,
@@ -81,19 +80,18 @@ def workload_requests(args: argparse.Namespace) -> tuple[Iterable[Request], int 
     """The requests (length-scaled, with ``--priority-mix``'s priorities) and, when cheap
     to know, how many (progress bar)."""
     block_tokens = block_tokens_for_scale(args.length_scale)
-    mix = parse_priority_mix(args.priority_mix) if args.priority_mix else ()
     if args.trace is not None:
         if args.rate is not None or args.num_requests is not None:
             raise HalfmoonError("--rate and --num-requests go with --dataset, not --trace")
         total = count_lines(args.trace) if sys.stderr.isatty() else None
         scaled = (scale_request(r, block_tokens) for r in iter_trace(args.trace))
-        return with_priorities(scaled, mix, args.seed), total
+        return with_priority_mix(scaled, args), total
     if args.rate is None or args.num_requests is None:
         raise HalfmoonError("--dataset needs --rate and --num-requests")
     check_choice("dataset", args.dataset, DATASETS)
     requests = generate_dataset(args.dataset, args.rate, args.num_requests, args.seed)
     scaled = [scale_request(r, block_tokens) for r in requests]
-    return list(with_priorities(scaled, mix, args.seed)), len(requests)
+    return list(with_priority_mix(scaled, args)), len(requests)
 
 
 def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTerms:

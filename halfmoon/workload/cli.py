@@ -12,6 +12,7 @@ from typing import Any
 from halfmoon.core.eviction import POLICY_NAMES
 from halfmoon.core.request import Request
 from halfmoon.workload.datasets import DATASETS, generate_dataset
+from halfmoon.workload.priority import parse_priority_mix, with_priorities
 from halfmoon.workload.report import format_cache, format_stats
 from halfmoon.workload.stats import replay_cache, trace_stats
 from halfmoon.workload.trace import count_lines, iter_trace, write_trace
@@ -58,6 +59,14 @@ def add_workload_args(parser: argparse.ArgumentParser, seed_help: str = "dataset
         "--scheduling-policy priority; seeded by --seed, the rest keep 0), e.g. -1:0.1 for "
         "10%% urgent requests; the report adds each priority's figures",
     )  # fmt: skip
+
+
+def with_priority_mix(requests: Iterable[Request], args: argparse.Namespace) -> Iterable[Request]:
+    """``requests`` with the priorities of ``--priority-mix`` (seeded by ``--seed``), or as
+    they are without the flag."""
+    if not args.priority_mix:
+        return requests
+    return with_priorities(requests, parse_priority_mix(args.priority_mix), args.seed)
 
 
 def _with_progress(requests: Iterator[Request], path: Path, desc: str) -> Iterable[Request]:
