@@ -135,6 +135,9 @@ class VllmPeer:
             "--max-num-seqs", str(max(args.batches)), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--kv-space-gb", str(args.vllm_kv_gb),
         ]  # fmt: skip
+        lora_modules = getattr(args, "lora_modules", ())
+        if lora_modules:
+            cmd += ["--max-lora-rank", str(args.max_lora_rank), "--lora-modules", *lora_modules]
         # The peer sets its own allocator (tcmalloc, vLLM's CPU guide) and paths.
         drop = ("VIRTUAL_ENV", "PYTHON", "MALLOC_", "LD_PRELOAD", MALLOC_MARK)
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
@@ -160,11 +163,12 @@ class VllmPeer:
         return self.info
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None
-    ):
+        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None,
+        loras: list[str | None] | None = None,
+    ):  # fmt: skip
         assert self.proc.stdin is not None
         cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "fill": fill,
-               "regex": regex}  # fmt: skip
+               "regex": regex, "loras": loras}  # fmt: skip
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         msg = self._read()

@@ -10,8 +10,10 @@ compiles the model, 30-50 s, so one process measures every case):
 - otherwise: runs the decode/prefill grid by itself and prints one JSON row per point.
 
 Commands (``--serve``): ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n,
-"fill": bool, "regex": optional}`` runs ``LLM.generate`` on the token-id prompts (greedy,
-``ignore_eos``, no detokenization; held to ``regex`` by vLLM's structured outputs if given) and answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated
+"fill": bool, "regex": optional, "loras": optional}`` runs ``LLM.generate`` on the
+token-id prompts (greedy, ``ignore_eos``, no detokenization; held to ``regex`` by vLLM's
+structured outputs if given; ``loras``: per prompt the name of one of ``--lora-modules``
+or null, run as vLLM's ``LoRARequest``) and answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated
 ids of each prompt); ``{"op": "quit"}`` ends. ``fill`` marks the requests for vLLM's
 own ``DecodeBenchConnector`` (below): their KV, all but the last prompt token, counts as
 already computed (filled once at startup with N(0, 1) values), so a decode step at a
@@ -133,7 +135,17 @@ class Peer:
             kv_role="kv_both",
             kv_connector_extra_config={"fill_mean": 0.0, "fill_std": 1.0, "startup_fill": True},
         )
+        #: ``--lora-modules`` NAME=PATH -> (vLLM's int id, path).
+        self.loras = {
+            name: (i + 1, path)
+            for i, (name, path) in enumerate(m.split("=", 1) for m in args.lora_modules)
+        }
+        lora = {}
+        if self.loras:
+            lora = {"enable_lora": True, "max_loras": len(self.loras),
+                    "max_lora_rank": args.max_lora_rank}  # fmt: skip
         self.llm = LLM(
+            **lora,
             model=args.model,
             tokenizer=args.model,
             dtype="float32",
@@ -165,9 +177,11 @@ class Peer:
         }
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None
-    ) -> dict[str, Any]:
+        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None,
+        loras: list[str | None] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import StructuredOutputsParams
 
         params = SamplingParams(
@@ -177,7 +191,10 @@ class Peer:
         )  # fmt: skip
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
         start = time.perf_counter()
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        requests = None
+        if loras is not None:
+            requests = [None if n is None else LoRARequest(n, *self.loras[n]) for n in loras]
+        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=requests)
         elapsed = time.perf_counter() - start
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
         if any(len(t) != max_tokens for t in token_ids):
@@ -202,7 +219,7 @@ def serve(peer: Peer, out: Any) -> None:
             if cmd["op"] != "generate":
                 raise ValueError(f"unknown op {cmd['op']!r}")
             send(peer.generate(cmd["prompts"], int(cmd["max_tokens"]), bool(cmd.get("fill")),
-                               cmd.get("regex")))  # fmt: skip
+                               cmd.get("regex"), cmd.get("loras")))  # fmt: skip
         except Exception as exc:  # answer, so the driver does not hang
             send({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -247,6 +264,14 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-space-gb", type=int, default=4)
     parser.add_argument("--serve", action="store_true", help="JSON commands on stdin")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (vLLM's enable_lora, max_loras = their number)",
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="standalone only")
     parser.add_argument("--k", type=int, default=8, help="standalone: decode steps timed")
     parser.add_argument("--prefill-tokens", type=int, default=2048)

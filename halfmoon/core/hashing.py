@@ -15,6 +15,10 @@ differs from those of the same tokens under another salt or none, and no cache a
 (gateway placement, Conductor index, engine pools, stores) shares a block between them.
 Unsalted requests hash exactly as before.
 
+A request run with a LoRA adapter computes other KV from the same tokens, so its salt
+carries the adapter (:func:`adapter_salt`, applied where a request enters: the gateway,
+the engine's ``add_request``): its chain is its adapter's (and tenant's) alone.
+
 Speed: the token ids are converted to little-endian u32 bytes once with numpy; the loop
 then does one 16+4*B-byte concatenation and one hash call per block (a 128k-token prompt
 with 16-token blocks takes ~3 ms; see benchmarks/micro/hashing.py).
@@ -34,6 +38,8 @@ NONE_HASH = 0
 _DIGEST_BYTES = 16
 #: Domain label of salted roots (a root is never the hash of token bytes).
 _SALT_LABEL = b"halfmoon/cache_salt/v1\0"
+#: Separates an adapter's mark from the rest of a salt; no request's own salt holds it.
+_ADAPTER_SEP = "\x1f"
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,23 @@ def chain_root(cache_salt: str | None) -> int:
         raise ValueError("cache_salt must be a non-empty string or None")
     digest = hashlib.sha256(_SALT_LABEL + cache_salt.encode("utf-8")).digest()
     return int.from_bytes(digest[:_DIGEST_BYTES], "little")
+
+
+def adapter_salt(cache_salt: str | None, lora: str | None) -> str | None:
+    """The salt a request's blocks hash under when it runs with LoRA adapter ``lora``
+    (None: ``cache_salt`` itself): ``cache_salt`` behind a mark naming the adapter.
+    Idempotent (a salt already marked for ``lora`` comes back as it is), so each place a
+    request enters may apply it. ValueError for a salt holding the separator U+001F
+    other than as ``lora``'s own mark: no request can borrow an adapter's chain, or
+    lose it."""
+    mark = "" if lora is None else f"{_ADAPTER_SEP}lora:{lora}{_ADAPTER_SEP}"
+    if cache_salt is not None and _ADAPTER_SEP in cache_salt:
+        if mark and cache_salt.startswith(mark) and _ADAPTER_SEP not in cache_salt[len(mark) :]:
+            return cache_salt
+        raise ValueError("cache_salt must not contain the control character U+001F")
+    if not mark:
+        return cache_salt
+    return mark + (cache_salt or "")
 
 
 def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -105,6 +105,9 @@ class SamplingParams:
     #: vLLM's request ``priority``: under the ``priority`` scheduling policy a lower value
     #: is served earlier (and preempted later); ignored under ``fcfs``.
     priority: int = 0
+    #: The LoRA adapter the request runs with (a name the engines serve; None: the base
+    #: model). Its blocks hash under the adapter (:func:`halfmoon.core.hashing.adapter_salt`).
+    lora: str | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -116,6 +119,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError("lora must be a non-empty adapter name or None")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -216,6 +216,7 @@ class GatewayHost:
             responses_store_bytes=spec.responses_store_bytes,
             end_token_ids=end_token_ids(model_dir),
             scheduling_policy=spec.scheduling_policy,
+            lora_modules=spec.lora_modules,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from halfmoon.core.adapters import lora_pairs, parse_lora_modules
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
@@ -183,6 +184,8 @@ class GatewaySpec:
     responses_store_bytes: int = 256 * 2**20
     #: The engines' ``--scheduling-policy`` (GatewayConfig.scheduling_policy).
     scheduling_policy: str = "fcfs"
+    #: The engines' ``--lora-modules`` as ``(name, path)`` (GatewayConfig.lora_modules).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         override_generation_config=_override(getattr(args, "override_generation_config", None)),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        lora_modules=lora_pairs(parse_lora_modules(getattr(args, "lora_modules", None) or ())),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -29,9 +29,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from halfmoon.engine.lora import LoraBatch
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,9 @@ class AttentionBatch:
     #: RoPE + pool write + decode attention in one compiled call
     #: (:mod:`halfmoon.engine.fused`), used by decode-only steps; None: separate calls.
     fused_decode: Callable[..., torch.Tensor] | None = None
+    #: The step's LoRA adapters by row (:class:`halfmoon.engine.lora.LoraBatch`); None:
+    #: no row uses one.
+    lora: LoraBatch | None = None
 
 
 def gather_blocks(

@@ -260,7 +260,8 @@ class EngineConfig:
     when it can be built, else the reference). ``cuda_graphs``: on a CUDA device, replay
     decode steps from captured CUDA graphs (:mod:`halfmoon.engine.graphs`; off by
     default until a GPU run has verified it). ``scheduling_policy``: the queue's order,
-    ``fcfs`` or ``priority`` (:mod:`halfmoon.engine.scheduler`).
+    ``fcfs`` or ``priority`` (:mod:`halfmoon.engine.scheduler`). ``lora_modules``: the
+    LoRA adapters a request may name (``SamplingParams.lora``).
     """
 
     model: str = "tiny"
@@ -280,6 +281,9 @@ class EngineConfig:
     attention: str = "auto"
     cuda_graphs: bool = False
     scheduling_policy: str = "fcfs"
+    #: LoRA adapters served beside the base model, as ``(name, PEFT directory)`` pairs
+    #: (vLLM's ``--lora-modules``; :mod:`halfmoon.engine.lora`).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

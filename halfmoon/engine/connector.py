@@ -137,9 +137,11 @@ class StageConnector(ABC):
     def start(
         self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
         cache_salt: str | None = None, prompt_logprobs: int | None = None,
+        lora: str | None = None,
     ) -> int:  # fmt: skip
         """Take blocks for the prompt reusing at most ``max_cached_tokens``; returns the
-        prefix tokens reused. Raises HalfmoonError when the pool is too small.
+        prefix tokens reused. Raises HalfmoonError when the pool is too small or ``lora``
+        (the request's LoRA adapter) is not served.
         ``prompt_logprobs`` (last stage; the group then starts at token 0): compute the
         prompt's log-probabilities with this many alternatives, for :meth:`take_prompt_logprobs`."""
 
@@ -348,8 +350,10 @@ class _LocalStage(StageConnector):
         self.executor = StageExecutor(
             engine.runner.model, engine.kv_layout, layers, engine.kv_cache.num_blocks,
             hook=self._on_layer, enable_prefix_caching=engine.config.enable_prefix_caching,
+            loras=engine.loras,
         )  # fmt: skip
         self._last_rows: dict[str, object] = {}
+        self._lora: dict[str, str] = {}
         self._prompt_len: dict[str, int] = {}
         #: request -> (alternatives wanted, entries so far) for prompt log-probabilities.
         self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
@@ -369,10 +373,15 @@ class _LocalStage(StageConnector):
     def start(
         self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int,
         cache_salt: str | None = None, prompt_logprobs: int | None = None,
+        lora: str | None = None,
     ) -> int:  # fmt: skip
         if prompt_logprobs is not None:
             max_cached_tokens = 0
+        if lora is not None:
+            self.owner.engine.loras.get(lora)  # an unknown adapter fails before any block
         cached = self.executor.start(request_id, token_ids, max_cached_tokens, cache_salt)
+        if lora is not None:
+            self._lora[request_id] = lora
         self._prompt_len[request_id] = len(token_ids)
         if prompt_logprobs is not None and self.layers.is_last:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [])
@@ -389,7 +398,8 @@ class _LocalStage(StageConnector):
         hidden_in: memoryview | None, pad_rows: int,
     ) -> memoryview | None:  # fmt: skip
         self.owner.engine.check_fault(token_ids[start:end])
-        out = self.executor.run(request_id, token_ids[start:end], start, hidden_in)
+        out = self.executor.run(request_id, token_ids[start:end], start, hidden_in,
+                                lora=self._lora.get(request_id))  # fmt: skip
         self.executor.commit(request_id, token_ids, end)  # later prompts reuse this slice
         if self.layers.is_last:
             self._last_rows[request_id] = out[-1:]
@@ -429,6 +439,7 @@ class _LocalStage(StageConnector):
         return None if wanted is None else tuple(wanted[1])
 
     def release(self, request_id: str) -> None:
+        self._lora.pop(request_id, None)
         self._last_rows.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.hashing import chain_root
+from halfmoon.core.hashing import adapter_salt, chain_root
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
@@ -37,6 +37,7 @@ from halfmoon.engine.kernels import (
 )
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
+from halfmoon.engine.lora import LoraModule, LoraSet
 from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
 from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
@@ -222,7 +223,17 @@ class LLMEngine:
                 fused = select_fused_decode(kernel_shape)
             if fused is not None:
                 self.attention_backend += ", fused decode attention"
-        self.runner = ModelRunner(loaded.model, self.kv_cache, kv_layer_hook, kernel, fused)
+        #: The LoRA adapters a request may name (:mod:`halfmoon.engine.lora`).
+        self.loras = LoraSet.load(
+            [LoraModule(name, path) for name, path in config.lora_modules],
+            loaded.config, pool.dtype, pool.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            loaded.model, self.kv_cache, kv_layer_hook, kernel, fused, self.loras
+        )
+        for name, info in self.loras.describe().items():
+            logger.info("LoRA adapter %r: rank %d on %s (%s)", name, info["rank"],
+                        ", ".join(info["modules"]), info["path"])  # fmt: skip
         if config.cuda_graphs:
             blocks = -(-self.max_model_len // config.block_size)
             self.runner.decode_graphs = DecodeGraphs(
@@ -262,6 +273,8 @@ class LLMEngine:
     ) -> Sequence:  # fmt: skip
         if request_id in self._seqs:
             raise HalfmoonError(f"request id {request_id!r} is already in use")
+        if params.lora is not None:
+            self.loras.get(params.lora)  # an unknown adapter fails here
         if num_prompt < 1:
             raise HalfmoonError(f"request {request_id!r} has an empty prompt")
         vocab = self.model_config.vocab_size
@@ -331,15 +344,27 @@ class LLMEngine:
 
         ``keep_kv``: when it finishes, keep its blocks until :meth:`export_kv` takes them
         (the prefill side of a handoff runs with ``max_tokens=1`` and this flag).
-        ``cache_salt``: its prefix-cache hits come only from requests with the same salt.
+        ``cache_salt``: its prefix-cache hits come only from requests with the same salt
+        (and LoRA adapter: ``params.lora`` marks it, :func:`~halfmoon.core.hashing.adapter_salt`).
         """
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
-        chain_root(cache_salt)  # a bad salt fails here, not in a later step
+        cache_salt = self._salt(cache_salt, params)
         seq = self._new_sequence(request_id, token_ids, len(token_ids), params, None, keep_kv)
         seq.cache_salt = cache_salt
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    @staticmethod
+    def _salt(cache_salt: str | None, params: SamplingParams) -> str | None:
+        """The request's salt marked with its adapter; a bad salt fails here, not in a
+        later step."""
+        try:
+            cache_salt = adapter_salt(cache_salt, params.lora)
+            chain_root(cache_salt)
+        except ValueError as exc:
+            raise HalfmoonError(str(exc)) from None
+        return cache_salt
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -443,6 +468,7 @@ class LLMEngine:
                 block_table=self.block_manager.block_table(c.seq.request_id),
                 logits=self._logits_wanted(c),
                 hook=c.start < c.seq.num_prompt_tokens,
+                lora=c.seq.params.lora,
             )
             for c in chunks
         ]
@@ -650,8 +676,8 @@ class LLMEngine:
         params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, token_ids, handoff.num_prompt_tokens, params,
                                  handoff.seed, False)  # fmt: skip
-        seq.cache_salt = handoff.cache_salt
-        table = self.block_manager.allocate(request_id, len(token_ids), handoff.cache_salt)
+        seq.cache_salt = self._salt(handoff.cache_salt, params)
+        table = self.block_manager.allocate(request_id, len(token_ids), seq.cache_salt)
         if table is None:
             raise HalfmoonError(f"no free KV blocks to import request {request_id!r}")
         num_blocks = self.block_manager.blocks_for(handoff.num_computed_tokens)

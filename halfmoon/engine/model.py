@@ -85,11 +85,23 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.forward(x), x
         else:
             h, residual = glue.add_rms_norm(x, residual, self.input_layernorm)
-        out = self._attention(self.qkv_proj.forward(h), rope, batch, kv_cache, hook, glue)
-        h, residual = glue.add_rms_norm(
-            self.o_proj.forward(out), residual, self.post_attention_layernorm
-        )
-        return self.down_proj.forward(glue.silu_mul(self.gate_up_proj.forward(h))), residual
+        lora, i = batch.lora, self.layer_index
+        qkv = self.qkv_proj.forward(h)
+        if lora is not None:  # (each: the adapters' deltas added in place)
+            lora.apply(qkv, h, i, "qkv_proj")
+        out = self._attention(qkv, rope, batch, kv_cache, hook, glue)
+        o = self.o_proj.forward(out)
+        if lora is not None:
+            lora.apply(o, out, i, "o_proj")
+        h, residual = glue.add_rms_norm(o, residual, self.post_attention_layernorm)
+        gate_up = self.gate_up_proj.forward(h)
+        if lora is not None:
+            lora.apply(gate_up, h, i, "gate_up_proj")
+        act = glue.silu_mul(gate_up)
+        down = self.down_proj.forward(act)
+        if lora is not None:
+            lora.apply(down, act, i, "down_proj")
+        return down, residual
 
     def _attention(
         self,

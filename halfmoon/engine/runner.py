@@ -17,6 +17,7 @@ from halfmoon.engine.fused import FusedDecode
 from halfmoon.engine.graphs import DecodeGraphs, DecodeRow
 from halfmoon.engine.kernels import DecodeKernel
 from halfmoon.engine.kv_cache import KVCache
+from halfmoon.engine.lora import LoraSet
 from halfmoon.engine.model import LlamaForCausalLM
 
 #: What logits a chunk wants back: none, its last token's, or every token's.
@@ -38,6 +39,8 @@ class ChunkInput:
     block_table: Sequence[int]
     logits: str = LOGITS_LAST
     hook: bool = False
+    #: The LoRA adapter it runs with (a name in the runner's :class:`LoraSet`), or None.
+    lora: str | None = None
 
     @property
     def end(self) -> int:
@@ -60,8 +63,11 @@ class ModelRunner:
         hook: LayerHook | None = None,
         decode_kernel: DecodeKernel | None = None,
         fused_decode: FusedDecode | None = None,
+        loras: LoraSet | None = None,
     ):
         self.model = model
+        #: The LoRA adapters chunks may name (:mod:`halfmoon.engine.lora`).
+        self.loras = loras or LoraSet()
         self.kv_cache = kv_cache
         self.hook = hook
         #: The compiled paged decode attention (None: the reference gather + SDPA).
@@ -141,9 +147,12 @@ class ModelRunner:
         if decode is not None and self.decode_kernel is None:
             gathered.append(decode.max_blocks * decode.num_seqs)
         workspace = self._workspace_for(max(gathered, default=0))
+        lora = None
+        if any(c.lora is not None for c in ordered):
+            lora = self.loras.batch([(c.lora, len(c.token_ids)) for c in ordered])
         batch = AttentionBatch(
             torch.tensor(slots, **as_long), decode, tuple(segments), workspace,
-            self.decode_kernel, self._scale, self.fused_decode,
+            self.decode_kernel, self._scale, self.fused_decode, lora,
         )  # fmt: skip
         return torch.tensor(token_ids, **as_long), torch.tensor(positions, **as_long), batch
 
@@ -165,7 +174,10 @@ class ModelRunner:
         if not chunks:
             return []
         decode_idx = [i for i, c in enumerate(chunks) if c.is_decode]
-        if self.decode_graphs is not None and len(decode_idx) == len(chunks):
+        with_lora = any(c.lora is not None for c in chunks)
+        if with_lora:  # each adapter's decode rows in one run (see LoraSet.batch)
+            decode_idx.sort(key=lambda i: chunks[i].lora or "")
+        if self.decode_graphs is not None and len(decode_idx) == len(chunks) and not with_lora:
             logits = self.decode_graphs.run([self._decode_row(c) for c in chunks])
             if logits is not None:  # else no graph for this step: it runs eagerly
                 return [

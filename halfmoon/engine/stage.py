@@ -27,6 +27,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.kv_cache import KVCache, KVLayout, from_bytes, host_bytes
+from halfmoon.engine.lora import LoraSet
 from halfmoon.engine.model import LlamaForCausalLM
 from halfmoon.engine.runner import LOGITS_NONE, ChunkInput, ModelRunner
 
@@ -130,6 +131,7 @@ class StageExecutor:
         num_blocks: int,
         hook: LayerHook | None = None,
         enable_prefix_caching: bool = True,
+        loras: LoraSet | None = None,
     ) -> None:
         device = str(next(model.parameters()).device)
         self.model = model
@@ -138,7 +140,7 @@ class StageExecutor:
         self.kv_cache = StageKVCache(full_layout, layers, num_blocks, device)
         # The stage's own prefix cache: its blocks hold only this slice's layers.
         self.blocks = BlockManager(num_blocks, full_layout.block_size, enable_prefix_caching)
-        self.runner = ModelRunner(model, self.kv_cache, hook)
+        self.runner = ModelRunner(model, self.kv_cache, hook, loras=loras)
 
     @property
     def hidden_size(self) -> int:
@@ -197,6 +199,7 @@ class StageExecutor:
         start: int,
         hidden: torch.Tensor | bytes | bytearray | memoryview | None = None,
         hook: bool = True,
+        lora: str | None = None,
     ) -> torch.Tensor:
         """Run the slice on the chunk ``token_ids`` at positions ``start..``, writing its
         KV; returns the hidden states ``[len(token_ids), hidden]`` for the next stage (the
@@ -206,6 +209,7 @@ class StageExecutor:
         ``hidden`` (every stage but the first): the previous stage's output, as a tensor
         on any device or as its host bytes (at least ``len(token_ids)`` rows in the stage
         dtype; further rows are ignored); it is moved to the model's device here.
+        ``lora``: the LoRA adapter the request runs with (one of the stage's ``loras``).
         """
         if not self.layers.is_first:
             hidden = self._hidden_in(hidden, len(token_ids))
@@ -216,6 +220,7 @@ class StageExecutor:
             block_table=self.blocks.block_table(request_id),
             logits=LOGITS_NONE,
             hook=hook,
+            lora=lora,
         )
         return self.runner.execute_layers(chunk, (self.layers.first, self.layers.last), hidden)
 

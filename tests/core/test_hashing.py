@@ -92,3 +92,16 @@ def test_bad_cache_salt(salt):
 
     with pytest.raises(ValueError, match="cache_salt"):
         chain_root(salt)
+
+
+def test_adapter_salt_marks_the_chain_once():
+    from halfmoon.core.hashing import adapter_salt, chain_root
+
+    assert adapter_salt(None, None) is None and adapter_salt("t", None) == "t"
+    a, a_t, b = adapter_salt(None, "a"), adapter_salt("t", "a"), adapter_salt(None, "b")
+    assert len({chain_root(s) for s in (None, "t", a, a_t, b)}) == 5  # five disjoint chains
+    assert adapter_salt(a, "a") == a and adapter_salt(a_t, "a") == a_t  # idempotent
+    assert a_t.endswith("t")
+    for salt, lora in [(a, None), (a, "b"), (a_t, "b"), ("x\x1fy", None), (a + "\x1f", "a")]:
+        with pytest.raises(ValueError, match="U\\+001F"):  # no salt borrows or drops a mark
+            adapter_salt(salt, lora)

@@ -142,6 +142,8 @@ def test_typed_views_of_the_wire_forms():
     assert m.params_from_wire(m.params_to_wire(params)) == params
     urgent = SamplingParams(max_tokens=4, priority=-7)  # (the priority policy's order)
     assert m.params_from_wire(m.params_to_wire(urgent)).priority == -7
+    adapted = SamplingParams(max_tokens=4, lora="sql-lora")  # (the adapter travels too)
+    assert m.params_from_wire(m.params_to_wire(adapted)).lora == "sql-lora"
     assert m.Member(instance_id="p0", command="tcp://h:1", transfer="h:2",
                     role="prefill").endpoints() == dataclasses.replace(P0, incarnation="")  # fmt: skip
 

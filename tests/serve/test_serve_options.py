@@ -21,6 +21,10 @@ from halfmoon.core.errors import HalfmoonError
         (["--cuda-graphs"], "--cuda-graphs) needs a cuda device (--device cuda), not 'cpu'"),
         (["--responses-store-mb", "-1"], "--responses-store-mb must be >= 0"),
         (["--kv-compression-keep-mb", "-1"], "--kv-compression-keep-mb must be >= 0"),
+        (["--lora-modules", "sql=/nonexistent/adapter"], "is not a directory"),
+        (["--lora-modules", "sql"], "expected NAME=PATH"),
+        (["--lora-modules", "a b=/x"], "use letters, digits"),
+        (["--enable-lora"], "name the adapters with --lora-modules"),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):
@@ -94,6 +98,10 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     from halfmoon.serve.launch.launcher import engine_json
     from halfmoon.serve.worker.main import EngineOptions, add_engine_options, worker_options
 
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (adapter / name).write_text("{}")  # (what serve checks; the engines read them)
     probe = argparse.ArgumentParser()
     add_engine_options(probe)
     dests = {a.dest for a in probe._actions if a.dest != "help"}  # noqa: SLF001
@@ -103,7 +111,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
              "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs",
-             "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority"]  # fmt: skip
+             "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority",
+             "--enable-lora", "--lora-modules", f"sql={adapter}", "org/b=" + str(adapter)]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -116,6 +125,13 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     assert options.cuda_graphs and options.kv_compression_keep_mb == 12
     assert options.scheduling_policy == "priority"
+    pairs = (("sql", str(adapter)), ("org/b", str(adapter)))
+    assert options.lora_modules == pairs
+    assert EngineOptions(lora_modules=pairs).engine_config("decode").lora_modules == pairs
+    with pytest.raises(HalfmoonError, match="--lora-modules needs halfmoon's engine"):
+        EngineOptions(engine="vllm", lora_modules=pairs)
+    with pytest.raises(HalfmoonError, match="no adapter_config.json"):
+        EngineOptions(lora_modules=(("x", str(tmp_path)),))
     by_priority = EngineOptions(scheduling_policy="priority")
     assert by_priority.engine_config("prefill").scheduling_policy == "priority"
     with pytest.raises(HalfmoonError, match="--scheduling-policy"):

@@ -115,6 +115,7 @@ class WireParams(Record):
     structured: tuple[str, str, bool, bool, str] | None = None
     bad_words: list[str] = field(default_factory=list)
     priority: int = 0
+    lora: str | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -131,7 +132,7 @@ class WireParams(Record):
             prompt_logprobs=params.prompt_logprobs,
             structured=None if (so := params.structured) is None
             else (so.kind, so.spec, so.compact, so.closed, so.whitespace),
-            bad_words=list(params.bad_words), priority=params.priority,
+            bad_words=list(params.bad_words), priority=params.priority, lora=params.lora,
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -147,7 +148,7 @@ class WireParams(Record):
             allowed_token_ids=tuple(self.allowed_token_ids),
             prompt_logprobs=self.prompt_logprobs,
             structured=None if self.structured is None else StructuredOutput(*self.structured),
-            bad_words=tuple(self.bad_words), priority=self.priority,
+            bad_words=tuple(self.bad_words), priority=self.priority, lora=self.lora,
         )  # fmt: skip
 
 

@@ -74,7 +74,7 @@ def create_app(
     app.state.gateway = gw
     install_error_handlers(app)
     install_docs(app)
-    install_openapi(app, config.model_name, config.max_tokens_limit,
+    install_openapi(app, config.model_names, config.max_tokens_limit,
                     config.guarded_paths() if config.keys else (), tokenizer.vocab_size)  # fmt: skip
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # before auth: bounded
     for router in admin_routers:
@@ -111,12 +111,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [config.model_card()]}
+        return {"object": "list", "data": [config.model_card(n) for n in config.model_names]}
 
     @app.get("/v1/models/{model:path}")  # (a path: model names may hold a slash)
     async def model(model: str) -> dict[str, Any]:
         gw.check_model(model)
-        return config.model_card()
+        return config.model_card(model)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.hashing import adapter_salt
 from halfmoon.core.ids import IdGenerator
 from halfmoon.core.request import (
     SCHEDULING_POLICIES,
@@ -96,10 +97,16 @@ class GatewayConfig:
     #: The engines' queue order (``halfmoon serve --scheduling-policy``): a request's
     #: ``priority`` other than 0 is refused unless it is ``priority``, as vLLM does.
     scheduling_policy: str = "fcfs"
+    #: LoRA adapters the engines serve, ``(name, path)``: a request whose ``model`` names
+    #: one runs with it (``halfmoon serve --lora-modules``).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
+        names = [name for name, _ in self.lora_modules]
+        if self.model_name in names or len(set(names)) < len(names):
+            raise ValueError(f"LoRA adapter names must be unique and not {self.model_name!r}")
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
         if self.responses_store_bytes < 0:
@@ -122,13 +129,24 @@ class GatewayConfig:
                    for p in paths]  # fmt: skip
         return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state", *private)
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model as ``/v1/models`` lists it, with the limits it enforces."""
-        return {
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` may say: the base model, then each LoRA adapter."""
+        return (self.model_name, *(name for name, _ in self.lora_modules))
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """A served model (the base one by default) as ``/v1/models`` lists it, with the
+        limits it enforces; an adapter's card names its directory (``root``) and the base
+        model (``parent``), as vLLM's does."""
+        card = {
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "halfmoon",
-            "root": self.model_name, "max_model_len": self.max_model_len,
+            "root": self.model_name, "parent": None, "max_model_len": self.max_model_len,
             "max_tokens_limit": self.max_tokens_limit,
         }  # fmt: skip
+        path = dict(self.lora_modules).get(name) if name is not None else None
+        if path is not None:
+            card.update(id=name, root=path, parent=self.model_name)
+        return card
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -233,9 +251,7 @@ class Gateway:
         return Prepared(
             self._ids.next(), first_ids, params, body.stop_strings(), include_usage, chat,
             continuous, first_echo, body.n, body.include_stop_str_in_output,
-            cache_salt=effective_salt(
-                body.cache_salt, api_key if cfg.cache_salt_from_api_key else None
-            ),
+            cache_salt=self._salt(body.cache_salt, api_key, params.lora),
             more=tuple(more),
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
             echo_only=not chat and body.max_tokens == 0,
@@ -316,6 +332,7 @@ class Gateway:
                 structured=self._structured(body, tool_schema),
                 bad_words=self._bad_words(body.bad_words or ()),
                 priority=body.priority,
+                lora=self.lora_of(body.model),
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
@@ -413,15 +430,31 @@ class Gateway:
         self.checked_token_ids(ids, "logit_bias keys")
         return tuple((token, float(bias)) for token, (_, bias) in zip(ids, pairs, strict=True))
 
+    def _salt(self, cache_salt: str | None, api_key: str | None, lora: str | None) -> str | None:
+        """The salt the request's blocks hash under: its own, its tenant's (API key) and
+        its LoRA adapter's (:func:`~halfmoon.core.hashing.adapter_salt`); a 400 for a salt
+        no request may send."""
+        tenant = api_key if self.config.cache_salt_from_api_key else None
+        try:
+            return adapter_salt(effective_salt(cache_salt, tenant), lora)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "BadRequestError", param="cache_salt") from None
+
     def check_model(self, model: str | None) -> None:
-        """A 404 unless ``model`` is None or the one this server serves."""
-        if model is not None and model != self.config.model_name:
+        """A 404 unless ``model`` is None, the model this server serves or one of its LoRA
+        adapters."""
+        if model is not None and model not in self.config.model_names:
+            served = ", ".join(repr(n) for n in self.config.model_names)
             raise HTTPError(
                 404,
-                f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                f"model {model!r} does not exist; this server serves {served}",
                 "NotFoundError",
                 param="model",
             )
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects (None: the base model)."""
+        return model if model is not None and model != self.config.model_name else None
 
     # -- generation --------------------------------------------------------------------------
     async def chunks(self, p: Prepared) -> AsyncIterator[GenerationChunk]:

@@ -15,6 +15,7 @@ offline).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -292,16 +293,17 @@ def _bound_token_ids(schema: dict[str, Any], vocab_size: int) -> None:
 
 
 def _pin_requests(
-    schemas: dict[str, Any], model_name: str, max_tokens_limit: int, vocab_size: int
+    schemas: dict[str, Any], model_names: Sequence[str], max_tokens_limit: int, vocab_size: int
 ) -> None:
-    """The request bodies' ``model`` can only be the served model; output lengths are
+    """The request bodies' ``model`` can only be a served model (the base model or a LoRA
+    adapter); output lengths are
     capped at the server's limit, token ids at the vocabulary (what the gateway enforces
     with a 400)."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props:
-            pinned = {"type": "string", "enum": [model_name]}
+            pinned = {"type": "string", "enum": list(model_names)}
             nullable = any(o.get("type") == "null" for o in props["model"].get("anyOf", []))
             props["model"] = {"anyOf": [pinned, {"type": "null"}]} if nullable else pinned
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
@@ -313,7 +315,7 @@ def _pin_requests(
 
 
 def build_openapi(
-    app: FastAPI, model_name: str, max_tokens_limit: int, guarded_paths: tuple[str, ...],
+    app: FastAPI, model_names: Sequence[str], max_tokens_limit: int, guarded_paths: tuple[str, ...],
     vocab_size: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The schema of ``app`` rewritten as the module docstring says; ``guarded_paths``:
@@ -329,7 +331,7 @@ def build_openapi(
         for method, op in ops.items():
             guarded = path.startswith(guarded_paths) if guarded_paths else False
             _operation_responses(path, method, op, schemas, guarded)
-    _pin_requests(schemas, model_name, max_tokens_limit, vocab_size)
+    _pin_requests(schemas, model_names, max_tokens_limit, vocab_size)
     if guarded_paths:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         schema["security"] = [{"bearer": []}]
@@ -337,7 +339,7 @@ def build_openapi(
 
 
 def install_openapi(
-    app: FastAPI, model_name: str, max_tokens_limit: int, guarded_paths: tuple[str, ...],
+    app: FastAPI, model_names: Sequence[str], max_tokens_limit: int, guarded_paths: tuple[str, ...],
     vocab_size: int,
 ) -> None:  # fmt: skip
     """Serve :func:`build_openapi`'s schema at ``app.openapi_url`` (built once, on first use)."""
@@ -345,7 +347,7 @@ def install_openapi(
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = build_openapi(
-                app, model_name, max_tokens_limit, guarded_paths, vocab_size
+                app, model_names, max_tokens_limit, guarded_paths, vocab_size
             )
         return app.openapi_schema
 

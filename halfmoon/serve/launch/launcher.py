@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
+from halfmoon.core.adapters import lora_pairs, parse_lora_modules
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -156,6 +157,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        lora_modules=lora_pairs(parse_lora_modules(getattr(args, "lora_modules", None) or ())),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from halfmoon.core.adapters import check_adapter_dir, lora_pairs, parse_lora_modules
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
@@ -61,6 +62,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
     )
+    parser.add_argument(
+        "--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+        help="LoRA adapters served beside the base model (vLLM's flag): NAME=PATH of a PEFT "
+        "directory, or a JSON object with name and path; a request picks one by its "
+        "'model' (each adapter's prefix cache is its own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--enable-lora", action="store_true",
+        help="accepted for vLLM's command lines: --lora-modules names the adapters (and "
+        "alone enables LoRA); adapters are not loaded at run time",
+    )  # fmt: skip
     parser.add_argument(
         "--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
         help="how each engine orders its queue (vLLM's flag): fcfs (default; a request's "
@@ -183,8 +195,25 @@ class EngineOptions:
     vllm_python: str | None = None
     vllm_args: str = ""
     scheduling_policy: str = "fcfs"
+    #: ``(name, PEFT directory)`` per adapter (``--lora-modules``, checked and resolved).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_lora and not self.lora_modules:
+            raise HalfmoonError(
+                "--enable-lora: name the adapters with --lora-modules NAME=PATH (adapters "
+                "are not loaded at run time)"
+            )
+        modules = parse_lora_modules(self.lora_modules)
+        for module in modules:
+            check_adapter_dir(module)
+        object.__setattr__(self, "lora_modules", lora_pairs(modules))
+        if modules and self.engine != "halfmoon":
+            raise HalfmoonError(
+                f"--lora-modules needs halfmoon's engine; with --engine {self.engine} it is "
+                "not supported yet"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise HalfmoonError(
                 f"unknown --scheduling-policy {self.scheduling_policy!r}; use one of "
@@ -248,6 +277,7 @@ class EngineOptions:
             seed=self.seed, num_threads=self.num_threads,
             enable_prefix_caching=self.prefix_caching, attention=self.attention,
             cuda_graphs=self.cuda_graphs, scheduling_policy=self.scheduling_policy,
+            lora_modules=self.lora_modules,
         )  # fmt: skip
 
 

@@ -185,7 +185,7 @@ class PipelineStage:
         start = start_blocks * self.block_size
         try:
             cached = job.executor.start(job.rid, job.tokens, start, job.cache_salt,
-                                        job.params.prompt_logprobs)  # fmt: skip
+                                        job.params.prompt_logprobs, job.params.lora)  # fmt: skip
         except HalfmoonError as exc:
             job.error = str(exc)  # the next tick fails it as retryable
             return

@@ -1,0 +1,169 @@
+"""What LoRA adapters cost the engine, side by side with vLLM's CPU build.
+
+Four random adapters in PEFT's format (rank ``--rank`` on all seven linears of each
+layer, :func:`halfmoon.engine.lora.write_random_adapter`) for the real model, served by
+both engines: halfmoon's ``--lora-modules`` and vLLM's ``enable_lora`` (``max_loras`` 4,
+``max_lora_rank`` the rank; its peer process tuned as in :mod:`benchmarks.micro.engine_real`).
+Each round times, for both engines in turn (the order alternating), whole ``generate``
+calls of the same token-id prompts, greedy, ``ignore_eos``:
+
+- ``decode``: ``--batch`` prompts of ~100 tokens, ``--tokens`` generated: the base model
+  (``base``), every prompt on one adapter (``one``), and the batch split over the four
+  adapters (``four``, a step of four adapters' rows);
+- ``prefill``: one prompt of ``--prefill-tokens``, one token generated, base and one
+  adapter.
+
+Reported per round: each engine's time with adapters over its own base time (what LoRA
+costs it), and vLLM's time over halfmoon's for each case; the first 16 greedy tokens of
+every prompt are compared between the engines (the same adapter applied the same way
+gives the same tokens, up to float rounding late in a sequence).
+
+Usage::
+
+    .venv/bin/python -m benchmarks.micro.lora_cost [--model smollm2-135m-instruct] \\
+        [--rank 16] [--batch 8] [--tokens 32] [--rounds 5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.lora import write_random_adapter
+
+NAMES = ("a0", "a1", "a2", "a3")
+
+
+def _cases(batch: int) -> dict[str, list[str | None]]:
+    """Per decode case, each prompt's adapter."""
+    return {
+        "base": [None] * batch,
+        "one": ["a0"] * batch,
+        "four": [NAMES[i % len(NAMES)] for i in range(batch)],
+    }
+
+
+def main() -> None:
+    """Run the benchmark and print (and optionally save) its figures."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    ap.add_argument("--no-vllm", action="store_true", help="halfmoon alone")
+    ap.add_argument("--json", help="write every round here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="halfmoon-lora-") as tmp:
+        result = run(args, Path(tmp))
+    summary = {k: v for k, v in result.items() if k != "rounds"}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict:
+    """Every round of both engines (or halfmoon's alone with ``--no-vllm``)."""
+    from benchmarks.micro.engine_real import VllmPeer, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    probe = LLMEngine(EngineConfig(model=model_dir, kv_cache_mb=16))
+    adapters = {n: write_random_adapter(probe.model_config, tmp / n, rank=args.rank,
+                                        alpha=2.0 * args.rank, seed=i, std=0.02)
+                for i, n in enumerate(NAMES)}  # fmt: skip
+    del probe
+    engine = LLMEngine(EngineConfig(
+        model=model_dir, num_threads=args.threads, enable_prefix_caching=False,
+        lora_modules=tuple((n, str(p)) for n, p in adapters.items()),
+    ))  # fmt: skip
+    tok = engine.tokenizer
+    decode_prompts = [tok.encode(f"Story {i}: " + "the sea and the sky and the wind " * 12)
+                      for i in range(args.batch)]  # fmt: skip
+    long = tok.encode("A long document. " * (args.prefill_tokens // 4))[: args.prefill_tokens]
+    cases = {f"decode {k}": (decode_prompts, v, args.tokens) for k, v in _cases(args.batch).items()}
+    cases["prefill base"] = ([long], [None], 1)
+    cases["prefill one"] = ([long], ["a0"], 1)
+
+    def ours(prompts, loras, tokens) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                    lora=lora)  # fmt: skip
+            engine.add_request(f"r{i}", p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.token_ids[:16])
+        return time.perf_counter() - start, [done[f"r{i}"] for i in range(len(prompts))]
+
+    peer = None
+    if not args.no_vllm:
+        peer_args = SimpleNamespace(
+            threads=args.threads, max_model_len=2304, batches=[args.batch],
+            max_num_batched_tokens=2048, vllm_kv_gb=4, max_lora_rank=args.rank,
+            lora_modules=[f"{n}={p}" for n, p in adapters.items()],
+        )  # fmt: skip
+        peer = VllmPeer(args.vllm_python, model_dir, peer_args, "/tmp/halfmoon-lora-vllm.log")
+    runners = {"halfmoon": ours}
+    if peer is not None:
+        runners["vllm"] = lambda prompts, loras, tokens: peer.generate(
+            prompts, tokens, False, None, loras
+        )
+    try:
+        if peer is not None:
+            peer.wait_ready()
+        for spec in cases.values():  # warm both: kernels, adapters, allocators
+            for run_case in runners.values():
+                run_case(*spec)
+        rounds, agree = [], {}
+        for r in range(args.rounds):
+            row: dict[str, float] = {}
+            engines = list(runners) if r % 2 == 0 else list(runners)[::-1]
+            for case, spec in cases.items():
+                ids = {}
+                for name in engines:
+                    row[f"{name} {case} s"], ids[name] = runners[name](*spec)
+                if len(ids) == 2:
+                    agree[case] = agree.get(case, True) and ids["halfmoon"] == ids["vllm"]
+            for name in runners:
+                for kind, base in (("decode", "decode base"), ("prefill", "prefill base")):
+                    for case in cases:
+                        if case.startswith(kind) and case != base:
+                            row[f"{name} {case} / base"] = (
+                                row[f"{name} {case} s"] / row[f"{name} {base} s"]
+                            )
+            if peer is not None:
+                for case in cases:
+                    row[f"vllm/halfmoon {case}"] = row[f"vllm {case} s"] / row[f"halfmoon {case} s"]
+            rounds.append(row)
+            print(f"round {r}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
+    ratio_keys = [k for k in rounds[0] if not k.endswith(" s")]
+    return {
+        "model": args.model, "rank": args.rank, "batch": args.batch, "tokens": args.tokens,
+        "prefill_tokens": len(long), "threads": args.threads,
+        "vllm": None if peer is None else peer.info, "greedy_tokens_agree": agree,
+        "median": {k: statistics.median(r[k] for r in rounds) for k in ratio_keys},
+        "median_s": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]
+                     if k.endswith(" s")},
+        "rounds": rounds,
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

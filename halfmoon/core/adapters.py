@@ -1,0 +1,95 @@
+"""LoRA adapters as the serving side names them (no torch): vLLM's ``--lora-modules``.
+
+A request selects an adapter by its name in the ``model`` field; the engines load the
+adapter's PEFT directory (:mod:`halfmoon.engine.lora`). Parsing and the cheap checks
+(the name, the directory's two files) happen here, where the CLI and the gateway can
+run them before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from halfmoon.core.errors import HalfmoonError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+#: An adapter's name: what a request's ``model`` field says to use it.
+_NAME = re.compile(r"^[A-Za-z0-9][\w.:/@+-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter to serve: ``name`` (a request's ``model``) and its PEFT directory."""
+
+    name: str
+    path: str
+
+
+def check_lora_name(name: str) -> str:
+    """``name`` when it can name an adapter (letters, digits and ``_.:/@+-``, at most
+    128 characters, starting with a letter or digit), else HalfmoonError."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise HalfmoonError(
+            f"LoRA adapter name {name!r}: use letters, digits and _.:/@+- (at most 128 "
+            "characters, starting with a letter or digit)"
+        )
+    return name
+
+
+def parse_lora_modules(
+    values: Iterable[str | Sequence[str]], base_model: str | None = None
+) -> tuple[LoraModule, ...]:
+    """vLLM's ``--lora-modules`` values: ``name=path`` or a JSON object with ``name`` and
+    ``path`` (or ``(name, path)`` pairs, as a config document holds them). HalfmoonError
+    naming the bad value (a malformed one, a name used twice or the base model's own
+    name)."""
+    modules: list[LoraModule] = []
+    for value in values:
+        if not isinstance(value, str):
+            if len(value) != 2:
+                raise HalfmoonError(f"--lora-modules {value!r}: expected (name, path)")
+            value = json.dumps({"name": value[0], "path": value[1]})
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                doc = json.loads(text)
+                name, path = doc["name"], doc["path"]
+            except (ValueError, KeyError, TypeError):
+                raise HalfmoonError(
+                    f'--lora-modules {value!r}: a JSON value needs "name" and "path"'
+                ) from None
+        else:
+            name, sep, path = text.partition("=")
+            if not sep or not name or not path:
+                raise HalfmoonError(f"--lora-modules {value!r}: expected NAME=PATH")
+        if not isinstance(path, str) or not path:
+            raise HalfmoonError(f"--lora-modules {value!r}: the path must be a string")
+        check_lora_name(name)
+        if name == base_model or any(m.name == name for m in modules):
+            raise HalfmoonError(f"--lora-modules: the name {name!r} is already taken")
+        modules.append(LoraModule(name, str(Path(path).expanduser().resolve())))
+    return tuple(modules)
+
+
+def check_adapter_dir(module: LoraModule) -> None:
+    """HalfmoonError unless ``module.path`` is a directory with PEFT's two files (what
+    the CLI checks before starting engines; they read and check the contents)."""
+    path = Path(module.path)
+    if not path.is_dir():
+        raise HalfmoonError(f"LoRA adapter {module.name!r}: {path} is not a directory")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            hint = ""
+            if name == WEIGHTS_FILE and (path / "adapter_model.bin").is_file():
+                hint = " (adapter_model.bin is not read: save it as safetensors)"
+            raise HalfmoonError(f"LoRA adapter {module.name!r}: no {name} in {path}{hint}")
+
+
+def lora_pairs(modules: Iterable[LoraModule]) -> tuple[tuple[str, str], ...]:
+    """``(name, path)`` pairs: how configs (``EngineConfig.lora_modules``) hold them."""
+    return tuple((m.name, m.path) for m in modules)
