@@ -7,6 +7,7 @@ import copy
 import json
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from engine_testlib import Reference, assert_logits_close, engine_config, prefill
@@ -20,7 +21,6 @@ from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.lora import MODULES, LoraAdapter, write_random_adapter
 from halfmoon.engine.runner import LOGITS_ALL, ChunkInput
 
-peft = pytest.importorskip("peft")
 # (PEFT's save_pretrained asks transformers a deprecated question)
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
 
