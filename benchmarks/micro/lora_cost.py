@@ -13,6 +13,10 @@ calls of the same token-id prompts, greedy, ``ignore_eos``:
 - ``prefill``: one prompt of ``--prefill-tokens``, one token generated, base and one
   adapter.
 
+A second vLLM peer without ``enable_lora`` runs the base cases too (``vllm-plain``): what
+enabling LoRA costs vLLM's requests that use none (halfmoon's engine does no LoRA work
+in a step without adapters, so its base is one figure).
+
 Reported per round: each engine's time with adapters over its own base time (what LoRA
 costs it), and vLLM's time over halfmoon's for each case; the first 16 greedy tokens of
 every prompt are compared between the engines (the same adapter applied the same way
@@ -109,55 +113,67 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                     done[out.request_id] = list(out.token_ids[:16])
         return time.perf_counter() - start, [done[f"r{i}"] for i in range(len(prompts))]
 
-    peer = None
+    peers: dict[str, VllmPeer] = {}
     if not args.no_vllm:
-        peer_args = SimpleNamespace(
-            threads=args.threads, max_model_len=2304, batches=[args.batch],
-            max_num_batched_tokens=2048, vllm_kv_gb=4, max_lora_rank=args.rank,
-            lora_modules=[f"{n}={p}" for n, p in adapters.items()],
-        )  # fmt: skip
-        peer = VllmPeer(args.vllm_python, model_dir, peer_args, "/tmp/halfmoon-lora-vllm.log")
+        for name, modules in (("vllm", [f"{n}={p}" for n, p in adapters.items()]),
+                              ("vllm-plain", [])):  # fmt: skip
+            peer_args = SimpleNamespace(
+                threads=args.threads, max_model_len=2304, batches=[args.batch],
+                max_num_batched_tokens=2048, vllm_kv_gb=4, max_lora_rank=args.rank,
+                lora_modules=modules,
+            )  # fmt: skip
+            peers[name] = VllmPeer(args.vllm_python, model_dir, peer_args,
+                                   f"/tmp/halfmoon-lora-{name}.log")  # fmt: skip
     runners = {"halfmoon": ours}
-    if peer is not None:
-        runners["vllm"] = lambda prompts, loras, tokens: peer.generate(
-            prompts, tokens, False, None, loras
+    for name, peer in peers.items():
+        runners[name] = lambda prompts, loras, tokens, peer=peer: peer.generate(
+            prompts, tokens, False, None, None if not any(loras) else loras
         )
+
+    def engines_of(case: str) -> list[str]:
+        return [n for n in runners if n != "vllm-plain" or case.endswith("base")]
+
     try:
-        if peer is not None:
+        for peer in peers.values():
             peer.wait_ready()
-        for spec in cases.values():  # warm both: kernels, adapters, allocators
-            for run_case in runners.values():
-                run_case(*spec)
+        for case, spec in cases.items():  # warm them all: kernels, adapters, allocators
+            for name in engines_of(case):
+                runners[name](*spec)
         rounds, agree = [], {}
         for r in range(args.rounds):
             row: dict[str, float] = {}
-            engines = list(runners) if r % 2 == 0 else list(runners)[::-1]
             for case, spec in cases.items():
+                engines = engines_of(case)
+                engines = engines[r % len(engines) :] + engines[: r % len(engines)]  # rotated
                 ids = {}
                 for name in engines:
                     row[f"{name} {case} s"], ids[name] = runners[name](*spec)
-                if len(ids) == 2:
-                    agree[case] = agree.get(case, True) and ids["halfmoon"] == ids["vllm"]
-            for name in runners:
+                for name in ids.keys() - {"halfmoon"}:
+                    key = f"{case}: {name}"
+                    agree[key] = agree.get(key, True) and ids["halfmoon"] == ids[name]
+            for name in ("halfmoon", *(n for n in peers if n != "vllm-plain")):
                 for kind, base in (("decode", "decode base"), ("prefill", "prefill base")):
                     for case in cases:
                         if case.startswith(kind) and case != base:
                             row[f"{name} {case} / base"] = (
                                 row[f"{name} {case} s"] / row[f"{name} {base} s"]
                             )
-            if peer is not None:
+            for name in peers:
                 for case in cases:
-                    row[f"vllm/halfmoon {case}"] = row[f"vllm {case} s"] / row[f"halfmoon {case} s"]
+                    if f"{name} {case} s" in row:
+                        row[f"{name}/halfmoon {case}"] = (
+                            row[f"{name} {case} s"] / row[f"halfmoon {case} s"]
+                        )
             rounds.append(row)
             print(f"round {r}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
     finally:
-        if peer is not None:
+        for peer in peers.values():
             peer.close()
     ratio_keys = [k for k in rounds[0] if not k.endswith(" s")]
     return {
         "model": args.model, "rank": args.rank, "batch": args.batch, "tokens": args.tokens,
         "prefill_tokens": len(long), "threads": args.threads,
-        "vllm": None if peer is None else peer.info, "greedy_tokens_agree": agree,
+        "vllm": {n: p.info for n, p in peers.items()}, "greedy_tokens_agree": agree,
         "median": {k: statistics.median(r[k] for r in rounds) for k in ratio_keys},
         "median_s": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]
                      if k.endswith(" s")},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -96,6 +97,17 @@ def healthy_vllm(urls: Callable[[], Iterable[str]], timeout_s: float = 600.0) ->
                     return url
         assert time.monotonic() < end, "no vLLM server answers /health"
         time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapter(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA adapter of SmolLM2 in PEFT's format (rank 8, every linear; strong
+    enough to change greedy answers), for the clusters of vLLM servers (``sql=PATH``)."""
+    from halfmoon.engine.config import ModelConfig
+    from halfmoon.engine.lora import write_random_adapter
+
+    config = ModelConfig.from_hf(json.loads((smollm2_dir / "config.json").read_text()))
+    return write_random_adapter(config, tmp_path_factory.mktemp("adapters") / "sql", std=0.05)
 
 
 def vllm_greedy(url: str, token_ids: list[int], max_tokens: int, **extra: Any) -> list[int]:

@@ -39,12 +39,13 @@ KV_MB = "96"  # 67 vLLM blocks of 32 tokens per server: small enough to evict
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, smollm2_dir):
+def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
     cluster = Cluster(
         tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
         "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
         "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
         "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
+        "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
     )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
@@ -351,3 +352,21 @@ def test_stop_reason_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
         got = [ours["choices"][0][f] for f in fields]
         assert got == [theirs["choices"][0][f] for f in fields], extra
     assert got[1:] == ["length", None]  # the last case: no stop asked for
+
+
+def test_a_lora_adapter_answers_as_vllms_own(fleet, smollm2_dir):
+    """``--lora-modules`` with ``--engine vllm``: each server serves the adapter
+    (vLLM's own ``--lora-modules``), a request's ``model`` picks it, and the answer is
+    the server's own with that adapter (and not the base model's)."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode(PROMPTS[1])
+    url = _live_server(fleet)
+    expected = tokenizer.decode(vllm_greedy(url, ids, 16, model="sql"))
+    assert expected != tokenizer.decode(vllm_greedy(url, ids, 16))
+    served = _client(fleet).completions.create(model="sql", prompt=PROMPTS[1], max_tokens=16,
+                                               temperature=0)  # fmt: skip
+    assert served.choices[0].text == expected and served.model == "sql"
+    cards = httpx.get(fleet.base_url + "/v1/models", timeout=30).json()["data"]
+    assert [c["id"] for c in cards] == ["smollm2-135m-instruct", "sql"]

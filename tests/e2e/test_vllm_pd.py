@@ -51,7 +51,7 @@ def tokenized(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory, smollm2_dir):
+def pd(tmp_path_factory, smollm2_dir, smollm2_adapter):
     stats = tmp_path_factory.mktemp("kv-stats")
     os.environ["HALFMOON_KV_STATS_DIR"] = str(stats)
     # The prefix-pull test steers placements through the profile's estimates (which
@@ -60,7 +60,7 @@ def pd(tmp_path_factory, smollm2_dir):
         tmp_path_factory.mktemp("vllm-pd"), "--engine", "vllm", "--prefill", "2", "--decode",
         "1", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB, "--num-threads", "1",
         "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
-        "--prefill-calibration", "off",
+        "--prefill-calibration", "off", "--lora-modules", f"sql={smollm2_adapter}",
     )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
@@ -256,3 +256,16 @@ def test_beam_search_through_the_pair_equals_vllms_own(pd, tokenized):
     assert [c["text"] for c in ours["choices"]] == [c["text"] for c in theirs.json()["choices"]], (
         ours
     )
+
+
+def test_a_lora_adapter_through_the_pair_equals_vllms_own(pd, tokenized):
+    """A request for the LoRA adapter is prefilled on a prefill server with it, its KV
+    (hashed under the adapter) handed to the decode server, which continues with it:
+    the answer is the decode server's own with the adapter, not the base model's."""
+    tokenizer, prompts = tokenized
+    url = _decode_server_url(pd)
+    expected = tokenizer.decode(vllm_greedy(url, prompts[2], MAX_TOKENS, model="sql"))
+    assert expected != tokenizer.decode(vllm_greedy(url, prompts[2], MAX_TOKENS))
+    served = _client(pd).completions.create(model="sql", prompt=PROMPTS[2],
+                                            max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
+    assert served.choices[0].text == expected

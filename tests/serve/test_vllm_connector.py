@@ -78,7 +78,9 @@ def test_request_body_maps_every_sampling_option() -> None:
     assert body["repetition_penalty"] == 1.1 and body["cache_salt"] == "tenant-a"
     assert "priority" not in body  # 0, vLLM's default: left out
     assert request_body("smol", [1], SamplingParams(priority=-3), None)["priority"] == -3
+    assert request_body("smol", [1], SamplingParams(lora="sql"), None)["model"] == "sql"
     plain = request_body("smol", [1], SamplingParams(), None)
+    assert plain["model"] == "smol"
     # top_k and min_p go off (0) too, or the server would apply its model's defaults
     assert (plain["top_k"], plain["min_p"]) == (0, 0.0)
     assert "seed" not in plain and "cache_salt" not in plain and "allowed_token_ids" not in plain
@@ -223,6 +225,27 @@ def test_launch_line_binds_events_and_pins_nothing() -> None:
     # one worker: the model runs in the engine core's process (no third process)
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_lora_adapters_reach_vllms_command_line(tmp_path) -> None:
+    from halfmoon.serve.vllm.server import VllmServerError, lora_argv
+
+    for name, config in (("a", {"r": 8}), ("b", {"r": 4, "rank_pattern": {"down_proj": 24}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+    mods = (("a", str(tmp_path / "a")), ("org/b", str(tmp_path / "b")))
+    argv = VllmLaunch("python3", "/m", "smol", lora_modules=mods).argv(8000, 5557, 5558, "t")
+    assert argv[argv.index("--max-loras") + 1] == "2" and "--enable-lora" in argv
+    assert argv[argv.index("--max-lora-rank") + 1] == "32"  # 24 -> vLLM's next value
+    at = argv.index("--lora-modules")
+    assert argv[at + 1 : at + 3] == [f"a={tmp_path / 'a'}", f"org/b={tmp_path / 'b'}"]
+    assert "--enable-lora" not in VllmLaunch("python3", "/m", "smol").argv(1, 2, 3, "t")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "adapter_config.json").write_text(json.dumps({"r": 1024}))
+    with pytest.raises(VllmServerError, match="above vLLM's largest"):
+        lora_argv((("c", str(tmp_path / "c")),))
+    with pytest.raises(VllmServerError, match="'d'"):
+        lora_argv((("d", str(tmp_path / "missing")),))
 
 
 @pytest.mark.parametrize("flag", [

@@ -124,7 +124,8 @@ def request_body(
 ) -> dict[str, Any]:
     """The ``/v1/completions`` body of one request (token ids in, token ids out)."""
     body: dict[str, Any] = {
-        "model": model, "prompt": list(token_ids), "max_tokens": params.max_tokens,
+        # (a LoRA adapter is its own model on vLLM's server: --lora-modules names it)
+        "model": params.lora or model, "prompt": list(token_ids), "max_tokens": params.max_tokens,
         "temperature": params.temperature, "top_p": params.top_p, "stream": True,
         "stream_options": {"include_usage": True}, "return_token_ids": True,
         "ignore_eos": params.ignore_eos, "min_tokens": params.min_tokens,

@@ -214,6 +214,8 @@ class VllmLaunch:
     num_threads: int = 1
     scheduling_policy: str = "fcfs"
     extra_args: tuple[str, ...] = ()
+    #: LoRA adapters ``(name, PEFT directory)``: vLLM's ``--enable-lora --lora-modules``.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
         """The server's command line (what ``vllm serve`` would run)."""
@@ -237,6 +239,7 @@ class VllmLaunch:
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
+        argv += lora_argv(self.lora_modules)
         if runs_model_in_engine_core(self.extra_args):
             argv += ["--distributed-executor-backend", "uni"]
         return argv + list(self.extra_args)
@@ -427,6 +430,37 @@ class ServerFacts:
     block_size: int
     num_blocks: int
     prefix_caching: bool
+    #: The LoRA adapters it serves (the ``/v1/models`` entries with a ``parent``).
+    adapters: tuple[str, ...] = ()
+
+
+#: vLLM's ``--max-lora-rank`` values (its ``LoRAConfig.max_lora_rank``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_argv(modules: Sequence[tuple[str, str]]) -> list[str]:
+    """vLLM's flags for serving ``modules`` (name, PEFT directory): every adapter loaded
+    at once (``--max-loras``), ``--max-lora-rank`` the least of vLLM's values that holds
+    the largest rank of any module (``r``, ``rank_pattern``); VllmServerError for a rank
+    vLLM cannot take or an unreadable config."""
+    if not modules:
+        return []
+    rank = 1
+    for name, path in modules:
+        try:
+            config = json.loads((Path(path) / "adapter_config.json").read_text())
+            ranks = [
+                int(config.get("r", 8)),
+                *map(int, (config.get("rank_pattern") or {}).values()),
+            ]
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise VllmServerError(f"LoRA adapter {name!r}: {exc}") from None
+        rank = max(rank, *ranks)
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise VllmServerError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+    return ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank",
+            str(fitting[0]), "--lora-modules", *(f"{n}={p}" for n, p in modules)]  # fmt: skip
 
 
 def _get(url: str, timeout_s: float = 5.0) -> bytes:
@@ -461,6 +495,7 @@ def server_facts(url: str) -> ServerFacts:
             block_size=int(cache.get("block_size", "0")),
             num_blocks=int(cache.get("num_gpu_blocks", "0") or 0),
             prefix_caching=cache.get("enable_prefix_caching", "True") == "True",
+            adapters=tuple(str(m["id"]) for m in models[1:] if m.get("parent")),
         )
     except ValueError as exc:
         raise VllmServerError(f"{url}: unexpected cache_config_info ({exc})") from None

@@ -50,7 +50,7 @@ def vllm_engine(
     if attach is not None:
         endpoints = VllmEndpoints.parse(attach)
         wait_healthy(endpoints.url, START_TIMEOUT_S, stop=stop)
-        return VllmServerConnector(endpoints, **common)
+        return _serving_adapters(VllmServerConnector(endpoints, **common), options)
     launch = VllmLaunch(
         python=find_vllm_python(options.vllm_python), model_dir=str(model_dir),
         served_model_name=model_dir.name, block_size=options.block_size, dtype=options.dtype,
@@ -59,7 +59,7 @@ def vllm_engine(
             model_dir, options.kv_cache_mb, options.block_size, options.dtype, options.vllm_args
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
-        scheduling_policy=options.scheduling_policy,
+        scheduling_policy=options.scheduling_policy, lora_modules=options.lora_modules,
         extra_args=tuple(shlex.split(options.vllm_args)) + (
             ("--kv-transfer-config", kv_transfer_config(kv_connector)) if kv_connector else ()
         ),
@@ -67,7 +67,21 @@ def vllm_engine(
     process = VllmProcess(launch, topic=f"kv@{instance_id}")
     try:
         process.wait_ready(START_TIMEOUT_S, stop)
-        return VllmServerConnector(process.endpoints, process=process, **common)
+        connector = VllmServerConnector(process.endpoints, process=process, **common)
+        return _serving_adapters(connector, options)
     except BaseException:
         process.stop()
         raise
+
+
+def _serving_adapters(connector: VllmServerConnector, options: Any) -> VllmServerConnector:
+    """``connector`` when its server serves every adapter of ``--lora-modules`` (an
+    attached server must have been started with them), else VllmServerError."""
+    missing = [name for name, _ in options.lora_modules if name not in connector.facts.adapters]
+    if missing:
+        connector.close()
+        raise VllmServerError(
+            f"the vLLM server serves no LoRA adapter {', '.join(map(repr, missing))} "
+            "(start it with --enable-lora --lora-modules NAME=PATH for each)"
+        )
+    return connector

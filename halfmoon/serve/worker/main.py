@@ -209,11 +209,6 @@ class EngineOptions:
         for module in modules:
             check_adapter_dir(module)
         object.__setattr__(self, "lora_modules", lora_pairs(modules))
-        if modules and self.engine != "halfmoon":
-            raise HalfmoonError(
-                f"--lora-modules needs halfmoon's engine; with --engine {self.engine} it is "
-                "not supported yet"
-            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise HalfmoonError(
                 f"unknown --scheduling-policy {self.scheduling_policy!r}; use one of "
