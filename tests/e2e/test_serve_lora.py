@@ -93,3 +93,19 @@ def test_each_adapter_has_its_own_prefix_cache(lora_cluster) -> None:
         _client(lora_cluster).completions.create(
             model="tiny", prompt="x", max_tokens=1, extra_body={"cache_salt": "\x1flora:sql\x1f"}
         )
+
+
+def test_requests_by_adapter_in_the_metrics(lora_cluster) -> None:
+    """Finished requests are counted per adapter; none is left counted as running."""
+    _complete(lora_cluster, "chat/v2", "Count me")
+    text = httpx.get(lora_cluster.base_url + "/metrics", timeout=30).text
+
+    def value(name: str, lora: str) -> float:
+        lines = [ln for ln in text.splitlines()
+                 if ln.startswith(name + "{") and f'lora_name="{lora}"' in ln]  # fmt: skip
+        assert len(lines) == 1, lines
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    assert value("halfmoon:lora_request_success_total", "chat/v2") >= 2
+    assert value("halfmoon:lora_request_success_total", "sql") >= 3
+    assert value("halfmoon:lora_requests_running", "chat/v2") == 0

@@ -459,7 +459,10 @@ class Gateway:
     # -- generation --------------------------------------------------------------------------
     async def chunks(self, p: Prepared) -> AsyncIterator[GenerationChunk]:
         """The backend's chunks of ``p`` (one choice), counted as running meanwhile."""
+        lora = p.params.lora
         self.metrics.running.inc()
+        if lora is not None:
+            self.metrics.lora_running.labels(lora_name=lora).inc()
         self.in_flight += 1
         try:
             # Only a salted request needs a backend that takes a salt.
@@ -469,6 +472,8 @@ class Gateway:
         finally:
             self.in_flight -= 1
             self.metrics.running.dec()
+            if lora is not None:
+                self.metrics.lora_running.labels(lora_name=lora).dec()
 
     def _observe_end(
         self,
@@ -493,6 +498,8 @@ class Gateway:
         m.prefix_cache_queries.inc(len(p.prompt_ids))
         m.prefix_cache_hits.inc(cached or 0)
         m.requests.labels(finished_reason=finish).inc()
+        if p.params.lora is not None:
+            m.lora_requests.labels(lora_name=p.params.lora).inc()
         gaps_s = [b - a for a, b in zip(times, times[1:], strict=False)]
         self.series.finished(times[0] - arrival if times else None, gaps_s, len(p.prompt_ids),
                              cached or 0, out.num_tokens)  # fmt: skip

@@ -83,6 +83,20 @@ class GatewayMetrics:
             ["finished_reason"],
             registry=r,
         )
+        #: By LoRA adapter (vLLM's ``lora_requests_info`` names the running ones; here a
+        #: gauge and a counter per adapter, which a dashboard can sum and rate).
+        self.lora_running = Gauge(
+            "halfmoon:lora_requests_running",
+            "Requests being generated, by LoRA adapter.",
+            ["lora_name"],
+            registry=r,
+        )
+        self.lora_requests = Counter(
+            "halfmoon:lora_request_success",
+            "Finished requests, by LoRA adapter.",
+            ["lora_name"],
+            registry=r,
+        )
         self.rejections = Counter(
             "halfmoon:request_rejections", "Requests rejected early (HTTP 429).", registry=r
         )
