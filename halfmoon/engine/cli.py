@@ -66,6 +66,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         kv_cache_mb=args.kv_cache_mb,
+        lora_modules=(("lora", args.lora),) if args.lora else (),
     )
     params = EngineSamplingParams(
         max_tokens=args.max_tokens,
@@ -76,6 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
+        lora="lora" if args.lora else None,
     )
     if args.model not in PRESETS:
         from halfmoon.engine.catalog import resolve_model
@@ -154,6 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    gen.add_argument("--lora", metavar="DIR", help="run with this LoRA adapter (a PEFT directory)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

@@ -29,6 +29,16 @@ def test_model_create_then_generate_json(tmp_path: Path, capsys: pytest.CaptureF
     assert json.loads(capsys.readouterr().out) == first  # seeded: same tokens again
     assert main(argv[:-1]) == 0
     assert capsys.readouterr().out.rstrip("\n") == first["text"]
+    # --lora: the same request through a LoRA adapter (a PEFT directory) answers otherwise
+    from halfmoon.engine.loader import preset_config
+    from halfmoon.engine.lora import write_random_adapter
+
+    adapter = write_random_adapter(preset_config("tiny"), tmp_path / "adapter", std=0.3)
+    assert main([*argv, "--lora", str(adapter)]) == 0
+    adapted = json.loads(capsys.readouterr().out)
+    assert len(adapted["token_ids"]) == 5 and adapted["token_ids"] != first["token_ids"]
+    assert main([*argv, "--lora", str(tmp_path)]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
