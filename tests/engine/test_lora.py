@@ -87,6 +87,30 @@ def test_logits_match_peft(reference: Reference, adapters, prompts) -> None:
     engine.check_integrity()
 
 
+def test_greedy_decode_matches_peft(reference: Reference, adapters, prompts) -> None:
+    """The decode path too (batched decode rows, the compiled attention where it builds):
+    greedy tokens of both adapters and the base model, decoded together, are PEFT's."""
+    engine = lora_engine(reference, adapters)
+    (tokens,) = prompts(15, [21], reference.vocab_size)
+    names = [None, *adapters]
+    for i, name in enumerate(names):
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=name)
+        engine.add_request(f"g{i}", tokens, params)
+    ours = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ours[out.request_id] = list(out.token_ids)
+    for i, name in enumerate(names):
+        model = reference.hf_model if name is None else adapters[name][1]
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(tokens):]  # fmt: skip
+        assert ours[f"g{i}"] == theirs.tolist(), name
+    assert len({tuple(t) for t in ours.values()}) == len(names)
+    engine.check_integrity()
+
+
 def test_one_step_of_mixed_adapters(llama_ref: Reference, tmp_path: Path, prompts) -> None:
     """Prompt chunks and decode rows of adapters a, b and none in the same steps give
     each request the tokens it gets alone."""
