@@ -101,17 +101,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     cases["prefill one"] = ([long], ["a0"], 1)
 
     def ours(prompts, loras, tokens) -> tuple[float, list[list[int]]]:
+        params = [SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, lora=lora)
+                  for lora in loras]  # fmt: skip
         start = time.perf_counter()
-        for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
-            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
-                                    lora=lora)  # fmt: skip
-            engine.add_request(f"r{i}", p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.token_ids[:16])
-        return time.perf_counter() - start, [done[f"r{i}"] for i in range(len(prompts))]
+        outs = engine.generate(prompts, params)
+        return time.perf_counter() - start, [list(o.token_ids[:16]) for o in outs]
 
     peers: dict[str, VllmPeer] = {}
     if not args.no_vllm:

@@ -50,23 +50,7 @@ def parse_lora_modules(
     name)."""
     modules: list[LoraModule] = []
     for value in values:
-        if not isinstance(value, str):
-            if len(value) != 2:
-                raise HalfmoonError(f"--lora-modules {value!r}: expected (name, path)")
-            value = json.dumps({"name": value[0], "path": value[1]})
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                doc = json.loads(text)
-                name, path = doc["name"], doc["path"]
-            except (ValueError, KeyError, TypeError):
-                raise HalfmoonError(
-                    f'--lora-modules {value!r}: a JSON value needs "name" and "path"'
-                ) from None
-        else:
-            name, sep, path = text.partition("=")
-            if not sep or not name or not path:
-                raise HalfmoonError(f"--lora-modules {value!r}: expected NAME=PATH")
+        name, path = _name_and_path(value)
         if not isinstance(path, str) or not path:
             raise HalfmoonError(f"--lora-modules {value!r}: the path must be a string")
         check_lora_name(name)
@@ -74,6 +58,27 @@ def parse_lora_modules(
             raise HalfmoonError(f"--lora-modules: the name {name!r} is already taken")
         modules.append(LoraModule(name, str(Path(path).expanduser().resolve())))
     return tuple(modules)
+
+
+def _name_and_path(value: str | Sequence[str]) -> tuple[object, object]:
+    """One ``--lora-modules`` value taken apart (its parts are checked by the caller)."""
+    if not isinstance(value, str):
+        if len(value) != 2:
+            raise HalfmoonError(f"--lora-modules {value!r}: expected (name, path)")
+        return value[0], value[1]
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            doc = json.loads(text)
+            return doc["name"], doc["path"]
+        except (ValueError, KeyError, TypeError):
+            raise HalfmoonError(
+                f'--lora-modules {value!r}: a JSON value needs "name" and "path"'
+            ) from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise HalfmoonError(f"--lora-modules {value!r}: expected NAME=PATH")
+    return name, path
 
 
 def check_adapter_dir(module: LoraModule) -> None:

@@ -232,8 +232,8 @@ class LLMEngine:
             loaded.model, self.kv_cache, kv_layer_hook, kernel, fused, self.loras
         )
         for name, info in self.loras.describe().items():
-            logger.info("LoRA adapter %r: rank %d on %s (%s)", name, info["rank"],
-                        ", ".join(info["modules"]), info["path"])  # fmt: skip
+            logger.info("LoRA adapter %r: rank %d on %s, %.1f MiB (%s)", name, info["rank"],
+                        ", ".join(info["modules"]), info["mib"], info["path"])  # fmt: skip
         if config.cuda_graphs:
             blocks = -(-self.max_model_len // config.block_size)
             self.runner.decode_graphs = DecodeGraphs(

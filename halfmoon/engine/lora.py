@@ -41,18 +41,10 @@ from safetensors import SafetensorError, safe_open
 from halfmoon.core.adapters import CONFIG_FILE, WEIGHTS_FILE, LoraModule, check_adapter_dir
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.config import ModelConfig
+from halfmoon.engine.weights import hf_targets
 
-#: PEFT's module name -> (the engine's fused linear, index of its slice there).
-MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: PEFT's names of a decoder layer's linears (what an adapter may target).
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
@@ -96,12 +88,30 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise HalfmoonError(f"LoRA adapter {weights}: {exc}") from None
 
 
-def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Each module's (in, out) features."""
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+@dataclass(frozen=True)
+class _Slot:
+    """Where a module lives in the engine: rows ``[start, stop)`` of fused linear
+    ``fused`` (as the checkpoint loader puts them), input width ``in_features``."""
+
+    hf_path: str  # e.g. "self_attn.q_proj"
+    fused: str
+    start: int
+    stop: int
+    in_features: int
+
+
+def _slots(config: ModelConfig) -> dict[str, _Slot]:
+    """Each module's :class:`_Slot`, from the loader's own map of HF tensor names
+    (:func:`halfmoon.engine.weights.hf_targets`, layer 0: every layer is alike)."""
+    widths = {"o_proj": config.num_heads * config.head_dim, "down_proj": config.intermediate_size}
+    slots = {}
+    for key, target in hf_targets(config).items():
+        m = re.fullmatch(r"model\.layers\.0\.((?:self_attn|mlp)\.(\w+))\.weight", key)
+        if m is not None and m.group(2) in MODULES:
+            fused = target.param.split(".")[-2]  # "layers.0.qkv_proj.weight"
+            in_features = widths.get(m.group(2), config.hidden_size)
+            slots[m.group(2)] = _Slot(m.group(1), fused, target.start, target.stop, in_features)
+    return slots
 
 
 class LoraAdapter:
@@ -119,9 +129,10 @@ class LoraAdapter:
         self.path = path
 
     @property
-    def num_parameters(self) -> int:
-        """Elements of its joined matrices (the block-diagonal zeros included)."""
-        return sum(a.numel() + b.numel() for layer in self.layers for a, b in layer.values())
+    def num_bytes(self) -> int:
+        """Bytes of its joined matrices (the block-diagonal zeros included)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for pair in layer.values() for t in pair)  # fmt: skip
 
     @classmethod
     def load(cls, module: LoraModule, config: ModelConfig, dtype: torch.dtype,
@@ -151,9 +162,9 @@ class LoraAdapter:
             raise HalfmoonError(
                 f"LoRA adapter {module.name!r}: {WEIGHTS_FILE} holds no LoRA weights"
             )
-        shapes = _module_shapes(config)
+        slots = _slots(config)
         use_rslora = bool(peft.get("use_rslora"))
-        parts: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[tuple[int, str], list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
         max_rank = 0
         for (layer, name), pair in sorted(found.items()):
             if set(pair) != {"A", "B"}:
@@ -161,7 +172,8 @@ class LoraAdapter:
                     f"LoRA adapter {module.name!r}: layer {layer} {name} has lora_{''.join(pair)} only"
                 )
             a, b = pair["A"], pair["B"]
-            in_f, out_f = shapes[name]
+            slot = slots[name]
+            in_f, out_f = slot.in_features, slot.stop - slot.start
             rank = a.shape[0] if a.dim() == 2 else -1
             if a.shape != (rank, in_f) or b.shape != (out_f, rank) or rank < 1:
                 raise HalfmoonError(
@@ -170,44 +182,31 @@ class LoraAdapter:
                     "(an adapter of another model?)"
                 )
             scale = peft["lora_alpha"] / (math.sqrt(rank) if use_rslora else rank)
-            fused, index = MODULES[name]
-            parts.setdefault((layer, fused), []).append((index, a.float(), b.float() * scale))
+            parts.setdefault((layer, slot.fused), []).append((slot, a.float(), b.float() * scale))
             max_rank = max(max_rank, rank)
         layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(config.num_layers)
         ]
+        rows = {fused: max(s.stop for s in slots.values() if s.fused == fused)
+                for fused in {s.fused for s in slots.values()}}  # fmt: skip
         for (layer, fused), pieces in parts.items():
-            layers[layer][fused] = _join(pieces, _slice_rows(config, fused), dtype, device)
-        modules = tuple(sorted({name for _, name in found}, key=list(MODULES).index))
+            layers[layer][fused] = _join(pieces, rows[fused], dtype, device)
+        modules = tuple(sorted({name for _, name in found}, key=MODULES.index))
         return cls(module.name, layers, max_rank, modules, str(path))
 
 
-def _slice_rows(config: ModelConfig, fused: str) -> list[tuple[int, int]]:
-    """Row ranges of a fused linear's slices, in slice order."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    i, h = config.intermediate_size, config.hidden_size
-    return {
-        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-        "o_proj": [(0, h)],
-        "gate_up_proj": [(0, i), (i, 2 * i)],
-        "down_proj": [(0, h)],
-    }[fused]
-
-
 def _join(
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor]], rows: list[tuple[int, int]],
+    pieces: list[tuple[_Slot, torch.Tensor, torch.Tensor]], out_rows: int,
     dtype: torch.dtype, device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(A_cat^T [in, R], B_cat^T [R, out])`` of a fused linear's slices."""
-    pieces = sorted(pieces, key=lambda p: p[0])
+    """``(A_cat^T [in, R], B_cat^T [R, out_rows])`` of a fused linear's slices."""
+    pieces = sorted(pieces, key=lambda p: p[0].start)
     total = sum(a.shape[0] for _, a, _ in pieces)
-    out = rows[-1][1]
     a_cat = torch.cat([a for _, a, _ in pieces])
-    b_cat = torch.zeros(out, total)
+    b_cat = torch.zeros(out_rows, total)
     col = 0
-    for index, a, b in pieces:
-        start, stop = rows[index]
-        b_cat[start:stop, col : col + a.shape[0]] = b
+    for slot, a, b in pieces:
+        b_cat[slot.start : slot.stop, col : col + a.shape[0]] = b
         col += a.shape[0]
     return (
         a_cat.t().contiguous().to(device=device, dtype=dtype),
@@ -280,16 +279,21 @@ class LoraSet:
         return LoraBatch(tuple(runs)) if runs else None
 
     def describe(self) -> Mapping[str, dict]:
-        """Per adapter: its path, modules and rank (for logs and model cards)."""
+        """Per adapter: its path, modules, rank and the MiB it holds (for the log)."""
         return {
-            a.name: {"path": a.path, "modules": list(a.modules), "rank": a.rank}
+            a.name: {
+                "path": a.path,
+                "modules": list(a.modules),
+                "rank": a.rank,
+                "mib": a.num_bytes / 2**20,
+            }  # fmt: skip
             for a in self._by_name.values()
         }
 
 
 def write_random_adapter(
     config: ModelConfig, out_dir: Path | str, *, rank: int = 8, alpha: float = 16.0,
-    modules: Sequence[str] = tuple(MODULES), seed: int = 0, std: float = 0.05,
+    modules: Sequence[str] = MODULES, seed: int = 0, std: float = 0.05,
 ) -> Path:  # fmt: skip
     """Write a random LoRA adapter for a model of ``config`` in PEFT's format (both
     matrices drawn from N(0, ``std``), so that it changes the model's outputs): what the
@@ -302,15 +306,16 @@ def write_random_adapter(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    shapes = _module_shapes(config)
+    slots = _slots(config)
     tensors = {}
     for layer in range(config.num_layers):
         for name in modules:
-            in_f, out_f = shapes[name]
-            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=generator) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=generator) * std
+            slot = slots[name]
+            key = f"base_model.model.model.layers.{layer}.{slot.hf_path}"
+            a = torch.randn(rank, slot.in_features, generator=generator) * std
+            tensors[f"{key}.lora_A.weight"] = a
+            b = torch.randn(slot.stop - slot.start, rank, generator=generator) * std
+            tensors[f"{key}.lora_B.weight"] = b
     save_file(tensors, str(out / WEIGHTS_FILE))
     peft = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
             "target_modules": list(modules), "task_type": "CAUSAL_LM", "use_rslora": False}  # fmt: skip

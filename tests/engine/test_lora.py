@@ -93,21 +93,15 @@ def test_greedy_decode_matches_peft(reference: Reference, adapters, prompts) -> 
     engine = lora_engine(reference, adapters)
     (tokens,) = prompts(15, [21], reference.vocab_size)
     names = [None, *adapters]
-    for i, name in enumerate(names):
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=name)
-        engine.add_request(f"g{i}", tokens, params)
-    ours = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                ours[out.request_id] = list(out.token_ids)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=n) for n in names]
+    ours = [list(out.token_ids) for out in engine.generate([tokens] * len(names), params)]
     for i, name in enumerate(names):
         model = reference.hf_model if name is None else adapters[name][1]
         with torch.no_grad():
             theirs = model.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, len(tokens):]  # fmt: skip
-        assert ours[f"g{i}"] == theirs.tolist(), name
-    assert len({tuple(t) for t in ours.values()}) == len(names)
+        assert ours[i] == theirs.tolist(), name
+    assert len({tuple(t) for t in ours}) == len(names)
     engine.check_integrity()
 
 
@@ -127,15 +121,8 @@ def test_one_step_of_mixed_adapters(llama_ref: Reference, tmp_path: Path, prompt
         (out,) = engine.generate([tokens], params)
         alone.append(out.token_ids)
     engine = lora_engine(llama_ref, adapters, max_num_batched_tokens=64)  # mixed steps
-    for i, (tokens, name) in enumerate(zip(seqs, names, strict=True)):
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora=name)
-        engine.add_request(f"r{i}", tokens, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    assert [done[f"r{i}"] for i in range(len(seqs))] == alone
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora=n) for n in names]
+    assert [out.token_ids for out in engine.generate(seqs, params)] == alone
     assert len({tuple(t) for t in alone[:3]}) == 3  # a, b and none differ
     engine.check_integrity()
 
