@@ -57,6 +57,7 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from halfmoon.core.speculative import parse_speculative_config
     from halfmoon.engine.config import EngineConfig
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.engine.sampling import EngineSamplingParams
@@ -67,6 +68,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_mb=args.kv_cache_mb,
         lora_modules=(("lora", args.lora),) if args.lora else (),
+        speculative=parse_speculative_config(args.speculative_config),
     )
     params = EngineSamplingParams(
         max_tokens=args.max_tokens,
@@ -97,6 +99,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "token_ids": list(out.token_ids),
             "finish_reason": out.finish_reason,
         }
+        spec = engine.stats().spec_decode
+        if spec is not None:
+            payload["spec_decode"] = {
+                "draft_tokens": spec.num_draft_tokens,
+                "accepted_tokens": spec.num_accepted_tokens,
+            }
         print(json.dumps(payload))
     else:
         print(out.text)
@@ -157,6 +165,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument("--lora", metavar="DIR", help="run with this LoRA adapter (a PEFT directory)")
+    gen.add_argument(
+        "--speculative-config", metavar="JSON",
+        help='prompt-lookup speculative decoding, e.g. \'{"num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (vLLM\'s flag)',
+    )  # fmt: skip
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

@@ -13,6 +13,7 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SCHEDULING_POLICIES
+from halfmoon.core.speculative import SpeculativeConfig
 
 #: ``model_type`` values this engine runs, mapped to their HF architecture class name.
 ARCHITECTURES: Mapping[str, str] = {
@@ -261,7 +262,8 @@ class EngineConfig:
     decode steps from captured CUDA graphs (:mod:`halfmoon.engine.graphs`; off by
     default until a GPU run has verified it). ``scheduling_policy``: the queue's order,
     ``fcfs`` or ``priority`` (:mod:`halfmoon.engine.scheduler`). ``lora_modules``: the
-    LoRA adapters a request may name (``SamplingParams.lora``).
+    LoRA adapters a request may name (``SamplingParams.lora``). ``speculative``: check
+    draft tokens from prompt lookup with each decoded token (:mod:`halfmoon.engine.speculative`).
     """
 
     model: str = "tiny"
@@ -284,6 +286,9 @@ class EngineConfig:
     #: LoRA adapters served beside the base model, as ``(name, PEFT directory)`` pairs
     #: (vLLM's ``--lora-modules``; :mod:`halfmoon.engine.lora`).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: Prompt-lookup speculative decoding (vLLM's ``--speculative-config``;
+    #: :mod:`halfmoon.engine.speculative`), or None: one token a step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

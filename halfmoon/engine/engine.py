@@ -50,6 +50,7 @@ from halfmoon.engine.sampling import (
 )
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_prefix
+from halfmoon.engine.speculative import NgramProposer, SpecDecodeCounts, SpecDecodeStats
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -138,6 +139,9 @@ class EngineStats:
     #: recomputes its output too), the rest of a running prompt. Prefix-cache hits of
     #: waiting requests are not known before they are scheduled, so they count.
     num_prefill_tokens: int = 0
+    #: Speculative decoding so far (:class:`~halfmoon.engine.speculative.SpecDecodeStats`),
+    #: or None when the engine does not speculate.
+    spec_decode: SpecDecodeCounts | None = None
 
 
 def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
@@ -240,6 +244,13 @@ class LLMEngine:
                 loaded.model, self.kv_cache, config.max_num_seqs, blocks, kernel
             )
             self.attention_backend += ", CUDA graphs for decode"
+        #: Speculative decoding's proposer and counts (None: the engine does not speculate).
+        self.spec_stats: SpecDecodeStats | None = None
+        self.proposer: NgramProposer | None = None
+        if config.speculative is not None:
+            self.proposer = NgramProposer(config.speculative, self.max_model_len)
+            self.scheduler.proposer = self.proposer.propose
+            self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._failures: list[RequestFailure] = []
@@ -264,6 +275,7 @@ class LLMEngine:
             num_cached_blocks=self.block_manager.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens=self.scheduler.num_prefill_tokens(),
+            spec_decode=None if self.spec_stats is None else self.spec_stats.counts(),
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -420,14 +432,20 @@ class LLMEngine:
             self._step_failed(chunks, exc)
             return []
         self._failed_steps_in_a_row = 0
+        accepted = {id(seq): len(tokens) - 1 for seq, tokens in sampled}
         for chunk in chunks:
-            self._suspects.discard(chunk.seq.request_id)
-            chunk.seq.num_computed_tokens = chunk.end
-            self.block_manager.commit(chunk.seq.request_id, chunk.seq.token_ids, chunk.end)
+            seq = chunk.seq
+            self._suspects.discard(seq.request_id)
+            # Accepted drafts' KV is the KV of the tokens they become (rejected ones'
+            # is overwritten later): computed, and cacheable once a block is full.
+            n = accepted.get(id(seq), 0) if chunk.draft else 0
+            seq.num_computed_tokens = chunk.end + n
+            token_ids = seq.token_ids + list(chunk.draft[:n]) if n else seq.token_ids
+            self.block_manager.commit(seq.request_id, token_ids, seq.num_computed_tokens)
         outputs = []
-        for seq, token, logprob in sampled:
+        for seq, tokens in sampled:
             try:
-                outputs.append(self._append(seq, token, logprob))
+                outputs.append(self._append(seq, tokens))
             except Exception as exc:
                 logger.exception("request %s failed after its step", seq.request_id)
                 error = f"request failed in the engine: {type(exc).__name__}: {exc}"
@@ -454,48 +472,81 @@ class LLMEngine:
 
     def _compute(
         self, chunks: SequenceABC[ScheduledChunk]
-    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Run the model over the step's chunks and sample a token for each that is due:
-        ``(sequence, token, its log-probability)``. Changes no scheduling state."""
+    ) -> list[tuple[Sequence, list[tuple[int, TokenLogprob | None]]]]:
+        """Run the model over the step's chunks and sample the tokens of each that is due:
+        ``(sequence, [(token, its log-probability), ...])``, one token, or with draft
+        tokens the accepted drafts and the token after them
+        (:mod:`halfmoon.engine.speculative`). Changes no scheduling state."""
         if self._fail_on_token is not None:
             for c in chunks:
                 self.check_fault(c.seq.token_ids[c.start : c.end])
-        inputs = [
-            ChunkInput(
-                request_id=c.seq.request_id,
-                token_ids=c.seq.token_ids[c.start : c.end],
-                start=c.start,
-                block_table=self.block_manager.block_table(c.seq.request_id),
-                logits=self._logits_wanted(c),
-                hook=c.start < c.seq.num_prompt_tokens,
-                lora=c.seq.params.lora,
-            )
-            for c in chunks
-        ]
-        logits = self.runner.execute(inputs)
-        for i, (c, chunk_input) in enumerate(zip(chunks, inputs, strict=True)):
-            if chunk_input.logits == LOGITS_ALL:
-                self._take_prompt_logprobs(c.seq, c.start, logits[i])
-                logits[i] = logits[i][-1:] if c.samples else None
+        inputs: list[ChunkInput] = []
+        for c in chunks:
+            table = self.block_manager.block_table(c.seq.request_id)
+            lora = c.seq.params.lora
+            if c.draft:
+                # The token and its drafts as decode rows of one sequence, row j over
+                # the context up to its own position: the batched decode attention
+                # reads the pool in place, where one chunk of them would be gathered.
+                tokens = (c.seq.token_ids[c.start], *c.draft)
+                inputs += [ChunkInput(c.seq.request_id, (t,), c.start + j, table, lora=lora)
+                           for j, t in enumerate(tokens)]  # fmt: skip
+                continue
+            inputs.append(ChunkInput(
+                request_id=c.seq.request_id, token_ids=c.seq.token_ids[c.start : c.end],
+                start=c.start, block_table=table, logits=self._logits_wanted(c),
+                hook=c.start < c.seq.num_prompt_tokens, lora=lora,
+            ))  # fmt: skip
+        rows = self.runner.execute(inputs)
+        logits: list[torch.Tensor | None] = []
+        at = 0
+        for c in chunks:
+            if c.draft:
+                n = len(c.draft) + 1
+                logits.append(torch.cat(rows[at : at + n]))
+                at += n
+                continue
+            lg = rows[at]
+            at += 1
+            if self._logits_wanted(c) == LOGITS_ALL:
+                self._take_prompt_logprobs(c.seq, c.start, lg)
+                lg = lg[-1:] if c.samples else None
+            logits.append(lg)
         sampling = [(c, lg) for c, lg in zip(chunks, logits, strict=True) if lg is not None]
         if not sampling:
             return []
-        rows = [
-            row_for(
-                c.seq.params,
-                c.seq.seed,
-                c.seq.num_output_tokens,
-                tuple(c.seq.stop_token_ids),
-                c.seq.token_ids,
-                c.seq.constraint.allowed() if c.seq.constraint is not None else None,
-                c.seq.bad_words,
-            )
-            for c, _ in sampling
-        ]
+        rows = []
+        for c, _ in sampling:
+            seq = c.seq
+            mask = seq.constraint.allowed() if seq.constraint is not None else None
+            # Row j samples the position after draft j-1, as decoding would once drafts
+            # 0..j-1 were its tokens: the same seed index, penalties and bans.
+            for j in range(len(c.draft) + 1):
+                token_ids = seq.token_ids + list(c.draft[:j]) if j else seq.token_ids
+                rows.append(row_for(
+                    seq.params, seq.seed, seq.num_output_tokens + j, tuple(seq.stop_token_ids),
+                    token_ids, mask, seq.bad_words,
+                ))  # fmt: skip
         batch = torch.cat([lg for _, lg in sampling])
-        num_top = [c.seq.params.logprobs for c, _ in sampling]
+        num_top = [c.seq.params.logprobs for c, _ in sampling for _ in range(len(c.draft) + 1)]
         tokens, logprobs = sample_with_logprobs(batch, rows, num_top)
-        return [(c.seq, t, lp) for (c, _), t, lp in zip(sampling, tokens, logprobs, strict=True)]
+        out = []
+        row = 0
+        for c, _ in sampling:
+            taken = [(tokens[row], logprobs[row])]
+            for j, draft in enumerate(c.draft):  # accepted while the draw equals the draft
+                if tokens[row + j] != draft:
+                    break
+                taken.append((tokens[row + j + 1], logprobs[row + j + 1]))
+            out.append((c.seq, taken))
+            row += len(c.draft) + 1
+        if self.spec_stats is not None:
+            checked = [(c, len(c.draft), len(t) - 1)
+                       for (c, _), (_, t) in zip(sampling, out, strict=True)]  # fmt: skip
+            self.spec_stats.record([(d, m) for _, d, m in checked])
+            for c, d, m in checked:
+                self.proposer.observe(c.seq, d, m)
+        return out
 
     def _fail(self, seq: Sequence, error: str, retryable: bool) -> None:
         """``seq`` leaves the engine failed: its blocks go back (the ones it computed
@@ -546,36 +597,51 @@ class LLMEngine:
             start + logits.shape[0], len(seq.prompt_logprobs), seq.params.prompt_logprobs or 0,
         )  # fmt: skip
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.token_ids.append(token)
+    def _append(
+        self, seq: Sequence, tokens: SequenceABC[tuple[int, TokenLogprob | None]]
+    ) -> RequestOutput:
+        """Add a step's sampled ``tokens`` (one, or accepted drafts and the next) to
+        ``seq`` in order, up to the one that finishes it."""
+        first_output = seq.num_output_tokens == 0
+        new: list[int] = []
+        new_logprobs: list[TokenLogprob] = []
         reason = None
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add(token)
-            seq.text = seq.detokenizer.text
-            reason = self._check_stop_strings(seq, len(delta))
-        reason = reason or finish_reason(
-            token, seq.params, seq.stop_token_ids, seq.num_output_tokens, seq.num_tokens,
-            self.max_model_len,
-        )  # fmt: skip
-        if seq.constraint is not None:  # it ends once its grammar admits nothing more
-            reason = seq.constraint.finish_after(token) or reason
+        for token, logprob in tokens:
+            seq.token_ids.append(token)
+            new.append(token)
+            if logprob is not None:
+                new_logprobs.append(logprob)
+            if seq.detokenizer is not None:
+                delta = seq.detokenizer.add(token)
+                seq.text = seq.detokenizer.text
+                reason = self._check_stop_strings(seq, len(delta))
+            reason = reason or finish_reason(
+                token, seq.params, seq.stop_token_ids, seq.num_output_tokens, seq.num_tokens,
+                self.max_model_len,
+            )  # fmt: skip
+            if seq.constraint is not None:  # it ends once its grammar admits nothing more
+                reason = seq.constraint.finish_after(token) or reason
+            if reason is not None:
+                break
         if reason is not None:
+            # (Drafts computed past a finishing token are not its tokens.)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.scheduler.finish(seq, reason)
             if not seq.keep_kv:
                 self._seqs.pop(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=(token,),
+            new_token_ids=tuple(new),
             token_ids=tuple(seq.output_token_ids),
             text=seq.text,
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            new_logprobs=() if logprob is None else (logprob,),
+            new_logprobs=tuple(new_logprobs),
             prompt_logprobs=(
                 tuple(seq.prompt_logprobs)
-                if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1
+                if seq.params.prompt_logprobs is not None and first_output
                 else None
             ),
         )

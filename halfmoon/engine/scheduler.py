@@ -2,8 +2,10 @@
 
 Every step hands each scheduled sequence a chunk of its not-yet-computed tokens: a
 prompt is ``len(prompt)`` tokens behind (cut into ``chunk_tokens`` pieces), a decoding
-sequence exactly one (its last sampled token). Running sequences go first, oldest first,
-then waiting ones are admitted (taking their cached prefix) while the token budget,
+sequence exactly one (its last sampled token), plus any draft tokens to check with it
+(speculative decoding, :mod:`halfmoon.engine.speculative`: given after every running
+sequence has its own token, while the budget and free blocks allow, never preempting).
+Running sequences go first, oldest first, then waiting ones are admitted (taking their cached prefix) while the token budget,
 ``max_num_seqs`` and free blocks allow. When a running sequence cannot get a block for
 its next token, the youngest running sequence is preempted: its blocks are freed (full
 ones stay in the prefix cache) and it returns to the head of the queue to be recomputed
@@ -22,6 +24,7 @@ import bisect
 import enum
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -107,10 +110,13 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    #: Draft tokens checked after the chunk's one token (speculative decoding,
+    #: :mod:`halfmoon.engine.speculative`); computed at positions ``end..``.
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
-        """One past the last token computed."""
+        """One past the last of the sequence's own tokens computed (drafts aside)."""
         return self.start + self.num_tokens
 
     @property
@@ -147,6 +153,9 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
+        #: Draft tokens for a decoding sequence, at most the given number (speculative
+        #: decoding: :class:`~halfmoon.engine.speculative.NgramProposer`), or None.
+        self.proposer: Callable[[Sequence, int], tuple[int, ...]] | None = None
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
@@ -249,8 +258,25 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
         if not preempted:
+            budget = self._add_drafts(chunks, budget)
             budget = self._admit(chunks, budget)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Give the running sequences' decode chunks their draft tokens (speculative
+        decoding) in order, while ``budget`` and the free blocks hold them: drafts come
+        after every running sequence's own token and never preempt anyone."""
+        if self.proposer is None:
+            return budget
+        for i, chunk in enumerate(chunks):
+            if budget <= 0:
+                break
+            seq = chunk.seq
+            draft = self.proposer(seq, budget)
+            if draft and self.block_manager.grow(seq.request_id, seq.num_tokens + len(draft)):
+                chunks[i] = ScheduledChunk(seq, chunk.start, chunk.num_tokens, draft)
+                budget -= len(draft)
+        return budget
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

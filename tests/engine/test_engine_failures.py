@@ -161,10 +161,10 @@ def test_a_failure_after_sampling_fails_that_request_alone(llama_ref: Reference,
     engine = LLMEngine(engine_config(llama_ref.path))
     append = engine._append  # noqa: SLF001
 
-    def broken(seq, token, logprob):
+    def broken(seq, tokens):
         if seq.request_id == "b" and seq.num_output_tokens >= 2:
             raise ValueError("no text for it")
-        return append(seq, token, logprob)
+        return append(seq, tokens)
 
     engine._append = broken  # noqa: SLF001
     engine.add_request("a", a, GREEDY)
