@@ -1,5 +1,7 @@
 """``halfmoon serve`` refuses contradictory options before it starts any process."""
 
+from dataclasses import replace
+
 import pytest
 
 from halfmoon.cli import main
@@ -25,6 +27,15 @@ from halfmoon.core.errors import HalfmoonError
         (["--lora-modules", "sql"], "expected NAME=PATH"),
         (["--lora-modules", "a b=/x"], "use letters, digits"),
         (["--enable-lora"], "name the adapters with --lora-modules"),
+        (["--speculative-config", "ngram"], "--speculative-config must be a JSON object"),
+        (
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+            "'eagle3' is not served",
+        ),
+        (
+            ["--speculative-config", '{"prompt_lookup_max": 3}'],
+            "num_speculative_tokens is required",
+        ),
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):
@@ -112,7 +123,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "--seed", "3", "--no-prefix-caching", "--store-dram-mb", "16", "--prefix-store", "demote",
              "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs",
              "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority",
-             "--enable-lora", "--lora-modules", f"sql={adapter}", "org/b=" + str(adapter)]  # fmt: skip
+             "--enable-lora", "--lora-modules", f"sql={adapter}", "org/b=" + str(adapter),
+             "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_max": 4}']  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -125,6 +137,13 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     assert options.cuda_graphs and options.kv_compression_keep_mb == 12
     assert options.scheduling_policy == "priority"
+    spec = replace(options, cuda_graphs=False).engine_config("decode").speculative
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
+        3,
+        4,
+        4,
+    )
+    assert EngineOptions().engine_config("decode").speculative is None
     pairs = (("sql", str(adapter)), ("org/b", str(adapter)))
     assert options.lora_modules == pairs
     assert EngineOptions(lora_modules=pairs).engine_config("decode").lora_modules == pairs

@@ -227,6 +227,17 @@ def test_launch_line_binds_events_and_pins_nothing() -> None:
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_speculative_config_reaches_vllms_command_line() -> None:
+    from halfmoon.core.speculative import parse_speculative_config
+
+    spec = parse_speculative_config('{"num_speculative_tokens": 4, "prompt_lookup_min": 2}')
+    argv = VllmLaunch("python3", "/m", "smol", speculative_config=spec.to_json()).argv(1, 2, 3, "t")
+    given = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert given == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                     "prompt_lookup_min": 2}  # fmt: skip
+    assert "--speculative-config" not in VllmLaunch("python3", "/m", "smol").argv(1, 2, 3, "t")
+
+
 def test_lora_adapters_reach_vllms_command_line(tmp_path) -> None:
     from halfmoon.serve.vllm.server import VllmServerError, lora_argv
 

@@ -216,6 +216,8 @@ class VllmLaunch:
     extra_args: tuple[str, ...] = ()
     #: LoRA adapters ``(name, PEFT directory)``: vLLM's ``--enable-lora --lora-modules``.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: ``--speculative-config`` JSON (vLLM's own flag), or None.
+    speculative_config: str | None = None
 
     def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
         """The server's command line (what ``vllm serve`` would run)."""
@@ -240,6 +242,8 @@ class VllmLaunch:
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
         argv += lora_argv(self.lora_modules)
+        if self.speculative_config is not None:
+            argv += ["--speculative-config", self.speculative_config]
         if runs_model_in_engine_core(self.extra_args):
             argv += ["--distributed-executor-backend", "uni"]
         return argv + list(self.extra_args)

@@ -16,6 +16,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
 from halfmoon.core.request import SCHEDULING_POLICIES
+from halfmoon.core.speculative import parse_speculative_config
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.serve.runtime import (
     load_secret,
@@ -72,6 +73,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--enable-lora", action="store_true",
         help="accepted for vLLM's command lines: --lora-modules names the adapters (and "
         "alone enables LoRA); adapters are not loaded at run time",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help="speculative decoding (vLLM's flag), prompt lookup: e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\'; each decode step also checks up to that many draft '
+        "tokens copied from the request's own text, and keeps those the model agrees "
+        "with (the same tokens as without it, fewer steps); docs/serving.md",
     )  # fmt: skip
     parser.add_argument(
         "--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
@@ -198,8 +207,12 @@ class EngineOptions:
     #: ``(name, PEFT directory)`` per adapter (``--lora-modules``, checked and resolved).
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora: bool = False
+    #: ``--speculative-config`` as its canonical JSON (checked), or None.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
+        spec = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config", None if spec is None else spec.to_json())
         if self.enable_lora and not self.lora_modules:
             raise HalfmoonError(
                 "--enable-lora: name the adapters with --lora-modules NAME=PATH (adapters "
@@ -273,6 +286,7 @@ class EngineOptions:
             enable_prefix_caching=self.prefix_caching, attention=self.attention,
             cuda_graphs=self.cuda_graphs, scheduling_policy=self.scheduling_policy,
             lora_modules=self.lora_modules,
+            speculative=parse_speculative_config(self.speculative_config),
         )  # fmt: skip
 
 

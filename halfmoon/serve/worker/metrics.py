@@ -139,6 +139,8 @@ class WorkerMetrics:
         #: kept as a set, so a step does not walk every tracked request.
         self._prefilling: set[str] = set()
         self._num_preemptions = 0
+        self._spec_seen = (0, 0, 0)
+        self._spec_per_position: list[int] = []
         self._define_gauges()
         self._define_requests()
         self._define_kv()
@@ -164,6 +166,23 @@ class WorkerMetrics:
             "halfmoon:num_preemptions",
             "Requests the engine preempted (blocks freed, recomputed later). Stays 0 for an "
             "engine that never preempts or does not say (a vLLM server's).", registry=r,
+        )  # fmt: skip
+        self.spec_drafts = Counter(
+            "halfmoon:spec_decode_num_drafts",
+            "Decode steps of a request that checked draft tokens (--speculative-config; "
+            "as vLLM's).", registry=r,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "halfmoon:spec_decode_num_draft_tokens", "Draft tokens checked.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "halfmoon:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (each one a decode step saved).", registry=r,
+        )  # fmt: skip
+        self.spec_accepted_per_position = Counter(
+            "halfmoon:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0 first).",
+            ["position"], registry=r,
         )  # fmt: skip
         self.request_failures = Counter(
             "halfmoon:engine_request_failures",
@@ -320,6 +339,26 @@ class WorkerMetrics:
         if stats.num_preemptions > self._num_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
             self._num_preemptions = stats.num_preemptions
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            self._refresh_spec(spec)
+
+    def _refresh_spec(self, spec: Any) -> None:
+        """Advance the speculative-decoding counters to the engine's totals."""
+        totals = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for counter, new, old in zip(
+            (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+            totals, self._spec_seen, strict=True,
+        ):  # fmt: skip
+            if new > old:
+                counter.inc(new - old)
+        self._spec_seen = totals
+        seen = self._spec_per_position
+        seen += [0] * (len(spec.accepted_per_position) - len(seen))
+        for position, total in enumerate(spec.accepted_per_position):
+            if total > seen[position]:
+                self.spec_accepted_per_position.labels(str(position)).inc(total - seen[position])
+                seen[position] = total
 
     def render(self, stats: Any) -> str:
         """The text exposition format, the gauges refreshed from ``stats`` first."""
