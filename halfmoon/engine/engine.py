@@ -1,7 +1,9 @@
 """``LLMEngine``: requests in, tokens out, one ``step()`` at a time.
 
 A step is: schedule (which sequences compute which tokens), run the model, sample one
-token for every sequence that reached its end, check stop conditions, report. The KV
+token for every sequence that reached its end (or, with speculative decoding, check its
+draft tokens and keep those the sampler agrees with, :mod:`halfmoon.engine.speculative`),
+check stop conditions, report. The KV
 of a request can leave the engine (``export_kv``) and enter another (``import_request``)
 between steps: that is the prefill -> decode handoff.
 """
@@ -481,7 +483,8 @@ class LLMEngine:
             for c in chunks:
                 self.check_fault(c.seq.token_ids[c.start : c.end])
         inputs: list[ChunkInput] = []
-        for c in chunks:
+        wanted = [self._logits_wanted(c) for c in chunks]
+        for c, want in zip(chunks, wanted, strict=True):
             table = self.block_manager.block_table(c.seq.request_id)
             lora = c.seq.params.lora
             if c.draft:
@@ -494,13 +497,13 @@ class LLMEngine:
                 continue
             inputs.append(ChunkInput(
                 request_id=c.seq.request_id, token_ids=c.seq.token_ids[c.start : c.end],
-                start=c.start, block_table=table, logits=self._logits_wanted(c),
+                start=c.start, block_table=table, logits=want,
                 hook=c.start < c.seq.num_prompt_tokens, lora=lora,
             ))  # fmt: skip
         rows = self.runner.execute(inputs)
         logits: list[torch.Tensor | None] = []
         at = 0
-        for c in chunks:
+        for c, want in zip(chunks, wanted, strict=True):
             if c.draft:
                 n = len(c.draft) + 1
                 logits.append(torch.cat(rows[at : at + n]))
@@ -508,7 +511,7 @@ class LLMEngine:
                 continue
             lg = rows[at]
             at += 1
-            if self._logits_wanted(c) == LOGITS_ALL:
+            if want == LOGITS_ALL:
                 self._take_prompt_logprobs(c.seq, c.start, lg)
                 lg = lg[-1:] if c.samples else None
             logits.append(lg)
@@ -579,6 +582,16 @@ class LLMEngine:
             yield
         finally:
             self._fail_on_token = token
+
+    @contextlib.contextmanager
+    def speculation_suspended(self) -> Iterator[None]:
+        """No draft tokens inside: one token a step, as without speculative decoding (the
+        engine measuring its own steps, which the Conductor's cost model counts so)."""
+        proposer, self.scheduler.proposer = self.scheduler.proposer, None
+        try:
+            yield
+        finally:
+            self.scheduler.proposer = proposer
 
     @staticmethod
     def _logits_wanted(chunk: ScheduledChunk) -> str:

@@ -143,8 +143,9 @@ def measure_profile(engine: Any, model_name: str, say: Say | None = None) -> Cos
     """Time the engine and fit a cost profile (a few seconds on the tiny preset, about a
     minute for a 135M model on a small CPU); ``say`` (default: this module's logger) gets
     a line per point measured, ``profiling prefill 3/8 ...``. A fault drill's failing
-    token (``HALFMOON_FAIL_STEP_ON_TOKEN``) is off meanwhile: its random prompts may hold it."""
-    with engine.faults_suspended():
+    token (``HALFMOON_FAIL_STEP_ON_TOKEN``) is off meanwhile: its random prompts may hold it;
+    so is speculative decoding (the profile's decode steps are one token per sequence)."""
+    with engine.faults_suspended(), engine.speculation_suspended():
         return _measure(engine, model_name, say or log.info)
 
 

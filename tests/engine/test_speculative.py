@@ -286,3 +286,17 @@ def test_drafts_stay_within_the_step_budget(llama_ref: Reference, prompts) -> No
         assert not plan.preempted
     assert max(len(c.draft) for plan in plans for c in plan.chunks) > 0
     engine.check_integrity()
+
+
+def test_speculation_can_be_suspended(llama_ref: Reference, prompts) -> None:
+    """The cost profiler times one-token steps: it suspends speculation meanwhile."""
+    batch = repeating(prompts(39, [16], llama_ref.vocab_size))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                            allowed_token_ids=(5, 6, 7))  # fmt: skip
+    engine = LLMEngine(engine_config(llama_ref.path, speculative=SPEC))
+    with engine.speculation_suspended():
+        (plain,) = engine.generate(batch, params)
+    assert engine.stats().spec_decode.num_draft_tokens == 0
+    (fast,) = engine.generate(batch, params)
+    assert fast.token_ids == plain.token_ids
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
