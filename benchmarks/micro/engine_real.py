@@ -138,6 +138,10 @@ class VllmPeer:
         lora_modules = getattr(args, "lora_modules", ())
         if lora_modules:
             cmd += ["--max-lora-rank", str(args.max_lora_rank), "--lora-modules", *lora_modules]
+        if getattr(args, "speculative_config", None):
+            cmd += ["--speculative-config", args.speculative_config]
+        if getattr(args, "log_stats", False):
+            cmd += ["--log-stats"]
         # The peer sets its own allocator (tcmalloc, vLLM's CPU guide) and paths.
         drop = ("VIRTUAL_ENV", "PYTHON", "MALLOC_", "LD_PRELOAD", MALLOC_MARK)
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
@@ -162,17 +166,24 @@ class VllmPeer:
             self.info = self._read()
         return self.info
 
-    def generate(
-        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None,
-        loras: list[str | None] | None = None,
-    ):  # fmt: skip
+    def _ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "fill": fill,
-               "regex": regex, "loras": loras}  # fmt: skip
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        msg = self._read()
+        return self._read()
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None,
+        loras: list[str | None] | None = None, ignore_eos: bool = True, all_ids: bool = False,
+    ):  # fmt: skip
+        msg = self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                         "fill": fill, "regex": regex, "loras": loras, "ignore_eos": ignore_eos,
+                         "all_ids": all_ids})  # fmt: skip
         return msg["elapsed_s"], msg["token_ids"]
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's counters so far (see vllm_peer.py's ``counters`` op)."""
+        return self._ask({"op": "counters"})["counters"]
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:

@@ -10,11 +10,13 @@ compiles the model, 30-50 s, so one process measures every case):
 - otherwise: runs the decode/prefill grid by itself and prints one JSON row per point.
 
 Commands (``--serve``): ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n,
-"fill": bool, "regex": optional, "loras": optional}`` runs ``LLM.generate`` on the
-token-id prompts (greedy, ``ignore_eos``, no detokenization; held to ``regex`` by vLLM's
-structured outputs if given; ``loras``: per prompt the name of one of ``--lora-modules``
-or null, run as vLLM's ``LoRARequest``) and answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated
-ids of each prompt); ``{"op": "quit"}`` ends. ``fill`` marks the requests for vLLM's
+"fill": bool, "regex": optional, "loras": optional, "ignore_eos": true, "all_ids": false}``
+runs ``LLM.generate`` on the token-id prompts (greedy, ``ignore_eos`` unless false, no
+detokenization; held to ``regex`` by vLLM's structured outputs if given; ``loras``: per
+prompt the name of one of ``--lora-modules`` or null, run as vLLM's ``LoRARequest``) and
+answers ``{"elapsed_s", "token_ids"}`` (the first 16 generated ids of each prompt, or all
+with ``all_ids``); ``{"op": "counters"}`` answers vLLM's counters so far (``LLM.get_metrics``:
+its speculative decoding's among them, with ``--speculative-config``); ``{"op": "quit"}`` ends. ``fill`` marks the requests for vLLM's
 own ``DecodeBenchConnector`` (below): their KV, all but the last prompt token, counts as
 already computed (filled once at startup with N(0, 1) values), so a decode step at a
 long context is measured without paying the prefill. Unmarked requests prefill for real.
@@ -144,8 +146,16 @@ class Peer:
         if self.loras:
             lora = {"enable_lora": True, "max_loras": len(self.loras),
                     "max_lora_rank": args.max_lora_rank}  # fmt: skip
+        spec = {}
+        if args.speculative_config:
+            # (no dummy-KV connector beside speculative decoding: those requests prefill)
+            spec = {"speculative_config": json.loads(args.speculative_config)}
+            kv_transfer = None
+        if args.log_stats:  # (LLM.get_metrics reads them)
+            spec["disable_log_stats"] = False
         self.llm = LLM(
             **lora,
+            **spec,
             model=args.model,
             tokenizer=args.model,
             dtype="float32",
@@ -178,14 +188,14 @@ class Peer:
 
     def generate(
         self, prompts: list[list[int]], max_tokens: int, fill: bool, regex: str | None = None,
-        loras: list[str | None] | None = None,
+        loras: list[str | None] | None = None, ignore_eos: bool = True, all_ids: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import StructuredOutputsParams
 
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, detokenize=False,
             extra_args={FILL_FLAG: True} if fill else None,
             structured_outputs=StructuredOutputsParams(regex=regex) if regex else None,
         )  # fmt: skip
@@ -197,10 +207,27 @@ class Peer:
         outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=requests)
         elapsed = time.perf_counter() - start
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
-        if any(len(t) != max_tokens for t in token_ids):
+        if any(len(t) != max_tokens if ignore_eos else len(t) > max_tokens for t in token_ids):
             raise RuntimeError(f"vLLM returned {[len(t) for t in token_ids]} tokens, "
                                f"asked for {max_tokens}")  # fmt: skip
-        return {"elapsed_s": elapsed, "token_ids": [t[:16] for t in token_ids]}
+        return {
+            "elapsed_s": elapsed,
+            "token_ids": token_ids if all_ids else [t[:16] for t in token_ids],
+        }
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's own counters so far (``LLM.get_metrics``): name -> value, for the
+        counters only (speculative decoding's among them)."""
+        from vllm.v1.metrics.reader import Counter, Vector
+
+        values: dict[str, float] = {}
+        for metric in self.llm.get_metrics():
+            if isinstance(metric, Counter):
+                values[metric.name] = values.get(metric.name, 0) + metric.value
+            elif isinstance(metric, Vector):
+                for i, v in enumerate(metric.values):
+                    values[f"{metric.name}[{i}]"] = values.get(f"{metric.name}[{i}]", 0) + v
+        return values
 
 
 def serve(peer: Peer, out: Any) -> None:
@@ -216,10 +243,14 @@ def serve(peer: Peer, out: Any) -> None:
         try:
             if cmd["op"] == "quit":
                 break
+            if cmd["op"] == "counters":
+                send({"counters": peer.counters()})
+                continue
             if cmd["op"] != "generate":
                 raise ValueError(f"unknown op {cmd['op']!r}")
             send(peer.generate(cmd["prompts"], int(cmd["max_tokens"]), bool(cmd.get("fill")),
-                               cmd.get("regex"), cmd.get("loras")))  # fmt: skip
+                               cmd.get("regex"), cmd.get("loras"), cmd.get("ignore_eos", True),
+                               bool(cmd.get("all_ids"))))  # fmt: skip
         except Exception as exc:  # answer, so the driver does not hang
             send({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -272,6 +303,10 @@ def main() -> None:
         help="LoRA adapters (vLLM's enable_lora, max_loras = their number)",
     )
     parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--speculative-config", default=None,
+                        help="vLLM's speculative_config as JSON (e.g. ngram)")  # fmt: skip
+    parser.add_argument("--log-stats", action="store_true",
+                        help="keep vLLM's stats (the counters op reads them)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="standalone only")
     parser.add_argument("--k", type=int, default=8, help="standalone: decode steps timed")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
