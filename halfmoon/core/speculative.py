@@ -106,3 +106,26 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None) -> Speculati
         prompt_lookup_min=lookup_min,
         method=method,
     )
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's totals since the engine started (vLLM's
+    ``spec_decode_*`` counters): chunks that carried drafts, draft tokens checked,
+    drafts accepted, and drafts accepted at each draft position (first draft first)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over checked draft tokens (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_draft(self) -> float:
+        """Tokens a chunk with drafts gave on average: its accepted drafts plus the one
+        sampled after them (1 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -24,6 +24,7 @@ import torch
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import adapter_salt, chain_root
 from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
@@ -52,7 +53,7 @@ from halfmoon.engine.sampling import (
 )
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_prefix
-from halfmoon.engine.speculative import NgramProposer, SpecDecodeCounts, SpecDecodeStats
+from halfmoon.engine.speculative import NgramProposer, SpecDecodeStats
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -141,7 +142,7 @@ class EngineStats:
     #: recomputes its output too), the rest of a running prompt. Prefix-cache hits of
     #: waiting requests are not known before they are scheduled, so they count.
     num_prefill_tokens: int = 0
-    #: Speculative decoding so far (:class:`~halfmoon.engine.speculative.SpecDecodeStats`),
+    #: Speculative decoding so far (:class:`~halfmoon.core.speculative.SpecDecodeCounts`),
     #: or None when the engine does not speculate.
     spec_decode: SpecDecodeCounts | None = None
 

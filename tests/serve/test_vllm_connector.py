@@ -473,3 +473,24 @@ def test_prompt_logprobs_of_a_whole_answer() -> None:
         parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 6, 8], 1)
     with pytest.raises(ValueError, match="cover 3 of 4 prompt tokens"):
         parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], [5, 7, 8, 1], 1)
+
+
+def test_vllms_speculative_counters_become_the_workers() -> None:
+    from halfmoon.serve.vllm.connector import spec_counts
+
+    page = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 7.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 28.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 6.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="3"} 2.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0',
+    ])  # fmt: skip
+    counts = spec_counts(page)
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (7, 28, 12)
+    assert counts.accepted_per_position == (6, 4, 0, 2)
+    assert counts.acceptance_rate == 12 / 28
+    assert spec_counts('vllm:num_requests_waiting{engine="0"} 3.0') is None

@@ -46,6 +46,7 @@ import httpx
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
+from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.costmodel import CostProfile
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.connector import (
@@ -81,6 +82,14 @@ METRICS_INTERVAL_S = 0.5
 #: vLLM's metric names read for load reports.
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+#: vLLM's speculative-decoding counters (exported when it speculates), in
+#: :class:`SpecDecodeCounts`' order; the per-position one by its ``position`` label.
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 class VllmUnsupported(HalfmoonError):
@@ -96,6 +105,24 @@ class _Request:
     future: Any = None
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
+
+
+def spec_counts(text: str) -> SpecDecodeCounts | None:
+    """vLLM's speculative-decoding counters in a ``/metrics`` page, or None where it
+    exports none (it does not speculate)."""
+    totals = parse_metric_values(text, SPEC_COUNTERS)
+    if not totals:
+        return None
+    per_position: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith(SPEC_PER_POSITION + "{") and 'position="' in line:
+            position = line.split('position="', 1)[1].split('"', 1)[0]
+            with contextlib.suppress(ValueError):
+                value = float(line.rsplit(" ", 1)[1])
+                per_position[int(position)] = per_position.get(int(position), 0.0) + value
+    accepted = [int(per_position.get(i, 0)) for i in range(max(per_position, default=-1) + 1)]
+    drafts, tokens, accepted_total = (int(totals.get(name, 0.0)) for name in SPEC_COUNTERS)
+    return SpecDecodeCounts(drafts, tokens, accepted_total, tuple(accepted))
 
 
 def prefill_tokens(requests: Iterable[_Request]) -> int:
@@ -375,6 +402,8 @@ class VllmServerConnector(EngineConnector):
         self.subscriber: KVEventSubscriber | None = None
         self._warned_topic = False
         self._load = {WAITING: 0.0, KV_USAGE: 0.0}
+        #: The server's speculative-decoding counters (None until it reports any).
+        self._spec: SpecDecodeCounts | None = None
         #: The server's own ``/metrics`` text as last polled (vLLM's names): the worker's
         #: answer to a ``metrics_query`` carries it after its own.
         self.metrics_text = ""
@@ -420,6 +449,7 @@ class VllmServerConnector(EngineConnector):
                 self._load.update(parse_metric_values(resp.text, (WAITING, KV_USAGE)))
                 if resp.status_code == 200:
                     self.metrics_text = resp.text
+                    self._spec = spec_counts(resp.text) or self._spec
             except httpx.HTTPError as exc:
                 log.debug("metrics of %s: %s", self.endpoints.url, exc)
             await asyncio.sleep(METRICS_INTERVAL_S)
@@ -641,6 +671,7 @@ class VllmServerConnector(EngineConnector):
             num_blocks=self._num_blocks, num_free_blocks=max(0, self._num_blocks - used),
             num_cached_blocks=self._translator.num_held(self.instance_id), num_preemptions=0,
             num_prefill_tokens=prefill_tokens(self._requests.values()),
+            spec_decode=self._spec,
         )  # fmt: skip
 
     def check_integrity(self) -> None:
