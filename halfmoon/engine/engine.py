@@ -522,10 +522,12 @@ class LLMEngine:
         rows = []
         for c, _ in sampling:
             seq = c.seq
-            mask = seq.constraint.allowed() if seq.constraint is not None else None
+            masks: list[torch.Tensor | None] = [None] * (len(c.draft) + 1)
+            if seq.constraint is not None:
+                masks = seq.constraint.allowed_along(c.draft)
             # Row j samples the position after draft j-1, as decoding would once drafts
-            # 0..j-1 were its tokens: the same seed index, penalties and bans.
-            for j in range(len(c.draft) + 1):
+            # 0..j-1 were its tokens: the same seed index, penalties, bans and grammar.
+            for j, mask in enumerate(masks):
                 token_ids = seq.token_ids + list(c.draft[:j]) if j else seq.token_ids
                 rows.append(row_for(
                     seq.params, seq.seed, seq.num_output_tokens + j, tuple(seq.stop_token_ids),

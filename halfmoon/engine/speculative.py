@@ -14,10 +14,13 @@ from the rest of the distribution; so the output is the one decoding without dra
 gives, token for token (greedy or seeded), and several tokens come from one step when
 drafts are right. The KV computed for rejected drafts is overwritten later.
 
+A request with a structured output drafts the tokens its grammar forces next
+(llguidance's fast-forward tokens: a JSON schema's keys and punctuation) when there are
+any, else its n-gram drafts, cut to what the grammar admits; each row is sampled under
+the grammar's mask after the drafts before it (:meth:`Constraint.allowed_along`).
 Drafts are skipped where they cannot help or would change what is computed: prompts
-(the chunk's last token is a prompt token), requests with a structured output (the
-grammar advances token by token), requests that keep their KV for export (a prefill
-worker's) and the last tokens before ``max_tokens`` or the context's end. A sequence
+(the chunk's last token is a prompt token), requests that keep their KV for export (a
+prefill worker's) and the last tokens before ``max_tokens`` or the context's end. A sequence
 whose drafts keep being rejected gets fewer (down to one a step): its share of drafts
 accepted, a running average, scales ``num_speculative_tokens``.
 """
@@ -103,7 +106,6 @@ class NgramProposer:
         if (
             seq.num_computed_tokens < seq.num_prompt_tokens
             or seq.num_tokens - seq.num_computed_tokens != 1
-            or seq.constraint is not None
             or seq.keep_kv
         ):
             return ()
@@ -117,7 +119,10 @@ class NgramProposer:
         if k <= 0:
             return ()
         c = self.config
-        return find_drafts(self._tokens(seq), c.prompt_lookup_min, c.prompt_lookup_max, k)
+        drafts = find_drafts(self._tokens(seq), c.prompt_lookup_min, c.prompt_lookup_max, k)
+        if seq.constraint is not None:  # what its grammar forces, else what it admits
+            return seq.constraint.drafts(drafts, k)
+        return drafts
 
 
 class SpecDecodeStats:

@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -195,6 +195,33 @@ class Constraint:
 
         bias = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)
         return torch.from_numpy(bias != 0)
+
+    def drafts(self, proposed: Sequence[int], limit: int) -> tuple[int, ...]:
+        """Draft tokens for speculative decoding (:mod:`halfmoon.engine.speculative`): the
+        tokens the grammar forces next (llguidance's fast-forward tokens) when there are
+        any, else ``proposed``; cut to the longest prefix the grammar admits and to
+        ``limit``."""
+        forced = self._matcher.compute_ff_tokens() if limit > 0 else []
+        candidates = list(forced or proposed)[:limit]
+        if not candidates:
+            return ()
+        return tuple(candidates[: self._matcher.validate_tokens(candidates)])
+
+    def allowed_along(self, drafts: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`allowed` now and after each of ``drafts`` in turn (the masks of a token
+        and its drafts' rows; the grammar admits the drafts, see :meth:`drafts`), the
+        grammar's state left as it was."""
+        masks = [self.allowed()]
+        consumed = 0
+        for token in drafts:
+            if not self._matcher.consume_token(token):
+                break
+            consumed += 1
+            masks.append(self.allowed())
+        self._matcher.rollback(consumed)
+        if len(masks) < len(drafts) + 1:  # (never expected: drafts() checked them)
+            raise HalfmoonError(f"structured output ({self.structured.kind}): a draft broke it")
+        return masks
 
     def consume(self, tokens: Iterable[int]) -> None:
         """Follow tokens already generated (a request continued from another worker);

@@ -5,6 +5,7 @@ penalties, log-probabilities, stops, a tight pool, the prefix cache)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -213,13 +214,47 @@ def test_accepted_drafts_fill_the_prefix_cache(llama_ref: Reference, prompts) ->
     engine.check_integrity()
 
 
-def test_structured_outputs_and_prompts_get_no_drafts(tiny_dir) -> None:
+#: A schema whose answers are mostly keys and punctuation the grammar forces.
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta"]}, "maxItems": 3},
+    },
+    "required": ["name", "colour", "count", "tags"],
+    "additionalProperties": False,
+})  # fmt: skip
+
+
+def test_structured_outputs_draft_what_their_grammar_forces(tiny_dir) -> None:
+    """A request held to a grammar drafts the tokens it forces (and n-grams it admits);
+    each row is sampled under the grammar's mask after the drafts before it: the same
+    answers as without speculation, greedy and seeded."""
+    outputs = {
+        StructuredOutput("json", SCHEMA, compact=True): lambda t: set(json.loads(t)) == {
+            "name", "colour", "count", "tags"},
+        StructuredOutput("regex", r"(ab-){2,6}cd"): lambda t: re.fullmatch(r"(ab-){2,6}cd", t),
+        StructuredOutput("choice", json.dumps(["alpha beta gamma delta", "alpha beta"])):
+            lambda t: t in ("alpha beta gamma delta", "alpha beta"),
+    }  # fmt: skip
+    prompts, params = [], []
+    for structured in outputs:
+        for seed in range(3):
+            prompts.append([5 + seed, 9, 17, 33])
+            params.append(SamplingParams(max_tokens=60, temperature=0.0 if seed == 0 else 1.0,
+                                         seed=seed, structured=structured))  # fmt: skip
+    plain = LLMEngine(engine_config(tiny_dir)).generate(prompts, params)
     engine = LLMEngine(engine_config(tiny_dir, speculative=SPEC))
-    structured = StructuredOutput("choice", json.dumps(["alpha beta", "alpha gamma"]))
-    prompt = engine.tokenizer.encode("alpha beta alpha beta alpha")
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=8, structured=structured))
-    assert out.text in ("alpha beta", "alpha gamma")
-    assert engine.stats().spec_decode.num_drafts == 0
+    fast = engine.generate(prompts, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    checks = [ok for ok in outputs.values() for _ in range(3)]
+    for out, ok in zip(fast, checks, strict=True):
+        assert out.finish_reason == "stop" and ok(out.text), out.text
+    counts = engine.stats().spec_decode
+    assert counts.num_accepted_tokens > 0
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize("reverse", [False, True])
