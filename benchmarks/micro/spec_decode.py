@@ -8,7 +8,10 @@ of two kinds, greedy, each ending at its end-of-sequence token or ``--tokens``:
 - ``edit``: rewrite a given text or code with a small change (what prompt lookup is for:
   the answer copies long runs of the prompt);
 - ``open``: free writing (drafts are rarely right: what speculating costs when it does
-  not pay).
+  not pay);
+- ``json``: extract a person's details from a sentence as JSON held to a regex by each
+  engine's structured outputs (halfmoon drafts what the grammar forces, else n-grams it
+  admits; vLLM its n-grams, checked under its grammar).
 
 Each kind runs as ``b1`` (the prompts one after another, batch 1: decode is bound by
 reading the weights, so a checked draft costs little) and ``b8`` (all together). Each
@@ -34,7 +37,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from halfmoon.core.request import SamplingParams
+from halfmoon.core.request import SamplingParams, StructuredOutput
 from halfmoon.core.speculative import parse_speculative_config
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
@@ -73,6 +76,22 @@ EDIT = [
     f"Write this code again with the variable total renamed to acc:\n\n{CODE}",
     f"Repeat this paragraph word for word:\n\n{PARAGRAPH}",
 ]
+PEOPLE = [
+    "Maria Lopez is 34 years old and lives in Valencia, where she teaches music.",
+    "The report was written by Tom Becker, 51, an engineer from Hamburg.",
+    "Yuki Tanaka (age 27) moved to Osaka last spring to open a bakery.",
+    "Our new colleague, Ahmed Farouk, is 45 and commutes from Alexandria every day.",
+]
+#: ``json`` cases: the answer held to this regex by each engine's structured outputs.
+JSON_REGEX = (
+    r'\{"name": "[A-Za-z ]{1,30}", "age": [0-9]{1,3}, "city": "[A-Za-z ]{1,30}", '
+    r'"summary": "[A-Za-z ,.]{1,80}"\}'
+)
+JSON = [
+    f"Extract the person's name, age and city from this text, with a one-line summary, "
+    f'as JSON {{"name": ..., "age": ..., "city": ..., "summary": ...}}:\n\n{text}'
+    for text in PEOPLE
+]
 OPEN = [
     "Write a short story about a robot who learns to paint.",
     "Explain why the sky is blue to a ten-year-old.",
@@ -98,6 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     ap.add_argument("--no-vllm", action="store_true", help="halfmoon alone")
+    ap.add_argument("--cases", help="only these cases, comma-separated (e.g. 'json b1')")
     ap.add_argument("--json", help="write every round here")
     args = ap.parse_args()
     result = run(args)
@@ -130,12 +150,16 @@ def run(args: argparse.Namespace) -> dict:
     cases = {
         "edit b1": [chat(t) for t in EDIT[: args.b1_prompts]],
         "open b1": [chat(t) for t in OPEN[: args.b1_prompts]],
+        "json b1": [chat(t) for t in JSON[: args.b1_prompts]],
         "edit b8": [chat(t) for t in EDIT],
         "open b8": [chat(t) for t in OPEN],
     }
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
 
     def ours(engine: LLMEngine, case: str) -> tuple[float, list[list[int]]]:
-        params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+        held = StructuredOutput("regex", JSON_REGEX) if case.startswith("json") else None
+        params = SamplingParams(max_tokens=args.tokens, temperature=0.0, structured=held)
         prompts = cases[case]
         start = time.perf_counter()
         if case.endswith("b1"):
@@ -158,11 +182,13 @@ def run(args: argparse.Namespace) -> dict:
 
         def theirs(peer: VllmPeer, case: str) -> tuple[float, list[list[int]]]:
             prompts = cases[case]
+            regex = JSON_REGEX if case.startswith("json") else None
             if not case.endswith("b1"):
-                return peer.generate(prompts, args.tokens, False, ignore_eos=False, all_ids=True)
+                return peer.generate(prompts, args.tokens, False, regex, ignore_eos=False,
+                                     all_ids=True)  # fmt: skip
             elapsed, ids = 0.0, []
             for p in prompts:
-                s, (one,) = peer.generate([p], args.tokens, False, ignore_eos=False,
+                s, (one,) = peer.generate([p], args.tokens, False, regex, ignore_eos=False,
                                           all_ids=True)  # fmt: skip
                 elapsed += s
                 ids.append(one)
