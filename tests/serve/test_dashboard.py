@@ -377,3 +377,34 @@ def test_process_states_tell_restarting_from_stopped():
         assert all(s["num_restarts"] == 0 for s in states.values())
     finally:
         group.stop(timeout_s=5)
+
+
+class ChunkedBackend(FixedBackend):
+    """Four tokens in three chunks: one, two together (one engine step's, as accepted
+    draft tokens come), one."""
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        yield GenerationChunk((65,), None, 2)
+        yield GenerationChunk((66, 67), None)
+        yield GenerationChunk((68,), "length")
+
+
+def test_tokens_that_arrive_together_are_one_inter_token_gap(gateways):
+    from halfmoon.serve.gateway.gateway import arrival_gaps
+
+    assert arrival_gaps([1.0, 2.0, 2.0, 2.5]) == [1.0, 0.5]
+    assert arrival_gaps([3.0, 3.0, 3.0]) == [] and arrival_gaps([]) == []
+
+    def itl_count(backend) -> float:
+        with TestClient(gateways.app(backend, "m")) as client:
+            body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            text = client.get("/metrics").text
+        (line,) = [ln for ln in text.splitlines()
+                   if ln.startswith("halfmoon:inter_token_latency_seconds_count")]  # fmt: skip
+        return float(line.rsplit(" ", 1)[1])
+
+    assert itl_count(ChunkedBackend()) == 2  # three arrivals
+    assert itl_count(FixedBackend()) == 0  # all three tokens at once

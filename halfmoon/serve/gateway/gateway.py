@@ -55,6 +55,15 @@ PUBLIC_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
+def arrival_gaps(times: Sequence[float]) -> list[float]:
+    """The gaps between a request's token arrivals (``times``: one per token): tokens that
+    came together (a worker's several tokens from one step, such as accepted draft
+    tokens of speculative decoding) make one arrival, as vLLM counts inter-token latency
+    once per engine step."""
+    arrivals = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]
+    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """What the gateway serves and its limits: ``max_model_len`` caps prompt + output
@@ -491,8 +500,8 @@ class Gateway:
             m.e2e.observe(times[-1] - arrival)
             if est_ttft is not None:
                 m.ttft_estimate_error.observe(times[0] - arrival - est_ttft)
-            for a, b in zip(times, times[1:], strict=False):
-                m.itl.observe(b - a)
+            for gap_s in arrival_gaps(times):
+                m.itl.observe(gap_s)
         m.prompt_tokens.inc(len(p.prompt_ids))
         m.generation_tokens.inc(out.num_tokens)
         m.prefix_cache_queries.inc(len(p.prompt_ids))
@@ -500,7 +509,7 @@ class Gateway:
         m.requests.labels(finished_reason=finish).inc()
         if p.params.lora is not None:
             m.lora_requests.labels(lora_name=p.params.lora).inc()
-        gaps_s = [b - a for a, b in zip(times, times[1:], strict=False)]
+        gaps_s = arrival_gaps(times)
         self.series.finished(times[0] - arrival if times else None, gaps_s, len(p.prompt_ids),
                              cached or 0, out.num_tokens)  # fmt: skip
         note_generation(len(p.prompt_ids), out.num_tokens, times[0] - arrival if times else None)

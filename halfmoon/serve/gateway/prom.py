@@ -45,7 +45,8 @@ class GatewayMetrics:
         )
         self.itl = Histogram(
             "halfmoon:inter_token_latency_seconds",
-            "Gap between consecutive output tokens.",
+            "Gap between consecutive output tokens; tokens that arrive together (several "
+            "from one engine step, e.g. accepted draft tokens) count once, as vLLM's.",
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
