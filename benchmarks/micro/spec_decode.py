@@ -255,25 +255,26 @@ def run(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def _ours_acceptance(before, after) -> dict[str, float]:
-    drafts = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    steps = after.num_drafts - before.num_drafts
+def _acceptance(drafts: float, accepted: float, steps: float) -> dict[str, float]:
+    """Drafts checked and accepted over the timed rounds, from either engine's counters."""
     return {"draft_tokens": drafts, "accepted": accepted,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
             "tokens_per_drafting_step": 1 + accepted / steps if steps else 1.0}  # fmt: skip
+
+
+def _ours_acceptance(before, after) -> dict[str, float]:
+    return _acceptance(after.num_draft_tokens - before.num_draft_tokens,
+                       after.num_accepted_tokens - before.num_accepted_tokens,
+                       after.num_drafts - before.num_drafts)  # fmt: skip
 
 
 def _vllm_acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    drafts = delta("vllm:spec_decode_num_draft_tokens")
-    accepted = delta("vllm:spec_decode_num_accepted_tokens")
-    steps = delta("vllm:spec_decode_num_drafts")
-    return {"draft_tokens": drafts, "accepted": accepted,
-            "acceptance_rate": accepted / drafts if drafts else 0.0,
-            "tokens_per_drafting_step": 1 + accepted / steps if steps else 1.0}  # fmt: skip
+    return _acceptance(delta("vllm:spec_decode_num_draft_tokens"),
+                       delta("vllm:spec_decode_num_accepted_tokens"),
+                       delta("vllm:spec_decode_num_drafts"))  # fmt: skip
 
 
 if __name__ == "__main__":

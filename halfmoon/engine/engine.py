@@ -53,7 +53,7 @@ from halfmoon.engine.sampling import (
 )
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_prefix
-from halfmoon.engine.speculative import NgramProposer, SpecDecodeStats
+from halfmoon.engine.speculative import NgramProposer
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 
@@ -247,13 +247,11 @@ class LLMEngine:
                 loaded.model, self.kv_cache, config.max_num_seqs, blocks, kernel
             )
             self.attention_backend += ", CUDA graphs for decode"
-        #: Speculative decoding's proposer and counts (None: the engine does not speculate).
-        self.spec_stats: SpecDecodeStats | None = None
+        #: Speculative decoding's drafts and their counts (None: the engine does not speculate).
         self.proposer: NgramProposer | None = None
         if config.speculative is not None:
             self.proposer = NgramProposer(config.speculative, self.max_model_len)
             self.scheduler.proposer = self.proposer.propose
-            self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._failures: list[RequestFailure] = []
@@ -278,7 +276,7 @@ class LLMEngine:
             num_cached_blocks=self.block_manager.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens=self.scheduler.num_prefill_tokens(),
-            spec_decode=None if self.spec_stats is None else self.spec_stats.counts(),
+            spec_decode=None if self.proposer is None else self.proposer.stats.counts(),
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -546,12 +544,9 @@ class LLMEngine:
                 taken.append((tokens[row + j + 1], logprobs[row + j + 1]))
             out.append((c.seq, taken))
             row += len(c.draft) + 1
-        if self.spec_stats is not None:
-            checked = [(c, len(c.draft), len(t) - 1)
-                       for (c, _), (_, t) in zip(sampling, out, strict=True)]  # fmt: skip
-            self.spec_stats.record([(d, m) for _, d, m in checked])
-            for c, d, m in checked:
-                self.proposer.observe(c.seq, d, m)
+        if self.proposer is not None:
+            for (c, _), (_, taken) in zip(sampling, out, strict=True):
+                self.proposer.observe(c.seq, len(c.draft), len(taken) - 1)
         return out
 
     def _fail(self, seq: Sequence, error: str, retryable: bool) -> None:

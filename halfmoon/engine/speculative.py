@@ -28,7 +28,6 @@ accepted, a running average, scales ``num_speculative_tokens``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,6 +59,31 @@ def find_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[int
     return ()
 
 
+class SpecDecodeStats:
+    """Accumulates :class:`SpecDecodeCounts` step by step."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One sequence's step: ``accepted`` of its ``drafted`` drafts (``drafted`` > 0)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def counts(self) -> SpecDecodeCounts:
+        """The totals so far."""
+        return SpecDecodeCounts(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+            tuple(self.accepted_per_position),
+        )  # fmt: skip
+
+
 class NgramProposer:
     """Draft tokens for decoding sequences (see the module docstring)."""
 
@@ -73,6 +97,8 @@ class NgramProposer:
         )
         # Each sequence's recent share of drafts accepted (1 until it drafted).
         self._rate: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
+        #: Every step's drafts checked and accepted, summed.
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         buffer, size = self._history.get(seq, (np.empty(0, dtype=np.int64), 0))
@@ -87,9 +113,11 @@ class NgramProposer:
         return buffer[:total]
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """``seq`` had ``accepted`` of its ``drafted`` drafts accepted this step: its
-        next drafts are as many as its recent acceptance makes worth checking."""
+        """``seq`` had ``accepted`` of its ``drafted`` drafts accepted this step: counted
+        in :attr:`stats`, and its next drafts are as many as its recent acceptance makes
+        worth checking."""
         if drafted:
+            self.stats.record(drafted, accepted)
             rate = self._rate.get(seq, 1.0)
             self._rate[seq] = (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * accepted / drafted
 
@@ -123,30 +151,3 @@ class NgramProposer:
         if seq.constraint is not None:  # what its grammar forces, else what it admits
             return seq.constraint.drafts(drafts, k)
         return drafts
-
-
-class SpecDecodeStats:
-    """Accumulates :class:`SpecDecodeCounts` step by step."""
-
-    def __init__(self, num_speculative_tokens: int):
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * num_speculative_tokens
-
-    def record(self, chunks: Iterable[tuple[int, int]]) -> None:
-        """A step's ``(drafts checked, drafts accepted)`` per sampled chunk."""
-        for drafted, accepted in chunks:
-            if drafted:
-                self.num_drafts += 1
-                self.num_draft_tokens += drafted
-                self.num_accepted_tokens += accepted
-                for position in range(accepted):
-                    self.accepted_per_position[position] += 1
-
-    def counts(self) -> SpecDecodeCounts:
-        """The totals so far."""
-        return SpecDecodeCounts(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-            tuple(self.accepted_per_position),
-        )  # fmt: skip
