@@ -9,6 +9,11 @@ Two definitions of one request's TBT (time between tokens) are in use:
 
 A request with fewer than two tokens has no gap; its TBT is 0 under both definitions
 (nothing was waited for between tokens, so it cannot break a TBT limit).
+
+Gaps are between token *arrivals*: tokens that came at the same time (several from one
+engine step, as speculative decoding's accepted drafts, or one streamed chunk holding
+several) are one arrival, as vLLM counts inter-token latency once per step; counting
+each would add gaps of zero that no client waited.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ DEFAULT_QUANTILES = (50, 90, 99)
 
 
 def tbt_gaps_s(token_times_s: Sequence[float]) -> list[float]:
-    """Gaps between consecutive token times; empty for fewer than two tokens.
+    """Gaps between consecutive token arrivals (tokens at the same time are one arrival:
+    the module docstring); empty for fewer than two arrivals.
 
     Raises ValueError if the times go backwards (they must come from one clock).
     """
@@ -38,7 +44,7 @@ def tbt_gaps_s(token_times_s: Sequence[float]) -> list[float]:
             f"token times go backwards at token {index + 1}: "
             f"{token_times_s[index + 1]} < {token_times_s[index]}"
         )
-    return gaps
+    return [gap for gap in gaps if gap > 0]
 
 
 def tbt_p90(gaps_s: Sequence[float]) -> float:

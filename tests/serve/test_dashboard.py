@@ -392,10 +392,10 @@ class ChunkedBackend(FixedBackend):
 
 
 def test_tokens_that_arrive_together_are_one_inter_token_gap(gateways):
-    from halfmoon.serve.gateway.gateway import arrival_gaps
+    from halfmoon.metrics.latency import tbt_gaps_s
 
-    assert arrival_gaps([1.0, 2.0, 2.0, 2.5]) == [1.0, 0.5]
-    assert arrival_gaps([3.0, 3.0, 3.0]) == [] and arrival_gaps([]) == []
+    assert tbt_gaps_s([1.0, 2.0, 2.0, 2.5]) == [1.0, 0.5]
+    assert tbt_gaps_s([3.0, 3.0, 3.0]) == [] and tbt_gaps_s([]) == []
 
     def itl_count(backend) -> float:
         with TestClient(gateways.app(backend, "m")) as client:

@@ -27,6 +27,7 @@ from halfmoon.core.request import (
 )
 from halfmoon.engine.structured import check, grammar_tokenizer
 from halfmoon.engine.tokenizer import Tokenizer
+from halfmoon.metrics.latency import tbt_gaps_s
 from halfmoon.serve.gateway.access_log import note_generation
 from halfmoon.serve.gateway.backend import Backend, BackendError, GenerationChunk
 from halfmoon.serve.gateway.openai_api import (
@@ -53,15 +54,6 @@ PUBLIC_PATHS: dict[str, tuple[str, ...]] = {
     "metrics": ("/metrics",),
     "docs": ("/docs", "/redoc", "/openapi.json"),
 }
-
-
-def arrival_gaps(times: Sequence[float]) -> list[float]:
-    """The gaps between a request's token arrivals (``times``: one per token): tokens that
-    came together (a worker's several tokens from one step, such as accepted draft
-    tokens of speculative decoding) make one arrival, as vLLM counts inter-token latency
-    once per engine step."""
-    arrivals = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]
-    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -500,7 +492,7 @@ class Gateway:
             m.e2e.observe(times[-1] - arrival)
             if est_ttft is not None:
                 m.ttft_estimate_error.observe(times[0] - arrival - est_ttft)
-            for gap_s in arrival_gaps(times):
+            for gap_s in tbt_gaps_s(times):
                 m.itl.observe(gap_s)
         m.prompt_tokens.inc(len(p.prompt_ids))
         m.generation_tokens.inc(out.num_tokens)
@@ -509,7 +501,7 @@ class Gateway:
         m.requests.labels(finished_reason=finish).inc()
         if p.params.lora is not None:
             m.lora_requests.labels(lora_name=p.params.lora).inc()
-        gaps_s = arrival_gaps(times)
+        gaps_s = tbt_gaps_s(times)
         self.series.finished(times[0] - arrival if times else None, gaps_s, len(p.prompt_ids),
                              cached or 0, out.num_tokens)  # fmt: skip
         note_generation(len(p.prompt_ids), out.num_tokens, times[0] - arrival if times else None)
