@@ -152,7 +152,8 @@ def predicted_decode_candidate(
     joins: the expected batch of the module docstring's prediction. The reference: a
     decision evaluates it on every instance at once (``loads.DecodeForecast``)."""
     horizon_s = max(0.0, ready_s - now_s)
-    step_s = dstate.step_time_s(dstate.num_running, dstate.context_tokens)
+    # seconds per token of each sequence (a step's, over its tokens when speculating)
+    step_s = dstate.token_time_s(dstate.num_running, dstate.context_tokens)
     fallback_s = request.output_length * step_s  # t_d before any observation
     num, ctx = 1.0, float(request.input_length)
     predicted = dstate.predicted_s

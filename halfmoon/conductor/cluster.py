@@ -27,6 +27,7 @@ from halfmoon.conductor.messages import (
 from halfmoon.conductor.state import DecodeState, PrefillState, check_bookings
 from halfmoon.core.clock import Clock
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 Event = (
     BlockStored
@@ -94,11 +95,13 @@ class Cluster:
         instance_id: str,
         cost_model: CostModel | None = None,
         kv_capacity_tokens: int | None = None,
+        speculation: SpeculationRates = NO_SPECULATION,
     ) -> None:
-        """Register a decode instance and its KV capacity in tokens."""
+        """Register a decode instance and its KV capacity in tokens (``speculation``: its
+        speculative decoding until a load report says otherwise)."""
         cm = cost_model or self.cost_model
         capacity = cm.kv_capacity_tokens() if kv_capacity_tokens is None else kv_capacity_tokens
-        self._decode[instance_id] = DecodeState(instance_id, cm, capacity)
+        self._decode[instance_id] = DecodeState(instance_id, cm, capacity, speculation=speculation)
         self._instances_changed()
 
     def add_coupled_instance(
@@ -258,5 +261,11 @@ class Cluster:
             return
         dstate.reported_running = report.num_running
         dstate.reported_context_tokens = report.context_tokens
+        try:  # (the event's instance is marked touched after this)
+            dstate.speculation = SpeculationRates(
+                report.spec_rows_per_seq, report.spec_tokens_per_step
+            )
+        except ValueError:  # a report that cannot be rates: decoding without speculation
+            dstate.speculation = NO_SPECULATION
         if report.kv_capacity_tokens:
             dstate.kv_capacity_tokens = report.kv_capacity_tokens

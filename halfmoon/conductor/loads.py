@@ -10,9 +10,14 @@ computes every T_queue with a few vector operations (bit for bit what
 snapshot choice of a decode instance (``min est_tbt_s``) evaluates only the instances
 whose lower bound can beat the best estimate so far::
 
-    sorted by (context, requests, rank):  D7 (0, 0)  D2 (9k, 3)  D5 (12k, 1)  D1 (80k, 9) ...
+    sorted by (context, requests, rows, rank):  D7 (0, 0)  D2 (9k, 3)  D5 (12k, 1)  D1 (80k, 9) ...
     bound(D) = step(min requests + 1, context(D) + prompt) <= est(D)   (step is monotone)
     evaluate D7, D2, ...; stop once bound(next) > best est: no later instance can beat it
+
+(An instance that speculates estimates its step over more rows and context than it has
+requests and tokens, never less than the plain step, so the bound holds for it too; its
+rows per sequence are part of its key, so only instances with the same batch *and* the
+same rows tie.)
 
 The prediction (``early_reject="predict"``) weighs each request by time, so it has no
 such order; :class:`DecodeForecast` instead evaluates it for every instance at once, as
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 from bisect import bisect_right, insort
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -41,6 +47,7 @@ from halfmoon.conductor.state import DecodeState, PrefillState
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.roofline import RooflineCostModel
+from halfmoon.costmodel.speculation import SpeculationRates
 from halfmoon.costmodel.throughput import ThroughputCostModel
 
 #: Cost models whose decode step time never decreases with the batch or its context.
@@ -143,8 +150,9 @@ class DecodeLoads:
         models = {id(s.cost_model): s.cost_model for s in states}
         self.cost_model = next(iter(models.values()), None)
         self.usable = len(models) == 1 and isinstance(self.cost_model, MONOTONE_DECODE_MODELS)
-        self._key_of: list[tuple[int, int, int] | None] = [None] * len(states)
-        self._keys: list[tuple[int, int, int]] = []  # (context, requests, rank), sorted
+        self._key_of: list[tuple[int, int, float, int] | None] = [None] * len(states)
+        # (context, requests, rows per sequence, rank), sorted
+        self._keys: list[tuple[int, int, float, int]] = []
         self._nums: list[int] = []  # requests per instance, sorted
         self._dirty: set[int] = set(range(len(states)))
         self.forecast = DecodeForecast(states)
@@ -166,6 +174,7 @@ class DecodeLoads:
             key = self._key_of[rank] = (
                 s.committed_tokens,
                 s.num_running + len(s.incoming),
+                s.speculation.rows_per_seq,
                 rank,
             )
             insort(self._keys, key)
@@ -185,14 +194,14 @@ class DecodeLoads:
         best_s = float("inf")
         i = 0
         while i < len(keys):
-            context, requests, rank = keys[i]
+            context, requests, rows, rank = keys[i]
             if step(min_batch, context + input_length) > best_s:
                 break  # sorted by context: every later bound is at least this one
             cand = evaluate(self.states[rank])
             out.append(cand)
             best_s = min(best_s, cand.est_tbt_s)
             # The same batch on a later instance has the same estimate and loses the tie.
-            i = bisect_right(keys, (context, requests, len(keys)), i + 1)
+            i = bisect_right(keys, (context, requests, rows, len(keys)), i + 1)
         return out
 
 
@@ -226,14 +235,24 @@ class DecodeForecast:
         n = len(states)
         self._stale: set[int] = set(range(n))
         self._requests = _Entries(n)
-        self._step_s = np.zeros(n)  # step of the batch as it is now (t_d fallback, rate)
+        # seconds per token of the batch as it is now (its step, over a step's tokens
+        # when it speculates: the t_d fallback and the tokens' rate)
+        self._step_s = np.zeros(n)
         self._free = np.zeros(n, dtype=np.int64)  # KV capacity - committed tokens
         self._init_ones = np.ones(n)
-        models: dict[int, list[int]] = {}
-        for i, state in enumerate(states):
-            models.setdefault(id(state.cost_model), []).append(i)
-        self._models = [(states[ix[0]].cost_model, np.array(ix)) for ix in models.values()]
+        self._rates = [s.speculation for s in states]
+        self._group()
         self._update()
+
+    def _group(self) -> None:
+        """The instances by cost model and speculation rates (one vector call each)."""
+        groups: dict[tuple[int, SpeculationRates], list[int]] = {}
+        for i, state in enumerate(self.states):
+            groups.setdefault((id(state.cost_model), self._rates[i]), []).append(i)
+        self._models = [
+            (self.states[ix[0]].cost_model, rates, np.array(ix))
+            for (_, rates), ix in groups.items()
+        ]
 
     def touch(self, position: int) -> None:
         """The instance at ``position`` (in the states' order) may have changed."""
@@ -241,13 +260,19 @@ class DecodeForecast:
 
     def _update(self) -> None:
         entries = {}
+        regroup = False
         for i in sorted(self._stale):
             s = self.states[i]
             nan, predicted = float("nan"), s.predicted_s
             entries[i] = [(t, k, 1.0, predicted.get(r, nan)) for r, (t, k) in s.running.items()]
             entries[i] += [(t, k, 0.0, predicted.get(r, nan)) for r, (t, k) in s.incoming.items()]
-            self._step_s[i] = s.step_time_s(s.num_running, s.context_tokens)
+            self._step_s[i] = s.token_time_s(s.num_running, s.context_tokens)
             self._free[i] = s.kv_capacity_tokens - s.committed_tokens
+            if s.speculation != self._rates[i]:
+                self._rates[i] = s.speculation
+                regroup = True
+        if regroup:
+            self._group()
         self._stale.clear()
         requests = self._requests
         requests.replace(entries)
@@ -271,11 +296,12 @@ class DecodeForecast:
         n = np.maximum(np.rint(num).astype(np.int64), 1)  # num >= 1 (the request itself)
         c = np.rint(ctx).astype(np.int64)
         if len(self._models) == 1:
-            est = decode_step_times_s(self._models[0][0], n, c)
+            cm, rates, _ = self._models[0]
+            est = rates.steps_s(partial(decode_step_times_s, cm), n, c)
         else:
             est = np.empty(len(n))
-            for cm, ix in self._models:
-                est[ix] = decode_step_times_s(cm, n[ix], c[ix])
+            for cm, rates, ix in self._models:
+                est[ix] = rates.steps_s(partial(decode_step_times_s, cm), n[ix], c[ix])
         need = request.input_length + request.output_length
         est[need > self._free] = np.inf  # the KV check rejects it there
         kept = np.sort(np.argsort(est, kind="stable")[:KEEP_DECODE_CANDIDATES]).tolist()

@@ -72,7 +72,9 @@ class LoadReport:
 
     ``queued_prefill_tokens`` counts uncached prompt tokens waiting or running on a prefill
     instance; ``num_running`` / ``context_tokens`` describe a decode batch; ``kv_*`` its
-    KV memory in tokens.
+    KV memory in tokens; ``spec_*``: a speculating decode instance's rows computed and
+    tokens gained per sequence and step
+    (:class:`~halfmoon.costmodel.speculation.SpeculationRates`; 1 and 1 without).
     """
 
     instance_id: str
@@ -81,6 +83,8 @@ class LoadReport:
     kv_used_tokens: int = 0
     kv_capacity_tokens: int = 0
     queued_prefill_tokens: int = 0
+    spec_rows_per_seq: float = 1.0
+    spec_tokens_per_step: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from halfmoon.conductor.calibration import PrefillCalibration
 from halfmoon.costmodel.base import CostModel
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 
 @dataclass
@@ -213,6 +214,8 @@ class DecodeState:
     ``incoming`` maps a request to (expected prefill-done time, context tokens);
     ``running`` to (decode start time, context tokens); ``predicted_s`` those of either
     with a predicted decode duration (:mod:`halfmoon.conductor.lengths`) to it.
+    ``speculation``: the instance's speculative decoding, from its load reports: a step
+    costs the rows it checks and gives each sequence ``tokens_per_step`` tokens.
     """
 
     instance_id: str
@@ -223,6 +226,7 @@ class DecodeState:
     predicted_s: dict[str, float] = field(default_factory=dict)
     reported_running: int | None = None
     reported_context_tokens: int | None = None
+    speculation: SpeculationRates = NO_SPECULATION
 
     @property
     def num_running(self) -> int:
@@ -243,19 +247,26 @@ class DecodeState:
 
     def context_tokens_at(self, now_s: float) -> int:
         """``context_tokens`` with the tokens the running requests have generated since
-        they joined (one per step, at the batch's estimated step): the bookings hold
-        prompts only, and a long decode adds thousands. A load report already counts
-        them."""
+        they joined (``speculation.tokens_per_step`` per step, at the batch's estimated
+        step): the bookings hold prompts only, and a long decode adds thousands. A load
+        report already counts them."""
         if self.reported_context_tokens is not None or not self.running:
             return self.context_tokens
         ctx = self.context_tokens
-        step_s = self.step_time_s(len(self.running), ctx)
+        token_s = self.token_time_s(len(self.running), ctx)
         age_s = sum(now_s - start for start, _ in self.running.values())
-        return ctx + round(max(0.0, age_s) / step_s)
+        return ctx + round(max(0.0, age_s) / token_s)
 
     def step_time_s(self, num_running: int, context_tokens: int) -> float:
-        """Estimated decode step for a batch of that shape."""
-        return self.cost_model.decode_step_time_s(max(1, num_running), context_tokens)
+        """Estimated decode step for a batch of that shape (its drafts' rows too)."""
+        return self.speculation.step_s(
+            self.cost_model.decode_step_time_s, max(1, num_running), context_tokens
+        )
+
+    def token_time_s(self, num_running: int, context_tokens: int) -> float:
+        """Estimated seconds per generated token of each sequence in such a batch (the
+        step, over the tokens a step gives a sequence)."""
+        return self.speculation.per_token_s(self.step_time_s(num_running, context_tokens))
 
     def start(self, request_id: str, now_s: float) -> None:
         """The request joined the batch (ignored unless it was booked here: a request

@@ -112,12 +112,17 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None) -> Speculati
 class SpecDecodeCounts:
     """Speculative decoding's totals since the engine started (vLLM's
     ``spec_decode_*`` counters): chunks that carried drafts, draft tokens checked,
-    drafts accepted, and drafts accepted at each draft position (first draft first)."""
+    drafts accepted, and drafts accepted at each draft position (first draft first);
+    ``num_sequence_steps``: steps of sequences, with drafts or without (a sequence
+    sampled in a step counts once; each gave 1 + its accepted drafts), the denominator
+    of the speculation rates a decode step estimate uses
+    (:meth:`~halfmoon.costmodel.speculation.SpeculationRates.from_counts`)."""
 
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]
+    num_sequence_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:

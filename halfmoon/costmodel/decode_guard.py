@@ -5,12 +5,17 @@ so the two cannot drift.
 
 The estimate is the step the batch would take with the request in it::
 
-    step_s = engine step (batch, context)          # the cost model / profile's decode fit
+    step_s = engine step (batch, context)          # the cost model / profile's decode fit,
+                                                   # of the rows speculation adds (below)
            + serving.decode_overhead_s(batch)      # per-step + per-sequence serving terms
            + imported_tokens * kv_import_s_per_token   (the simulator's running step only)
 
 and the verdict compares it with the TBT SLO (:func:`decode_guard_verdict`). A batch that
-is empty admits anything: a lone request is never refused for its own step.
+is empty admits anything: a lone request is never refused for its own step. An instance
+that speculates (``--speculative-config``) runs more rows a step than it has sequences:
+its engine step is the one of :meth:`SpeculationRates.step_s
+<halfmoon.costmodel.speculation.SpeculationRates.step_s>` (the per-sequence serving term
+still counts sequences).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from halfmoon.costmodel.serving import ServingTerms
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 #: What a decode instance does with a request whose joining would make the estimated
 #: step exceed the TBT SLO: refuse it (the paper's "decoding instance rejects": its
@@ -33,15 +39,17 @@ def decode_step_estimate_s(
     batch_size: int,
     context_tokens: int,
     imported_tokens: int = 0,
+    speculation: SpeculationRates = NO_SPECULATION,
 ) -> float:
     """A decode step of ``batch_size`` sequences holding ``context_tokens`` in all:
     ``engine_step_s(batch, context)`` (a cost model's ``decode_step_time_s`` or a
-    profile's ``decode_step_s``) plus the serving path's per-step and per-sequence terms
-    and the KV import of ``imported_tokens`` joining tokens; 0 for an empty batch."""
+    profile's ``decode_step_s``; of the rows ``speculation`` checks) plus the serving
+    path's per-step and per-sequence terms and the KV import of ``imported_tokens``
+    joining tokens; 0 for an empty batch."""
     if batch_size <= 0:
         return 0.0
     return (
-        engine_step_s(batch_size, context_tokens)
+        speculation.step_s(engine_step_s, batch_size, context_tokens)
         + serving.decode_overhead_s(batch_size)
         + imported_tokens * serving.kv_import_s_per_token
     )

@@ -63,6 +63,7 @@ class SpecDecodeStats:
     """Accumulates :class:`SpecDecodeCounts` step by step."""
 
     def __init__(self, num_speculative_tokens: int):
+        self.num_sequence_steps = 0
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -80,7 +81,7 @@ class SpecDecodeStats:
         """The totals so far."""
         return SpecDecodeCounts(
             self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-            tuple(self.accepted_per_position),
+            tuple(self.accepted_per_position), self.num_sequence_steps,
         )  # fmt: skip
 
 
@@ -116,6 +117,7 @@ class NgramProposer:
         """``seq`` had ``accepted`` of its ``drafted`` drafts accepted this step: counted
         in :attr:`stats`, and its next drafts are as many as its recent acceptance makes
         worth checking."""
+        self.stats.num_sequence_steps += 1
         if drafted:
             self.stats.record(drafted, accepted)
             rate = self._rate.get(seq, 1.0)

@@ -25,6 +25,7 @@ from halfmoon.costmodel.models import get_model
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel
 from halfmoon.costmodel.roofline import build_cost_model
 from halfmoon.costmodel.serving import SERVING_TERM_NAMES, ServingTerms
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 from halfmoon.metrics.records import records_to_json
 from halfmoon.sim.config import DECODE_GUARDS, FIRST_TOKEN_AT, ClusterSpec, SimConfig
 from halfmoon.sim.replan import ReplanConfig
@@ -105,6 +106,17 @@ def serving_terms(args: argparse.Namespace, cost_model: CostModel) -> ServingTer
     return (base or ServingTerms()).replace(**given)
 
 
+def speculation_rates(text: str | None) -> SpeculationRates:
+    """``--speculation ROWS,TOKENS`` as rates (none when not given); a CLI error names
+    the problem."""
+    if not text:
+        return NO_SPECULATION
+    try:
+        return SpeculationRates.parse(text)
+    except ValueError as exc:
+        raise HalfmoonError(f"--speculation: {exc}") from None
+
+
 def _configs(
     args: argparse.Namespace, serving: ServingTerms | None = None
 ) -> tuple[SimConfig, ConductorConfig]:
@@ -136,6 +148,7 @@ def _configs(
         scheduling_policy=check_choice(
             "--scheduling-policy", args.scheduling_policy, SCHEDULING_POLICIES
         ),
+        speculation=speculation_rates(getattr(args, "speculation", None)),
     )
     if args.priority_mix and sim.scheduling_policy == "fcfs" and conductor.priority_estimates:
         raise HalfmoonError(
@@ -245,6 +258,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--decode-guard",
         default="reject",
         help=f"decode admission over the TBT SLO: {', '.join(DECODE_GUARDS)}",
+    )
+    parser.add_argument(
+        "--speculation",
+        metavar="ROWS,TOKENS",
+        help="decode instances speculate (--speculative-config): rows checked and tokens "
+        "gained per sequence and step, e.g. a live worker's measured 2.6,1.9 (default: none)",
     )
     parser.add_argument(
         "--coupled-chunked-prefill",

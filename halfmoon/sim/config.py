@@ -13,6 +13,7 @@ from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
 from halfmoon.costmodel.serving import ServingTerms
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 #: ``8P8D`` (8 prefill + 8 decode instances) or ``16M`` (16 coupled, vLLM-like instances).
 _CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*P\s*(\d+)\s*D|(\d+)\s*M)\s*$", re.IGNORECASE)
@@ -98,6 +99,10 @@ class SimConfig:
       exceed the TBT SLO is ``reject``-ed (the paper's "decoding instance rejects": its
       prefill is wasted), made to ``wait`` until it fits, or admitted anyway (``off``).
     - ``max_batch_size``: running sequences per batch (vLLM's ``max_num_seqs``).
+    - ``speculation``: speculative decoding's rows checked and tokens gained per
+      sequence and step (:class:`~halfmoon.costmodel.speculation.SpeculationRates`, e.g.
+      a live worker's measured ones); the Conductor knows them, as it does from a live
+      worker's load reports. Default: none.
 
     Coupled (vLLM-like) instances:
     - ``coupled_prefix_caching``: local prefix cache in HBM, ``coupled_cache_capacity_tokens``
@@ -154,6 +159,7 @@ class SimConfig:
     first_token_at: str = "join"
     instance_prefix_fetch: str | None = None
     scheduling_policy: str = "fcfs"
+    speculation: SpeculationRates = NO_SPECULATION
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -17,6 +17,11 @@ A request reaches it when its KV has arrived from the prefill instance. Then:
   drawn from ``rng``; none when the sigma is 0), plus an exponential wait
   (``step_wait_mean_s``); it emits one token for each running
   request; a request with all its tokens leaves (``RequestFinished``).
+- with ``speculation`` (:class:`~halfmoon.costmodel.speculation.SpeculationRates`), a
+  step costs the rows its drafts add (the live guard's estimate) and emits, at its end,
+  ``tokens_per_step`` tokens per request on average: each request carries the fraction
+  over to its next step (``Job.spec_credit``), so 1.8 gives 1, 2, 2, 2, 2, 1, ... and no
+  request gets more than its output.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class DecodeInstance:
         self._guard = config.decode_tbt_guard
         self._max_batch_size = config.max_batch_size
         self._serving = config.serving
+        self._speculation = config.speculation
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()
@@ -104,7 +110,7 @@ class DecodeInstance:
         terms (the estimate the live decode worker's guard makes too)."""
         return decode_step_estimate_s(
             self.cost_model.decode_step_time_s, self._serving, batch_size, context_tokens,
-            imported_tokens,
+            imported_tokens, self._speculation,
         )  # fmt: skip
 
     def kv_arrived(self, job: Job) -> Sequence[Event]:
@@ -187,15 +193,23 @@ class DecodeInstance:
     def _step_done(self) -> Sequence[Event]:
         now = self.clock.now()
         still = []
+        extra_per_step = self._speculation.tokens_per_step - 1.0
         for job in self._running:
-            job.record.token_times_s.append(now)
-            job.generated += 1
+            before = job.context_tokens
+            tokens = 1
+            if extra_per_step:
+                job.spec_credit += extra_per_step
+                extra = int(job.spec_credit)
+                job.spec_credit -= extra
+                tokens = min(1 + extra, job.request.output_length - job.generated)
+            job.record.token_times_s.extend([now] * tokens)
+            job.generated += tokens
             if job.done:
-                self._context_tokens -= job.context_tokens - 1
+                self._context_tokens -= before
                 self._release(job, now)
             else:
+                self._context_tokens += tokens
                 still.append(job)
-        self._context_tokens += len(still)
         self._running = still
         return self._admit_and_step()
 

@@ -27,7 +27,8 @@ class Job:
     ``prefilled_tokens`` prompt tokens computed so far (chunked coupled prefill);
     ``cpp`` is set when a chunked-pipeline group runs the prefill. ``fetched_blocks``:
     the prefix blocks a fetch that ran before the request's turn brought (an instance
-    that overlaps fetches with its queue).
+    that overlaps fetches with its queue). ``spec_credit``: the fraction of a token
+    speculative decoding owes it, carried from step to step.
     """
 
     request: Request
@@ -41,6 +42,7 @@ class Job:
     prefilled_tokens: int = 0
     cpp: CPPRun | None = None
     fetched_blocks: int = 0
+    spec_credit: float = 0.0
 
     @property
     def request_id(self) -> str:

@@ -207,8 +207,9 @@ class Simulator:
             host=self.host,
         )
         self.conductor.add_decode_instance(
-            iid, kv_capacity_tokens=self.instance_spec.kv_capacity_tokens
-        )
+            iid, kv_capacity_tokens=self.instance_spec.kv_capacity_tokens,
+            speculation=self.config.speculation,
+        )  # fmt: skip
 
     def _add_coupled(self, iid: str) -> None:
         cfg = self.config

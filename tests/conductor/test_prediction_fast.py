@@ -23,6 +23,11 @@ from halfmoon.core.clock import ManualClock
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.request import Request
 from halfmoon.costmodel import ProfileCostModel, ThroughputCostModel, build_cost_model, fit_profile
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
+
+#: Decode instances' speculation: none, and rows / tokens per sequence-step as measured.
+RATES = (NO_SPECULATION, SpeculationRates(2.5, 1.8), SpeculationRates(1.3, 1.1),
+         SpeculationRates(5.0, 5.0), SpeculationRates(3.0, 1.0))  # fmt: skip
 
 BLOCK = 16
 GRID_S = 0.25  # times on a grid of exact floats, so that ages hit the samples exactly
@@ -127,6 +132,8 @@ def test_forecast_equals_scalar_on_random_clusters(seed):
     for state in states:
         if rng.random() < 0.7:  # others stay empty: they tie
             _fill(rng, state, now_s, num)
+        if seed % 2:  # odd seeds: some instances speculate (their rates change below)
+            state.speculation = rng.choice(RATES)
     times = _times(rng)
     forecast = DecodeForecast(states)
     for _ in range(30):
@@ -141,6 +148,8 @@ def test_forecast_equals_scalar_on_random_clusters(seed):
                 state.finish(rng.choice(list(state.running)))
             else:
                 _fill(rng, state, now_s, num)
+            if seed % 2 and rng.random() < 0.3:
+                state.speculation = rng.choice(RATES)
             forecast.touch(i)
         if not times.configured_s and rng.random() < 0.5:
             times.observe(GRID_S * rng.randint(1, 40))
@@ -175,6 +184,18 @@ def test_vector_step_times_equal_the_scalar(model):
         model.decode_step_times_s(np.array([1, -1]), np.array([0, 0]))
     with pytest.raises(ValueError, match="total_context_tokens"):
         model.decode_step_times_s(np.array([1, 1]), np.array([0.5, 0]))
+
+
+@pytest.mark.parametrize("model", _cost_models()[:4], ids=lambda m: type(m).__name__)
+def test_speculating_step_times_equal_the_scalar(model):
+    rng = np.random.default_rng(1)
+    batches = np.concatenate(([0, 1, 2], rng.integers(0, 300, 500)))
+    contexts = np.concatenate(([0, 5, 0], rng.integers(0, 2_000_000, 500)))
+    for rates in RATES:
+        got = rates.steps_s(model.decode_step_times_s, batches, contexts)
+        want = [rates.step_s(model.decode_step_time_s, b, c)
+                for b, c in zip(batches.tolist(), contexts.tolist(), strict=True)]  # fmt: skip
+        assert got.tolist() == want
 
 
 @pytest.mark.parametrize("seed", range(12))

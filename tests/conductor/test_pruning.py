@@ -15,12 +15,14 @@ from halfmoon.conductor import (
     LoadReport,
     PrefillFinished,
     PrefillStarted,
+    RejectCode,
     RequestFinished,
 )
 from halfmoon.core.clock import ManualClock
 from halfmoon.core.config import SLOConfig
 from halfmoon.core.request import Request
 from halfmoon.costmodel import build_cost_model
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 from halfmoon.costmodel.throughput import ThroughputCostModel
 
 BLOCK = 16
@@ -112,6 +114,15 @@ class Twin:
                     num_running=rng.randint(0, 4),
                     context_tokens=rng.randint(0, 3000),
                     queued_prefill_tokens=rng.choice([0, 0, rng.randint(1, 5000)]),
+                    # a decode instance that speculates: its steps cost more rows
+                    **rng.choice(
+                        [
+                            {},
+                            {},
+                            {"spec_rows_per_seq": 2.6, "spec_tokens_per_step": 1.9},
+                            {"spec_rows_per_seq": 1.3, "spec_tokens_per_step": 1.0},
+                        ]
+                    ),
                 )
             )
         elif roll < 0.82 and len(self.prefill) > 1:
@@ -240,3 +251,38 @@ def test_prefix_durations_reach_the_pruned_predictions():
             if twin.pruned.config.early_reject == "predict":
                 predicted += sum(len(d.predicted_s) for d in twin.pruned._decode.values())
     assert predicted >= 50
+
+
+def test_a_speculating_decode_instance_is_estimated_by_its_rows(make_conductor):
+    """A decode instance whose load reports say it speculates: its batch's step is
+    estimated over the rows its drafts add, so the Conductor places on the instance
+    that does not (at equal load) and rejects early by TBT where the rows would break
+    the SLO; its generated tokens grow by the tokens a step gives. A report that cannot
+    be rates (tokens above rows) counts as no speculation."""
+    c = make_conductor(num_prefill=1, num_decode=2, early_reject="snapshot",
+                       slo=SLOConfig(ttft_s=30.0, tbt_s=10.0))  # fmt: skip
+    for iid, rows, tokens in (("D1", 3.0, 2.0), ("D2", 1.0, 1.0)):
+        c.handle(LoadReport(iid, num_running=6, context_tokens=6000, spec_rows_per_seq=rows,
+                            spec_tokens_per_step=tokens))  # fmt: skip
+    d1, d2 = c._decode["D1"], c._decode["D2"]  # noqa: SLF001 - the books under test
+    assert d1.speculation == SpeculationRates(3.0, 2.0) and d2.speculation == NO_SPECULATION
+    model = d1.cost_model
+    assert d1.step_time_s(6, 6000) == pytest.approx(model.decode_step_time_s(18, 18000))
+    assert d1.token_time_s(6, 6000) == pytest.approx(d1.step_time_s(6, 6000) / 2)
+    request = Request("r", 0.0, 4 * BLOCK, 8, tuple(range(4)), BLOCK)
+    decision = c.schedule(request)
+    assert decision.accepted and decision.decode.instance_id == "D2"
+    est = {d.instance_id: d.est_tbt_s for d in decision.decode_candidates}
+    assert est["D1"] > est["D2"]
+    # an SLO between the two estimates: the speculating instance alone would break it
+    tight = make_conductor(num_prefill=1, num_decode=1, early_reject="snapshot",
+                           slo=SLOConfig(ttft_s=30.0, tbt_s=(est["D1"] + est["D2"]) / 2))  # fmt: skip
+    tight.handle(LoadReport("D1", num_running=6, context_tokens=6000))
+    assert tight.schedule(Request("a", 0.0, 4 * BLOCK, 8, tuple(range(4)), BLOCK)).accepted
+    tight.handle(LoadReport("D1", num_running=6, context_tokens=6000, spec_rows_per_seq=3.0,
+                            spec_tokens_per_step=2.0))  # fmt: skip
+    refused = tight.schedule(Request("b", 0.0, 4 * BLOCK, 8, tuple(range(4)), BLOCK))
+    assert not refused.accepted and refused.reject_code == RejectCode.TBT
+    tight.handle(LoadReport("D1", num_running=6, context_tokens=6000, spec_rows_per_seq=1.5,
+                            spec_tokens_per_step=2.0))  # fmt: skip
+    assert tight._decode["D1"].speculation == NO_SPECULATION  # noqa: SLF001

@@ -74,3 +74,27 @@ def test_the_metrics_count_drafts(spec_cluster) -> None:
     assert by_role[("halfmoon:spec_decode_num_accepted_tokens_per_pos_total0", "decode")] > 0
     # the prefill worker computes prompts and a first token: it never drafts
     assert by_role.get(("halfmoon:spec_decode_num_draft_tokens_total", "prefill"), 0) == 0
+
+
+def test_the_conductor_hears_the_decode_workers_speculation(spec_cluster) -> None:
+    """The decode worker's load reports carry its recent rows and tokens per sequence and
+    step (what its guard's and the Conductor's step estimates use): over 1 once it has
+    drafted for a prompt it copies; the prefill worker's stay 1."""
+    import time
+
+    client = openai.OpenAI(base_url=spec_cluster.base_url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    deadline = time.monotonic() + 20
+    while True:
+        workers = httpx.get(spec_cluster.base_url + "/dashboard/state", timeout=30).json()[
+            "workers"
+        ]
+        decode = [w for w in workers if w["role"] == "decode"]
+        if decode and decode[0].get("spec_rows_per_seq", 1.0) > 1.0:
+            break
+        assert time.monotonic() < deadline, f"no speculation in the load reports: {workers}"
+        time.sleep(0.25)
+    rows, tokens = decode[0]["spec_rows_per_seq"], decode[0]["spec_tokens_per_step"]
+    assert rows >= tokens > 1.0
+    assert all(w.get("spec_rows_per_seq", 1.0) == 1.0 for w in workers if w["role"] == "prefill")

@@ -119,6 +119,9 @@ def test_drafts_change_no_token(llama_ref: Reference, prompts, params) -> None:
     assert counts.num_accepted_tokens > 0
     assert sum(counts.accepted_per_position) == counts.num_accepted_tokens
     assert counts.mean_tokens_per_draft == 1 + counts.num_accepted_tokens / counts.num_drafts
+    # every step of a sequence gave one token plus its accepted drafts
+    generated = sum(len(o.token_ids) for o in fast)
+    assert counts.num_sequence_steps == generated - counts.num_accepted_tokens
 
 
 def test_log_probabilities_and_stops_are_those_of_plain_decoding(

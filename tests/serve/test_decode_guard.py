@@ -16,6 +16,7 @@ from halfmoon.core.request import Request, SamplingParams
 from halfmoon.costmodel.decode_guard import ADMIT, REJECT, WAIT
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 from halfmoon.metrics.records import RequestRecord
 from halfmoon.serve.control.messages import Error, Expect, Handoff, WireParams
 from halfmoon.serve.worker.decode import DecodeRole
@@ -38,9 +39,12 @@ def _profile() -> CostProfile:
 
 
 # -- the same decisions as the simulator ---------------------------------------------------------
-def _sim_decode(guard: str, tbt_slo_s: float, profile: CostProfile) -> tuple[DecodeInstance, list]:
+def _sim_decode(
+    guard: str, tbt_slo_s: float, profile: CostProfile, speculation=NO_SPECULATION
+) -> tuple[DecodeInstance, list]:
     config = SimConfig(ClusterSpec.parse("1P1D"), slo=SLOConfig(ttft_s=30.0, tbt_s=tbt_slo_s),
-                       decode_tbt_guard=guard, serving=profile.serving)  # fmt: skip
+                       decode_tbt_guard=guard, serving=profile.serving,
+                       speculation=speculation)  # fmt: skip
     model = ProfileCostModel(profile, kv_bytes_per_token=1, link_bytes_per_s=1e9,
                              kv_capacity_tokens=1_000_000)  # fmt: skip
     spec = InstanceSpec(config=config, cost_model=model, kv_capacity_tokens=1_000_000)
@@ -54,15 +58,18 @@ def _job(rid: str, prompt: int) -> Job:
 
 
 @pytest.mark.parametrize("guard", ["reject", "wait", "off"])
-@pytest.mark.parametrize("tbt_slo_s", [0.001, 0.015, 0.025, 1.0])
-def test_live_and_simulated_guards_decide_alike(guard, tbt_slo_s):
+@pytest.mark.parametrize("tbt_slo_s", [0.001, 0.015, 0.025, 0.03, 1.0])
+@pytest.mark.parametrize("rows", [1.0, 2.5])
+def test_live_and_simulated_guards_decide_alike(guard, tbt_slo_s, rows):
     """One request decoding, a second one's KV arrives: the simulator's decode instance
     and the worker's guard estimate the same step and give the same verdict (the live
     request's context counts its prompt and the first token, as the simulator's does).
-    Joined, the step is ~20 ms; alone ~14.5 ms."""
+    Joined, the step is ~20 ms; alone ~14.5 ms; speculating (2.5 rows a sequence) ~32 and
+    ~21 ms."""
     profile = _profile()
-    sim, _ = _sim_decode(guard, tbt_slo_s, profile)
-    live = DecodeGuard(guard, profile, lambda: tbt_slo_s)
+    rates = SpeculationRates(rows, 1.0 + (rows - 1.0) / 2)
+    sim, _ = _sim_decode(guard, tbt_slo_s, profile, rates)
+    live = DecodeGuard(guard, profile, lambda: tbt_slo_s, lambda: rates)
     assert live.check(1000 + 1)[0] == ADMIT  # a lone request always joins
     (step,) = sim.kv_arrived(_job("a", 1000))
     live.joined("a", 1000 + 1)

@@ -488,9 +488,13 @@ def test_vllms_speculative_counters_become_the_workers() -> None:
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="3"} 2.0',
         'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 40.0',
     ])  # fmt: skip
     counts = spec_counts(page)
     assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (7, 28, 12)
     assert counts.accepted_per_position == (6, 4, 0, 2)
     assert counts.acceptance_rate == 12 / 28
+    # 40 tokens, 12 of them accepted drafts: 28 steps of a sequence gave the other 28
+    assert counts.num_sequence_steps == 28
     assert spec_counts('vllm:num_requests_waiting{engine="0"} 3.0') is None
+    assert spec_counts('vllm:generation_tokens_total{engine="0"} 3.0') is None

@@ -143,6 +143,8 @@ def conductor_events(instance_id: str, entries: list[Event]) -> list[Any]:
                 context_tokens=entry.context_tokens, kv_used_tokens=entry.kv_used_tokens,
                 kv_capacity_tokens=entry.kv_capacity_tokens,
                 queued_prefill_tokens=entry.queued_prefill_tokens,
+                spec_rows_per_seq=entry.spec_rows_per_seq,
+                spec_tokens_per_step=entry.spec_tokens_per_step,
             ))  # fmt: skip
     return out
 

@@ -219,6 +219,10 @@ class LoadEvent(Record):
     store: dict[str, int] | None = None
     #: Requests accepted but not yet running (the engine's waiting queue).
     num_waiting: int = 0
+    #: Its recent speculative decoding: rows computed and tokens gained per decoding
+    #: sequence and step (:class:`~halfmoon.costmodel.speculation.SpeculationRates`).
+    spec_rows_per_seq: float = 1.0
+    spec_tokens_per_step: float = 1.0
 
 
 Event = BlockEvent | LifecycleEvent | LoadEvent
@@ -361,6 +365,10 @@ class InstanceStatus(Record):
     kv_used_tokens: int = 0
     kv_capacity_tokens: int = 0
     queued_prefill_tokens: int = 0
+    #: A speculating decode instance's recent rows checked and tokens gained per
+    #: sequence and step (1 and 1 without speculation), as its step estimates use them.
+    spec_rows_per_seq: float = 1.0
+    spec_tokens_per_step: float = 1.0
     #: The Conductor's estimate of a new prompt's queueing time there (prefill, coupled).
     est_queue_s: float = 0.0
     index_blocks: int = 0

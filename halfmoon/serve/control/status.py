@@ -46,6 +46,8 @@ def cluster_status(service: ConductorService, num_decisions: int) -> ClusterStat
                 "kv_used_tokens": load.kv_used_tokens,
                 "kv_capacity_tokens": load.kv_capacity_tokens,
                 "queued_prefill_tokens": load.queued_prefill_tokens,
+                "spec_rows_per_seq": round(load.spec_rows_per_seq, 3),
+                "spec_tokens_per_step": round(load.spec_tokens_per_step, 3),
             }  # fmt: skip
         rows.append(InstanceStatus(
             instance_id=iid, role=ends.role,

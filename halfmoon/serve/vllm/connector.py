@@ -90,6 +90,8 @@ SPEC_COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens_total",
 )
 SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+#: vLLM's generated tokens: each sequence-step gave one plus its accepted drafts.
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
 class VllmUnsupported(HalfmoonError):
@@ -109,9 +111,10 @@ class _Request:
 
 def spec_counts(text: str) -> SpecDecodeCounts | None:
     """vLLM's speculative-decoding counters in a ``/metrics`` page, or None where it
-    exports none (it does not speculate)."""
-    totals = parse_metric_values(text, SPEC_COUNTERS)
-    if not totals:
+    exports none (it does not speculate). Its sequence-steps are its generated tokens less
+    the accepted drafts (each step of a sequence gave one token plus those)."""
+    totals = parse_metric_values(text, (*SPEC_COUNTERS, GENERATION_TOKENS))
+    if not totals.keys() & set(SPEC_COUNTERS):
         return None
     per_position: dict[int, float] = {}
     for line in text.splitlines():
@@ -122,7 +125,8 @@ def spec_counts(text: str) -> SpecDecodeCounts | None:
                 per_position[int(position)] = per_position.get(int(position), 0.0) + value
     accepted = [int(per_position.get(i, 0)) for i in range(max(per_position, default=-1) + 1)]
     drafts, tokens, accepted_total = (int(totals.get(name, 0.0)) for name in SPEC_COUNTERS)
-    return SpecDecodeCounts(drafts, tokens, accepted_total, tuple(accepted))
+    steps = max(0, int(totals.get(GENERATION_TOKENS, 0.0)) - accepted_total)
+    return SpecDecodeCounts(drafts, tokens, accepted_total, tuple(accepted), steps)
 
 
 def prefill_tokens(requests: Iterable[_Request]) -> int:

@@ -11,8 +11,10 @@ batch (prompt + tokens so far), and the requests held back (``wait``), in arriva
                                               expired() --> the client hears why
 
 The estimate is the step of the batch with the request in it, from the worker's own cost
-profile (the one it registers with the Conductor); the SLO is the cluster's, which the
-Conductor sends when it accepts the worker (:attr:`ConductorLink.tbt_slo_s`).
+profile (the one it registers with the Conductor) and, when its engine speculates, the
+rows its recent steps checked per sequence (:attr:`Worker.speculation`); the SLO is the
+cluster's, which the Conductor sends when it accepts the worker
+(:attr:`ConductorLink.tbt_slo_s`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from halfmoon.costmodel.decode_guard import (
     guard_refusal,
 )
 from halfmoon.costmodel.profile import CostProfile
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 
 @dataclass
@@ -55,10 +58,14 @@ class Held:
 class DecodeGuard:
     """``mode`` (one of :data:`DECODE_GUARDS`) over the step estimates of ``profile``;
     ``tbt_slo_s()`` says the cluster's TBT SLO now (0: not known yet, nothing is held
-    or refused)."""
+    or refused); ``speculation()`` the engine's recent speculation rates."""
 
     def __init__(
-        self, mode: str, profile: CostProfile | None, tbt_slo_s: Callable[[], float]
+        self,
+        mode: str,
+        profile: CostProfile | None,
+        tbt_slo_s: Callable[[], float],
+        speculation: Callable[[], SpeculationRates] = lambda: NO_SPECULATION,
     ) -> None:
         if mode not in DECODE_GUARDS:
             raise HalfmoonError(
@@ -69,6 +76,7 @@ class DecodeGuard:
         self.mode = mode
         self.profile = profile
         self._tbt_slo_s = tbt_slo_s
+        self._speculation = speculation
         #: Context tokens of each request in the batch.
         self.context_tokens: dict[str, int] = {}
         self.held: deque[Held] = deque()
@@ -93,8 +101,9 @@ class DecodeGuard:
         num = len(self.context_tokens) + len(joining)
         context = sum(self.context_tokens.values()) + sum(joining)
         return decode_step_estimate_s(
-            self.profile.decode_step_s, self.profile.serving, num, context
-        )
+            self.profile.decode_step_s, self.profile.serving, num, context,
+            speculation=self._speculation(),
+        )  # fmt: skip
 
     def check(self, context_tokens: int) -> tuple[str, float]:
         """The verdict on a request of ``context_tokens`` whose KV is here, and the step

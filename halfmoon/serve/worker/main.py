@@ -442,9 +442,13 @@ def run_worker(args: argparse.Namespace) -> int:
 
         profile = engine.cost_profile(options.model, cache_dir() / "profiles")
     if isinstance(worker.role, DecodeRole):
-        # Its steps estimated by the profile the Conductor gets; held to the TBT SLO the
-        # Conductor sends when it accepts this worker.
-        worker.role.guard = DecodeGuard(options.decode_guard, profile, lambda: link.tbt_slo_s)
+        # Its steps estimated by the profile the Conductor gets (with the rows its recent
+        # speculation checked); held to the TBT SLO the Conductor sends when it accepts
+        # this worker.
+        worker.role.guard = DecodeGuard(
+            options.decode_guard, profile, lambda: link.tbt_slo_s,
+            lambda: worker.speculation.rates,
+        )  # fmt: skip
     try:
         link.register(
             kv_capacity_tokens=stats.num_blocks * options.block_size,

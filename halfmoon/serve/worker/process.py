@@ -33,6 +33,7 @@ import zmq
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import BlockStored, CacheEvent
+from halfmoon.costmodel.speculation import RecentSpeculation
 from halfmoon.serve.control import messages
 from halfmoon.serve.control.messages import (
     Abort,
@@ -317,6 +318,9 @@ class Worker:
         self.kv_codec: Any = None
         self._last_report_s = 0.0
         self._reported_prefill = 0  # queued prefill tokens in the last load report
+        #: Its engine's recent speculation (rows and tokens per sequence-step), read at
+        #: every load report; the decode guard's step estimates and the Conductor's use it.
+        self.speculation = RecentSpeculation()
         self.num_steps = 0
         #: Its Prometheus metrics (the roles feed the request clocks), sent when asked.
         self.metrics = WorkerMetrics()
@@ -501,7 +505,16 @@ class Worker:
         self._reported_prefill = stats.num_prefill_tokens
         block = self.engine.config.block_size
         used_blocks = stats.num_blocks - stats.num_free_blocks
-        extra = {} if self.store is None else {"store": store_counters(self.store.stats())}
+        extra: dict[str, Any] = {}
+        if self.store is not None:
+            extra["store"] = store_counters(self.store.stats())
+        if (spec := stats.spec_decode) is not None:
+            self.speculation.update(
+                spec.num_sequence_steps, spec.num_draft_tokens, spec.num_accepted_tokens
+            )
+            rates = self.speculation.rates
+            extra |= {"spec_rows_per_seq": rates.rows_per_seq,
+                      "spec_tokens_per_step": rates.tokens_per_step}  # fmt: skip
         self.conductor.event(
             "load", num_running=stats.num_running, context_tokens=used_blocks * block,
             kv_used_tokens=used_blocks * block, kv_capacity_tokens=stats.num_blocks * block,
