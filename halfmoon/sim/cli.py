@@ -149,6 +149,7 @@ def _configs(
             "--scheduling-policy", args.scheduling_policy, SCHEDULING_POLICIES
         ),
         speculation=speculation_rates(getattr(args, "speculation", None)),
+        speculation_blind=getattr(args, "speculation_blind", False),
     )
     if args.priority_mix and sim.scheduling_policy == "fcfs" and conductor.priority_estimates:
         raise HalfmoonError(
@@ -264,6 +265,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
         metavar="ROWS,TOKENS",
         help="decode instances speculate (--speculative-config): rows checked and tokens "
         "gained per sequence and step, e.g. a live worker's measured 2.6,1.9 (default: none)",
+    )
+    parser.add_argument(
+        "--speculation-blind",
+        action="store_true",
+        help="with --speculation: the Conductor and the decode guard estimate steps as if "
+        "nothing speculated (a scheduler unaware of it; for comparison)",
     )
     parser.add_argument(
         "--coupled-chunked-prefill",

@@ -102,7 +102,9 @@ class SimConfig:
     - ``speculation``: speculative decoding's rows checked and tokens gained per
       sequence and step (:class:`~halfmoon.costmodel.speculation.SpeculationRates`, e.g.
       a live worker's measured ones); the Conductor knows them, as it does from a live
-      worker's load reports. Default: none.
+      worker's load reports. Default: none. ``speculation_blind``: the Conductor and the
+      decode guard estimate as if nothing speculated (a scheduler unaware of it) while
+      the steps still speculate.
 
     Coupled (vLLM-like) instances:
     - ``coupled_prefix_caching``: local prefix cache in HBM, ``coupled_cache_capacity_tokens``
@@ -160,6 +162,7 @@ class SimConfig:
     instance_prefix_fetch: str | None = None
     scheduling_policy: str = "fcfs"
     speculation: SpeculationRates = NO_SPECULATION
+    speculation_blind: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

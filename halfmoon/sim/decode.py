@@ -39,6 +39,7 @@ from halfmoon.costmodel.decode_guard import (
     decode_step_estimate_s,
     guard_refusal,
 )
+from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 from halfmoon.sim.cache import Notify
 from halfmoon.sim.config import InstanceSpec
 from halfmoon.sim.events import NO_EVENTS, Event
@@ -78,6 +79,8 @@ class DecodeInstance:
         self._max_batch_size = config.max_batch_size
         self._serving = config.serving
         self._speculation = config.speculation
+        # what the guard estimates with (a speculation-blind scheduler: none)
+        self._estimated = NO_SPECULATION if config.speculation_blind else config.speculation
         self._rng = rng or random.Random(0)
         self._host = host
         self._waiting: deque[Job] = deque()
@@ -103,14 +106,26 @@ class DecodeInstance:
         """Estimated step time of the current batch with ``joining`` requests added."""
         num = len(self._running) + len(joining)
         ctx = self._context_tokens + sum(job.context_tokens + 1 for job in joining)
-        return self._step_s(num, ctx)
+        return self._step_s(num, ctx, speculation=self._estimated)
 
-    def _step_s(self, batch_size: int, context_tokens: int, imported_tokens: int = 0) -> float:
+    def step_now_s(self) -> float:
+        """The step the batch takes as it is now, speculating as the instance does (its
+        guard's estimate, :meth:`step_estimate_s`, may be blind to that)."""
+        return self._step_s(len(self._running), self._context_tokens)
+
+    def _step_s(
+        self,
+        batch_size: int,
+        context_tokens: int,
+        imported_tokens: int = 0,
+        speculation: SpeculationRates | None = None,
+    ) -> float:
         """A step of the engine plus the serving path's per-step, per-sequence and import
-        terms (the estimate the live decode worker's guard makes too)."""
+        terms (the estimate the live decode worker's guard makes too), speculating as
+        the instance does unless ``speculation`` says otherwise."""
         return decode_step_estimate_s(
             self.cost_model.decode_step_time_s, self._serving, batch_size, context_tokens,
-            imported_tokens, self._speculation,
+            imported_tokens, self._speculation if speculation is None else speculation,
         )  # fmt: skip
 
     def kv_arrived(self, job: Job) -> Sequence[Event]:

@@ -3,8 +3,9 @@
 The paper's overload figure plots the decoding instances' load over time: prefill and
 decode load swing in anti-phase, and early rejection based on prediction is meant to
 damp the swing. The first arrival at least ``SAMPLE_INTERVAL_S`` after the previous
-sample records, per decode instance, the running batch size and the estimated step time
-of that batch (what the TBT SLO binds on): samples about evenly spaced in time, so their
+sample records, per decode instance, the running batch size and the step time of that
+batch as the instance runs it (what the TBT SLO binds on; with ``speculation_blind``
+more than the guard estimates): samples about evenly spaced in time, so their
 mean and spread are the load's over the run. The cost is one step estimate per decode
 instance per sample, independent of the arrival rate (a cluster 32 times larger, with 32
 times the arrivals, samples as often).
@@ -35,7 +36,7 @@ class _Decoder(Protocol):
     @property
     def num_running(self) -> int: ...
 
-    def step_estimate_s(self) -> float: ...
+    def step_now_s(self) -> float: ...
 
 
 class DecodeLoadSampler:
@@ -64,7 +65,7 @@ class DecodeLoadSampler:
         for iid in self.batch:
             instance = self._instances.get(iid)
             self.batch[iid].append(0 if instance is None else instance.num_running)
-            self.step_s[iid].append(0.0 if instance is None else instance.step_estimate_s())
+            self.step_s[iid].append(0.0 if instance is None else instance.step_now_s())
 
     def summary(self) -> dict[str, Any] | None:
         """Mean, spread and tail of the samples (None without decode instances or

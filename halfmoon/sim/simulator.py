@@ -26,6 +26,7 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import Request
 from halfmoon.costmodel.base import CostModel
 from halfmoon.costmodel.pipeline import hidden_bytes_per_token
+from halfmoon.costmodel.speculation import NO_SPECULATION
 from halfmoon.metrics.records import RequestRecord
 from halfmoon.metrics.report import summarize, summarize_by_priority
 from halfmoon.sim.cache import InstanceCache
@@ -208,7 +209,8 @@ class Simulator:
         )
         self.conductor.add_decode_instance(
             iid, kv_capacity_tokens=self.instance_spec.kv_capacity_tokens,
-            speculation=self.config.speculation,
+            speculation=NO_SPECULATION if self.config.speculation_blind
+            else self.config.speculation,
         )  # fmt: skip
 
     def _add_coupled(self, iid: str) -> None:

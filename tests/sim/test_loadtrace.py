@@ -9,7 +9,7 @@ class _Decode:
     def __init__(self) -> None:
         self.num_running = 0
 
-    def step_estimate_s(self) -> float:
+    def step_now_s(self) -> float:
         return self.num_running / 1000
 
 

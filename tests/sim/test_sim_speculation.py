@@ -5,6 +5,7 @@ rates."""
 
 import pytest
 
+from halfmoon.core.config import SLOConfig
 from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
 
 
@@ -40,3 +41,22 @@ def test_fractions_of_a_token_carry_over_and_no_request_overshoots(run_sim, make
         # ceil((n - 1) / tokens) steps, give or take the carried fraction
         expected = (request.output_length - 1) / rates.tokens_per_step
         assert expected - 1 <= steps <= expected + 1
+
+
+def test_a_guard_blind_to_speculation_lets_steps_break_the_slo(run_sim, make_request) -> None:
+    """Long requests on one decode instance whose steps read three times their context
+    (three rows a sequence): the guard that knows it refuses what would break the 18 ms
+    TBT SLO, and its steps stay within it (up to the context its batch grows by after
+    the last admission); one blind to it (the estimates of a speculation-unaware
+    scheduler) refuses far fewer and its steps overrun by half."""
+    slo = SLOConfig(ttft_s=60.0, tbt_s=0.018, tbt_metric="top10mean")
+    requests = [make_request(f"r{i}", 0.25 * i, 4000, 1000) for i in range(60)]
+    rates = SpeculationRates(3.0, 2.0)
+    aware, _ = run_sim("8P1D", requests, slo=slo, speculation=rates)
+    blind, _ = run_sim("8P1D", requests, slo=slo, speculation=rates, speculation_blind=True)
+    worst = {name: max(max(r.tbt_gaps_s, default=0.0) for r in result.records)
+             for name, result in (("aware", aware), ("blind", blind))}  # fmt: skip
+    refused = {name: result.report["num_refused_after_prefill"]
+               for name, result in (("aware", aware), ("blind", blind))}  # fmt: skip
+    assert refused["aware"] > 3 * refused["blind"]
+    assert worst["aware"] <= 0.019 < 0.025 < worst["blind"]
