@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,52 @@ def check_adapter_dir(module: LoraModule) -> None:
 def lora_pairs(modules: Iterable[LoraModule]) -> tuple[tuple[str, str], ...]:
     """``(name, path)`` pairs: how configs (``EngineConfig.lora_modules``) hold them."""
     return tuple((m.name, m.path) for m in modules)
+
+
+# -- adapters loaded while serving (vLLM's /v1/load_lora_adapter) --------------------------
+#: vLLM's switch for its runtime LoRA endpoints, honoured as it is there.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_allowed(flag: bool, env: Mapping[str, str]) -> bool:
+    """Whether ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are served: the
+    ``--allow-runtime-lora-updating`` flag, or vLLM's environment switch set to a true
+    value (``1``, ``true``; as vLLM reads it)."""
+    return flag or env.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+
+
+@dataclass(frozen=True)
+class RuntimeAdapter:
+    """An adapter loaded into a running cluster: ``name``, its PEFT directory and the
+    ``tag`` that load drew (a fresh one each time), so that an adapter unloaded and loaded
+    again under the same name, with other weights, never meets the KV cached for the
+    old ones: its prefix-cache chain is marked by ``name#tag`` (:func:`lora_key`)."""
+
+    name: str
+    path: str
+    tag: str
+
+    @classmethod
+    def new(cls, name: str, path: str) -> RuntimeAdapter:
+        """A load of ``path`` as ``name``: the name checked, the path resolved, a new tag."""
+        check_lora_name(name)
+        resolved = str(Path(path).expanduser().resolve())
+        return cls(name, resolved, secrets.token_hex(6))
+
+    @property
+    def module(self) -> LoraModule:
+        """The ``(name, path)`` pair to load."""
+        return LoraModule(self.name, self.path)
+
+    @property
+    def key(self) -> str:
+        """What marks its prefix-cache chain."""
+        return lora_key(self.name, self.tag)
+
+
+def lora_key(name: str, tag: str = "") -> str:
+    """The adapter identity a request's prefix-cache chain is marked with
+    (:func:`~halfmoon.core.hashing.adapter_salt`): the name of an adapter the server
+    started with (no tag), ``name#tag`` for one loaded while it ran (``#`` is in no
+    adapter's name)."""
+    return f"{name}#{tag}" if tag else name

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, TokenLogprob
@@ -253,6 +254,16 @@ class EngineConnector(ABC):
         another process can lose one; a step that fails fails the requests it computed);
         each is gone from the engine."""
         return []
+
+    def load_lora(self, adapter: RuntimeAdapter) -> None:
+        """Serve LoRA adapter ``adapter`` from now on (``/v1/load_lora_adapter``);
+        HalfmoonError naming why it cannot."""
+        raise HalfmoonError(f"{type(self).__name__} cannot load LoRA adapters while serving")
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` once the requests using it have left
+        (``/v1/unload_lora_adapter``); HalfmoonError when it is not served."""
+        raise HalfmoonError(f"{type(self).__name__} cannot unload LoRA adapters while serving")
 
     # -- KV out --------------------------------------------------------------------------------
     @abstractmethod
@@ -491,6 +502,12 @@ class LocalConnector(EngineConnector):
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
+
+    def load_lora(self, adapter: RuntimeAdapter) -> None:
+        self.engine.load_lora(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def take_failures(self) -> list[RequestFailure]:
         return self.engine.take_failures()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from halfmoon.core.adapters import RuntimeAdapter, check_adapter_dir
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import adapter_salt, chain_root
 from halfmoon.core.request import SamplingParams, TokenLogprob
@@ -40,7 +41,7 @@ from halfmoon.engine.kernels import (
 )
 from halfmoon.engine.kv_cache import KVCache, KVLayout
 from halfmoon.engine.loader import LoadedModel, load_model
-from halfmoon.engine.lora import LoraModule, LoraSet
+from halfmoon.engine.lora import LoraAdapter, LoraModule, LoraSet
 from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
 from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
@@ -230,6 +231,8 @@ class LLMEngine:
                 fused = select_fused_decode(kernel_shape)
             if fused is not None:
                 self.attention_backend += ", fused decode attention"
+        #: Adapters being unloaded, dropped when no request uses them (:meth:`unload_lora`).
+        self._retiring: set[str] = set()
         #: The LoRA adapters a request may name (:mod:`halfmoon.engine.lora`).
         self.loras = LoraSet.load(
             [LoraModule(name, path) for name, path in config.lora_modules],
@@ -288,6 +291,8 @@ class LLMEngine:
             raise HalfmoonError(f"request id {request_id!r} is already in use")
         if params.lora is not None:
             self.loras.get(params.lora)  # an unknown adapter fails here
+            if params.lora in self._retiring:
+                raise HalfmoonError(f"LoRA adapter {params.lora!r} is being unloaded")
         if num_prompt < 1:
             raise HalfmoonError(f"request {request_id!r} has an empty prompt")
         vocab = self.model_config.vocab_size
@@ -368,12 +373,11 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    @staticmethod
-    def _salt(cache_salt: str | None, params: SamplingParams) -> str | None:
-        """The request's salt marked with its adapter; a bad salt fails here, not in a
-        later step."""
+    def _salt(self, cache_salt: str | None, params: SamplingParams) -> str | None:
+        """The request's salt marked with its adapter (:meth:`LoraSet.key`); a bad salt
+        fails here, not in a later step."""
         try:
-            cache_salt = adapter_salt(cache_salt, params.lora)
+            cache_salt = adapter_salt(cache_salt, self.loras.key(params.lora))
             chain_root(cache_salt)
         except ValueError as exc:
             raise HalfmoonError(str(exc)) from None
@@ -393,7 +397,43 @@ class LLMEngine:
             return False
         self._suspects.discard(request_id)
         self.scheduler.remove(seq)
+        self._retire()
         return True
+
+    # -- LoRA adapters loaded while serving ----------------------------------------------------
+    def load_lora(self, adapter: RuntimeAdapter) -> None:
+        """Serve ``adapter`` from now on (vLLM's ``/v1/load_lora_adapter``): its PEFT
+        directory read and checked as at start (HalfmoonError naming what is wrong); a
+        name already served is refused, unless it is this very load (the same tag: a
+        worker that got it twice, at registration and by broadcast)."""
+        if adapter.name in self.loras:
+            if self.loras.tag(adapter.name) == adapter.tag and adapter.tag:
+                return
+            raise HalfmoonError(f"LoRA adapter {adapter.name!r} is already loaded")
+        check_adapter_dir(adapter.module)
+        pool = self.kv_cache.pool
+        loaded = LoraAdapter.load(adapter.module, self.model_config, pool.dtype, pool.device)
+        self.loras.add(loaded, adapter.tag)
+        logger.info("LoRA adapter %r loaded while serving: rank %d on %s (%s)", adapter.name,
+                    loaded.rank, ", ".join(loaded.modules), adapter.path)  # fmt: skip
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (HalfmoonError when it is not served): new
+        requests naming it are refused at once; it is dropped when the last request
+        using it has left (those running finish with it)."""
+        self.loras.get(name)
+        self._retiring.add(name)
+        self._retire()
+
+    def _retire(self) -> None:
+        """Drop the adapters being unloaded that no request uses any more."""
+        if not self._retiring:
+            return
+        used = {seq.params.lora for seq in self._seqs.values()}
+        for name in self._retiring - used:
+            self.loras.remove(name)
+            logger.info("LoRA adapter %r unloaded", name)
+        self._retiring &= used
 
     def num_prompt_tokens(self, request_id: str) -> int | None:
         """The prompt length of a live request (None if unknown)."""
@@ -418,6 +458,7 @@ class LLMEngine:
         a grammar) fails its request alone, not retryable. Only
         :data:`MAX_FAILED_STEPS_IN_A_ROW` failed steps in a row raise (the engine itself
         is broken)."""
+        self._retire()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []

@@ -38,7 +38,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from halfmoon.core.adapters import CONFIG_FILE, WEIGHTS_FILE, LoraModule, check_adapter_dir
+from halfmoon.core.adapters import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoraModule,
+    check_adapter_dir,
+    lora_key,
+)
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.engine.config import ModelConfig
 from halfmoon.engine.weights import hf_targets
@@ -232,10 +238,13 @@ class LoraBatch:
 
 
 class LoraSet:
-    """The adapters an engine serves, by name."""
+    """The adapters an engine serves, by name; one loaded while it serves carries its
+    load's tag (:class:`~halfmoon.core.adapters.RuntimeAdapter`), which marks its
+    prefix-cache chain (:meth:`key`)."""
 
     def __init__(self, adapters: Sequence[LoraAdapter] = ()):
         self._by_name: dict[str, LoraAdapter] = {a.name: a for a in adapters}
+        self._tags: dict[str, str] = {}
 
     @classmethod
     def load(cls, modules: Sequence[LoraModule], config: ModelConfig, dtype: torch.dtype,
@@ -253,6 +262,29 @@ class LoraSet:
     def names(self) -> tuple[str, ...]:
         """The adapters' names, in load order."""
         return tuple(self._by_name)
+
+    def add(self, adapter: LoraAdapter, tag: str) -> None:
+        """Serve ``adapter`` (loaded while serving, under ``tag``); HalfmoonError when its
+        name is taken."""
+        if adapter.name in self._by_name:
+            raise HalfmoonError(f"LoRA adapter {adapter.name!r} is already loaded")
+        self._by_name[adapter.name] = adapter
+        self._tags[adapter.name] = tag
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name`` (HalfmoonError when it is not served)."""
+        self.get(name)
+        del self._by_name[name]
+        self._tags.pop(name, None)
+
+    def tag(self, name: str) -> str:
+        """The tag ``name`` was loaded under ("" for an adapter the engine started with)."""
+        return self._tags.get(name, "")
+
+    def key(self, name: str | None) -> str | None:
+        """What marks the prefix-cache chain of a request of adapter ``name`` (None: no
+        adapter): :func:`~halfmoon.core.adapters.lora_key`."""
+        return None if name is None else lora_key(name, self.tag(name))
 
     def get(self, name: str) -> LoraAdapter:
         """The adapter called ``name``; HalfmoonError when there is none."""

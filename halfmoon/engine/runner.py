@@ -67,7 +67,8 @@ class ModelRunner:
     ):
         self.model = model
         #: The LoRA adapters chunks may name (:mod:`halfmoon.engine.lora`).
-        self.loras = loras or LoraSet()
+        # (the engine's own set, even empty: adapters loaded while serving join it)
+        self.loras = loras if loras is not None else LoraSet()
         self.kv_cache = kv_cache
         self.hook = hook
         #: The compiled paged decode attention (None: the reference gather + SDPA).

@@ -250,3 +250,59 @@ def test_pipeline_stages_apply_the_adapter(llama_ref: Reference, tmp_path: Path,
     assert firsts["a"] != firsts[None]  # (so the stages did apply it)
     with pytest.raises(HalfmoonError, match="unknown LoRA adapter"):
         connector.pipeline_stage(2, 0).start("x", prompt, 0, lora="nope")
+
+
+def test_adapters_loaded_and_unloaded_while_serving(
+    llama_ref: Reference, tmp_path: Path, prompts
+) -> None:
+    """An engine started without adapters loads one (vLLM's /v1/load_lora_adapter) and
+    answers with it as an engine started with it does; its prefix-cache chain is its
+    load's (a reload of the name under another tag, with other weights, never hits the
+    old blocks); unloading refuses new requests at once and drops the adapter when the
+    last running request with it has finished."""
+    from halfmoon.core.adapters import RuntimeAdapter
+
+    config = ModelConfig.from_hf(json.loads((llama_ref.path / "config.json").read_text()))
+    one = write_random_adapter(config, tmp_path / "one", seed=1, std=0.3)
+    two = write_random_adapter(config, tmp_path / "two", seed=2, std=0.3)
+    (tokens,) = prompts(14, [64], llama_ref.vocab_size)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora="x")
+    started = lora_engine(llama_ref, {"x": (one, None)})
+    (expected,) = started.generate([tokens], params)
+
+    engine = LLMEngine(engine_config(llama_ref.path))
+    assert not engine.loras
+    first = RuntimeAdapter.new("x", str(one))
+    engine.load_lora(first)
+    engine.load_lora(first)  # the same load twice (registration and broadcast): once
+    with pytest.raises(HalfmoonError, match="'x' is already loaded"):
+        engine.load_lora(RuntimeAdapter.new("x", str(two)))
+    with pytest.raises(HalfmoonError, match="no adapter_config.json"):
+        engine.load_lora(RuntimeAdapter.new("y", str(tmp_path)))
+    (got,) = engine.generate([tokens], params)
+    assert got.token_ids == expected.token_ids
+    (again,) = engine.generate([tokens], params)
+    assert again.num_cached_tokens == 48  # its own chain
+
+    # unloading while a request runs with it: that one finishes, new ones are refused
+    engine.add_request("running", tokens, params)
+    engine.step()
+    engine.unload_lora("x")
+    with pytest.raises(HalfmoonError, match="'x' is being unloaded"):
+        engine.add_request("late", tokens, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.token_ids for o in outs] == [expected.token_ids]
+    engine.step()
+    assert "x" not in engine.loras
+    with pytest.raises(HalfmoonError, match="unknown LoRA adapter 'x'"):
+        engine.unload_lora("x")
+
+    # the name again, other weights: nothing cached under the first load is reused
+    engine.load_lora(RuntimeAdapter.new("x", str(two)))
+    (other,) = engine.generate([tokens], params)
+    assert other.num_cached_tokens == 0 and other.token_ids != expected.token_ids
+    (fresh,) = lora_engine(llama_ref, {"x": (two, None)}).generate([tokens], params)
+    assert other.token_ids == fresh.token_ids
+    engine.check_integrity()

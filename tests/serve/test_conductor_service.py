@@ -35,7 +35,7 @@ class Client:
         return reply
 
 
-def _register(client, iid, role):
+def _register(client, iid, role, adapters=()):
     reply = client.call(
         {
             "type": "register",
@@ -49,6 +49,7 @@ def _register(client, iid, role):
     # the cluster's TBT SLO comes back: a decode worker's guard holds its steps to it
     assert reply == {
         "type": "registered", "instance_id": iid, "msg_id": reply["msg_id"], "tbt_slo_s": 1.0,
+        "adapters": list(adapters),
     }  # fmt: skip
 
 
@@ -255,3 +256,25 @@ def test_oversized_and_unsigned_floods_cost_nothing(spawn, port):
     output = proc.communicate(timeout=10)[0].decode()
     dropped = [line for line in output.splitlines() if "dropped a control message" in line]
     assert 1 <= len(dropped) <= 10, len(dropped)
+
+
+def test_the_adapters_loaded_while_serving_are_kept_and_given(spawn, port):
+    """A gateway's ``adapter_update``: the Conductor keeps the list, answers with it, lists
+    it in its pongs and gives it to every worker that registers from then on."""
+    spawn("conductor", "--port", str(port), "--ttft-slo", "60")
+    client = Client(port)
+    assert client.call({"type": "ping"}, timeout_ms=20_000)["adapters"] == []
+    sql = {"name": "sql", "path": "/adapters/sql", "tag": "0123456789ab"}
+    chat = {"name": "chat", "path": "/adapters/chat", "tag": "ba9876543210"}
+    for record in (sql, chat):
+        reply = client.call({"type": "adapter_update", "op": "load", "adapter": record})
+        assert reply["type"] == "adapters_ok"
+    assert reply["adapters"] == [sql, chat]
+    _register(client, "d0", "decode", adapters=[sql, chat])
+    unload = {"name": "sql", "path": "", "tag": ""}
+    reply = client.call({"type": "adapter_update", "op": "unload", "adapter": unload})
+    assert reply["adapters"] == [chat]
+    assert client.call({"type": "ping"})["adapters"] == [chat]
+    _register(client, "d1", "decode", adapters=[chat])
+    bad = client.call({"type": "adapter_update", "op": "swap", "adapter": chat})
+    assert bad["type"] == "error" and "load or unload" in bad["error"]

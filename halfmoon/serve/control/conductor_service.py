@@ -64,6 +64,9 @@ from halfmoon.costmodel import CostProfile, ProfileCostModel
 from halfmoon.costmodel.base import CostModel
 from halfmoon.serve.control.conductor_metrics import ConductorMetrics, InstanceFigures
 from halfmoon.serve.control.messages import (
+    AdapterRecord,
+    AdaptersOk,
+    AdapterUpdate,
     BlockEvent,
     ClusterIdentity,
     ConductorPong,
@@ -164,6 +167,8 @@ class ConductorService:
         #: Bandwidth assumed between workers for remote prefixes (loopback TCP is ~1 GB/s+).
         self.link_bytes_per_s = 1e9
         self.num_auth_failures = 0
+        #: LoRA adapters loaded while the cluster serves, by name (``adapter_update``).
+        self.adapters: dict[str, AdapterRecord] = {}
         #: Block-store counters per instance from its last load report (prefill workers).
         self.store_stats: dict[str, dict[str, int]] = {}
         #: Each instance's last load report (for the cluster page and ``/metrics``).
@@ -304,7 +309,19 @@ class ConductorService:
             return cluster_status(self, message.num_decisions)
         if isinstance(message, WorkloadQuery):
             return workload_window(self, message.window_s)
+        if isinstance(message, AdapterUpdate):
+            return self._adapter_update(message)
         raise ProtocolError(f"the Conductor does not take {message.wire_name!r} messages")
+
+    def _adapter_update(self, message: AdapterUpdate) -> AdaptersOk:
+        """Keep the cluster's list of LoRA adapters loaded while serving (a gateway loaded
+        or unloaded one on every worker): what a worker registering from now on is given
+        to load, and what every gateway learns from its pings."""
+        if message.op == "load":
+            self.adapters[message.adapter.name] = message.adapter
+        else:
+            self.adapters.pop(message.adapter.name, None)
+        return AdaptersOk(adapters=list(self.adapters.values()))
 
     def _pong(self) -> ConductorPong:
         return ConductorPong(
@@ -326,6 +343,7 @@ class ConductorService:
             balancing=self.conductor.balancing,
             prefill_calibration=self.conductor.prefill_calibration,
             ttft_lateness_s=self.conductor.ttft_lateness_s,
+            adapters=list(self.adapters.values()),
         )
 
     def _note_store_stats(self, iid: str, entries: list[Event]) -> None:
@@ -404,7 +422,8 @@ class ConductorService:
             for h in held.block_hashes:
                 self.conductor.handle(BlockStored(block_hash=h, tier=held.tier, instance_id=iid))
         log.info("registered %s %s at %s", role, iid, message.command_endpoint)
-        return Registered(instance_id=iid, tbt_slo_s=self.conductor.config.slo.tbt_s)
+        return Registered(instance_id=iid, tbt_slo_s=self.conductor.config.slo.tbt_s,
+                          adapters=list(self.adapters.values()))  # fmt: skip
 
     def refusal(self, message: Register) -> str | None:
         """Why a registering worker cannot join (None: it agrees with the cluster). A worker

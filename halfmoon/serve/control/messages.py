@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.serve.control.codec import (
     MESSAGE_TYPES,
@@ -161,6 +162,26 @@ class ClusterIdentity(Record):
     model: str | None = None
     dtype: str | None = None
     kv_compression: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterRecord(Record):
+    """A LoRA adapter loaded while the cluster serves
+    (:class:`~halfmoon.core.adapters.RuntimeAdapter`): its name, PEFT directory and the
+    tag of its load."""
+
+    name: str
+    path: str
+    tag: str
+
+    @classmethod
+    def of(cls, adapter: RuntimeAdapter) -> AdapterRecord:
+        """The record of ``adapter``."""
+        return cls(name=adapter.name, path=adapter.path, tag=adapter.tag)
+
+    def adapter(self) -> RuntimeAdapter:
+        """The adapter it records."""
+        return RuntimeAdapter(self.name, self.path, self.tag)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,6 +364,9 @@ class ConductorPong(Message):
     index_blocks: dict[str, int] = field(default_factory=dict)
     #: The cache-balancing threshold in use and how it was learned (``Conductor.balancing``).
     balancing: dict[str, Any] = field(default_factory=dict)
+    #: LoRA adapters loaded while serving (what a worker registering now is given, and
+    #: what every gateway serves besides its ``--lora-modules``).
+    adapters: list[AdapterRecord] = field(default_factory=list)
     #: Each prefill instance's learned prefill scale and its number of samples
     #: (``Conductor.prefill_calibration``; empty when calibration is off).
     prefill_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -463,6 +487,32 @@ class MetricsText(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdapterUpdate(Message):
+    """Gateway -> Conductor (keep the cluster's list of adapters loaded while serving,
+    ``adapters_ok``) or worker (load into its engine, or unload: ``adapters_ok`` once
+    done, or ``error``): vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    ``op`` is ``load`` or ``unload``; an unload names the adapter only (path and tag
+    empty)."""
+
+    wire_name: ClassVar[str] = "adapter_update"
+    op: str
+    adapter: AdapterRecord
+
+    def __post_init__(self) -> None:
+        if self.op not in ("load", "unload"):
+            raise ValueError(f"adapter_update op must be load or unload, not {self.op!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptersOk(Message):
+    """Conductor or worker -> gateway: the ``adapter_update`` is done; ``adapters``: the
+    Conductor's list of adapters loaded while serving, as it now stands."""
+
+    wire_name: ClassVar[str] = "adapters_ok"
+    adapters: list[AdapterRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Error(Message):
     """Any process -> the sender of a command it could not carry out. ``retryable``: the
     gateway may place the request again; ``suspect``: the worker to blame."""
@@ -502,11 +552,15 @@ class Register(Message):
 @dataclass(frozen=True, kw_only=True)
 class Registered(Message):
     """Conductor -> worker: registration accepted. ``tbt_slo_s``: the cluster's TBT SLO,
-    which a decode worker's ``--decode-guard`` holds its steps to (0: not said)."""
+    which a decode worker's ``--decode-guard`` holds its steps to (0: not said);
+    ``adapters``: the LoRA adapters loaded while serving, for it to load too."""
 
     wire_name: ClassVar[str] = "registered"
     instance_id: str
     tbt_slo_s: float = 0.0
+    #: LoRA adapters loaded while the cluster serves: the worker loads them before it
+    #: takes requests.
+    adapters: list[AdapterRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from halfmoon import __version__
 from halfmoon.engine.tokenizer import Tokenizer
@@ -38,7 +38,9 @@ from halfmoon.serve.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from halfmoon.serve.gateway.openapi import install_docs, install_openapi
 from halfmoon.serve.gateway.responses import (
@@ -74,7 +76,8 @@ def create_app(
     app.state.gateway = gw
     install_error_handlers(app)
     install_docs(app)
-    install_openapi(app, config.model_names, config.max_tokens_limit,
+    pinned = () if config.allow_runtime_lora else config.model_names
+    install_openapi(app, pinned, config.max_tokens_limit,
                     config.guarded_paths() if config.keys else (), tokenizer.vocab_size)  # fmt: skip
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # before auth: bounded
     for router in admin_routers:
@@ -111,12 +114,23 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [config.model_card(n) for n in config.model_names]}
+        return {"object": "list", "data": [gw.model_card(n) for n in gw.model_names]}
 
     @app.get("/v1/models/{model:path}")  # (a path: model names may hold a slash)
     async def model(model: str) -> dict[str, Any]:
         gw.check_model(model)
-        return config.model_card(model)
+        return gw.model_card(model)
+
+    if config.allow_runtime_lora:  # vLLM's, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
+            text = await gw.load_adapter(body.lora_name, body.lora_path, body.load_inplace)
+            return PlainTextResponse(text)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
+            return PlainTextResponse(await gw.unload_adapter(body.lora_name))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

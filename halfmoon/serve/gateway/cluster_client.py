@@ -30,11 +30,15 @@ import zmq
 import zmq.asyncio
 
 from halfmoon.conductor.messages import RejectCode
+from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import (
     NO_ENDPOINTS,
     Abort,
+    AdapterRecord,
+    AdaptersOk,
+    AdapterUpdate,
     Batch,
     ClusterStatus,
     ConductorPong,
@@ -149,6 +153,9 @@ class ClusterBackend:
         self.num_fallback_placements = 0
         self.watch_interval_s = 0.5
         self._ids = itertools.count(1)
+        #: LoRA adapters loaded while the cluster serves (the Conductor's list, as its last
+        #: answer gave it): what a request's ``model`` may name besides ``--lora-modules``.
+        self.adapters: dict[str, RuntimeAdapter] = {}
 
     # -- sockets -------------------------------------------------------------------------------
     def _peer(self, endpoint: str) -> _Peer:
@@ -352,6 +359,7 @@ class ClusterBackend:
                     queue.put_nowait(Lost(instance_id=gone[0]))
             self._incarnations = alive
             self._members = pong.members
+            self.adapters = {r.name: r.adapter() for r in pong.adapters}
 
     async def metrics_texts(self, timeout_s: float = 0.5) -> tuple[list[MetricsText], list[str]]:
         """Every process's Prometheus metrics: the Conductor's and those of each instance
@@ -403,6 +411,67 @@ class ClusterBackend:
             error = reply.error if isinstance(reply, Error) else reply.wire_name
             raise BackendError(f"the Conductor answered a workload query with {error}")
         return reply
+
+    async def load_adapter(self, adapter: RuntimeAdapter, timeout_s: float = 60.0) -> None:
+        """Load LoRA adapter ``adapter`` on every worker (vLLM's ``/v1/load_lora_adapter``
+        for a cluster): the Conductor first, so that a worker registering meanwhile is
+        given it, then each worker it lists, at once. When any cannot (its reason in the
+        BackendError), it is unloaded again where it loaded: all or none."""
+        record = AdapterRecord.of(adapter)
+        await self._tell_adapters("load", record, timeout_s)
+        endpoints = (await self._ping(timeout_s)).endpoints
+        results = await self._on_workers(endpoints, AdapterUpdate(op="load", adapter=record),
+                                         timeout_s)  # fmt: skip
+        failed = [r for r in results.values() if isinstance(r, BaseException)]
+        if failed:
+            loaded = {i: endpoints[i] for i, r in results.items() if r is None}
+            unload = AdapterUpdate(op="unload", adapter=record)
+            await self._on_workers(loaded, unload, timeout_s)
+            with contextlib.suppress(BackendError):
+                await self._tell_adapters("unload", record, timeout_s)
+            raise BackendError(str(failed[0]))
+
+    async def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
+        """Unload LoRA adapter ``name`` everywhere (``/v1/unload_lora_adapter``): out of
+        the Conductor's list (and this gateway's) first, so that no new request names it,
+        then off every worker, each once the requests using it there have finished."""
+        record = AdapterRecord(name=name, path="", tag="")
+        await self._tell_adapters("unload", record, timeout_s)
+        endpoints = (await self._ping(timeout_s)).endpoints
+        results = await self._on_workers(endpoints, AdapterUpdate(op="unload", adapter=record),
+                                         timeout_s)  # fmt: skip
+        for instance_id, result in results.items():
+            if isinstance(result, BaseException):  # (one that never had it, or gone)
+                log.warning("unloading LoRA adapter %r on %s: %s", name, instance_id, result)
+
+    async def _tell_adapters(self, op: str, record: AdapterRecord, timeout_s: float) -> None:
+        """The Conductor's list of adapters loaded while serving, updated (and this
+        gateway's view of it with it)."""
+        reply = await self._call(self._conductor_endpoint,
+                                 AdapterUpdate(op=op, adapter=record), timeout_s)  # fmt: skip
+        if not isinstance(reply, AdaptersOk):
+            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            raise BackendError(f"the Conductor did not take the adapter: {error}")
+        self.adapters = {r.name: r.adapter() for r in reply.adapters}
+
+    async def _on_workers(
+        self, endpoints: dict[str, str], msg: AdapterUpdate, timeout_s: float
+    ) -> dict[str, BaseException | None]:
+        """Send ``msg`` to every worker of ``endpoints`` at once: per instance, None when
+        it carried it out, else the error."""
+
+        async def one(endpoint: str) -> None:
+            reply = await self._call(endpoint, msg, timeout_s)
+            if not isinstance(reply, AdaptersOk):
+                error = reply.error if isinstance(reply, Error) else reply.wire_name
+                raise BackendError(error)
+
+        results = await asyncio.gather(*(one(e) for e in endpoints.values()),
+                                       return_exceptions=True)  # fmt: skip
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # (a cancellation)
+        return dict(zip(endpoints, results, strict=True))
 
     async def drain(self, instance_id: str, timeout_s: float = 5.0) -> None:
         """Take ``instance_id`` out of placement; it exits once its requests finish

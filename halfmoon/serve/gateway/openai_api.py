@@ -546,6 +546,25 @@ class TokenizeRequest(ChatTemplateOptions):
         return value
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``/v1/load_lora_adapter`` body: the adapter's name (what a request's
+    ``model`` will say) and its PEFT directory on the workers' hosts; ``load_inplace``
+    (reloading a loaded name) is refused: unload it first."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(BaseModel):
     """Body of ``POST /detokenize`` (vLLM's)."""
 

@@ -298,11 +298,11 @@ def _pin_requests(
     """The request bodies' ``model`` can only be a served model (the base model or a LoRA
     adapter); output lengths are
     capped at the server's limit, token ids at the vocabulary (what the gateway enforces
-    with a 400)."""
+    with a 400). No names (adapters may be loaded while serving): ``model`` stays free."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
-        if "model" in props:
+        if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
             nullable = any(o.get("type") == "null" for o in props["model"].get("anyOf", []))
             props["model"] = {"anyOf": [pinned, {"type": "null"}]} if nullable else pinned

@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.conductor.options import add_conductor_options, conductor_config_from_args
-from halfmoon.core.adapters import lora_pairs, parse_lora_modules
+from halfmoon.core.adapters import (
+    RUNTIME_LORA_ENV,
+    lora_pairs,
+    parse_lora_modules,
+    runtime_lora_allowed,
+)
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -158,6 +163,9 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         lora_modules=lora_pairs(parse_lora_modules(getattr(args, "lora_modules", None) or ())),
+        allow_runtime_lora=runtime_lora_allowed(
+            getattr(args, "allow_runtime_lora_updating", False), os.environ
+        ),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
@@ -442,6 +450,13 @@ def register(subparsers: Any) -> None:
         "--startup-timeout", type=float, default=None,
         help="seconds to wait for every worker (default 600; 900 with --engine vllm)",
     )  # fmt: skip
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA "
+        f"adapters loaded into every worker while the cluster serves (as vLLM's {RUNTIME_LORA_ENV}"
+        "=True, which is honoured too); halfmoon's engine only",
+    )
     p.add_argument(
         "--max-concurrent-requests",
         type=int,

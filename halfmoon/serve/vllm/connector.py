@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
@@ -377,6 +378,18 @@ class VllmServerConnector(EngineConnector):
     a server the user runs (``--vllm-url``)."""
 
     cached_tokens_at_finish = True  # vLLM reports them in the request's final usage
+
+    def load_lora(self, adapter: RuntimeAdapter) -> None:
+        raise HalfmoonError(
+            "loading a LoRA adapter while serving needs halfmoon's engine: a vLLM-backed "
+            "worker serves the adapters its server started with (--lora-modules)"
+        )
+
+    def unload_lora(self, name: str) -> None:
+        raise HalfmoonError(
+            "unloading a LoRA adapter while serving needs halfmoon's engine: a vLLM-backed "
+            "worker serves the adapters its server started with (--lora-modules)"
+        )
 
     def __init__(
         self, endpoints: VllmEndpoints, *, model_dir: str, instance_id: str,

@@ -72,7 +72,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-lora", action="store_true",
         help="accepted for vLLM's command lines: --lora-modules names the adapters (and "
-        "alone enables LoRA); adapters are not loaded at run time",
+        "alone enables LoRA); halfmoon serve --allow-runtime-lora-updating loads more "
+        "while serving",
     )  # fmt: skip
     parser.add_argument(
         "--speculative-config", default=None, metavar="JSON",
@@ -401,6 +402,7 @@ def run_worker(args: argparse.Namespace) -> int:
         )  # fmt: skip
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
+    link.on_adapters = worker.load_adapters  # the cluster's, given when it accepts us
     if kv_connector is None and args.role != "coupled":
         from halfmoon.engine.connector import wire_codec
 

@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
+from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.costmodel.speculation import RecentSpeculation
 from halfmoon.serve.control import messages
 from halfmoon.serve.control.messages import (
     Abort,
+    AdaptersOk,
+    AdapterUpdate,
     Error,
     HeldBlocks,
     MalformedMessage,
@@ -163,6 +166,9 @@ class ConductorLink:
         #: The cluster's TBT SLO, as the Conductor said when it accepted this worker (0
         #: until then); a decode worker's TBT guard holds its steps to it.
         self.tbt_slo_s = 0.0
+        #: Called with the LoRA adapters loaded while the cluster serves, each time the
+        #: Conductor accepts this worker (the worker loads those it lacks).
+        self.on_adapters: Callable[[list[RuntimeAdapter]], None] | None = None
 
     def register(
         self,
@@ -213,6 +219,8 @@ class ConductorLink:
                 reply = decode_message(self._sock.recv_multipart(), self._secret)
                 if isinstance(reply, Registered):
                     self.tbt_slo_s = reply.tbt_slo_s
+                    if self.on_adapters is not None and reply.adapters:
+                        self.on_adapters([r.adapter() for r in reply.adapters])
                     return
                 if isinstance(reply, Refused):
                     raise RegistrationRefused(f"the Conductor refused this worker: {reply.error}")
@@ -308,6 +316,7 @@ class Worker:
         #: The worker's own commands; the role's (its ``handlers()``) by wire name.
         self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
             Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
+            AdapterUpdate: self._on_adapter_update,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -484,6 +493,31 @@ class Worker:
         self.send(identity, MetricsText(
             msg_id=msg.msg_id, instance_id=self.me.instance_id, role=self.me.role, text=text,
         ))  # fmt: skip
+
+    def load_adapters(self, adapters: list[RuntimeAdapter]) -> None:
+        """Load the cluster's adapters loaded while it serves, those not loaded here yet
+        (at registration, before any request can name them); one that fails is logged
+        (requests naming it fail here, with its reason)."""
+        for adapter in adapters:
+            try:
+                self.engine.load_lora(adapter)
+            except HalfmoonError as exc:
+                log.warning("LoRA adapter %r not loaded: %s", adapter.name, exc)
+
+    def _on_adapter_update(self, identity: bytes, msg: AdapterUpdate) -> None:
+        """Load or unload a LoRA adapter in the engine (the gateway's
+        ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``); ``error`` says why not."""
+        try:
+            if msg.op == "load":
+                self.engine.load_lora(msg.adapter.adapter())
+            else:
+                self.engine.unload_lora(msg.adapter.name)
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
+            if not isinstance(exc, HalfmoonError):
+                log.exception("LoRA adapter %s of %r failed", msg.op, msg.adapter.name)
+            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id))
+            return
+        self.send(identity, AdaptersOk(msg_id=msg.msg_id))
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         assert self.role is not None
