@@ -419,17 +419,23 @@ class ClusterBackend:
         BackendError), it is unloaded again where it loaded: all or none."""
         record = AdapterRecord.of(adapter)
         await self._tell_adapters("load", record, timeout_s)
-        endpoints = (await self._ping(timeout_s)).endpoints
-        results = await self._on_workers(endpoints, AdapterUpdate(op="load", adapter=record),
-                                         timeout_s)  # fmt: skip
-        failed = [r for r in results.values() if isinstance(r, BaseException)]
-        if failed:
+        loaded: dict[str, str] = {}
+        try:
+            endpoints = (await self._ping(timeout_s)).endpoints
+            results = await self._on_workers(
+                endpoints, AdapterUpdate(op="load", adapter=record), timeout_s
+            )
             loaded = {i: endpoints[i] for i, r in results.items() if r is None}
-            unload = AdapterUpdate(op="unload", adapter=record)
+            failed = [r for r in results.values() if isinstance(r, BaseException)]
+            if failed:
+                raise BackendError(str(failed[0]))
+        except BackendError:
+            unload = AdapterUpdate(op="unload", adapter=AdapterRecord(name=adapter.name,
+                                                                      path="", tag=""))  # fmt: skip
             await self._on_workers(loaded, unload, timeout_s)
             with contextlib.suppress(BackendError):
-                await self._tell_adapters("unload", record, timeout_s)
-            raise BackendError(str(failed[0]))
+                await self._tell_adapters("unload", unload.adapter, timeout_s)
+            raise
 
     async def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
         """Unload LoRA adapter ``name`` everywhere (``/v1/unload_lora_adapter``): out of
