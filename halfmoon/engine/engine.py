@@ -406,6 +406,12 @@ class LLMEngine:
         directory read and checked as at start (HalfmoonError naming what is wrong); a
         name already served is refused, unless it is this very load (the same tag: a
         worker that got it twice, at registration and by broadcast)."""
+        if adapter.name in self._retiring:
+            using = sum(seq.params.lora == adapter.name for seq in self._seqs.values())
+            raise HalfmoonError(
+                f"LoRA adapter {adapter.name!r} is still being unloaded ({using} requests use "
+                "it): load it again once they have finished"
+            )
         if adapter.name in self.loras:
             if self.loras.tag(adapter.name) == adapter.tag and adapter.tag:
                 return

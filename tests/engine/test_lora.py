@@ -290,6 +290,8 @@ def test_adapters_loaded_and_unloaded_while_serving(
     engine.unload_lora("x")
     with pytest.raises(HalfmoonError, match="'x' is being unloaded"):
         engine.add_request("late", tokens, params)
+    with pytest.raises(HalfmoonError, match="still being unloaded \\(1 requests use it\\)"):
+        engine.load_lora(RuntimeAdapter.new("x", str(two)))
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
