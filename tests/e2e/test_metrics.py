@@ -108,10 +108,12 @@ def test_values_moved(cluster):
     assert accepted == [n]
     # The Conductor learned the prefill worker's speed from the busy time between each
     # prefill's start and end: not pinned at its floor (0.2), where a worker that sent a
-    # start together with its end (after the step) had put it.
+    # start together with its end (after the step) had put it. (Off the floor by a margin,
+    # not near 1: the learned scale follows how this run's prefills compare with the
+    # profile, and one clean-clone CI run learned 0.45.)
     scales = [s.value for f in families for s in f.samples
               if s.name == "halfmoon:conductor_prefill_scale"]  # fmt: skip
-    assert len(scales) == 1 and scales[0] > 0.5, scales
+    assert len(scales) == 1 and scales[0] > 0.3, scales
     steps = _by_role(families, "halfmoon:engine_step_seconds_count")
     assert steps["prefill"] > 0 and steps["decode"] > 0
     assert _by_role(families, "halfmoon:kv_store_blocks")["prefill"] > 0
