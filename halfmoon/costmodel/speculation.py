@@ -109,10 +109,11 @@ class SpeculationRates:
             return engine_steps_s(batch_sizes, contexts)
         rows = batch_sizes * self.rows_per_seq
         lo = np.floor(rows)
+        whole = lo.astype(np.int64)
         context = np.rint(contexts * self.rows_per_seq).astype(np.int64)
-        low_s = engine_steps_s(lo.astype(np.int64), context)
+        low_s = engine_steps_s(whole, context)
         frac = rows - lo
-        high_s = engine_steps_s(lo.astype(np.int64) + 1, context)
+        high_s = engine_steps_s(whole + 1, context)
         # a whole row count takes the lower step itself, as the scalar does
         return np.where(frac == 0.0, low_s, low_s + frac * (high_s - low_s))
 

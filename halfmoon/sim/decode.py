@@ -106,26 +106,26 @@ class DecodeInstance:
         """Estimated step time of the current batch with ``joining`` requests added."""
         num = len(self._running) + len(joining)
         ctx = self._context_tokens + sum(job.context_tokens + 1 for job in joining)
-        return self._step_s(num, ctx, speculation=self._estimated)
+        return self._step_s(num, ctx, 0, self._estimated)
 
     def step_now_s(self) -> float:
         """The step the batch takes as it is now, speculating as the instance does (its
         guard's estimate, :meth:`step_estimate_s`, may be blind to that)."""
-        return self._step_s(len(self._running), self._context_tokens)
+        return self._step_s(len(self._running), self._context_tokens, 0, self._speculation)
 
     def _step_s(
         self,
         batch_size: int,
         context_tokens: int,
-        imported_tokens: int = 0,
-        speculation: SpeculationRates | None = None,
+        imported_tokens: int,
+        speculation: SpeculationRates,
     ) -> float:
         """A step of the engine plus the serving path's per-step, per-sequence and import
-        terms (the estimate the live decode worker's guard makes too), speculating as
-        the instance does unless ``speculation`` says otherwise."""
+        terms (the estimate the live decode worker's guard makes too), speculating at
+        ``speculation`` (the instance's own, or what its guard assumes)."""
         return decode_step_estimate_s(
             self.cost_model.decode_step_time_s, self._serving, batch_size, context_tokens,
-            imported_tokens, self._speculation if speculation is None else speculation,
+            imported_tokens, speculation,
         )  # fmt: skip
 
     def kv_arrived(self, job: Job) -> Sequence[Event]:
@@ -199,7 +199,9 @@ class DecodeInstance:
         self._stepping = True
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(self._running))
-        step_s = self._step_s(len(self._running), self._context_tokens, imported_tokens)
+        step_s = self._step_s(
+            len(self._running), self._context_tokens, imported_tokens, self._speculation
+        )
         step_s = shared_step_s(
             step_s, self._serving, self._rng, self._host, self.instance_id, len(self._running)
         )

@@ -143,20 +143,24 @@ def test_bad_loads_are_refused_and_leave_nothing(cluster, adapters, tmp_path) ->
     assert _post(cluster, "/v1/unload_lora_adapter", {"lora_name": "alien"}).status_code == 200
 
 
+def _decode_pids(cluster) -> list[int]:
+    """The launcher's children that run a decode worker."""
+    return [p for p in children_of(cluster.proc.pid)
+            if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")]  # fmt: skip
+
+
 def test_a_worker_started_later_loads_the_adapters(cluster, adapters, offline) -> None:
     """The decode worker is killed; the one the launcher starts in its place registers
     and is given the adapters loaded while serving, before it takes a request."""
     load = _post(cluster, "/v1/load_lora_adapter",
                  {"lora_name": "later", "lora_path": str(adapters["one"])})  # fmt: skip
     assert load.status_code == 200, load.text
-    victims = [p for p in children_of(cluster.proc.pid)
-               if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")]  # fmt: skip
+    victims = _decode_pids(cluster)
     assert len(victims) == 1
     os.kill(victims[0], signal.SIGKILL)
     deadline = time.monotonic() + 120
     while True:
-        pids = [p for p in children_of(cluster.proc.pid)
-                if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")]  # fmt: skip
+        pids = _decode_pids(cluster)
         workers = httpx.get(cluster.base_url + "/health", timeout=10).json().get("instances", {})
         if pids and pids != victims and len(workers) == 2:
             break

@@ -93,6 +93,11 @@ class WorkerLost(BackendError):
         self.suspect = suspect
 
 
+def _reason(reply: Message) -> str:
+    """What an unexpected answer says: an error's text, else the kind of message it is."""
+    return reply.error if isinstance(reply, Error) else reply.wire_name
+
+
 class _Peer:
     """One DEALER connection and the task reading it."""
 
@@ -397,7 +402,7 @@ class ClusterBackend:
         msg = StatusQuery(num_decisions=num_decisions)
         status = await self._call(self._conductor_endpoint, msg, timeout_s)
         if not isinstance(status, ClusterStatus):
-            error = status.error if isinstance(status, Error) else status.wire_name
+            error = _reason(status)
             raise BackendError(f"the Conductor answered a status query with {error}")
         return status
 
@@ -408,7 +413,7 @@ class ClusterBackend:
         reply = await self._call(self._conductor_endpoint, WorkloadQuery(window_s=window_s),
                                  timeout_s)  # fmt: skip
         if not isinstance(reply, WorkloadWindow):
-            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            error = _reason(reply)
             raise BackendError(f"the Conductor answered a workload query with {error}")
         return reply
 
@@ -456,7 +461,7 @@ class ClusterBackend:
         reply = await self._call(self._conductor_endpoint,
                                  AdapterUpdate(op=op, adapter=record), timeout_s)  # fmt: skip
         if not isinstance(reply, AdaptersOk):
-            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            error = _reason(reply)
             raise BackendError(f"the Conductor did not take the adapter: {error}")
         self.adapters = {r.name: r.adapter() for r in reply.adapters}
 
@@ -469,7 +474,7 @@ class ClusterBackend:
         async def one(endpoint: str) -> None:
             reply = await self._call(endpoint, msg, timeout_s)
             if not isinstance(reply, AdaptersOk):
-                error = reply.error if isinstance(reply, Error) else reply.wire_name
+                error = _reason(reply)
                 raise BackendError(error)
 
         results = await asyncio.gather(*(one(e) for e in endpoints.values()),
@@ -485,7 +490,7 @@ class ClusterBackend:
         reply = await self._call(self._conductor_endpoint, Drain(instance_id=instance_id),
                                  timeout_s)  # fmt: skip
         if not isinstance(reply, Draining):
-            error = reply.error if isinstance(reply, Error) else reply.wire_name
+            error = _reason(reply)
             raise BackendError(f"the Conductor did not drain {instance_id}: {error}")
 
     async def _in_order(
