@@ -2,7 +2,8 @@
 
 File layout (little-endian)::
 
-    header : magic "HMSSDJ01" | block_bytes u64 | num_slots u64 | xxh3_64 of the previous 24 bytes
+    header : magic "HMSSDJ02" | block_bytes u64 | num_slots u64 | namespace 16B
+             | xxh3_64 of the previous 40 bytes
     record : op u8 | hash 16B | slot u32 | checksum u64 | num_tokens u32 | parent 16B
              | layout u16 | position u32 | xxh3_64 of the previous 55 bytes        (63 bytes)
 
@@ -11,6 +12,12 @@ its slot is reused. Replay stops at the first short or mis-checksummed record (a
 write at the tail), counts it and truncates it away. A block whose data write was torn
 still has a PUT record only if the data write came first; its payload checksum then fails
 on the first read, so it is dropped, never served.
+
+The header's ``namespace`` names what computed the blocks' KV (a worker writes its
+model's fingerprint, :func:`halfmoon.engine.catalog.model_fingerprint`): a journal of
+another namespace, or of the format before namespaces (``HMSSDJ01``), is read as empty
+and counted, so a directory reused for other weights never serves their KV under the
+same token hashes.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from dataclasses import dataclass
 import xxhash
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.store.meta import BlockMeta
+from halfmoon.store.meta import NO_NAMESPACE, BlockMeta, check_namespace
 
-_MAGIC = b"HMSSDJ01"
-_HEADER = struct.Struct("<8sQQ")
+_MAGIC = b"HMSSDJ02"
+_OLD_MAGIC = b"HMSSDJ01"  # before namespaces: its blocks' origin is unknown
+_HEADER = struct.Struct("<8sQQ16s")
+_OLD_HEADER_BYTES = 32  # "HMSSDJ01" | block_bytes | num_slots | check
 _RECORD = struct.Struct("<B16sIQI16sHI")
 _CHECK = struct.Struct("<Q")
 HEADER_BYTES = _HEADER.size + _CHECK.size
@@ -74,32 +83,53 @@ class JournalRecord:
         return cls(op, int.from_bytes(h, "little"), slot, checksum, meta, position)
 
 
-def _encode_header(block_bytes: int, num_slots: int) -> bytes:
-    body = _HEADER.pack(_MAGIC, block_bytes, num_slots)
+def _encode_header(block_bytes: int, num_slots: int, namespace: bytes) -> bytes:
+    body = _HEADER.pack(_MAGIC, block_bytes, num_slots, namespace)
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def read_journal(path: str, block_bytes: int, num_slots: int) -> tuple[list[JournalRecord], int]:
-    """Valid records of the journal at ``path`` and the number of torn records dropped.
+@dataclass(frozen=True)
+class JournalContents:
+    """What :func:`read_journal` found: the valid ``records``, how many torn records it
+    dropped at the tail (``num_torn``) and how many blocks it listed that belong to another
+    namespace or to the format before namespaces (``num_foreign``: not served)."""
 
-    A missing or header-less file is an empty journal. A header for another geometry is a
+    records: list[JournalRecord]
+    num_torn: int = 0
+    num_foreign: int = 0
+
+
+def read_journal(
+    path: str, block_bytes: int, num_slots: int, namespace: bytes = NO_NAMESPACE
+) -> JournalContents:
+    """The journal at ``path`` as a store of ``namespace`` may use it.
+
+    A missing or header-less file is an empty journal. A journal of another namespace (or
+    of the old format) is empty too, its blocks counted in ``num_foreign``: they hold
+    another model's KV (the store reuses their slots). A header of this namespace for
+    another geometry is a
     :class:`HalfmoonError`: the directory belongs to a store of a different block size.
     """
+    check_namespace(namespace)
     if not os.path.exists(path):
-        return [], 0
+        return JournalContents([])
     with open(path, "rb") as f:
         data = f.read()
+    if data[: len(_OLD_MAGIC)] == _OLD_MAGIC:
+        return JournalContents([], 0, _num_blocks(memoryview(data)[_OLD_HEADER_BYTES:]))
     if len(data) < HEADER_BYTES:
-        return [], int(len(data) > 0)
+        return JournalContents([], int(len(data) > 0))
     body = data[: _HEADER.size]
     (check,) = _CHECK.unpack(data[_HEADER.size : HEADER_BYTES])
     if xxhash.xxh3_64_intdigest(body) != check:
         raise HalfmoonError(
             f"SSD journal {path} has a corrupt header; remove the directory to reset it"
         )
-    magic, file_block_bytes, file_num_slots = _HEADER.unpack(body)
+    magic, file_block_bytes, file_num_slots, file_namespace = _HEADER.unpack(body)
     if magic != _MAGIC:
         raise HalfmoonError(f"{path} is not a halfmoon SSD journal")
+    if file_namespace != namespace:
+        return JournalContents([], 0, _num_blocks(memoryview(data)[HEADER_BYTES:]))
     if (file_block_bytes, file_num_slots) != (block_bytes, num_slots):
         raise HalfmoonError(
             f"SSD directory holds {file_num_slots} slots of {file_block_bytes} bytes, but the "
@@ -111,7 +141,17 @@ def read_journal(path: str, block_bytes: int, num_slots: int) -> tuple[list[Jour
             num_torn = 1
             break
         records.append(record)
-    return records, num_torn
+    return JournalContents(records, num_torn)
+
+
+def _num_blocks(data: memoryview) -> int:
+    """How many blocks the records in ``data`` leave stored (up to a torn record)."""
+    stored: set[int] = set()
+    for record in _iter_records(data):
+        if record is None:
+            break
+        (stored.add if record.op == OP_PUT else stored.discard)(record.block_hash)
+    return len(stored)
 
 
 def _iter_records(data: memoryview) -> Iterator[JournalRecord | None]:
@@ -123,9 +163,12 @@ def _iter_records(data: memoryview) -> Iterator[JournalRecord | None]:
 class JournalWriter:
     """Appends records to a journal file; ``rewrite`` replaces it atomically (compaction)."""
 
-    def __init__(self, path: str, block_bytes: int, num_slots: int, sync: bool) -> None:
+    def __init__(
+        self, path: str, block_bytes: int, num_slots: int, sync: bool,
+        namespace: bytes = NO_NAMESPACE,
+    ) -> None:  # fmt: skip
         self.path = path
-        self._header = _encode_header(block_bytes, num_slots)
+        self._header = _encode_header(block_bytes, num_slots, check_namespace(namespace))
         self._sync = sync
         self._fd = -1
         self.num_records = 0

@@ -57,6 +57,17 @@ def trusted_meta(num_tokens: int, parent_hash: int, layout_version: int) -> Bloc
     return meta
 
 
+#: The SSD namespace of a store that names none (tests, standalone peers).
+NO_NAMESPACE = bytes(16)
+
+
+def check_namespace(namespace: bytes) -> bytes:
+    """``namespace`` when it is 16 bytes, else ValueError."""
+    if not isinstance(namespace, bytes) or len(namespace) != 16:
+        raise ValueError(f"an SSD namespace is 16 bytes, got {namespace!r}")
+    return namespace
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Sizes and policy of a :class:`~halfmoon.store.TieredStore`.
@@ -66,6 +77,8 @@ class StoreConfig:
     ``shared_dram`` puts the DRAM slab in a named shared-memory segment so co-located
     processes (the shm transport) read blocks without a copy through a socket.
     ``ssd_sync`` fsyncs every SSD write (survives power loss, not only process death).
+    ``ssd_namespace`` (16 bytes) names what computed the blocks, e.g. a model's
+    fingerprint: an SSD directory written under another namespace is opened empty.
     """
 
     block_bytes: int
@@ -76,6 +89,7 @@ class StoreConfig:
     shared_dram: bool = False
     ssd_sync: bool = False
     lease_ttl_s: float = 30.0
+    ssd_namespace: bytes = NO_NAMESPACE
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0:
@@ -97,6 +111,7 @@ class StoreConfig:
             raise ValueError(
                 f"ssd_capacity_bytes {self.ssd_capacity_bytes} holds no {self.block_bytes}-byte block"
             )
+        check_namespace(self.ssd_namespace)
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
 
@@ -136,6 +151,9 @@ class StoreStats:
     num_pinned: int = 0
     num_reserved: int = 0
     num_torn_records: int = 0
+    #: Blocks the SSD directory held under another namespace when the store opened
+    #: (another model's KV: never served, their slots reused).
+    num_foreign_blocks: int = 0
 
     @property
     def num_hits(self) -> int:

@@ -18,8 +18,14 @@ from dataclasses import dataclass
 import xxhash
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.store.journal import OP_DEL, OP_PUT, JournalRecord, JournalWriter, read_journal
-from halfmoon.store.meta import BlockMeta
+from halfmoon.store.journal import (
+    OP_DEL,
+    OP_PUT,
+    JournalRecord,
+    JournalWriter,
+    read_journal,
+)
+from halfmoon.store.meta import NO_NAMESPACE, BlockMeta
 from halfmoon.store.slab import SlotAllocator
 
 DATA_FILE = "blocks.dat"
@@ -53,11 +59,16 @@ def check_writable_dir(directory: str) -> None:
 
 
 class SSDTier:
-    """Blocks of ``block_bytes`` in ``num_slots`` slots of a file under ``directory``."""
+    """Blocks of ``block_bytes`` in ``num_slots`` slots of a file under ``directory``.
+
+    ``namespace`` (16 bytes) names what computed the blocks (a model's fingerprint): a
+    directory whose journal names another is opened empty, and ``num_foreign_blocks``
+    counts the blocks it held."""
 
     def __init__(
-        self, directory: str, block_bytes: int, num_slots: int, sync: bool = False
-    ) -> None:
+        self, directory: str, block_bytes: int, num_slots: int, sync: bool = False,
+        namespace: bytes = NO_NAMESPACE,
+    ) -> None:  # fmt: skip
         check_writable_dir(directory)
         self.directory = directory
         self.block_bytes = block_bytes
@@ -79,9 +90,11 @@ class SSDTier:
         try:
             self._fd = self._open_data_file()
             journal_path = os.path.join(directory, JOURNAL_FILE)
-            records, self.num_torn_records = read_journal(journal_path, block_bytes, num_slots)
-            self._replay(records)
-            self._journal = JournalWriter(journal_path, block_bytes, num_slots, sync)
+            found = read_journal(journal_path, block_bytes, num_slots, namespace)
+            self.num_torn_records = found.num_torn
+            self.num_foreign_blocks = found.num_foreign
+            self._replay(found.records)
+            self._journal = JournalWriter(journal_path, block_bytes, num_slots, sync, namespace)
             self._compact()
         except BaseException:
             os.close(self._lock_fd)

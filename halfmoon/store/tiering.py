@@ -68,7 +68,11 @@ class TierSet:
         if config.num_ssd_slots:
             assert config.ssd_dir is not None
             self.ssd = SSDTier(
-                config.ssd_dir, config.block_bytes, config.num_ssd_slots, config.ssd_sync
+                config.ssd_dir,
+                config.block_bytes,
+                config.num_ssd_slots,
+                config.ssd_sync,
+                config.ssd_namespace,
             )
         try:
             self.dram = DRAMTier(
@@ -405,10 +409,11 @@ class TierSet:
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
         ssd = self.ssd
+        has_ssd = ssd is not None  # (an empty tier is falsy: it has a length)
         tiers = {}
         for name, size, capacity in (
             (TIER_DRAM, len(self.dram), self.dram.num_slots),
-            (TIER_SSD, len(ssd) if ssd else 0, ssd.num_slots if ssd else 0),
+            (TIER_SSD, len(ssd) if has_ssd else 0, ssd.num_slots if has_ssd else 0),
         ):
             c = self._counters[name]
             tiers[name] = TierStats(
@@ -423,7 +428,8 @@ class TierSet:
             num_demotions=self._num_demotions,
             num_pinned=len(self.pins),
             num_reserved=self.dram.num_reserved,
-            num_torn_records=ssd.num_torn_records if ssd else 0,
+            num_torn_records=ssd.num_torn_records if has_ssd else 0,
+            num_foreign_blocks=ssd.num_foreign_blocks if has_ssd else 0,
         )
 
     def check_integrity(self) -> None:

@@ -1,6 +1,8 @@
-"""A corrupt SSD block on the read path is recomputed, never served, and counted on
-``/metrics`` (issue #17): a prompt's blocks spill from the prefill worker's DRAM tier to
-its SSD tier, one of them is damaged on disk, and the same prompt comes back."""
+"""A prefill worker's SSD tier, live: a corrupt block on the read path is recomputed,
+never served, and counted on ``/metrics`` (issue #17: a prompt's blocks spill from the
+prefill worker's DRAM tier to its SSD tier, one of them is damaged on disk, and the same
+prompt comes back); blocks on disk outlive a restart of the cluster, and are served only
+to the same weights."""
 
 from __future__ import annotations
 
@@ -26,14 +28,17 @@ PROMPT = [(i * 37) % 3000 + 10 for i in range(4 * BLOCK + 6)]  # 4 full blocks
 OTHERS = [[(i * k) % 3000 + 20 for i in range(700)] for k in (53, 71)]
 
 
+def _spilling_args(ssd: Path, *extra: str, ssd_mb: int = 8) -> tuple[str, ...]:
+    return (
+        "--prefill", "1", "--decode", "1", "--kv-cache-mb", "5", "--store-dram-mb", "0.125",
+        "--store-ssd-dir", str(ssd), "--store-ssd-mb", str(ssd_mb), *extra,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def spilling(cluster_factory, tmp_path_factory):
     ssd = tmp_path_factory.mktemp("ssd")
-    cluster = cluster_factory(
-        "--prefill", "1", "--decode", "1", "--kv-cache-mb", "5",
-        "--store-dram-mb", "0.125", "--store-ssd-dir", str(ssd), "--store-ssd-mb", "8",
-    )  # fmt: skip
-    return cluster, ssd / "prefill-0"
+    return cluster_factory(*_spilling_args(ssd)), ssd / "prefill-0"
 
 
 def _complete(cluster, prompt):
@@ -48,10 +53,9 @@ def _ssd_slots(directory: Path) -> tuple[dict[int, int], int]:
     """Block hash -> slot of every block on the SSD tier (replaying its journal), and the
     block size in bytes."""
     journal = directory / JOURNAL_FILE
-    _, block_bytes, num_slots = struct.unpack_from("<8sQQ", journal.read_bytes())
-    records, _ = read_journal(str(journal), block_bytes, num_slots)
+    _, block_bytes, num_slots, namespace = struct.unpack_from("<8sQQ16s", journal.read_bytes())
     slots: dict[int, int] = {}
-    for r in records:
+    for r in read_journal(str(journal), block_bytes, num_slots, namespace).records:
         if r.op == OP_PUT:
             slots[r.block_hash] = r.slot
         else:
@@ -97,3 +101,29 @@ def test_corrupt_ssd_block_is_recomputed_with_identical_output(spilling):
     pongs = cluster.ping_workers()
     assert all(p.integrity == "ok" for p in pongs)
     assert [p.stats["store_corrupt_blocks"] for p in pongs if p.role == "prefill"] == [1]
+
+
+def test_blocks_on_disk_outlive_a_restart_for_the_same_weights_only(cluster_factory, tmp_path):
+    """PROMPT spills to the SSD tier, the cluster stops; a cluster of the same weights
+    started on the directory serves PROMPT's blocks from disk, one of other weights (the
+    tiny preset of another seed: the same token hashes) recomputes them all. (512 blocks
+    of SSD: the new weights' first start measures its cost profile, whose prompts go to
+    the store too, and must not be what pushes PROMPT out.)"""
+    first = cluster_factory(*_spilling_args(tmp_path, ssd_mb=32))
+    text, _ = _complete(first, PROMPT)
+    for other in OTHERS:
+        _complete(first, other)
+    slots, _ = _ssd_slots(tmp_path / "prefill-0")
+    assert all(h in slots for h in hash_blocks(PROMPT, BLOCK).full)
+    first.stop()
+
+    same = cluster_factory(*_spilling_args(tmp_path, ssd_mb=32))
+    assert _complete(same, PROMPT) == (text, 4 * BLOCK)  # from disk, the same answer
+    same.stop()
+
+    other_weights = cluster_factory(*_spilling_args(tmp_path, "--seed", "1", ssd_mb=32))
+    _, cached = _complete(other_weights, PROMPT)
+    assert cached == 0
+    assert "KV blocks of other weights" in other_weights.log_path.read_text()
+    _, cached = _complete(other_weights, PROMPT)
+    assert cached > 0  # its own blocks are cached as usual

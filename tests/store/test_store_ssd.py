@@ -1,16 +1,18 @@
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 
 import pytest
+import xxhash
 from store_testing import BLOCK_BYTES, meta, payload
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import hash_blocks
 from halfmoon.store import BlockEvicted, BlockStored, StoreConfig, TieredStore
-from halfmoon.store.journal import HEADER_BYTES, RECORD_BYTES
+from halfmoon.store.journal import HEADER_BYTES, OP_PUT, RECORD_BYTES, JournalRecord
 
 H = hash_blocks(list(range(16 * 8)), 16).hashes
 
@@ -172,3 +174,54 @@ def test_config_errors_are_clear():
         StoreConfig(block_bytes=16, dram_capacity_bytes=8)
     with pytest.raises(ValueError, match="needs an ssd_dir"):
         StoreConfig(block_bytes=16, dram_capacity_bytes=64, ssd_capacity_bytes=64)
+
+
+A_MODEL, B_MODEL = b"A" * 16, b"B" * 16
+
+
+def test_a_directory_of_another_namespace_opens_empty(make_store, events, tmp_path):
+    """Blocks written for one model's fingerprint are never served under another's, though
+    the token hashes match; the same namespace recovers them, and the slots are reused."""
+    store = make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL))
+    for i in range(3):
+        store.put(H[i], payload(i), meta(i))
+    store.delete(H[2])
+    store.close()
+    same = make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL))
+    assert same.get(H[0]) == (meta(0), payload(0))
+    assert same.stats().num_foreign_blocks == 0
+    same.close()
+    events.clear()
+    other = make_store(**ssd_only(tmp_path, ssd_namespace=B_MODEL))
+    assert events.of(BlockStored, "ssd") == []
+    assert other.stats().num_foreign_blocks == 2  # H[2] was deleted before
+    assert other.get(H[0]) is None and not other.contains(H[1])
+    for i in range(4):  # every slot is free again
+        assert other.put(H[4 + i], payload(4 + i), meta(4 + i)) == "ssd"
+    other.check_integrity()
+    other.close()
+    back = make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL))  # the journal is B's now
+    assert back.stats().num_foreign_blocks == 4 and back.get(H[0]) is None
+
+
+def test_another_namespace_may_bring_another_geometry(make_store, tmp_path):
+    """A geometry mismatch is an error only within one namespace: another namespace's
+    directory holds nothing this store could use, so it is taken over."""
+    make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL)).close()
+    with pytest.raises(HalfmoonError, match="configured for 6 slots"):
+        TieredStore(StoreConfig(**ssd_only(tmp_path, num_slots=6, ssd_namespace=A_MODEL)))
+    store = make_store(**ssd_only(tmp_path, num_slots=6, ssd_namespace=B_MODEL))
+    assert store.stats().ssd.capacity_blocks == 6
+
+
+def test_a_journal_of_the_format_before_namespaces_is_not_served(make_store, tmp_path):
+    """A directory written before namespaces (journal "HMSSDJ01") holds KV of unknown
+    weights: opened empty, its blocks counted."""
+    header = struct.pack("<8sQQ", b"HMSSDJ01", BLOCK_BYTES, 4)
+    header += struct.pack("<Q", xxhash.xxh3_64_intdigest(header))
+    records = b"".join(JournalRecord(OP_PUT, H[i], i, 0, meta(i)).encode() for i in range(3))
+    (tmp_path / "journal.log").write_bytes(header + records)
+    store = make_store(**ssd_only(tmp_path))
+    assert store.stats().num_foreign_blocks == 3 and store.get(H[0]) is None
+    with pytest.raises(ValueError, match="16 bytes"):
+        StoreConfig(**ssd_only(tmp_path, ssd_namespace=b"short"))

@@ -321,6 +321,15 @@ def model_identity(model: str, seed: int) -> str:
     return f"{model_dir.name}#{digest}"
 
 
+def kv_namespace(options: EngineOptions) -> bytes:
+    """The fingerprint of the KV a worker of ``options`` computes (its model's weights and
+    config, dtype, block size and ``--lora-modules``): what keys its SSD tier."""
+    from halfmoon.engine.catalog import model_fingerprint, resolve_model
+
+    model_dir = resolve_model(options.model, options.seed)
+    return model_fingerprint(model_dir, options.dtype, options.block_size, options.lora_modules)
+
+
 #: A directory for the vLLM KV connector's per-request transfer timings (JSON lines, one
 #: file per worker; the benchmarks' transfer-vs-prefill figure reads them).
 KV_STATS_DIR_ENV = "HALFMOON_KV_STATS_DIR"
@@ -389,11 +398,19 @@ def run_worker(args: argparse.Namespace) -> int:
         me.transfer_endpoint = kv_connector.endpoint
     elif args.role == "prefill":
         ssd_dir = str(Path(options.store_ssd_dir) / name) if options.store_ssd_dir else None
+        namespace = bytes(16)
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
+            namespace = kv_namespace(options)
         store = ClusterPrefixCache.make_store(
-            engine, options.store_dram_mb, ssd_dir, options.store_ssd_mb, holdings
+            engine, options.store_dram_mb, ssd_dir, options.store_ssd_mb, holdings, namespace
         )
+        if store.stats().num_foreign_blocks:
+            log.warning(
+                "%s: %s held %d KV blocks of other weights (another model, dtype, block size "
+                "or adapters); they are not served and their space is reused", name, ssd_dir,
+                store.stats().num_foreign_blocks,
+            )  # fmt: skip
     transfer = None
     if args.role != "coupled" and kv_connector is None:
         transfer = TransferEngine(

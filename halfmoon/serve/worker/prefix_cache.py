@@ -228,13 +228,16 @@ class ClusterPrefixCache:
         ssd_dir: str | None,
         ssd_mb: float,
         holdings: Holdings,
+        ssd_namespace: bytes = bytes(16),
     ) -> TieredStore:
-        """A store sized in MiB whose events go through ``holdings`` to the Conductor."""
+        """A store sized in MiB whose events go through ``holdings`` to the Conductor;
+        its SSD directory keyed by ``ssd_namespace`` (the model's fingerprint)."""
         config = StoreConfig(
             block_bytes=engine.kv_bytes_per_block,
             dram_capacity_bytes=int(dram_mb * 2**20),
             ssd_dir=ssd_dir,
             ssd_capacity_bytes=int(ssd_mb * 2**20) if ssd_dir else 0,
+            ssd_namespace=ssd_namespace,
         )
         return TieredStore(config, listener=holdings)
 
