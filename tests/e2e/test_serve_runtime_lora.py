@@ -143,10 +143,10 @@ def test_bad_loads_are_refused_and_leave_nothing(cluster, adapters, tmp_path) ->
     assert _post(cluster, "/v1/unload_lora_adapter", {"lora_name": "alien"}).status_code == 200
 
 
-def _decode_pids(cluster) -> list[int]:
-    """The launcher's children that run a decode worker."""
+def _pids(cluster, role: str) -> list[int]:
+    """The launcher's children that run ``role`` (``decode``, ``conductor``)."""
     return [p for p in children_of(cluster.proc.pid)
-            if "decode" in Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")]  # fmt: skip
+            if role in Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")]  # fmt: skip
 
 
 def test_a_worker_started_later_loads_the_adapters(cluster, adapters, offline) -> None:
@@ -155,15 +155,41 @@ def test_a_worker_started_later_loads_the_adapters(cluster, adapters, offline) -
     load = _post(cluster, "/v1/load_lora_adapter",
                  {"lora_name": "later", "lora_path": str(adapters["one"])})  # fmt: skip
     assert load.status_code == 200, load.text
-    victims = _decode_pids(cluster)
+    victims = _pids(cluster, "decode")
     assert len(victims) == 1
     os.kill(victims[0], signal.SIGKILL)
     deadline = time.monotonic() + 120
     while True:
-        pids = _decode_pids(cluster)
+        pids = _pids(cluster, "decode")
         workers = httpx.get(cluster.base_url + "/health", timeout=10).json().get("instances", {})
         if pids and pids != victims and len(workers) == 2:
             break
         assert time.monotonic() < deadline, "the decode worker was not started again"
         time.sleep(0.5)
     assert _answer(cluster, "later") == _expected(offline, adapters["one"])
+
+
+def test_a_restarted_conductor_learns_the_adapters_back(cluster, adapters, offline) -> None:
+    """The Conductor is killed; the launcher starts another, the workers register again
+    with the adapters they loaded while serving, and its list (what gateways serve and
+    workers started later are given) holds them again, under the same tag."""
+    load = _post(cluster, "/v1/load_lora_adapter",
+                 {"lora_name": "kept", "lora_path": str(adapters["two"])})  # fmt: skip
+    assert load.status_code == 200, load.text
+    (before,) = [a for a in cluster.ping_conductor().adapters if a.name == "kept"]
+    (conductor,) = _pids(cluster, "conductor")
+    os.kill(conductor, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            after = [a for a in cluster.ping_conductor(timeout_ms=2000).adapters
+                     if a.name == "kept"]  # fmt: skip
+        except Exception:  # noqa: BLE001 - not started yet
+            after = []
+        pids = _pids(cluster, "conductor")
+        if after and pids and pids != [conductor]:
+            break
+        assert time.monotonic() < deadline, "the new Conductor did not learn the adapter"
+        time.sleep(0.5)
+    assert after == [before]
+    assert _answer(cluster, "kept") == _expected(offline, adapters["two"])

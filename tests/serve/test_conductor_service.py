@@ -35,7 +35,9 @@ class Client:
         return reply
 
 
-def _register(client, iid, role, adapters=()):
+def _register(client, iid, role, adapters=(), loaded=()):
+    """Register ``iid``, which has loaded the adapter records ``loaded``; the reply must
+    give it ``adapters``."""
     reply = client.call(
         {
             "type": "register",
@@ -44,6 +46,7 @@ def _register(client, iid, role, adapters=()):
             "command_endpoint": f"tcp://127.0.0.1:1/{iid}",
             "transfer_endpoint": f"127.0.0.1:2/{iid}",
             "kv_capacity_tokens": 100_000,
+            "adapters": list(loaded),
         }
     )
     # the cluster's TBT SLO comes back: a decode worker's guard holds its steps to it
@@ -260,7 +263,9 @@ def test_oversized_and_unsigned_floods_cost_nothing(spawn, port):
 
 def test_the_adapters_loaded_while_serving_are_kept_and_given(spawn, port):
     """A gateway's ``adapter_update``: the Conductor keeps the list, answers with it, lists
-    it in its pongs and gives it to every worker that registers from then on."""
+    it in its pongs and gives it to every worker that registers from then on; a worker
+    registering again with adapters the Conductor does not know (it restarted) brings them
+    back, but not one unloaded through it."""
     spawn("conductor", "--port", str(port), "--ttft-slo", "60")
     client = Client(port)
     assert client.call({"type": "ping"}, timeout_ms=20_000)["adapters"] == []
@@ -278,3 +283,7 @@ def test_the_adapters_loaded_while_serving_are_kept_and_given(spawn, port):
     _register(client, "d1", "decode", adapters=[chat])
     bad = client.call({"type": "adapter_update", "op": "swap", "adapter": chat})
     assert bad["type"] == "error" and "load or unload" in bad["error"]
+    code = {"name": "code", "path": "/adapters/code", "tag": "00aa00aa00aa"}
+    _register(client, "d1", "decode", adapters=[chat, code], loaded=[sql, chat, code])
+    assert client.call({"type": "ping"})["adapters"] == [chat, code]
+    _register(client, "d2", "decode", adapters=[chat, code])

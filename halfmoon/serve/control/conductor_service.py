@@ -169,6 +169,9 @@ class ConductorService:
         self.num_auth_failures = 0
         #: LoRA adapters loaded while the cluster serves, by name (``adapter_update``).
         self.adapters: dict[str, AdapterRecord] = {}
+        #: Adapters unloaded through this Conductor: a worker registering again before
+        #: its unload arrives must not bring one back.
+        self.unloaded_adapters: set[str] = set()
         #: Block-store counters per instance from its last load report (prefill workers).
         self.store_stats: dict[str, dict[str, int]] = {}
         #: Each instance's last load report (for the cluster page and ``/metrics``).
@@ -319,8 +322,10 @@ class ConductorService:
         to load, and what every gateway learns from its pings."""
         if message.op == "load":
             self.adapters[message.adapter.name] = message.adapter
+            self.unloaded_adapters.discard(message.adapter.name)
         else:
             self.adapters.pop(message.adapter.name, None)
+            self.unloaded_adapters.add(message.adapter.name)
         return AdaptersOk(adapters=list(self.adapters.values()))
 
     def _pong(self) -> ConductorPong:
@@ -421,9 +426,21 @@ class ConductorService:
         for held in message.blocks:  # what it already holds (re-registration)
             for h in held.block_hashes:
                 self.conductor.handle(BlockStored(block_hash=h, tier=held.tier, instance_id=iid))
+        self._adopt_adapters(iid, message.adapters)
         log.info("registered %s %s at %s", role, iid, message.command_endpoint)
         return Registered(instance_id=iid, tbt_slo_s=self.conductor.config.slo.tbt_s,
                           adapters=list(self.adapters.values()))  # fmt: skip
+
+    def _adopt_adapters(self, iid: str, records: list[AdapterRecord]) -> None:
+        """Take into the cluster's list the adapters a worker registering again loaded
+        while serving, those this Conductor neither knows nor unloaded: after a restart
+        of the Conductor, the list comes back from the workers (the first to name an
+        adapter sets its tag)."""
+        for record in records:
+            if record.name in self.adapters or record.name in self.unloaded_adapters:
+                continue
+            self.adapters[record.name] = record
+            log.info("LoRA adapter %r (loaded while serving) learned from %s", record.name, iid)
 
     def refusal(self, message: Register) -> str | None:
         """Why a registering worker cannot join (None: it agrees with the cluster). A worker

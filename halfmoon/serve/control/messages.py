@@ -529,7 +529,9 @@ class Error(Message):
 class Register(Message):
     """Worker -> Conductor: join the cluster (``registered`` or ``refused``), with its
     measured cost profile and what the cluster must agree on; ``blocks``: what it holds
-    when it registers again; ``draining``: keep it out of placement."""
+    when it registers again; ``draining``: keep it out of placement; ``adapters``: the
+    LoRA adapters it loaded while serving (registering again: a restarted Conductor
+    learns the cluster's list back from them)."""
 
     wire_name: ClassVar[str] = "register"
     instance_id: str
@@ -547,6 +549,7 @@ class Register(Message):
     kv_compression: str | None = None
     draining: bool = False
     blocks: list[HeldBlocks] = field(default_factory=list)
+    adapters: list[AdapterRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

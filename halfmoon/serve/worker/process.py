@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -202,11 +202,17 @@ class ConductorLink:
         if self._registration is not None:
             self._registration = dataclasses.replace(self._registration, draining=True)
 
-    def register_again(self, blocks: list[HeldBlocks], timeout_s: float = 60.0) -> None:
+    def register_again(
+        self, blocks: list[HeldBlocks], adapters: Sequence[RuntimeAdapter] = (),
+        timeout_s: float = 60.0,
+    ) -> None:  # fmt: skip
         """Register anew (the Conductor restarted), announcing the blocks held (a role's
-        snapshot)."""
+        snapshot) and the LoRA adapters loaded while serving."""
         assert self._registration is not None, "register() first"
-        registration = dataclasses.replace(self._registration, blocks=list(blocks))
+        registration = dataclasses.replace(
+            self._registration, blocks=list(blocks),
+            adapters=[messages.AdapterRecord.of(a) for a in adapters],
+        )  # fmt: skip
         self._send_registration(registration, timeout_s)
 
     def _send_registration(self, msg: messages.Register, timeout_s: float) -> None:
@@ -330,6 +336,9 @@ class Worker:
         #: Its engine's recent speculation (rows and tokens per sequence-step), read at
         #: every load report; the decode guard's step estimates and the Conductor's use it.
         self.speculation = RecentSpeculation()
+        #: LoRA adapters loaded while the cluster serves, by name (told to a restarted
+        #: Conductor when this worker registers again).
+        self.runtime_adapters: dict[str, RuntimeAdapter] = {}
         self.num_steps = 0
         #: Its Prometheus metrics (the roles feed the request clocks), sent when asked.
         self.metrics = WorkerMetrics()
@@ -377,7 +386,9 @@ class Worker:
             if self.heartbeat is not None and self.heartbeat.register_again.is_set():
                 self.heartbeat.register_again.clear()
                 log.info("the Conductor does not know this worker: registering again")
-                self.conductor.register_again(self.role.snapshot())
+                self.conductor.register_again(
+                    self.role.snapshot(), list(self.runtime_adapters.values())
+                )
             self._maybe_report()
             self.conductor.flush()
 
@@ -499,19 +510,26 @@ class Worker:
         (at registration, before any request can name them); one that fails is logged
         (requests naming it fail here, with its reason)."""
         for adapter in adapters:
+            if self.runtime_adapters.get(adapter.name) == adapter:
+                continue  # registering again: loaded already
             try:
                 self.engine.load_lora(adapter)
             except HalfmoonError as exc:
                 log.warning("LoRA adapter %r not loaded: %s", adapter.name, exc)
+                continue
+            self.runtime_adapters[adapter.name] = adapter
 
     def _on_adapter_update(self, identity: bytes, msg: AdapterUpdate) -> None:
         """Load or unload a LoRA adapter in the engine (the gateway's
         ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``); ``error`` says why not."""
         try:
             if msg.op == "load":
-                self.engine.load_lora(msg.adapter.adapter())
+                adapter = msg.adapter.adapter()
+                self.engine.load_lora(adapter)
+                self.runtime_adapters[adapter.name] = adapter
             else:
                 self.engine.unload_lora(msg.adapter.name)
+                self.runtime_adapters.pop(msg.adapter.name, None)
         except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
             if not isinstance(exc, HalfmoonError):
                 log.exception("LoRA adapter %s of %r failed", msg.op, msg.adapter.name)
