@@ -22,7 +22,7 @@ stream how far it is from reading its bytes at the memory's speed.
 Usage::
 
     .venv/bin/python -m benchmarks.micro.decode_kernel_cold [--shape 3x3x64] \\
-        [--batches 1,8,32] [--contexts 512,2048] [--rounds 3] [--json OUT]
+        [--batches 1,8,32] [--contexts 512,2048] [--rounds 3] [--dtype float32|bfloat16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def step_ms(
     if variant == "hot":
         tables = torch.ones_like(tables)
     lens = torch.full((batch,), context + 1)
-    q = torch.randn(batch, heads, group, dim)
+    q = torch.randn(batch, heads, group, dim).to(pool.dtype)
     scale = torch.tensor(dim**-0.5)
     used = batch * blocks
     times = []
@@ -82,15 +82,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps per reading (median)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--json", help="write every round here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     heads, group, dim = (int(x) for x in args.shape.split("x"))
-    kernel = load_decode_kernel(KernelShape(heads, group, dim, 16, torch.float32, "cpu"))
+    dtype = getattr(torch, args.dtype)
+    kernel = load_decode_kernel(KernelShape(heads, group, dim, 16, dtype, "cpu"))
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     need = max(batches) * (-(-(max(contexts) + 1) // 16)) + 2
-    pool = torch.randn(args.layers, 2, need, 16, heads, dim)
+    pool = torch.randn(args.layers, 2, need, 16, heads, dim).to(dtype)
     evict = [torch.randn(LINEAR_BYTES // 4) for _ in range(args.layers)]
     variants = ["cold", "hot", "stream"]
     rounds: dict[str, dict[str, list[float]]] = {}
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
                     case[variant].append(
                         step_ms(kernel, pool, evict, group, batch, context, variant, args.steps)
                     )
-    print(f"shape {args.shape}, {args.layers} layers, {args.threads} threads; ms per step")
+    print(f"shape {args.shape}, {args.dtype}, {args.layers} layers, {args.threads} threads; "
+          "ms per step")  # fmt: skip
     print("case          cold    hot  stream  cold/hot  cold/stream (rounds)")
     for name, case in rounds.items():
         med = {v: statistics.median(case[v]) for v in variants}

@@ -5,7 +5,7 @@ tokens/s for one 2048-token prompt.
 halfmoon's ``LLMEngine`` and transformers (``generate``, SDPA, ``use_cache``) run in this
 process; vLLM's offline ``LLM`` runs in ``.venv-vllm`` (``make vllm`` / ``vllm_env.sh`` makes
 it) as a subprocess, ``benchmarks/micro/vllm_peer.py``, driven line by line so that the three
-take turns. Every engine gets float32, ``--threads`` threads (vLLM: ``OMP_NUM_THREADS``
+take turns. Every engine gets float32 (``--dtype bfloat16``: bfloat16), ``--threads`` threads (vLLM: ``OMP_NUM_THREADS``
 and its thread binding), prefix caching off, the same ``max_model_len``, greedy
 sampling, ``ignore_eos`` and the same random token-id prompts (distinct per sequence).
 
@@ -72,6 +72,7 @@ from halfmoon.core.request import SamplingParams
 from halfmoon.engine import hugepages
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import KVHandoff, LLMEngine
+from halfmoon.engine.kv_cache import torch_dtype
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -134,6 +135,7 @@ class VllmPeer:
             "--threads", str(args.threads), "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(max(args.batches)), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--kv-space-gb", str(args.vllm_kv_gb),
+            "--dtype", getattr(args, "dtype", "float32"),
         ]  # fmt: skip
         lora_modules = getattr(args, "lora_modules", ())
         if lora_modules:
@@ -210,7 +212,7 @@ class Halfmoon:
     ):
         self.engine = LLMEngine(
             EngineConfig(
-                model=model, dtype="float32", kv_cache_mb=args.halfmoon_kv_mb,
+                model=model, dtype=getattr(args, "dtype", "float32"), kv_cache_mb=args.halfmoon_kv_mb,
                 max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=False,
                 num_threads=args.threads, attention=attention or args.attention, device=args.device,
@@ -230,7 +232,7 @@ class Halfmoon:
         computed = len(prompts[0]) - 1
         generator = torch.Generator().manual_seed(seed)
         data = torch.randn(layout.buffer_shape(-(-computed // layout.block_size)),
-                           generator=generator)  # fmt: skip
+                           generator=generator).to(torch_dtype(layout.dtype))  # fmt: skip
         return [
             KVHandoff(request_id=f"d{i}", token_ids=tuple(p), num_prompt_tokens=len(p),
                       num_computed_tokens=computed, seed=0, layout=layout, data=data)
@@ -261,14 +263,14 @@ def sync(device: str) -> None:
 
 
 class Transformers:
-    def __init__(self, model: str, device: str = "cpu"):
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32"):
         import transformers
 
         transformers.logging.set_verbosity_error()
         self.device = device
         self.model = (
             transformers.AutoModelForCausalLM.from_pretrained(
-                model, dtype=torch.float32, attn_implementation="sdpa"
+                model, dtype=getattr(torch, dtype), attn_implementation="sdpa"
             )
             .eval()
             .to(device)
@@ -394,6 +396,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF directory or a model name")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights and KV of every engine (vLLM's CPU default: bfloat16)",
+    )
     parser.add_argument("--device", default="cpu",
                         help="halfmoon's and transformers' device (cpu, cuda); vLLM's CPU "
                         "build stays on the CPU: leave it out (--engines) on a GPU")  # fmt: skip
@@ -499,7 +507,7 @@ def run(args, engines, model_dir, peer, log):
     hm = Halfmoon(model_dir, args) if "halfmoon" in engines else None
     variants = {name: Halfmoon(model_dir, args, **OPTIONAL_ENGINES[name])
                 for name in OPTIONAL_ENGINES if name in engines}  # fmt: skip
-    hf = Transformers(model_dir, args.device) if "transformers" in engines else None
+    hf = Transformers(model_dir, args.device, args.dtype) if "transformers" in engines else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = hm.engine.model_config.vocab_size if hm else hf.config.vocab_size  # type: ignore[union-attr]
     meta: dict[str, Any] = {

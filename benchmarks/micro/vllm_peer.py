@@ -2,7 +2,7 @@
 
 Runs INSIDE ``.venv-vllm`` (``make vllm`` or ``benchmarks/micro/vllm_env.sh`` makes it), started
 by path (vLLM imports this file as the module ``vllm_peer``), and never imports halfmoon.
-It holds one offline ``vllm.LLM`` over an HF directory in float32 (the first start
+It holds one offline ``vllm.LLM`` over an HF directory in float32 (``--dtype``; the first start
 compiles the model, 30-50 s, so one process measures every case):
 
 - ``--serve``: reads JSON commands from stdin, one a line, and answers each with one
@@ -158,7 +158,7 @@ class Peer:
             **spec,
             model=args.model,
             tokenizer=args.model,
-            dtype="float32",
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -294,6 +294,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-space-gb", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--serve", action="store_true", help="JSON commands on stdin")
     parser.add_argument(
         "--lora-modules",

@@ -252,8 +252,8 @@ class EngineConfig:
     over at most ``max_num_seqs`` sequences; one prompt contributes at most
     ``prefill_chunk_tokens`` per step (chunked prefill). ``max_model_len`` caps prompt +
     output (default: the model's context). ``num_threads`` sets torch's intra-op threads
-    (None leaves torch's choice). ``prepack_weights``: on CPU in float32, pack the linear
-    layers' weights once for oneDNN (faster decode; see :mod:`halfmoon.engine.prepack`);
+    (None leaves torch's choice). ``prepack_weights``: on CPU in float32 (bfloat16 too
+    where the CPU computes it natively), pack the linear layers' weights once for oneDNN (faster decode; see :mod:`halfmoon.engine.prepack`);
     ``prepack_lm_head`` the LM head's (a tied head keeps a second, packed copy).
     ``attention``: decode attention by the compiled kernel that reads the paged pool in
     place (``compiled``; built once per model shape, see :mod:`halfmoon.engine.kernels`),

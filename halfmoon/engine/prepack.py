@@ -1,11 +1,17 @@
-"""CPU float32 weight prepacking for the decoder's linear layers (oneDNN blocked layout).
+"""CPU weight prepacking for the decoder's linear layers (oneDNN blocked layout).
 
 MKL's sgemm re-packs the weight matrix on every call; at decode batch sizes that costs
 about as much as the multiply itself. Packing once at load time (the op PyTorch's own
 compiler uses when it freezes a CPU model) measured, over the small preset's 12 layers
 on 2 threads: 34 -> 20 ms at 8 rows, 43 -> 34 ms at 32 rows, unchanged at prefill sizes
-(512-2048 rows), 9% slower at 1 row (13.7 -> 15.0 ms). bfloat16 gains nothing (its
-``F.linear`` already goes through oneDNN), so only float32 on CPU is packed. A packed
+(512-2048 rows), 9% slower at 1 row (13.7 -> 15.0 ms). On a CPU without native
+bfloat16 (AVX2) bfloat16 gains nothing (its ``F.linear`` already goes through oneDNN);
+on one with it (AVX512-BF16 or AMX), packed bfloat16 weights run oneDNN's AMX kernels on
+a straight read: SmolLM2's four linears streamed from memory, 2 threads, 0.73x the plain
+``F.linear``'s time at 1 row, 0.79x at 8, 0.90x at 32, its LM head 0.60-0.82x
+(``benchmarks/micro/linears.py``; docs/benchmarks.md, "bfloat16 against vLLM's CPU
+default"). So float32 is packed on any CPU, bfloat16 where the CPU computes it natively.
+A packed
 call also costs ~15-20 us more, which loses on the smallest matrices: weights of at
 least 1 MiB are packed (the tiny preset's 4 layers, side by side: steps 1.12x faster at
 batch 1, 1.13-1.29x at 8 and 32; its 0.5 MiB q|k|v and 0.25 MiB o lose 20-50 us a call
@@ -21,7 +27,8 @@ shares its matrix with the embedding table, which the lookup still needs in plai
 so packing it keeps a second, packed copy (``vocab x hidden`` floats, like vLLM's
 oneDNN handle); an untied head is replaced.
 
-Results differ from ``F.linear`` by float32 rounding only (~3e-6 relative).
+Results differ from ``F.linear`` by float32 rounding only (~3e-6 relative); in
+bfloat16 they measured equal to it.
 """
 
 from __future__ import annotations
@@ -39,11 +46,29 @@ _MIN_PACKED_BYTES = 2**20
 _STREAMED_MODEL_BYTES = 32 * 2**20
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16 on x86, as
+    ``/proc/cpuinfo`` lists them; False where it cannot be read)."""
+    global _NATIVE_BF16
+    if _NATIVE_BF16 is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            flags = []
+        _NATIVE_BF16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    return _NATIVE_BF16
+
+
+_NATIVE_BF16: bool | None = None
+
+
 def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether this torch build can pack float32 weights for ``device``."""
+    """Whether this torch build can pack ``dtype`` weights for ``device``: float32 on
+    any CPU, bfloat16 on one that computes it natively (:func:`native_bf16`)."""
     return (
         torch.device(device).type == "cpu"
-        and dtype == torch.float32
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16()))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -1,4 +1,5 @@
-"""CPU float32 weight prepacking: same logits as the plain model, only large weights packed."""
+"""CPU weight prepacking: same logits as the plain model, only large weights packed;
+bfloat16 packed only where the CPU computes it natively."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from halfmoon.core.request import SamplingParams
+from halfmoon.engine import prepack as prepack_module
 from halfmoon.engine.config import EngineConfig, ModelConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.loader import LoadedModel
@@ -26,8 +28,8 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 
 
-def loaded_model(config: ModelConfig = CONFIG) -> LoadedModel:
-    model = empty_model(config, torch.float32, "cpu")
+def loaded_model(config: ModelConfig = CONFIG, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    model = empty_model(config, dtype, "cpu")
     init_random_weights(model, seed=3, std=0.05)
     return LoadedModel(config, model.eval(), None, ())
 
@@ -82,3 +84,35 @@ def test_packed_lm_head_gives_the_plain_logits(tied: bool) -> None:
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
     # The embedding (tied: the head's plain copy) still serves the lookup.
     assert model.embed_tokens.weight.shape == (256, CONFIG.hidden_size)
+
+
+def test_bfloat16_is_packed_only_on_a_cpu_that_computes_it(monkeypatch) -> None:
+    for native in (False, True):
+        monkeypatch.setattr(prepack_module, "_NATIVE_BF16", native)
+        assert can_prepack("cpu", torch.bfloat16) is native
+        assert can_prepack("cpu", torch.float32)
+        assert not can_prepack("cpu", torch.float16)
+        # gate|up (1.5 MiB in bfloat16) of both layers; down (0.75 MiB) stays plain
+        assert prepack_linears(loaded_model(dtype=torch.bfloat16).model) == 2 * native
+
+
+@pytest.mark.skipif(not prepack_module.native_bf16(), reason="no native bfloat16 on this CPU")
+def test_packed_bfloat16_engine_generates_like_the_plain_one() -> None:
+    """On a CPU with native bfloat16: the packed model's greedy tokens and logits are the
+    plain bfloat16 model's."""
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for prepack in (False, True):
+        config = EngineConfig(
+            model="unused", dtype="bfloat16", kv_cache_mb=8, prepack_weights=prepack,
+            prepack_lm_head=prepack, attention="reference",
+        )  # fmt: skip
+        loaded = loaded_model(dtype=torch.bfloat16)
+        engine = LLMEngine(config, loaded=loaded)
+        assert isinstance(loaded.model.layers[0].gate_up_proj, PackedLinear) is prepack
+        outputs.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+    x = torch.randn(8, 512, dtype=torch.bfloat16)
+    plain = torch.nn.Linear(512, 3072, bias=False).to(torch.bfloat16)
+    torch.testing.assert_close(PackedLinear(plain)(x), plain(x))
