@@ -19,7 +19,9 @@ pieces that cost most:
 :func:`load_glue` AOT-compiles all three (:mod:`halfmoon.engine.kernels`' package cache;
 one package each per model shape, batch dynamic; ~17 s each to build, once): one call of
 ~12 us each. Measured on one 576-wide row: add + norm 45 -> 12 us. The compiled math
-differs from the eager by float rounding only (the norm's reduction order).
+differs from the eager by float rounding only (the norm's reduction order); in
+bfloat16 / float16 it is the eager math bit for bit (``emulate_precision_casts``, see
+:func:`halfmoon.engine.kernels.inductor_options`).
 """
 
 from __future__ import annotations

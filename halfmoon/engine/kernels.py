@@ -195,6 +195,12 @@ def inductor_options(thread_hint: int | None) -> dict[str, object]:
         # slower): the engine's block tables and slots hold valid pool positions only.
         "assert_indirect_indexing": False,
         "cpp.threads": thread_hint or -1,
+        # In bfloat16 / float16, round every intermediate the eager ops round (inductor
+        # would keep fused intermediates in float32): the compiled pieces then compute
+        # what the eager reference does, so a low-precision model's greedy tokens do not
+        # hinge on which path ran (SmolLM2 in bfloat16: "The" and "L" tied otherwise).
+        # No effect in float32.
+        "emulate_precision_casts": True,
     }
 
 
