@@ -234,6 +234,8 @@ def create_app(
 
     app.include_router(responses_router(gw, _start, _check_busy))
 
-    if config.access_log:  # added last, so outermost: it sees every answer (401, 413...)
+    if config.access_log:  # added late, so outer: it sees every answer (401, 413...)
         app.add_middleware(AccessLog)
+    if config.cors is not None:  # outermost: preflights answered before the key check
+        config.cors.install(app)
     return app

@@ -31,6 +31,7 @@ from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.metrics.latency import tbt_gaps_s
 from halfmoon.serve.gateway.access_log import note_generation
 from halfmoon.serve.gateway.backend import Backend, BackendError, GenerationChunk
+from halfmoon.serve.gateway.exposure import CorsPolicy
 from halfmoon.serve.gateway.openai_api import (
     STRUCTURED_FIELDS,
     ChatCompletionRequest,
@@ -70,6 +71,9 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     #: Requests in flight beyond this get 429 (back-pressure, never unbounded queues).
     max_concurrent_requests: int = 512
+    #: Browser origins allowed to call the API (``--allowed-origins``; None: no CORS
+    #: headers at all; halfmoon.serve.gateway.exposure).
+    cors: CorsPolicy | None = None
     #: Threads that tokenize and render chat templates, off the event loop (a 4 MB prompt
     #: takes ~1 s to tokenize; on the loop it froze every other client's stream).
     tokenizer_threads: int = 2

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from halfmoon.serve.gateway.exposure import TlsOptions
 from halfmoon.serve.gateway.openai_api import error_body
 
 ASGIApp = Any
@@ -202,12 +203,16 @@ def guarded_protocol(header_timeout_s: float, limits: ConnectionLimits | None = 
     return GuardedH11Protocol
 
 
-def server_config(app: ASGIApp, host: str, port: int, limits: ConnectionLimits) -> Any:
-    """The uvicorn configuration of a gateway serving ``app`` with ``limits``."""
+def server_config(
+    app: ASGIApp, host: str, port: int, limits: ConnectionLimits, tls: TlsOptions | None = None
+) -> Any:
+    """The uvicorn configuration of a gateway serving ``app`` with ``limits``, over HTTPS
+    with ``tls``."""
     import uvicorn
 
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off",
         http=guarded_protocol(limits.header_timeout_s, limits),
         timeout_keep_alive=limits.keep_alive_s,
+        **(tls.uvicorn_settings() if tls is not None else {}),
     )  # fmt: skip

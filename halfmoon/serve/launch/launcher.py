@@ -28,6 +28,7 @@ from halfmoon.core.adapters import (
 )
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
+from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.gateway.tools import PARSERS
 from halfmoon.serve.launch.processes import ProcessGroup
@@ -166,9 +167,11 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         allow_runtime_lora=runtime_lora_allowed(
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
+        cors=CorsPolicy.from_args(args),
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
-    server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits()))
+    tls = TlsOptions.from_args(args)
+    server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits(), tls))
     log.info(
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
         limit.max_model_len, limit.source, config.max_tokens_limit,
@@ -197,6 +200,7 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
     announce = loop.create_task(announce_when_listening(  # the URL, once it answers
         server, args.host, args.port,
         lambda url: ready_line(config.model_name, url, args.mode, num_workers, page), log,
+        scheme="https" if tls is not None else "http",
     ))  # fmt: skip
     settle_gc()
     try:
@@ -365,6 +369,8 @@ def check_shape(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the cluster and serve until interrupted."""
     check_shape(args)
+    CorsPolicy.from_args(args)  # bad CORS or TLS flags: an error before anything starts
+    TlsOptions.from_args(args)
     args.host = args.host or "127.0.0.1"
     if args.startup_timeout is None:
         # A first start on a busy 2-core machine compiles kernels and measures the cost
@@ -503,6 +509,7 @@ def register(subparsers: Any) -> None:
         help="no log line per request (method, path, status, tokens, TTFT, total time)",
     )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
+    add_exposure_options(p)
     add_engine_options(p)
     add_conductor_options(p, "live")
     from halfmoon.serve.launch.replan import add_replan_options

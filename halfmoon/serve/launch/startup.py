@@ -113,12 +113,12 @@ def bound_port(server: Any, default: int) -> int:
 
 async def announce_when_listening(
     server: Any, host: str, port: int, describe: Callable[[str], str], log: logging.Logger,
-    poll_s: float = 0.05,
+    poll_s: float = 0.05, scheme: str = "http",
 ) -> None:  # fmt: skip
     """Log ``describe(base URL)`` once ``server`` (uvicorn) accepts connections: the URL
-    is printed only when it works, with the real port."""
+    is printed only when it works, with the real port (``scheme``: https with TLS)."""
     while not server.started:
         if server.should_exit:
             return
         await asyncio.sleep(poll_s)
-    log.info("%s", describe(f"http://{host}:{bound_port(server, port)}"))
+    log.info("%s", describe(f"{scheme}://{host}:{bound_port(server, port)}"))
