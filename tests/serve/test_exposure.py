@@ -121,12 +121,16 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="no o
 @needs_openssl
 def test_bad_tls_flags_are_named(tmp_path: Path) -> None:
     key, cert = self_signed(tmp_path)
+    locked = str(tmp_path / "locked.pem")  # the key under a passphrase: no prompt, an error
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:pw", "-out", locked],
+                   check=True, capture_output=True)  # fmt: skip
     assert TlsOptions.from_args(parse()) is None
     cases = [
         (["--ssl-keyfile", key], "both --ssl-keyfile and --ssl-certfile"),
         (["--ssl-ca-certs", cert], "need --ssl-keyfile"),
         (["--ssl-keyfile", key, "--ssl-certfile", str(tmp_path / "no.pem")], "no such file"),
         (["--ssl-keyfile", cert, "--ssl-certfile", cert], "cannot load"),
+        (["--ssl-keyfile", locked, "--ssl-certfile", cert], "cannot load"),
         (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "2"], "CA bundle"),
         (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-cert-reqs", "5"], "use 0"),
     ]

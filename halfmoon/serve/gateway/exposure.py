@@ -120,7 +120,8 @@ class TlsOptions:
                 raise HalfmoonError(f"{flag} {path}: no such file")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            context.load_cert_chain(self.certfile, self.keyfile)
+            # (no password: an encrypted key fails here rather than prompting on a terminal)
+            context.load_cert_chain(self.certfile, self.keyfile, password=lambda: b"")
             if self.ca_certs:
                 context.load_verify_locations(self.ca_certs)
         except (ssl.SSLError, OSError) as exc:

@@ -405,11 +405,12 @@ def run_worker(args: argparse.Namespace) -> int:
         store = ClusterPrefixCache.make_store(
             engine, options.store_dram_mb, ssd_dir, options.store_ssd_mb, holdings, namespace
         )
-        if store.stats().num_foreign_blocks:
+        foreign = store.stats().num_foreign_blocks
+        if foreign:
             log.warning(
                 "%s: %s held %d KV blocks of other weights (another model, dtype, block size "
                 "or adapters); they are not served and their space is reused", name, ssd_dir,
-                store.stats().num_foreign_blocks,
+                foreign,
             )  # fmt: skip
     transfer = None
     if args.role != "coupled" and kv_connector is None:
