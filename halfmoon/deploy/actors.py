@@ -33,6 +33,7 @@ from typing import Any
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
+from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.launch.launcher import prepare_model
 from halfmoon.serve.launch.processes import ProcessGroup
 from halfmoon.serve.runtime import free_port, load_secret
@@ -200,7 +201,7 @@ class GatewayHost:
         # From now on the pools change size at run time: healthy means each pool has one.
         backend.expected_instances = num_pools
         limit = served_context(model_dir, spec.max_model_len, spec.kv_cache_mb,
-                               spec.block_size, spec.dtype)  # fmt: skip
+                               spec.block_size, resolve_dtype(spec.dtype, model_dir))  # fmt: skip
         config = GatewayConfig(
             spec.served_model_name or model_dir.name.split("-seed")[0],
             limit.max_model_len,

@@ -58,14 +58,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from halfmoon.core.speculative import parse_speculative_config
-    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.catalog import resolve_model
+    from halfmoon.engine.config import EngineConfig, resolve_dtype
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.engine.sampling import EngineSamplingParams
 
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, resolve_model(args.model, progress=_progress))
     config = EngineConfig(
         model=args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype,
         kv_cache_mb=args.kv_cache_mb,
         lora_modules=(("lora", args.lora),) if args.lora else (),
         speculative=parse_speculative_config(args.speculative_config),
@@ -173,6 +177,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                     help="auto: the model's config dtype, float32 models in bfloat16 (as vLLM)")  # fmt: skip
     gen.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool size in MiB")
     gen.set_defaults(func=_cmd_generate)

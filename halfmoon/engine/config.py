@@ -7,8 +7,10 @@ Llama family (Llama 2/3, Qwen2, Mistral); :class:`EngineConfig` holds the servin
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
@@ -24,6 +26,31 @@ ARCHITECTURES: Mapping[str, str] = {
 #: RoPE variants implemented in :mod:`halfmoon.engine.rope`.
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+#: vLLM's other ``--dtype`` names.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def resolve_dtype(dtype: str, model_dir: Path | None) -> str:
+    """The dtype ``--dtype`` names: one of :data:`DTYPES`, vLLM's aliases (``half``,
+    ``float``), or ``auto``, which picks as vLLM's CPU backend does: the model's
+    ``config.json`` ``torch_dtype`` (``dtype``), a float32 (or unnamed) model served in
+    bfloat16. HalfmoonError for anything else."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype in DTYPES:
+        return dtype
+    if dtype != "auto":
+        raise HalfmoonError(
+            f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)} (or half, float)"
+        )
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir else {}
+    except (OSError, ValueError):
+        config = {}
+    named = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    named = named.removeprefix("torch.")
+    return named if named in ("bfloat16", "float16") else "bfloat16"
+
+
 #: Decode-attention backends (:mod:`halfmoon.engine.kernels`).
 ATTENTION_BACKENDS = ("auto", "compiled", "reference")
 

@@ -1,6 +1,8 @@
-"""A disaggregated cluster in bfloat16 (vLLM's CPU default dtype): the prefill worker's
-KV reaches the decode worker and the prefix store in bfloat16, and the answers are the
-offline engine's in bfloat16, token for token, the first time and from the cache."""
+"""A disaggregated cluster in bfloat16 (vLLM's CPU default dtype), asked for as vLLM users
+do (``--dtype auto``: the tiny preset's config says float32, served in bfloat16): the
+prefill worker's KV reaches the decode worker and the prefix store in bfloat16, and the
+answers are the offline engine's in bfloat16, token for token, the first time and from
+the cache."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ PROMPT = [(i * 29) % 3000 + 7 for i in range(75)]  # 4 full blocks and a partial
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    return cluster_factory("--dtype", "bfloat16", "--kv-cache-mb", "16")
+    return cluster_factory("--dtype", "auto", "--kv-cache-mb", "16")
 
 
 def _complete(cluster, prompt: list[int], max_tokens: int):

@@ -168,3 +168,19 @@ def test_every_tensor_of_a_preset_is_on_its_device(tmp_path: Path) -> None:
         model = loaded.model
         assert model.inv_freq.device.type == "meta" and model.inv_freq.dtype == torch.float32
         assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_dtype_auto_picks_as_vllm_does(tmp_path: Path) -> None:
+    from halfmoon.engine.config import resolve_dtype
+
+    for named, picked in [("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+                          ("float16", "float16"), (None, "bfloat16")]:  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": named}))
+        assert resolve_dtype("auto", tmp_path) == picked
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))  # newer name
+    assert resolve_dtype("auto", tmp_path) == "float16"
+    assert resolve_dtype("auto", tmp_path / "missing") == "bfloat16"
+    assert resolve_dtype("half", None) == "float16" and resolve_dtype("float", None) == "float32"
+    assert resolve_dtype("float32", None) == "float32"
+    with pytest.raises(HalfmoonError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", tmp_path)

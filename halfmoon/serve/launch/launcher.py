@@ -28,6 +28,7 @@ from halfmoon.core.adapters import (
 )
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
+from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.gateway.tools import PARSERS
@@ -359,9 +360,11 @@ def check_shape(args: argparse.Namespace) -> None:
 
         load_chat_template(args.chat_template)  # a missing file fails here, by its name
     roles = ("prefill", "decode") if args.mode == "disaggregated" else ("coupled",)
+    # (--dtype auto is resolved once the model is prepared; checked here as its 2 bytes)
+    dtype = resolve_dtype(args.dtype, None)
     for role in roles:  # the workers' engine options, checked before any process starts
         try:
-            engine_config(argparse.Namespace(**{**vars(args), "role": role}))
+            engine_config(argparse.Namespace(**{**vars(args), "role": role, "dtype": dtype}))
         except HalfmoonError as exc:
             raise HalfmoonError(f"{role} workers: {exc}") from None
 
@@ -379,6 +382,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log = setup_logging("serve", args.log_level)
     warn_if_public(args.host, log)
     model_dir = prepare_model(args.model, args.seed)
+    args.dtype = resolve_dtype(args.dtype, model_dir)  # --dtype auto: the model's, as vLLM
     if args.engine == "vllm" and args.max_model_len is None:
         from halfmoon.serve.vllm.server import fitting_max_model_len
 

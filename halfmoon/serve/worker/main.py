@@ -18,6 +18,7 @@ from halfmoon.core.jsonconfig import config_fields, config_to_json
 from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.core.speculative import parse_speculative_config
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
+from halfmoon.engine.config import DTYPES, resolve_dtype
 from halfmoon.serve.runtime import (
     load_secret,
     read_config_document,
@@ -58,7 +59,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         f"(`halfmoon model list`; default {DEFAULT_MODEL})",
     )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype", default="float32",
+        help="float32, bfloat16 or float16 (half, float), or auto: the model's config dtype, "
+        "a float32 model in bfloat16 (as vLLM picks on a CPU)",
+    )  # fmt: skip
     parser.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV pool per worker, MiB")
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
@@ -307,8 +312,11 @@ def worker_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def with_model(engine_json: str, model_dir: Path) -> str:
-    """The engine document ``engine_json`` serving the model prepared at ``model_dir``."""
-    return replace(EngineOptions.from_json(engine_json), model=str(model_dir)).to_json()
+    """The engine document ``engine_json`` serving the model prepared at ``model_dir``
+    (``--dtype auto`` resolved for it)."""
+    options = EngineOptions.from_json(engine_json)
+    dtype = resolve_dtype(options.dtype, model_dir)
+    return replace(options, model=str(model_dir), dtype=dtype).to_json()
 
 
 def model_identity(model: str, seed: int) -> str:
@@ -375,6 +383,11 @@ def run_worker(args: argparse.Namespace) -> int:
     name = f"{args.role}-{args.index}"
     log = setup_logging(name, args.log_level)
     options = worker_options(args)
+    if options.dtype not in DTYPES:  # auto (or an alias): as the model's config says
+        from halfmoon.engine.catalog import resolve_model
+
+        model_dir = resolve_model(options.model, options.seed)
+        options = replace(options, dtype=resolve_dtype(options.dtype, model_dir))
     warn_if_public(args.host, log)
     secret = load_secret()
     stop = stop_event_on_signals()
