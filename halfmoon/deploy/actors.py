@@ -159,7 +159,7 @@ class GatewayHost:
         self.spec = spec
         self.host = spec.host or node_address()
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.url = f"http://{self.host}:{spec.port}"
+        self.url = f"{'https' if spec.tls is not None else 'http'}://{self.host}:{spec.port}"
         self._args = (conductor, controller_name, num_workers, num_pools)
         self._ready = threading.Event()
         self._error: str | None = None
@@ -218,6 +218,7 @@ class GatewayHost:
             end_token_ids=end_token_ids(model_dir),
             scheduling_policy=spec.scheduling_policy,
             lora_modules=spec.lora_modules,
+            cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
                  limit.max_model_len, limit.source)  # fmt: skip
@@ -226,7 +227,9 @@ class GatewayHost:
         controller = _ControllerClient(controller_name)
         app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
-        self._server = uvicorn.Server(server_config(app, self.host, spec.port, ConnectionLimits()))
+        self._server = uvicorn.Server(
+            server_config(app, self.host, spec.port, ConnectionLimits(), spec.tls)
+        )
         replanning = None
         if spec.replan is not None:  # each worker on CPUs of its own: host_cores None
             from halfmoon.deploy.replan import PoolMover

@@ -79,12 +79,6 @@ def run_serve_or_ray(args: argparse.Namespace) -> int:
     if args.ray is None:
         return run_serve(args)
     check_shape(args)
-    exposed = [
-        f for f in ("allowed_origins", "ssl_keyfile", "ssl_certfile") if getattr(args, f, None)
-    ]
-    if exposed:
-        flags = ", ".join("--" + f.replace("_", "-") for f in exposed)
-        raise HalfmoonError(f"{flags}: not served by Ray deployments yet (serve without --ray)")
     from halfmoon.deploy.ray_serve import run_serve_ray
 
     return run_serve_ray(args)

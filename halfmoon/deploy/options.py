@@ -14,6 +14,7 @@ from typing import Any
 
 from halfmoon.core.adapters import lora_pairs, parse_lora_modules
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
 from halfmoon.sim.replan import ReplanConfig
@@ -170,6 +171,10 @@ class GatewaySpec:
     #: The workers' pool and dtype: the served context must fit one worker's KV pool.
     kv_cache_mb: float | None = None
     dtype: str = "float32"
+    #: ``--allowed-origins`` ... (CORS) and ``--ssl-*`` (HTTPS; the files must be on the
+    #: gateway's node); None: neither (halfmoon.serve.gateway.exposure).
+    cors: CorsPolicy | None = None
+    tls: TlsOptions | None = None
     #: ``--replan``: the gateway re-plans the P:D split (None: the pools keep their
     #: sizes unless scaled); with the workers' batch limit and decode guard, which the
     #: simulated instances need.
@@ -249,6 +254,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         max_tokens_limit=getattr(args, "max_tokens_limit", None),
         access_log=not getattr(args, "disable_access_log", False),
         kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
+        cors=CorsPolicy.from_args(args), tls=TlsOptions.from_args(args),
         replan=replan_config_from_args(args), max_num_seqs=getattr(args, "max_num_seqs", 64),
         decode_guard=getattr(args, "decode_guard", "reject"),
         generation_config=getattr(args, "generation_config", "auto"),

@@ -90,3 +90,22 @@ def test_cluster_scale_arguments():
         scale_targets(build_parser().parse_args(["cluster", "scale"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cluster"])  # an action is required
+
+
+def test_the_gateway_spec_carries_cors_and_tls(tmp_path):
+    import shutil
+    import subprocess
+
+    from halfmoon.serve.gateway.exposure import CorsPolicy
+
+    spec = deploy_spec(_serve("--ray", "--allowed-origins", "https://a.example"), "{}", "{}")
+    assert spec.gateway.cors == CorsPolicy(("https://a.example",)) and spec.gateway.tls is None
+    if shutil.which("openssl") is None:
+        return
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)  # fmt: skip
+    argv = ("--ray", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    tls = deploy_spec(_serve(*argv), "{}", "{}").gateway.tls
+    assert tls is not None and (tls.keyfile, tls.certfile) == (str(key), str(cert))

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from halfmoon.deploy.record import load_record
@@ -28,6 +29,7 @@ from .conftest import RayNodes, marked_processes
 
 API_KEY = "ray-e2e-key"
 NAME = "e2e"
+ORIGIN = "https://app.example"
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -51,7 +53,7 @@ def deployment(ray_nodes: RayNodes, tmp_path_factory):
         "1", "--prefill-resource", "prefill", "--decode-resource", "decode",
         "--port", str(free_port()), "--api-key", API_KEY, "--max-worker-restarts", "2",
         "--store-dram-mb", "32", "--startup-timeout", "150", "--deployment-name", NAME,
-        log=log,
+        "--allowed-origins", ORIGIN, log=log,
     )  # fmt: skip
     try:
         url = _wait_for_url(serve, log)
@@ -71,6 +73,13 @@ def test_serve_and_scale_on_two_nodes(deployment: Deployment, ray_nodes: RayNode
 
     url = deployment.url
     _complete(url)
+    # the gateway actor answers a browser page's preflight (CORS), before the key check
+    preflight = httpx.options(f"{url}/v1/completions", timeout=10, headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    })  # fmt: skip
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
     controller = ray.get_actor(NAME, namespace="halfmoon")
     workers = _workers(controller)
     # the pools are pinned by their custom resources: one node each
