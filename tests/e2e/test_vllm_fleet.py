@@ -46,6 +46,7 @@ def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
         "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
         "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
         "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
+        "--allow-runtime-lora-updating",  # (and load more while serving)
     )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
@@ -370,3 +371,33 @@ def test_a_lora_adapter_answers_as_vllms_own(fleet, smollm2_dir):
     assert served.choices[0].text == expected and served.model == "sql"
     cards = httpx.get(fleet.base_url + "/v1/models", timeout=30).json()["data"]
     assert [c["id"] for c in cards] == ["smollm2-135m-instruct", "sql"]
+
+
+def test_an_adapter_loaded_while_serving_reaches_every_vllm_server(fleet, smollm2_dir,
+                                                                  smollm2_adapter):  # fmt: skip
+    """``/v1/load_lora_adapter`` with ``--engine vllm``: each worker has its server load
+    the adapter (vLLM's own endpoint, its runtime switch on); a request naming it answers
+    as the same weights under ``--lora-modules`` do, on every server; after
+    ``/v1/unload_lora_adapter`` the name is gone, and a bad path is vLLM's refusal."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    loaded = httpx.post(fleet.base_url + "/v1/load_lora_adapter", timeout=300,
+                        json={"lora_name": "live", "lora_path": str(smollm2_adapter)})  # fmt: skip
+    assert loaded.status_code == 200, loaded.text
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode(PROMPTS[1])
+    for url in sorted(_vllm_servers(fleet).values()):  # each server has it, as vLLM's own
+        assert vllm_greedy(url, ids, 16, model="live") == vllm_greedy(url, ids, 16, model="sql")
+    expected = tokenizer.decode(vllm_greedy(_live_server(fleet), ids, 16, model="sql"))
+    for _ in range(2):  # (whichever server the router picks)
+        served = _client(fleet).completions.create(model="live", prompt=PROMPTS[1],
+                                                   max_tokens=16, temperature=0)  # fmt: skip
+        assert served.choices[0].text == expected and served.model == "live"
+    gone = httpx.post(fleet.base_url + "/v1/unload_lora_adapter", timeout=120,
+                      json={"lora_name": "live"})  # fmt: skip
+    assert gone.status_code == 200, gone.text
+    cards = httpx.get(fleet.base_url + "/v1/models", timeout=30).json()["data"]
+    assert [c["id"] for c in cards] == ["smollm2-135m-instruct", "sql"]
+    bad = httpx.post(fleet.base_url + "/v1/load_lora_adapter", timeout=120,
+                     json={"lora_name": "other", "lora_path": str(smollm2_dir)})  # fmt: skip
+    assert bad.status_code in (400, 404), bad.text

@@ -259,6 +259,26 @@ def test_lora_adapters_reach_vllms_command_line(tmp_path) -> None:
         lora_argv((("d", str(tmp_path / "missing")),))
 
 
+def test_a_server_for_adapters_loaded_while_serving(tmp_path) -> None:
+    """``--allow-runtime-lora-updating`` with ``--engine vllm``: the server gets vLLM's
+    runtime switch and LoRA room for more adapters, with or without ``--lora-modules``."""
+    launch = VllmLaunch("python3", "/m", "smol", runtime_lora=True)
+    argv = launch.argv(8000, 5557, 5558, "t")
+    assert "--enable-lora" in argv and "--lora-modules" not in argv
+    assert argv[argv.index("--max-loras") + 1] == "4"
+    assert argv[argv.index("--max-lora-rank") + 1] == "64"
+    assert launch.env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"r": 128}))
+    argv = VllmLaunch("python3", "/m", "smol", lora_modules=(("a", str(tmp_path / "a")),),
+                      runtime_lora=True).argv(8000, 5557, 5558, "t")  # fmt: skip
+    assert argv[argv.index("--max-loras") + 1] == "5"
+    assert argv[argv.index("--max-lora-rank") + 1] == "128"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in VllmLaunch("python3", "/m", "s").env() or (
+        os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    )
+
+
 @pytest.mark.parametrize("flag", [
     ("--tensor-parallel-size", "2"), ("-tp", "2"), ("--pipeline_parallel_size=2",),
     ("--distributed-executor-backend", "mp"), ("--data-parallel-size=2",),

@@ -465,7 +465,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA "
         f"adapters loaded into every worker while the cluster serves (as vLLM's {RUNTIME_LORA_ENV}"
-        "=True, which is honoured too); halfmoon's engine only",
+        "=True, which is honoured too); with --engine vllm through each server's own endpoints",
     )
     p.add_argument(
         "--max-concurrent-requests",

@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from halfmoon.core.adapters import RuntimeAdapter
+from halfmoon.core.adapters import RUNTIME_LORA_ENV, RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
@@ -217,12 +217,18 @@ def structured_outputs_body(structured: StructuredOutput) -> dict[str, Any]:
     return out
 
 
+def _error_message(text: str) -> str:
+    """The message of a vLLM error answer (its OpenAI-style ``error`` object), else the
+    text's first 500 characters."""
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
 def _refused(request_id: str, status: int, text: str) -> _Chunk:
     """A request vLLM answered with an HTTP error (5xx: retryable elsewhere)."""
-    try:
-        message = json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = text[:500]
+    message = _error_message(text)
     failure = RequestFailure(
         request_id, f"vLLM refused the request ({status}): {message}", retryable=status >= 500
     )
@@ -380,16 +386,30 @@ class VllmServerConnector(EngineConnector):
     cached_tokens_at_finish = True  # vLLM reports them in the request's final usage
 
     def load_lora(self, adapter: RuntimeAdapter) -> None:
-        raise HalfmoonError(
-            "loading a LoRA adapter while serving needs halfmoon's engine: a vLLM-backed "
-            "worker serves the adapters its server started with (--lora-modules)"
-        )
+        """vLLM's own ``/v1/load_lora_adapter`` on this worker's server (started with its
+        runtime switch by ``--allow-runtime-lora-updating``); HalfmoonError with the
+        server's reason. (vLLM keys an adapter's prefix blocks by name and path; the
+        requests' cache salt, which carries the load's tag, keeps a reload apart.)"""
+        self._lora_call("load", {"lora_name": adapter.name, "lora_path": adapter.path})
 
     def unload_lora(self, name: str) -> None:
-        raise HalfmoonError(
-            "unloading a LoRA adapter while serving needs halfmoon's engine: a vLLM-backed "
-            "worker serves the adapters its server started with (--lora-modules)"
-        )
+        """vLLM's own ``/v1/unload_lora_adapter`` on this worker's server."""
+        self._lora_call("unload", {"lora_name": name})
+
+    def _lora_call(self, op: str, body: dict[str, str]) -> None:
+        url = f"{self.endpoints.url}/v1/{op}_lora_adapter"
+        try:
+            resp = httpx.post(url, json=body, timeout=120.0)
+        except httpx.HTTPError as exc:
+            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 200:
+            return
+        if resp.status_code == 404 and resp.text.strip() == '{"detail":"Not Found"}':
+            raise HalfmoonError(  # (the route itself is missing)
+                f"the vLLM server at {self.endpoints.url} does not load LoRA adapters while "
+                f"serving (start it with --enable-lora and {RUNTIME_LORA_ENV}=True)"
+            )
+        raise HalfmoonError(f"vLLM ({resp.status_code}): {_error_message(resp.text)}")
 
     def __init__(
         self, endpoints: VllmEndpoints, *, model_dir: str, instance_id: str,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from halfmoon.core.adapters import RUNTIME_LORA_ENV
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.serve.runtime import die_with_parent, free_port
 from halfmoon.store.shm import owner_gone, owner_tag, sweep_orphan_segments
@@ -216,6 +217,9 @@ class VllmLaunch:
     extra_args: tuple[str, ...] = ()
     #: LoRA adapters ``(name, PEFT directory)``: vLLM's ``--enable-lora --lora-modules``.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: Adapters loaded while serving (vLLM's ``/v1/load_lora_adapter``): its environment
+    #: switch on and LoRA enabled with room for them (:func:`lora_argv`).
+    runtime_lora: bool = False
     #: ``--speculative-config`` JSON (vLLM's own flag), or None.
     speculative_config: str | None = None
 
@@ -241,7 +245,7 @@ class VllmLaunch:
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
-        argv += lora_argv(self.lora_modules)
+        argv += lora_argv(self.lora_modules, self.runtime_lora)
         if self.speculative_config is not None:
             argv += ["--speculative-config", self.speculative_config]
         if runs_model_in_engine_core(self.extra_args):
@@ -263,6 +267,8 @@ class VllmLaunch:
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
+        if self.runtime_lora:
+            env[RUNTIME_LORA_ENV] = "True"
         if runs_model_in_engine_core(self.extra_args):
             # vLLM's CPU platform turns a ``uni`` executor back into ``mp`` (a process
             # of its own, to pin its OpenMP threads) unless this is off; halfmoon pins
@@ -442,14 +448,22 @@ class ServerFacts:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_argv(modules: Sequence[tuple[str, str]]) -> list[str]:
+#: With adapters loaded while serving: the adapters vLLM holds at once at the least, and
+#: the rank it makes room for (``--vllm-args="--max-loras N --max-lora-rank R"`` overrides).
+RUNTIME_MAX_LORAS = 4
+RUNTIME_MAX_LORA_RANK = 64
+
+
+def lora_argv(modules: Sequence[tuple[str, str]], runtime: bool = False) -> list[str]:
     """vLLM's flags for serving ``modules`` (name, PEFT directory): every adapter loaded
     at once (``--max-loras``), ``--max-lora-rank`` the least of vLLM's values that holds
     the largest rank of any module (``r``, ``rank_pattern``); VllmServerError for a rank
-    vLLM cannot take or an unreadable config."""
-    if not modules:
+    vLLM cannot take or an unreadable config. ``runtime`` (adapters loaded while serving):
+    LoRA enabled even without modules, room for :data:`RUNTIME_MAX_LORAS` more adapters
+    at once, of rank up to :data:`RUNTIME_MAX_LORA_RANK` at the least."""
+    if not modules and not runtime:
         return []
-    rank = 1
+    rank = RUNTIME_MAX_LORA_RANK if runtime else 1
     for name, path in modules:
         try:
             config = json.loads((Path(path) / "adapter_config.json").read_text())
@@ -463,8 +477,10 @@ def lora_argv(modules: Sequence[tuple[str, str]]) -> list[str]:
     fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fitting:
         raise VllmServerError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
-    return ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank",
-            str(fitting[0]), "--lora-modules", *(f"{n}={p}" for n, p in modules)]  # fmt: skip
+    max_loras = len(modules) + (RUNTIME_MAX_LORAS if runtime else 0)
+    named = ["--lora-modules", *(f"{n}={p}" for n, p in modules)] if modules else []
+    return ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank",
+            str(fitting[0]), *named]  # fmt: skip
 
 
 def _get(url: str, timeout_s: float = 5.0) -> bytes:

@@ -60,7 +60,7 @@ def vllm_engine(
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
         scheduling_policy=options.scheduling_policy, lora_modules=options.lora_modules,
-        speculative_config=options.speculative_config,
+        runtime_lora=options.runtime_lora, speculative_config=options.speculative_config,
         extra_args=tuple(shlex.split(options.vllm_args)) + (
             ("--kv-transfer-config", kv_transfer_config(kv_connector)) if kv_connector else ()
         ),

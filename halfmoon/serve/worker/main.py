@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from halfmoon.core.adapters import check_adapter_dir, lora_pairs, parse_lora_modules
+from halfmoon.core.adapters import (
+    check_adapter_dir,
+    lora_pairs,
+    parse_lora_modules,
+    runtime_lora_allowed,
+)
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
@@ -215,14 +221,17 @@ class EngineOptions:
     enable_lora: bool = False
     #: ``--speculative-config`` as its canonical JSON (checked), or None.
     speculative_config: str | None = None
+    #: Adapters may be loaded while serving (``halfmoon serve --allow-runtime-lora-updating``
+    #: or vLLM's environment switch): a vLLM-backed worker starts its server ready for them.
+    runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         spec = parse_speculative_config(self.speculative_config)
         object.__setattr__(self, "speculative_config", None if spec is None else spec.to_json())
-        if self.enable_lora and not self.lora_modules:
+        if self.enable_lora and not self.lora_modules and not self.runtime_lora:
             raise HalfmoonError(
-                "--enable-lora: name the adapters with --lora-modules NAME=PATH (adapters "
-                "are not loaded at run time)"
+                "--enable-lora: name the adapters with --lora-modules NAME=PATH, or load them "
+                "while serving (--allow-runtime-lora-updating)"
             )
         modules = parse_lora_modules(self.lora_modules)
         for module in modules:
@@ -267,7 +276,11 @@ class EngineOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
         """The options parsed by :func:`add_engine_options`."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "runtime_lora"}
+        allowed = runtime_lora_allowed(
+            getattr(args, "allow_runtime_lora_updating", False), os.environ
+        )
+        return cls(**given, runtime_lora=allowed)
 
     def to_json(self) -> str:
         """One JSON document."""
