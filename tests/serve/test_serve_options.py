@@ -116,7 +116,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     probe = argparse.ArgumentParser()
     add_engine_options(probe)
     dests = {a.dest for a in probe._actions if a.dest != "help"}  # noqa: SLF001
-    assert dests == set(EngineOptions.__dataclass_fields__)
+    # (runtime_lora is serve's --allow-runtime-lora-updating or vLLM's switch: below)
+    assert dests == set(EngineOptions.__dataclass_fields__) - {"runtime_lora"}
     flags = ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-mb", "64", "--max-num-seqs",
              "8", "--decode-guard", "wait", "--prefill-max-num-seqs", "2", "--max-model-len", "512",
              "--prefill-chunk-tokens", "128", "--num-threads", "2", "--block-size", "32",
@@ -124,7 +125,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "--store-ssd-dir", str(tmp_path), "--store-ssd-mb", "8", "--cuda-graphs",
              "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority",
              "--enable-lora", "--lora-modules", f"sql={adapter}", "org/b=" + str(adapter),
-             "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_max": 4}']  # fmt: skip
+             "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+             "--allow-runtime-lora-updating"]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -136,7 +138,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.to_json() == doc and not options.prefix_caching and options.block_size == 32
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     assert options.cuda_graphs and options.kv_compression_keep_mb == 12
-    assert options.scheduling_policy == "priority"
+    assert options.scheduling_policy == "priority" and options.runtime_lora
     spec = replace(options, cuda_graphs=False).engine_config("decode").speculative
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
         3,
