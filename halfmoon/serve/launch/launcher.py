@@ -129,8 +129,10 @@ def start_cluster(
     return endpoint, count
 
 
-async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_dir: Path,
-                         conductor: str, num_workers: int) -> None:  # fmt: skip
+async def _serve_gateway(
+    args: argparse.Namespace, group: ProcessGroup, model_dir: Path, conductor: str,
+    num_workers: int, exposure: tuple[CorsPolicy | None, TlsOptions | None] = (None, None),
+) -> None:  # fmt: skip
     from halfmoon.engine.tokenizer import Tokenizer, load_chat_template
 
     _QuietServer = _make_quiet_server()  # noqa: N806
@@ -168,10 +170,10 @@ async def _serve_gateway(args: argparse.Namespace, group: ProcessGroup, model_di
         allow_runtime_lora=runtime_lora_allowed(
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
-        cors=CorsPolicy.from_args(args),
+        cors=exposure[0],
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
-    tls = TlsOptions.from_args(args)
+    tls = exposure[1]
     server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits(), tls))
     log.info(
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
@@ -372,8 +374,8 @@ def check_shape(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the cluster and serve until interrupted."""
     check_shape(args)
-    CorsPolicy.from_args(args)  # bad CORS or TLS flags: an error before anything starts
-    TlsOptions.from_args(args)
+    # Bad CORS or TLS flags: an error before anything starts.
+    exposure = (CorsPolicy.from_args(args), TlsOptions.from_args(args))
     args.host = args.host or "127.0.0.1"
     if args.startup_timeout is None:
         # A first start on a busy 2-core machine compiles kernels and measures the cost
@@ -394,7 +396,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the normal way to stop
             conductor, num_workers = start_cluster(args, group, model_dir)
-            asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers))
+            asyncio.run(_serve_gateway(args, group, model_dir, conductor, num_workers, exposure))
     finally:
         group.stop()
         log.info("stopped %d processes", len(group.procs))

@@ -391,6 +391,7 @@ def run_worker(args: argparse.Namespace) -> int:
         Worker,
         WorkerIdentity,
     )
+    from halfmoon.store.meta import NO_NAMESPACE
     from halfmoon.transfer import TransferEngine
 
     name = f"{args.role}-{args.index}"
@@ -424,7 +425,7 @@ def run_worker(args: argparse.Namespace) -> int:
         me.transfer_endpoint = kv_connector.endpoint
     elif args.role == "prefill":
         ssd_dir = str(Path(options.store_ssd_dir) / name) if options.store_ssd_dir else None
-        namespace = bytes(16)
+        namespace = NO_NAMESPACE
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
             namespace = kv_namespace(options)

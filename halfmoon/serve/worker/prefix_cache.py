@@ -46,6 +46,7 @@ from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.worker.kvstream import PEER_TIMEOUT_S
 from halfmoon.serve.worker.main import PREFIX_STORE_POLICIES
 from halfmoon.store import TIER_DRAM, BlockMeta, StoreConfig, StoreError, TieredStore
+from halfmoon.store.meta import NO_NAMESPACE
 from halfmoon.transfer import TransferEngine, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
@@ -228,7 +229,7 @@ class ClusterPrefixCache:
         ssd_dir: str | None,
         ssd_mb: float,
         holdings: Holdings,
-        ssd_namespace: bytes = bytes(16),
+        ssd_namespace: bytes = NO_NAMESPACE,
     ) -> TieredStore:
         """A store sized in MiB whose events go through ``holdings`` to the Conductor;
         its SSD directory keyed by ``ssd_namespace`` (the model's fingerprint)."""
