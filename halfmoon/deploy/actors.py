@@ -211,6 +211,7 @@ class GatewayHost:
             cache_salt_from_api_key=spec.cache_salt_from_api_key,
             public=spec.public,
             access_log=spec.access_log,
+            request_id_headers=spec.request_id_headers,
             sampling_defaults=generation_defaults(
                 model_dir, spec.generation_config, dict(spec.override_generation_config)
             ),

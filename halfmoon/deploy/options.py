@@ -168,6 +168,8 @@ class GatewaySpec:
     chat_template: str | None = None
     max_tokens_limit: int | None = None
     access_log: bool = True
+    #: ``--enable-request-id-headers`` (GatewayConfig.request_id_headers).
+    request_id_headers: bool = False
     #: The workers' pool and dtype: the served context must fit one worker's KV pool.
     kv_cache_mb: float | None = None
     dtype: str = "float32"
@@ -253,6 +255,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         chat_template=_chat_template(getattr(args, "chat_template", None)),
         max_tokens_limit=getattr(args, "max_tokens_limit", None),
         access_log=not getattr(args, "disable_access_log", False),
+        request_id_headers=getattr(args, "enable_request_id_headers", False),
         kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
         cors=CorsPolicy.from_args(args), tls=TlsOptions.from_args(args),
         replan=replan_config_from_args(args), max_num_seqs=getattr(args, "max_num_seqs", 64),

@@ -92,6 +92,12 @@ def test_cluster_scale_arguments():
         build_parser().parse_args(["cluster"])  # an action is required
 
 
+def test_the_gateway_spec_carries_the_request_id_headers_option():
+    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.request_id_headers is False
+    spec = deploy_spec(_serve("--ray", "--enable-request-id-headers"), "{}", "{}")
+    assert spec.gateway.request_id_headers is True
+
+
 def test_the_gateway_spec_carries_cors_and_tls(tmp_path):
     import shutil
     import subprocess

@@ -82,7 +82,7 @@ def test_a_completion_logs_its_tokens_ttft_and_total(client, caplog):
     assert int(line["prompt"]) == use["prompt_tokens"] > 0
     assert int(line["completion"]) == use["completion_tokens"] == 5
     assert FIRST_TOKEN_S <= _seconds(line["ttft"]) <= _seconds(line["total"])
-    assert line["tail"] == ""
+    assert line["tail"] == f" id={body.json()['id']}"  # the id the answer went out under
 
 
 def test_a_streamed_chat_is_logged_once_when_it_ends(client, caplog):

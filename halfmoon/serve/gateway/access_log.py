@@ -2,7 +2,7 @@
 
 ::
 
-    127.0.0.1:50412 "POST /v1/chat/completions" 200 prompt_tokens=12 completion_tokens=16 ttft=0.041s total=0.212s
+    127.0.0.1:50412 "POST /v1/chat/completions" 200 prompt_tokens=12 completion_tokens=16 ttft=0.041s total=0.212s id=chatcmpl-5f1c09aa-7
     127.0.0.1:50413 "POST /v1/completions" 400 prompt_tokens=- completion_tokens=- ttft=- total=0.002s
 
 :class:`AccessLog` is a plain ASGI middleware, outermost in the app, so it sees every
@@ -11,7 +11,10 @@ an unexpected exception) and the end of a streamed body: a stream is logged when
 byte is sent, with its real totals. The gateway fills the token counts and the TTFT in
 as each generation ends (:func:`note_generation`, called by ``Gateway._observe_end``);
 a request with ``n`` choices reports its prompt once, the tokens of all its choices and
-the earliest first token. A stream the client left early says ``(disconnected)``.
+the earliest first token. A stream the client left early says ``(disconnected)``. A
+generation's line ends with the id it was answered under, and the cluster's own id of it
+when the client chose the id (``internal_id=``, the id the workers' logs name; see
+halfmoon.serve.gateway.request_ids).
 
 Lines go to the ``gateway.access`` logger: API calls (``/v1/``, ``/tokenize``,
 ``/detokenize``, ``/admin/``) and every error at INFO; other successful requests (health
@@ -48,6 +51,10 @@ class RequestRecord:
     num_prompt_tokens: int | None = None
     num_completion_tokens: int | None = None
     ttft_s: float | None = None
+    #: The id the answer went out under (``cmpl-...``), and the cluster's own id of the
+    #: request when that is not the same (the client chose the id: request_ids).
+    response_id: str | None = None
+    internal_id: str | None = None
 
     def add_generation(
         self, num_prompt_tokens: int, num_completion_tokens: int, ttft_s: float | None
@@ -75,6 +82,14 @@ def note_generation(
         record.add_generation(num_prompt_tokens, num_completion_tokens, ttft_s)
 
 
+def note_request_id(response_id: str, internal_id: str | None = None) -> None:
+    """Name the request being served on its access line: ``response_id``, and
+    ``internal_id`` when the cluster knows it by another (nothing without :class:`AccessLog`)."""
+    record = _current.get()
+    if record is not None:
+        record.response_id, record.internal_id = response_id, internal_id
+
+
 def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
@@ -88,6 +103,10 @@ def access_line(method: str, path: str, client: str, record: RequestRecord, now_
         f"completion_tokens={_count(record.num_completion_tokens)} "
         f"ttft={ttft} total={now_s - record.start_s:.3f}s"
     )
+    if record.response_id is not None:
+        line += f" id={record.response_id}"
+        if record.internal_id is not None:
+            line += f" internal_id={record.internal_id}"
     return line if record.complete else line + " (disconnected)"
 
 

@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from halfmoon import __version__
 from halfmoon.engine.tokenizer import Tokenizer
-from halfmoon.serve.gateway.access_log import AccessLog
+from halfmoon.serve.gateway import request_ids
+from halfmoon.serve.gateway.access_log import AccessLog, note_request_id
 from halfmoon.serve.gateway.backend import Backend, BackendError, Rejected
 from halfmoon.serve.gateway.beam_search import search_beams
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
@@ -41,6 +42,7 @@ from halfmoon.serve.gateway.openai_api import (
     LoadLoraAdapterRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
+    response_id,
 )
 from halfmoon.serve.gateway.openapi import install_docs, install_openapi
 from halfmoon.serve.gateway.responses import (
@@ -161,10 +163,11 @@ def create_app(
         meanwhile (429 when there is none)."""
         _check_busy(body)  # refused at once, before tokenizing
         api_key = getattr(request.state, "api_key", None) if request is not None else None
+        id_header = request.headers.get(request_ids.HEADER) if request is not None else None
         choices = body.num_choices()
         gw.preparing += choices  # holds its place while tokenized (see Gateway.preparing)
         try:
-            p = await gw.off_loop(gw.prepare, body, api_key)
+            p = await gw.off_loop(gw.prepare, body, api_key, id_header)
         finally:
             gw.preparing -= choices
         _check_busy(body)  # again: choices of n > 1 count only once their tasks start
@@ -188,17 +191,26 @@ def create_app(
             raise turned_away(exc, gw.metrics) from None
         return p, first, stream
 
+    def _name(p: Prepared, request: Request | None) -> None:
+        """Tell the access line and the ``X-Request-Id`` header the response's id."""
+        shown = response_id(p.public_id, p.chat)
+        note_request_id(shown, None if p.client_id is None else p.request_id)
+        if request is not None:
+            request_ids.note_response_id(request.scope, shown)
+
     async def _serve(
         body: CompletionRequest | ChatCompletionRequest, request: Request | None = None
     ) -> Response:
         if body.use_beam_search:
             p = await _prepare(body, request)
+            _name(p, request)
             try:
                 answer = await search_beams(p, body.model, body.length_penalty, gw)
             except (Rejected, BackendError) as exc:
                 raise turned_away(exc, gw.metrics) from None
             return JSONResponse(answer)
         p, first, stream = await _start(body, request)
+        _name(p, request)
         if body.stream:
             return StreamingResponse(
                 sse(p, body.model, first, stream, gw.metrics, gw.token_text),
@@ -234,6 +246,8 @@ def create_app(
 
     app.include_router(responses_router(gw, _start, _check_busy))
 
+    if config.request_id_headers:  # outside the key check: a 401 carries one too
+        app.add_middleware(request_ids.RequestIdHeader)
     if config.access_log:  # added late, so outer: it sees every answer (401, 413...)
         app.add_middleware(AccessLog)
     if config.cors is not None:  # outermost: preflights answered before the key check

@@ -146,5 +146,5 @@ async def search_beams(
     gw.metrics.prompt_tokens.inc(prompt_tokens)
     gw.metrics.generation_tokens.inc(generated)
     note_generation(prompt_tokens, generated, None)
-    return completion_body(p.request_id, model, choices, usage(prompt_tokens, generated, cached),
+    return completion_body(p.public_id, model, choices, usage(prompt_tokens, generated, cached),
                            p.chat)  # fmt: skip

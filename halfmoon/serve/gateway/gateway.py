@@ -41,6 +41,7 @@ from halfmoon.serve.gateway.openai_api import (
     usage,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.request_ids import client_request_id
 from halfmoon.serve.gateway.response_store import ResponseStore
 from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared
 from halfmoon.serve.gateway.tenancy import effective_salt
@@ -109,6 +110,9 @@ class GatewayConfig:
     #: Serve vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
     #: (``--allow-runtime-lora-updating``, or vLLM's environment switch).
     allow_runtime_lora: bool = False
+    #: Every response carries ``X-Request-Id`` (``--enable-request-id-headers``;
+    #: halfmoon.serve.gateway.request_ids).
+    request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -202,12 +206,17 @@ class Gateway:
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(
-        self, body: CompletionRequest | ChatCompletionRequest, api_key: str | None = None
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        api_key: str | None = None,
+        id_header: str | None = None,
     ) -> Prepared:
         """Validate the model and lengths, tokenize, build sampling parameters; the
-        caller's ``api_key`` salts its cache when the server salts by key."""
+        caller's ``api_key`` salts its cache when the server salts by key; the request's
+        ``X-Request-Id`` (``id_header``) or ``request_id`` names its response."""
         cfg = self.config
         self.check_model(body.model)
+        client_id = client_request_id(id_header, body.request_id)
         unsupported = body.unsupported()
         if unsupported:
             raise HTTPError(
@@ -274,6 +283,7 @@ class Gateway:
             and not (tool_mode is not None and tool_mode.keeps_special_tokens),
             return_token_ids=bool(body.return_token_ids),
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            client_id=client_id,
         )  # fmt: skip
 
     def _default_output(self, num_prompt_tokens: int) -> int:

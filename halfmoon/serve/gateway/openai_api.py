@@ -93,6 +93,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
+    #: vLLM's: the id the response is answered under (``cmpl-<id>``); the
+    #: ``X-Request-Id`` header wins over it (halfmoon.serve.gateway.request_ids).
+    request_id: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

@@ -104,6 +104,14 @@ class Prepared:
     return_token_ids: bool = False
     #: vLLM's ``return_tokens_as_token_ids``: log-probability tokens as ``token_id:<id>``.
     tokens_as_ids: bool = False
+    #: The id the client chose (``X-Request-Id`` or ``request_id``; request_ids), which
+    #: the response shows instead of ``request_id`` (the cluster's, always unique).
+    client_id: str | None = None
+
+    @property
+    def public_id(self) -> str:
+        """The id the response is built on: the client's, else the cluster's."""
+        return self.client_id if self.client_id is not None else self.request_id
 
     def token_text(self, text_of: Callable[[int], str]) -> Callable[[int], str]:
         """How this request's log-probabilities name a token (``text_of``, or its id)."""
@@ -200,7 +208,7 @@ async def collect(
                 choice["prompt_token_ids"] = p.prompt_ids_of(index)
         choices.append(choice)
     use = merged_usage(uses, p.n)
-    body = completion_body(p.request_id, model, choices, use, p.chat)
+    body = completion_body(p.public_id, model, choices, use, p.chat)
     if p.return_token_ids and p.chat:
         body["prompt_token_ids"] = p.prompt_ids
     if p.show_prompt_logprobs and p.chat:  # one prompt for every choice: at the top, as vLLM
@@ -299,7 +307,7 @@ async def sse(
                 logprobs = None
                 if p.params.logprobs is not None:
                     logprobs = logprobs_body(entries, token_text, True, 0)
-                chunk = chunk_body(p.request_id, model, None, None, True, opening[index],
+                chunk = chunk_body(p.public_id, model, None, None, True, opening[index],
                                    logprobs, index, [call])  # fmt: skip
                 yield event(with_ids(chunk, index, entries, opening[index]))
                 opening[index], text, entries = False, "", []
@@ -310,13 +318,13 @@ async def sse(
                 if calls is not None:
                     finish = p.tool_mode.finish(finish)
                     if text:
-                        yield event(chunk_body(p.request_id, model, text, None, True,
+                        yield event(chunk_body(p.public_id, model, text, None, True,
                                                opening[index], None, index))  # fmt: skip
                         opening[index] = False
                     logprobs = None
                     if p.params.logprobs is not None:
                         logprobs = logprobs_body(kept[index], token_text, True, 0)
-                    chunk = chunk_body(p.request_id, model, None, None, True,
+                    chunk = chunk_body(p.public_id, model, None, None, True,
                                        opening[index], logprobs, index, calls)  # fmt: skip
                     yield event(with_ids(chunk, index, kept[index], opening[index]))
                     opening[index] = False
@@ -333,7 +341,7 @@ async def sse(
                     logprobs = logprobs_body(entries, token_text, p.chat, offsets[index])
                     offsets[index] += sum(len(t) for t in logprobs.get("tokens", ()))
                 chunk = chunk_body(
-                    p.request_id, model, text, finish, p.chat, opening[index], logprobs, index
+                    p.public_id, model, text, finish, p.chat, opening[index], logprobs, index
                 )
                 if p.continuous_usage:
                     chunk["usage"] = use
@@ -344,7 +352,7 @@ async def sse(
                 running -= 1
                 if not running:
                     if p.include_usage:
-                        body = chunk_body(p.request_id, model, None, None, p.chat)
+                        body = chunk_body(p.public_id, model, None, None, p.chat)
                         body["choices"] = []
                         body["usage"] = merged_usage(uses, p.n)
                         yield event(body)

@@ -161,6 +161,7 @@ async def _serve_gateway(
         cache_salt_from_api_key=args.cache_salt_from_api_key,
         public=tuple(args.public or ()),
         access_log=not getattr(args, "disable_access_log", False),
+        request_id_headers=getattr(args, "enable_request_id_headers", False),
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
@@ -513,6 +514,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--disable-access-log", action="store_true",
         help="no log line per request (method, path, status, tokens, TTFT, total time)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-request-id-headers", action="store_true",
+        help="every response carries an X-Request-Id header: the client's (which, or a "
+        "completion's request_id field, names the response either way), else the "
+        "response's id",
     )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     add_exposure_options(p)
