@@ -137,6 +137,12 @@ class DecodeTimes:
         return np.where(alive_now > 0, left / np.maximum(alive_now, 1), 1.0)
 
 
+def kv_need_tokens(request: Request, booking: str = "output") -> int:
+    """The KV tokens ``request`` must find free on a decode instance under ``booking``
+    (``ConductorConfig.decode_kv_booking``): prompt and output, or prompt and first token."""
+    return request.input_length + (request.output_length if booking == "output" else 1)
+
+
 def decode_candidate(request: Request, dstate: DecodeState) -> DecodeCandidate:
     """Estimated TBT on ``dstate`` once the request joins, counting its running and
     incoming requests as they are now (the snapshot's choice of decode instance)."""
@@ -146,7 +152,12 @@ def decode_candidate(request: Request, dstate: DecodeState) -> DecodeCandidate:
 
 
 def predicted_decode_candidate(
-    request: Request, dstate: DecodeState, now_s: float, ready_s: float, times: DecodeTimes
+    request: Request,
+    dstate: DecodeState,
+    now_s: float,
+    ready_s: float,
+    times: DecodeTimes,
+    booking: str = "output",
 ) -> DecodeCandidate:
     """Estimated TBT on ``dstate`` at ``ready_s`` (the request's prefill end) once it
     joins: the expected batch of the module docstring's prediction. The reference: a
@@ -177,8 +188,7 @@ def predicted_decode_candidate(
                 num += p
                 ctx += p * (tokens + (ready_s - join_s) / step_s)
     n, c = round(num), round(ctx)
-    need = request.input_length + request.output_length
-    if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
+    if dstate.committed_tokens + kv_need_tokens(request, booking) > dstate.kv_capacity_tokens:
         # the KV check (the same as the snapshot's) would reject it here: prefer any
         # instance with room, however loaded it is predicted to be
         return DecodeCandidate(dstate.instance_id, n, c, float("inf"))
@@ -207,7 +217,7 @@ def rejection_reason(
         return RejectCode.TTFT, (
             f"estimated TTFT {ttft:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
-    need = request.input_length + request.output_length
+    need = kv_need_tokens(request, config.decode_kv_booking)
     if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
         return RejectCode.KV_FULL, (
             f"decode KV full on {decode.instance_id}: {dstate.committed_tokens}+{need} "

@@ -308,7 +308,9 @@ class Conductor(Cluster):
         predict = self.config.early_reject == "predict"
         if predict and not exhaustive:
             now = self.clock.now()
-            chosen = loads.forecast.choose(request, now, ready_s, self._decode_times)
+            chosen = loads.forecast.choose(
+                request, now, ready_s, self._decode_times, self.config.decode_kv_booking
+            )
             if chosen is not None:
                 return chosen
         if exhaustive or predict or not loads.usable:
@@ -340,7 +342,9 @@ class Conductor(Cluster):
     ) -> DecodeCandidate:
         if self.config.early_reject == "predict":
             now = self.clock.now()
-            return predicted_decode_candidate(request, dstate, now, ready_s, self._decode_times)
+            return predicted_decode_candidate(
+                request, dstate, now, ready_s, self._decode_times, self.config.decode_kv_booking
+            )
         return decode_candidate(request, dstate)
 
     def _rejection(

@@ -11,6 +11,7 @@ from halfmoon.core.jsonconfig import config_fields, config_to_json
 EARLY_REJECT_MODES = ("none", "snapshot", "predict")
 BALANCING_MODES = ("fixed", "adaptive")
 PREFIX_FETCH_MODES = ("queued", "overlap")
+DECODE_KV_BOOKINGS = ("output", "prompt")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,16 @@ class ConductorConfig:
       the prediction (``early_reject="predict"``) count a request with one as leaving
       at its own t_d (:mod:`halfmoon.conductor.lengths`); off, every request by the
       durations of all.
+    - ``decode_kv_booking``: what a request holds of its decode instance's KV pool when
+      the Conductor checks for room (``early_reject``'s KV check, and the choice of a
+      decode instance with room). ``output``: its prompt plus ``output_length``, all of
+      its KV from the start, as the simulator's decode instances reserve it (a trace
+      gives each request's output length). ``prompt``: its prompt and first token only,
+      as the live engines admit it (vLLM's and halfmoon's grow a request's KV as it
+      decodes and preempt one when the pool is full): live, ``output_length`` is the
+      client's ``max_tokens``, a bound (the whole context when a chat request leaves it
+      out), and holding it against the pool refused concurrent requests on an idle
+      cluster.
     - ``priority_estimates``: estimate a request's T_queue from the bookings its engine
       serves before it under vLLM's ``priority`` policy (those of a lower or equal
       priority value, and the one in service: :class:`~halfmoon.conductor.state.PrefillState`);
@@ -105,8 +116,14 @@ class ConductorConfig:
     cpp_hidden_bytes_per_token: int | None = None
     priority_estimates: bool = True
     decode_time_by_prefix: bool = False
+    decode_kv_booking: str = "output"
 
     def __post_init__(self) -> None:
+        if self.decode_kv_booking not in DECODE_KV_BOOKINGS:
+            raise ValueError(
+                f"unknown decode KV booking {self.decode_kv_booking!r}; "
+                f"choose from {', '.join(DECODE_KV_BOOKINGS)}"
+            )
         if self.early_reject not in EARLY_REJECT_MODES:
             raise ValueError(
                 f"unknown early-reject mode {self.early_reject!r}; "

@@ -41,7 +41,7 @@ from functools import partial
 
 import numpy as np
 
-from halfmoon.conductor.admission import DecodeTimes
+from halfmoon.conductor.admission import DecodeTimes, kv_need_tokens
 from halfmoon.conductor.messages import DecodeCandidate
 from halfmoon.conductor.state import DecodeState, PrefillState
 from halfmoon.core.request import Request
@@ -283,7 +283,12 @@ class DecodeForecast:
         self._all_steps = bool((self._step_s > 0.0).all())
 
     def choose(
-        self, request: Request, now_s: float, ready_s: float, times: DecodeTimes
+        self,
+        request: Request,
+        now_s: float,
+        ready_s: float,
+        times: DecodeTimes,
+        booking: str = "output",
     ) -> tuple[DecodeCandidate, list[DecodeCandidate]] | None:
         """The instance with the least predicted step (ties: the earlier instance) and the
         :data:`KEEP_DECODE_CANDIDATES` best candidates in instance order; None when some
@@ -302,8 +307,7 @@ class DecodeForecast:
             est = np.empty(len(n))
             for cm, rates, ix in self._models:
                 est[ix] = rates.steps_s(partial(decode_step_times_s, cm), n[ix], c[ix])
-        need = request.input_length + request.output_length
-        est[need > self._free] = np.inf  # the KV check rejects it there
+        est[kv_need_tokens(request, booking) > self._free] = np.inf  # the KV check rejects it there
         kept = np.sort(np.argsort(est, kind="stable")[:KEEP_DECODE_CANDIDATES]).tolist()
         out = [DecodeCandidate(self.ids[i], int(n[i]), int(c[i]), float(est[i])) for i in kept]
         best = min(out, key=lambda d: d.est_tbt_s)  # argmin of est is always kept

@@ -13,6 +13,9 @@ setting                       paper     live    why they differ
 ``--cpp-min-tokens``          2048      512     the paper's long prompts vs a small CPU model's
 ``--prefill-calibration``     off       on      a live instance runs at the speed its host allows,
                                                   not its profile's
+``--decode-kv-booking``       output    prompt  a trace knows each output length and the simulated
+                                                  decode instances reserve it; live it is only
+                                                  max_tokens, and the engines preempt instead
 ============================  ========  ======  =================================================
 
 Every other default is common to both. ``paper`` is also :class:`ConductorConfig`'s own
@@ -29,6 +32,7 @@ from typing import Any
 from halfmoon.conductor.calibration import MAX_STDDEVS
 from halfmoon.conductor.config import (
     BALANCING_MODES,
+    DECODE_KV_BOOKINGS,
     EARLY_REJECT_MODES,
     PREFIX_FETCH_MODES,
     ConductorConfig,
@@ -70,6 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 0.1,
         "cpp_min_tokens": 2048,
         "prefill_calibration": "off",
+        "decode_kv_booking": "output",
     },
     "live": {
         **_COMMON,
@@ -77,6 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tbt_slo": 1.0,
         "cpp_min_tokens": 512,
         "prefill_calibration": "on",
+        "decode_kv_booking": "prompt",
     },
 }
 
@@ -133,6 +139,14 @@ def add_conductor_options(parser: argparse.ArgumentParser, preset: str) -> None:
         help="with --early-reject predict, predict each request's decode duration as the "
         "median of the earlier requests sharing its prompt's first block (the others: "
         "by the durations of all)",
+    )  # fmt: skip
+    g.add_argument(
+        "--decode-kv-booking", default=d["decode_kv_booking"], metavar="output|prompt",
+        help="what a request must find free in a decode instance's KV pool: output (its "
+        "prompt plus its output length, reserved from the start, as simulated decode "
+        "instances do) or prompt (its prompt and first token: the engines grow its KV as "
+        "it decodes and preempt when full, so a max_tokens bound is not held against the "
+        "pool)",
     )  # fmt: skip
     g.add_argument(
         "--priority-estimates", default=d["priority_estimates"], metavar="on|off",
@@ -198,4 +212,7 @@ def conductor_config_from_args(
         cpp_hidden_bytes_per_token=hidden if hidden is not None else hidden_bytes_per_token,
         decode_time_by_prefix=_on("--decode-time-by-prefix", args.decode_time_by_prefix),
         priority_estimates=_on("--priority-estimates", args.priority_estimates),
+        decode_kv_booking=check_choice(
+            "--decode-kv-booking", args.decode_kv_booking, DECODE_KV_BOOKINGS
+        ),
     )

@@ -52,6 +52,9 @@ DECODE_POINTS = (
 )  # fmt: skip
 #: Used when fewer than three of DECODE_POINTS fit the KV pool (at most 1k tokens at once).
 SMALL_DECODE_POINTS = ((1, 64), (2, 128), (4, 64), (2, 256), (4, 192))
+#: Used when fewer than three of those fit either (a pool of a few hundred tokens:
+#: ``--kv-cache-mb 1`` with the tiny preset holds 256).
+TINY_DECODE_POINTS = ((1, 16), (1, 64), (2, 32), (3, 16), (1, 128))
 #: Used when fewer than three of PREFILL_POINTS fit (a short --max-model-len, a small pool).
 SMALL_PREFILL_POINTS = ((16, 0), (32, 0), (64, 0), (128, 0), (256, 0), (64, 64), (128, 128))
 #: Prompts whose KV is imported; SMALL_IMPORT_POINTS when none fits.
@@ -175,6 +178,8 @@ def _measure(engine: Any, model_name: str, say: Say) -> CostProfile:
     points = [(b, ctx) for b, ctx in DECODE_POINTS if fits(b, ctx)]
     if len(points) < 3:  # a small pool (a real model's KV is large): short contexts instead
         points = [(b, ctx) for b, ctx in SMALL_DECODE_POINTS if fits(b, ctx)]
+    if len(points) < 3:
+        points = [(b, ctx) for b, ctx in TINY_DECODE_POINTS if fits(b, ctx)]
     # An imported prompt holds its KV in the pool too.
     sizes = [n for n in IMPORT_POINTS if n + 8 <= prompt_limit] or [
         n for n in SMALL_IMPORT_POINTS if n + 8 <= prompt_limit

@@ -277,6 +277,28 @@ def test_a_full_decode_kv_is_rejected_with_its_code(make_conductor):
     assert "decode KV full" in d.reject_reason
 
 
+@pytest.mark.parametrize("early_reject", ["snapshot", "predict"])
+def test_prompt_booking_holds_a_request_s_prompt_not_its_max_tokens(make_conductor, early_reject):
+    """``decode_kv_booking``: "output" (the simulator's) holds prompt + output_length
+    against the decode pool, "prompt" (live: output_length is a max_tokens bound, and the
+    engines preempt) only the prompt and first token, so requests that each may grow to
+    most of the pool are admitted side by side, as vLLM admits them."""
+    slo = SLOConfig(ttft_s=100.0, tbt_s=10.0)
+    for booking, admitted in (("output", 1), ("prompt", 3)):
+        c = make_conductor(num_prefill=1, num_decode=1, early_reject=early_reject, slo=slo,
+                           decode_kv_booking=booking)  # fmt: skip
+        c._decode["D1"].kv_capacity_tokens = 1000  # noqa: SLF001 - a small pool
+        # 160 prompt tokens each, up to 800 output tokens: 960 of the 1,000
+        decisions = [c.schedule(_req(f"r{i}", 10, first=100 * i, out=800)) for i in range(3)]
+        assert [d.accepted for d in decisions].count(True) == admitted, booking
+        assert all(d.reject_code in ("", RejectCode.KV_FULL) for d in decisions)
+    # a prompt that does not fit is refused either way
+    big = c.schedule(_req("big", 60, first=900))  # 960 prompt tokens beside 3 x 160
+    assert not big.accepted and big.reject_code == RejectCode.KV_FULL
+    with pytest.raises(ValueError, match="decode KV booking"):
+        make_conductor(decode_kv_booking="all")
+
+
 def test_decision_is_keyword_only(make_conductor):
     with pytest.raises(TypeError):
         Decision("r1", "random", False, None, None)  # type: ignore[misc]

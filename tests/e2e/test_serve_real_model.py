@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -59,6 +60,25 @@ def test_greedy_chat_answer_is_paris(real):
     )  # fmt: skip
     assert "Paris" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
+
+
+def test_chats_that_leave_max_tokens_out_are_served_side_by_side(real):
+    """A chat request without max_tokens may grow to the whole served context (as on
+    vLLM), which here is one decode worker's whole KV pool; the Conductor books only its
+    prompt (--decode-kv-booking prompt, the live default), so four at once are all
+    answered instead of three turned away as "decode KV full" on an idle cluster."""
+    client = _client(real)
+    questions = [f"What is {a} plus {b}?" for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
+
+    def ask(question: str):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], temperature=0
+        )
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(ask, questions))
+    assert all(a.choices[0].finish_reason == "stop" for a in answers), answers
+    assert all(a.choices[0].message.content for a in answers)
 
 
 def test_json_schema_answers_are_the_facts_asked_for(real):

@@ -72,6 +72,7 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
         m.BlockEvent(kind="evicted", hashes=HASHES),
         m.LifecycleEvent(kind="prefill_started", request_id="r"),
         m.LifecycleEvent(kind="prefill_finished", request_id="r", cached_tokens=32),
+        m.LifecycleEvent(kind="request_finished", request_id="r", num_output_tokens=17),
         m.LoadEvent(num_running=2, context_tokens=64, kv_used_tokens=64,
                     kv_capacity_tokens=4096, store={"corrupt": 1}),
     ]),

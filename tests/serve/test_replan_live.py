@@ -52,6 +52,18 @@ def test_arrival_log_keeps_a_window_oldest_first_and_forgets_old_entries():
     assert [a.age_s for a in window] == [3.0, 2.0, 1.0, 0.0]
 
 
+def test_arrival_log_replaces_max_tokens_with_what_a_request_generated():
+    log = ArrivalLog(keep_s=10.0, max_entries=3)
+    for t in range(4):
+        log.record(10, 4000, b"", now_s=float(t), request_id=f"r{t}")
+    log.finished("r3", 12)
+    log.finished("r0", 5)  # dropped already (at most 3 entries): nothing to change
+    log.finished("nope", 7)
+    assert [a.output_length for a in log.window(10.0, now_s=3.0)] == [4000, 4000, 12]
+    log.record(10, 8, b"", now_s=20.0, request_id="r4")  # the rest expire
+    assert len(log) == 1 and log._by_id.keys() == {"r4"}  # noqa: SLF001 - no leak
+
+
 def _register(peer: Peer, iid: str, role: str, profile: dict | None = None) -> None:
     peer.call(Register(instance_id=iid, role=role, command_endpoint=f"tcp://127.0.0.1:1/{iid}",
                        transfer_endpoint=f"127.0.0.1:2/{iid}", kv_capacity_tokens=4096,
@@ -69,12 +81,16 @@ def test_the_conductor_answers_a_workload_query_with_what_a_simulation_needs(ser
         hashes = list(range(1000 * i, 1000 * i + -(-n // 16)))
         peer.call(Schedule(request_id=f"r{i}", input_length=n, output_length=7, block_size=16,
                            hashes=hashes_to_wire(hashes)))  # fmt: skip
-    from halfmoon.serve.control.messages import Drain
+    from halfmoon.serve.control.messages import Drain, Events, event_entry
 
+    # r1 finished after 3 tokens (its decode worker says): a replay sees 3, not max_tokens
+    done = event_entry("request_finished", request_id="r1", num_output_tokens=3)
+    peer.send(Events(instance_id="decode-0", events=[done]))
     peer.call(Drain(instance_id="decode-1"))
     window = peer.call(WorkloadQuery(window_s=60))
     assert isinstance(window, WorkloadWindow)
     assert [a.input_length for a in window.arrivals] == [40, 64, 100]
+    assert [a.output_length for a in window.arrivals] == [7, 3, 7]
     assert window.arrivals[0].age_s >= window.arrivals[-1].age_s >= 0
     assert window.arrivals[2].block_hashes == list(range(2000, 2007))
     assert (window.prefill, window.decode, window.draining) == (

@@ -86,7 +86,8 @@ def test_every_conductor_option_of_serve_reaches_the_conductor():
              "--tbt-slo", "0.5", "--tbt-metric", "p90", "--early-reject", "predict",
              "--block-size", "32", "--cpp-stages", "2",
              "--cpp-chunk-tokens", "256", "--cpp-min-tokens", "64",
-             "--cpp-hidden-bytes-per-token", "0", "--prefix-fetch", "overlap"]  # fmt: skip
+             "--cpp-hidden-bytes-per-token", "0", "--prefix-fetch", "overlap",
+             "--decode-kv-booking", "output"]  # fmt: skip
     doc = conductor_json(build_parser().parse_args(["serve", "--prefill", "2", *flags]))
     child = conductor_config(build_parser().parse_args(["conductor", "--port", "1",
                                                         "--config-json", doc]))  # fmt: skip
@@ -98,6 +99,7 @@ def test_every_conductor_option_of_serve_reaches_the_conductor():
         "cache-aware", 32, 0.5, "predict")  # fmt: skip
     assert child.cpp_hidden_bytes_per_token == 0
     assert child.prefix_fetch == "overlap"  # the preset's is queued
+    assert child.decode_kv_booking == "output"  # the live preset's is prompt
 
 
 def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
@@ -213,3 +215,4 @@ def test_presets_keep_each_commands_defaults():
     assert (sim.early_reject, sim.tbt_slo, sim.cpp_min_tokens) == ("none", 0.1, 2048)
     assert (serve.early_reject, serve.tbt_slo, serve.cpp_min_tokens) == ("snapshot", 1.0, 512)
     assert (sim.prefix_fetch, serve.prefix_fetch) == ("queued", "queued")
+    assert (sim.decode_kv_booking, serve.decode_kv_booking) == ("output", "prompt")

@@ -108,6 +108,27 @@ def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
     small.check_integrity()
 
 
+def test_a_pool_of_a_few_hundred_tokens_is_profiled_too(monkeypatch):
+    """``--kv-cache-mb 1`` with the tiny preset (256 tokens) holds one of the short
+    decode points: the tiniest ones instead (it failed to start: "need at least 3 decode
+    points, got 1")."""
+    from halfmoon.engine import EngineConfig, LLMEngine, profiler
+
+    engine = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=1, num_threads=1))
+    timed: list[tuple[int, int]] = []
+    real = profiler._time_decode
+
+    def record(engine, batch, context, salt):
+        timed.append((batch, context))
+        return real(engine, batch, context, salt)
+
+    monkeypatch.setattr(profiler, "_time_decode", record)
+    profile = profiler.measure_profile(engine, "tiny")
+    assert len(timed) >= 3 and set(timed) <= set(profiler.TINY_DECODE_POINTS)
+    assert profile.decode_step_s(2, 128) > 0
+    engine.check_integrity()
+
+
 def test_a_short_context_and_a_tiny_pool_are_profiled_with_short_prompts(monkeypatch):
     """--max-model-len 512 leaves two of the usual prefill points and a 4 MiB pool (1,024
     tokens) no room for the 1,024-token KV import: short prompts and imports instead."""

@@ -287,6 +287,9 @@ class ConductorService:
             for event in conductor_events(iid, message.events):
                 self.conductor.handle(event)
             self._note_store_stats(iid, message.events)
+            for entry in message.events:  # what finished requests generated, for replays
+                if isinstance(entry, LifecycleEvent) and entry.num_output_tokens is not None:
+                    self.arrivals.finished(entry.request_id, entry.num_output_tokens)
             return None
         if isinstance(message, InstanceFailed):
             self._instance_failed(message.instance_id, message.incarnation)
@@ -491,7 +494,8 @@ class ConductorService:
         elif message.admitted:  # placed again: not a new arrival
             decision = self.conductor.schedule(request)
         else:
-            self.arrivals.record(message.input_length, message.output_length, message.hashes)
+            self.arrivals.record(message.input_length, message.output_length, message.hashes,
+                                 request_id=message.request_id)  # fmt: skip
             decision = self.conductor.schedule(request)
         elapsed_s = time.perf_counter() - start
         self.recent_decisions.append((time.time(), decision, elapsed_s))

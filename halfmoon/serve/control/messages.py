@@ -217,12 +217,14 @@ class BlockEvent(Record):
 class LifecycleEvent(Record):
     """A request reached a step on this worker (:data:`LIFECYCLE_KINDS`);
     ``cached_tokens``: with ``prefill_finished``, the prompt tokens served from cache
-    (None: not known yet)."""
+    (None: not known yet); ``num_output_tokens``: with ``request_finished``, the tokens
+    it generated (None: not known, e.g. aborted)."""
 
     kinds: ClassVar[tuple[str, ...]] = LIFECYCLE_KINDS
     kind: str
     request_id: str
     cached_tokens: int | None = None
+    num_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,31 +22,54 @@ if TYPE_CHECKING:
     from halfmoon.serve.control.conductor_service import ConductorService
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     at_s: float
     input_length: int
+    #: The client's ``max_tokens`` until the request finishes, then what it generated.
     output_length: int
     hashes: bytes
+    request_id: str = ""
 
 
 class ArrivalLog:
-    """Requests placed in the last ``keep_s`` seconds (at most ``max_entries``)."""
+    """Requests placed in the last ``keep_s`` seconds (at most ``max_entries``).
+
+    A request's output length is its ``max_tokens`` when it arrives, a bound (a chat
+    request that leaves it out may grow to the whole context); :meth:`finished` puts in
+    what it generated once its decode worker says, so that a replay sees real outputs.
+    """
 
     def __init__(self, keep_s: float = 600.0, max_entries: int = 100_000) -> None:
         self.keep_s = keep_s
-        self._entries: deque[_Entry] = deque(maxlen=max_entries)
+        self.max_entries = max_entries
+        self._entries: deque[_Entry] = deque()
+        self._by_id: dict[str, _Entry] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def record(self, input_length: int, output_length: int, hashes: bytes,
-               now_s: float | None = None) -> None:  # fmt: skip
+               now_s: float | None = None, request_id: str = "") -> None:  # fmt: skip
         """A request arrived (``now_s``: monotonic seconds, now by default)."""
         now_s = time.monotonic() if now_s is None else now_s
-        self._entries.append(_Entry(now_s, input_length, output_length, hashes))
-        while self._entries and self._entries[0].at_s < now_s - self.keep_s:
-            self._entries.popleft()
+        entry = _Entry(now_s, input_length, output_length, hashes, request_id)
+        self._entries.append(entry)
+        if request_id:
+            self._by_id[request_id] = entry
+        while self._entries and (
+            len(self._entries) > self.max_entries or self._entries[0].at_s < now_s - self.keep_s
+        ):
+            old = self._entries.popleft()
+            if self._by_id.get(old.request_id) is old:
+                del self._by_id[old.request_id]
+
+    def finished(self, request_id: str, num_output_tokens: int) -> None:
+        """Request ``request_id`` generated ``num_output_tokens`` in all (ignored when it
+        is not in the log: older, or never placed here)."""
+        entry = self._by_id.get(request_id)
+        if entry is not None and num_output_tokens >= 1:
+            entry.output_length = num_output_tokens
 
     def window(self, window_s: float, now_s: float | None = None) -> list[Arrival]:
         """The arrivals of the last ``window_s`` seconds, oldest first."""

@@ -208,7 +208,8 @@ class VllmDecodeRole(CoupledRole):
             self.send_tokens(rid, client, out, out.finish_reason, kv_bytes=kv_bytes, batch=True)
             if out.finished:
                 del self.clients[rid]
-                self.worker.conductor.event("request_finished", request_id=rid)
+                self.worker.conductor.event("request_finished", request_id=rid,
+                                            num_output_tokens=len(out.token_ids))  # fmt: skip
         self.flush_tokens()
 
     def on_failure(self, failure: RequestFailure) -> None:

@@ -67,7 +67,8 @@ class CoupledRole(TokenStreaming):
             if out.finished:
                 del self.clients[out.request_id]
                 self.worker.metrics.request_finished(out.request_id, len(out.token_ids))
-                events.event("request_finished", request_id=out.request_id)
+                events.event("request_finished", request_id=out.request_id,
+                             num_output_tokens=len(out.token_ids))  # fmt: skip
         self.flush_tokens()
 
     def on_abort(self, request_id: str) -> None:

@@ -313,7 +313,8 @@ class DecodeRole(TokenStreaming):
                 del self.clients[out.request_id]
                 self.worker.metrics.request_finished(out.request_id, len(out.token_ids))
                 self.guard.left(out.request_id)
-                self.worker.conductor.event("request_finished", request_id=out.request_id)
+                self.worker.conductor.event("request_finished", request_id=out.request_id,
+                                            num_output_tokens=len(out.token_ids))  # fmt: skip
         self.flush_tokens()
 
     def on_failure(self, failure: RequestFailure) -> None:
