@@ -5,9 +5,22 @@ prints it as an error, never a traceback)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from halfmoon.core.errors import HalfmoonError
+
+#: vLLM's switch for its development endpoints (``/reset_prefix_cache``): halfmoon's
+#: gateway serves its own under it, and the vLLM servers halfmoon starts inherit it.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` turns the development endpoints on (as vLLM reads it: a
+    non-zero integer)."""
+    try:
+        return int(environ.get(DEV_MODE_ENV, "0")) != 0
+    except ValueError:
+        return False
 
 
 def check_choice(what: str, value: str, choices: Iterable[str]) -> str:

@@ -212,6 +212,7 @@ class GatewayHost:
             public=spec.public,
             access_log=spec.access_log,
             request_id_headers=spec.request_id_headers,
+            dev_endpoints=spec.dev_endpoints,
             sampling_defaults=generation_defaults(
                 model_dir, spec.generation_config, dict(spec.override_generation_config)
             ),

@@ -9,11 +9,13 @@ on the nodes that should hold prefill workers pins the pool there.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.core.adapters import lora_pairs, parse_lora_modules
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.flags import dev_mode
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
@@ -170,6 +172,8 @@ class GatewaySpec:
     access_log: bool = True
     #: ``--enable-request-id-headers`` (GatewayConfig.request_id_headers).
     request_id_headers: bool = False
+    #: ``VLLM_SERVER_DEV_MODE=1`` where the deployment was made (GatewayConfig.dev_endpoints).
+    dev_endpoints: bool = False
     #: The workers' pool and dtype: the served context must fit one worker's KV pool.
     kv_cache_mb: float | None = None
     dtype: str = "float32"
@@ -256,6 +260,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         max_tokens_limit=getattr(args, "max_tokens_limit", None),
         access_log=not getattr(args, "disable_access_log", False),
         request_id_headers=getattr(args, "enable_request_id_headers", False),
+        dev_endpoints=dev_mode(os.environ),
         kv_cache_mb=getattr(args, "kv_cache_mb", None), dtype=getattr(args, "dtype", "float32"),
         cors=CorsPolicy.from_args(args), tls=TlsOptions.from_args(args),
         replan=replan_config_from_args(args), max_num_seqs=getattr(args, "max_num_seqs", 64),

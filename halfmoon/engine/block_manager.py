@@ -258,6 +258,23 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); False, with nothing
+        forgotten, while any block is in use (a running request's). The listener hears
+        each eviction; nothing is demoted (the evict hook is not called)."""
+        if len(self._free) != self.num_blocks:
+            return False
+        with self.evict_lock:
+            hashes = list(self._block_by_hash)
+            self._block_by_hash.clear()
+            self._hash_by_block.clear()
+            self._origin_by_block.clear()
+            self._free = OrderedDict((b, None) for b in range(self.num_blocks))
+        if self.listener is not None:
+            for h in hashes:
+                self.listener(BlockEvicted(h))
+        return True
+
     def read_cached(self, block_hash: int, read: Callable[[int], T]) -> tuple[int, int, T] | None:
         """``(parent_hash, position, read(block_id))`` of the cached block ``block_hash``,
         or None; safe from another thread: the block is not reused while ``read`` runs

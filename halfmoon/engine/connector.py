@@ -255,6 +255,12 @@ class EngineConnector(ABC):
         each is gone from the engine."""
         return []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the pool's cached prefixes (vLLM's ``/reset_prefix_cache``); False while
+        requests hold blocks; HalfmoonError naming why it cannot at all. Cache listeners
+        hear the evictions."""
+        raise HalfmoonError(f"{type(self).__name__} cannot reset its prefix cache")
+
     def load_lora(self, adapter: RuntimeAdapter) -> None:
         """Serve LoRA adapter ``adapter`` from now on (``/v1/load_lora_adapter``);
         HalfmoonError naming why it cannot."""
@@ -502,6 +508,9 @@ class LocalConnector(EngineConnector):
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     def load_lora(self, adapter: RuntimeAdapter) -> None:
         self.engine.load_lora(adapter)

@@ -400,6 +400,11 @@ class LLMEngine:
         self._retire()
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the pool's cached prefixes (vLLM's ``reset_prefix_cache``); False while
+        a request holds blocks (nothing is forgotten then)."""
+        return self.block_manager.reset_prefix_cache()
+
     # -- LoRA adapters loaded while serving ----------------------------------------------------
     def load_lora(self, adapter: RuntimeAdapter) -> None:
         """Serve ``adapter`` from now on (vLLM's ``/v1/load_lora_adapter``): its PEFT

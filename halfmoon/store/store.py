@@ -123,6 +123,17 @@ class TieredStore:
                 copy_into(pending.view, 0, view)
         return self.commit_puts(pendings)
 
+    def clear(self) -> bool:
+        """Remove every block from every tier (a cache reset; the listener hears each
+        eviction, the SSD tier's journal forgets them); a pinned block (being read) stays,
+        and then the answer is False."""
+        with self._locked() as t:
+            hashes = set(t.dram.hashes()) | set(t.ssd.hashes() if t.ssd is not None else ())
+            for h in hashes:
+                if not t.pins.get(h):
+                    t.remove(h)
+            return not any(t.contains(h) for h in hashes)
+
     def delete(self, block_hash: int) -> bool:
         """Remove a block from every tier; False if absent. A pinned block raises."""
         with self._locked() as t:

@@ -40,14 +40,16 @@ KV_MB = "96"  # 67 vLLM blocks of 32 tokens per server: small enough to evict
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
-    cluster = Cluster(
-        tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
-        "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
-        "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
-        "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
-        "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
-        "--allow-runtime-lora-updating",  # (and load more while serving)
-    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # (/reset_prefix_cache; servers inherit it)
+        cluster = Cluster(
+            tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
+            "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
+            "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
+            "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
+            "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
+            "--allow-runtime-lora-updating",  # (and load more while serving)
+        )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
         yield cluster
@@ -401,3 +403,30 @@ def test_an_adapter_loaded_while_serving_reaches_every_vllm_server(fleet, smollm
     bad = httpx.post(fleet.base_url + "/v1/load_lora_adapter", timeout=120,
                      json={"lora_name": "other", "lora_path": str(smollm2_dir)})  # fmt: skip
     assert bad.status_code in (400, 404), bad.text
+
+
+def test_a_prefix_cache_reset_reaches_every_vllm_server(fleet):
+    """``/reset_prefix_cache`` (the fleet runs with ``VLLM_SERVER_DEV_MODE=1``, which its
+    servers inherit): each worker has its server reset through vLLM's own endpoint, the
+    Conductor's index is emptied at once (vLLM's own AllBlocksCleared event waits for
+    the server's next step), and a prompt cached before is computed afresh."""
+    client = _client(fleet)
+
+    def cached() -> int:
+        chat = client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": _system(99)},
+                      {"role": "user", "content": "Which rule is first?"}],
+        )  # fmt: skip
+        details = chat.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    cached()
+    assert cached() >= 256
+    reset = httpx.post(fleet.base_url + "/reset_prefix_cache", timeout=120)
+    assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text
+    deadline = time.monotonic() + 10
+    while any(fleet.ping_conductor().index_blocks.values()):
+        assert time.monotonic() < deadline, fleet.ping_conductor().index_blocks
+        time.sleep(0.2)
+    assert cached() == 0

@@ -290,3 +290,28 @@ def test_run_layout_evicts_exactly_what_the_plain_policy_evicts(caching: bool) -
         )
 
     assert consecutive_pairs(managers[0]) > consecutive_pairs(managers[1])
+
+
+def test_reset_prefix_cache_forgets_every_cached_block_only_when_none_is_in_use():
+    from halfmoon.core.events import BlockEvicted
+
+    bm = BlockManager(num_blocks=8, block_size=B)
+    heard: list[object] = []
+    bm.listener = heard.append
+    bm.evict_hook = lambda *args: pytest.fail("a reset demotes nothing")
+    prompt = tokens(100, 50)
+    bm.admit("a", prompt, 50)
+    bm.commit("a", prompt, 50)
+    assert bm.num_cached_blocks == 3
+    assert not bm.reset_prefix_cache()  # "a" still holds its blocks: nothing forgotten
+    assert bm.num_cached_blocks == 3 and bm.match_prefix(prompt + [1])
+    bm.free("a")
+    heard.clear()
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 8
+    assert bm.match_prefix(prompt + [1]) == []
+    assert len(heard) == 3 and all(isinstance(e, BlockEvicted) for e in heard)
+    assert bm.admit("b", prompt, 50) == 0  # computed afresh
+    assert bm.block_table("b") == [0, 1, 2, 3]
+    bm.free("b")
+    bm.check_integrity()

@@ -57,6 +57,8 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
                                                        tag="0123456789ab"), msg_id=4),
     m.AdaptersOk(adapters=[m.AdapterRecord(name="sql", path="/a/sql", tag="0123456789ab")],
                  msg_id=4),
+    m.ResetPrefixCache(external=True, msg_id=5),
+    m.CacheReset(success=False, reason="2 requests hold blocks", msg_id=5),
     m.Register(instance_id="p0", role="prefill", command_endpoint="tcp://h:1",
                transfer_endpoint="h:2", kv_capacity_tokens=4096, kv_bytes_per_token=64,
                hidden_bytes_per_token=128, profile={"prefill": [[1, 2.5]], "name": "x"},

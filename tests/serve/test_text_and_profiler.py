@@ -88,12 +88,19 @@ def test_decode_points_time_only_pure_decode_steps(engine, monkeypatch):
     engine.check_integrity()
 
 
-def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
+@pytest.mark.parametrize(
+    "kv_cache_mb,points,probe",
+    [(6, "SMALL_DECODE_POINTS", (4, 512)), (1, "TINY_DECODE_POINTS", (2, 128))],
+)
+def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch, kv_cache_mb, points, probe):
     """A pool too small for three of the usual decode points (a real model's KV is ~10x
-    the tiny preset's per token) is measured at short contexts instead of failing."""
+    the tiny preset's per token; 6 MiB: 1.5k tokens) is measured at short contexts
+    instead of failing; one too small for three of those (``--kv-cache-mb 1``: 256
+    tokens, which failed to start: "need at least 3 decode points, got 1") at the
+    tiniest."""
     from halfmoon.engine import EngineConfig, LLMEngine, profiler
 
-    small = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=6, num_threads=1))  # 1.5k tokens
+    small = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=kv_cache_mb, num_threads=1))
     timed: list[tuple[int, int]] = []
     real = profiler._time_decode
 
@@ -103,30 +110,9 @@ def test_a_small_kv_pool_is_profiled_with_short_contexts(monkeypatch):
 
     monkeypatch.setattr(profiler, "_time_decode", record)
     profile = profiler.measure_profile(small, "tiny")
-    assert len(timed) >= 3 and set(timed) <= set(profiler.SMALL_DECODE_POINTS)
-    assert profile.decode_step_s(4, 512) > 0
+    assert len(timed) >= 3 and set(timed) <= set(getattr(profiler, points))
+    assert profile.decode_step_s(*probe) > 0
     small.check_integrity()
-
-
-def test_a_pool_of_a_few_hundred_tokens_is_profiled_too(monkeypatch):
-    """``--kv-cache-mb 1`` with the tiny preset (256 tokens) holds one of the short
-    decode points: the tiniest ones instead (it failed to start: "need at least 3 decode
-    points, got 1")."""
-    from halfmoon.engine import EngineConfig, LLMEngine, profiler
-
-    engine = LLMEngine(EngineConfig(model="tiny", kv_cache_mb=1, num_threads=1))
-    timed: list[tuple[int, int]] = []
-    real = profiler._time_decode
-
-    def record(engine, batch, context, salt):
-        timed.append((batch, context))
-        return real(engine, batch, context, salt)
-
-    monkeypatch.setattr(profiler, "_time_decode", record)
-    profile = profiler.measure_profile(engine, "tiny")
-    assert len(timed) >= 3 and set(timed) <= set(profiler.TINY_DECODE_POINTS)
-    assert profile.decode_step_s(2, 128) > 0
-    engine.check_integrity()
 
 
 def test_a_short_context_and_a_tiny_pool_are_profiled_with_short_prompts(monkeypatch):

@@ -389,3 +389,27 @@ def test_concurrent_puts_and_gets_stay_consistent(make_store, tmp_path):
         t.join()
     assert errors == []
     store.check_integrity()
+
+
+def test_clear_removes_every_unpinned_block_from_both_tiers(make_store, events, tmp_path):
+    from halfmoon.store import StoreConfig, TieredStore
+
+    ssd = {"ssd_dir": str(tmp_path), "ssd_capacity_bytes": 4 * BLOCK_BYTES}
+    store = make_store(dram_capacity_bytes=2 * BLOCK_BYTES, **ssd)
+    put_all(store, [0, 1, 2, 3])  # two demoted to SSD
+    store.pin(H[3])  # being read
+    events.clear()
+    assert not store.clear()  # the pinned block stays
+    assert [store.contains(H[i]) for i in range(4)] == [False, False, False, True]
+    assert {e.block_hash for e in events} == {H[0], H[1], H[2]}
+    assert all(isinstance(e, BlockEvicted) for e in events)
+    store.unpin(H[3])
+    assert store.clear() and not store.contains(H[3])
+    assert store.stats().dram.num_blocks == store.stats().ssd.num_blocks == 0
+    store.close()
+    # the SSD journal forgets them too: a reopened store finds nothing
+    again = TieredStore(
+        StoreConfig(block_bytes=BLOCK_BYTES, dram_capacity_bytes=BLOCK_BYTES, **ssd)
+    )
+    assert again.stats().ssd.num_blocks == 0
+    again.close()

@@ -515,6 +515,27 @@ class AdaptersOk(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResetPrefixCache(Message):
+    """Gateway -> worker: forget the engine's cached prefixes (vLLM's
+    ``/reset_prefix_cache``), with ``external`` its block store's too (DRAM and SSD);
+    answered ``cache_reset``, or ``error`` when its engine cannot."""
+
+    wire_name: ClassVar[str] = "reset_prefix_cache"
+    external: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheReset(Message):
+    """Worker -> gateway: the ``reset_prefix_cache`` is done (``success``) or could not
+    be now (``reason``: e.g. running requests hold blocks; nothing of that cache is
+    forgotten then)."""
+
+    wire_name: ClassVar[str] = "cache_reset"
+    success: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Error(Message):
     """Any process -> the sender of a command it could not carry out. ``retryable``: the
     gateway may place the request again; ``suspect``: the worker to blame."""

@@ -8,7 +8,8 @@ prefill and decode happen behind it. Routes: ``/v1/completions``,
 served as a chat request, and its stored answers under ``/v1/responses/{id}``: the
 routes of :mod:`halfmoon.serve.gateway.responses_api`), ``/v1/models``
 (and ``/v1/models/{id}``),
-``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, and the API docs
+``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's
+``/reset_prefix_cache`` (only under ``VLLM_SERVER_DEV_MODE=1``, as vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
 OpenAI-shaped (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
 ``/dashboard`` (:mod:`halfmoon.serve.gateway.dashboard`);
@@ -133,6 +134,31 @@ def create_app(
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
             return PlainTextResponse(await gw.unload_adapter(body.lora_name))
+
+    if config.dev_endpoints:  # vLLM's development endpoint, under its VLLM_SERVER_DEV_MODE
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(
+            reset_running_requests: bool = False, reset_external: bool = False
+        ) -> dict[str, Any]:
+            """Every worker forgets its engine's cached prefixes (with ``reset_external``
+            its DRAM and SSD block store's too); ``success`` is false while running
+            requests hold blocks somewhere (``failed`` says where), as on vLLM."""
+            if reset_running_requests:
+                raise HTTPError(400, "reset_running_requests is not supported: the reset "
+                                "waits for running requests instead (retry once they end)",
+                                "BadRequestError", param="reset_running_requests")  # fmt: skip
+            reset = getattr(backend, "reset_prefix_cache", None)
+            if reset is None:
+                raise HTTPError(400, "this server cannot reset its prefix cache",
+                                "BadRequestError")  # fmt: skip
+            try:
+                reasons = await reset(reset_external)
+            except BackendError as exc:
+                raise HTTPError(503, f"prefix cache not reset: {exc}",
+                                "ServiceUnavailable") from None  # fmt: skip
+            failed = {iid: why for iid, why in reasons.items() if why}
+            return {"success": not failed, **({"failed": failed} if failed else {})}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

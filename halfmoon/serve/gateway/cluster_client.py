@@ -40,6 +40,7 @@ from halfmoon.serve.control.messages import (
     AdaptersOk,
     AdapterUpdate,
     Batch,
+    CacheReset,
     ClusterStatus,
     ConductorPong,
     CppPrefill,
@@ -62,6 +63,7 @@ from halfmoon.serve.control.messages import (
     Prefill,
     Release,
     Replicate,
+    ResetPrefixCache,
     Schedule,
     StatusQuery,
     Tokens,
@@ -454,6 +456,25 @@ class ClusterBackend:
         for instance_id, result in results.items():
             if isinstance(result, BaseException):  # (one that never had it, or gone)
                 log.warning("unloading LoRA adapter %r on %s: %s", name, instance_id, result)
+
+    async def reset_prefix_cache(self, external: bool, timeout_s: float = 60.0) -> dict[str, str]:
+        """Have every worker forget its engine's cached prefixes, and with ``external``
+        its block store's (vLLM's ``/reset_prefix_cache``), at once: per instance, ""
+        when all of it went, else why not (running requests hold blocks, its engine
+        cannot). Their cache events tell the Conductor."""
+
+        async def one(endpoint: str) -> str:
+            try:
+                reply = await self._call(endpoint, ResetPrefixCache(external=external), timeout_s)
+            except BackendError as exc:
+                return str(exc)
+            if isinstance(reply, CacheReset):
+                return "" if reply.success else reply.reason or "not reset"
+            return _reason(reply)
+
+        endpoints = (await self._ping(timeout_s)).endpoints
+        reasons = await asyncio.gather(*(one(e) for e in endpoints.values()))
+        return dict(zip(endpoints, reasons, strict=True))
 
     async def _tell_adapters(self, op: str, record: AdapterRecord, timeout_s: float) -> None:
         """The Conductor's list of adapters loaded while serving, updated (and this

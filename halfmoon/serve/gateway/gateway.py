@@ -113,6 +113,9 @@ class GatewayConfig:
     #: Every response carries ``X-Request-Id`` (``--enable-request-id-headers``;
     #: halfmoon.serve.gateway.request_ids).
     request_id_headers: bool = False
+    #: vLLM's development endpoints (``POST /reset_prefix_cache``), as vLLM serves them
+    #: under ``VLLM_SERVER_DEV_MODE=1`` (halfmoon.core.flags.dev_mode).
+    dev_endpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -140,7 +143,8 @@ class GatewayConfig:
         /dashboard/state, needs the key)."""
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
-        return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state", *private)
+        return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
+                "/reset_prefix_cache", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

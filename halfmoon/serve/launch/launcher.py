@@ -27,6 +27,7 @@ from halfmoon.core.adapters import (
     runtime_lora_allowed,
 )
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.flags import dev_mode
 from halfmoon.core.heap import settle_gc
 from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
@@ -162,6 +163,7 @@ async def _serve_gateway(
         public=tuple(args.public or ()),
         access_log=not getattr(args, "disable_access_log", False),
         request_id_headers=getattr(args, "enable_request_id_headers", False),
+        dev_endpoints=dev_mode(os.environ),
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),

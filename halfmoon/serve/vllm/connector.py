@@ -46,6 +46,7 @@ import httpx
 from halfmoon.core.adapters import RUNTIME_LORA_ENV, RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.events import CacheEvent
+from halfmoon.core.flags import DEV_MODE_ENV
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.costmodel import CostProfile
@@ -395,6 +396,37 @@ class VllmServerConnector(EngineConnector):
     def unload_lora(self, name: str) -> None:
         """vLLM's own ``/v1/unload_lora_adapter`` on this worker's server."""
         self._lora_call("unload", {"lora_name": name})
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's own ``/reset_prefix_cache`` on this worker's server, one of its
+        development endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which a
+        server halfmoon starts inherits); its KV events tell the Conductor."""
+        url = f"{self.endpoints.url}/reset_prefix_cache"
+        try:
+            resp = httpx.post(url, timeout=60.0)
+        except httpx.HTTPError as exc:
+            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 404:
+            raise HalfmoonError(
+                f"the vLLM server at {self.endpoints.url} has no /reset_prefix_cache (start "
+                f"it with {DEV_MODE_ENV}=1)"
+            )
+        if resp.status_code != 200:
+            raise HalfmoonError(f"vLLM ({resp.status_code}): {_error_message(resp.text)}")
+        try:
+            success = bool(resp.json()["success"])
+        except (ValueError, KeyError, TypeError):
+            success = True  # (older servers answer 200 with no body)
+        if success:
+            # vLLM queues its AllBlocksCleared event until its engine's next step, which
+            # an idle server may not take for long: the Conductor hears the evictions now
+            # (the events already here first; vLLM's own, when it comes, clears nothing
+            # more, and what it stores after comes after it).
+            self._drain_events()
+            for event in self._translator.clear(self.instance_id):
+                if self._listener is not None:
+                    self._listener(event)
+        return success
 
     def _lora_call(self, op: str, body: dict[str, str]) -> None:
         url = f"{self.endpoints.url}/v1/{op}_lora_adapter"

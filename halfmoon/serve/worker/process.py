@@ -40,6 +40,7 @@ from halfmoon.serve.control.messages import (
     Abort,
     AdaptersOk,
     AdapterUpdate,
+    CacheReset,
     Error,
     HeldBlocks,
     MalformedMessage,
@@ -49,6 +50,7 @@ from halfmoon.serve.control.messages import (
     Ping,
     Refused,
     Registered,
+    ResetPrefixCache,
     WorkerPong,
     decode_message,
     encode_message,
@@ -322,7 +324,7 @@ class Worker:
         #: The worker's own commands; the role's (its ``handlers()``) by wire name.
         self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
             Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
-            AdapterUpdate: self._on_adapter_update,
+            AdapterUpdate: self._on_adapter_update, ResetPrefixCache: self._on_reset_prefix_cache,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -536,6 +538,26 @@ class Worker:
             self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id))
             return
         self.send(identity, AdaptersOk(msg_id=msg.msg_id))
+
+    def _on_reset_prefix_cache(self, identity: bytes, msg: ResetPrefixCache) -> None:
+        """Forget the engine's cached prefixes and, with ``external``, the block store's
+        (vLLM's ``/reset_prefix_cache``); ``cache_reset`` says whether all of it went.
+        The evictions reach the Conductor as cache events."""
+        reasons = []
+        try:
+            if not self.engine.reset_prefix_cache():
+                reasons.append("running requests hold KV blocks of its pool")
+            if msg.external and self.store is not None and not self.store.clear():
+                reasons.append("blocks of its store are being read")
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
+            if not isinstance(exc, HalfmoonError):
+                log.exception("resetting the prefix cache failed")
+            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id))
+            return
+        log.info("prefix cache reset%s%s", " (with the store)" if msg.external else "",
+                 f": not all of it, {'; '.join(reasons)}" if reasons else "")  # fmt: skip
+        self.send(identity, CacheReset(success=not reasons, reason="; ".join(reasons),
+                                       msg_id=msg.msg_id))  # fmt: skip
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         assert self.role is not None
