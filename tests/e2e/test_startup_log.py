@@ -36,9 +36,10 @@ def test_the_log_tells_each_phase_then_the_url_then_each_request(cluster_factory
     line = wait_for_log(
         cluster,
         r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 prompt_tokens=(\d+) '
-        r"completion_tokens=4 ttft=([0-9.]+)s total=([0-9.]+)s$",
+        r"completion_tokens=4 ttft=([0-9.]+)s total=([0-9.]+)s id=(\S+)$",
     )
     assert int(line.group(1)) == out.usage.prompt_tokens
+    assert line.group(4) == out.id  # the id the answer went out under
     assert 0 < float(line.group(2)) <= float(line.group(3))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=-1)
