@@ -1,17 +1,21 @@
-"""Shared pieces of the worker and metrics tests: a Conductor service on a thread, a
-worker role with nothing to do, and a Conductor link that records what it is told."""
+"""Shared pieces of the serve tests: a Conductor service on a thread, a worker role with
+nothing to do, a Conductor link that records what it is told, and a gateway backend that
+records what it is asked."""
 
 from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from halfmoon.conductor import Conductor, ConductorConfig
 from halfmoon.core.clock import WallClock
+from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.conductor_main import load_cost_model
 from halfmoon.serve.control.conductor_service import ConductorService
+from halfmoon.serve.gateway.backend import GenerationChunk
 
 
 @contextmanager
@@ -85,3 +89,26 @@ class IdleRole:
 
     def close(self) -> None:
         return None
+
+
+class RecordingBackend:
+    """A gateway backend that answers token 65 ``max_tokens`` times and records the
+    request ids it is given and the ones it is told to abort."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.aborted: list[str] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self.request_ids.append(request_id)
+        for i in range(params.max_tokens):
+            last = i == params.max_tokens - 1
+            yield GenerationChunk((65,), "length" if last else None, 0 if i == 0 else None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def health(self) -> dict[str, Any]:
+        return {"mode": "recording"}

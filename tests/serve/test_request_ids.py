@@ -6,36 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from halfmoon.core.request import SamplingParams
 from halfmoon.serve.gateway.access_log import ACCESS_LOGGER
-from halfmoon.serve.gateway.backend import GenerationChunk
-
-
-class RecordingBackend:
-    """Answers token 65 ``max_tokens`` times; records the request ids it is given."""
-
-    def __init__(self) -> None:
-        self.request_ids: list[str] = []
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationChunk]:
-        self.request_ids.append(request_id)
-        for i in range(params.max_tokens):
-            last = i == params.max_tokens - 1
-            yield GenerationChunk((65,), "length" if last else None, 0 if i == 0 else None)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    async def health(self) -> dict[str, Any]:
-        return {"mode": "recording"}
+from tests.serve.fakes import RecordingBackend
 
 
 @pytest.fixture(scope="module")

@@ -4,34 +4,21 @@ vLLM's query parameters and answer. In-process (ASGI) over a backend that record
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
-
 import pytest
 from fastapi.testclient import TestClient
 
 from halfmoon.core.flags import dev_mode
-from halfmoon.core.request import SamplingParams
-from halfmoon.serve.gateway.backend import BackendError, GenerationChunk
+from halfmoon.serve.gateway.backend import BackendError
+from tests.serve.fakes import RecordingBackend
 
 
-class ResettingBackend:
+class ResettingBackend(RecordingBackend):
     """Answers ``reasons`` (per instance) to a reset, and records what it was asked."""
 
     def __init__(self, reasons: dict[str, str] | None = None) -> None:
+        super().__init__()
         self.reasons = reasons if reasons is not None else {"prefill-0": "", "decode-0": ""}
         self.asked: list[bool] = []
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationChunk]:
-        yield GenerationChunk((65,), "length", 0)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    async def health(self) -> dict[str, Any]:
-        return {"mode": "resetting"}
 
     async def reset_prefix_cache(self, external: bool) -> dict[str, str]:
         self.asked.append(external)

@@ -29,6 +29,15 @@ _STATE_KEY = "halfmoon_request_id"
 Scope = dict[str, Any]
 
 
+def _problem(value: str) -> str | None:
+    """What is wrong with ``value`` as a request id (None: nothing)."""
+    if not 0 < len(value) <= MAX_ID_CHARS:
+        return f"must have 1 to {MAX_ID_CHARS} characters"
+    if not (value.isascii() and value.isprintable()):
+        return "must be printable ASCII"
+    return None
+
+
 def client_request_id(header: str | None, field: str | None) -> str | None:
     """The id the client chose (``header`` before the body's ``field``), checked; None
     when it chose none. A 400 names the problem."""
@@ -36,12 +45,8 @@ def client_request_id(header: str | None, field: str | None) -> str | None:
                                 (field, "request_id", "request_id")):  # fmt: skip
         if value is None:
             continue
-        if not value or len(value) > MAX_ID_CHARS:
-            raise HTTPError(400, f"{where} must have 1 to {MAX_ID_CHARS} characters",
-                            "BadRequestError", param=param)  # fmt: skip
-        if not (value.isascii() and value.isprintable()):
-            raise HTTPError(400, f"{where} must be printable ASCII", "BadRequestError",
-                            param=param)  # fmt: skip
+        if (problem := _problem(value)) is not None:
+            raise HTTPError(400, f"{where} {problem}", "BadRequestError", param=param)
         return value
     return None
 
@@ -78,10 +83,6 @@ def _header(scope: Scope) -> str | None:
     """The request's ``X-Request-Id``, when it is one we would accept."""
     for key, value in scope.get("headers", ()):
         if key.lower() == b"x-request-id":
-            try:
-                text = value.decode("ascii")
-            except UnicodeDecodeError:
-                return None
-            ok = 0 < len(text) <= MAX_ID_CHARS and text.isprintable()
-            return text if ok else None
+            text = value.decode("latin-1")  # (how HTTP headers arrive)
+            return text if _problem(text) is None else None
     return None
