@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -515,6 +516,43 @@ def test_the_responses_api_through_the_cluster(disagg):
                                      max_output_tokens=60)  # fmt: skip
     (call,) = called.output
     assert call.type == "function_call" and json.loads(call.arguments)["tag"] in ("red", "green")
+
+
+def test_anthropics_messages_api_through_the_cluster(disagg):
+    """The ``anthropic`` client against the cluster (Anthropic's Messages API): seeded text
+    equal to the same chat request's, streamed text adding up to it, a repeated prompt's
+    tokens read from the prefix cache (``cache_read_input_tokens``), a forced tool call,
+    and ``count_tokens`` equal to the prompt the chat request gets."""
+    chat = _client(disagg).chat.completions.create(
+        model="tiny", max_tokens=12, temperature=0.8, seed=9,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hello " * 40}],
+    )  # fmt: skip
+    client = anthropic.Anthropic(base_url=disagg.base_url, api_key="none", max_retries=0)
+    ask = {"model": "tiny", "max_tokens": 12, "system": "Be brief.",
+           "messages": [{"role": "user", "content": "Hello " * 40}],
+           "extra_body": {"seed": 9, "temperature": 0.8}}  # (the SDK's 2.x leaves sampling out)  # fmt: skip
+    message = client.messages.create(**ask)
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    # the same prompt again: its tokens come from the prefix cache, as Anthropic counts them
+    use = message.usage
+    assert use.cache_read_input_tokens > 0
+    assert use.input_tokens + use.cache_read_input_tokens == chat.usage.prompt_tokens
+    with client.messages.stream(**ask) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == message.content[0].text
+    counted = client.messages.count_tokens(model="tiny", system="Be brief.",
+                                           messages=ask["messages"])  # fmt: skip
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    tools = [{"name": "paint", "input_schema": SMALL_SCHEMA}]
+    called = client.messages.create(model="tiny", max_tokens=60, tools=tools,
+                                    tool_choice={"type": "tool", "name": "paint"},
+                                    messages=[{"role": "user", "content": "Paint."}])  # fmt: skip
+    (use_block,) = called.content
+    assert use_block.type == "tool_use" and use_block.input["tag"] in ("red", "green")
+    assert called.stop_reason == "tool_use"
 
 
 def test_stored_responses_continue_through_the_cluster(disagg):

@@ -4,14 +4,16 @@ body limits, errors, docs, access log) around a :class:`~halfmoon.serve.gateway.
 
 The gateway is written against :class:`~halfmoon.serve.gateway.backend.Backend`; placement,
 prefill and decode happen behind it. Routes: ``/v1/completions``,
-``/v1/chat/completions`` (SSE when ``stream``), ``/v1/responses`` (OpenAI's Responses API,
+``/v1/chat/completions`` (SSE when ``stream``), Anthropic's ``/v1/messages`` (and
+``/v1/messages/count_tokens``: :mod:`halfmoon.serve.gateway.anthropic_api`), ``/v1/responses`` (OpenAI's Responses API,
 served as a chat request, and its stored answers under ``/v1/responses/{id}``: the
 routes of :mod:`halfmoon.serve.gateway.responses_api`), ``/v1/models``
 (and ``/v1/models/{id}``),
-``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's
+``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's ``/load``
+and SageMaker's ``/ping`` and ``/invocations`` (a chat or a completion, by its body), vLLM's
 ``/reset_prefix_cache`` (only under ``VLLM_SERVER_DEV_MODE=1``, as vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
-OpenAI-shaped (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
+OpenAI-shaped, Anthropic-shaped under ``/v1/messages`` (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
 ``/dashboard`` (:mod:`halfmoon.serve.gateway.dashboard`);
 extra routers under ``/admin/`` (e.g. scaling, :mod:`halfmoon.deploy.admin`) need the API key.
 A client that disconnects mid-stream aborts its request, which frees its KV blocks.
@@ -24,12 +26,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from halfmoon import __version__
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.serve.gateway import request_ids
 from halfmoon.serve.gateway.access_log import AccessLog, note_request_id
+from halfmoon.serve.gateway.anthropic_api import messages_router
 from halfmoon.serve.gateway.backend import Backend, BackendError, Rejected
 from halfmoon.serve.gateway.beam_search import search_beams
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
@@ -60,6 +65,14 @@ from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.tenancy import matching_key
 
 __all__ = ["PUBLIC_PATHS", "Gateway", "GatewayConfig", "create_app"]
+
+
+def _authorization(request: Request) -> str | None:
+    """The request's ``Authorization`` header, or its ``x-api-key`` (Anthropic's) as one."""
+    found = request.headers.get("authorization")
+    if found is None and (key := request.headers.get("x-api-key")) is not None:
+        return f"Bearer {key}"
+    return found
 
 
 def create_app(
@@ -96,9 +109,10 @@ def create_app(
                 403, "admin endpoints need an API key (--api-key)", "PermissionDenied"
             )
         if config.keys and request.url.path.startswith(guarded):
-            key = matching_key(request.headers.get("authorization"), config.keys)
+            key = matching_key(_authorization(request), config.keys)
             if key is None:
-                return error_response(401, "invalid or missing API key", "AuthenticationError")
+                return error_response(401, "invalid or missing API key", "AuthenticationError",
+                                      path=request.url.path)  # fmt: skip
             request.state.api_key = key  # the tenant (see GatewayConfig.cache_salt_from_api_key)
         return await call_next(request)
 
@@ -108,6 +122,16 @@ def create_app(
             return {"status": "ok", **(await backend.health())}
         except Exception as exc:  # any failure means "not healthy"; say why
             raise HTTPError(503, f"not ready: {exc}", "ServiceUnavailable") from None
+
+    # SageMaker's health check, as vLLM serves it: /health by another name (either method)
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], summary="Ping",
+                          operation_id=f"ping_{method.lower()}")  # fmt: skip
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: the generations this gateway is serving or preparing."""
+        return {"server_load": gw.in_flight + gw.preparing}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -217,9 +241,10 @@ def create_app(
             raise turned_away(exc, gw.metrics) from None
         return p, first, stream
 
-    def _name(p: Prepared, request: Request | None) -> None:
-        """Tell the access line and the ``X-Request-Id`` header the response's id."""
-        shown = response_id(p.public_id, p.chat)
+    def _name(p: Prepared, request: Request | None, shown: str | None = None) -> None:
+        """Tell the access line and the ``X-Request-Id`` header the response's id
+        (``shown``; by default the chat or completion id)."""
+        shown = shown or response_id(p.public_id, p.chat)
         note_request_id(shown, None if p.client_id is None else p.request_id)
         if request is not None:
             request_ids.note_response_id(request.scope, shown)
@@ -270,7 +295,22 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(body, request)
 
+    @app.post("/invocations")
+    async def invocations(body: dict[str, Any], request: Request) -> Response:
+        """SageMaker's one inference route, as vLLM serves it: a chat completion's body
+        (``messages``) or a completion's (``prompt``)."""
+        kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+        if "messages" not in body and "prompt" not in body:
+            raise HTTPError(400, "an invocation is a chat completion (messages) or a "
+                            "completion (prompt)", "BadRequestError")  # fmt: skip
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as exc:  # answered as any route's invalid body
+            raise RequestValidationError(exc.errors(), body=body) from None
+        return await _serve(parsed, request)
+
     app.include_router(responses_router(gw, _start, _check_busy))
+    app.include_router(messages_router(gw, _start, _name))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too
         app.add_middleware(request_ids.RequestIdHeader)

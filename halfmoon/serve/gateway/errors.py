@@ -1,4 +1,4 @@
-"""Every error the gateway answers, in OpenAI's shape.
+"""Every error the gateway answers, in OpenAI's shape (Anthropic's on its Messages API).
 
 ``{"error": {"message", "type", "param", "code"}}`` (:func:`~halfmoon.serve.gateway.
 openai_api.error_body`) for the routes' own refusals (:class:`~halfmoon.serve.gateway.
@@ -6,7 +6,10 @@ responses.HTTPError`) and for those raised before a route runs: an unknown path 
 wrong method (405, with the ``Allow`` header), a body that is not JSON or does not
 validate (400, with ``param`` naming the offending field, OpenAI-style:
 ``messages.[0].content``), and an unexpected exception (500). FastAPI's own
-``{"detail": ...}`` bodies never reach a client.
+``{"detail": ...}`` bodies never reach a client. Under ``/v1/messages`` (Anthropic's
+Messages API, :mod:`halfmoon.serve.gateway.anthropic_messages`) the same errors come in
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, as vLLM answers
+there (:func:`error_payload`).
 """
 
 from __future__ import annotations
@@ -37,17 +40,45 @@ ERROR_TYPES: dict[int, str] = {
     500: "InternalServerError",
     503: "ServiceUnavailable",
 }
+#: Anthropic's error ``type`` for each status (on the Messages API's paths).
+ANTHROPIC_ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 #: Validation errors listed in one message, at most.
 MAX_LISTED_ERRORS = 5
 
 
+def anthropic_path(path: str | None) -> bool:
+    """Whether ``path`` is the Messages API's (its errors are Anthropic-shaped)."""
+    return path is not None and (path == "/v1/messages" or path.startswith("/v1/messages/"))
+
+
+def error_payload(
+    status: int, message: str, kind: str | None = None, param: str | None = None,
+    path: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """An error's body: OpenAI's shape (``kind`` defaults by status: :data:`ERROR_TYPES`),
+    or Anthropic's when ``path`` is the Messages API's."""
+    if anthropic_path(path):
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return error_body(message, kind or ERROR_TYPES.get(status, "APIError"), status, param)
+
+
 def error_response(
     status: int, message: str, kind: str | None = None, headers: dict | None = None,
-    param: str | None = None,
+    param: str | None = None, path: str | None = None,
 ) -> JSONResponse:  # fmt: skip
-    """An OpenAI-shaped error response (``kind`` defaults by status: :data:`ERROR_TYPES`)."""
-    kind = kind or ERROR_TYPES.get(status, "APIError")
-    return JSONResponse(error_body(message, kind, status, param), status_code=status,
+    """An error response (:func:`error_payload`) for a request to ``path``."""
+    return JSONResponse(error_payload(status, message, kind, param, path), status_code=status,
                         headers=headers)  # fmt: skip
 
 
@@ -93,13 +124,14 @@ def validation_message(errors: Sequence[dict[str, Any]], body: Any) -> tuple[str
     return "; ".join(parts) or "invalid request", params[0] if params else None
 
 
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = validation_message(list(exc.errors()), exc.body)
-    return error_response(400, message, param=param)
+    return error_response(400, message, param=param, path=request.url.path)
 
 
-async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.kind, exc.headers, exc.param)
+async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.kind, exc.headers, exc.param,
+                          request.url.path)  # fmt: skip
 
 
 async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -113,12 +145,13 @@ async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSO
         )
     else:
         message = str(exc.detail)
-    return error_response(status, message, headers=dict(exc.headers or {}) or None)
+    return error_response(status, message, headers=dict(exc.headers or {}) or None,
+                          path=request.url.path)  # fmt: skip
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal error: {type(exc).__name__}")
+    return error_response(500, f"internal error: {type(exc).__name__}", path=request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

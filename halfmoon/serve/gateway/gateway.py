@@ -139,12 +139,12 @@ class GatewayConfig:
 
     def guarded_paths(self) -> tuple[str, ...]:
         """Path prefixes that need an API key (when the server has any): everything but
-        /health, the paths made public and the cluster page's shell (its data,
+        /health (and /ping, its SageMaker name), the paths made public and the cluster page's shell (its data,
         /dashboard/state, needs the key)."""
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
         return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
-                "/reset_prefix_cache", *private)  # fmt: skip
+                "/reset_prefix_cache", "/invocations", "/load", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from halfmoon.serve.gateway.errors import error_payload
 from halfmoon.serve.gateway.exposure import TlsOptions
 from halfmoon.serve.gateway.openai_api import error_body
 
@@ -27,7 +28,8 @@ ASGIApp = Any
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with an OpenAI-shaped 413, whatever their
+    """Refuse request bodies over ``max_bytes`` with a 413 (OpenAI-shaped, or Anthropic's
+    on its Messages API), whatever their
     framing; smaller bodies are read once and handed to ``app`` unchanged."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float = 30.0) -> None:
@@ -41,7 +43,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, path=scope.get("path"))
             return
         chunks: list[bytes] = []
         total = 0
@@ -52,14 +54,14 @@ class BodyLimit:
                 message = await asyncio.wait_for(receive(), max(0.0, left_s))
             except TimeoutError:
                 await self._refuse(send, 408, f"request body not received within "
-                                              f"{self.body_timeout_s:g}s")  # fmt: skip
+                                              f"{self.body_timeout_s:g}s", scope.get("path"))  # fmt: skip
                 return
             if message["type"] != "http.request":  # the client went away mid-body
                 return
             body = message.get("body", b"")
             total += len(body)
             if total > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, path=scope.get("path"))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -76,9 +78,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Any, status: int = 413, message: str = "") -> None:
+    async def _refuse(
+        self, send: Any, status: int = 413, message: str = "", path: str | None = None
+    ) -> None:
         message = message or f"request body over {self.max_bytes} bytes"
-        payload = json.dumps(error_body(message, "BadRequestError", status)).encode()
+        payload = json.dumps(error_payload(status, message, "BadRequestError", path=path)).encode()
         await send({
             "type": "http.response.start", "status": status,
             "headers": [(b"content-type", b"application/json"),

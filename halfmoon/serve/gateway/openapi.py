@@ -3,7 +3,7 @@
 FastAPI's generated schema documents a 422 with its own ``{"detail": ...}`` body and an
 untyped 200 for routes that return dicts. :func:`install_openapi` rewrites it once:
 every refusal is a 400 (or 401/404/413/429/503 where they apply) with OpenAI's error
-object, each route's 200 body is described (:data:`RESPONSE_MODELS`), the streaming
+object (Anthropic's under ``/v1/messages``), each route's 200 body is described (:data:`RESPONSE_MODELS`), the streaming
 routes also answer ``text/event-stream`` and ``/metrics`` ``text/plain``; the request
 bodies' ``model`` is pinned to the served model and ``max_tokens`` to the server's cap.
 
@@ -24,7 +24,9 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
+
+from halfmoon.serve.gateway.errors import anthropic_path
 
 #: Where the docs pages' scripts and styles are served (under /docs: public with it).
 DOCS_ASSETS_PATH = "/docs/assets"
@@ -47,6 +49,39 @@ class ErrorResponse(_Open):
     """Every error body the server answers."""
 
     error: ErrorDetail
+
+
+class AnthropicError(_Open):
+    """Anthropic's error object (its ``type``: ``invalid_request_error``, ...)."""
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Open):
+    """Every error body the Messages API's routes answer."""
+
+    type: Literal["error"]
+    error: AnthropicError
+
+
+class MessageObject(_Open):
+    """Body of a non-streaming ``POST /v1/messages`` (Anthropic's ``message``)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None = None
+    usage: dict[str, int]
+
+
+class TokenCount(_Open):
+    """Body of ``POST /v1/messages/count_tokens``: the prompt's length in tokens."""
+
+    input_tokens: int
 
 
 class Usage(_Open):
@@ -172,6 +207,16 @@ class HealthResponse(_Open):
     status: Literal["ok"]
 
 
+class LoadResponse(_Open):
+    """Body of ``GET /load`` (vLLM's): generations being served or prepared."""
+
+    server_load: int
+
+
+class InvocationResponse(RootModel[ChatCompletionResponse | CompletionResponse]):
+    """Body of a non-streaming ``POST /invocations``: a chat completion or a completion."""
+
+
 class TokenizeResponse(_Open):
     """Body of ``POST /tokenize``."""
 
@@ -191,6 +236,8 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
     ("/v1/chat/completions", "post"): ChatCompletionResponse,
     ("/v1/responses", "post"): ResponseObject,
+    ("/v1/messages", "post"): MessageObject,
+    ("/v1/messages/count_tokens", "post"): TokenCount,
     ("/v1/responses/{response_id}", "get"): ResponseObject,
     ("/v1/responses/{response_id}", "delete"): ResponseDeleted,
     ("/v1/responses/{response_id}/input_items", "get"): InputItemList,
@@ -199,6 +246,10 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/models/{model}", "get"): ModelCard,
     ("/version", "get"): VersionResponse,
     ("/health", "get"): HealthResponse,
+    ("/ping", "get"): HealthResponse,
+    ("/ping", "post"): HealthResponse,
+    ("/load", "get"): LoadResponse,
+    ("/invocations", "post"): InvocationResponse,
     ("/tokenize", "post"): TokenizeResponse,
     ("/detokenize", "post"): DetokenizeResponse,
 }
@@ -207,6 +258,8 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/completions", "post"): (404, 413, 429, 503),
     ("/v1/chat/completions", "post"): (404, 413, 429, 503),
     ("/v1/responses", "post"): (404, 413, 429, 503),
+    ("/v1/messages", "post"): (404, 413, 429, 503),
+    ("/v1/messages/count_tokens", "post"): (404, 413),
     ("/v1/responses/{response_id}", "get"): (400, 404),
     ("/v1/responses/{response_id}", "delete"): (404,),
     ("/v1/responses/{response_id}/input_items", "get"): (400, 404),
@@ -215,9 +268,13 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/tokenize", "post"): (404, 413),
     ("/detokenize", "post"): (404, 413),
     ("/health", "get"): (503,),
+    ("/ping", "get"): (503,),
+    ("/ping", "post"): (503,),
+    ("/invocations", "post"): (404, 413, 429, 503),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
-             ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get")}  # fmt: skip
+             ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
+             ("/v1/messages", "post"), ("/invocations", "post")}  # fmt: skip
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
@@ -228,6 +285,7 @@ _DESCRIPTIONS = {
     503: "Cluster not ready or the request failed",
 }
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 #: One server-sent event of a streaming completion.
 SSE_EVENT = {
     "type": "object",
@@ -270,11 +328,9 @@ def _operation_responses(
         statuses.append(400)
     if guarded:
         statuses.append(401)
+    error = _ANTHROPIC_ERROR_REF if anthropic_path(path) else _ERROR_REF
     for status in sorted(set(statuses)):
-        responses[str(status)] = {
-            "description": _DESCRIPTIONS[status],
-            "content": _json(_ERROR_REF),
-        }
+        responses[str(status)] = {"description": _DESCRIPTIONS[status], "content": _json(error)}
 
 
 def _cap_integers(schema: dict[str, Any], maximum: int) -> None:
@@ -300,7 +356,8 @@ def _pin_requests(
     capped at the server's limit, token ids at the vocabulary (what the gateway enforces
     with a 400). No names (adapters may be loaded while serving): ``model`` stays free."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
-                 "DetokenizeRequest", "ResponsesRequest"):  # fmt: skip
+                 "DetokenizeRequest", "ResponsesRequest", "MessagesRequest",
+                 "CountTokensRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
@@ -327,6 +384,7 @@ def build_openapi(
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     _ref(ErrorResponse, schemas)
+    _ref(AnthropicErrorResponse, schemas)
     for path, ops in schema.get("paths", {}).items():
         for method, op in ops.items():
             guarded = path.startswith(guarded_paths) if guarded_paths else False
