@@ -37,9 +37,10 @@ from halfmoon.serve.gateway.access_log import AccessLog, note_request_id
 from halfmoon.serve.gateway.anthropic_api import messages_router
 from halfmoon.serve.gateway.backend import Backend, BackendError, Rejected
 from halfmoon.serve.gateway.beam_search import search_beams
+from halfmoon.serve.gateway.config import PUBLIC_PATHS, GatewayConfig
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
 from halfmoon.serve.gateway.errors import error_response, install_error_handlers
-from halfmoon.serve.gateway.gateway import PUBLIC_PATHS, Gateway, GatewayConfig
+from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.http_limits import BodyLimit
 from halfmoon.serve.gateway.openai_api import (
     ChatCompletionRequest,

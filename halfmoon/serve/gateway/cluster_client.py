@@ -8,8 +8,9 @@ It asks the Conductor service for a placement, then talks to the workers directl
   prefill worker streams the KV layer by layer to the decode worker and sends the first
   token back itself.
 
-One asyncio DEALER socket per peer; a receive task per socket routes each reply to the
-request's queue. A request that sees no progress for ``token_timeout_s`` fails with
+Its connections are :mod:`~halfmoon.serve.gateway.cluster_link`'s (one DEALER socket per
+peer, replies routed to each request's queue); its cluster-wide operations (metrics,
+status, adapters, resets, drains) :mod:`~halfmoon.serve.gateway.cluster_ops`'s. A request that sees no progress for ``token_timeout_s`` fails with
 :class:`BackendError` instead of hanging. A request's ``cache_salt`` roots the block
 hashes sent to the Conductor and goes with every command to the workers, which hash
 under it too.
@@ -18,34 +19,18 @@ under it too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from halfmoon.conductor.messages import RejectCode
-from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.hashing import chain_root, hash_blocks
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.control.messages import (
     NO_ENDPOINTS,
-    Abort,
-    AdapterRecord,
-    AdaptersOk,
-    AdapterUpdate,
-    Batch,
-    CacheReset,
-    ClusterStatus,
-    ConductorPong,
     CppPrefill,
-    Drain,
-    Draining,
     Endpoints,
     Error,
     Expect,
@@ -53,28 +38,21 @@ from halfmoon.serve.control.messages import (
     Generate,
     InstanceFailed,
     Lost,
-    MalformedMessage,
     Member,
-    Message,
-    MetricsQuery,
-    MetricsText,
-    Ping,
     PlacementDecision,
     Prefill,
     Release,
     Replicate,
-    ResetPrefixCache,
     Schedule,
-    StatusQuery,
     Tokens,
     WireParams,
-    WorkloadQuery,
-    WorkloadWindow,
-    decode_message,
-    encode_message,
 )
-from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
+from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.gateway.backend import BackendError, GenerationChunk, Rejected
+from halfmoon.serve.gateway.cluster_link import WorkerLost
+from halfmoon.serve.gateway.cluster_ops import ClusterOperations
+
+__all__ = ["ClusterBackend", "WorkerLost"]
 
 log = logging.getLogger(__name__)
 
@@ -84,33 +62,7 @@ def _incarnation(endpoints: Endpoints) -> tuple[str, str]:
     return endpoints.instance_id, endpoints.incarnation
 
 
-class WorkerLost(BackendError):
-    """A worker holding the request died (or could not be reached): place it again.
-
-    ``suspect`` names the worker to report to the Conductor, which drops it from placement
-    until it registers again (a live worker's next heartbeat does that at once)."""
-
-    def __init__(self, message: str, suspect: str = "") -> None:
-        super().__init__(message)
-        self.suspect = suspect
-
-
-def _reason(reply: Message) -> str:
-    """What an unexpected answer says: an error's text, else the kind of message it is."""
-    return reply.error if isinstance(reply, Error) else reply.wire_name
-
-
-class _Peer:
-    """One DEALER connection and the task reading it."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.task: asyncio.Task | None = None
-
-
-class ClusterBackend:
+class ClusterBackend(ClusterOperations):
     """Generates through the Conductor and the workers of one cluster."""
 
     def __init__(
@@ -124,21 +76,15 @@ class ClusterBackend:
     ) -> None:
         if mode not in ("disaggregated", "coupled"):
             raise ValueError(f"unknown mode {mode!r}")
-        self.secret = secret
+        super().__init__(conductor_endpoint, secret)
         self.block_size = block_size
         self.mode = mode
         self.expected_instances = expected_instances
         self.token_timeout_s = token_timeout_s
-        self._conductor_endpoint = conductor_endpoint
-        self._ctx: zmq.asyncio.Context | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._calls: dict[int, asyncio.Future] = {}
         self._routes: dict[str, tuple[str, ...]] = {}
         self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
         self._attempts: dict[str, str] = {}
         self._incarnations: dict[str, str] = {}
-        self._watcher: asyncio.Task | None = None
         #: A request is placed again after each worker loss, but it fails (503) once it
         #: lost its workers this many times with no new token in between (a
         #: request that crashes every worker it reaches takes down only so many), or after
@@ -154,104 +100,10 @@ class ClusterBackend:
         #: After the Conductor has not answered for this long (frozen, or restarting), the
         #: gateway places requests itself: least loaded by its own count, no prefix reuse.
         self.conductor_fallback_s = 3.0
-        self._conductor_seen_s = time.monotonic()
         #: Placeable instances (id -> endpoints and role) as the Conductor last listed them.
         self._members: dict[str, Member] = {}
         self.num_fallback_placements = 0
         self.watch_interval_s = 0.5
-        self._ids = itertools.count(1)
-        #: LoRA adapters loaded while the cluster serves (the Conductor's list, as its last
-        #: answer gave it): what a request's ``model`` may name besides ``--lora-modules``.
-        self.adapters: dict[str, RuntimeAdapter] = {}
-
-    # -- sockets -------------------------------------------------------------------------------
-    def _peer(self, endpoint: str) -> _Peer:
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            peer = self._peers[endpoint] = _Peer(self._ctx, endpoint)
-            peer.task = asyncio.get_running_loop().create_task(self._receive(peer))
-        return peer
-
-    async def _receive(self, peer: _Peer) -> None:
-        while True:
-            frames = await peer.sock.recv_multipart()
-            try:
-                msg: Message = decode_message(frames, self.secret)
-            except MalformedMessage as exc:  # fails the request (or call) it answers, if any
-                log.warning("refused a reply: %s", exc)
-                msg = Error(error=str(exc), request_id=exc.request_id, msg_id=exc.msg_id)
-            except ProtocolError as exc:
-                log.warning("dropped a reply: %s", exc)
-                continue
-            if msg.msg_id is not None and msg.msg_id in self._calls:
-                fut = self._calls.pop(msg.msg_id)
-                if not fut.done():
-                    fut.set_result(msg)
-                continue
-            # A decode step's tokens for several requests come as one "batch" message.
-            for item in msg.messages if isinstance(msg, Batch) else (msg,):
-                queue = self._queues.get(getattr(item, "request_id", None) or "")
-                if queue is not None:
-                    queue.put_nowait(item)
-
-    async def _send(self, endpoint: str, msg: Message) -> None:
-        """Send one signed message; never waits. A peer that stopped reading (frozen) and
-        whose queue is full fails the send: :class:`BackendError` for the Conductor,
-        :class:`WorkerLost` for a worker (the request is placed again)."""
-        try:
-            await self._peer(endpoint).sock.send_multipart(
-                encode_message(msg, self.secret), flags=zmq.NOBLOCK
-            )
-        except zmq.Again:
-            if endpoint == self._conductor_endpoint:
-                raise BackendError("the Conductor is not taking messages") from None
-            raise WorkerLost(f"worker {endpoint} is not taking messages") from None
-
-    async def _send_abort(self, endpoint: str, request_id: str) -> None:
-        """Tell a worker to drop a request; dropped when it is not reading (frozen: the
-        request's KV hand-off and tokens expire there on their own)."""
-        with contextlib.suppress(WorkerLost):
-            await self._send(endpoint, Abort(request_id=request_id))
-
-    async def _call(self, endpoint: str, msg: Message, timeout_s: float) -> Message:
-        msg_id = next(self._ids)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._calls[msg_id] = fut
-        try:
-            await self._send(endpoint, dataclasses.replace(msg, msg_id=msg_id))
-            reply = await asyncio.wait_for(fut, timeout_s)
-            if endpoint == self._conductor_endpoint:
-                self._conductor_seen_s = time.monotonic()
-            return reply
-        except TimeoutError:
-            raise BackendError(f"no answer from {endpoint} within {timeout_s:g}s") from None
-        finally:
-            self._calls.pop(msg_id, None)
-
-    async def _ping(self, timeout_s: float) -> ConductorPong:
-        """The Conductor's pong (BackendError when it does not answer, or not with one)."""
-        pong = await self._call(self._conductor_endpoint, Ping(), timeout_s)
-        if not isinstance(pong, ConductorPong):
-            raise BackendError(f"the Conductor answered a ping with {pong}")
-        return pong
-
-    async def close(self) -> None:
-        """Cancel receive tasks and close sockets."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
-        for peer in self._peers.values():
-            if peer.task is not None:
-                peer.task.cancel()
-            peer.sock.close(0)
-        self._peers.clear()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
     # -- Backend -------------------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:
@@ -343,13 +195,6 @@ class ClusterBackend:
         self._members.pop(instance_id, None)  # not for fallback placements either
         await self._tell_conductor(InstanceFailed(instance_id=instance_id, incarnation=incarnation))
 
-    async def _tell_conductor(self, msg: Message) -> None:
-        """Fire and forget; dropped (with a warning) when the Conductor is not reading."""
-        try:
-            await self._send(self._conductor_endpoint, msg)
-        except BackendError as exc:
-            log.warning("%s message not sent: %s", msg.wire_name, exc)
-
     async def _watch(self) -> None:
         """Follow the Conductor's live instances; a request on a vanished one is told."""
         while True:
@@ -367,152 +212,6 @@ class ClusterBackend:
             self._incarnations = alive
             self._members = pong.members
             self.adapters = {r.name: r.adapter() for r in pong.adapters}
-
-    async def metrics_texts(self, timeout_s: float = 0.5) -> tuple[list[MetricsText], list[str]]:
-        """Every process's Prometheus metrics: the Conductor's and those of each instance
-        its pong lists, asked at once, each answer awaited at most ``timeout_s``. Returns
-        the answers and the ids of the processes that gave none (``conductor`` for it)."""
-
-        async def ask(endpoint: str) -> MetricsText:
-            reply = await self._call(endpoint, MetricsQuery(), timeout_s)
-            if not isinstance(reply, MetricsText):
-                raise BackendError(f"{endpoint} answered a metrics query with {reply.wire_name}")
-            return reply
-
-        pong, conductor = await asyncio.gather(
-            self._ping(timeout_s), ask(self._conductor_endpoint), return_exceptions=True
-        )
-        ids = ["conductor"]
-        asks = [conductor]
-        if isinstance(pong, ConductorPong):
-            ids += list(pong.endpoints)
-            asks += await asyncio.gather(
-                *(ask(endpoint) for endpoint in pong.endpoints.values()), return_exceptions=True
-            )
-        texts = [a for a in asks if isinstance(a, MetricsText)]
-        failed = [i for i, a in zip(ids, asks, strict=True) if not isinstance(a, MetricsText)]
-        for answer in asks:
-            if isinstance(answer, BaseException) and not isinstance(answer, BackendError):
-                raise answer
-        return texts, failed
-
-    async def cluster_status(
-        self, num_decisions: int = 20, timeout_s: float = 2.0
-    ) -> ClusterStatus:
-        """The Conductor's view of the cluster and its latest ``num_decisions`` decisions
-        (for the live cluster page); BackendError when it does not answer in ``timeout_s``."""
-        msg = StatusQuery(num_decisions=num_decisions)
-        status = await self._call(self._conductor_endpoint, msg, timeout_s)
-        if not isinstance(status, ClusterStatus):
-            error = _reason(status)
-            raise BackendError(f"the Conductor answered a status query with {error}")
-        return status
-
-    async def workload_window(self, window_s: float, timeout_s: float = 5.0) -> WorkloadWindow:
-        """The requests the Conductor placed in the last ``window_s`` seconds and what a
-        simulation of the cluster needs (live re-planning); BackendError when it does not
-        answer in ``timeout_s``."""
-        reply = await self._call(self._conductor_endpoint, WorkloadQuery(window_s=window_s),
-                                 timeout_s)  # fmt: skip
-        if not isinstance(reply, WorkloadWindow):
-            error = _reason(reply)
-            raise BackendError(f"the Conductor answered a workload query with {error}")
-        return reply
-
-    async def load_adapter(self, adapter: RuntimeAdapter, timeout_s: float = 60.0) -> None:
-        """Load LoRA adapter ``adapter`` on every worker (vLLM's ``/v1/load_lora_adapter``
-        for a cluster): the Conductor first, so that a worker registering meanwhile is
-        given it, then each worker it lists, at once. When any cannot (its reason in the
-        BackendError), it is unloaded again where it loaded: all or none."""
-        record = AdapterRecord.of(adapter)
-        await self._tell_adapters("load", record, timeout_s)
-        loaded: dict[str, str] = {}
-        try:
-            endpoints = (await self._ping(timeout_s)).endpoints
-            results = await self._on_workers(
-                endpoints, AdapterUpdate(op="load", adapter=record), timeout_s
-            )
-            loaded = {i: endpoints[i] for i, r in results.items() if r is None}
-            failed = [r for r in results.values() if isinstance(r, BaseException)]
-            if failed:
-                raise BackendError(str(failed[0]))
-        except BackendError:
-            unload = AdapterUpdate(op="unload", adapter=AdapterRecord(name=adapter.name,
-                                                                      path="", tag=""))  # fmt: skip
-            await self._on_workers(loaded, unload, timeout_s)
-            with contextlib.suppress(BackendError):
-                await self._tell_adapters("unload", unload.adapter, timeout_s)
-            raise
-
-    async def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
-        """Unload LoRA adapter ``name`` everywhere (``/v1/unload_lora_adapter``): out of
-        the Conductor's list (and this gateway's) first, so that no new request names it,
-        then off every worker, each once the requests using it there have finished."""
-        record = AdapterRecord(name=name, path="", tag="")
-        await self._tell_adapters("unload", record, timeout_s)
-        endpoints = (await self._ping(timeout_s)).endpoints
-        results = await self._on_workers(endpoints, AdapterUpdate(op="unload", adapter=record),
-                                         timeout_s)  # fmt: skip
-        for instance_id, result in results.items():
-            if isinstance(result, BaseException):  # (one that never had it, or gone)
-                log.warning("unloading LoRA adapter %r on %s: %s", name, instance_id, result)
-
-    async def reset_prefix_cache(self, external: bool, timeout_s: float = 60.0) -> dict[str, str]:
-        """Have every worker forget its engine's cached prefixes, and with ``external``
-        its block store's (vLLM's ``/reset_prefix_cache``), at once: per instance, ""
-        when all of it went, else why not (running requests hold blocks, its engine
-        cannot). Their cache events tell the Conductor."""
-
-        async def one(endpoint: str) -> str:
-            try:
-                reply = await self._call(endpoint, ResetPrefixCache(external=external), timeout_s)
-            except BackendError as exc:
-                return str(exc)
-            if isinstance(reply, CacheReset):
-                return "" if reply.success else reply.reason or "not reset"
-            return _reason(reply)
-
-        endpoints = (await self._ping(timeout_s)).endpoints
-        reasons = await asyncio.gather(*(one(e) for e in endpoints.values()))
-        return dict(zip(endpoints, reasons, strict=True))
-
-    async def _tell_adapters(self, op: str, record: AdapterRecord, timeout_s: float) -> None:
-        """The Conductor's list of adapters loaded while serving, updated (and this
-        gateway's view of it with it)."""
-        reply = await self._call(self._conductor_endpoint,
-                                 AdapterUpdate(op=op, adapter=record), timeout_s)  # fmt: skip
-        if not isinstance(reply, AdaptersOk):
-            error = _reason(reply)
-            raise BackendError(f"the Conductor did not take the adapter: {error}")
-        self.adapters = {r.name: r.adapter() for r in reply.adapters}
-
-    async def _on_workers(
-        self, endpoints: dict[str, str], msg: AdapterUpdate, timeout_s: float
-    ) -> dict[str, BaseException | None]:
-        """Send ``msg`` to every worker of ``endpoints`` at once: per instance, None when
-        it carried it out, else the error."""
-
-        async def one(endpoint: str) -> None:
-            reply = await self._call(endpoint, msg, timeout_s)
-            if not isinstance(reply, AdaptersOk):
-                error = _reason(reply)
-                raise BackendError(error)
-
-        results = await asyncio.gather(*(one(e) for e in endpoints.values()),
-                                       return_exceptions=True)  # fmt: skip
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, Exception):
-                raise result  # (a cancellation)
-        return dict(zip(endpoints, results, strict=True))
-
-    async def drain(self, instance_id: str, timeout_s: float = 5.0) -> None:
-        """Take ``instance_id`` out of placement; it exits once its requests finish
-        (BackendError when the Conductor refuses, e.g. it does not know the instance)."""
-        reply = await self._call(self._conductor_endpoint, Drain(instance_id=instance_id),
-                                 timeout_s)  # fmt: skip
-        if not isinstance(reply, Draining):
-            error = _reason(reply)
-            raise BackendError(f"the Conductor did not drain {instance_id}: {error}")
 
     async def _in_order(
         self,

@@ -1,0 +1,189 @@
+"""The gateway's operations on a whole cluster, beside serving requests: every process's
+metrics, the Conductor's status and workload window, LoRA adapters loaded and unloaded
+while serving, prefix caches reset, workers drained. :class:`ClusterOperations` is a
+base of :class:`~halfmoon.serve.gateway.cluster_client.ClusterBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from halfmoon.core.adapters import RuntimeAdapter
+from halfmoon.serve.control.messages import (
+    AdapterRecord,
+    AdaptersOk,
+    AdapterUpdate,
+    CacheReset,
+    ClusterStatus,
+    ConductorPong,
+    Drain,
+    Draining,
+    MetricsQuery,
+    MetricsText,
+    ResetPrefixCache,
+    StatusQuery,
+    WorkloadQuery,
+    WorkloadWindow,
+)
+from halfmoon.serve.gateway.backend import BackendError
+from halfmoon.serve.gateway.cluster_link import ClusterLink, reason_of
+
+log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
+
+
+class ClusterOperations(ClusterLink):
+    """Cluster-wide operations over a :class:`ClusterLink` (see the module docstring)."""
+
+    def __init__(self, conductor_endpoint: str, secret: bytes) -> None:
+        super().__init__(conductor_endpoint, secret)
+        #: LoRA adapters loaded while the cluster serves (the Conductor's list, as its last
+        #: answer gave it): what a request's ``model`` may name besides ``--lora-modules``.
+        self.adapters: dict[str, RuntimeAdapter] = {}
+
+    async def metrics_texts(self, timeout_s: float = 0.5) -> tuple[list[MetricsText], list[str]]:
+        """Every process's Prometheus metrics: the Conductor's and those of each instance
+        its pong lists, asked at once, each answer awaited at most ``timeout_s``. Returns
+        the answers and the ids of the processes that gave none (``conductor`` for it)."""
+
+        async def ask(endpoint: str) -> MetricsText:
+            reply = await self._call(endpoint, MetricsQuery(), timeout_s)
+            if not isinstance(reply, MetricsText):
+                raise BackendError(f"{endpoint} answered a metrics query with {reply.wire_name}")
+            return reply
+
+        pong, conductor = await asyncio.gather(
+            self._ping(timeout_s), ask(self._conductor_endpoint), return_exceptions=True
+        )
+        ids = ["conductor"]
+        asks = [conductor]
+        if isinstance(pong, ConductorPong):
+            ids += list(pong.endpoints)
+            asks += await asyncio.gather(
+                *(ask(endpoint) for endpoint in pong.endpoints.values()), return_exceptions=True
+            )
+        texts = [a for a in asks if isinstance(a, MetricsText)]
+        failed = [i for i, a in zip(ids, asks, strict=True) if not isinstance(a, MetricsText)]
+        for answer in asks:
+            if isinstance(answer, BaseException) and not isinstance(answer, BackendError):
+                raise answer
+        return texts, failed
+
+    async def cluster_status(
+        self, num_decisions: int = 20, timeout_s: float = 2.0
+    ) -> ClusterStatus:
+        """The Conductor's view of the cluster and its latest ``num_decisions`` decisions
+        (for the live cluster page); BackendError when it does not answer in ``timeout_s``."""
+        msg = StatusQuery(num_decisions=num_decisions)
+        status = await self._call(self._conductor_endpoint, msg, timeout_s)
+        if not isinstance(status, ClusterStatus):
+            error = reason_of(status)
+            raise BackendError(f"the Conductor answered a status query with {error}")
+        return status
+
+    async def workload_window(self, window_s: float, timeout_s: float = 5.0) -> WorkloadWindow:
+        """The requests the Conductor placed in the last ``window_s`` seconds and what a
+        simulation of the cluster needs (live re-planning); BackendError when it does not
+        answer in ``timeout_s``."""
+        reply = await self._call(self._conductor_endpoint, WorkloadQuery(window_s=window_s),
+                                 timeout_s)  # fmt: skip
+        if not isinstance(reply, WorkloadWindow):
+            error = reason_of(reply)
+            raise BackendError(f"the Conductor answered a workload query with {error}")
+        return reply
+
+    async def load_adapter(self, adapter: RuntimeAdapter, timeout_s: float = 60.0) -> None:
+        """Load LoRA adapter ``adapter`` on every worker (vLLM's ``/v1/load_lora_adapter``
+        for a cluster): the Conductor first, so that a worker registering meanwhile is
+        given it, then each worker it lists, at once. When any cannot (its reason in the
+        BackendError), it is unloaded again where it loaded: all or none."""
+        record = AdapterRecord.of(adapter)
+        await self._tell_adapters("load", record, timeout_s)
+        loaded: dict[str, str] = {}
+        try:
+            endpoints = (await self._ping(timeout_s)).endpoints
+            results = await self._on_workers(
+                endpoints, AdapterUpdate(op="load", adapter=record), timeout_s
+            )
+            loaded = {i: endpoints[i] for i, r in results.items() if r is None}
+            failed = [r for r in results.values() if isinstance(r, BaseException)]
+            if failed:
+                raise BackendError(str(failed[0]))
+        except BackendError:
+            unload = AdapterUpdate(op="unload", adapter=AdapterRecord(name=adapter.name,
+                                                                      path="", tag=""))  # fmt: skip
+            await self._on_workers(loaded, unload, timeout_s)
+            with contextlib.suppress(BackendError):
+                await self._tell_adapters("unload", unload.adapter, timeout_s)
+            raise
+
+    async def unload_adapter(self, name: str, timeout_s: float = 60.0) -> None:
+        """Unload LoRA adapter ``name`` everywhere (``/v1/unload_lora_adapter``): out of
+        the Conductor's list (and this gateway's) first, so that no new request names it,
+        then off every worker, each once the requests using it there have finished."""
+        record = AdapterRecord(name=name, path="", tag="")
+        await self._tell_adapters("unload", record, timeout_s)
+        endpoints = (await self._ping(timeout_s)).endpoints
+        results = await self._on_workers(endpoints, AdapterUpdate(op="unload", adapter=record),
+                                         timeout_s)  # fmt: skip
+        for instance_id, result in results.items():
+            if isinstance(result, BaseException):  # (one that never had it, or gone)
+                log.warning("unloading LoRA adapter %r on %s: %s", name, instance_id, result)
+
+    async def reset_prefix_cache(self, external: bool, timeout_s: float = 60.0) -> dict[str, str]:
+        """Have every worker forget its engine's cached prefixes, and with ``external``
+        its block store's (vLLM's ``/reset_prefix_cache``), at once: per instance, ""
+        when all of it went, else why not (running requests hold blocks, its engine
+        cannot). Their cache events tell the Conductor."""
+
+        async def one(endpoint: str) -> str:
+            try:
+                reply = await self._call(endpoint, ResetPrefixCache(external=external), timeout_s)
+            except BackendError as exc:
+                return str(exc)
+            if isinstance(reply, CacheReset):
+                return "" if reply.success else reply.reason or "not reset"
+            return reason_of(reply)
+
+        endpoints = (await self._ping(timeout_s)).endpoints
+        reasons = await asyncio.gather(*(one(e) for e in endpoints.values()))
+        return dict(zip(endpoints, reasons, strict=True))
+
+    async def _tell_adapters(self, op: str, record: AdapterRecord, timeout_s: float) -> None:
+        """The Conductor's list of adapters loaded while serving, updated (and this
+        gateway's view of it with it)."""
+        reply = await self._call(self._conductor_endpoint,
+                                 AdapterUpdate(op=op, adapter=record), timeout_s)  # fmt: skip
+        if not isinstance(reply, AdaptersOk):
+            error = reason_of(reply)
+            raise BackendError(f"the Conductor did not take the adapter: {error}")
+        self.adapters = {r.name: r.adapter() for r in reply.adapters}
+
+    async def _on_workers(
+        self, endpoints: dict[str, str], msg: AdapterUpdate, timeout_s: float
+    ) -> dict[str, BaseException | None]:
+        """Send ``msg`` to every worker of ``endpoints`` at once: per instance, None when
+        it carried it out, else the error."""
+
+        async def one(endpoint: str) -> None:
+            reply = await self._call(endpoint, msg, timeout_s)
+            if not isinstance(reply, AdaptersOk):
+                error = reason_of(reply)
+                raise BackendError(error)
+
+        results = await asyncio.gather(*(one(e) for e in endpoints.values()),
+                                       return_exceptions=True)  # fmt: skip
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # (a cancellation)
+        return dict(zip(endpoints, results, strict=True))
+
+    async def drain(self, instance_id: str, timeout_s: float = 5.0) -> None:
+        """Take ``instance_id`` out of placement; it exits once its requests finish
+        (BackendError when the Conductor refuses, e.g. it does not know the instance)."""
+        reply = await self._call(self._conductor_endpoint, Drain(instance_id=instance_id),
+                                 timeout_s)  # fmt: skip
+        if not isinstance(reply, Draining):
+            error = reason_of(reply)
+            raise BackendError(f"the Conductor did not drain {instance_id}: {error}")
