@@ -59,9 +59,28 @@ def test_arrival_log_replaces_max_tokens_with_what_a_request_generated():
     log.finished("r3", 12)
     log.finished("r0", 5)  # dropped already (at most 3 entries): nothing to change
     log.finished("nope", 7)
-    assert [a.output_length for a in log.window(10.0, now_s=3.0)] == [4000, 4000, 12]
+    # r1, r2 still running: replayed at the finished r3's 12 (see the next test)
+    assert [a.output_length for a in log.window(10.0, now_s=3.0)] == [12, 12, 12]
     log.record(10, 8, b"", now_s=20.0, request_id="r4")  # the rest expire
     assert len(log) == 1 and log._by_id.keys() == {"r4"}  # noqa: SLF001 - no leak
+
+
+def test_arrival_log_replays_running_requests_at_what_finished_ones_generated():
+    """A request still running is replayed with the median output of the finished ones
+    of its first block, else of all, within its own bound (before: its max_tokens)."""
+    log = ArrivalLog(keep_s=100.0)
+    doc, other = hashes_to_wire([7, 8]), hashes_to_wire([9])
+    log.record(10, 4000, doc, 0.0, "r0")
+    assert [a.output_length for a in log.window(10.0, now_s=0.0)] == [4000]  # none finished yet
+    for i, (hashes, out) in enumerate([(doc, 30), (doc, 50), (doc, 40), (other, 300)], 1):
+        log.record(10, 4000, hashes, float(i), f"r{i}")
+        log.finished(f"r{i}", out)
+    log.record(10, 4000, doc, 5.0, "same-doc")  # running: its document's median, 40
+    log.record(10, 4000, other, 6.0, "other")  # its own block's: 300
+    log.record(10, 4000, b"", 7.0, "no-block")  # no full block: all finished ones', 45
+    log.record(10, 20, doc, 8.0, "short")  # within its own max_tokens
+    outs = [a.output_length for a in log.window(100.0, now_s=8.0)]
+    assert outs == [40, 30, 50, 40, 300, 40, 300, 45, 20]
 
 
 def _register(peer: Peer, iid: str, role: str, profile: dict | None = None) -> None:
@@ -90,7 +109,8 @@ def test_the_conductor_answers_a_workload_query_with_what_a_simulation_needs(ser
     window = peer.call(WorkloadQuery(window_s=60))
     assert isinstance(window, WorkloadWindow)
     assert [a.input_length for a in window.arrivals] == [40, 64, 100]
-    assert [a.output_length for a in window.arrivals] == [7, 3, 7]
+    # (the two running: the finished one's 3 as well; without it, their max_tokens)
+    assert [a.output_length for a in window.arrivals] == [3, 3, 3]
     assert window.arrivals[0].age_s >= window.arrivals[-1].age_s >= 0
     assert window.arrivals[2].block_hashes == list(range(2000, 2007))
     assert (window.prefill, window.decode, window.draining) == (

@@ -11,12 +11,14 @@ measured cost profile, the decode KV pool, the Conductor's config). The re-plann
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from halfmoon.serve.control.messages import Arrival, Register, WorkloadWindow
+from halfmoon.serve.control.protocol import HASH_BYTES
 
 if TYPE_CHECKING:
     from halfmoon.serve.control.conductor_service import ConductorService
@@ -30,6 +32,12 @@ class _Entry:
     output_length: int
     hashes: bytes
     request_id: str = ""
+    done: bool = False
+
+    @property
+    def root(self) -> bytes:
+        """Its first block's hash (b"": its prompt has no full block)."""
+        return self.hashes[:HASH_BYTES]
 
 
 class ArrivalLog:
@@ -38,6 +46,11 @@ class ArrivalLog:
     A request's output length is its ``max_tokens`` when it arrives, a bound (a chat
     request that leaves it out may grow to the whole context); :meth:`finished` puts in
     what it generated once its decode worker says, so that a replay sees real outputs.
+    A request still running when the window is read is replayed with the median output
+    of the finished requests that share its first block (the same system prompt or
+    document, in one tenant), else of all finished ones, within its bound: replayed at
+    ``max_tokens``, a window's running chats (each bounded by the whole context) made a
+    decode pool look far busier than it was.
     """
 
     def __init__(self, keep_s: float = 600.0, max_entries: int = 100_000) -> None:
@@ -69,18 +82,39 @@ class ArrivalLog:
         is not in the log: older, or never placed here)."""
         entry = self._by_id.get(request_id)
         if entry is not None and num_output_tokens >= 1:
-            entry.output_length = num_output_tokens
+            entry.output_length, entry.done = num_output_tokens, True
+
+    def _running_outputs(self) -> tuple[dict[bytes, float], float | None]:
+        """Median outputs of the finished requests: per first block, and of all."""
+        by_root: dict[bytes, list[int]] = {}
+        every: list[int] = []
+        for e in self._entries:
+            if e.done:
+                every.append(e.output_length)
+                if e.root:
+                    by_root.setdefault(e.root, []).append(e.output_length)
+        medians = {root: statistics.median(outs) for root, outs in by_root.items()}
+        return medians, statistics.median(every) if every else None
 
     def window(self, window_s: float, now_s: float | None = None) -> list[Arrival]:
         """The arrivals of the last ``window_s`` seconds, oldest first."""
         now_s = time.monotonic() if now_s is None else now_s
         since = now_s - window_s
         recent = [e for e in reversed(self._entries) if e.at_s >= since]
+        by_root, overall = self._running_outputs()
+
+        def output(e: _Entry) -> int:
+            if e.done:
+                return e.output_length
+            typical = by_root.get(e.root, overall)
+            return e.output_length if typical is None else max(1, min(e.output_length,
+                                                                      round(typical)))  # fmt: skip
+
         return [
             Arrival(
                 age_s=round(now_s - e.at_s, 6),
                 input_length=e.input_length,
-                output_length=e.output_length,
+                output_length=output(e),
                 hashes=e.hashes,
             )  # fmt: skip
             for e in reversed(recent)
