@@ -25,6 +25,8 @@ from halfmoon.core.request import SamplingParams, TokenLogprob
 GREEDY_BELOW = 1e-5
 log = logging.getLogger(__name__)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+#: Tokens ranked first for ``top_p`` (:func:`_nuclei`); 8x more while they fall short.
+NUCLEUS_FIRST = 64
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, n) over the seed space
 _MASK_63 = (1 << 63) - 1
 
@@ -150,25 +152,72 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask, out of place, what ``min_p``, then ``top_k``, then ``top_p`` exclude from the
-    temperature-scaled ``logits`` ``[vocab]`` (vLLM's order)."""
+def _filter(logits: torch.Tensor, min_p: float, top_k: int) -> torch.Tensor:
+    """Mask, out of place, what ``min_p``, then ``top_k`` exclude from the
+    temperature-scaled ``logits`` ``[vocab]`` (vLLM's order; ``top_p`` is
+    :func:`_nuclei`'s)."""
     if min_p > 0.0:
         # p < min_p * p_max  <=>  logit < max logit + log(min_p): no softmax needed
         logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the first
-        # token is always kept.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False  # also when top_p rounds to 0 in float32 (5e-324 did: all dropped)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
+
+
+def _nuclei(
+    scaled: torch.Tensor, probs: torch.Tensor, top_ps: list[float]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per row of ``scaled`` ``[M, vocab]`` (temperature-scaled, masked logits; ``probs``
+    their softmax): the tokens its ``top_p`` keeps, (their ids, their probabilities)
+    likeliest first, or None for a row whose ``top_p`` is 1 (all of them). A token is
+    dropped when the tokens ranked above it already reach ``top_p``; the first is always
+    kept (also when ``top_p`` rounds to 0 in float32: 5e-324 once dropped them all).
+
+    Only the likeliest few are ranked: the top :data:`NUCLEUS_FIRST` of every row at once
+    (a row whose probabilities fall short of its ``top_p`` there: 8x more, up to the
+    whole vocabulary), since the rest are dropped anyway. A full sort of a 49,152-token
+    vocabulary took 3.3 ms a row on 2 CPU cores, half of a batch-8 decode step's time at
+    the model's default ``top_p``."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(top_ps)
+    wanted = [j for j, top_p in enumerate(top_ps) if top_p < 1.0]
+    if not wanted:
+        return out
+    vocab = scaled.shape[-1]
+    k = min(NUCLEUS_FIRST, vocab)
+    if len(wanted) == len(top_ps):
+        ids = torch.topk(scaled, k).indices
+        kept = probs.gather(1, ids)
+    else:
+        index = torch.tensor(wanted, device=scaled.device)
+        ids = torch.topk(scaled.index_select(0, index), k).indices
+        kept = probs.index_select(0, index).gather(1, ids)
+    reached = torch.cumsum(kept, dim=-1)
+    enough = reached[:, -1] >= torch.tensor([top_ps[j] for j in wanted], device=scaled.device)
+    for r, j in enumerate(wanted):
+        if k == vocab or bool(enough[r]):
+            out[j] = _cut(ids[r], kept[r], reached[r], top_ps[j])
+            continue
+        grown = k
+        while True:  # this row's nucleus reaches past the first k: rank more of it
+            grown = min(vocab, grown * 8)
+            row_ids = torch.topk(scaled[j], grown).indices
+            row_kept = probs[j][row_ids]
+            row_reached = torch.cumsum(row_kept, dim=-1)
+            if grown == vocab or float(row_reached[-1]) >= top_ps[j]:
+                out[j] = _cut(row_ids, row_kept, row_reached, top_ps[j])
+                break
+    return out
+
+
+def _cut(
+    ids: torch.Tensor, probs: torch.Tensor, reached: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head of ``ids`` (ranked, with their ``probs`` and cumulative sums) that
+    ``top_p`` keeps (see :func:`_nuclei`), without tokens of probability 0."""
+    keep = ((reached - probs) < top_p) & (probs > 0)
+    keep[0] = True
+    return ids[keep], probs[keep]
 
 
 def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | None:
@@ -214,15 +263,40 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         if keep is not None:
             logits[i].masked_fill_(~keep, float("-inf"))
     tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, row in enumerate(rows):
-        if row.temperature < GREEDY_BELOW:
-            continue
-        # Finite, or the softmax makes NaNs of inf - inf (a repetition penalty of 1e-40
-        # divides a positive logit into +inf; the draw then failed, taking its worker down).
-        scaled = (logits[i] / row.temperature).clamp(max=_FLOAT32_MAX)
-        filtered = _filter(scaled, row.min_p, row.top_k, row.top_p)
-        probs = torch.softmax(filtered, dim=-1).cpu()
-        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+    drawn = [i for i, row in enumerate(rows) if row.temperature >= GREEDY_BELOW]
+    if not drawn:
+        return tokens
+    # Every drawn row at once: scaled (kept finite, or the softmax makes NaNs of inf - inf:
+    # a repetition penalty of 1e-40 divides a positive logit into +inf; the draw then
+    # failed, taking its worker down), filtered, then its softmax and nucleus.
+    temperatures = torch.tensor([rows[i].temperature for i in drawn], device=logits.device)
+    if len(drawn) == len(rows):  # (the usual batch: in place, no copy)
+        scaled = logits.div_(temperatures[:, None]).clamp_(max=_FLOAT32_MAX)
+    else:
+        scaled = logits.index_select(0, torch.tensor(drawn, device=logits.device))
+        scaled.div_(temperatures[:, None]).clamp_(max=_FLOAT32_MAX)
+    for j, i in enumerate(drawn):
+        if rows[i].min_p > 0.0 or rows[i].top_k > 0:
+            scaled[j] = _filter(scaled[j], rows[i].min_p, rows[i].top_k)
+    probs = torch.softmax(scaled, dim=-1)
+    nuclei = _nuclei(scaled, probs, [rows[i].top_p for i in drawn])
+    # Cumulative sums (float64, on the CPU) to draw from: a nucleus's own, and those of
+    # the rows drawn from the whole vocabulary all at once.
+    whole = [j for j, nucleus in enumerate(nuclei) if nucleus is None]
+    sums: dict[int, torch.Tensor] = {}
+    if whole:
+        picked = probs if len(whole) == len(drawn) else probs[whole]
+        for j, cumulative in zip(whole, torch.cumsum(picked.cpu(), -1, dtype=torch.float64),
+                                 strict=True):  # fmt: skip
+            sums[j] = cumulative
+    for j, i in enumerate(drawn):
+        row, nucleus = rows[i], nuclei[j]
+        if nucleus is None:
+            ids, cumulative = None, sums[j]
+        else:
+            ids, cumulative = nucleus[0], torch.cumsum(nucleus[1].cpu(), -1, dtype=torch.float64)
+        total = float(cumulative[-1])  # NaN or inf when any probability is
+        if not (math.isfinite(total) and total > 0.0):
             # Never expected (every input above is kept finite): the likeliest token, not
             # an exception that would take the whole batch's worker down.
             log.warning("sampling: no valid distribution for a row (temperature %g, seed "
@@ -231,8 +305,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         generator = torch.Generator().manual_seed(
             (row.seed * _SEED_MIX + row.num_output_tokens) & _MASK_63
         )
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generator).item())
+        token = _draw(cumulative, generator)
+        tokens[i] = token if ids is None else int(ids[token])
     return tokens
+
+
+def _draw(cumulative: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn by its probability, given the probabilities' ``cumulative`` sums
+    (float64, CPU, a positive total): the first whose sum passes one uniform number of
+    ``generator`` scaled to the total, never an index of probability 0.
+    (``torch.multinomial`` took 1.2 ms for a 49,152-token vocabulary on 2 CPU cores;
+    this takes 0.05 ms.)"""
+    point = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+    return min(int(torch.searchsorted(cumulative, point, right=True)), cumulative.shape[-1] - 1)
 
 
 def token_logprobs(
