@@ -136,6 +136,22 @@ def test_text_then_a_parsed_call(served):
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_calls_alone_streamed_start_at_the_first_block(served):
+    """``any`` (the chat's ``required``): the answer is calls only; streamed, they are
+    blocks 0, 1, ... with no text block before them."""
+    client, backend = served
+    backend.answer = ('[{"name": "weather", "parameters": {"city": "Oslo"}}, '
+                      '{"name": "weather", "parameters": {"city": "Rome"}}]')  # fmt: skip
+    events = _events(_post(client, tools=TOOLS, tool_choice={"type": "any"}, stream=True).text)
+    starts = [(e["index"], e["content_block"]["type"]) for n, e in events
+              if n == "content_block_start"]  # fmt: skip
+    assert starts == [(0, "tool_use"), (1, "tool_use")]
+    inputs = [json.loads(e["delta"]["partial_json"]) for n, e in events
+              if n == "content_block_delta"]  # fmt: skip
+    assert inputs == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
 def test_a_conversation_with_tool_results_becomes_chat_messages() -> None:
     request = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],

@@ -39,14 +39,21 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from halfmoon.serve.gateway.answer_stream import Answer, answer_parts, whole_answer
 from halfmoon.serve.gateway.backend import BackendError, Rejected
-from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError, stop_reason
+from halfmoon.serve.gateway.openai_api import (
+    ChatCompletionRequest,
+    FieldError,
+    chat_request_of,
+    stop_reason,
+)
 from halfmoon.serve.gateway.responses import Delta, Prepared
-from halfmoon.serve.gateway.tools import HeldText, split_answer, tool_call_id
+from halfmoon.serve.gateway.tools import split_answer, tool_call_id
 
 #: Fields a request passes to the chat request as they are (when given).
 _PASSED = ("temperature", "top_p", "top_k", "priority", "seed", "cache_salt", "request_id")
@@ -245,19 +252,7 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
                  "response_format": _response_format(req.output_config)}  # fmt: skip
         for name in _PASSED:
             body[name] = getattr(req, name)
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None}
-        )
-    except ValidationError as exc:  # one line naming the field, as the API's other 400s
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise FieldError(f"{where}: {first['msg']}", where.split(".")[0]) from None
-
-
-def new_id() -> str:
-    """A new message's id."""
-    return f"msg_{secrets.token_hex(12)}"
+    return chat_request_of(body)
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
@@ -329,19 +324,9 @@ async def collect_message(
     model: str, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator, msg_id: str
 ) -> dict[str, Any]:
     """The whole ``message`` of one answer (BackendError / Rejected propagate)."""
-    parts, finish, use = [], None, None
-    item: tuple[int, Delta] | None = first
-    try:
-        while item is not None:
-            _, (text, fin, u, _entries, _prompt) = item
-            parts.append(text)
-            if fin is not None:
-                finish, use = fin, u
-            item = await anext(rest, None)
-    finally:
-        await rest.aclose()
-    content = content_blocks(p, "".join(parts))
-    return message_body(msg_id, model, content, finish, use, len(p.prompt_ids))
+    answer = await whole_answer(first, rest)
+    content = content_blocks(p, answer.text)
+    return message_body(msg_id, model, content, answer.finish, answer.usage, len(p.prompt_ids))
 
 
 def sse_event(kind: str, **fields: Any) -> bytes:
@@ -363,45 +348,27 @@ async def message_events(
                                                           prompt_tokens))  # fmt: skip
     yield sse_event("ping")
     named = p.tool_mode.name if p.tool_mode is not None else None
-    held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
-    index, opened, text = 0, False, ""
-    finish, use = None, None
-    item: tuple[int, Delta] | None = first
+    opened, text, finish, use = False, "", None, None
     try:
-        while item is not None:
-            _, (delta, fin, u, _entries, _prompt) = item
-            if fin is not None:
-                finish, use = fin, u
-            if named is not None:  # the output is the call's input: out as it comes
-                if not opened:
-                    block = {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}",
-                             "name": named, "input": {}}  # fmt: skip
+        async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
+            async for part in parts:  # the client goes away: the request is aborted)
+                if isinstance(part, Answer):
+                    text, finish, use = part.text, part.finish, part.usage
+                    continue
+                if not opened:  # the first block: the named tool's call, or the text
+                    block = ({"type": "text", "text": ""} if part[0] == "text" else
+                             {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}",
+                              "name": named, "input": {}})  # fmt: skip
                     yield sse_event("content_block_start", index=0, content_block=block)
                     opened = True
-                if delta:
-                    yield sse_event("content_block_delta", index=0,
-                                    delta={"type": "input_json_delta", "partial_json": delta})  # fmt: skip
-                text += delta
-            else:
-                if held is None:
-                    text, out = text + delta, delta
-                else:  # text before calls (there may be none): as it may go out
-                    out, _ = held.add(delta, fin is not None)
-                    text = held.text
-                if out:
-                    if not opened:
-                        yield sse_event("content_block_start", index=0,
-                                        content_block={"type": "text", "text": ""})  # fmt: skip
-                        opened = True
-                    yield sse_event("content_block_delta", index=0,
-                                    delta={"type": "text_delta", "text": out})  # fmt: skip
-            item = await anext(rest, None)
+                if part[1]:
+                    delta = ({"type": "text_delta", "text": part[1]} if part[0] == "text" else
+                             {"type": "input_json_delta", "partial_json": part[1]})  # fmt: skip
+                    yield sse_event("content_block_delta", index=0, delta=delta)
     except (BackendError, Rejected) as exc:
         yield error_event(f"request failed: {exc}")
         return
-    finally:
-        await rest.aclose()
-    tool_use = named is not None
+    tool_use, index = named is not None, 0
     if named is None:
         blocks = content_blocks(p, text)
         if blocks[0]["type"] == "text" and not opened:  # an empty answer: its block all the same

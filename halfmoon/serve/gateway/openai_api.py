@@ -46,7 +46,14 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from halfmoon.core.request import MAX_LOGPROBS, StructuredOutput, TokenLogprob
 from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
@@ -692,6 +699,21 @@ def merged_usage(uses: list[dict[str, Any]], per_prompt: int | None = None) -> d
         cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in firsts)
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
+
+
+def chat_request_of(body: dict[str, Any], messages_as: str = "messages") -> ChatCompletionRequest:
+    """The chat request another API's request is served as (its fields that are None left
+    out); a FieldError naming the first invalid field, in one line as the API's other
+    400s (``messages`` named ``messages_as``: the other API's name for the turns)."""
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        field = messages_as if where.startswith("messages") else where.split(".")[0]
+        raise FieldError(f"{field}: {first['msg']}", field) from None
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:

@@ -36,14 +36,16 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from halfmoon.serve.gateway.answer_stream import Answer, answer_parts, whole_answer
 from halfmoon.serve.gateway.backend import BackendError, Rejected
-from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError
+from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, FieldError, chat_request_of
 from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared
-from halfmoon.serve.gateway.tools import HeldText, split_answer, tool_call_id
+from halfmoon.serve.gateway.tools import split_answer, tool_call_id
 
 
 class ResponsesRequest(BaseModel):
@@ -238,15 +240,7 @@ def to_chat(
                          ("top_p", "top_p"), ("seed", "seed"), ("priority", "priority")):  # fmt: skip
         if ours in given and getattr(req, ours) is not None:
             body[theirs] = getattr(req, ours)
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None}
-        )
-    except ValidationError as exc:  # one line naming the field, as the API's other 400s
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        field = "input" if where.startswith("messages") else where.split(".")[0]
-        raise FieldError(f"{field}: {first['msg']}", field) from None
+    return chat_request_of(body, messages_as="input")
 
 
 def new_ids() -> tuple[str, str]:
@@ -349,19 +343,10 @@ async def collect_response(
     (when given) before it is returned (BackendError / Rejected propagate)."""
     resp_id, msg_id = ids or new_ids()
     created = time.time() if created is None else created
-    parts, finish, use = [], None, None
-    item: tuple[int, Delta] | None = first
-    try:
-        while item is not None:
-            _, (text, fin, u, _entries, _prompt) = item
-            parts.append(text)
-            if fin is not None:
-                finish, use = fin, u
-            item = await anext(rest, None)
-    finally:
-        await rest.aclose()
-    output = output_items(p, "".join(parts), finish, msg_id)
-    body = response_body(req, resp_id, created, req.model, output, finish, use, keep is not None)
+    answer = await whole_answer(first, rest)
+    output = output_items(p, answer.text, answer.finish, msg_id)
+    body = response_body(req, resp_id, created, req.model, output, answer.finish, answer.usage,
+                         keep is not None)  # fmt: skip
     if keep is not None:
         keep(body)
     return body
@@ -408,47 +393,33 @@ async def response_events(
         yield event("response.created", response=pending)
     yield event("response.in_progress", response=pending)
     named = p.tool_mode.name if p.tool_mode is not None else None
-    held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
     call: dict[str, Any] | None = None  # a named function's call, its arguments streamed
-    text, opened = "", False
-    finish, use = None, None
-    item: tuple[int, Delta] | None = first
+    opened, text, finish, use = False, "", None, None
     try:
-        while item is not None:
-            _, (delta, fin, u, _entries, _prompt) = item
-            if fin is not None:
-                finish, use = fin, u
-            if named is not None:  # the output is the call's arguments: out as they come
-                if call is None:
-                    call = _function_call(_call_of(named), "in_progress")
-                    yield event("response.output_item.added", output_index=0, item=call)
-                if delta:
-                    yield event("response.function_call_arguments.delta", item_id=call["id"],
-                                output_index=0, delta=delta)  # fmt: skip
-                text += delta
-                item = await anext(rest, None)
-                continue
-            if held is None:
-                text, out = text + delta, delta
-            else:  # text before calls (there may be none): as it may go out
-                out, _ = held.add(delta, fin is not None)
-                text = held.text
-            if out:
-                if not opened:
-                    yield event("response.output_item.added", output_index=0,
-                                item={**_message(msg_id, "", "in_progress"), "content": []})  # fmt: skip
-                    yield event("response.content_part.added", item_id=msg_id, output_index=0,
-                                content_index=0, part={"type": "output_text", "text": "",
-                                                       "annotations": []})  # fmt: skip
-                    opened = True
-                yield event("response.output_text.delta", item_id=msg_id, output_index=0,
-                            content_index=0, delta=out, logprobs=[])  # fmt: skip
-            item = await anext(rest, None)
+        async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
+            async for part in parts:  # the client goes away: the request is aborted)
+                if isinstance(part, Answer):
+                    text, finish, use = part.text, part.finish, part.usage
+                elif part[0] == "call":  # the output is the call's arguments: out as they come
+                    if call is None:
+                        call = _function_call(_call_of(named or ""), "in_progress")
+                        yield event("response.output_item.added", output_index=0, item=call)
+                    if part[1]:
+                        yield event("response.function_call_arguments.delta", item_id=call["id"],
+                                    output_index=0, delta=part[1])  # fmt: skip
+                else:
+                    if not opened:
+                        yield event("response.output_item.added", output_index=0,
+                                    item={**_message(msg_id, "", "in_progress"), "content": []})  # fmt: skip
+                        yield event("response.content_part.added", item_id=msg_id, output_index=0,
+                                    content_index=0, part={"type": "output_text", "text": "",
+                                                           "annotations": []})  # fmt: skip
+                        opened = True
+                    yield event("response.output_text.delta", item_id=msg_id, output_index=0,
+                                content_index=0, delta=part[1], logprobs=[])  # fmt: skip
     except (BackendError, Rejected) as exc:
         yield event("error", code="server_error", message=f"request failed: {exc}", param=None)
         return
-    finally:
-        await rest.aclose()
     output = output_items(p, text, finish, msg_id)
     if call is not None:  # the item streamed already: its ids
         output[0].update(id=call["id"], call_id=call["call_id"])

@@ -1,0 +1,77 @@
+"""One choice's stream read as an answer, for the APIs served through chat completions
+(OpenAI's Responses API, Anthropic's Messages API): whole (:func:`whole_answer`), or as
+the parts that may go out while it streams (:func:`answer_parts`), which each API then
+words as its own events.
+
+Under a tool mode the output is held as the chat route holds it: a named function's
+output is its call's arguments, out as generated (``call`` parts); otherwise content goes
+out only where it cannot be, or begin, a call (``text`` parts;
+:class:`~halfmoon.serve.gateway.tools.HeldText`), and the calls are read from the whole
+answer at the end. Both close the stream, also when the cluster fails mid-way
+(BackendError / Rejected propagate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from halfmoon.serve.gateway.responses import Delta, Prepared
+from halfmoon.serve.gateway.tools import HeldText
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished answer: its whole text, finish reason and usage."""
+
+    text: str
+    finish: str | None
+    usage: dict | None
+
+
+async def whole_answer(first: tuple[int, Delta], rest: AsyncIterator) -> Answer:
+    """The whole answer of a one-choice stream (its first item, then the rest)."""
+    parts, finish, use = [], None, None
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            _, (text, fin, u, _entries, _prompt) = item
+            parts.append(text)
+            if fin is not None:
+                finish, use = fin, u
+            item = await anext(rest, None)
+    finally:
+        await rest.aclose()
+    return Answer("".join(parts), finish, use)
+
+
+async def answer_parts(
+    p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
+) -> AsyncIterator[tuple[str, str] | Answer]:
+    """``("call", delta)`` (a named function's arguments) and ``("text", delta)``
+    (content) parts as they may go out, then the :class:`Answer`."""
+    named = p.tool_mode.name if p.tool_mode is not None else None
+    held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
+    text, finish, use = "", None, None
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            _, (delta, fin, u, _entries, _prompt) = item
+            if fin is not None:
+                finish, use = fin, u
+            if named is not None:
+                text += delta
+                yield "call", delta
+            elif held is None:
+                text += delta
+                if delta:
+                    yield "text", delta
+            else:  # text before calls (there may be none): as it may go out
+                out, _ = held.add(delta, fin is not None)
+                text = held.text
+                if out:
+                    yield "text", out
+            item = await anext(rest, None)
+    finally:
+        await rest.aclose()
+    yield Answer(text, finish, use)
