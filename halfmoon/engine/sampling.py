@@ -316,8 +316,12 @@ def _draw(cumulative: torch.Tensor, generator: torch.Generator) -> int:
     ``generator`` scaled to the total, never an index of probability 0.
     (``torch.multinomial`` took 1.2 ms for a 49,152-token vocabulary on 2 CPU cores;
     this takes 0.05 ms.)"""
-    point = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
-    return min(int(torch.searchsorted(cumulative, point, right=True)), cumulative.shape[-1] - 1)
+    total = cumulative[-1:]
+    point = torch.rand(1, generator=generator, dtype=torch.float64) * total
+    index = int(torch.searchsorted(cumulative, point, right=True))
+    if index == cumulative.shape[-1]:  # (the point rounded up to the total) the last index
+        index = int(torch.searchsorted(cumulative, total))  # of a probability above 0
+    return index
 
 
 def token_logprobs(

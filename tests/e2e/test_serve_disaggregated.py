@@ -429,7 +429,9 @@ def test_structured_outputs_equal_an_offline_engine(disagg):
         value = json.loads(out.choices[0].text)
         assert set(value) == {"ok", "n", "tag"} and value["tag"] in ("red", "green")
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60, seed=5,
+        # (room for the whitespace the schema allows between tokens: a random model
+        # writes much of it, and 60 tokens once ran out mid-string)
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=200, seed=5,
         stream=True,
         response_format={"type": "json_schema",
                          "json_schema": {"name": "small", "schema": SMALL_SCHEMA}},
@@ -459,7 +461,8 @@ def test_forced_tool_calls_through_the_cluster(disagg):
     assert call.function.name == "paint" and named.choices[0].finish_reason == "stop"
     assert json.loads(call.function.arguments)["tag"] in ("red", "green")
     required = client.chat.completions.create(
-        model="tiny", messages=messages, tools=tools, max_tokens=60, seed=4, stream=True,
+        # (room for the whitespace the array of calls allows, as above)
+        model="tiny", messages=messages, tools=tools, max_tokens=200, seed=4, stream=True,
         tool_choice="required", parallel_tool_calls=False,
     )  # fmt: skip
     chunks = [c for c in required if c.choices]
