@@ -185,13 +185,8 @@ def _nuclei(
         return out
     vocab = scaled.shape[-1]
     k = min(NUCLEUS_FIRST, vocab)
-    if len(wanted) == len(top_ps):
-        ids = torch.topk(scaled, k).indices
-        kept = probs.gather(1, ids)
-    else:
-        index = torch.tensor(wanted, device=scaled.device)
-        ids = torch.topk(scaled.index_select(0, index), k).indices
-        kept = probs.index_select(0, index).gather(1, ids)
+    ids = torch.topk(_rows(scaled, wanted), k).indices
+    kept = _rows(probs, wanted).gather(1, ids)
     reached = torch.cumsum(kept, dim=-1)
     enough = reached[:, -1] >= torch.tensor([top_ps[j] for j in wanted], device=scaled.device)
     for r, j in enumerate(wanted):
@@ -208,6 +203,12 @@ def _nuclei(
                 out[j] = _cut(row_ids, row_kept, row_reached, top_ps[j])
                 break
     return out
+
+
+def _rows(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """Rows ``index`` of ``tensor``: the tensor itself when they are all of its rows (the
+    usual batch: no copy, so writes go to it), else a copy of them."""
+    return tensor if len(index) == tensor.shape[0] else tensor[index]
 
 
 def _cut(
@@ -270,11 +271,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     # a repetition penalty of 1e-40 divides a positive logit into +inf; the draw then
     # failed, taking its worker down), filtered, then its softmax and nucleus.
     temperatures = torch.tensor([rows[i].temperature for i in drawn], device=logits.device)
-    if len(drawn) == len(rows):  # (the usual batch: in place, no copy)
-        scaled = logits.div_(temperatures[:, None]).clamp_(max=_FLOAT32_MAX)
-    else:
-        scaled = logits.index_select(0, torch.tensor(drawn, device=logits.device))
-        scaled.div_(temperatures[:, None]).clamp_(max=_FLOAT32_MAX)
+    scaled = _rows(logits, drawn).div_(temperatures[:, None]).clamp_(max=_FLOAT32_MAX)
     for j, i in enumerate(drawn):
         if rows[i].min_p > 0.0 or rows[i].top_k > 0:
             scaled[j] = _filter(scaled[j], rows[i].min_p, rows[i].top_k)
@@ -285,10 +282,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     whole = [j for j, nucleus in enumerate(nuclei) if nucleus is None]
     sums: dict[int, torch.Tensor] = {}
     if whole:
-        picked = probs if len(whole) == len(drawn) else probs[whole]
-        for j, cumulative in zip(whole, torch.cumsum(picked.cpu(), -1, dtype=torch.float64),
-                                 strict=True):  # fmt: skip
-            sums[j] = cumulative
+        summed = torch.cumsum(_rows(probs, whole).cpu(), -1, dtype=torch.float64)
+        sums = dict(zip(whole, summed, strict=True))
     for j, i in enumerate(drawn):
         row, nucleus = rows[i], nuclei[j]
         if nucleus is None:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,13 +22,9 @@ from halfmoon.serve.gateway.anthropic_messages import (
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
-from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared, turned_away
+from halfmoon.serve.gateway.responses import HTTPError, Prepared, turned_away
+from halfmoon.serve.gateway.responses_api import Start
 
-#: ``start(chat, request)``: the app's way to prepare a chat request and start it.
-Start = Callable[
-    [ChatCompletionRequest, Request | None],
-    Awaitable[tuple[Prepared, tuple[int, Delta], AsyncIterator]],
-]
 #: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
 Name = Callable[[Prepared, Request | None, str], None]
 
