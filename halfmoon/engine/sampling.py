@@ -263,7 +263,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         keep = _kept(row, logits.shape[-1], logits.device)
         if keep is not None:
             logits[i].masked_fill_(~keep, float("-inf"))
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    tokens = _argmax(logits).tolist()
     drawn = [i for i, row in enumerate(rows) if row.temperature >= GREEDY_BELOW]
     if not drawn:
         return tokens
@@ -277,20 +277,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
             scaled[j] = _filter(scaled[j], rows[i].min_p, rows[i].top_k)
     probs = torch.softmax(scaled, dim=-1)
     nuclei = _nuclei(scaled, probs, [rows[i].top_p for i in drawn])
-    # Cumulative sums (float64, on the CPU) to draw from: a nucleus's own, and those of
-    # the rows drawn from the whole vocabulary all at once.
+    # What to draw from (on the CPU): a nucleus's cumulative sums (float64), and the rows
+    # drawn from the whole vocabulary all at once, in tiles.
     whole = [j for j, nucleus in enumerate(nuclei) if nucleus is None]
-    sums: dict[int, torch.Tensor] = {}
-    if whole:
-        summed = torch.cumsum(_rows(probs, whole).cpu(), -1, dtype=torch.float64)
-        sums = dict(zip(whole, summed, strict=True))
+    tiled = _Tiled(_rows(probs, whole).cpu()) if whole else None
     for j, i in enumerate(drawn):
         row, nucleus = rows[i], nuclei[j]
         if nucleus is None:
-            ids, cumulative = None, sums[j]
+            assert tiled is not None
+            ids, cumulative = None, tiled.row(whole.index(j))
         else:
-            ids, cumulative = nucleus[0], torch.cumsum(nucleus[1].cpu(), -1, dtype=torch.float64)
-        total = float(cumulative[-1])  # NaN or inf when any probability is
+            ids = nucleus[0]
+            cumulative = _Cumulative(torch.cumsum(nucleus[1].cpu(), -1, dtype=torch.float64))
+        total = float(cumulative.total)  # NaN or inf when any probability is
         if not (math.isfinite(total) and total > 0.0):
             # Never expected (every input above is kept finite): the likeliest token, not
             # an exception that would take the whole batch's worker down.
@@ -300,23 +299,97 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         generator = torch.Generator().manual_seed(
             (row.seed * _SEED_MIX + row.num_output_tokens) & _MASK_63
         )
-        token = _draw(cumulative, generator)
+        point = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative.total
+        token = cumulative.index(point)
         tokens[i] = token if ids is None else int(ids[token])
     return tokens
 
 
-def _draw(cumulative: torch.Tensor, generator: torch.Generator) -> int:
-    """An index drawn by its probability, given the probabilities' ``cumulative`` sums
-    (float64, CPU, a positive total): the first whose sum passes one uniform number of
-    ``generator`` scaled to the total, never an index of probability 0.
-    (``torch.multinomial`` took 1.2 ms for a 49,152-token vocabulary on 2 CPU cores;
-    this takes 0.05 ms.)"""
-    total = cumulative[-1:]
-    point = torch.rand(1, generator=generator, dtype=torch.float64) * total
-    index = int(torch.searchsorted(cumulative, point, right=True))
-    if index == cumulative.shape[-1]:  # (the point rounded up to the total) the last index
-        index = int(torch.searchsorted(cumulative, total))  # of a probability above 0
+#: Tokens per tile of the two-level searches over a whole vocabulary (:func:`_argmax`,
+#: :class:`_Tiled`).
+TILE = 256
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` for ``logits`` ``[N, vocab]``: the first index of
+    each row's maximum (of its first NaN, if any). On the CPU, for several rows, found
+    tile by tile: each tile's maximum, the first tile holding the row's, the first index of
+    it there. torch's CPU argmax does not vectorize: 2.0 ms for 32 rows of a
+    49,152-token vocabulary on 2 cores, 0.18 ms this way (0.34 / 0.12 ms for 8 rows)."""
+    rows, vocab = logits.shape
+    whole = vocab // TILE
+    if logits.device.type != "cpu" or rows < 4 or whole < 2:
+        return torch.argmax(logits, dim=-1)
+    tiles = logits[:, : whole * TILE].reshape(rows, whole, TILE)
+    at = torch.arange(rows)
+    first = torch.argmax(torch.amax(tiles, dim=-1), dim=-1)  # a row's first tile of its max
+    index = first * TILE + torch.argmax(tiles[at, first], dim=-1)
+    if whole * TILE < vocab:  # the tokens past the last whole tile: theirs if greater
+        rest, rest_index = torch.max(logits[:, whole * TILE :], dim=-1)
+        found = logits[at, index]
+        beyond = (rest > found) | (rest.isnan() & ~found.isnan())
+        index = torch.where(beyond, whole * TILE + rest_index, index)
     return index
+
+
+class _Cumulative:
+    """Probabilities' cumulative sums (float64, CPU) to draw an index from: the first
+    whose sum passes a point in [0, :attr:`total`), never an index of probability 0.
+    (``torch.multinomial`` took 1.2 ms for a 49,152-token vocabulary on 2 CPU cores;
+    a search of the sums 0.05 ms.)"""
+
+    def __init__(self, sums: torch.Tensor) -> None:
+        self.sums = sums
+        self.total = sums[-1:]
+
+    def index(self, point: torch.Tensor) -> int:
+        """The index whose cumulative range holds ``point`` (``[1]``, float64)."""
+        index = int(torch.searchsorted(self.sums, point, right=True))
+        if index == self.sums.shape[-1]:  # (the point rounded up to the total) the last
+            index = int(torch.searchsorted(self.sums, self.total))  # of a probability > 0
+        return index
+
+
+class _Tiled:
+    """Rows of probabilities ``[M, vocab]`` (float32, CPU) to draw from in two steps: the
+    tile whose cumulative range holds the point (the tiles' sums, float64 cumulative
+    sums of them), then the token within it (the tile's own float64 cumulative sums).
+    Summing every row whole in float64 took 3.8 ms for 32 rows of a 49,152-token
+    vocabulary on 2 cores, 1.2 times what the rest of a temperature-only draw costs."""
+
+    def __init__(self, probs: torch.Tensor) -> None:
+        rows, vocab = probs.shape
+        pad = -vocab % TILE
+        if pad:
+            probs = torch.nn.functional.pad(probs, (0, pad))
+        self.tiles = probs.reshape(rows, -1, TILE)
+        self.sums = torch.cumsum(self.tiles.sum(dim=-1), dim=-1, dtype=torch.float64)
+
+    def row(self, r: int) -> _TiledRow:
+        """Row ``r`` to draw from."""
+        return _TiledRow(self.tiles[r], _Cumulative(self.sums[r]))
+
+
+class _TiledRow:
+    """One row of :class:`_Tiled`: :attr:`total` and :meth:`index` as a
+    :class:`_Cumulative` of the whole row would have them (to rounding)."""
+
+    def __init__(self, tiles: torch.Tensor, tile_sums: _Cumulative) -> None:
+        self.tiles = tiles
+        self.tile_sums = tile_sums
+        self.total = tile_sums.total
+
+    def index(self, point: torch.Tensor) -> int:
+        """The token whose cumulative range holds ``point``: in the tile whose range holds
+        it (a tile of a sum above 0), at the point less the tiles before it."""
+        tile = self.tile_sums.index(point)
+        before = (
+            self.tile_sums.sums[tile - 1 : tile] if tile else torch.zeros(1, dtype=torch.float64)
+        )
+        within = _Cumulative(torch.cumsum(self.tiles[tile], -1, dtype=torch.float64))
+        # (the tile's own sums may total a hair below its float32 sum: such a point is
+        # the tile's last token of a probability above 0, as _Cumulative reads it)
+        return tile * TILE + within.index(torch.clamp(point - before, min=0.0))
 
 
 def token_logprobs(

@@ -1,14 +1,24 @@
 """The sampler's draws (halfmoon/engine/sampling.py): top-p's nucleus, found by ranking
 only the likeliest tokens, is the one a full sort finds; draws follow the distribution
 they are made from, with top-p, with temperature alone, and never pick a token of
-probability 0."""
+probability 0; the tiled searches (argmax, whole-vocabulary draws) agree with whole
+ones."""
 
 from __future__ import annotations
 
 import torch
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.engine.sampling import NUCLEUS_FIRST, _nuclei, row_for, sample
+from halfmoon.engine.sampling import (
+    NUCLEUS_FIRST,
+    TILE,
+    _argmax,
+    _Cumulative,
+    _nuclei,
+    _Tiled,
+    row_for,
+    sample,
+)
 
 
 def _reference_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
@@ -77,3 +87,49 @@ def test_a_draw_is_the_same_whatever_else_is_in_the_batch() -> None:
     together = sample(logits.clone(), rows)
     alone = [sample(logits[i : i + 1].clone(), [row])[0] for i, row in enumerate(rows)]
     assert together == alone
+
+
+def test_the_tiled_argmax_is_torchs() -> None:
+    generator = torch.Generator().manual_seed(2)
+    # vocabularies on and off the tile grid, rows enough for the tiled path, many ties
+    # (the first index wins), NaNs (the first NaN wins, also past the last whole tile)
+    for rows, vocab in ((32, 16 * TILE), (8, 16 * TILE + 37), (5, 600), (4, 3 * TILE)):
+        for trial in range(12):
+            logits = torch.randint(-3, 4, (rows, vocab), generator=generator).float()
+            if trial % 3 == 0:
+                logits[1, torch.randint(0, vocab, (2,), generator=generator)] = float("nan")
+            if trial % 4 == 0:
+                logits[2, vocab - 1] = float("nan")
+            assert torch.equal(_argmax(logits), torch.argmax(logits, dim=-1)), (vocab, trial)
+
+
+def test_a_tiled_draw_finds_the_token_a_whole_search_finds() -> None:
+    generator = torch.Generator().manual_seed(3)
+    for vocab in (6, 3 * TILE + 88, 16 * TILE):
+        probs = torch.softmax(torch.randn(2, vocab, generator=generator) * 4, dim=-1)
+        probs[0, ::3] = 0.0  # tokens (and, at vocab 6, most of a tile) of probability 0
+        tiled = _Tiled(probs)
+        for r in range(2):
+            row = tiled.row(r)
+            whole = _Cumulative(torch.cumsum(probs[r], -1, dtype=torch.float64))
+            assert abs(float(row.total) - float(whole.total)) < 1e-6
+            for _ in range(400):
+                point = torch.rand(1, generator=generator, dtype=torch.float64) * row.total
+                token = row.index(point)
+                assert probs[r, token] > 0
+                # the same token, or (at a rounding's distance from a boundary) a neighbour
+                assert abs(token - whole.index(point * whole.total / row.total)) <= 1
+            # a point that rounded up to the total, or past it: a token of probability > 0
+            for point in (row.total, row.total * (1 + 1e-7)):
+                assert probs[r, row.index(point)] > 0
+
+
+def test_draws_from_a_vocabulary_of_several_tiles_follow_the_softmax() -> None:
+    vocab = 4 * TILE + 10
+    logits = torch.full((1, vocab), -30.0)
+    likely = [0, TILE - 1, TILE, 3 * TILE + 5, vocab - 1]  # tiles' edges, the partial tile
+    logits[0, likely] = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.8])
+    seen = _frequencies(logits, SamplingParams(temperature=1.0))
+    expected = torch.softmax(logits[0].double(), dim=-1)
+    assert float((seen - expected).abs().max()) < 0.03
+    assert float(seen[likely].sum()) == 1.0
