@@ -122,6 +122,19 @@ def test_concurrent_requests_all_complete(disagg):
     assert all(p.integrity == "ok" for p in pongs)
 
 
+def _wait_idle(cluster):
+    """Wait (up to 30 s) until no worker runs or queues a request; assert it. The
+    workers' last answers."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pongs = cluster.ping_workers()
+        if all(p.num_running == 0 and p.num_waiting == 0 for p in pongs):
+            break
+        time.sleep(0.2)
+    assert all(p.num_running == 0 for p in pongs), pongs
+    return pongs
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_client_disconnect_frees_kv(disagg, n):
     # with n > 1 every choice is its own request in the cluster: all of them must end
@@ -131,14 +144,7 @@ def test_client_disconnect_frees_kv(disagg, n):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # got a token: hang up mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pongs = disagg.ping_workers()
-        if all(p.num_running == 0 and p.num_waiting == 0 for p in pongs):
-            break
-        time.sleep(0.2)
-    assert all(p.num_running == 0 for p in pongs), pongs
-    assert all(p.integrity == "ok" for p in pongs)
+    assert all(p.integrity == "ok" for p in _wait_idle(disagg))
 
 
 def test_impossible_slo_is_rejected_with_429(cluster_factory):
@@ -614,3 +620,36 @@ def test_stored_responses_continue_through_the_cluster(disagg):
     resumed = list(client.responses.retrieve(events[-1].response.id, stream=True,
                                              starting_after=2))  # fmt: skip
     assert [e.sequence_number for e in resumed] == [e.sequence_number for e in events[3:]]
+
+
+def test_token_in_token_out_through_the_cluster(disagg):
+    """vLLM's token-in, token-out API: a rendered chat generated through the cluster is
+    the chat's answer (seeded: the same tokens, the same text), whole and streamed; a
+    running generation ended by ``/abort_requests`` answers ``abort`` and frees its
+    workers."""
+    base = disagg.base_url
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 12, "temperature": 0.8, "seed": 9, "return_token_ids": True}  # fmt: skip
+    said = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    rendered = httpx.post(base + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    whole = httpx.post(base + "/inference/v1/generate", timeout=60,
+                       json={**rendered, "output_mode": "text"}).json()  # fmt: skip
+    (choice,) = whole["choices"]
+    assert choice["token_ids"] == said["token_ids"] and choice["text"] == said["message"]["content"]
+    assert whole["usage"]["completion_tokens"] == len(said["token_ids"])
+    streamed = httpx.post(base + "/inference/v1/generate", timeout=60,
+                          json={**rendered, "stream": True}).text  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == said["token_ids"]
+    # a long generation, ended from outside
+    body = {"token_ids": rendered["token_ids"], "request_id": "endless",
+            "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, base + "/inference/v1/generate", json=body, timeout=120)
+        time.sleep(1.0)
+        ended = httpx.post(base + "/abort_requests", json={"request_ids": ["endless"]}, timeout=10)
+        out = running.result().json()
+    assert ended.json() == {"aborted": 1}
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert 0 < len(out["choices"][0]["token_ids"]) < 2000
+    _wait_idle(disagg)

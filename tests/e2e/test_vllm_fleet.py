@@ -45,7 +45,8 @@ def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
         cluster = Cluster(
             tmp_path_factory.mktemp("vllm-fleet"), "--engine", "vllm", "--mode", "coupled",
             "--instances", "2", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB,
-            "--num-threads", "1", "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
+            "--num-threads", "1", "--vllm-python", VLLM_PYTHON,
+            "--vllm-args=--enforce-eager --enable-scale-out",  # (vLLM's /render, /generate)
             "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
             "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
             "--allow-runtime-lora-updating",  # (and load more while serving)
@@ -355,6 +356,31 @@ def test_stop_reason_through_a_vllm_worker_equals_vllms_own(fleet, smollm2_dir):
         got = [ours["choices"][0][f] for f in fields]
         assert got == [theirs["choices"][0][f] for f in fields], extra
     assert got[1:] == ["length", None]  # the last case: no stop asked for
+
+
+def test_token_in_token_out_requests_cross_between_halfmoon_and_vllm(fleet):
+    """vLLM's token-in, token-out API on both servers: a chat rendered by either is the
+    same prompt and options, and each generates the other's rendering into the same
+    tokens (greedy) and text."""
+    url = _live_server(fleet)
+    chat = {"model": "smollm2-135m-instruct", "max_tokens": 20, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}  # fmt: skip
+    theirs = httpx.post(f"{url}/v1/chat/completions/render", json=chat, timeout=120)
+    ours = httpx.post(f"{fleet.base_url}/v1/chat/completions/render", json=chat, timeout=120)
+    assert theirs.status_code == ours.status_code == 200, (theirs.text, ours.text)
+    theirs, ours = theirs.json(), ours.json()
+    assert ours["token_ids"] == theirs["token_ids"]
+    for key in ("temperature", "max_tokens"):  # (not 16: vLLM's SamplingParams' default,
+        # which its rendering leaves out, so that its generate route runs to the context's end)
+        assert ours["sampling_params"][key] == theirs["sampling_params"][key], (key, theirs)
+    answers = []
+    for server, rendered in ((url, ours), (fleet.base_url, theirs)):
+        body = {**rendered, "output_mode": "text"}
+        answer = httpx.post(f"{server}/inference/v1/generate", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        (choice,) = answer.json()["choices"]
+        answers.append((choice["token_ids"], choice["text"], choice["finish_reason"]))
+    assert answers[0] == answers[1] and "Paris" in answers[0][1]
 
 
 def test_a_lora_adapter_answers_as_vllms_own(fleet, smollm2_dir):

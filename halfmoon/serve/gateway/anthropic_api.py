@@ -1,5 +1,6 @@
 """The routes of Anthropic's Messages API: ``POST /v1/messages`` (whole or streamed) and
-``POST /v1/messages/count_tokens``, on top of the gateway's chat path
+``POST /v1/messages/count_tokens`` (and ``/v1/messages/render``: its token-in, token-out
+generate request, :mod:`halfmoon.serve.gateway.token_generation`), on top of the gateway's chat path
 (:mod:`halfmoon.serve.gateway.anthropic_messages` translates). With API keys, Anthropic's
 ``x-api-key`` header is read as ``Authorization: Bearer`` is (its SDK sends that one).
 """
@@ -24,6 +25,8 @@ from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
 from halfmoon.serve.gateway.responses import HTTPError, Prepared, turned_away
 from halfmoon.serve.gateway.responses_api import Start
+from halfmoon.serve.gateway.token_generation import rendered
+from halfmoon.serve.gateway.tokens_api import render_prepared
 
 #: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
 Name = Callable[[Prepared, Request | None, str], None]
@@ -56,6 +59,13 @@ def messages_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
             return JSONResponse(await collect_message(body.model, p, first, stream, msg_id))
         except (Rejected, BackendError) as exc:
             raise turned_away(exc, gw.metrics) from None
+
+    @router.post("/v1/messages/render")
+    async def render_messages(body: MessagesRequest, request: Request) -> dict[str, Any]:
+        """The token-in, token-out generate request of a message (vLLM's ``render``)."""
+        chat = _chat(body)
+        p = await render_prepared(gw, chat, request)
+        return rendered(p, body.model, body.stream, None, None)[0]
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:

@@ -75,7 +75,8 @@ class Backend(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request and free what it holds (idempotent)."""
+        """Stop a request and free what it holds (idempotent); a stream still being read
+        ends with a chunk finished ``abort``."""
         ...
 
     async def health(self) -> dict[str, Any]:

@@ -56,6 +56,13 @@ __all__ = ["ClusterBackend", "WorkerLost"]
 
 log = logging.getLogger(__name__)
 
+#: Put in a request's queue by :meth:`ClusterBackend.abort`: its stream ends there.
+_ABORTED = object()
+
+
+class _Aborted(Exception):
+    """A request's stream reached :data:`_ABORTED`."""
+
 
 def _incarnation(endpoints: Endpoints) -> tuple[str, str]:
     """(instance id, incarnation) of a worker named in a decision."""
@@ -156,6 +163,9 @@ class ClusterBackend(ClusterOperations):
                     yield chunk
                 completed = True
                 return
+            except _Aborted:  # (not completed: the booking is released below)
+                yield GenerationChunk((), "abort")
+                return
             except WorkerLost as exc:
                 await self._abort_attempt(attempt_id)
                 if exc.suspect:
@@ -240,6 +250,8 @@ class ClusterBackend(ClusterOperations):
                 raise BackendError(msg.error)
             if isinstance(msg, Lost):
                 raise WorkerLost(f"worker {msg.instance_id} is gone")
+            if msg is _ABORTED:
+                raise _Aborted
             if not isinstance(msg, Tokens):
                 log.warning("request %s: unexpected %s message ignored", request_id, msg.wire_name)
                 continue
@@ -435,5 +447,10 @@ class ClusterBackend(ClusterOperations):
                                  fallback=True)  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
-        """Tell every worker the request touched to drop it."""
-        await self._abort_attempt(self._attempts.get(request_id, request_id))
+        """Tell every worker the request touched to drop it; a stream of it still being
+        read ends (with a chunk finished ``abort``)."""
+        attempt_id = self._attempts.get(request_id, request_id)
+        await self._abort_attempt(attempt_id)
+        queue = self._queues.get(attempt_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)

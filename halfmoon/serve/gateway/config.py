@@ -103,7 +103,8 @@ class GatewayConfig:
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
         return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
-                "/reset_prefix_cache", "/invocations", "/load", *private)  # fmt: skip
+                "/reset_prefix_cache", "/invocations", "/load", "/inference/",
+                "/abort_requests", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -31,6 +31,9 @@ from halfmoon.serve.gateway.text import OutputText
 from halfmoon.serve.gateway.timeseries import TimeSeries
 
 T = TypeVar("T")
+
+#: What answers put before a request's public id: ids :meth:`Gateway.abort_requests` reads.
+ANSWER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "generate-tokens-", "msg_")
 
 
 class Gateway(RequestPreparation):
@@ -58,6 +61,9 @@ class Gateway(RequestPreparation):
         #: before the excess was refused, behind the others on the tokenizer threads.
         self.preparing = 0
         self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-cpu")
+        #: The backend ids of the generations running under each public id (a client's
+        #: request id, else the gateway's): what :meth:`abort_requests` finds them by.
+        self._running: dict[str, set[str]] = {}
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the gateway's CPU threads, so the event loop keeps serving."""
@@ -71,16 +77,35 @@ class Gateway(RequestPreparation):
         if lora is not None:
             self.metrics.lora_running.labels(lora_name=lora).inc()
         self.in_flight += 1
+        self._running.setdefault(p.public_id, set()).add(p.request_id)
         try:
             # Only a salted request needs a backend that takes a salt.
             salt = {"cache_salt": p.cache_salt} if p.cache_salt is not None else {}
             async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params, **salt):
                 yield chunk
         finally:
+            running = self._running.get(p.public_id, set())
+            running.discard(p.request_id)
+            if not running:
+                self._running.pop(p.public_id, None)
             self.in_flight -= 1
             self.metrics.running.dec()
             if lora is not None:
                 self.metrics.lora_running.labels(lora_name=lora).dec()
+
+    async def abort_requests(self, ids: Iterable[str]) -> int:
+        """End the generations running under these ids: a request id a client chose, or
+        an answer's id (that id after ``cmpl-``, ``chatcmpl-``, ``generate-tokens-`` or
+        ``msg_``). Each stream ends as finished ``abort``; the number ended."""
+        ended = 0
+        for given in ids:
+            names = {given} | {given[len(pre) :] for pre in ANSWER_ID_PREFIXES
+                               if given.startswith(pre)}  # fmt: skip
+            for name in names:
+                for request_id in list(self._running.get(name, ())):
+                    await self.backend.abort(request_id)
+                    ended += 1
+        return ended
 
     def _observe_end(
         self,

@@ -231,6 +231,56 @@ class DetokenizeResponse(_Open):
     prompt: str
 
 
+class GenerateChoice(_Open):
+    """One choice of a token-in, token-out generation: its token ids (and ``text`` with
+    ``output_mode`` ``text``); log-probabilities by token id (by text in text mode)."""
+
+    index: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None
+    text: str | None = None
+
+
+class GenerateResponse(_Open):
+    """Body of a non-streaming ``POST /inference/v1/generate`` (vLLM's)."""
+
+    request_id: str
+    output_mode: Literal["tokens", "text"]
+    model: str
+    created: int
+    choices: list[GenerateChoice]
+    usage: dict[str, int]
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: list[Any] | None
+
+
+class RenderedRequest(_Open):
+    """A generate request a ``/render`` route answers (the body ``POST
+    /inference/v1/generate`` takes, vLLM's too): the prompt's token ids and every
+    sampling option, the served model's defaults filled in."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: dict[str, Any]
+    model: str | None
+    stream: bool
+    stream_options: dict[str, Any] | None
+    cache_salt: str | None
+    priority: int
+
+
+class RenderedRequests(RootModel[list[RenderedRequest]]):
+    """Body of ``POST /v1/completions/render``: one generate request per prompt."""
+
+
+class AbortResponse(_Open):
+    """Body of ``POST /abort_requests``: how many running generations were ended."""
+
+    aborted: int
+
+
 #: The 200 body of each (path, method).
 RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
@@ -252,6 +302,12 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/invocations", "post"): InvocationResponse,
     ("/tokenize", "post"): TokenizeResponse,
     ("/detokenize", "post"): DetokenizeResponse,
+    ("/inference/v1/generate", "post"): GenerateResponse,
+    ("/v1/chat/completions/render", "post"): RenderedRequest,
+    ("/v1/messages/render", "post"): RenderedRequest,
+    ("/v1/completions/render", "post"): RenderedRequests,
+    ("/inference/v1/abort_requests", "post"): AbortResponse,
+    ("/abort_requests", "post"): AbortResponse,
 }
 #: Error statuses each (path, method) may answer besides 400 (bodies) and 401 (API keys).
 ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
@@ -271,10 +327,17 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/ping", "get"): (503,),
     ("/ping", "post"): (503,),
     ("/invocations", "post"): (404, 413, 429, 503),
+    ("/inference/v1/generate", "post"): (404, 413, 429, 503),
+    ("/v1/chat/completions/render", "post"): (404, 413),
+    ("/v1/completions/render", "post"): (404, 413),
+    ("/v1/messages/render", "post"): (404, 413),
+    ("/inference/v1/abort_requests", "post"): (413,),
+    ("/abort_requests", "post"): (413,),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
              ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
-             ("/v1/messages", "post"), ("/invocations", "post")}  # fmt: skip
+             ("/v1/messages", "post"), ("/invocations", "post"),
+             ("/inference/v1/generate", "post")}  # fmt: skip
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
@@ -357,7 +420,7 @@ def _pin_requests(
     with a 400). No names (adapters may be loaded while serving): ``model`` stays free."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest", "MessagesRequest",
-                 "CountTokensRequest"):  # fmt: skip
+                 "CountTokensRequest", "GenerateRequest", "GenerateSamplingParams"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
@@ -366,7 +429,7 @@ def _pin_requests(
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if field in props:
                 _cap_integers(props[field], max_tokens_limit)
-        for field in ("prompt", "tokens", "stop_token_ids"):
+        for field in ("prompt", "tokens", "stop_token_ids", "token_ids", "allowed_token_ids"):
             if field in props:
                 _bound_token_ids(props[field], vocab_size)
 

@@ -68,7 +68,7 @@ class RequestPreparation(ServedModels):
             messages = [m.for_template() for m in body.messages]
             prompt_ids = self._truncated(self.chat_prompt(messages, body.template_options()),
                                          body.truncate_prompt_tokens)  # fmt: skip
-            max_tokens = body.output_limit(0) or self._default_output(len(prompt_ids))
+            max_tokens = body.output_limit(0) or self.default_output(len(prompt_ids))
         else:
             batch = [self._truncated(self._completion_prompt(prompt, body.add_special_tokens),
                                      body.truncate_prompt_tokens)
@@ -123,8 +123,8 @@ class RequestPreparation(ServedModels):
             client_id=client_id,
         )  # fmt: skip
 
-    def _default_output(self, num_prompt_tokens: int) -> int:
-        """A chat request's output limit when it sets none, as in vLLM: the rest of the
+    def default_output(self, num_prompt_tokens: int) -> int:
+        """A chat (or generate) request's output limit when it sets none, as in vLLM: the rest of the
         served context, within the server's limit and the model's ``max_new_tokens`` (at
         least 1: a prompt that fills the context is refused after)."""
         cfg = self.config

@@ -137,7 +137,8 @@ class Prepared:
 
     def choices(self) -> list[Prepared]:
         """One prepared request per choice: ``<id>.<k>`` for choice ``k`` (when more than
-        one), its prompt's, seeded ``seed + i`` for its prompt's ``i``-th choice."""
+        one), its prompt's, seeded ``seed + i`` for its prompt's ``i``-th choice; each
+        under this request's public id (which ``/abort_requests`` names)."""
         if self.num_choices == 1:
             return [self]
         seed = self.params.seed
@@ -151,6 +152,7 @@ class Prepared:
                 params=replace(self.params, seed=None if seed is None else seed + i),
                 n=1,
                 more=(),
+                client_id=self.public_id,
             )
             for j, (ids, echo) in enumerate(prompts)
             for i in range(self.n)
@@ -201,7 +203,7 @@ async def collect(
                 finish = p.tool_mode.finish(finish)
         choice = choice_body(index, text, finish, p.chat, logprobs, calls)
         if p.show_prompt_logprobs and not p.chat:
-            choice["prompt_logprobs"] = _prompt_field(prompts[index], token_text)
+            choice["prompt_logprobs"] = prompt_field(prompts[index], token_text)
         if p.return_token_ids:  # (completions: the prompt's per choice, as on vLLM)
             choice["token_ids"] = [token for token, _ in entries[index]]
             if not p.chat:
@@ -212,11 +214,11 @@ async def collect(
     if p.return_token_ids and p.chat:
         body["prompt_token_ids"] = p.prompt_ids
     if p.show_prompt_logprobs and p.chat:  # one prompt for every choice: at the top, as vLLM
-        body["prompt_logprobs"] = _prompt_field(prompts[0], token_text)
+        body["prompt_logprobs"] = prompt_field(prompts[0], token_text)
     return JSONResponse(body)
 
 
-def _prompt_field(prompt: list[Entry], token_text: Callable[[int], str]) -> list | None:
+def prompt_field(prompt: list[Entry], token_text: Callable[[int], str]) -> list | None:
     """vLLM's ``prompt_logprobs`` of a choice from its prompt entries (None: none came)."""
     if not prompt:
         return None

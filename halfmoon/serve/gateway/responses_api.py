@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.gateway import Gateway
-from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
+from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from halfmoon.serve.gateway.openai_responses import (
     Keep,
     ResponsesRequest,
@@ -46,10 +46,10 @@ from halfmoon.serve.gateway.openai_responses import (
 from halfmoon.serve.gateway.response_store import EventLog, EventLogs, StoredResponse
 from halfmoon.serve.gateway.responses import Delta, HTTPError, Prepared, turned_away
 
-#: ``start(chat, request)``: the app's way to prepare a chat request and start it (its
-#: prepared request, first item and the rest; 429 / 503 when turned away).
+#: ``start(body, request)``: the app's way to prepare a chat (or completion) request and
+#: start it (its prepared request, first item and the rest; 429 / 503 when turned away).
 Start = Callable[
-    [ChatCompletionRequest, Request | None],
+    [ChatCompletionRequest | CompletionRequest, Request | None],
     Awaitable[tuple[Prepared, tuple[int, Delta], AsyncIterator]],
 ]
 
