@@ -152,6 +152,8 @@ class Tokenizer:
         """``chat_template`` replaces the one ``config`` (a ``tokenizer_config.json``) has."""
         config = config or {}
         self._tok = tokenizer
+        #: Its ``tokenizer_config.json`` (what vLLM's ``/tokenizer_info`` answers).
+        self.config: dict[str, Any] = dict(config)
         self.chat_template: str | None = chat_template or chat_template_from_config(
             config.get("chat_template")
         )

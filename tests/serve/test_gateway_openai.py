@@ -264,9 +264,18 @@ def test_tokenize_and_detokenize(served):
     assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
 
 
+def test_tokenizer_info_is_the_tokenizers_config(served):
+    client, _, tok = served
+    info = client.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert info["chat_template"] == tok.chat_template and info["eos_token"] == tok.eos_token
+    assert info == {**tok.config, "chat_template": tok.chat_template}
+
+
 def test_tokenize_needs_the_api_key_when_the_server_has_one(gateways):
     with TestClient(gateways.app(LogprobBackend(), "m", api_key="k")) as client:
         assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
+        assert client.get("/tokenizer_info").status_code == 401
         ok = client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
 

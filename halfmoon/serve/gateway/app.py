@@ -287,6 +287,17 @@ def create_app(
             tokens = await gw.off_loop(tokenizer.encode, body.prompt or "")
         return {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the served tokenizer's configuration (its ``tokenizer_config.json``,
+        without file paths), its class and the chat template in use, so that a router can
+        tokenize as this server does."""
+        info = {k: v for k, v in tokenizer.config.items() if not k.endswith("_file")}
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        if tokenizer.chat_template is not None:
+            info["chat_template"] = tokenizer.chat_template
+        return info
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         gw.check_model(body.model)

@@ -102,7 +102,7 @@ class GatewayConfig:
         /dashboard/state, needs the key)."""
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
-        return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
+        return ("/v1/", "/admin/", "/tokenize", "/tokenizer_info", "/detokenize", "/dashboard/state",
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
                 "/abort_requests", *private)  # fmt: skip
 

@@ -225,6 +225,14 @@ class TokenizeResponse(_Open):
     tokens: list[int]
 
 
+class TokenizerInfo(_Open):
+    """Body of ``GET /tokenizer_info`` (vLLM's): the tokenizer's configuration as its
+    ``tokenizer_config.json`` has it, with the chat template in use."""
+
+    tokenizer_class: str
+    chat_template: str | None = None
+
+
 class DetokenizeResponse(_Open):
     """Body of ``POST /detokenize``."""
 
@@ -302,6 +310,7 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/invocations", "post"): InvocationResponse,
     ("/tokenize", "post"): TokenizeResponse,
     ("/detokenize", "post"): DetokenizeResponse,
+    ("/tokenizer_info", "get"): TokenizerInfo,
     ("/inference/v1/generate", "post"): GenerateResponse,
     ("/v1/chat/completions/render", "post"): RenderedRequest,
     ("/v1/messages/render", "post"): RenderedRequest,
