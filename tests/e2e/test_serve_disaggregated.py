@@ -649,7 +649,7 @@ def test_token_in_token_out_through_the_cluster(disagg):
         time.sleep(1.0)
         ended = httpx.post(base + "/abort_requests", json={"request_ids": ["endless"]}, timeout=10)
         out = running.result().json()
-    assert ended.json() == {"aborted": 1}
+    assert ended.json() == {"status": "aborted", "aborted": 1}
     assert out["choices"][0]["finish_reason"] == "abort"
     assert 0 < len(out["choices"][0]["token_ids"]) < 2000
     _wait_idle(disagg)

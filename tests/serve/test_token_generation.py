@@ -249,10 +249,30 @@ def test_abort_requests_ends_running_generations(gateways):
             )
 
     ended, generated, chatted, unknown = asyncio.run(scenario())
-    assert ended == {"aborted": 2} and unknown == 0
+    assert ended == {"status": "aborted", "aborted": 2} and unknown == 0
     choice = generated["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 200
     assert chatted["choices"][0]["finish_reason"] == "abort"
+
+
+def test_abort_requests_without_ids_ends_every_one(gateways):
+    backend = CountingBackend(gateways.tokenizer)
+    backend.pace_s = 0.02
+    app = gateways.app(backend, "m")
+
+    async def scenario() -> tuple[dict, list[str]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 200, "n": 2}}
+            running = [asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
+                       for _ in range(2)]  # fmt: skip
+            await asyncio.sleep(0.3)
+            ended = (await client.post("/abort_requests", json={})).json()
+            answers = [(await r).json() for r in running]
+            return ended, [c["finish_reason"] for a in answers for c in a["choices"]]
+
+    ended, finishes = asyncio.run(scenario())
+    assert ended == {"status": "aborted", "aborted": 4} and finishes == ["abort"] * 4
 
 
 def test_the_new_routes_need_the_key(gateways):

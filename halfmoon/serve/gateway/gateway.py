@@ -93,12 +93,13 @@ class Gateway(RequestPreparation):
             if lora is not None:
                 self.metrics.lora_running.labels(lora_name=lora).dec()
 
-    async def abort_requests(self, ids: Iterable[str]) -> int:
-        """End the generations running under these ids: a request id a client chose, or
-        an answer's id (that id after ``cmpl-``, ``chatcmpl-``, ``generate-tokens-`` or
-        ``msg_``). Each stream ends as finished ``abort``; the number ended."""
+    async def abort_requests(self, ids: Iterable[str] | None) -> int:
+        """End the generations running under these ids (None: every one): a request id a
+        client chose, or an answer's id (that id after ``cmpl-``, ``chatcmpl-``,
+        ``generate-tokens-`` or ``msg_``). Each stream ends as finished ``abort``; the
+        number ended."""
         ended = 0
-        for given in ids:
+        for given in list(self._running) if ids is None else ids:
             names = {given} | {given[len(pre) :] for pre in ANSWER_ID_PREFIXES
                                if given.startswith(pre)}  # fmt: skip
             for name in names:

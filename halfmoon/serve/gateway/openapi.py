@@ -286,6 +286,7 @@ class RenderedRequests(RootModel[list[RenderedRequest]]):
 class AbortResponse(_Open):
     """Body of ``POST /abort_requests``: how many running generations were ended."""
 
+    status: Literal["aborted"]
     aborted: int
 
 

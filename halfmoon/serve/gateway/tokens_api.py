@@ -32,9 +32,10 @@ Name = Callable[[Prepared, Request | None, str], None]
 
 
 class AbortRequests(BaseModel):
-    """The body of ``/abort_requests``: the ids of the requests to end."""
+    """The body of ``/abort_requests``: the ids of the requests to end (none or empty:
+    every running one, as vLLM's RL server reads it)."""
 
-    request_ids: list[str] = Field(max_length=1024)
+    request_ids: list[str] | None = Field(None, max_length=1024)
 
 
 async def render_prepared(gw: Gateway, body: CompletionRequest | ChatCompletionRequest,
@@ -66,9 +67,10 @@ def tokens_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
         return JSONResponse(await whole(shaper, first, stream, gw.metrics))
 
     async def abort(body: AbortRequests) -> dict[str, Any]:
-        """End the generations running under these ids (each answers as finished
-        ``abort``); how many were running."""
-        return {"aborted": await gw.abort_requests(body.request_ids)}
+        """End the generations running under these ids (none: all of them), each answered
+        as finished ``abort``; how many were running."""
+        ended = await gw.abort_requests(body.request_ids or None)
+        return {"status": "aborted", "aborted": ended}
 
     router.add_api_route("/inference/v1/abort_requests", abort, methods=["POST"])
     router.add_api_route("/abort_requests", abort, methods=["POST"])
