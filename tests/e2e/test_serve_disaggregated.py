@@ -653,3 +653,29 @@ def test_token_in_token_out_through_the_cluster(disagg):
     assert out["choices"][0]["finish_reason"] == "abort"
     assert 0 < len(out["choices"][0]["token_ids"]) < 2000
     _wait_idle(disagg)
+
+
+def test_sglangs_generate_through_the_cluster(disagg):
+    """SGLang's native ``/generate``: greedy text and ids equal to the same completion's,
+    streamed cumulatively to the same text, the prompt's log-probabilities from
+    ``logprob_start_len`` (the first token's null), and a prompt scored alone
+    (``max_new_tokens`` 0, as RL trainers score)."""
+    base = disagg.base_url
+    completion = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0,
+                  "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    ref = httpx.post(base + "/v1/completions", json=completion, timeout=60).json()["choices"][0]
+    body = {"text": PROMPTS[2],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    out = httpx.post(base + "/generate", json=body, timeout=60).json()
+    assert out["text"] == ref["text"] and out["output_ids"] == ref["token_ids"]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    streamed = httpx.post(base + "/generate", json={**body, "stream": True}, timeout=60).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["text"] == ref["text"] and chunks[-1]["output_ids"] == ref["token_ids"]
+    scored = {"input_ids": ref["prompt_token_ids"], "return_logprob": True,
+              "logprob_start_len": 0, "top_logprobs_num": 1,
+              "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+    meta = httpx.post(base + "/generate", json=scored, timeout=60).json()["meta_info"]
+    prompt = meta["input_token_logprobs"]
+    assert [t for _, t, _ in prompt] == ref["prompt_token_ids"] and prompt[0][0] is None
+    assert all(lp <= 0 for lp, _, _ in prompt[1:]) and meta["output_token_logprobs"] == []

@@ -63,6 +63,7 @@ from halfmoon.serve.gateway.responses import (
 )
 from halfmoon.serve.gateway.responses_api import responses_router
 from halfmoon.serve.gateway.scrape import scrape
+from halfmoon.serve.gateway.sglang_api import sglang_router
 from halfmoon.serve.gateway.tenancy import matching_key
 from halfmoon.serve.gateway.tokens_api import tokens_router
 
@@ -325,6 +326,7 @@ def create_app(
     app.include_router(responses_router(gw, _start, _check_busy))
     app.include_router(messages_router(gw, _start, _name))
     app.include_router(tokens_router(gw, _start, _name))
+    app.include_router(sglang_router(gw, _start, _name))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too
         app.add_middleware(request_ids.RequestIdHeader)

@@ -92,11 +92,17 @@ def param_name(loc: Sequence[Any], body: Any, missing: bool = False) -> str | No
         return str(loc[1])
     steps = list(loc[1:] if loc and loc[0] == "body" else loc)
     parts, value = [], body
+
+    def holds(value: Any, step: Any) -> bool:
+        return (isinstance(value, dict) and step in value) or (
+            isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value)
+        )
+
     for i, step in enumerate(steps):
-        if isinstance(value, dict) and step in value:
+        if holds(value, step):
             value = value[step]
-        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
-            value = value[step]
+        elif i + 1 < len(steps) and holds(value, steps[i + 1]):
+            continue  # the union member pydantic tried (an object's model): not a field
         elif not (missing and i == len(steps) - 1 and isinstance(value, dict)):
             break
         parts.append(f"[{step}]" if isinstance(step, int) else str(step))

@@ -283,6 +283,27 @@ class RenderedRequests(RootModel[list[RenderedRequest]]):
     """Body of ``POST /v1/completions/render``: one generate request per prompt."""
 
 
+class SglangOutput(_Open):
+    """One output of SGLang's ``POST /generate``: its text, token ids and ``meta_info``
+    (``index`` in a batch or with ``n`` above 1)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    index: int | None = None
+
+
+class SglangAnswer(RootModel[SglangOutput | list[SglangOutput]]):
+    """Body of a non-streaming ``POST /generate``: one output, or a list of them."""
+
+
+class SglangModelInfo(_Open):
+    """Body of ``GET /model_info`` (SGLang's)."""
+
+    model_path: str
+    is_generation: bool
+
+
 class AbortResponse(_Open):
     """Body of ``POST /abort_requests``: how many running generations were ended."""
 
@@ -318,6 +339,10 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions/render", "post"): RenderedRequests,
     ("/inference/v1/abort_requests", "post"): AbortResponse,
     ("/abort_requests", "post"): AbortResponse,
+    ("/generate", "post"): SglangAnswer,
+    ("/model_info", "get"): SglangModelInfo,
+    ("/get_model_info", "get"): SglangModelInfo,
+    ("/abort_request", "post"): AbortResponse,
 }
 #: Error statuses each (path, method) may answer besides 400 (bodies) and 401 (API keys).
 ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
@@ -343,11 +368,13 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/messages/render", "post"): (404, 413),
     ("/inference/v1/abort_requests", "post"): (413,),
     ("/abort_requests", "post"): (413,),
+    ("/generate", "post"): (404, 413, 429, 503),
+    ("/abort_request", "post"): (413,),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
              ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
              ("/v1/messages", "post"), ("/invocations", "post"),
-             ("/inference/v1/generate", "post")}  # fmt: skip
+             ("/inference/v1/generate", "post"), ("/generate", "post")}  # fmt: skip
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
@@ -430,16 +457,24 @@ def _pin_requests(
     with a 400). No names (adapters may be loaded while serving): ``model`` stays free."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest", "MessagesRequest",
-                 "CountTokensRequest", "GenerateRequest", "GenerateSamplingParams"):  # fmt: skip
+                 "CountTokensRequest", "GenerateRequest", "GenerateSamplingParams",
+                 "SglangGenerateRequest", "SglangSamplingParams"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
             nullable = any(o.get("type") == "null" for o in props["model"].get("anyOf", []))
             props["model"] = {"anyOf": [pinned, {"type": "null"}]} if nullable else pinned
-        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens"):
             if field in props:
                 _cap_integers(props[field], max_tokens_limit)
-        for field in ("prompt", "tokens", "stop_token_ids", "token_ids", "allowed_token_ids"):
+        for field in (
+            "prompt",
+            "tokens",
+            "stop_token_ids",
+            "token_ids",
+            "allowed_token_ids",
+            "input_ids",
+        ):
             if field in props:
                 _bound_token_ids(props[field], vocab_size)
 

@@ -1,0 +1,327 @@
+"""SGLang's native generation API, as halfmoon serves it (routes in
+:mod:`halfmoon.serve.gateway.sglang_api`): ``POST /generate``, text or token ids in;
+text, output token ids and ``meta_info`` out, as RL frameworks and SGLang's own clients
+drive it.
+
+A ``/generate`` request runs as one completion of its prompts (one or a batch, ``n``
+choices each) through the gateway's completion path: the same placement, limits,
+metrics and errors. SGLang's ``sampling_params`` map onto vLLM's and OpenAI's names
+(``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens``, ``no_stop_trim`` ->
+``include_stop_str_in_output``, ``json_schema`` / ``regex`` / ``ebnf`` /
+``structural_tag`` -> structured outputs, ``sampling_seed`` -> ``seed``); as on SGLang
+an option left out takes the served model's default (its generation config), and
+``max_new_tokens`` 128 (0: the prompt is only scored, for its log-probabilities).
+Answers follow SGLang's shapes: ``text`` and ``output_ids``
+(cumulative when streamed, as SGLang streams by default), ``meta_info`` with ``id``,
+``finish_reason`` (``{"type": "stop", "matched": <stop string or token id>}``,
+``{"type": "length", "length": N}`` or ``{"type": "abort", ...}``), ``prompt_tokens``,
+``completion_tokens``, ``cached_tokens``, ``e2e_latency`` and, with ``return_logprob``,
+``output_token_logprobs`` ``[[logprob, token id, text or null], ...]`` (and
+``output_top_logprobs``; ``input_*`` from ``logprob_start_len``). A batch, or ``n`` above
+1, answers a list (streamed: each chunk with its ``index``). Options SGLang has and this
+server does not (multimodal data, embeddings in, hidden states out, custom logit
+processors, beam width, regex stops, per-prompt sampling parameters that differ) are a
+400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
+from halfmoon.serve.gateway.backend import BackendError, Rejected
+from halfmoon.serve.gateway.openai_api import CompletionRequest, error_body, stop_reason
+from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared, turned_away
+
+#: What SGLang defaults ``max_new_tokens`` to.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class SglangSamplingParams(BaseModel):
+    """SGLang's ``sampling_params`` by its names (None: the served model's default, as
+    SGLang's ``--sampling-defaults model``). An unknown field is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(None, ge=0)
+    min_new_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = Field(None, ge=1)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    stream_interval: int | None = None  # (how SGLang batches its stream: no effect here)
+    stop_regex: Any = None
+    beam_width: Any = None
+    custom_params: Any = None
+    watermark: Any = None
+
+    def completion_fields(self) -> dict[str, Any]:
+        """The completion request's fields these set (a 400 for what cannot be done)."""
+        refused = [name for name in ("stop_regex", "beam_width", "custom_params", "watermark")
+                   if getattr(self, name) is not None]  # fmt: skip
+        if self.spaces_between_special_tokens is False:
+            refused.append("spaces_between_special_tokens false")
+        if refused:
+            raise HTTPError(400, "not supported by this server: "
+                            + ", ".join(f"sampling_params.{r}" for r in refused),
+                            "BadRequestError", param="sampling_params")  # fmt: skip
+        out: dict[str, Any] = {
+            "max_tokens": DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None
+            else self.max_new_tokens,
+        }  # fmt: skip
+        renamed = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
+                   "sampling_seed": "seed"}  # fmt: skip
+        for name in ("min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
+                     "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                     "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias",
+                     "sampling_seed"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                out[renamed.get(name, name)] = value
+        if self.top_k is not None:
+            out["top_k"] = max(0, self.top_k)  # (-1: every token; 0 here)
+        grammar = {"json": self.json_schema, "regex": self.regex, "grammar": self.ebnf,
+                   "structural_tag": self.structural_tag}  # fmt: skip
+        given = {kind: spec for kind, spec in grammar.items() if spec}
+        if given:
+            out["structured_outputs"] = given  # (more than one: the completion's 400)
+        return out
+
+
+class SglangGenerateRequest(BaseModel):
+    """The body of SGLang's ``POST /generate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SglangSamplingParams | list[SglangSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    lora_path: str | list[str | None] | None = None
+    log_metrics: bool = True  # (SGLang's own metrics switch: no effect here)
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+    def refused(self) -> list[str]:
+        """The options set that this server does not do (empty: none)."""
+        out = [name for name in ("input_embeds", "image_data", "video_data", "audio_data",
+                                 "token_ids_logprob", "custom_logit_processor",
+                                 "session_params", "bootstrap_host", "bootstrap_port",
+                                 "bootstrap_room") if getattr(self, name) is not None]  # fmt: skip
+        if self.return_hidden_states:
+            out.append("return_hidden_states")
+        return out
+
+    @property
+    def batched(self) -> bool:
+        """Whether the prompt is a batch (the answer a list)."""
+        return isinstance(self.text, list) or bool(
+            self.input_ids and isinstance(self.input_ids[0], list)
+        )
+
+    def to_completion(self, served_model: str) -> CompletionRequest:
+        """The completion of these prompts that answers this request."""
+        refused = self.refused()
+        if refused:
+            raise HTTPError(400, f"not supported by this server: {', '.join(refused)}",
+                            "BadRequestError", param=refused[0])  # fmt: skip
+        if (self.text is None) == (self.input_ids is None):
+            raise HTTPError(400, "give either text or input_ids", "BadRequestError",
+                            param="text")  # fmt: skip
+        params = _one("sampling_params", self.sampling_params) or SglangSamplingParams()
+        fields = params.completion_fields()
+        logprob = _one("return_logprob", self.return_logprob)
+        top = _one("top_logprobs_num", self.top_logprobs_num) or 0
+        start = _one("logprob_start_len", self.logprob_start_len)
+        if logprob:
+            if not 0 <= top <= MAX_LOGPROBS:
+                raise HTTPError(400, f"top_logprobs_num must be in [0, {MAX_LOGPROBS}]",
+                                "BadRequestError", param="top_logprobs_num")  # fmt: skip
+            fields["logprobs"] = top
+            if start is not None and start >= 0:
+                fields["prompt_logprobs"] = top
+        if fields["max_tokens"] == 0:  # the prompt scored alone (a completion's echo-only)
+            fields["echo"] = True
+        lora = _one("lora_path", self.lora_path)
+        fields.update(model=lora or served_model, stream=self.stream, return_token_ids=True,
+                      prompt=self.text if self.text is not None else self.input_ids)  # fmt: skip
+        if isinstance(self.rid, str):
+            fields["request_id"] = self.rid
+        try:
+            return CompletionRequest.model_validate(fields)
+        except ValueError as exc:  # (pydantic's ValidationError names the field)
+            raise HTTPError(400, f"sampling_params: {exc}", "BadRequestError",
+                            param="sampling_params") from None  # fmt: skip
+
+
+def _one(name: str, value: Any) -> Any:
+    """A per-prompt option given once, or as a list of one value for every prompt (a 400
+    when they differ: each batch runs with one set of options here)."""
+    if not isinstance(value, list):
+        return value
+    if any(v != value[0] for v in value):
+        raise HTTPError(400, f"{name} differing between the prompts of a batch is not "
+                        "supported by this server", "BadRequestError", param=name)  # fmt: skip
+    return value[0] if value else None
+
+
+# -- answers -------------------------------------------------------------------------------
+class Answers:
+    """Builds a ``/generate`` request's outputs (one per choice) from the completion
+    path's items."""
+
+    def __init__(self, body: SglangGenerateRequest, p: Prepared, start: float,
+                 token_text: Callable[[int], str]) -> None:  # fmt: skip
+        self.body, self.p, self.start = body, p, start
+        self.token_text = token_text
+        self.logprobs = bool(_one("return_logprob", body.return_logprob))
+        start_len = _one("logprob_start_len", body.logprob_start_len)
+        self.start_len = start_len if start_len is not None and start_len >= 0 else None
+        rids = body.rid if isinstance(body.rid, list) else None
+        n = p.n
+        self.ids = [
+            rids[i // n] if rids and i // n < len(rids) else f"{p.public_id}.{i}"
+            if p.num_choices > 1 else p.public_id
+            for i in range(p.num_choices)
+        ]  # fmt: skip
+        self.text = [""] * p.num_choices
+        self.entries: list[list[Entry]] = [[] for _ in range(p.num_choices)]
+        self.prompt: list[list[Entry]] = [[] for _ in range(p.num_choices)]
+        self.finish: list[str | None] = [None] * p.num_choices
+        self.use: list[dict] = [{}] * p.num_choices
+
+    def add(self, index: int, delta: Delta) -> None:
+        """Take one item of choice ``index``."""
+        text, finish, use, entries, prompt = delta
+        self.text[index] += text
+        self.entries[index] += entries
+        self.prompt[index] += prompt or ()
+        if finish is not None:
+            self.finish[index], self.use[index] = finish, use or {}
+
+    def _triple(self, token: int, logprob: float | None) -> list:
+        text = self.token_text(token) if self.body.return_text_in_logprobs else None
+        return [logprob, token, text]
+
+    def _tops(self, value: TokenLogprob | None) -> list | None:
+        if value is None or not value.top:
+            return None
+        return [self._triple(t, lp) for t, lp in value.top]
+
+    def output(self, index: int) -> dict[str, Any]:
+        """Choice ``index`` as SGLang answers it (cumulative so far)."""
+        entries, finish = self.entries[index], self.finish[index]
+        ids = [token for token, _ in entries]
+        use = self.use[index]
+        meta: dict[str, Any] = {
+            "id": self.ids[index],
+            "finish_reason": self._finish_reason(finish, ids),
+            "prompt_tokens": len(self.p.prompt_ids_of(index)),
+            "completion_tokens": len(ids),
+            "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "weight_version": "default",
+            "e2e_latency": round(time.monotonic() - self.start, 6),
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = [
+                self._triple(t, None if v is None else v.logprob) for t, v in entries
+            ]
+            meta["output_top_logprobs"] = [self._tops(v) for _, v in entries]
+            if self.start_len is not None:
+                prompt = self.prompt[index][self.start_len :]
+                meta["input_token_logprobs"] = [
+                    self._triple(t, None if v is None else v.logprob) for t, v in prompt
+                ]
+                meta["input_top_logprobs"] = [self._tops(v) for _, v in prompt]
+        out = {"text": self.text[index], "output_ids": ids, "meta_info": meta}
+        if self.body.batched or self.p.num_choices > 1:
+            out["index"] = index
+        return out
+
+    @staticmethod
+    def _finish_reason(finish: str | None, ids: list[int]) -> dict[str, Any] | None:
+        """SGLang's ``finish_reason`` object of a choice that ended with ``finish``."""
+        if finish is None:
+            return None
+        if finish == "length":
+            return {"type": "length", "length": len(ids)}
+        if finish == "stop":
+            matched = stop_reason(finish)
+            if matched is None and ids:  # the end-of-sequence token that ended it
+                matched = ids[-1]
+            return {"type": "stop", "matched": matched}
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+async def whole(answers: Answers, first: tuple[int, Delta], rest: AsyncIterator,
+                metrics: GatewayMetrics) -> Any:  # fmt: skip
+    """The whole answer: one output, or a list of them (a batch, or ``n`` above 1)."""
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            answers.add(*item)
+            item = await anext(rest, None)
+    except (Rejected, BackendError) as exc:  # a later choice was turned away, or failed
+        raise turned_away(exc, metrics) from None
+    finally:
+        await rest.aclose()
+    outputs = [answers.output(i) for i in range(answers.p.num_choices)]
+    return outputs if answers.body.batched or len(outputs) > 1 else outputs[0]
+
+
+async def streamed(answers: Answers, first: tuple[int, Delta], rest: AsyncIterator,
+                   metrics: GatewayMetrics) -> AsyncIterator[bytes]:  # fmt: skip
+    """The answer as server-sent events: each choice's output so far whenever it grows
+    (as SGLang streams by default), then ``[DONE]``; an error after the first byte as an
+    error event."""
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            index, delta = item
+            answers.add(index, delta)
+            if delta[0] or delta[3] or delta[1] is not None:
+                yield f"data: {json.dumps(answers.output(index))}\n\n".encode()
+            item = await anext(rest, None)
+    except (BackendError, Rejected) as exc:
+        metrics.errors.inc()
+        error = error_body(f"request failed: {exc}", "ServiceUnavailable", 503)
+        yield f"data: {json.dumps(error)}\n\n".encode()
+    finally:
+        await rest.aclose()
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,147 @@
+"""SGLang's native API (halfmoon/serve/gateway/sglang_generation.py, routes in
+sglang_api.py): ``/generate`` with text or token ids, batched and with ``n``, whole and
+streamed (cumulative, as SGLang streams), ``meta_info`` with SGLang's finish reasons and
+log-probability triples, the model's defaults for what a request leaves out;
+``/model_info``; ``/abort_request``; a 400 naming what cannot be done.
+
+In-process (ASGI) over the token tests' counting backend; a live cluster's answers are
+checked in tests/e2e/test_serve_disaggregated.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from .test_token_generation import LETTERS, CountingBackend, counting
+
+
+@pytest.fixture(scope="module")
+def served(gateways):
+    with counting(gateways) as pair:
+        yield pair
+
+
+def test_text_in_text_and_ids_out(served, gateways):
+    client, backend = served
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "rid": "mine"}  # fmt: skip
+    out = client.post("/generate", json=body).json()
+    assert out["text"] == LETTERS[:4] and out["output_ids"] == backend.ids[:4]
+    meta = out["meta_info"]
+    assert meta["id"] == "mine" and meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["prompt_tokens"] == len(gateways.tokenizer.encode("Hi"))  # (with BOS)
+    assert meta["completion_tokens"] == 4 and meta["e2e_latency"] >= 0
+    assert backend.prompts[-1] == gateways.tokenizer.encode("Hi")
+    assert backend.params[-1].temperature == 0.0
+    # left out: the model's defaults (SGLang's --sampling-defaults model), 128 new tokens
+    client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"top_k": -1}})
+    params = backend.params[-1]
+    assert (params.temperature, params.top_p, params.top_k) == (0.2, 0.9, 0)
+    assert params.max_tokens == 128 and backend.prompts[-1] == [5, 6]
+
+
+def test_a_batch_with_n_answers_a_list_prompt_by_prompt(served):
+    client, backend = served
+    body = {"input_ids": [[5, 6], [7]], "rid": ["a", "b"],
+            "sampling_params": {"max_new_tokens": 2, "n": 2, "sampling_seed": 3}}  # fmt: skip
+    out = client.post("/generate", json=body).json()
+    assert [o["index"] for o in out] == [0, 1, 2, 3]
+    assert [o["meta_info"]["id"] for o in out] == ["a", "a", "b", "b"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 1, 1]
+    assert all(o["text"] == LETTERS[:2] for o in out)
+    assert sorted(p.seed for p in backend.params[-4:]) == [3, 3, 4, 4]
+
+
+def test_logprobs_are_sglangs_triples(served):
+    client, backend = served
+    body = {"input_ids": [5], "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    meta = client.post("/generate", json=body).json()["meta_info"]
+    a, b = backend.ids[:2]
+    assert meta["output_token_logprobs"] == [[-0.5, a, "a"], [-0.5, b, "b"]]
+    assert meta["output_top_logprobs"][0] == [[-0.5, a, "a"], [-1.5, a, "a"]]
+    assert "input_token_logprobs" not in meta  # (logprob_start_len -1: the output's only)
+    plain = client.post("/generate", json={**body, "return_text_in_logprobs": False}).json()
+    assert plain["meta_info"]["output_token_logprobs"][0] == [-0.5, a, None]
+    assert backend.params[-1].logprobs == 2
+
+
+def test_a_stream_is_cumulative_and_ends_with_the_finish(served):
+    client, backend = served
+    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    text = client.post("/generate", json=body).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert [e["text"] for e in events] == ["a", "ab", "abc"]
+    assert events[-1]["output_ids"] == backend.ids[:3]
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None, None]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert text.rstrip().endswith("data: [DONE]") and "index" not in events[0]
+
+
+def test_a_stop_string_is_matched(served):
+    client, _ = served
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 8, "stop": ["cd"]}}
+    out = client.post("/generate", json=body).json()
+    assert out["text"] == "ab"
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "cd"}
+    kept = client.post("/generate", json={**body, "sampling_params": {
+        **body["sampling_params"], "no_stop_trim": True}}).json()  # fmt: skip
+    assert kept["text"] == "abcd"
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"text": "a", "input_ids": [5]}, "either text or input_ids"),
+        ({}, "either text or input_ids"),
+        ({"text": "a", "prompt": "b"}, "prompt"),
+        ({"text": "a", "image_data": "x.png"}, "image_data"),
+        ({"text": "a", "sampling_params": {"beam_width": 2}}, "beam_width"),
+        ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+        (
+            {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
+            "differing",
+        ),
+        ({"text": "a", "sampling_params": {"temperature": 9}}, "temperature"),
+        ({"input_ids": [100000]}, "prompt"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
+    ],
+)
+def test_what_cannot_be_done_is_a_400_naming_it(served, body, words):
+    client, _ = served
+    answer = client.post("/generate", json=body)
+    assert answer.status_code == 400, answer.text
+    assert words in json.dumps(answer.json())
+
+
+def test_model_info(served):
+    client, _ = served
+    for path in ("/model_info", "/get_model_info"):
+        info = client.get(path).json()
+        assert info["model_path"] == "m" and info["is_generation"] is True
+
+
+def test_abort_request_ends_a_running_generation(gateways):
+    backend = CountingBackend(gateways.tokenizer)
+    backend.pace_s = 0.02
+    app = gateways.app(backend, "m")
+
+    async def scenario() -> tuple[int, dict, dict]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"input_ids": [5], "rid": "r", "sampling_params": {"max_new_tokens": 200}}
+            running = asyncio.ensure_future(client.post("/generate", json=body))
+            other = asyncio.ensure_future(client.post("/generate", json={**body, "rid": "s"}))
+            await asyncio.sleep(0.3)
+            ended = await client.post("/abort_request", json={"rid": "r"})
+            first = (await running).json()
+            await client.post("/abort_request", json={"abort_all": True})
+            return ended.status_code, first, (await other).json()
+
+    status, first, other = asyncio.run(scenario())
+    assert status == 200 and first["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < first["meta_info"]["completion_tokens"] < 200
+    assert other["meta_info"]["finish_reason"]["type"] == "abort"
