@@ -91,6 +91,9 @@ class ClusterBackend(ClusterOperations):
         self._routes: dict[str, tuple[str, ...]] = {}
         self._route_ids: dict[str, tuple[tuple[str, str], ...]] = {}
         self._attempts: dict[str, str] = {}
+        #: Running requests told to abort (:meth:`abort`): one still being placed ends as
+        #: soon as its queue exists.
+        self._aborting: set[str] = set()
         self._incarnations: dict[str, str] = {}
         #: A request is placed again after each worker loss, but it fails (503) once it
         #: lost its workers this many times with no new token in between (a
@@ -138,56 +141,62 @@ class ClusterBackend(ClusterOperations):
         chain_root(cache_salt)  # a bad salt fails before anything is placed
         produced: list[int] = []
         losses_in_a_row = 0
-        for attempt in range(self.max_attempts):
-            produced_before = len(produced)
-            attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
-            self._attempts[request_id] = attempt_id
-            completed = False
-            ids = [*prompt_token_ids, *produced]
-            left = dataclasses.replace(
-                params,
-                max_tokens=params.max_tokens - len(produced),
-                min_tokens=max(0, params.min_tokens - len(produced)),
-            )
-            try:
-                decision, rtt_s = await self._place(
-                    attempt_id, ids, left, cache_salt, admitted=attempt > 0
+        try:
+            for attempt in range(self.max_attempts):
+                produced_before = len(produced)
+                attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
+                self._attempts[request_id] = attempt_id
+                completed = False
+                ids = [*prompt_token_ids, *produced]
+                left = dataclasses.replace(
+                    params,
+                    max_tokens=params.max_tokens - len(produced),
+                    min_tokens=max(0, params.min_tokens - len(produced)),
                 )
-                queue: asyncio.Queue = asyncio.Queue()
-                self._queues[attempt_id] = queue
-                await self._start(attempt_id, ids, left, decision, cache_salt)
-                async for chunk in self._in_order(attempt_id, queue, decision, rtt_s):
-                    produced.extend(chunk.token_ids)
-                    if attempt and chunk.cached_tokens is not None:
-                        chunk = dataclasses.replace(chunk, cached_tokens=None, est_ttft_s=None)
-                    yield chunk
-                completed = True
-                return
-            except _Aborted:  # (not completed: the booking is released below)
-                yield GenerationChunk((), "abort")
-                return
-            except WorkerLost as exc:
-                await self._abort_attempt(attempt_id)
-                if exc.suspect:
-                    await self._report_failed(exc.suspect)
-                losses_in_a_row = 1 if len(produced) > produced_before else losses_in_a_row + 1
-                if losses_in_a_row >= self.max_losses_without_progress:
-                    raise BackendError(
-                        f"request {request_id} lost its workers {losses_in_a_row} times with no "
-                        f"new token in between (last: {exc})"
-                    ) from None
-                log.warning("request %s: %s; placing it again", request_id, exc)
-            finally:
-                self._queues.pop(attempt_id, None)
-                self._attempts.pop(request_id, None)
-                if not completed:
-                    # Failed before dispatch, refused, lost, timed out or hung up on: a
-                    # worker may never say RequestFinished, so the booking goes here.
-                    await self._tell_conductor(Release(request_id=attempt_id))
-        raise BackendError(
-            f"request {request_id} lost its workers {self.max_attempts} times "
-            f"({len(produced)} tokens out)"
-        )
+                try:
+                    decision, rtt_s = await self._place(
+                        attempt_id, ids, left, cache_salt, admitted=attempt > 0
+                    )
+                    queue: asyncio.Queue = asyncio.Queue()
+                    self._queues[attempt_id] = queue
+                    if request_id in self._aborting:  # (aborted while it was being placed)
+                        queue.put_nowait(_ABORTED)
+                    await self._start(attempt_id, ids, left, decision, cache_salt)
+                    async for chunk in self._in_order(attempt_id, queue, decision, rtt_s):
+                        produced.extend(chunk.token_ids)
+                        if attempt and chunk.cached_tokens is not None:
+                            chunk = dataclasses.replace(chunk, cached_tokens=None, est_ttft_s=None)
+                        yield chunk
+                    completed = True
+                    return
+                except _Aborted:  # (not completed: the booking is released below)
+                    await self._abort_attempt(attempt_id)  # (it may have started meanwhile)
+                    yield GenerationChunk((), "abort")
+                    return
+                except WorkerLost as exc:
+                    await self._abort_attempt(attempt_id)
+                    if exc.suspect:
+                        await self._report_failed(exc.suspect)
+                    losses_in_a_row = 1 if len(produced) > produced_before else losses_in_a_row + 1
+                    if losses_in_a_row >= self.max_losses_without_progress:
+                        raise BackendError(
+                            f"request {request_id} lost its workers {losses_in_a_row} times with no "
+                            f"new token in between (last: {exc})"
+                        ) from None
+                    log.warning("request %s: %s; placing it again", request_id, exc)
+                finally:
+                    self._queues.pop(attempt_id, None)
+                    self._attempts.pop(request_id, None)
+                    if not completed:
+                        # Failed before dispatch, refused, lost, timed out or hung up on: a
+                        # worker may never say RequestFinished, so the booking goes here.
+                        await self._tell_conductor(Release(request_id=attempt_id))
+            raise BackendError(
+                f"request {request_id} lost its workers {self.max_attempts} times "
+                f"({len(produced)} tokens out)"
+            )
+        finally:
+            self._aborting.discard(request_id)
 
     async def instance_exited(self, instance_id: str) -> None:
         """The process of worker ``instance_id`` is known dead (its launcher saw it exit):
@@ -451,6 +460,8 @@ class ClusterBackend(ClusterOperations):
         read ends (with a chunk finished ``abort``)."""
         attempt_id = self._attempts.get(request_id, request_id)
         await self._abort_attempt(attempt_id)
+        if request_id in self._attempts:  # running (perhaps still being placed)
+            self._aborting.add(request_id)
         queue = self._queues.get(attempt_id)
         if queue is not None:
             queue.put_nowait(_ABORTED)

@@ -98,15 +98,15 @@ class Gateway(RequestPreparation):
         client chose, or an answer's id (that id after ``cmpl-``, ``chatcmpl-``,
         ``generate-tokens-`` or ``msg_``). Each stream ends as finished ``abort``; the
         number ended."""
-        ended = 0
+        found: set[str] = set()
         for given in list(self._running) if ids is None else ids:
             names = {given} | {given[len(pre) :] for pre in ANSWER_ID_PREFIXES
                                if given.startswith(pre)}  # fmt: skip
             for name in names:
-                for request_id in list(self._running.get(name, ())):
-                    await self.backend.abort(request_id)
-                    ended += 1
-        return ended
+                found.update(self._running.get(name, ()))
+        for request_id in sorted(found):
+            await self.backend.abort(request_id)
+        return len(found)
 
     def _observe_end(
         self,
