@@ -679,3 +679,21 @@ def test_sglangs_generate_through_the_cluster(disagg):
     prompt = meta["input_token_logprobs"]
     assert [t for _, t, _ in prompt] == ref["prompt_token_ids"] and prompt[0][0] is None
     assert all(lp <= 0 for lp, _, _ in prompt[1:]) and meta["output_token_logprobs"] == []
+
+
+def test_batched_chat_completions_through_the_cluster(disagg):
+    """vLLM's ``/v1/chat/completions/batch``: each conversation's choice is what the same
+    chat request answers alone (greedy), in the batch's order."""
+    conversations = [[{"role": "user", "content": "Hello"}],
+                     [{"role": "user", "content": "1 2 3 4"}]]  # fmt: skip
+    common = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+    alone = [httpx.post(disagg.base_url + "/v1/chat/completions", timeout=60,
+                        json={**common, "messages": c}).json() for c in conversations]  # fmt: skip
+    batch = httpx.post(disagg.base_url + "/v1/chat/completions/batch", timeout=60,
+                       json={**common, "messages": conversations}).json()  # fmt: skip
+    assert [c["message"]["content"] for c in batch["choices"]] == [
+        a["choices"][0]["message"]["content"] for a in alone
+    ]
+    assert batch["usage"]["completion_tokens"] == sum(
+        a["usage"]["completion_tokens"] for a in alone
+    )

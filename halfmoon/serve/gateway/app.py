@@ -36,6 +36,7 @@ from halfmoon.serve.gateway import request_ids
 from halfmoon.serve.gateway.access_log import AccessLog, note_request_id
 from halfmoon.serve.gateway.anthropic_api import messages_router
 from halfmoon.serve.gateway.backend import Backend, BackendError, Rejected
+from halfmoon.serve.gateway.batch_chat import batch_chat_router
 from halfmoon.serve.gateway.beam_search import search_beams
 from halfmoon.serve.gateway.config import PUBLIC_PATHS, GatewayConfig
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
@@ -327,6 +328,7 @@ def create_app(
     app.include_router(messages_router(gw, _start, _name))
     app.include_router(tokens_router(gw, _start, _name))
     app.include_router(sglang_router(gw, _start, _name))
+    app.include_router(batch_chat_router(gw, _start, _name))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too
         app.add_middleware(request_ids.RequestIdHeader)

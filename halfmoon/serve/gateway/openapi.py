@@ -340,6 +340,7 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/inference/v1/abort_requests", "post"): AbortResponse,
     ("/abort_requests", "post"): AbortResponse,
     ("/generate", "post"): SglangAnswer,
+    ("/v1/chat/completions/batch", "post"): ChatCompletionResponse,
     ("/model_info", "get"): SglangModelInfo,
     ("/get_model_info", "get"): SglangModelInfo,
     ("/abort_request", "post"): AbortResponse,
@@ -369,6 +370,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/inference/v1/abort_requests", "post"): (413,),
     ("/abort_requests", "post"): (413,),
     ("/generate", "post"): (404, 413, 429, 503),
+    ("/v1/chat/completions/batch", "post"): (404, 413, 429, 503),
     ("/abort_request", "post"): (413,),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),

@@ -169,6 +169,18 @@ async def collect(
 ) -> JSONResponse:
     """A whole (non-streaming) response: every choice's text, log-probabilities, usage
     (and token ids, when asked for)."""
+    return JSONResponse(await collect_body(p, model, first, rest, metrics, token_text))
+
+
+async def collect_body(
+    p: Prepared,
+    model: str,
+    first: tuple[int, Delta],
+    rest: AsyncIterator,
+    metrics: GatewayMetrics,
+    token_text: Callable[[int], str],
+) -> dict:
+    """:func:`collect`'s body."""
     token_text = p.token_text(token_text)
     total = p.num_choices
     parts: list[list[str]] = [[p.echo_of(i)] for i in range(total)]
@@ -215,7 +227,7 @@ async def collect(
         body["prompt_token_ids"] = p.prompt_ids
     if p.show_prompt_logprobs and p.chat:  # one prompt for every choice: at the top, as vLLM
         body["prompt_logprobs"] = prompt_field(prompts[0], token_text)
-    return JSONResponse(body)
+    return body
 
 
 def prompt_field(prompt: list[Entry], token_text: Callable[[int], str]) -> list | None:
