@@ -1,7 +1,8 @@
 """vLLM's token-in, token-out API (halfmoon/serve/gateway/token_generation.py, routes in
 tokens_api.py): ``/inference/v1/generate`` whole and streamed, in both output modes, with
 vLLM's defaults; the ``/render`` routes, whose output generates what the original request
-would; ``/abort_requests``; and a 400 naming every option that cannot be done.
+would; ``/abort_requests``; vLLM's ``/pause`` and ``/resume``; and a 400 naming every
+option that cannot be done.
 
 In-process (ASGI) over a backend that counts tokens up; a live cluster's answers are
 checked in tests/e2e/test_serve_disaggregated.py."""
@@ -285,3 +286,49 @@ def test_the_new_routes_need_the_key(gateways):
         keyed = client.post("/inference/v1/generate", json={"token_ids": [5]},
                             headers={"Authorization": "Bearer k"})  # fmt: skip
         assert keyed.status_code == 200
+
+
+def test_pause_and_resume_hold_new_generations(gateways):
+    """vLLM's RL controls (with its development switch): ``/pause`` aborts what runs
+    (``mode=abort``) or lets it finish first (``wait``); what arrives meanwhile waits and
+    runs on ``/resume``."""
+    backend = CountingBackend(gateways.tokenizer)
+    backend.pace_s = 0.02
+    app = gateways.app(backend, "m", dev_endpoints=True)
+
+    async def scenario() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
+            def generate(n: int) -> asyncio.Future:
+                body = {"token_ids": [5], "sampling_params": {"max_tokens": n}}
+                return asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
+
+            out: dict[str, Any] = {}
+            running = generate(200)
+            await asyncio.sleep(0.2)
+            out["paused"] = (await client.post("/pause")).json()
+            out["aborted"] = (await running).json()["choices"][0]["finish_reason"]
+            held = generate(3)
+            await asyncio.sleep(0.3)
+            out["held"] = not held.done()
+            out["is_paused"] = (await client.get("/is_paused")).json()
+            await client.post("/resume")
+            out["after"] = (await held).json()["choices"][0]["finish_reason"]
+            out["resumed"] = (await client.get("/is_paused")).json()
+            finishing = generate(10)
+            await asyncio.sleep(0.05)
+            await client.post("/pause", params={"mode": "wait"})
+            out["waited"] = finishing.done() and (await finishing).json()["choices"][0][
+                "finish_reason"]  # fmt: skip
+            await client.post("/resume")
+            out["keep"] = (await client.post("/pause", params={"mode": "keep"})).status_code
+            return out
+
+    out = asyncio.run(scenario())
+    assert out["paused"] == {"status": "paused"} and out["aborted"] == "abort"
+    assert out["held"] and out["is_paused"] == {"is_paused": True}
+    assert out["after"] == "length" and out["resumed"] == {"is_paused": False}
+    assert out["waited"] == "length" and out["keep"] == 400
+    with counting(gateways) as (client, _):  # (without the switch: no such routes)
+        assert client.post("/pause").status_code == 404

@@ -163,6 +163,31 @@ def create_app(
         async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
             return PlainTextResponse(await gw.unload_adapter(body.lora_name))
 
+    if config.dev_endpoints:  # vLLM's RL controls, under its VLLM_SERVER_DEV_MODE
+
+        @app.post("/pause")
+        async def pause(mode: str = "abort", clear_cache: bool = True) -> dict[str, str]:
+            """Pause generation (vLLM's): new requests wait until ``/resume``; running
+            ones are aborted (``mode=abort``) or finish first (``wait``, answered once
+            they have). ``clear_cache`` is accepted and ignored, as vLLM deprecates it."""
+            if mode not in ("abort", "wait"):
+                raise HTTPError(400, f"mode {mode!r}: this server pauses with 'abort' or "
+                                "'wait' ('keep', freezing running requests in place, is not "
+                                "supported)", "BadRequestError", param="mode")  # fmt: skip
+            await gw.pause(mode)
+            return {"status": "paused"}
+
+        @app.post("/resume")
+        async def resume() -> dict[str, str]:
+            """Resume generation after ``/pause``."""
+            gw.resume()
+            return {"status": "resumed"}
+
+        @app.get("/is_paused")
+        async def is_paused() -> dict[str, bool]:
+            """Whether generation is paused."""
+            return {"is_paused": gw.paused}
+
     if config.dev_endpoints:  # vLLM's development endpoint, under its VLLM_SERVER_DEV_MODE
 
         @app.post("/reset_prefix_cache")

@@ -104,7 +104,8 @@ class GatewayConfig:
                    for p in paths]  # fmt: skip
         return ("/v1/", "/admin/", "/tokenize", "/tokenizer_info", "/detokenize", "/dashboard/state",
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
-                "/abort_request", "/generate", "/model_info", "/get_model_info",
+                "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
+                "/resume", "/is_paused",
                 *private)  # fmt: skip
 
     @property

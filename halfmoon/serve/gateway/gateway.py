@@ -64,6 +64,13 @@ class Gateway(RequestPreparation):
         #: The backend ids of the generations running under each public id (a client's
         #: request id, else the gateway's): what :meth:`abort_requests` finds them by.
         self._running: dict[str, set[str]] = {}
+        #: Clear while generation is paused (:meth:`pause`): new generations wait for it.
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        #: Generations past that gate (sent to the backend), and a wake-up when they end.
+        self._generating = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the gateway's CPU threads, so the event loop keeps serving."""
@@ -77,17 +84,27 @@ class Gateway(RequestPreparation):
         if lora is not None:
             self.metrics.lora_running.labels(lora_name=lora).inc()
         self.in_flight += 1
-        self._running.setdefault(p.public_id, set()).add(p.request_id)
         try:
-            # Only a salted request needs a backend that takes a salt.
-            salt = {"cache_salt": p.cache_salt} if p.cache_salt is not None else {}
-            async for chunk in self.backend.generate(p.request_id, p.prompt_ids, p.params, **salt):
-                yield chunk
+            await self._resumed.wait()  # (held here while generation is paused)
+            self._running.setdefault(p.public_id, set()).add(p.request_id)
+            self._generating += 1
+            self._idle.clear()
+            try:
+                # Only a salted request needs a backend that takes a salt.
+                salt = {"cache_salt": p.cache_salt} if p.cache_salt is not None else {}
+                async for chunk in self.backend.generate(
+                    p.request_id, p.prompt_ids, p.params, **salt
+                ):
+                    yield chunk
+            finally:
+                running = self._running.get(p.public_id, set())
+                running.discard(p.request_id)
+                if not running:
+                    self._running.pop(p.public_id, None)
+                self._generating -= 1
+                if not self._generating:
+                    self._idle.set()
         finally:
-            running = self._running.get(p.public_id, set())
-            running.discard(p.request_id)
-            if not running:
-                self._running.pop(p.public_id, None)
             self.in_flight -= 1
             self.metrics.running.dec()
             if lora is not None:
@@ -107,6 +124,25 @@ class Gateway(RequestPreparation):
         for request_id in sorted(found):
             await self.backend.abort(request_id)
         return len(found)
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (:meth:`pause`)."""
+        return not self._resumed.is_set()
+
+    async def pause(self, mode: str) -> None:
+        """Pause generation, as vLLM's RL server does before a weight or adapter update:
+        new generations wait (they are not refused) until :meth:`resume`; those running
+        are aborted (``mode`` ``abort``) or, with ``wait``, finish first (this returns
+        when they have)."""
+        self._resumed.clear()
+        if mode == "abort":
+            await self.abort_requests(None)
+        await self._idle.wait()
+
+    def resume(self) -> None:
+        """Let generations run again (those held start now)."""
+        self._resumed.set()
 
     def _observe_end(
         self,
