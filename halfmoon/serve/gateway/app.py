@@ -296,7 +296,8 @@ def create_app(
                 sse(p, body.model, first, stream, gw.metrics, gw.token_text),
                 media_type="text/event-stream",
             )
-        return await collect(p, body.model, first, stream, gw.metrics, gw.token_text)
+        return JSONResponse(await collect(p, body.model, first, stream, gw.metrics,
+                                          gw.token_text))  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

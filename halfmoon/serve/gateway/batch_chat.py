@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
-from halfmoon.serve.gateway.responses import HTTPError, Prepared, collect_body, turned_away
+from halfmoon.serve.gateway.responses import HTTPError, Prepared, collect, turned_away
 from halfmoon.serve.gateway.responses_api import Start
 
 #: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
@@ -93,7 +93,7 @@ def batch_chat_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
         async def one(chat: ChatCompletionRequest) -> tuple[Prepared, dict[str, Any]]:
             p, first, stream = await start(chat, request)
             try:
-                return p, await collect_body(p, chat.model, first, stream, gw.metrics,
+                return p, await collect(p, chat.model, first, stream, gw.metrics,
                                              gw.token_text)  # fmt: skip
             except (Rejected, BackendError) as exc:
                 raise turned_away(exc, gw.metrics) from None

@@ -15,8 +15,6 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from fastapi.responses import JSONResponse
-
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.openai_api import (
@@ -159,6 +157,27 @@ class Prepared:
         ]
 
 
+async def all_items(
+    first: tuple[int, Delta], rest: AsyncIterator
+) -> AsyncIterator[tuple[int, Delta]]:
+    """A request's items, ``first`` then the ``rest`` of its merged choice streams, which
+    are closed when this is (also when its reader stops early: use it with ``aclosing``)."""
+    item: tuple[int, Delta] | None = first
+    try:
+        while item is not None:
+            yield item
+            item = await anext(rest, None)
+    finally:
+        await rest.aclose()
+
+
+def failed_event(exc: Exception, metrics: GatewayMetrics) -> bytes:
+    """The server-sent event of a request that failed after its first byte (counted)."""
+    metrics.errors.inc()
+    error = error_body(f"request failed: {exc}", "ServiceUnavailable", 503)
+    return f"data: {json.dumps(error)}\n\n".encode()
+
+
 async def collect(
     p: Prepared,
     model: str,
@@ -166,21 +185,9 @@ async def collect(
     rest: AsyncIterator,
     metrics: GatewayMetrics,
     token_text: Callable[[int], str],
-) -> JSONResponse:
-    """A whole (non-streaming) response: every choice's text, log-probabilities, usage
-    (and token ids, when asked for)."""
-    return JSONResponse(await collect_body(p, model, first, rest, metrics, token_text))
-
-
-async def collect_body(
-    p: Prepared,
-    model: str,
-    first: tuple[int, Delta],
-    rest: AsyncIterator,
-    metrics: GatewayMetrics,
-    token_text: Callable[[int], str],
 ) -> dict:
-    """:func:`collect`'s body."""
+    """A whole (non-streaming) response's body: every choice's text, log-probabilities,
+    usage (and token ids, when asked for)."""
     token_text = p.token_text(token_text)
     total = p.num_choices
     parts: list[list[str]] = [[p.echo_of(i)] for i in range(total)]
@@ -373,8 +380,7 @@ async def sse(
                     break
             item = await anext(rest, None)
     except (BackendError, Rejected) as exc:
-        metrics.errors.inc()
-        yield event(error_body(f"request failed: {exc}", "ServiceUnavailable", 503))
+        yield failed_event(exc, metrics)
     finally:
         await rest.aclose()
     yield b"data: [DONE]\n\n"

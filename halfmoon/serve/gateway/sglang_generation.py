@@ -29,18 +29,34 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from halfmoon.core.request import MAX_LOGPROBS, TokenLogprob
 from halfmoon.serve.gateway.backend import BackendError, Rejected
-from halfmoon.serve.gateway.openai_api import CompletionRequest, error_body, stop_reason
+from halfmoon.serve.gateway.openai_api import CompletionRequest, stop_reason
 from halfmoon.serve.gateway.prom import GatewayMetrics
-from halfmoon.serve.gateway.responses import Delta, Entry, HTTPError, Prepared, turned_away
+from halfmoon.serve.gateway.responses import (
+    Delta,
+    Entry,
+    HTTPError,
+    Prepared,
+    all_items,
+    failed_event,
+    turned_away,
+)
+from halfmoon.serve.gateway.token_generation import completion_from, refuse
 
 #: What SGLang defaults ``max_new_tokens`` to.
 DEFAULT_MAX_NEW_TOKENS = 128
+#: Completion fields by the names SGLang's requests give them (in a 400).
+_SGLANG_NAMES = {"prompt": "text/input_ids", "request_id": "rid", "max_tokens":
+                 "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+                 "seed": "sampling_params.sampling_seed", "logprobs": "top_logprobs_num",
+                 "prompt_logprobs": "top_logprobs_num", "model": "lora_path",
+                 "include_stop_str_in_output": "sampling_params.no_stop_trim"}  # fmt: skip
 
 
 class SglangSamplingParams(BaseModel):
@@ -83,10 +99,7 @@ class SglangSamplingParams(BaseModel):
                    if getattr(self, name) is not None]  # fmt: skip
         if self.spaces_between_special_tokens is False:
             refused.append("spaces_between_special_tokens false")
-        if refused:
-            raise HTTPError(400, "not supported by this server: "
-                            + ", ".join(f"sampling_params.{r}" for r in refused),
-                            "BadRequestError", param="sampling_params")  # fmt: skip
+        refuse([f"sampling_params.{r}" for r in refused])
         out: dict[str, Any] = {
             "max_tokens": DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None
             else self.max_new_tokens,
@@ -157,10 +170,7 @@ class SglangGenerateRequest(BaseModel):
 
     def to_completion(self, served_model: str) -> CompletionRequest:
         """The completion of these prompts that answers this request."""
-        refused = self.refused()
-        if refused:
-            raise HTTPError(400, f"not supported by this server: {', '.join(refused)}",
-                            "BadRequestError", param=refused[0])  # fmt: skip
+        refuse(self.refused())
         if (self.text is None) == (self.input_ids is None):
             raise HTTPError(400, "give either text or input_ids", "BadRequestError",
                             param="text")  # fmt: skip
@@ -183,11 +193,7 @@ class SglangGenerateRequest(BaseModel):
                       prompt=self.text if self.text is not None else self.input_ids)  # fmt: skip
         if isinstance(self.rid, str):
             fields["request_id"] = self.rid
-        try:
-            return CompletionRequest.model_validate(fields)
-        except ValueError as exc:  # (pydantic's ValidationError names the field)
-            raise HTTPError(400, f"sampling_params: {exc}", "BadRequestError",
-                            param="sampling_params") from None  # fmt: skip
+        return completion_from(fields, _SGLANG_NAMES)
 
 
 def _one(name: str, value: Any) -> Any:
@@ -292,15 +298,12 @@ class Answers:
 async def whole(answers: Answers, first: tuple[int, Delta], rest: AsyncIterator,
                 metrics: GatewayMetrics) -> Any:  # fmt: skip
     """The whole answer: one output, or a list of them (a batch, or ``n`` above 1)."""
-    item: tuple[int, Delta] | None = first
     try:
-        while item is not None:
-            answers.add(*item)
-            item = await anext(rest, None)
+        async with aclosing(all_items(first, rest)) as items:
+            async for index, delta in items:
+                answers.add(index, delta)
     except (Rejected, BackendError) as exc:  # a later choice was turned away, or failed
         raise turned_away(exc, metrics) from None
-    finally:
-        await rest.aclose()
     outputs = [answers.output(i) for i in range(answers.p.num_choices)]
     return outputs if answers.body.batched or len(outputs) > 1 else outputs[0]
 
@@ -310,18 +313,12 @@ async def streamed(answers: Answers, first: tuple[int, Delta], rest: AsyncIterat
     """The answer as server-sent events: each choice's output so far whenever it grows
     (as SGLang streams by default), then ``[DONE]``; an error after the first byte as an
     error event."""
-    item: tuple[int, Delta] | None = first
     try:
-        while item is not None:
-            index, delta = item
-            answers.add(index, delta)
-            if delta[0] or delta[3] or delta[1] is not None:
-                yield f"data: {json.dumps(answers.output(index))}\n\n".encode()
-            item = await anext(rest, None)
+        async with aclosing(all_items(first, rest)) as items:
+            async for index, delta in items:
+                answers.add(index, delta)
+                if delta[0] or delta[3] or delta[1] is not None:
+                    yield f"data: {json.dumps(answers.output(index))}\n\n".encode()
     except (BackendError, Rejected) as exc:
-        metrics.errors.inc()
-        error = error_body(f"request failed: {exc}", "ServiceUnavailable", 503)
-        yield f"data: {json.dumps(error)}\n\n".encode()
-    finally:
-        await rest.aclose()
+        yield failed_event(exc, metrics)
     yield b"data: [DONE]\n\n"

@@ -26,16 +26,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from halfmoon.core.request import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.openai_api import (
     CompletionRequest,
     StreamOptions,
-    error_body,
     logprobs_body,
     stop_reason,
 )
@@ -45,6 +45,8 @@ from halfmoon.serve.gateway.responses import (
     Entry,
     HTTPError,
     Prepared,
+    all_items,
+    failed_event,
     prompt_field,
     turned_away,
 )
@@ -58,6 +60,33 @@ _NO_EFFECT = ("output_kind", "stream_interval", "skip_clone", "output_text_buffe
 _REFUSED = ("watermarking", "thinking_token_budget", "repetition_detection",
             "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids",
             "extra_args")  # fmt: skip
+
+
+def refuse(options: list[str]) -> None:
+    """A 400 naming ``options`` (set options this server does not do), if any."""
+    if options:
+        raise HTTPError(400, f"not supported by this server: {', '.join(options)}",
+                        "BadRequestError", param=options[0].split()[0])  # fmt: skip
+
+
+def completion_from(
+    fields: dict[str, Any], names: dict[str, str] | None = None
+) -> CompletionRequest:
+    """The completion request another API's request translates into; a value out of
+    range is a 400 naming its field as that API spells it (``names``: completion field
+    -> the API's name, e.g. ``max_tokens`` -> ``sampling_params.max_new_tokens``; by
+    default ``sampling_params.<field>``)."""
+    try:
+        return CompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        names = names or {}
+        parts = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            name = names.get(field, f"sampling_params.{field}" if field else "sampling_params")
+            parts.append(f"{name}: {err['msg']}")
+        first = parts[0].split(":")[0] if parts else "sampling_params"
+        raise HTTPError(400, "; ".join(parts), "BadRequestError", param=first) from None
 
 
 class GenerateSamplingParams(BaseModel):
@@ -142,10 +171,7 @@ class GenerateRequest(BaseModel):
         """The completion of these token ids that answers this request: every sampling
         option given (so that the model's defaults do not replace vLLM's; ``max_tokens``
         left out: ``default_output``), a 400 for what cannot be done."""
-        refused = self.refused()
-        if refused:
-            raise HTTPError(400, f"not supported by this server: {', '.join(refused)}",
-                            "BadRequestError", param=refused[0].split()[0])  # fmt: skip
+        refuse(self.refused())
         sp = self.sampling_params
         if self.output_mode == "text" and not sp.detokenize:
             raise HTTPError(400, "output_mode 'text' needs sampling_params.detokenize",
@@ -190,11 +216,8 @@ class GenerateRequest(BaseModel):
         }
         if sp.temperature == 0.0:  # greedy: vLLM ignores top_p / top_k / min_p then
             fields.update(top_p=1.0, top_k=0, min_p=0.0)
-        try:
-            return CompletionRequest.model_validate(fields)
-        except ValueError as exc:  # (pydantic's ValidationError names the field)
-            raise HTTPError(400, f"sampling_params: {exc}", "BadRequestError",
-                            param="sampling_params") from None  # fmt: skip
+        return completion_from(fields, {"prompt": "token_ids", "request_id": "request_id",
+                                        "cache_salt": "cache_salt", "priority": "priority"})  # fmt: skip
 
 
 # -- answers -------------------------------------------------------------------------------
@@ -278,21 +301,17 @@ async def whole(shaper: Shaper, first: tuple[int, Delta], rest: AsyncIterator,
     finishes: list[str | None] = [None] * total
     uses: list[dict] = [{}] * total
     prompt: list[Entry] = []
-    item: tuple[int, Delta] | None = first
     try:
-        while item is not None:
-            index, (text, finish, use, new, prompt_entries) = item
-            texts[index].append(text)
-            entries[index] += new
-            if index == 0 and prompt_entries:
-                prompt += prompt_entries
-            if finish is not None:
-                finishes[index], uses[index] = finish, use
-            item = await anext(rest, None)
+        async with aclosing(all_items(first, rest)) as items:
+            async for index, (text, finish, use, new, prompt_entries) in items:
+                texts[index].append(text)
+                entries[index] += new
+                if index == 0 and prompt_entries:
+                    prompt += prompt_entries
+                if finish is not None:
+                    finishes[index], uses[index] = finish, use
     except (Rejected, BackendError) as exc:  # a later choice was turned away, or failed
         raise turned_away(exc, metrics) from None
-    finally:
-        await rest.aclose()
     choices = [shaper.choice(i, "".join(texts[i]), finishes[i], entries[i], True)
                for i in range(total)]  # fmt: skip
     return shaper.body_of(choices, _summed(uses), prompt)
@@ -314,28 +333,22 @@ async def streamed(shaper: Shaper, first: tuple[int, Delta], rest: AsyncIterator
     prompt_ids = p.prompt_ids if body.return_token_ids else None
     uses: list[dict] = [{}] * p.num_choices
     running = p.num_choices
-    item: tuple[int, Delta] | None = first
     try:
-        while item is not None:
-            index, (text, finish, use, entries, _prompt) = item
-            if entries or finish is not None or (shaper.text_mode and text):
-                chunk = shaper.choice(index, text, finish, entries, False)
-                yield shaper.event([chunk], use if p.continuous_usage else None, prompt_ids)
-                prompt_ids = None
-            if finish is not None:
-                uses[index] = use or {}
-                running -= 1
-                if not running:
-                    if p.include_usage:
-                        yield shaper.event([], _summed(uses))
-                    break
-            item = await anext(rest, None)
+        async with aclosing(all_items(first, rest)) as items:
+            async for index, (text, finish, use, entries, _prompt) in items:
+                if entries or finish is not None or (shaper.text_mode and text):
+                    chunk = shaper.choice(index, text, finish, entries, False)
+                    yield shaper.event([chunk], use if p.continuous_usage else None, prompt_ids)
+                    prompt_ids = None
+                if finish is not None:
+                    uses[index] = use or {}
+                    running -= 1
+                    if not running:
+                        if p.include_usage:
+                            yield shaper.event([], _summed(uses))
+                        break
     except (BackendError, Rejected) as exc:
-        metrics.errors.inc()
-        error = error_body(f"request failed: {exc}", "ServiceUnavailable", 503)
-        yield f"data: {json.dumps(error)}\n\n".encode()
-    finally:
-        await rest.aclose()
+        yield failed_event(exc, metrics)
     yield b"data: [DONE]\n\n"
 
 
