@@ -14,8 +14,8 @@ completion path: the same placement, limits, metrics and errors. As on vLLM, an 
 left out of ``sampling_params`` takes ``SamplingParams``' own default (temperature 1.0,
 not the model's generation config: rendering is where those apply), except
 ``max_tokens``, which runs to the end of the served context (within the server's
-``--max-tokens-limit`` and the model's ``max_new_tokens``), as a chat's does. Options of vLLM's that
-change nothing here (how its engine hands outputs over) are accepted and have no effect;
+``--max-tokens-limit`` and the model's ``max_new_tokens``), as a chat's does. Options of
+vLLM's that change nothing here (how its engine hands outputs over) are accepted;
 those this server does not do (watermarking, a thinking budget, repetition detection,
 log-probabilities of chosen token ids, ``extra_args``, multimodal features, KV- and
 encoder-transfer parameters) are refused with a 400 naming them.
@@ -51,11 +51,11 @@ from halfmoon.serve.gateway.responses import (
     turned_away,
 )
 
-#: vLLM ``SamplingParams`` fields that only shape how its engine hands outputs over:
-#: accepted, no effect here.
-_NO_EFFECT = ("output_kind", "stream_interval", "skip_clone", "output_text_buffer_length",
-              "flat_logprobs", "skip_reading_prefix_cache", "routed_experts_prompt_start",
-              "trace_decode_token_ids")  # fmt: skip
+#: vLLM ``SamplingParams`` fields a completion request takes by the same name.
+_PASSED = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+           "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+           "logprobs", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output",
+           "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")  # fmt: skip
 #: vLLM ``SamplingParams`` fields this server does not do: refused unless left unset.
 _REFUSED = ("watermarking", "thinking_token_budget", "repetition_detection",
             "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids",
@@ -119,6 +119,7 @@ class GenerateSamplingParams(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # how vLLM's engine hands outputs over: accepted, no effect here
     output_kind: int | None = None
     stream_interval: int | None = None
     skip_clone: bool | None = None
@@ -127,6 +128,7 @@ class GenerateSamplingParams(BaseModel):
     skip_reading_prefix_cache: bool | None = None
     routed_experts_prompt_start: int | None = None
     trace_decode_token_ids: Any = None
+    # not done here (refused when set: GenerateRequest.refused)
     watermarking: Any = None
     thinking_token_budget: Any = None
     repetition_detection: Any = None
@@ -187,31 +189,7 @@ class GenerateRequest(BaseModel):
             "cache_salt": self.cache_salt,
             "priority": self.priority,
             "return_token_ids": True,  # (the entries carry every kept token's id)
-            **{
-                name: getattr(sp, name)
-                for name in (
-                    "n",
-                    "presence_penalty",
-                    "frequency_penalty",
-                    "repetition_penalty",
-                    "temperature",
-                    "top_p",
-                    "min_p",
-                    "seed",
-                    "stop",
-                    "stop_token_ids",
-                    "ignore_eos",
-                    "min_tokens",
-                    "logprobs",
-                    "prompt_logprobs",
-                    "skip_special_tokens",
-                    "include_stop_str_in_output",
-                    "structured_outputs",
-                    "logit_bias",
-                    "allowed_token_ids",
-                    "bad_words",
-                )
-            },  # fmt: skip
+            **{name: getattr(sp, name) for name in _PASSED},
             "top_k": max(0, sp.top_k),
         }
         if sp.temperature == 0.0:  # greedy: vLLM ignores top_p / top_k / min_p then
