@@ -123,6 +123,21 @@ def test_bad_input_and_refusals_are_logged_with_their_status(client, caplog):
         assert 0 <= _seconds(line["total"]) < 5
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/invocations", {"model": "m", "prompt": "hello", "max_tokens": 3}),
+        ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3}}),
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}}),
+    ],
+)
+def test_every_generation_route_logs_at_info(client, caplog, path, body):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    assert client.post(path, json=body).status_code == 200
+    (line,) = _lines(caplog)
+    assert line["path"] == path and line["completion"] == "3"
+
+
 def test_polling_paths_log_at_debug_only(client, caplog):
     caplog.set_level(logging.DEBUG, logger=ACCESS_LOGGER)
     assert client.get("/health").status_code == 200

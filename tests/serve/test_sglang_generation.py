@@ -97,7 +97,6 @@ def test_a_stop_string_is_matched(served):
     [
         ({"text": "a", "input_ids": [5]}, "either text or input_ids"),
         ({}, "either text or input_ids"),
-        ({"text": "a", "prompt": "b"}, "prompt"),
         ({"text": "a", "image_data": "x.png"}, "image_data"),
         ({"text": "a", "sampling_params": {"beam_width": 2}}, "beam_width"),
         ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
@@ -115,6 +114,23 @@ def test_what_cannot_be_done_is_a_400_naming_it(served, body, words):
     answer = client.post("/generate", json=body)
     assert answer.status_code == 400, answer.text
     assert words in json.dumps(answer.json())
+
+
+def test_sglangs_own_benchmark_payload_is_served(served):
+    """The body ``sglang.bench_serving --backend sglang`` sends (SGLang 0.5.23's
+    ``async_request_sglang_generate``, its defaults), and the fields it reads back."""
+    client, _ = served
+    payload = {"input_ids": [5, 6, 7], "stream": True, "lora_path": None,
+               "return_logprob": False, "return_routed_experts": False,
+               "logprob_start_len": -1,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}}  # fmt: skip
+    text = client.post("/generate", json=payload).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
+    assert events[-1]["text"] == LETTERS[:4] and events[-1]["meta_info"]["prompt_tokens"] == 3
+    assert "cached_tokens" in events[-1]["meta_info"]
+    routed = client.post("/generate", json={**payload, "return_routed_experts": True})
+    assert routed.status_code == 400 and "return_routed_experts" in routed.text
 
 
 def test_model_info(served):

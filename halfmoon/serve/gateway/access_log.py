@@ -16,10 +16,10 @@ generation's line ends with the id it was answered under, and the cluster's own 
 when the client chose the id (``internal_id=``, the id the workers' logs name; see
 halfmoon.serve.gateway.request_ids).
 
-Lines go to the ``gateway.access`` logger: API calls (``/v1/``, ``/tokenize``,
-``/detokenize``, ``/admin/``) and every error at INFO; other successful requests (health
-checks, metrics scrapes, the live page's polling) at DEBUG, so a polling page does not
-flood the log. ``halfmoon serve --disable-access-log`` leaves the middleware out.
+Lines go to the ``gateway.access`` logger: API calls (:data:`API_PREFIXES`: ``/v1/``,
+``/tokenize``, SageMaker's, vLLM's and SGLang's generation routes, the control calls) and
+every error at INFO; other successful requests (health checks, metrics scrapes, model
+info, the live page's polling) at DEBUG, so a polling page does not flood the log. ``halfmoon serve --disable-access-log`` leaves the middleware out.
 """
 
 from __future__ import annotations
@@ -33,7 +33,19 @@ from typing import Any
 #: The logger of the access lines.
 ACCESS_LOGGER = "gateway.access"
 #: Paths whose successful requests are logged at INFO (the rest at DEBUG).
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
+API_PREFIXES = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/admin/",
+    "/invocations",
+    "/inference/",
+    "/generate",
+    "/abort_request",
+    "/pause",
+    "/resume",
+    "/reset_prefix_cache",
+)
 
 Scope = dict[str, Any]
 Receive = Any

@@ -123,10 +123,22 @@ class SglangSamplingParams(BaseModel):
         return out
 
 
-class SglangGenerateRequest(BaseModel):
-    """The body of SGLang's ``POST /generate``."""
+#: SGLang ``/generate`` options this server does not do: a 400 when set (to anything but
+#: null, false or empty).
+_REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+            "mm_content_hashes", "token_ids_logprob", "return_hidden_states",
+            "return_routed_experts", "return_indexer_topk", "return_sampling_mask",
+            "return_entropy", "custom_logit_processor", "session_params",
+            "positional_embed_overrides", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+            "bootstrap_pair_key", "background", "watermark", "max_thinking_tokens")  # fmt: skip
 
-    model_config = ConfigDict(extra="forbid")
+
+class SglangGenerateRequest(BaseModel):
+    """The body of SGLang's ``POST /generate``. Fields of SGLang's that steer only its
+    own machinery (``log_metrics``, ``routing_key``, ``data_parallel_rank``, ...) are
+    ignored, as is any other unknown field; those of :data:`_REFUSED` are a 400 when set."""
+
+    model_config = ConfigDict(extra="allow")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -138,28 +150,12 @@ class SglangGenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     lora_path: str | list[str | None] | None = None
-    log_metrics: bool = True  # (SGLang's own metrics switch: no effect here)
-    input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    token_ids_logprob: Any = None
-    return_hidden_states: Any = None
-    custom_logit_processor: Any = None
-    session_params: Any = None
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
+    priority: int | None = None
 
     def refused(self) -> list[str]:
         """The options set that this server does not do (empty: none)."""
-        out = [name for name in ("input_embeds", "image_data", "video_data", "audio_data",
-                                 "token_ids_logprob", "custom_logit_processor",
-                                 "session_params", "bootstrap_host", "bootstrap_port",
-                                 "bootstrap_room") if getattr(self, name) is not None]  # fmt: skip
-        if self.return_hidden_states:
-            out.append("return_hidden_states")
-        return out
+        extra = self.model_extra or {}
+        return [name for name in _REFUSED if extra.get(name) not in (None, False, [], {}, "")]
 
     @property
     def batched(self) -> bool:
@@ -193,6 +189,8 @@ class SglangGenerateRequest(BaseModel):
                       prompt=self.text if self.text is not None else self.input_ids)  # fmt: skip
         if isinstance(self.rid, str):
             fields["request_id"] = self.rid
+        if self.priority is not None:
+            fields["priority"] = self.priority
         return completion_from(fields, _SGLANG_NAMES)
 
 
