@@ -98,15 +98,15 @@ class GatewayConfig:
 
     def guarded_paths(self) -> tuple[str, ...]:
         """Path prefixes that need an API key (when the server has any): everything but
-        /health (and /ping, its SageMaker name), the paths made public and the cluster page's shell (its data,
-        /dashboard/state, needs the key)."""
+        /health (and /ping, its SageMaker name), the paths made public and the cluster
+        page's shell (its data, /dashboard/state, needs the key). (``/tokenize`` covers
+        ``/tokenizer_info``; ``/abort_request``, ``/abort_requests``.)"""
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
-        return ("/v1/", "/admin/", "/tokenize", "/tokenizer_info", "/detokenize", "/dashboard/state",
+        return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
-                "/resume", "/is_paused",
-                *private)  # fmt: skip
+                "/resume", "/is_paused", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:
