@@ -84,6 +84,30 @@ def _live_server(cluster) -> str:
     return healthy_vllm(lambda: sorted(_vllm_servers(cluster).values()))
 
 
+def _whole_fleet(cluster, size: int = 2, timeout_s: float = 600.0) -> dict[str, str]:
+    """The fleet's servers once all ``size`` answer ``/health`` and the gateway has every
+    worker again (a server killed by an earlier test is restarted with its worker, which
+    takes a while): {instance id: URL}."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            servers = _vllm_servers(cluster)
+        except (OSError, ValueError):  # a process read from /proc went away meanwhile
+            servers = {}
+        up = len(servers) == size
+        for url in servers.values():
+            try:
+                up = up and httpx.get(f"{url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                up = False
+        if up:
+            health = httpx.get(f"{cluster.base_url}/health", timeout=10)
+            if health.status_code == 200 and len(health.json()["instances"]) == size:
+                return servers
+        assert time.monotonic() < end, f"the fleet is not whole again: {servers}"
+        time.sleep(1)
+
+
 PROMPTS = [
     "The quick brown fox",
     "Here is a list of three fruits:",
@@ -409,12 +433,13 @@ def test_an_adapter_loaded_while_serving_reaches_every_vllm_server(fleet, smollm
     ``/v1/unload_lora_adapter`` the name is gone, and a bad path is vLLM's refusal."""
     from halfmoon.engine.tokenizer import Tokenizer
 
+    servers = _whole_fleet(fleet)  # (the server killed above may still be restarting)
     loaded = httpx.post(fleet.base_url + "/v1/load_lora_adapter", timeout=300,
                         json={"lora_name": "live", "lora_path": str(smollm2_adapter)})  # fmt: skip
     assert loaded.status_code == 200, loaded.text
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     ids = tokenizer.encode(PROMPTS[1])
-    for url in sorted(_vllm_servers(fleet).values()):  # each server has it, as vLLM's own
+    for url in sorted(servers.values()):  # each server has it, as vLLM's own
         assert vllm_greedy(url, ids, 16, model="live") == vllm_greedy(url, ids, 16, model="sql")
     expected = tokenizer.decode(vllm_greedy(_live_server(fleet), ids, 16, model="sql"))
     for _ in range(2):  # (whichever server the router picks)
