@@ -14,9 +14,10 @@ answer at the end. Both close the stream, also when the cluster fails mid-way
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
-from halfmoon.serve.gateway.responses import Delta, Prepared
+from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
 from halfmoon.serve.gateway.tools import HeldText
 
 
@@ -32,16 +33,11 @@ class Answer:
 async def whole_answer(first: tuple[int, Delta], rest: AsyncIterator) -> Answer:
     """The whole answer of a one-choice stream (its first item, then the rest)."""
     parts, finish, use = [], None, None
-    item: tuple[int, Delta] | None = first
-    try:
-        while item is not None:
-            _, (text, fin, u, _entries, _prompt) = item
+    async with aclosing(all_items(first, rest)) as items:
+        async for _, (text, fin, u, _entries, _prompt) in items:
             parts.append(text)
             if fin is not None:
                 finish, use = fin, u
-            item = await anext(rest, None)
-    finally:
-        await rest.aclose()
     return Answer("".join(parts), finish, use)
 
 
@@ -53,10 +49,8 @@ async def answer_parts(
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
     text, finish, use = "", None, None
-    item: tuple[int, Delta] | None = first
-    try:
-        while item is not None:
-            _, (delta, fin, u, _entries, _prompt) = item
+    async with aclosing(all_items(first, rest)) as items:
+        async for _, (delta, fin, u, _entries, _prompt) in items:
             if fin is not None:
                 finish, use = fin, u
             if named is not None:
@@ -71,7 +65,4 @@ async def answer_parts(
                 text = held.text
                 if out:
                     yield "text", out
-            item = await anext(rest, None)
-    finally:
-        await rest.aclose()
     yield Answer(text, finish, use)

@@ -7,7 +7,6 @@ generate request, :mod:`halfmoon.serve.gateway.token_generation`), on top of the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,13 +22,10 @@ from halfmoon.serve.gateway.anthropic_messages import (
 from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
-from halfmoon.serve.gateway.responses import HTTPError, Prepared, turned_away
-from halfmoon.serve.gateway.responses_api import Start
+from halfmoon.serve.gateway.responses import HTTPError, turned_away
+from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.token_generation import rendered
 from halfmoon.serve.gateway.tokens_api import render_prepared
-
-#: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
-Name = Callable[[Prepared, Request | None, str], None]
 
 
 def _chat(body: CountTokensRequest) -> ChatCompletionRequest:

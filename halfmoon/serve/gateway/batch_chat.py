@@ -10,7 +10,6 @@ vLLM, streaming, tools, beam search and ``n`` above 1 are refused with a 400 nam
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,10 +20,8 @@ from halfmoon.serve.gateway.backend import BackendError, Rejected
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
 from halfmoon.serve.gateway.responses import HTTPError, Prepared, collect, turned_away
-from halfmoon.serve.gateway.responses_api import Start
+from halfmoon.serve.gateway.responses_api import Name, Start
 
-#: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
-Name = Callable[[Prepared, Request | None, str], None]
 #: The most conversations one batch may hold.
 MAX_CONVERSATIONS = 64
 

@@ -196,15 +196,13 @@ async def collect(
     finishes: list[str | None] = [None] * total
     uses: list[dict] = [{}] * total
     try:
-        item: tuple[int, Delta] | None = first
-        while item is not None:
-            index, (text, finish, use, new, prompt) = item
-            parts[index].append(text)
-            entries[index] += new
-            prompts[index] += prompt or ()
-            if finish is not None:
-                finishes[index], uses[index] = finish, use
-            item = await anext(rest, None)
+        async with contextlib.aclosing(all_items(first, rest)) as items:
+            async for index, (text, finish, use, new, prompt) in items:
+                parts[index].append(text)
+                entries[index] += new
+                prompts[index] += prompt or ()
+                if finish is not None:
+                    finishes[index], uses[index] = finish, use
     except (Rejected, BackendError) as exc:  # a later choice was turned away, or failed
         raise turned_away(exc, metrics) from None
     choices = []

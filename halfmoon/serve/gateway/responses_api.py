@@ -52,6 +52,9 @@ Start = Callable[
     [ChatCompletionRequest | CompletionRequest, Request | None],
     Awaitable[tuple[Prepared, tuple[int, Delta], AsyncIterator]],
 ]
+#: ``name(p, request, shown)``: the app's way to tell the access line and ``X-Request-Id``
+#: the id an answer goes out under.
+Name = Callable[[Prepared, Request | None, str], None]
 
 
 def responses_router(

@@ -6,7 +6,6 @@ translates): ``POST /generate``, ``GET /model_info`` (and its older name
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,17 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from halfmoon.serve.gateway.gateway import Gateway
-from halfmoon.serve.gateway.responses import Prepared
-from halfmoon.serve.gateway.responses_api import Start
+from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.sglang_generation import (
     Answers,
     SglangGenerateRequest,
     streamed,
     whole,
 )
-
-#: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
-Name = Callable[[Prepared, Request | None, str], None]
 
 
 class AbortRequest(BaseModel):

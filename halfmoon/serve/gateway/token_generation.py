@@ -37,6 +37,7 @@ from halfmoon.serve.gateway.openai_api import (
     CompletionRequest,
     StreamOptions,
     logprobs_body,
+    merged_usage,
     stop_reason,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
@@ -292,14 +293,14 @@ async def whole(shaper: Shaper, first: tuple[int, Delta], rest: AsyncIterator,
         raise turned_away(exc, metrics) from None
     choices = [shaper.choice(i, "".join(texts[i]), finishes[i], entries[i], True)
                for i in range(total)]  # fmt: skip
-    return shaper.body_of(choices, _summed(uses), prompt)
+    return shaper.body_of(choices, _usage(uses, shaper.p.n), prompt)
 
 
-def _summed(uses: list[dict]) -> dict[str, Any]:
-    """One usage of every choice's: the prompt once, their outputs together."""
-    prompt = next((u.get("prompt_tokens", 0) for u in uses if u), 0)
-    out = sum(u.get("completion_tokens", 0) for u in uses)
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+def _usage(uses: list[dict], n: int) -> dict[str, int]:
+    """The usage of ``n`` choices of one prompt (:func:`merged_usage`), in the three counts
+    vLLM's generate route answers."""
+    merged = merged_usage(uses, n)
+    return {key: merged[key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 async def streamed(shaper: Shaper, first: tuple[int, Delta], rest: AsyncIterator,
@@ -323,7 +324,7 @@ async def streamed(shaper: Shaper, first: tuple[int, Delta], rest: AsyncIterator
                     running -= 1
                     if not running:
                         if p.include_usage:
-                            yield shaper.event([], _summed(uses))
+                            yield shaper.event([], _usage(uses, p.n))
                         break
     except (BackendError, Rejected) as exc:
         yield failed_event(exc, metrics)

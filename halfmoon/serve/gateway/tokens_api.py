@@ -7,7 +7,6 @@ of any route by their request ids (a client's, or an answer's id).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,7 +17,7 @@ from halfmoon.serve.gateway import request_ids
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from halfmoon.serve.gateway.responses import HTTPError, Prepared
-from halfmoon.serve.gateway.responses_api import Start
+from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.token_generation import (
     GenerateRequest,
     Shaper,
@@ -26,9 +25,6 @@ from halfmoon.serve.gateway.token_generation import (
     streamed,
     whole,
 )
-
-#: ``name(p, request, shown)``: tell the access line and ``X-Request-Id`` the answer's id.
-Name = Callable[[Prepared, Request | None, str], None]
 
 
 class AbortRequests(BaseModel):
