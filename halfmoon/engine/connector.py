@@ -70,6 +70,7 @@ from halfmoon.engine.sampling import (
 from halfmoon.engine.seeding import PrefixReservation
 from halfmoon.engine.stage import LayerSlice as LayerSlice  # a stage's layers, re-exported
 from halfmoon.engine.stage import StageExecutor
+from halfmoon.engine.weight_update import StagedWeights
 
 #: ``hook(request_id, layer, keys, values)``: layer ``layer``'s K and V of the request's
 #: whole prompt (one host ``memoryview`` per block), called once per layer after the
@@ -260,6 +261,17 @@ class EngineConnector(ABC):
         requests hold blocks; HalfmoonError naming why it cannot at all. Cache listeners
         hear the evictions."""
         raise HalfmoonError(f"{type(self).__name__} cannot reset its prefix cache")
+
+    def stage_weights(self, model_path: str) -> object:
+        """Read new weights for the served model (SGLang's ``/update_weights_from_disk``)
+        beside the served ones, for :meth:`commit_weights`; nothing served changes yet.
+        HalfmoonError naming why it cannot (another architecture, unreadable weights)."""
+        raise HalfmoonError(f"{type(self).__name__} cannot update its weights while serving")
+
+    def commit_weights(self, staged: object) -> None:
+        """Install weights :meth:`stage_weights` read and forget every cached prefix (KV
+        of the old weights); HalfmoonError while requests are in the engine."""
+        raise HalfmoonError(f"{type(self).__name__} cannot update its weights while serving")
 
     def load_lora(self, adapter: RuntimeAdapter) -> None:
         """Serve LoRA adapter ``adapter`` from now on (``/v1/load_lora_adapter``);
@@ -511,6 +523,13 @@ class LocalConnector(EngineConnector):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def stage_weights(self, model_path: str) -> object:
+        return self.engine.stage_weights(model_path)
+
+    def commit_weights(self, staged: object) -> None:
+        assert isinstance(staged, StagedWeights)
+        self.engine.commit_weights(staged)
 
     def load_lora(self, adapter: RuntimeAdapter) -> None:
         self.engine.load_lora(adapter)

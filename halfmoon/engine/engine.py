@@ -57,6 +57,7 @@ from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_pref
 from halfmoon.engine.speculative import NgramProposer
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
+from halfmoon.engine.weight_update import StagedWeights, install_weights, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -404,6 +405,29 @@ class LLMEngine:
         """Forget the pool's cached prefixes (vLLM's ``reset_prefix_cache``); False while
         a request holds blocks (nothing is forgotten then)."""
         return self.block_manager.reset_prefix_cache()
+
+    # -- weights replaced while serving --------------------------------------------------------
+    def stage_weights(self, model_path: str) -> StagedWeights:
+        """Read new weights for this engine's model (:mod:`halfmoon.engine.weight_update`):
+        nothing served changes until :meth:`commit_weights`; HalfmoonError when they do
+        not fit (another architecture, missing or misshapen tensors)."""
+        pool = self.kv_cache.pool
+        return stage_weights(self.model_config, model_path, pool.dtype, pool.device)
+
+    def commit_weights(self, staged: StagedWeights) -> None:
+        """Install ``staged`` and forget every cached prefix (KV of the old weights);
+        HalfmoonError while requests are in the engine (their KV is of the old weights:
+        pause, let them finish or abort them, then commit)."""
+        if self._seqs:
+            raise HalfmoonError(
+                f"{len(self._seqs)} requests are in the engine: new weights are installed "
+                "once none is"
+            )
+        count = install_weights(self.runner.model, staged)
+        if not self.block_manager.reset_prefix_cache():  # (no request holds a block)
+            raise HalfmoonError("the engine's prefix cache could not be reset")
+        logger.debug("weights updated from %s (%d tensors); cached prefixes forgotten",
+                    staged.path, count)  # fmt: skip
 
     # -- LoRA adapters loaded while serving ----------------------------------------------------
     def load_lora(self, adapter: RuntimeAdapter) -> None:

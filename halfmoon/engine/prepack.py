@@ -96,6 +96,17 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self._bias = None if linear.bias is None else linear.bias.detach()
 
+    def repack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Take new values (a weight update): ``weight`` packed anew, ``bias`` copied into
+        the one held (same shapes as at construction)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight of shape {tuple(weight.shape)} for a packed "
+                             f"{self.out_features} x {self.in_features} linear")  # fmt: skip
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+        if self.bias is not None and bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The overload itself: no overload resolution per call (30 layers x 4 a step).
         return _LINEAR_POINTWISE(x, self.packed_weight, self._bias, "none", [], "")
