@@ -168,10 +168,16 @@ class JournalWriter:
         namespace: bytes = NO_NAMESPACE,
     ) -> None:  # fmt: skip
         self.path = path
+        self._block_bytes, self._num_slots = block_bytes, num_slots
         self._header = _encode_header(block_bytes, num_slots, check_namespace(namespace))
         self._sync = sync
         self._fd = -1
         self.num_records = 0
+
+    def set_namespace(self, namespace: bytes) -> None:
+        """Name another origin of the KV in the header from the next :meth:`rewrite` on."""
+        self._header = _encode_header(self._block_bytes, self._num_slots,
+                                      check_namespace(namespace))  # fmt: skip
 
     def rewrite(self, records: list[JournalRecord]) -> None:
         """Replace the journal with a header and ``records`` (write to a temp file, rename)."""

@@ -138,6 +138,15 @@ class SSDTier:
             ]
         )
 
+    def set_namespace(self, namespace: bytes) -> None:
+        """Name another origin of the blocks from now on (the weights that computed them
+        were replaced): the journal is rewritten under it. Only an empty tier can (its
+        blocks would be claimed for the new origin); else ValueError."""
+        if self._entries:
+            raise ValueError(f"{len(self._entries)} blocks of the old origin are on this tier")
+        self._journal.set_namespace(namespace)
+        self._compact()
+
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._entries
 

@@ -134,6 +134,13 @@ class TieredStore:
                     t.remove(h)
             return not any(t.contains(h) for h in hashes)
 
+    def set_ssd_namespace(self, namespace: bytes) -> None:
+        """Name another origin of the SSD tier's blocks from now on (new weights: a restart
+        on the old ones opens the directory empty); only an empty tier can (ValueError)."""
+        with self._locked() as t:
+            if t.ssd is not None:
+                t.ssd.set_namespace(namespace)
+
     def delete(self, block_hash: int) -> bool:
         """Remove a block from every tier; False if absent. A pinned block raises."""
         with self._locked() as t:

@@ -204,6 +204,24 @@ def test_a_directory_of_another_namespace_opens_empty(make_store, events, tmp_pa
     assert back.stats().num_foreign_blocks == 4 and back.get(H[0]) is None
 
 
+def test_a_cleared_tier_takes_another_namespace(make_store, tmp_path):
+    """New weights while serving: the emptied tier names them, so blocks written from then
+    on are served under them after a restart, and never under the old weights."""
+    store = make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL))
+    store.put(H[0], payload(0), meta(0))
+    with pytest.raises(ValueError, match="1 blocks of the old origin"):
+        store.set_ssd_namespace(B_MODEL)
+    assert store.clear()
+    store.set_ssd_namespace(B_MODEL)
+    store.put(H[1], payload(1), meta(1))
+    store.close()
+    new = make_store(**ssd_only(tmp_path, ssd_namespace=B_MODEL))
+    assert new.get(H[1]) == (meta(1), payload(1)) and new.get(H[0]) is None
+    new.close()
+    old = make_store(**ssd_only(tmp_path, ssd_namespace=A_MODEL))  # (takes the directory)
+    assert old.stats().num_foreign_blocks == 1 and old.get(H[1]) is None
+
+
 def test_another_namespace_may_bring_another_geometry(make_store, tmp_path):
     """A geometry mismatch is an error only within one namespace: another namespace's
     directory holds nothing this store could use, so it is taken over."""
