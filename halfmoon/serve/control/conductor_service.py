@@ -96,6 +96,9 @@ from halfmoon.serve.control.messages import (
     Replication,
     Schedule,
     StatusQuery,
+    UpdateWeights,
+    WeightsOk,
+    WeightsRecord,
     WorkloadQuery,
     decode_message,
     encode_message,
@@ -172,6 +175,9 @@ class ConductorService:
         #: Adapters unloaded through this Conductor: a worker registering again before
         #: its unload arrives must not bring one back.
         self.unloaded_adapters: set[str] = set()
+        #: Weights installed while the cluster serves (``update_weights``; None: those it
+        #: started with): what a worker registering from now on installs first.
+        self.weights: WeightsRecord | None = None
         #: Block-store counters per instance from its last load report (prefill workers).
         self.store_stats: dict[str, dict[str, int]] = {}
         #: Each instance's last load report (for the cluster page and ``/metrics``).
@@ -317,6 +323,8 @@ class ConductorService:
             return workload_window(self, message.window_s)
         if isinstance(message, AdapterUpdate):
             return self._adapter_update(message)
+        if isinstance(message, UpdateWeights):
+            return self._weights_update(message)
         raise ProtocolError(f"the Conductor does not take {message.wire_name!r} messages")
 
     def _adapter_update(self, message: AdapterUpdate) -> AdaptersOk:
@@ -330,6 +338,18 @@ class ConductorService:
             self.adapters.pop(message.adapter.name, None)
             self.unloaded_adapters.add(message.adapter.name)
         return AdaptersOk(adapters=list(self.adapters.values()))
+
+    def _weights_update(self, message: UpdateWeights) -> WeightsOk:
+        """Keep (``record``) or tell (``query``) the weights installed while the cluster
+        serves: a gateway installed them on every worker."""
+        if message.op == "record":
+            self.weights = message.weights
+            assert self.weights is not None
+            log.info("the cluster serves the weights of %s (version %s)", self.weights.path,
+                     self.weights.version)  # fmt: skip
+        elif message.op != "query":
+            raise ProtocolError(f"the Conductor does not take update_weights {message.op!r}")
+        return WeightsOk(weights=self.weights)
 
     def _pong(self) -> ConductorPong:
         return ConductorPong(
@@ -430,9 +450,13 @@ class ConductorService:
             for h in held.block_hashes:
                 self.conductor.handle(BlockStored(block_hash=h, tier=held.tier, instance_id=iid))
         self._adopt_adapters(iid, message.adapters)
+        if self.weights is None and message.weights is not None:  # (this Conductor restarted)
+            self.weights = message.weights
+            log.info("weights installed while serving (%s, version %s) learned from %s",
+                     message.weights.path, message.weights.version, iid)  # fmt: skip
         log.info("registered %s %s at %s", role, iid, message.command_endpoint)
         return Registered(instance_id=iid, tbt_slo_s=self.conductor.config.slo.tbt_s,
-                          adapters=list(self.adapters.values()))  # fmt: skip
+                          adapters=list(self.adapters.values()), weights=self.weights)  # fmt: skip
 
     def _adopt_adapters(self, iid: str, records: list[AdapterRecord]) -> None:
         """Take into the cluster's list the adapters a worker registering again loaded

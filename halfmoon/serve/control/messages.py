@@ -185,6 +185,16 @@ class AdapterRecord(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightsRecord(Record):
+    """The weights a cluster serves since an update while serving (SGLang's
+    ``/update_weights_from_disk``): the checkpoint's ``path`` (on every worker's host)
+    and its ``version`` label."""
+
+    path: str
+    version: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class HeldBlocks(Record):
     """Blocks a re-registering worker holds in one tier."""
 
@@ -515,6 +525,37 @@ class AdaptersOk(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UpdateWeights(Message):
+    """Gateway -> worker, a weight update in two steps: ``stage`` reads the checkpoint at
+    ``weights.path`` beside the served weights (nothing served changes), ``commit``
+    installs the staged weights (the same path) and forgets the KV of the old ones (the
+    engine's cached prefixes, the block store's blocks), ``drop`` forgets staged weights;
+    answered ``weights_ok``, or ``error`` naming why not. Gateway -> Conductor: ``record``
+    keeps ``weights`` as the cluster's (a registering worker is given them), ``query``
+    asks for them; answered ``weights_ok``."""
+
+    wire_name: ClassVar[str] = "update_weights"
+    op: str
+    weights: WeightsRecord | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in ("stage", "commit", "drop", "record", "query"):
+            raise ValueError(f"update_weights op must be stage, commit, drop, record or "
+                             f"query, not {self.op!r}")  # fmt: skip
+        if self.weights is None and self.op in ("stage", "commit", "record"):
+            raise ValueError(f"update_weights {self.op} names no weights")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsOk(Message):
+    """Worker or Conductor -> gateway: the ``update_weights`` is done; ``weights``: the
+    Conductor's record of the cluster's weights (None: those it started with)."""
+
+    wire_name: ClassVar[str] = "weights_ok"
+    weights: WeightsRecord | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResetPrefixCache(Message):
     """Gateway -> worker: forget the engine's cached prefixes (vLLM's
     ``/reset_prefix_cache``), with ``external`` its block store's too (DRAM and SSD);
@@ -573,6 +614,9 @@ class Register(Message):
     draining: bool = False
     blocks: list[HeldBlocks] = field(default_factory=list)
     adapters: list[AdapterRecord] = field(default_factory=list)
+    #: Weights it installed while serving (registering again: a restarted Conductor
+    #: learns the cluster's back from them).
+    weights: WeightsRecord | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -587,6 +631,9 @@ class Registered(Message):
     #: LoRA adapters loaded while the cluster serves: the worker loads them before it
     #: takes requests.
     adapters: list[AdapterRecord] = field(default_factory=list)
+    #: Weights installed while the cluster serves (None: those it started with): the
+    #: worker installs them before it takes requests.
+    weights: WeightsRecord | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

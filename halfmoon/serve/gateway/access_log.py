@@ -45,6 +45,8 @@ API_PREFIXES = (
     "/pause",
     "/resume",
     "/reset_prefix_cache",
+    "/update_weight",
+    "/continue_generation",
 )
 
 Scope = dict[str, Any]

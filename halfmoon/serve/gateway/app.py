@@ -11,7 +11,9 @@ routes of :mod:`halfmoon.serve.gateway.responses_api`), ``/v1/models``
 (and ``/v1/models/{id}``),
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's ``/load``
 and SageMaker's ``/ping`` and ``/invocations`` (a chat or a completion, by its body), vLLM's
-``/reset_prefix_cache`` (only under ``VLLM_SERVER_DEV_MODE=1``, as vLLM), and the API docs
+``/reset_prefix_cache``, its RL controls and weight updates
+(:mod:`halfmoon.serve.gateway.weights_api`; only under ``VLLM_SERVER_DEV_MODE=1``, as
+vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
 OpenAI-shaped, Anthropic-shaped under ``/v1/messages`` (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
 ``/dashboard`` (:mod:`halfmoon.serve.gateway.dashboard`);
@@ -67,6 +69,7 @@ from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.sglang_api import sglang_router
 from halfmoon.serve.gateway.tenancy import matching_key
 from halfmoon.serve.gateway.tokens_api import tokens_router
+from halfmoon.serve.gateway.weights_api import weights_router
 
 __all__ = ["PUBLIC_PATHS", "Gateway", "GatewayConfig", "create_app"]
 
@@ -354,6 +357,8 @@ def create_app(
     app.include_router(messages_router(gw, _start, _name))
     app.include_router(tokens_router(gw, _start, _name))
     app.include_router(sglang_router(gw, _start, _name))
+    if config.dev_endpoints:  # RL weight updates, with vLLM's other RL controls
+        app.include_router(weights_router(gw))
     app.include_router(batch_chat_router(gw, _start, _name))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too

@@ -24,6 +24,9 @@ from halfmoon.serve.control.messages import (
     MetricsText,
     ResetPrefixCache,
     StatusQuery,
+    UpdateWeights,
+    WeightsOk,
+    WeightsRecord,
     WorkloadQuery,
     WorkloadWindow,
 )
@@ -149,6 +152,71 @@ class ClusterOperations(ClusterLink):
         endpoints = (await self._ping(timeout_s)).endpoints
         reasons = await asyncio.gather(*(one(e) for e in endpoints.values()))
         return dict(zip(endpoints, reasons, strict=True))
+
+    async def update_weights(self, path: str, version: str, timeout_s: float = 600.0) -> None:
+        """Install the checkpoint at ``path`` on every worker, all or none (SGLang's
+        ``/update_weights_from_disk`` for a cluster): each reads it beside its served
+        weights (``stage``); if any cannot, the others drop theirs and the BackendError
+        says why; else each installs its (``commit``) and forgets the KV of the old
+        weights, and the Conductor keeps them as the cluster's (a worker registering from
+        then on installs them first). Requests must have ended (the gateway pauses)."""
+        record = WeightsRecord(path=path, version=version)
+        endpoints = (await self._ping(timeout_s)).endpoints
+        if not endpoints:
+            raise BackendError("no worker is registered")
+        staged = await self._weights_on(endpoints, UpdateWeights(op="stage", weights=record),
+                                        timeout_s)  # fmt: skip
+        failed = [str(r) for r in staged.values() if r is not None]
+        if failed:
+            await self._weights_on(endpoints, UpdateWeights(op="drop"), timeout_s)
+            raise BackendError(f"new weights not installed: {failed[0]}")
+        committed = await self._weights_on(
+            endpoints, UpdateWeights(op="commit", weights=record), timeout_s
+        )
+        failed = [f"{i}: {r}" for i, r in committed.items() if r is not None]
+        # (those that installed them serve them: the record says so, and a worker that
+        # failed to is told again when it registers)
+        if len(failed) < len(endpoints):
+            await self._record_weights(UpdateWeights(op="record", weights=record), timeout_s)
+        if failed:
+            await self._weights_on(endpoints, UpdateWeights(op="drop"), timeout_s)
+            raise BackendError(f"new weights not installed everywhere: {'; '.join(failed)}")
+
+    async def weights(self, timeout_s: float = 5.0) -> WeightsRecord | None:
+        """The weights installed while the cluster serves (None: those it started with)."""
+        return await self._record_weights(UpdateWeights(op="query"), timeout_s)
+
+    async def record_weights_version(self, version: str, timeout_s: float = 5.0) -> None:
+        """Give the cluster's weights a new version label (the weights stay)."""
+        current = await self.weights(timeout_s)
+        path = "" if current is None else current.path
+        await self._record_weights(
+            UpdateWeights(op="record", weights=WeightsRecord(path=path, version=version)),
+            timeout_s,
+        )
+
+    async def _record_weights(self, msg: UpdateWeights, timeout_s: float) -> WeightsRecord | None:
+        reply = await self._call(self._conductor_endpoint, msg, timeout_s)
+        if not isinstance(reply, WeightsOk):
+            raise BackendError(f"the Conductor answered a weights {msg.op} with "
+                               f"{reason_of(reply)}")  # fmt: skip
+        return reply.weights
+
+    async def _weights_on(
+        self, endpoints: dict[str, str], msg: UpdateWeights, timeout_s: float
+    ) -> dict[str, BackendError | None]:
+        """``msg`` to every worker at once: per instance, None when it carried it out,
+        else the error (a BackendError naming why)."""
+
+        async def one(endpoint: str) -> BackendError | None:
+            try:
+                reply = await self._call(endpoint, msg, timeout_s)
+            except BackendError as exc:
+                return exc
+            return None if isinstance(reply, WeightsOk) else BackendError(reason_of(reply))
+
+        results = await asyncio.gather(*(one(e) for e in endpoints.values()))
+        return dict(zip(endpoints, results, strict=True))
 
     async def _tell_adapters(self, op: str, record: AdapterRecord, timeout_s: float) -> None:
         """The Conductor's list of adapters loaded while serving, updated (and this

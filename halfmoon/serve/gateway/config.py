@@ -100,13 +100,16 @@ class GatewayConfig:
         """Path prefixes that need an API key (when the server has any): everything but
         /health (and /ping, its SageMaker name), the paths made public and the cluster
         page's shell (its data, /dashboard/state, needs the key). (``/tokenize`` covers
-        ``/tokenizer_info``; ``/abort_request``, ``/abort_requests``.)"""
+        ``/tokenizer_info``; ``/abort_request``, ``/abort_requests``; ``/pause``,
+        ``/pause_generation``; ``/update_weight``, ``/update_weights_from_disk`` and
+        ``/update_weight_version``.)"""
         private = [p for name, paths in PUBLIC_PATHS.items() if name not in self.public
                    for p in paths]  # fmt: skip
         return ("/v1/", "/admin/", "/tokenize", "/detokenize", "/dashboard/state",
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
-                "/resume", "/is_paused", *private)  # fmt: skip
+                "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
+                *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -71,6 +71,8 @@ class Gateway(RequestPreparation):
         self._generating = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        #: One weight update at a time.
+        self._weights_lock = asyncio.Lock()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the gateway's CPU threads, so the event loop keeps serving."""
@@ -143,6 +145,48 @@ class Gateway(RequestPreparation):
     def resume(self) -> None:
         """Let generations run again (those held start now)."""
         self._resumed.set()
+
+    async def served_weights(self) -> tuple[str | None, str]:
+        """The checkpoint installed while serving (None: the weights the server started
+        with) and the weights' version label (``default`` until one is given)."""
+        query = getattr(self.backend, "weights", None)
+        record = None if query is None else await query()
+        return (None, "default") if record is None else (record.path or None, record.version)
+
+    async def update_weights(self, path: str, version: str | None, abort: bool) -> int:
+        """Install the checkpoint at ``path`` on every worker (SGLang's
+        ``/update_weights_from_disk``): generation paused meanwhile (new requests wait),
+        running requests aborted (``abort``) or finished first, then the backend's
+        all-or-none update (BackendError naming why not); ``version`` labels the new
+        weights (None: the label stays). Returns how many requests waited."""
+        update = getattr(self.backend, "update_weights", None)
+        if update is None:
+            raise BackendError("this server cannot update its weights while serving")
+        async with self._weights_lock:
+            if version is None:
+                version = (await self.served_weights())[1]
+            was_paused = self.paused
+            self._resumed.clear()
+            try:
+                if abort:
+                    await self.abort_requests(None)
+                await self._idle.wait()
+                waiting = self.in_flight - self._generating
+                await update(path, version)
+            finally:
+                if not was_paused:
+                    self.resume()
+        return waiting
+
+    async def label_weights(self, version: str, abort: bool) -> None:
+        """Give the served weights the version label ``version`` (vLLM's and SGLang's
+        ``/update_weight_version``; ``abort``: running requests end first)."""
+        record = getattr(self.backend, "record_weights_version", None)
+        if record is None:
+            raise BackendError("this server keeps no weight version")
+        if abort:
+            await self.abort_requests(None)
+        await record(version)
 
     def _observe_end(
         self,

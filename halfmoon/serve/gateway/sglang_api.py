@@ -48,14 +48,16 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
         return JSONResponse(await whole(answers, first, stream, gw.metrics))
 
     async def model_info() -> dict[str, Any]:
-        """The served model, as SGLang describes it to its clients."""
+        """The served model, as SGLang describes it to its clients (``model_path`` and
+        ``weight_version`` move with a weight update)."""
+        updated_path, version = await gw.served_weights()
         return {
-            "model_path": config.model_names[0],
+            "model_path": updated_path or config.model_names[0],
             "served_model_name": config.model_names[0],
             "tokenizer_path": config.model_names[0],
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "max_model_len": config.max_model_len,

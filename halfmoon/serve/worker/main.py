@@ -342,12 +342,13 @@ def model_identity(model: str, seed: int) -> str:
     return f"{model_dir.name}#{digest}"
 
 
-def kv_namespace(options: EngineOptions) -> bytes:
+def kv_namespace(options: EngineOptions, model: str | None = None) -> bytes:
     """The fingerprint of the KV a worker of ``options`` computes (its model's weights and
-    config, dtype, block size and ``--lora-modules``): what keys its SSD tier."""
+    config, dtype, block size and ``--lora-modules``; ``model``: weights installed while
+    serving instead of ``options.model``'s): what keys its SSD tier."""
     from halfmoon.engine.catalog import model_fingerprint, resolve_model
 
-    model_dir = resolve_model(options.model, options.seed)
+    model_dir = resolve_model(model or options.model, options.seed)
     return model_fingerprint(model_dir, options.dtype, options.block_size, options.lora_modules)
 
 
@@ -420,12 +421,12 @@ def run_worker(args: argparse.Namespace) -> int:
     me = WorkerIdentity(args.role, name, endpoint)
     link = ConductorLink(args.conductor, secret, me)
     store = None
+    namespace = NO_NAMESPACE  # (what its SSD tier's blocks are of; a prefill worker's)
     holdings = Holdings(link)
     if kv_connector is not None:  # the KV moves inside vLLM, through halfmoon's connector
         me.transfer_endpoint = kv_connector.endpoint
     elif args.role == "prefill":
         ssd_dir = str(Path(options.store_ssd_dir) / name) if options.store_ssd_dir else None
-        namespace = NO_NAMESPACE
         if ssd_dir:
             Path(ssd_dir).mkdir(parents=True, exist_ok=True)
             namespace = kv_namespace(options)
@@ -448,6 +449,9 @@ def run_worker(args: argparse.Namespace) -> int:
         me.transfer_endpoint = transfer.start()
     worker = Worker(me, engine, secret, link, endpoint)
     link.on_adapters = worker.load_adapters  # the cluster's, given when it accepts us
+    link.on_weights = worker.install_cluster_weights  # the same for weight updates
+    if store is not None and namespace != NO_NAMESPACE:  # its SSD tier names new weights
+        worker.ssd_namespace_of = lambda path: kv_namespace(options, path)
     if kv_connector is None and args.role != "coupled":
         from halfmoon.engine.connector import wire_codec
 
@@ -471,6 +475,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if worker.kv_codec.name != "none":  # prefix pulls between workers go compressed
             keep = int(options.kv_compression_keep_mb * 2**20)
             transfer.set_pull_encoder(worker.kv_codec.encode, keep)
+            worker.encoded_blocks = transfer.encoded_blocks
             cache.pull_codec = worker.kv_codec
         role = PrefillRole(worker, transfer, cache, holdings)
         worker.set_role(role)

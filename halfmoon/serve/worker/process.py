@@ -51,6 +51,9 @@ from halfmoon.serve.control.messages import (
     Refused,
     Registered,
     ResetPrefixCache,
+    UpdateWeights,
+    WeightsOk,
+    WeightsRecord,
     WorkerPong,
     decode_message,
     encode_message,
@@ -64,6 +67,7 @@ from halfmoon.serve.worker.metrics import WorkerMetrics
 if TYPE_CHECKING:
     from halfmoon.engine.connector import EngineConnector, RequestFailure, RequestOutput
     from halfmoon.store import StoreStats, TieredStore
+    from halfmoon.transfer.store_service import EncodedBlocks
 
 log = logging.getLogger(__name__)
 #: Longest a role's ``tick()`` blocks on what it awaits (a stream's end, a pull) while the
@@ -171,6 +175,10 @@ class ConductorLink:
         #: Called with the LoRA adapters loaded while the cluster serves, each time the
         #: Conductor accepts this worker (the worker loads those it lacks).
         self.on_adapters: Callable[[list[RuntimeAdapter]], None] | None = None
+        #: Called with the weights installed while the cluster serves (None: those it
+        #: started with), each time the Conductor accepts this worker (it installs them
+        #: unless it has; HalfmoonError when it cannot, and the registration fails).
+        self.on_weights: Callable[[WeightsRecord | None], None] | None = None
 
     def register(
         self,
@@ -206,14 +214,14 @@ class ConductorLink:
 
     def register_again(
         self, blocks: list[HeldBlocks], adapters: Sequence[RuntimeAdapter] = (),
-        timeout_s: float = 60.0,
+        timeout_s: float = 60.0, weights: WeightsRecord | None = None,
     ) -> None:  # fmt: skip
         """Register anew (the Conductor restarted), announcing the blocks held (a role's
-        snapshot) and the LoRA adapters loaded while serving."""
+        snapshot), the LoRA adapters loaded and the weights installed while serving."""
         assert self._registration is not None, "register() first"
         registration = dataclasses.replace(
             self._registration, blocks=list(blocks),
-            adapters=[messages.AdapterRecord.of(a) for a in adapters],
+            adapters=[messages.AdapterRecord.of(a) for a in adapters], weights=weights,
         )  # fmt: skip
         self._send_registration(registration, timeout_s)
 
@@ -229,6 +237,14 @@ class ConductorLink:
                     self.tbt_slo_s = reply.tbt_slo_s
                     if self.on_adapters is not None and reply.adapters:
                         self.on_adapters([r.adapter() for r in reply.adapters])
+                    if self.on_weights is not None:
+                        try:
+                            self.on_weights(reply.weights)
+                        except HalfmoonError as exc:
+                            raise RegistrationRefused(
+                                f"the cluster serves the weights of {reply.weights.path if reply.weights else '?'}, "
+                                f"which this worker cannot install: {exc}"
+                            ) from None
                     return
                 if isinstance(reply, Refused):
                     raise RegistrationRefused(f"the Conductor refused this worker: {reply.error}")
@@ -325,6 +341,7 @@ class Worker:
         self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
             Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
             AdapterUpdate: self._on_adapter_update, ResetPrefixCache: self._on_reset_prefix_cache,
+            UpdateWeights: self._on_update_weights,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -341,6 +358,17 @@ class Worker:
         #: LoRA adapters loaded while the cluster serves, by name (told to a restarted
         #: Conductor when this worker registers again).
         self.runtime_adapters: dict[str, RuntimeAdapter] = {}
+        #: The weights installed while serving (None: those it started with; told to a
+        #: restarted Conductor when this worker registers again).
+        self.weights: WeightsRecord | None = None
+        #: A weight update's ``stage``: the checkpoint's path and what the engine read.
+        self._staged_weights: tuple[str, object] | None = None
+        #: Compressed blocks its transfer server keeps for peers' pulls (a prefill worker
+        #: with ``--kv-compression``): KV too, forgotten with the store's.
+        self.encoded_blocks: EncodedBlocks | None = None
+        #: The SSD namespace of the KV of the weights at a path (None: no SSD tier names
+        #: its blocks' origin): set on the store when new weights are installed.
+        self.ssd_namespace_of: Callable[[str], bytes] | None = None
         self.num_steps = 0
         #: Its Prometheus metrics (the roles feed the request clocks), sent when asked.
         self.metrics = WorkerMetrics()
@@ -389,7 +417,9 @@ class Worker:
                 self.heartbeat.register_again.clear()
                 log.info("the Conductor does not know this worker: registering again")
                 self.conductor.register_again(
-                    self.role.snapshot(), list(self.runtime_adapters.values())
+                    self.role.snapshot(),
+                    list(self.runtime_adapters.values()),
+                    weights=self.weights,
                 )
             self._maybe_report()
             self.conductor.flush()
@@ -547,7 +577,7 @@ class Worker:
         try:
             if not self.engine.reset_prefix_cache():
                 reasons.append("running requests hold KV blocks of its pool")
-            if msg.external and self.store is not None and not self.store.clear():
+            if msg.external and not self._clear_store():
                 reasons.append("blocks of its store are being read")
         except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
             if not isinstance(exc, HalfmoonError):
@@ -558,6 +588,77 @@ class Worker:
                  f": not all of it, {'; '.join(reasons)}" if reasons else "")  # fmt: skip
         self.send(identity, CacheReset(success=not reasons, reason="; ".join(reasons),
                                        msg_id=msg.msg_id))  # fmt: skip
+
+    def _clear_store(self) -> bool:
+        """Forget the block store's blocks and the encoded copies kept for pulls; False
+        when some are being read (they stay)."""
+        if self.encoded_blocks is not None:
+            self.encoded_blocks.clear()
+        return self.store is None or self.store.clear()
+
+    def _on_update_weights(self, identity: bytes, msg: UpdateWeights) -> None:
+        """One step of a weight update (SGLang's ``/update_weights_from_disk``):
+        :meth:`update_weights`; ``error`` says why not."""
+        try:
+            self.update_weights(msg.op, msg.weights)
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
+            if not isinstance(exc, HalfmoonError):
+                log.exception("weight update %s failed", msg.op)
+            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id))
+            return
+        self.send(identity, WeightsOk(weights=self.weights, msg_id=msg.msg_id))
+
+    def update_weights(self, op: str, weights: WeightsRecord | None) -> None:
+        """``stage``: read the checkpoint at ``weights.path`` beside the served weights;
+        ``commit``: install those staged (HalfmoonError while this worker has requests:
+        their KV is of the old weights) and forget every block of KV computed with the old
+        ones, the engine's cached prefixes and the block store's; ``drop``: forget staged
+        weights."""
+        if op == "drop":
+            self._staged_weights = None
+            return
+        if weights is None or op not in ("stage", "commit"):
+            raise HalfmoonError(f"a worker does not take update_weights {op!r}")
+        if op == "stage":
+            self._staged_weights = None  # (the memory of an earlier one freed first)
+            self._staged_weights = (weights.path, self.engine.stage_weights(weights.path))
+            log.info("weights of %s read (version %s), waiting to be installed",
+                     weights.path, weights.version)  # fmt: skip
+            return
+        if self._staged_weights is None or self._staged_weights[0] != weights.path:
+            raise HalfmoonError(f"no weights of {weights.path} are staged here")
+        assert self.role is not None
+        if self.engine.has_unfinished_requests() or self.role.num_pending():
+            raise HalfmoonError("requests are running here: new weights are installed once "
+                                "none is (pause generation first)")  # fmt: skip
+        # The store first (nothing installed when it cannot be), then the engine, whose
+        # reset demotes nothing; the store again for a block stored meanwhile.
+        namespace = None if self.ssd_namespace_of is None else self.ssd_namespace_of(weights.path)
+        if not self._clear_store():
+            raise HalfmoonError("blocks of its store are being read: try again")
+        self.engine.commit_weights(self._staged_weights[1])
+        self._staged_weights = None
+        self.weights = weights
+        if not self._clear_store():
+            log.warning("blocks of the store stored while the weights were installed are "
+                        "being read: they stay until evicted")  # fmt: skip
+        elif self.store is not None and namespace is not None:
+            # (blocks on SSD from now on are of these weights: a restart on the old ones
+            # does not serve them)
+            self.store.set_ssd_namespace(namespace)
+        log.info("weights of %s installed (version %s): cached KV forgotten", weights.path,
+                 weights.version)  # fmt: skip
+
+    def install_cluster_weights(self, weights: WeightsRecord | None) -> None:
+        """Install the weights the cluster serves since an update (given as the Conductor
+        accepts this worker), unless installed already; HalfmoonError when they cannot
+        be (this worker must not serve other weights than the cluster's)."""
+        if weights is None or weights == self.weights:
+            return
+        log.info("the cluster serves the weights of %s (version %s): installing them",
+                 weights.path, weights.version)  # fmt: skip
+        self.update_weights("stage", weights)
+        self.update_weights("commit", weights)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         assert self.role is not None

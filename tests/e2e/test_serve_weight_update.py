@@ -1,0 +1,107 @@
+"""``POST /update_weights_from_disk`` through a live disaggregated cluster (started with
+``VLLM_SERVER_DEV_MODE=1``): every worker installs the new checkpoint, the KV cached with
+the old weights (pools and block store) is forgotten, so a prompt served before the update
+is computed afresh and answers as an engine started on the new weights does; a worker
+restarted afterwards installs them before it serves; a checkpoint of another shape is
+refused everywhere and changes nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from halfmoon.core.request import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.loader import create_preset_dir
+from halfmoon.store.meta import NO_NAMESPACE
+from halfmoon.store.ssd import JOURNAL_FILE
+
+from .conftest import wait_for_log
+from .test_faults import _pids, _wait_registered
+
+PROMPT_IDS = [(17 * i + 5) % 500 + 4 for i in range(150)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def ssd_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ssd")
+
+
+@pytest.fixture(scope="module")
+def devmode(cluster_factory, ssd_dir):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # the cluster's processes inherit it
+        # copy: every prompt block is in the prefill worker's store too
+        return cluster_factory("--kv-cache-mb", "64", "--prefix-store", "copy",
+                               "--store-ssd-dir", str(ssd_dir), "--store-ssd-mb", "16")  # fmt: skip
+
+
+def _ssd_namespace(ssd_dir: Path) -> bytes:
+    """The origin the prefill worker's SSD journal names (its header's 16 bytes)."""
+    return (ssd_dir / "prefill-0" / JOURNAL_FILE).read_bytes()[24:40]
+
+
+def _generate(cluster) -> tuple[list[int], int]:
+    """Greedy tokens of PROMPT_IDS and how many prompt tokens were cached."""
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    r = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _update(cluster, **body) -> httpx.Response:
+    return httpx.post(cluster.base_url + "/update_weights_from_disk", json=body, timeout=300)
+
+
+def test_new_weights_everywhere_and_no_stale_kv(devmode, ssd_dir, tmp_path):
+    new_dir = create_preset_dir("tiny", tmp_path / "step-1", seed=5)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = list(LLMEngine(EngineConfig(model=str(new_dir), kv_cache_mb=16))
+                    .generate([PROMPT_IDS], params)[0].token_ids)  # fmt: skip
+
+    before, cached = _generate(devmode)
+    assert cached == 0
+    assert _generate(devmode) == (before, 144)  # whole blocks of 16 cached
+    assert before != expected  # (the new weights answer otherwise)
+
+    old_namespace = _ssd_namespace(ssd_dir)
+    r = _update(devmode, model_path=str(new_dir), weight_version="step-1")
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True
+    prefill = [p for p in devmode.ping_workers() if p.role == "prefill"]
+    assert [p.stats["store_blocks"] for p in prefill] == [0]  # the store forgot its KV
+    # blocks on SSD are of the new weights from now on: a restart on the old ones does not
+    # serve them
+    assert _ssd_namespace(ssd_dir) not in (old_namespace, NO_NAMESPACE)
+    assert _generate(devmode) == (expected, 0)  # computed afresh, with the new weights
+    assert _generate(devmode) == (expected, 144)
+    info = httpx.get(devmode.base_url + "/model_info", timeout=10).json()
+    assert info["weight_version"] == "step-1" and info["model_path"] == str(new_dir)
+
+    # a decode worker restarted now installs the cluster's weights before it serves
+    victim = _pids(devmode, "decode")[0]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    _wait_registered(devmode, 2)
+    wait_for_log(devmode, "the cluster serves the weights of .*step-1.*installing them")
+    assert _generate(devmode)[0] == expected
+
+    # another architecture: refused by every worker, nothing changes
+    other = create_preset_dir("small", tmp_path / "small", seed=0)
+    r = _update(devmode, model_path=str(other))
+    assert r.status_code == 400
+    assert "not the served model's architecture" in r.json()["message"]
+    assert _generate(devmode)[0] == expected
+    assert httpx.get(devmode.base_url + "/weight_info", timeout=10).json() == {
+        "weight_version": "step-1"
+    }
+    assert all(p.integrity == "ok" for p in devmode.ping_workers())
