@@ -84,6 +84,9 @@ def test_new_weights_everywhere_and_no_stale_kv(devmode, ssd_dir, tmp_path):
     assert _ssd_namespace(ssd_dir) not in (old_namespace, NO_NAMESPACE)
     assert _generate(devmode) == (expected, 0)  # computed afresh, with the new weights
     assert _generate(devmode) == (expected, 144)
+    flushed = httpx.post(devmode.base_url + "/flush_cache", timeout=60)  # (SGLang's)
+    assert (flushed.status_code, flushed.text) == (200, "Cache flushed.\n")
+    assert _generate(devmode) == (expected, 0)
     info = httpx.get(devmode.base_url + "/model_info", timeout=10).json()
     assert info["weight_version"] == "step-1" and info["model_path"] == str(new_dir)
 

@@ -25,6 +25,8 @@ class UpdatingBackend(CountingBackend):
         self.updates: list[tuple[str, str]] = []
         self.running_at_update: list[int] = []
         self.gateway: Any = None
+        self.resets: list[bool] = []
+        self.busy = False
 
     async def update_weights(self, path: str, version: str) -> None:
         self.running_at_update.append(self.gateway._generating)
@@ -36,6 +38,10 @@ class UpdatingBackend(CountingBackend):
 
     async def weights(self) -> WeightsRecord | None:
         return self.record
+
+    async def reset_prefix_cache(self, external: bool) -> dict[str, str]:
+        self.resets.append(external)
+        return {"p0": "", "d0": "running requests hold KV blocks" if self.busy else ""}
 
     async def record_weights_version(self, version: str) -> None:
         path = "" if self.record is None else self.record.path
@@ -190,3 +196,25 @@ def test_the_routes_are_documented(gateways) -> None:
         bad = paths[path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
         assert bad == {"$ref": "#/components/schemas/ErrorResponse"}, path
     assert "/weight_info" in paths and "/continue_generation" in paths
+
+
+def test_flush_cache_resets_every_tier_and_names_where_it_could_not(gateways) -> None:
+    backend = UpdatingBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", dev_endpoints=True)
+
+    async def scenario() -> list[tuple[int, str]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            out = []
+            for method in ("GET", "POST"):
+                r = await client.request(method, "/flush_cache")
+                out.append((r.status_code, r.text))
+            backend.busy = True
+            r = await client.post("/flush_cache")
+            out.append((r.status_code, r.text))
+            return out
+
+    out = asyncio.run(scenario())
+    assert out[:2] == [(200, "Cache flushed.\n")] * 2
+    assert out[2][0] == 400 and "d0: running requests hold KV blocks" in out[2][1]
+    assert backend.resets == [True, True, True]  # pools and block stores alike

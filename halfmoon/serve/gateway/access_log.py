@@ -47,6 +47,7 @@ API_PREFIXES = (
     "/reset_prefix_cache",
     "/update_weight",
     "/continue_generation",
+    "/flush_cache",
 )
 
 Scope = dict[str, Any]

@@ -109,6 +109,7 @@ class GatewayConfig:
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
+                "/flush_cache",
                 *private)  # fmt: skip
 
     @property

@@ -2,7 +2,8 @@
 ``POST /update_weights_from_disk`` (SGLang's: a new checkpoint installed on every worker,
 all or none, and every block of KV computed with the old weights forgotten, cluster-wide),
 ``POST /update_weight_version`` (both servers': a new version label), ``GET /weight_info``
-(vLLM's: the label), and SGLang's ``/pause_generation`` / ``/continue_generation``.
+(vLLM's: the label), SGLang's ``/pause_generation`` / ``/continue_generation`` and its
+``/flush_cache`` (every cached prefix forgotten, pools and block stores).
 Served only under ``VLLM_SERVER_DEV_MODE=1``, with vLLM's other RL controls
 (:attr:`~halfmoon.serve.gateway.config.GatewayConfig.dev_endpoints`): changing what a
 server computes is an operator's act.
@@ -14,7 +15,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from halfmoon.serve.gateway.backend import BackendError
@@ -144,6 +145,26 @@ def weights_router(gw: Gateway) -> APIRouter:
                             "BadRequestError", param="mode")  # fmt: skip
         await gw.pause("abort")
         return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def flush_cache() -> PlainTextResponse:
+        """Forget every cached prefix, in every worker's pool and block store (SGLang's
+        radix-cache flush); a 400 naming the workers where running requests hold
+        blocks (nothing of those is forgotten)."""
+        reset = getattr(gw.backend, "reset_prefix_cache", None)
+        if reset is None:
+            raise HTTPError(400, "this server cannot flush its cache", "BadRequestError")
+        try:
+            reasons = await reset(True)
+        except BackendError as exc:
+            raise HTTPError(503, f"cache not flushed: {exc}", "ServiceUnavailable") from None
+        failed = "; ".join(f"{iid}: {why}" for iid, why in reasons.items() if why)
+        if failed:
+            return PlainTextResponse(f"Cache not flushed everywhere: {failed}\n", 400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    for method in ("GET", "POST"):  # (SGLang takes both)
+        router.add_api_route("/flush_cache", flush_cache, methods=[method],
+                             operation_id=f"flush_cache_{method.lower()}")  # fmt: skip
 
     @router.post("/continue_generation")
     async def continue_generation() -> dict[str, str]:

@@ -242,8 +242,7 @@ class ConductorLink:
                             self.on_weights(reply.weights)
                         except HalfmoonError as exc:
                             raise RegistrationRefused(
-                                f"the cluster serves the weights of {reply.weights.path if reply.weights else '?'}, "
-                                f"which this worker cannot install: {exc}"
+                                f"the cluster's weights cannot be installed here: {exc}"
                             ) from None
                     return
                 if isinstance(reply, Refused):
