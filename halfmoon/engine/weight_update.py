@@ -57,24 +57,36 @@ def architecture_differences(served: ModelConfig, new: ModelConfig) -> list[str]
     ]
 
 
-def stage_weights(
-    served: ModelConfig, model_path: str, dtype: torch.dtype, device: torch.device | str
-) -> StagedWeights:
-    """Read the checkpoint ``model_path`` names (an HF directory, or what ``--model``
-    takes) for a model served as ``served``; HalfmoonError when it is not the same
-    architecture or its weights do not load."""
-    path = resolve_model(model_path)
-    config_path = path / "config.json"
+def read_config(model_dir: Path) -> ModelConfig:
+    """The model config of an HF directory (HalfmoonError when it cannot be read)."""
+    config_path = model_dir / "config.json"
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        return ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (OSError, ValueError) as exc:
         raise HalfmoonError(f"cannot read {config_path}: {exc}") from None
+
+
+def checkpoint_of(served: ModelConfig, model_path: str) -> tuple[Path, ModelConfig]:
+    """The directory ``model_path`` names (an HF directory, or what ``--model`` takes)
+    and its config; HalfmoonError when it is not ``served``'s architecture."""
+    path = resolve_model(model_path)
+    config = read_config(path)
     differences = architecture_differences(served, config)
     if differences:
         raise HalfmoonError(
             f"{path} is not the served model's architecture ({'; '.join(differences)}): "
             "new weights must fit the served shapes"
         )
+    return path, config
+
+
+def stage_weights(
+    served: ModelConfig, model_path: str, dtype: torch.dtype, device: torch.device | str
+) -> StagedWeights:
+    """Read the checkpoint ``model_path`` names for a model served as ``served``
+    (:func:`checkpoint_of`); HalfmoonError when it is not the same architecture or its
+    weights do not load."""
+    path, config = checkpoint_of(served, model_path)
     model = empty_model(config, dtype, device)
     load_weights(model, path)
     return StagedWeights(path, model.eval())

@@ -481,3 +481,19 @@ def test_a_prefix_cache_reset_reaches_every_vllm_server(fleet):
         assert time.monotonic() < deadline, fleet.ping_conductor().index_blocks
         time.sleep(0.2)
     assert cached() == 0
+
+
+def test_new_weights_are_refused_by_vllm_cpu_servers(fleet, smollm2_dir):
+    """vLLM's CPU build reloads weights in place wrongly (a server started on SmolLM2 and
+    reloaded to a moved copy answers as neither: docs/serving.md): each worker refuses at
+    the check, before its server reloads anything, and the answers stay as they were."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(smollm2_dir).encode("The best thing about the ocean is")
+    servers = list(_vllm_servers(fleet).values())
+    before = [vllm_greedy(url, ids, 8) for url in servers]
+    r = httpx.post(fleet.base_url + "/update_weights_from_disk", timeout=600,
+                   json={"model_path": str(smollm2_dir)})  # fmt: skip
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert "runs vLLM's CPU build" in r.json()["message"]
+    assert [vllm_greedy(url, ids, 8) for url in servers] == before

@@ -518,3 +518,74 @@ def test_vllms_speculative_counters_become_the_workers() -> None:
     assert counts.num_sequence_steps == 28
     assert spec_counts('vllm:num_requests_waiting{engine="0"} 3.0') is None
     assert spec_counts('vllm:generation_tokens_total{engine="0"} 3.0') is None
+
+
+class _Answers:
+    """Stands in for ``httpx.get`` / ``httpx.post``: answers by path, records each call."""
+
+    def __init__(self, answers: dict[str, tuple[int, object]]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, object]] = []
+
+    def __call__(self, url: str, **kwargs: object):
+        import httpx
+
+        path = url.split("127.0.0.1:8100", 1)[1]
+        self.calls.append((path, kwargs.get("json")))
+        status, body = self.answers[path]
+        return httpx.Response(status, json=body, request=httpx.Request("GET", url))
+
+
+def _weights_connector(tmp_path, monkeypatch, answers: dict[str, tuple[int, object]]):
+    """A vLLM server connector over the tiny preset, its server's answers ``answers``."""
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.loader import create_preset_dir
+    from halfmoon.serve.vllm import connector as module
+
+    model = create_preset_dir("tiny", tmp_path / "served")
+    conn = object.__new__(module.VllmServerConnector)
+    conn.endpoints = VllmEndpoints("http://127.0.0.1:8100", "tcp://127.0.0.1:5557")
+    conn._config = EngineConfig(model=str(model))
+    fake = _Answers(answers)
+    monkeypatch.setattr(module.httpx, "get", fake)
+    monkeypatch.setattr(module.httpx, "post", fake)
+    resets: list[bool] = []
+    conn.reset_prefix_cache = lambda: resets.append(True) or True
+    return conn, fake, resets, model
+
+
+def test_vllm_weight_updates_go_through_its_own_reload(tmp_path, monkeypatch) -> None:
+    """A vLLM server on a GPU reloads in place (its ``reload_weights``, through
+    ``/collective_rpc``), then its prefix cache is reset; its CPU build is refused at the
+    check (its reload does not install every weight), as is another architecture."""
+    from halfmoon.core.errors import HalfmoonError
+    from halfmoon.engine.loader import create_preset_dir
+
+    gpu = {"/server_info": (200, {"vllm_config": {"device_config": {"device_type": "cuda"}}}),
+           "/collective_rpc": (200, {"results": [None]})}  # fmt: skip
+    conn, fake, resets, model = _weights_connector(tmp_path, monkeypatch, gpu)
+    new = create_preset_dir("tiny", tmp_path / "step-1", seed=3)
+    staged = conn.stage_weights(str(new))
+    assert fake.calls == [("/server_info", None)]
+    conn.commit_weights(staged)
+    assert fake.calls[1] == ("/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str(new)}})  # fmt: skip
+    assert resets == [True]
+    with pytest.raises(HalfmoonError, match="not the served model's architecture"):
+        conn.stage_weights(str(create_preset_dir("small", tmp_path / "small")))
+
+    cpu = {"/server_info": (200, {"vllm_config": {"device_config": {"device": "cpu",
+                                                                    "device_type": "cpu"}}})}  # fmt: skip
+    conn, fake, resets, _ = _weights_connector(tmp_path / "cpu", monkeypatch, cpu)
+    with pytest.raises(HalfmoonError, match="runs vLLM's CPU build"):
+        conn.stage_weights(str(new))
+    conn, fake, resets, _ = _weights_connector(
+        tmp_path / "nodev", monkeypatch, {"/server_info": (404, {"detail": "Not Found"})}
+    )
+    with pytest.raises(HalfmoonError, match="VLLM_SERVER_DEV_MODE=1"):
+        conn.stage_weights(str(new))
+    failing = {**gpu, "/collective_rpc": (500, {"error": {"message": "no such file"}})}
+    conn, fake, resets, _ = _weights_connector(tmp_path / "fail", monkeypatch, failing)
+    with pytest.raises(HalfmoonError, match="did not reload its weights \\(500\\)"):
+        conn.commit_weights(conn.stage_weights(str(new)))
+    assert resets == []

@@ -63,6 +63,7 @@ from halfmoon.engine.connector import (
     StageConnector,
     model_kv_layout,
 )
+from halfmoon.engine.weight_update import checkpoint_of, read_config
 from halfmoon.serve.vllm.kv_events import HashTranslator
 from halfmoon.serve.vllm.server import (
     ServerFacts,
@@ -427,6 +428,70 @@ class VllmServerConnector(EngineConnector):
                 if self._listener is not None:
                     self._listener(event)
         return success
+
+    def stage_weights(self, model_path: str) -> object:
+        """Check the checkpoint that :meth:`commit_weights` has vLLM read: what
+        ``--model`` takes, of the served model's architecture (HalfmoonError naming what
+        differs), for a server that reloads in place correctly: not vLLM's CPU build,
+        whose reload (0.32) leaves a server started on one checkpoint answering as
+        neither that one nor the new one (measured with SmolLM2, docs/serving.md). vLLM
+        reads nothing ahead: a checkpoint whose tensors do not load fails at the
+        commit."""
+        served = read_config(Path(self._config.model))
+        path = checkpoint_of(served, model_path)[0]
+        device = self._server_config().get("device_config") or {}
+        if "cpu" in (device.get("device_type"), str(device.get("device"))):
+            raise HalfmoonError(
+                f"the vLLM server at {self.endpoints.url} runs vLLM's CPU build, whose "
+                "in-place reload does not install every weight (its answers then match "
+                "neither checkpoint): restart it on the new checkpoint instead"
+            )
+        return path
+
+    def _server_config(self) -> dict[str, Any]:
+        """The server's configuration (its ``/server_info``, another development
+        endpoint), as JSON."""
+        url = f"{self.endpoints.url}/server_info"
+        try:
+            resp = httpx.get(url, params={"config_format": "json"}, timeout=120.0)
+        except httpx.HTTPError as exc:
+            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 404:
+            raise HalfmoonError(
+                f"the vLLM server at {self.endpoints.url} has no /server_info (start it with "
+                f"{DEV_MODE_ENV}=1)"
+            )
+        try:
+            config = resp.json()["vllm_config"]
+            assert isinstance(config, dict)
+            return config
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise HalfmoonError(f"vLLM's /server_info answered {resp.status_code}: "
+                                f"{_error_message(resp.text)}") from None  # fmt: skip
+
+    def commit_weights(self, staged: object) -> None:
+        """vLLM's own in-place reload of the staged checkpoint (its workers'
+        ``reload_weights``, through its ``/collective_rpc`` development endpoint: the
+        server runs with ``VLLM_SERVER_DEV_MODE=1``), then its prefix cache reset."""
+        assert isinstance(staged, Path)
+        url = f"{self.endpoints.url}/collective_rpc"
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(staged)}}
+        try:
+            resp = httpx.post(url, json=body, timeout=600.0)
+        except httpx.HTTPError as exc:
+            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 404:
+            raise HalfmoonError(
+                f"the vLLM server at {self.endpoints.url} has no /collective_rpc (start it "
+                f"with {DEV_MODE_ENV}=1)"
+            )
+        if resp.status_code != 200:
+            raise HalfmoonError(f"vLLM did not reload its weights ({resp.status_code}): "
+                                f"{_error_message(resp.text)}")  # fmt: skip
+        if not self.reset_prefix_cache():
+            raise HalfmoonError("vLLM reloaded its weights but kept its prefix cache: "
+                                "requests hold blocks")  # fmt: skip
+        log.info("vLLM at %s reloaded its weights from %s", self.endpoints.url, staged)
 
     def _lora_call(self, op: str, body: dict[str, str]) -> None:
         url = f"{self.endpoints.url}/v1/{op}_lora_adapter"
