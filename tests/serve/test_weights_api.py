@@ -218,3 +218,23 @@ def test_flush_cache_resets_every_tier_and_names_where_it_could_not(gateways) ->
     assert out[:2] == [(200, "Cache flushed.\n")] * 2
     assert out[2][0] == 400 and "d0: running requests hold KV blocks" in out[2][1]
     assert backend.resets == [True, True, True]  # pools and block stores alike
+
+
+def test_an_update_runs_to_its_end_when_its_caller_gives_up(gateways) -> None:
+    """A client that disconnects mid-update does not cut it in two: it completes (every
+    worker and the Conductor's record alike), and generation resumes after it."""
+    backend = UpdatingBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", dev_endpoints=True)
+    gw = backend.gateway = app.state.gateway
+
+    async def scenario() -> tuple[bool, bool, list]:
+        caller = asyncio.ensure_future(gw.update_weights("/ckpt/step-3", "3", False))
+        await asyncio.sleep(0.03)  # (the backend's update takes 0.1 s)
+        caller.cancel()
+        paused_meanwhile = gw.paused
+        await asyncio.sleep(0.2)
+        return paused_meanwhile, gw.paused, list(backend.updates)
+
+    paused_meanwhile, paused_after, updates = asyncio.run(scenario())
+    assert paused_meanwhile and not paused_after
+    assert updates == [("/ckpt/step-3", "3")]

@@ -162,6 +162,15 @@ class Gateway(RequestPreparation):
         update = getattr(self.backend, "update_weights", None)
         if update is None:
             raise BackendError("this server cannot update its weights while serving")
+        # Shielded: a client that gives up mid-way does not cut an update in two (some
+        # workers on the new weights, the Conductor's record on the old); it runs to its
+        # end, generation resumed after it.
+        task = asyncio.ensure_future(self._update_paused(update, path, version, abort))
+        return await asyncio.shield(task)
+
+    async def _update_paused(
+        self, update: Callable[[str, str], Any], path: str, version: str | None, abort: bool
+    ) -> int:
         async with self._weights_lock:
             if version is None:
                 version = (await self.served_weights())[1]
