@@ -77,6 +77,9 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
             out["held"] = (await held).json()["choices"][0]["finish_reason"]
             out["info"] = (await client.get("/weight_info")).json()
             out["model_info"] = (await client.get("/model_info")).json()
+            sglang = await client.post("/generate", json={
+                "input_ids": [5], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+            out["meta_version"] = sglang.json()["meta_info"]["weight_version"]
 
             running = generate(200)
             await asyncio.sleep(0.05)
@@ -107,6 +110,7 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
     assert out["info"] == {"weight_version": "1"}
     assert out["model_info"]["weight_version"] == "1"
     assert out["model_info"]["model_path"] == "/ckpt/step-1"
+    assert out["meta_version"] == "1"  # SGLang's answers name the weights' version
     assert out["aborting"]["success"] is True and out["aborted"] == "abort"
     assert out["version_kept"] == {"weight_version": "1"}  # no weight_version: label stays
     assert backend.updates == [("/ckpt/step-1", "1"), ("/ckpt/step-2", "1")]

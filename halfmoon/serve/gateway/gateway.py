@@ -73,6 +73,9 @@ class Gateway(RequestPreparation):
         self._idle.set()
         #: One weight update at a time.
         self._weights_lock = asyncio.Lock()
+        #: The served weights' version label as this gateway last learned it (SGLang's
+        #: answers carry it; :meth:`served_weights` asks the cluster).
+        self.weight_version = "default"
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the gateway's CPU threads, so the event loop keeps serving."""
@@ -151,7 +154,10 @@ class Gateway(RequestPreparation):
         with) and the weights' version label (``default`` until one is given)."""
         query = getattr(self.backend, "weights", None)
         record = None if query is None else await query()
-        return (None, "default") if record is None else (record.path or None, record.version)
+        path, self.weight_version = (
+            (None, "default") if record is None else (record.path or None, record.version)
+        )
+        return path, self.weight_version
 
     async def update_weights(self, path: str, version: str | None, abort: bool) -> int:
         """Install the checkpoint at ``path`` on every worker (SGLang's
@@ -182,6 +188,7 @@ class Gateway(RequestPreparation):
                 await self._idle.wait()
                 waiting = self.in_flight - self._generating
                 await update(path, version)
+                self.weight_version = version
             finally:
                 if not was_paused:
                     self.resume()
@@ -196,6 +203,7 @@ class Gateway(RequestPreparation):
         if abort:
             await self.abort_requests(None)
         await record(version)
+        self.weight_version = version
 
     def _observe_end(
         self,

@@ -41,7 +41,7 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
         completion = body.to_completion(config.model_names[0])
         p, first, stream = await start(completion, request)
         name(p, request, p.public_id)
-        answers = Answers(body, p, began, p.token_text(gw.token_text))
+        answers = Answers(body, p, began, p.token_text(gw.token_text), gw.weight_version)
         if body.stream:
             return StreamingResponse(streamed(answers, first, stream, gw.metrics),
                                      media_type="text/event-stream")  # fmt: skip

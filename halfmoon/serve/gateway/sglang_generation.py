@@ -211,9 +211,11 @@ class Answers:
     path's items."""
 
     def __init__(self, body: SglangGenerateRequest, p: Prepared, start: float,
-                 token_text: Callable[[int], str]) -> None:  # fmt: skip
+                 token_text: Callable[[int], str], weight_version: str = "default") -> None:  # fmt: skip
         self.body, self.p, self.start = body, p, start
         self.token_text = token_text
+        #: The served weights' version label (a generation never spans a weight update).
+        self.weight_version = weight_version
         self.logprobs = bool(_one("return_logprob", body.return_logprob))
         start_len = _one("logprob_start_len", body.logprob_start_len)
         self.start_len = start_len if start_len is not None and start_len >= 0 else None
@@ -259,7 +261,7 @@ class Answers:
             "prompt_tokens": len(self.p.prompt_ids_of(index)),
             "completion_tokens": len(ids),
             "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "e2e_latency": round(time.monotonic() - self.start, 6),
         }
         if self.logprobs:
