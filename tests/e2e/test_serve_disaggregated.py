@@ -679,6 +679,11 @@ def test_sglangs_generate_through_the_cluster(disagg):
     prompt = meta["input_token_logprobs"]
     assert [t for _, t, _ in prompt] == ref["prompt_token_ids"] and prompt[0][0] is None
     assert all(lp <= 0 for lp, _, _ in prompt[1:]) and meta["output_token_logprobs"] == []
+    info = httpx.get(base + "/server_info", timeout=60).json()  # (its benchmarks read it)
+    (state,) = info["internal_states"]  # the decode worker's
+    assert state["role"] == "decode" and state["memory_usage"]["token_capacity"] > 0
+    assert state["effective_max_running_requests_per_dp"] == info["max_running_requests"] > 0
+    assert info["disaggregation_mode"] == "decode" and info["context_length"] > 0
 
 
 def test_batched_chat_completions_through_the_cluster(disagg):

@@ -138,6 +138,10 @@ def test_model_info(served):
     for path in ("/model_info", "/get_model_info"):
         info = client.get(path).json()
         assert info["model_path"] == "m" and info["is_generation"] is True
+    for path in ("/server_info", "/get_server_info"):  # (no cluster: no instance states)
+        info = client.get(path).json()
+        assert info["served_model_name"] == "m" and info["internal_states"] == []
+        assert info["context_length"] == 256 and info["frontend"] == "halfmoon"
 
 
 def test_abort_request_ends_a_running_generation(gateways):

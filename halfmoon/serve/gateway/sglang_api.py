@@ -1,6 +1,7 @@
 """The routes of SGLang's native API (:mod:`halfmoon.serve.gateway.sglang_generation`
 translates): ``POST /generate``, ``GET /model_info`` (and its older name
-``/get_model_info``) and ``POST /abort_request``.
+``/get_model_info``), ``GET /server_info`` (and ``/get_server_info``) and
+``POST /abort_request``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from halfmoon import __version__
+from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.gateway import Gateway
+from halfmoon.serve.gateway.responses import HTTPError
 from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.sglang_generation import (
     Answers,
@@ -65,6 +69,46 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
 
     router.add_api_route("/model_info", model_info, methods=["GET"])
     router.add_api_route("/get_model_info", model_info, methods=["GET"])
+
+    async def server_info() -> dict[str, Any]:
+        """The server's configuration and live state in SGLang's shape (what its
+        benchmark clients read): the served model and limits, and per instance that
+        decodes (decode and coupled workers) an ``internal_states`` entry: its KV pool in
+        tokens (``memory_usage.token_capacity``), the requests it runs and queues, the
+        most the server runs at once (``--max-concurrent-requests``), the tokens a
+        speculating step gains (``avg_spec_accept_length``)."""
+        status = getattr(gw.backend, "cluster_status", None)
+        cap = config.max_concurrent_requests
+        states: list[dict[str, Any]] = []
+        if status is not None:
+            try:
+                instances = (await status(num_decisions=0)).instances
+            except BackendError as exc:
+                raise HTTPError(503, f"no cluster status: {exc}", "ServiceUnavailable") from None
+            states = [
+                {"instance_id": i.instance_id, "role": i.role, "dp_size": 1,
+                 "memory_usage": {"token_capacity": i.kv_capacity_tokens,
+                                  "used_tokens": i.kv_used_tokens},
+                 "num_running_reqs": i.num_running, "num_waiting_reqs": i.num_waiting,
+                 "effective_max_running_requests_per_dp": cap,
+                 "avg_spec_accept_length": i.spec_tokens_per_step}
+                for i in instances if i.role in ("decode", "coupled")
+            ]  # fmt: skip
+        roles = {s["role"] for s in states}
+        return {
+            "model_path": config.model_names[0],
+            "tokenizer_path": config.model_names[0],
+            "served_model_name": config.model_names[0],
+            "context_length": config.max_model_len,
+            "max_running_requests": cap,
+            "disaggregation_mode": "decode" if roles == {"decode"} else "null",
+            "frontend": "halfmoon",
+            "version": __version__,
+            "internal_states": states,
+        }
+
+    router.add_api_route("/server_info", server_info, methods=["GET"])
+    router.add_api_route("/get_server_info", server_info, methods=["GET"])
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
