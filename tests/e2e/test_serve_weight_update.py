@@ -8,7 +8,9 @@ refused everywhere and changes nothing."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -108,3 +110,50 @@ def test_new_weights_everywhere_and_no_stale_kv(devmode, ssd_dir, tmp_path):
         "weight_version": "step-1"
     }
     assert all(p.integrity == "ok" for p in devmode.ping_workers())
+
+
+def test_updates_under_load_lose_no_request_and_leak_nothing(devmode, tmp_path):
+    """Clients keep generating (streamed and not) while the weights change four times,
+    half of the updates aborting what runs: every request answers 200 with a finish,
+    every update succeeds, and the workers end idle, their block accounting intact."""
+    checkpoints = [create_preset_dir("tiny", tmp_path / f"s{i}", seed=20 + i) for i in range(2)]
+    stop = threading.Event()
+    answers: list[tuple[int, str | None]] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            stream = rng.random() < 0.5
+            body = {"model": "tiny", "prompt": [rng.randrange(4, 500) for _ in range(40)],
+                    "max_tokens": rng.choice([4, 60]), "temperature": 0, "ignore_eos": True,
+                    "stream": stream}  # fmt: skip
+            r = httpx.post(devmode.base_url + "/v1/completions", json=body, timeout=120)
+            if r.status_code != 200:
+                answers.append((r.status_code, r.text[:200]))
+            elif stream:
+                answers.append((200, "done" if "data: [DONE]" in r.text else r.text[-200:]))
+            else:
+                answers.append((200, r.json()["choices"][0]["finish_reason"]))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in clients:
+        t.start()
+    try:
+        for k in range(4):
+            time.sleep(0.6)
+            r = _update(devmode, model_path=str(checkpoints[k % 2]), abort_all_requests=k % 2 == 1)
+            assert r.status_code == 200 and r.json()["success"], r.text
+    finally:
+        stop.set()
+        for t in clients:
+            t.join()
+    assert answers and all(status == 200 for status, _ in answers), answers
+    assert {finish for _, finish in answers} <= {"done", "length", "abort"}, answers
+    deadline = time.monotonic() + 10
+    while True:
+        pongs = devmode.ping_workers()
+        idle = all(p.num_running == 0 and p.num_waiting == 0 for p in pongs)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle and all(p.integrity == "ok" for p in pongs)
