@@ -684,6 +684,8 @@ def test_sglangs_generate_through_the_cluster(disagg):
     assert state["role"] == "decode" and state["memory_usage"]["token_capacity"] > 0
     assert state["effective_max_running_requests_per_dp"] == info["max_running_requests"] > 0
     assert info["disaggregation_mode"] == "decode" and info["context_length"] > 0
+    deep = httpx.get(base + "/health_generate", timeout=60)  # (SGLang's router polls it)
+    assert deep.status_code == 200
 
 
 def test_batched_chat_completions_through_the_cluster(disagg):

@@ -165,3 +165,36 @@ def test_abort_request_ends_a_running_generation(gateways):
     assert status == 200 and first["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < first["meta_info"]["completion_tokens"] < 200
     assert other["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_health_generate_runs_one_token_through_the_backend(gateways, monkeypatch):
+    """SGLang's deep health check: 200 once a token comes (not counted as a request),
+    503 when none comes in time, 200 while generation is paused on purpose."""
+    from halfmoon.serve.gateway import sglang_api
+
+    backend = CountingBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m")
+    gw = app.state.gateway
+
+    class Stuck(CountingBackend):
+        async def generate(self, request_id, prompt_token_ids, params):
+            await asyncio.sleep(60)
+            yield  # pragma: no cover
+
+    stuck = gateways.app(Stuck(gateways.tokenizer), "m")
+    monkeypatch.setattr(sglang_api, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
+
+    async def scenario() -> list[int]:
+        out = []
+        for each in (app, stuck):
+            transport = httpx.ASGITransport(app=each)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                out.append((await client.get("/health_generate")).status_code)
+                if each is stuck:
+                    each.state.gateway._resumed.clear()  # (paused, as for a weight update)
+                    out.append((await client.get("/health_generate")).status_code)
+        return out
+
+    assert asyncio.run(scenario()) == [200, 503, 200]
+    assert backend.prompts == [[0]] and backend.params[0].max_tokens == 1
+    assert gw.in_flight == 0  # (not one of the gateway's requests)

@@ -109,7 +109,7 @@ class GatewayConfig:
                 "/reset_prefix_cache", "/invocations", "/load", "/inference/",
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
-                "/flush_cache", "/server_info", "/get_server_info",
+                "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
                 *private)  # fmt: skip
 
     @property

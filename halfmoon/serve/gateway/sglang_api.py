@@ -1,12 +1,16 @@
 """The routes of SGLang's native API (:mod:`halfmoon.serve.gateway.sglang_generation`
 translates): ``POST /generate``, ``GET /model_info`` (and its older name
-``/get_model_info``), ``GET /server_info`` (and ``/get_server_info``) and
-``POST /abort_request``.
+``/get_model_info``), ``GET /server_info`` (and ``/get_server_info``),
+``GET /health_generate`` and ``POST /abort_request``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from halfmoon import __version__
+from halfmoon.core.request import SamplingParams
 from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.responses import HTTPError
@@ -24,6 +29,10 @@ from halfmoon.serve.gateway.sglang_generation import (
     streamed,
     whole,
 )
+
+#: How long ``/health_generate`` waits for its token (SGLang's own check waits 20 s).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+log = logging.getLogger(__name__)
 
 
 class AbortRequest(BaseModel):
@@ -106,6 +115,34 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
             "version": __version__,
             "internal_states": states,
         }
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        """SGLang's deep health check (its router polls it): one greedy token of a
+        one-token prompt through the whole path (placement, prefill, KV hand-off,
+        decode) within ``HEALTH_GENERATE_TIMEOUT_S``: 200 when it comes, else 503. Not
+        counted as a request. A server paused on purpose (a weight update) answers 200
+        without generating."""
+        if gw.paused:
+            return Response(status_code=200)
+        request_id = f"health-generate-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        stream = gw.backend.generate(request_id, [0], params)
+
+        async def first() -> None:
+            async for _ in stream:
+                return
+
+        try:
+            await asyncio.wait_for(first(), HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, BackendError) as exc:
+            log.warning("health_generate: no token within %.0f s: %r",
+                        HEALTH_GENERATE_TIMEOUT_S, exc)  # fmt: skip
+            return Response(status_code=503)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+        return Response(status_code=200)
 
     router.add_api_route("/server_info", server_info, methods=["GET"])
     router.add_api_route("/get_server_info", server_info, methods=["GET"])
