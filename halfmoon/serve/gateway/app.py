@@ -69,7 +69,7 @@ from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.sglang_api import sglang_router
 from halfmoon.serve.gateway.tenancy import matching_key
 from halfmoon.serve.gateway.tokens_api import tokens_router
-from halfmoon.serve.gateway.weights_api import weights_router
+from halfmoon.serve.gateway.weights_api import forget_cached_prefixes, weights_router
 
 __all__ = ["PUBLIC_PATHS", "Gateway", "GatewayConfig", "create_app"]
 
@@ -204,15 +204,7 @@ def create_app(
                 raise HTTPError(400, "reset_running_requests is not supported: the reset "
                                 "waits for running requests instead (retry once they end)",
                                 "BadRequestError", param="reset_running_requests")  # fmt: skip
-            reset = getattr(backend, "reset_prefix_cache", None)
-            if reset is None:
-                raise HTTPError(400, "this server cannot reset its prefix cache",
-                                "BadRequestError")  # fmt: skip
-            try:
-                reasons = await reset(reset_external)
-            except BackendError as exc:
-                raise HTTPError(503, f"prefix cache not reset: {exc}",
-                                "ServiceUnavailable") from None  # fmt: skip
+            reasons = await forget_cached_prefixes(gw, reset_external, "prefix cache not reset")
             failed = {iid: why for iid, why in reasons.items() if why}
             return {"success": not failed, **({"failed": failed} if failed else {})}
 

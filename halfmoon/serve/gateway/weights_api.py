@@ -70,6 +70,20 @@ class PauseGenerationRequest(BaseModel):
     mode: str = "abort"
 
 
+async def forget_cached_prefixes(gw: Gateway, external: bool, what: str) -> dict[str, str]:
+    """Have every worker forget its cached prefixes (``external``: its block store's
+    too): per instance, why not ("" where all went); an HTTPError where the server
+    cannot (400) or the cluster does not answer (503), ``what`` naming the operation."""
+    reset = getattr(gw.backend, "reset_prefix_cache", None)
+    if reset is None:
+        raise HTTPError(400, f"this server cannot reset its prefix cache ({what})",
+                        "BadRequestError")  # fmt: skip
+    try:
+        return await reset(external)
+    except BackendError as exc:
+        raise HTTPError(503, f"{what}: {exc}", "ServiceUnavailable") from None
+
+
 def _refusal(body: UpdateWeightsFromDiskRequest) -> str | None:
     """Why this server cannot do what ``body`` asks (None: it can)."""
     if not body.model_path.strip():
@@ -100,7 +114,7 @@ def weights_router(gw: Gateway) -> APIRouter:
         if refusal is not None:
             raise HTTPError(400, refusal, "BadRequestError")
         if body.keep_pause and not gw.paused:
-            await gw.pause("wait")
+            await gw.pause("abort" if body.abort_all_requests else "wait")
         try:
             waited = await gw.update_weights(
                 body.model_path, body.weight_version, body.abort_all_requests
@@ -150,13 +164,7 @@ def weights_router(gw: Gateway) -> APIRouter:
         """Forget every cached prefix, in every worker's pool and block store (SGLang's
         radix-cache flush); a 400 naming the workers where running requests hold
         blocks (nothing of those is forgotten)."""
-        reset = getattr(gw.backend, "reset_prefix_cache", None)
-        if reset is None:
-            raise HTTPError(400, "this server cannot flush its cache", "BadRequestError")
-        try:
-            reasons = await reset(True)
-        except BackendError as exc:
-            raise HTTPError(503, f"cache not flushed: {exc}", "ServiceUnavailable") from None
+        reasons = await forget_cached_prefixes(gw, True, "cache not flushed")
         failed = "; ".join(f"{iid}: {why}" for iid, why in reasons.items() if why)
         if failed:
             return PlainTextResponse(f"Cache not flushed everywhere: {failed}\n", 400)
