@@ -161,7 +161,8 @@ class ClusterOperations(ClusterLink):
         weights, and the Conductor keeps them as the cluster's (a worker registering from
         then on installs them first). Requests must have ended (the gateway pauses)."""
         record = WeightsRecord(path=path, version=version)
-        endpoints = (await self._ping(timeout_s)).endpoints
+        first = await self._ping(timeout_s)
+        endpoints = first.endpoints
         if not endpoints:
             raise BackendError("no worker is registered")
         staged = await self._weights_on(endpoints, UpdateWeights(op="stage", weights=record),
@@ -178,6 +179,16 @@ class ClusterOperations(ClusterLink):
         # failed to is told again when it registers)
         if len(failed) < len(endpoints):
             await self._record_weights(UpdateWeights(op="record", weights=record), timeout_s)
+            # A worker that registered (or restarted) meanwhile was given the old record:
+            # it installs them now (one registering from now on is given the new one).
+            later = await self._ping(timeout_s)
+            joined = {i: e for i, e in later.endpoints.items()
+                      if later.incarnations.get(i) != first.incarnations.get(i)}  # fmt: skip
+            for op in ("stage", "commit"):
+                late = await self._weights_on(joined, UpdateWeights(op=op, weights=record),
+                                              timeout_s)  # fmt: skip
+                failed += [f"{i}: {r}" for i, r in late.items() if r is not None]
+                joined = {i: e for i, e in joined.items() if late[i] is None}
         if failed:
             await self._weights_on(endpoints, UpdateWeights(op="drop"), timeout_s)
             raise BackendError(f"new weights not installed everywhere: {'; '.join(failed)}")
