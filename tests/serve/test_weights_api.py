@@ -5,6 +5,7 @@ the version label moves, SGLang's refusals and answers; only under the dev switc
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -95,6 +96,7 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
             label = await client.post("/update_weight_version", json={"new_version": "v9"})
             out["label"] = label.json()
             out["info_after_label"] = (await client.get("/weight_info")).json()
+            out["metrics"] = (await client.get("/metrics")).text
             return out
 
     out = asyncio.run(scenario())
@@ -121,6 +123,9 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
     assert out["label"] == {"success": True, "message": "Weight version updated to v9",
                             "new_version": "v9"}  # fmt: skip
     assert out["info_after_label"] == {"weight_version": "v9"}
+    counts = dict(re.findall(r'^halfmoon:rl_weight_update_duration_seconds_count\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
+                             out["metrics"], re.M))  # fmt: skip
+    assert counts == {"ok": "2.0", "failed": "1.0"}
 
 
 def test_refusals_and_keep_pause(gateways) -> None:

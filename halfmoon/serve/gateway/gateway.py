@@ -177,6 +177,18 @@ class Gateway(RequestPreparation):
     async def _update_paused(
         self, update: Callable[[str, str], Any], path: str, version: str | None, abort: bool
     ) -> int:
+        started = time.monotonic()
+        outcome = "failed"
+        try:
+            waiting = await self._update_locked(update, path, version, abort)
+            outcome = "ok"
+            return waiting
+        finally:
+            self.metrics.weight_update.labels(outcome).observe(time.monotonic() - started)
+
+    async def _update_locked(
+        self, update: Callable[[str, str], Any], path: str, version: str | None, abort: bool
+    ) -> int:
         async with self._weights_lock:
             if version is None:
                 version = (await self.served_weights())[1]

@@ -124,6 +124,17 @@ class GatewayMetrics:
         self.running = Gauge(
             "halfmoon:num_requests_running", "Requests being generated.", registry=r
         )
+        #: Weight updates while serving (``/update_weights_from_disk``; vLLM names its own
+        #: ``vllm:rl_weight_update_*``): how long each took (generation paused
+        #: throughout), by outcome.
+        self.weight_update = Histogram(
+            "halfmoon:rl_weight_update_duration_seconds",
+            "Duration of one weight update (pause, staging on every worker, install, cache "
+            "flush), by outcome (ok, failed).",
+            ["outcome"],
+            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
         self.stored_responses = Gauge(
             "halfmoon:responses_stored",
             "Responses API answers kept for previous_response_id (--responses-store-mb).",
