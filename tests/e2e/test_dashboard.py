@@ -96,6 +96,8 @@ def test_page_shows_workers_charts_and_explained_decisions(cluster_factory, driv
     ]  # fmt: skip
     assert all("KV pool" in w["text"] for w in page["workers"])
     assert page["conductor"] == "ok"
+    gateway = driver.find_element(By.CSS_SELECTOR, '[data-testid="gateway-tile"]').text
+    assert "weights" in gateway and "as started" in gateway  # (no update while serving)
     assert page["points"]["chart-rate"] > 0 and page["points"]["chart-hit"] > 0  # shared prefix
 
     decisions = page["decisions"]

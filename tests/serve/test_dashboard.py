@@ -113,6 +113,7 @@ def test_state_of_an_in_process_backend_has_the_gateways_series(gateways):
     assert state["model"] == "m" and state["clustered"] is False
     assert state["workers"] == [] and state["decisions"] == [] and state["slo"] is None
     assert state["conductor"]["reachable"] is False
+    assert state["gateway"]["paused"] is False and state["gateway"]["weight_version"] == "default"
     series = state["series"]
     assert sum(series["num_finished"]) == 1 and sum(series["num_rejected"]) == 1
     assert series["bucket_s"] == 5.0 and len(series["t_s"]) == len(series["ttft_p50_s"])

@@ -157,7 +157,9 @@ function gatewayTile(state) {
     el("div", { class: "head" }, el("span", { class: "name", text: "Gateway" }), badge("ok")),
     row("requests in flight", `${g.in_flight} / ${g.max_concurrent_requests}`),
     row("model", state.model),
+    row("weights", g.weight_version === "default" ? "as started" : `version ${g.weight_version}`),
     row("up", fmtUptime(state.uptime_s)));
+  if (g.paused) tile.append(row("generation", "paused"));
   const last = (state.replan || [])[0];
   if (last) {  // --replan: the latest round
     tile.append(row("re-planning", last.target ? `${last.split} → ${last.target}`
