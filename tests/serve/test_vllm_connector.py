@@ -527,7 +527,7 @@ class _Answers:
         self.answers = answers
         self.calls: list[tuple[str, object]] = []
 
-    def __call__(self, url: str, **kwargs: object):
+    def __call__(self, method: str, url: str, **kwargs: object):
         import httpx
 
         path = url.split("127.0.0.1:8100", 1)[1]
@@ -547,8 +547,7 @@ def _weights_connector(tmp_path, monkeypatch, answers: dict[str, tuple[int, obje
     conn.endpoints = VllmEndpoints("http://127.0.0.1:8100", "tcp://127.0.0.1:5557")
     conn._config = EngineConfig(model=str(model))
     fake = _Answers(answers)
-    monkeypatch.setattr(module.httpx, "get", fake)
-    monkeypatch.setattr(module.httpx, "post", fake)
+    monkeypatch.setattr(module.httpx, "request", fake)
     resets: list[bool] = []
     conn.reset_prefix_cache = lambda: resets.append(True) or True
     return conn, fake, resets, model
@@ -586,6 +585,6 @@ def test_vllm_weight_updates_go_through_its_own_reload(tmp_path, monkeypatch) ->
         conn.stage_weights(str(new))
     failing = {**gpu, "/collective_rpc": (500, {"error": {"message": "no such file"}})}
     conn, fake, resets, _ = _weights_connector(tmp_path / "fail", monkeypatch, failing)
-    with pytest.raises(HalfmoonError, match="did not reload its weights \\(500\\)"):
+    with pytest.raises(HalfmoonError, match="/collective_rpc \\(500\\): no such file"):
         conn.commit_weights(conn.stage_weights(str(new)))
     assert resets == []

@@ -402,18 +402,7 @@ class VllmServerConnector(EngineConnector):
         """vLLM's own ``/reset_prefix_cache`` on this worker's server, one of its
         development endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which a
         server halfmoon starts inherits); its KV events tell the Conductor."""
-        url = f"{self.endpoints.url}/reset_prefix_cache"
-        try:
-            resp = httpx.post(url, timeout=60.0)
-        except httpx.HTTPError as exc:
-            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
-        if resp.status_code == 404:
-            raise HalfmoonError(
-                f"the vLLM server at {self.endpoints.url} has no /reset_prefix_cache (start "
-                f"it with {DEV_MODE_ENV}=1)"
-            )
-        if resp.status_code != 200:
-            raise HalfmoonError(f"vLLM ({resp.status_code}): {_error_message(resp.text)}")
+        resp = self._dev_call("POST", "/reset_prefix_cache", 60.0)
         try:
             success = bool(resp.json()["success"])
         except (ValueError, KeyError, TypeError):
@@ -451,16 +440,7 @@ class VllmServerConnector(EngineConnector):
     def _server_config(self) -> dict[str, Any]:
         """The server's configuration (its ``/server_info``, another development
         endpoint), as JSON."""
-        url = f"{self.endpoints.url}/server_info"
-        try:
-            resp = httpx.get(url, params={"config_format": "json"}, timeout=120.0)
-        except httpx.HTTPError as exc:
-            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
-        if resp.status_code == 404:
-            raise HalfmoonError(
-                f"the vLLM server at {self.endpoints.url} has no /server_info (start it with "
-                f"{DEV_MODE_ENV}=1)"
-            )
+        resp = self._dev_call("GET", "/server_info", 120.0, params={"config_format": "json"})
         try:
             config = resp.json()["vllm_config"]
             assert isinstance(config, dict)
@@ -474,24 +454,29 @@ class VllmServerConnector(EngineConnector):
         ``reload_weights``, through its ``/collective_rpc`` development endpoint: the
         server runs with ``VLLM_SERVER_DEV_MODE=1``), then its prefix cache reset."""
         assert isinstance(staged, Path)
-        url = f"{self.endpoints.url}/collective_rpc"
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(staged)}}
-        try:
-            resp = httpx.post(url, json=body, timeout=600.0)
-        except httpx.HTTPError as exc:
-            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
-        if resp.status_code == 404:
-            raise HalfmoonError(
-                f"the vLLM server at {self.endpoints.url} has no /collective_rpc (start it "
-                f"with {DEV_MODE_ENV}=1)"
-            )
-        if resp.status_code != 200:
-            raise HalfmoonError(f"vLLM did not reload its weights ({resp.status_code}): "
-                                f"{_error_message(resp.text)}")  # fmt: skip
+        self._dev_call("POST", "/collective_rpc", 600.0, json=body)
         if not self.reset_prefix_cache():
             raise HalfmoonError("vLLM reloaded its weights but kept its prefix cache: "
                                 "requests hold blocks")  # fmt: skip
         log.info("vLLM at %s reloaded its weights from %s", self.endpoints.url, staged)
+
+    def _dev_call(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
+        """One of vLLM's development endpoints on this worker's server: its 200 answer,
+        else a HalfmoonError naming why (404: the server runs without
+        ``VLLM_SERVER_DEV_MODE=1``, which a server halfmoon starts inherits)."""
+        try:
+            resp = httpx.request(method, f"{self.endpoints.url}{path}", timeout=timeout_s,
+                                 **kwargs)  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 404:
+            raise HalfmoonError(f"the vLLM server at {self.endpoints.url} has no {path} "
+                                f"(start it with {DEV_MODE_ENV}=1)")  # fmt: skip
+        if resp.status_code != 200:
+            raise HalfmoonError(f"vLLM's {path} ({resp.status_code}): "
+                                f"{_error_message(resp.text)}")  # fmt: skip
+        return resp
 
     def _lora_call(self, op: str, body: dict[str, str]) -> None:
         url = f"{self.endpoints.url}/v1/{op}_lora_adapter"
