@@ -7,6 +7,7 @@ Llama family (Llama 2/3, Qwen2, Mistral); :class:`EngineConfig` holds the servin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -351,3 +352,42 @@ class EngineConfig:
         """Per-sequence prefill chunk size actually used."""
         limit = self.prefill_chunk_tokens or self.max_num_batched_tokens
         return min(limit, self.max_num_batched_tokens)
+
+
+#: Fields of a model's config (a weight update's checkpoint against the served one) that may differ between checkpoints of one served model.
+_FREE_FIELDS = ("torch_dtype", "bos_token_id", "eos_token_ids")
+
+
+def architecture_differences(served: ModelConfig, new: ModelConfig) -> list[str]:
+    """What differs between two models' configs beyond what a weight update may change
+    (dtype, special tokens), as ``field: new against served`` lines."""
+    return [
+        f"{f.name}: {getattr(new, f.name)!r} against {getattr(served, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _FREE_FIELDS and getattr(new, f.name) != getattr(served, f.name)
+    ]
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """The model config of an HF directory (HalfmoonError when it cannot be read)."""
+    config_path = model_dir / "config.json"
+    try:
+        return ModelConfig.from_hf(json.loads(config_path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise HalfmoonError(f"cannot read {config_path}: {exc}") from None
+
+
+def checkpoint_of(served: ModelConfig, model_path: str) -> tuple[Path, ModelConfig]:
+    """The directory ``model_path`` names (an HF directory, or what ``--model`` takes)
+    and its config; HalfmoonError when it is not ``served``'s architecture."""
+    from halfmoon.engine.catalog import resolve_model  # noqa: PLC0415 - catalog reads configs too
+
+    path = resolve_model(model_path)
+    config = read_config(path)
+    differences = architecture_differences(served, config)
+    if differences:
+        raise HalfmoonError(
+            f"{path} is not the served model's architecture ({'; '.join(differences)}): "
+            "new weights must fit the served shapes"
+        )
+    return path, config

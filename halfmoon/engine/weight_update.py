@@ -19,22 +19,16 @@ and a serving worker clears its block store too.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.engine.catalog import resolve_model
-from halfmoon.engine.config import ModelConfig
+from halfmoon.engine.config import ModelConfig, checkpoint_of
 from halfmoon.engine.model import LlamaForCausalLM
 from halfmoon.engine.prepack import PackedLinear
 from halfmoon.engine.weights import empty_model, load_weights
-
-#: Fields of a model's config that may differ between checkpoints of one served model.
-_FREE_FIELDS = ("torch_dtype", "bos_token_id", "eos_token_ids")
 
 
 @dataclass
@@ -45,39 +39,6 @@ class StagedWeights:
     path: Path
     #: Its weights in a plain model of the served model's dtype and device.
     model: LlamaForCausalLM
-
-
-def architecture_differences(served: ModelConfig, new: ModelConfig) -> list[str]:
-    """What differs between two models' configs beyond what a weight update may change
-    (dtype, special tokens), as ``field: new against served`` lines."""
-    return [
-        f"{f.name}: {getattr(new, f.name)!r} against {getattr(served, f.name)!r}"
-        for f in dataclasses.fields(ModelConfig)
-        if f.name not in _FREE_FIELDS and getattr(new, f.name) != getattr(served, f.name)
-    ]
-
-
-def read_config(model_dir: Path) -> ModelConfig:
-    """The model config of an HF directory (HalfmoonError when it cannot be read)."""
-    config_path = model_dir / "config.json"
-    try:
-        return ModelConfig.from_hf(json.loads(config_path.read_text()))
-    except (OSError, ValueError) as exc:
-        raise HalfmoonError(f"cannot read {config_path}: {exc}") from None
-
-
-def checkpoint_of(served: ModelConfig, model_path: str) -> tuple[Path, ModelConfig]:
-    """The directory ``model_path`` names (an HF directory, or what ``--model`` takes)
-    and its config; HalfmoonError when it is not ``served``'s architecture."""
-    path = resolve_model(model_path)
-    config = read_config(path)
-    differences = architecture_differences(served, config)
-    if differences:
-        raise HalfmoonError(
-            f"{path} is not the served model's architecture ({'; '.join(differences)}): "
-            "new weights must fit the served shapes"
-        )
-    return path, config
 
 
 def stage_weights(

@@ -377,6 +377,13 @@ STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
              ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
              ("/v1/messages", "post"), ("/invocations", "post"),
              ("/inference/v1/generate", "post"), ("/generate", "post")}  # fmt: skip
+#: Answers with no body: the status says it all.
+EMPTY_ANSWERS = {
+    ("/health_generate", "get"): ("A token came through the whole path (no body)",
+                                  {503: "No token came in time (no body)"}),
+}  # fmt: skip
+#: Answers in plain text (SGLang's): their 200, and a 400 that may be text too.
+TEXT_ANSWERS = {("/flush_cache", "get"), ("/flush_cache", "post")}
 _DESCRIPTIONS = {
     400: "Invalid request (the body is not JSON, a field is out of range, the prompt and "
     "max_tokens exceed the context): ``param`` names the field",
@@ -425,6 +432,13 @@ def _operation_responses(
     if path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
         ok["description"] = "Prometheus metrics (text exposition format)"
+    if key in EMPTY_ANSWERS:
+        ok.pop("content", None)
+        ok["description"], others = EMPTY_ANSWERS[key]
+        for status, description in others.items():
+            responses[str(status)] = {"description": description}
+    if key in TEXT_ANSWERS:
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     statuses = list(ERROR_STATUSES.get(key, ()))
     if "requestBody" in op:
         statuses.append(400)
@@ -433,6 +447,10 @@ def _operation_responses(
     error = _ANTHROPIC_ERROR_REF if anthropic_path(path) else _ERROR_REF
     for status in sorted(set(statuses)):
         responses[str(status)] = {"description": _DESCRIPTIONS[status], "content": _json(error)}
+    if key in TEXT_ANSWERS:  # (workers that kept blocks are named in text)
+        responses["400"] = {"description": "Not done: why, as text or an error object",
+                            "content": {**_json(error),
+                                        "text/plain": {"schema": {"type": "string"}}}}  # fmt: skip
 
 
 def _cap_integers(schema: dict[str, Any], maximum: int) -> None:

@@ -50,7 +50,7 @@ from halfmoon.core.flags import DEV_MODE_ENV
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.costmodel import CostProfile
-from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.config import EngineConfig, checkpoint_of, read_config
 from halfmoon.engine.connector import (
     CacheListener,
     EngineConnector,
@@ -63,7 +63,6 @@ from halfmoon.engine.connector import (
     StageConnector,
     model_kv_layout,
 )
-from halfmoon.engine.weight_update import checkpoint_of, read_config
 from halfmoon.serve.vllm.kv_events import HashTranslator
 from halfmoon.serve.vllm.server import (
     ServerFacts,
