@@ -70,6 +70,14 @@ def test_new_weights_everywhere_and_no_stale_kv(devmode, ssd_dir, tmp_path):
     expected = list(LLMEngine(EngineConfig(model=str(new_dir), kv_cache_mb=16))
                     .generate([PROMPT_IDS], params)[0].token_ids)  # fmt: skip
 
+    # a version label alone (no update yet): a worker that restarts still registers
+    label = httpx.post(devmode.base_url + "/update_weight_version", json={"new_version": "v0"},
+                       timeout=30)  # fmt: skip
+    assert label.status_code == 200, label.text
+    os.kill(_pids(devmode, "decode")[0], signal.SIGKILL)
+    time.sleep(0.5)
+    _wait_registered(devmode, 2)
+
     before, cached = _generate(devmode)
     assert cached == 0
     assert _generate(devmode) == (before, 144)  # whole blocks of 16 cached

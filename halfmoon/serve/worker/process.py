@@ -654,6 +654,9 @@ class Worker:
         be (this worker must not serve other weights than the cluster's)."""
         if weights is None or weights == self.weights:
             return
+        if not weights.path:  # a version label given to the weights it started with
+            self.weights = weights
+            return
         log.info("the cluster serves the weights of %s (version %s): installing them",
                  weights.path, weights.version)  # fmt: skip
         self.update_weights("stage", weights)
