@@ -87,16 +87,16 @@ def main() -> None:
     original = resolve_model(args.model)
     with tempfile.TemporaryDirectory(prefix="hm-weights-") as tmp:
         moved = moved_copy(original, Path(tmp) / "step-1", args.noise)
-        tokenizer_engine = {}
         expected: dict[str, list[int]] = {}
+        answers: dict[str, str] = {}
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompt_ids: list[int] = []
         for name, path in (("original", original), ("step-1", moved)):
             engine = LLMEngine(EngineConfig(model=str(path), kv_cache_mb=64))
-            ids = engine.tokenizer.encode(PROMPT)
-            expected[name] = list(engine.generate([ids], params)[0].token_ids)
-            tokenizer_engine[name] = engine.tokenizer.decode(expected[name])
+            prompt_ids = engine.tokenizer.encode(PROMPT)  # (the same tokenizer for both)
+            expected[name] = list(engine.generate([prompt_ids], params)[0].token_ids)
+            answers[name] = engine.tokenizer.decode(expected[name])
             del engine
-        prompt_ids = ids
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"
         serve_args = ["--model", args.model, "--prefill", "1", "--decode", "1"]
         log = Path(tmp) / "serve.log"
@@ -149,7 +149,7 @@ def main() -> None:
             "startup_s": round(startup_s, 2), "median_update_s": statistics.median(update),
             "restart_new_checkpoint_s": round(restart_new_s, 2),
             "restart_over_update": round(restart_new_s / statistics.median(update), 1),
-            "answers": tokenizer_engine,
+            "answers": answers,
             "answers_differ": expected["original"] != expected["step-1"],
         }  # fmt: skip
         print(f"cluster start {startup_s:.1f} s (on a new checkpoint {restart_new_s:.1f} s); "

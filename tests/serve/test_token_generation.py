@@ -65,6 +65,13 @@ class CountingBackend:
         return {"mode": "counting"}
 
 
+def generation_of(client: httpx.AsyncClient, max_tokens: int) -> asyncio.Future:
+    """A token-in generation of ``max_tokens`` tokens, started in the background (its
+    answer when awaited)."""
+    body = {"token_ids": [5], "sampling_params": {"max_tokens": max_tokens}}
+    return asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
+
+
 @contextlib.contextmanager
 def counting(gateways, **config):
     """A gateway over a :class:`CountingBackend` whose model has generation defaults:
@@ -299,24 +306,19 @@ def test_pause_and_resume_hold_new_generations(gateways):
     async def scenario() -> dict[str, Any]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-
-            def generate(n: int) -> asyncio.Future:
-                body = {"token_ids": [5], "sampling_params": {"max_tokens": n}}
-                return asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
-
             out: dict[str, Any] = {}
-            running = generate(200)
+            running = generation_of(client, 200)
             await asyncio.sleep(0.2)
             out["paused"] = (await client.post("/pause")).json()
             out["aborted"] = (await running).json()["choices"][0]["finish_reason"]
-            held = generate(3)
+            held = generation_of(client, 3)
             await asyncio.sleep(0.3)
             out["held"] = not held.done()
             out["is_paused"] = (await client.get("/is_paused")).json()
             await client.post("/resume")
             out["after"] = (await held).json()["choices"][0]["finish_reason"]
             out["resumed"] = (await client.get("/is_paused")).json()
-            finishing = generate(10)
+            finishing = generation_of(client, 10)
             await asyncio.sleep(0.05)
             await client.post("/pause", params={"mode": "wait"})
             out["waited"] = finishing.done() and (await finishing).json()["choices"][0][

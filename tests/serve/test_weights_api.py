@@ -13,7 +13,7 @@ import httpx
 from halfmoon.serve.control.messages import WeightsRecord
 from halfmoon.serve.gateway.backend import BackendError
 
-from .test_token_generation import CountingBackend
+from .test_token_generation import CountingBackend, generation_of
 
 
 class UpdatingBackend(CountingBackend):
@@ -49,30 +49,32 @@ class UpdatingBackend(CountingBackend):
         self.record = WeightsRecord(path=path, version=version)
 
 
-def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
+def updating_app(gateways, pace_s: float = 0.0):
+    """An app over an :class:`UpdatingBackend` with the development switch on; (backend,
+    app)."""
     backend = UpdatingBackend(gateways.tokenizer)
-    backend.pace_s = 0.02
+    backend.pace_s = pace_s
     app = gateways.app(backend, "m", dev_endpoints=True)
     backend.gateway = app.state.gateway
+    return backend, app
+
+
+def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
+    backend, app = updating_app(gateways, pace_s=0.02)
 
     async def scenario() -> dict[str, Any]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-
-            def generate(n: int) -> asyncio.Future:
-                body = {"token_ids": [5], "sampling_params": {"max_tokens": n}}
-                return asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
-
             out: dict[str, Any] = {}
             out["info_before"] = (await client.get("/weight_info")).json()
             out["model_info_before"] = (await client.get("/model_info")).json()
-            running = generate(10)
+            running = generation_of(client, 10)
             await asyncio.sleep(0.05)
             update = asyncio.ensure_future(client.post(
                 "/update_weights_from_disk", json={"model_path": "/ckpt/step-1",
                                                    "weight_version": "1"}))  # fmt: skip
             await asyncio.sleep(0.05)
-            held = generate(2)  # arrives while the update waits: held until it is done
+            held = generation_of(client, 2)  # arrives while the update waits: held until it is done
             out["finished"] = (await running).json()["choices"][0]["finish_reason"]
             out["update"] = (await update).json()
             out["held"] = (await held).json()["choices"][0]["finish_reason"]
@@ -82,7 +84,7 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
                 "input_ids": [5], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
             out["meta_version"] = sglang.json()["meta_info"]["weight_version"]
 
-            running = generate(200)
+            running = generation_of(client, 200)
             await asyncio.sleep(0.05)
             aborting = await client.post("/update_weights_from_disk", json={
                 "model_path": "/ckpt/step-2", "abort_all_requests": True})  # fmt: skip
@@ -129,9 +131,7 @@ def test_update_waits_for_running_requests_and_holds_new_ones(gateways) -> None:
 
 
 def test_refusals_and_keep_pause(gateways) -> None:
-    backend = UpdatingBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", dev_endpoints=True)
-    backend.gateway = app.state.gateway
+    backend, app = updating_app(gateways)
 
     async def scenario() -> dict[str, Any]:
         transport = httpx.ASGITransport(app=app)
@@ -208,8 +208,7 @@ def test_the_routes_are_documented(gateways) -> None:
 
 
 def test_flush_cache_resets_every_tier_and_names_where_it_could_not(gateways) -> None:
-    backend = UpdatingBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", dev_endpoints=True)
+    backend, app = updating_app(gateways)
 
     async def scenario() -> list[tuple[int, str]]:
         transport = httpx.ASGITransport(app=app)
@@ -232,9 +231,8 @@ def test_flush_cache_resets_every_tier_and_names_where_it_could_not(gateways) ->
 def test_an_update_runs_to_its_end_when_its_caller_gives_up(gateways) -> None:
     """A client that disconnects mid-update does not cut it in two: it completes (every
     worker and the Conductor's record alike), and generation resumes after it."""
-    backend = UpdatingBackend(gateways.tokenizer)
-    app = gateways.app(backend, "m", dev_endpoints=True)
-    gw = backend.gateway = app.state.gateway
+    backend, app = updating_app(gateways)
+    gw = backend.gateway
 
     async def scenario() -> tuple[bool, bool, list]:
         caller = asyncio.ensure_future(gw.update_weights("/ckpt/step-3", "3", False))

@@ -179,31 +179,23 @@ class Gateway(RequestPreparation):
     ) -> int:
         started = time.monotonic()
         outcome = "failed"
-        try:
-            waiting = await self._update_locked(update, path, version, abort)
-            outcome = "ok"
-            return waiting
-        finally:
-            self.metrics.weight_update.labels(outcome).observe(time.monotonic() - started)
-
-    async def _update_locked(
-        self, update: Callable[[str, str], Any], path: str, version: str | None, abort: bool
-    ) -> int:
         async with self._weights_lock:
-            if version is None:
-                version = (await self.served_weights())[1]
             was_paused = self.paused
             self._resumed.clear()
             try:
+                if version is None:
+                    version = (await self.served_weights())[1]
                 if abort:
                     await self.abort_requests(None)
                 await self._idle.wait()
                 waiting = self.in_flight - self._generating
                 await update(path, version)
                 self.weight_version = version
+                outcome = "ok"
             finally:
                 if not was_paused:
                     self.resume()
+                self.metrics.weight_update.labels(outcome).observe(time.monotonic() - started)
         return waiting
 
     async def label_weights(self, version: str, abort: bool) -> None:
