@@ -108,6 +108,10 @@ class SamplingParams:
     #: The LoRA adapter the request runs with (a name the engines serve; None: the base
     #: model). Its blocks hash under the adapter (:func:`halfmoon.core.hashing.adapter_salt`).
     lora: str | None = None
+    #: An embedding request (``/v1/embeddings``): the engine computes the prompt and
+    #: answers with its last token's final hidden state (after the model's last norm, as
+    #: vLLM pools a generative model by default) instead of sampling a token.
+    embed: bool = False
 
     @property
     def has_penalties(self) -> bool:
@@ -148,6 +152,8 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
+        if self.embed and (self.prompt_logprobs is not None or self.structured is not None):
+            raise ValueError("an embedding request takes no prompt_logprobs or structured output")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

@@ -44,7 +44,14 @@ from halfmoon.engine.loader import LoadedModel, load_model
 from halfmoon.engine.lora import LoraAdapter, LoraModule, LoraSet
 from halfmoon.engine.packages import build_missing
 from halfmoon.engine.prepack import prepack_linears, prepack_lm_head
-from halfmoon.engine.runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ChunkInput, ModelRunner
+from halfmoon.engine.runner import (
+    HIDDEN_LAST,
+    LOGITS_ALL,
+    LOGITS_LAST,
+    LOGITS_NONE,
+    ChunkInput,
+    ModelRunner,
+)
 from halfmoon.engine.sampling import (
     chunk_prompt_logprobs,
     finish_reason,
@@ -91,6 +98,9 @@ class RequestOutput:
     #: With the first token of a request that asked for them (``prompt_logprobs``): the
     #: log-probabilities of its prompt tokens after the first, in order.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: An embedding request's answer (``params.embed``; no tokens, finished ``stop``):
+    #: the prompt's last token's final hidden state, in float32, not normalized.
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +272,8 @@ class LLMEngine:
         self._failed_steps_in_a_row = 0
         #: Requests of a failed step, each computed alone until a step of it succeeds.
         self._suspects: set[str] = set()
+        #: Embedding requests whose prompt the running step finished, with their vectors.
+        self._pooled: list[tuple[Sequence, torch.Tensor]] = []
         fail_on = os.environ.get(FAIL_STEP_ENV, "").strip()
         self._fail_on_token = int(fail_on) if fail_on.lstrip("-").isdigit() else None
 
@@ -519,7 +531,8 @@ class LLMEngine:
             seq.num_computed_tokens = chunk.end + n
             token_ids = seq.token_ids + list(chunk.draft[:n]) if n else seq.token_ids
             self.block_manager.commit(seq.request_id, token_ids, seq.num_computed_tokens)
-        outputs = []
+        outputs = [self._embedded(seq, vector) for seq, vector in self._pooled]
+        self._pooled = []
         for seq, tokens in sampled:
             try:
                 outputs.append(self._append(seq, tokens))
@@ -554,6 +567,7 @@ class LLMEngine:
         ``(sequence, [(token, its log-probability), ...])``, one token, or with draft
         tokens the accepted drafts and the token after them
         (:mod:`halfmoon.engine.speculative`). Changes no scheduling state."""
+        self._pooled = []
         if self._fail_on_token is not None:
             for c in chunks:
                 self.check_fault(c.seq.token_ids[c.start : c.end])
@@ -586,7 +600,11 @@ class LLMEngine:
                 continue
             lg = rows[at]
             at += 1
-            if want == LOGITS_ALL:
+            if want == HIDDEN_LAST:
+                assert lg is not None
+                self._pooled.append((c.seq, lg[0]))
+                lg = None
+            elif want == LOGITS_ALL:
                 self._take_prompt_logprobs(c.seq, c.start, lg)
                 lg = lg[-1:] if c.samples else None
             logits.append(lg)
@@ -674,7 +692,9 @@ class LLMEngine:
         seq = chunk.seq
         if seq.wants_prompt_logprobs and chunk.start < seq.num_prompt_tokens - 1:
             return LOGITS_ALL
-        return LOGITS_LAST if chunk.samples else LOGITS_NONE
+        if not chunk.samples:
+            return LOGITS_NONE
+        return HIDDEN_LAST if seq.params.embed else LOGITS_LAST
 
     @staticmethod
     def _take_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -732,6 +752,18 @@ class LLMEngine:
                 else None
             ),
         )
+
+    def _embedded(self, seq: Sequence, vector: torch.Tensor) -> RequestOutput:
+        """An embedding request's prompt is computed: it finishes with its vector."""
+        self.scheduler.finish(seq, "stop")
+        if not seq.keep_kv:
+            self._seqs.pop(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=(), token_ids=(), text="", finished=True,
+            finish_reason="stop", num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            embedding=tuple(vector.float().cpu().tolist()),
+        )  # fmt: skip
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, delta_len: int) -> str | None:

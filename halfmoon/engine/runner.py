@@ -20,8 +20,9 @@ from halfmoon.engine.kv_cache import KVCache
 from halfmoon.engine.lora import LoraSet
 from halfmoon.engine.model import LlamaForCausalLM
 
-#: What logits a chunk wants back: none, its last token's, or every token's.
-LOGITS_NONE, LOGITS_LAST, LOGITS_ALL = "none", "last", "all"
+#: What logits a chunk wants back: none, its last token's, or every token's; or, for
+#: an embedding, its last token's final hidden state instead of logits.
+LOGITS_NONE, LOGITS_LAST, LOGITS_ALL, HIDDEN_LAST = "none", "last", "all", "hidden"
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ChunkInput]) -> list[torch.Tensor | None]:
         """Compute ``chunks`` (writing their K/V) and return, per chunk in the given
-        order, its logits ``[1 or n, vocab]`` (or None when it asked for none)."""
+        order, its logits ``[1 or n, vocab]`` (or None when it asked for none; its last
+        row's final hidden state ``[1, hidden]`` when it asked for :data:`HIDDEN_LAST`)."""
         if not chunks:
             return []
         decode_idx = [i for i, c in enumerate(chunks) if c.is_decode]
@@ -192,11 +194,14 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, batch, self.kv_cache, self.hook)
         rows: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
+        pooled: dict[int, torch.Tensor] = {}
         row = 0
         for i, chunk in zip(order, ordered, strict=True):
             n = len(chunk.token_ids)
             first = len(rows)
-            if chunk.logits == LOGITS_LAST:
+            if chunk.logits == HIDDEN_LAST:
+                pooled[i] = hidden[row + n - 1 : row + n]
+            elif chunk.logits == LOGITS_LAST:
                 rows.append(row + n - 1)
             elif chunk.logits == LOGITS_ALL:
                 rows.extend(range(row, row + n))
@@ -205,6 +210,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         out: list[torch.Tensor | None] = []
         for i in range(len(chunks)):
+            if i in pooled:
+                out.append(pooled[i])
+                continue
             first, last = spans[i]
             out.append(logits[first:last] if logits is not None and last > first else None)
         return out
