@@ -245,7 +245,11 @@ def test_abort_requests_ends_running_generations(gateways):
             chat = {"model": "m", "messages": [{"role": "user", "content": "x"}],
                     "max_tokens": 200, "request_id": "talk"}  # fmt: skip
             talking = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat))
-            await asyncio.sleep(0.3)
+            for _ in range(500):  # both generating (a chat template's first use may be slow)
+                if len(backend.prompts) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
             ended = await client.post("/abort_requests",
                                       json={"request_ids": ["long", "chatcmpl-talk", "none"]})  # fmt: skip
             unknown = await client.post("/inference/v1/abort_requests", json={"request_ids": ["x"]})
