@@ -17,6 +17,7 @@ from halfmoon.costmodel.decode_guard import ADMIT, REJECT, WAIT
 from halfmoon.costmodel.profile import CostProfile, ProfileCostModel, fit_profile
 from halfmoon.costmodel.serving import ServingTerms
 from halfmoon.costmodel.speculation import NO_SPECULATION, SpeculationRates
+from halfmoon.engine.engine import RequestOutput
 from halfmoon.metrics.records import RequestRecord
 from halfmoon.serve.control.messages import Error, Expect, Handoff, WireParams
 from halfmoon.serve.worker.decode import DecodeRole
@@ -209,9 +210,9 @@ def _hand_off(role: DecodeRole, rid: str, prompt: int = 40) -> None:
 
 
 def _finish(role: DecodeRole, rid: str) -> None:
-    out = SimpleNamespace(request_id=rid, new_token_ids=(7,), finished=True, finish_reason="length",
-                          new_logprobs=(), num_cached_tokens=0, token_ids=(7,),
-                          prompt_logprobs=None)  # fmt: skip
+    out = RequestOutput(request_id=rid, new_token_ids=(7,), token_ids=(7,), text="",
+                        finished=True, finish_reason="length", num_prompt_tokens=1,
+                        num_cached_tokens=0)  # fmt: skip
     role.on_outputs([out])
 
 

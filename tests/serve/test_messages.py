@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import hmac
 import random
+import struct
 from typing import Any
 
 import msgpack
@@ -109,7 +110,9 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.CppStart(request_id="r", start_blocks=2),
     TOKENS,
     m.Batch(messages=[TOKENS, m.Tokens(request_id="s", index=4, token_ids=[8, 9],
-                                       finish_reason="stop")]),
+                                       finish_reason="stop"),
+                      m.Tokens(request_id="e", index=0, token_ids=[], finish_reason="stop",
+                               embedding=struct.pack("<3f", 0.5, -1.0, 2.0))]),
     m.WorkerPong(instance_id="p0", role="prefill", num_running=1, num_waiting=0,
                  num_free_blocks=12, num_steps=40, integrity="ok",
                  stats={"blocks_pulled": 3, "ratio": 0.5}, msg_id=2),
@@ -303,3 +306,13 @@ def test_signed_junk_bodies_raise_only_protocol_errors():
             continue
         assert m.from_wire(m.to_wire(msg)) == msg  # what is accepted is well-formed
     assert refused > 1_000  # most junk is refused (and only ever as a ProtocolError)
+
+
+def test_an_embedding_travels_as_float32():
+    msg = m.Tokens(request_id="e", index=0, token_ids=[], finish_reason="stop",
+                   embedding=struct.pack("<3f", 0.5, -1.0, 2.0))  # fmt: skip
+    back = m.decode_message(m.encode_message(msg, b"k" * 32), b"k" * 32)
+    assert back.embedding_values == (0.5, -1.0, 2.0)
+    assert m.Tokens(request_id="r", index=0, token_ids=[1]).embedding_values is None
+    params = m.WireParams.of(SamplingParams(max_tokens=1, embed=True)).to_params()
+    assert params.embed

@@ -588,3 +588,16 @@ def test_vllm_weight_updates_go_through_its_own_reload(tmp_path, monkeypatch) ->
     with pytest.raises(HalfmoonError, match="/collective_rpc \\(500\\): no such file"):
         conn.commit_weights(conn.stage_weights(str(new)))
     assert resets == []
+
+
+def test_an_embedding_is_refused_before_anything_is_sent(tmp_path, monkeypatch) -> None:
+    """A vLLM server started to generate does not pool: an embedding request fails at
+    once, naming the engine that serves them, and nothing reaches the server."""
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.serve.vllm.connector import VllmUnsupported
+
+    conn, fake, _, _ = _weights_connector(tmp_path, monkeypatch, {})
+    conn._requests = {}
+    with pytest.raises(VllmUnsupported, match="--engine halfmoon"):
+        conn.add_request("e", [5, 6, 7], SamplingParams(max_tokens=1, embed=True))
+    assert fake.calls == [] and conn._requests == {}

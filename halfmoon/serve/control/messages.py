@@ -23,6 +23,7 @@ them); sampling parameters a :class:`WireParams`; log-probabilities
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -117,6 +118,7 @@ class WireParams(Record):
     bad_words: list[str] = field(default_factory=list)
     priority: int = 0
     lora: str | None = None
+    embed: bool = False
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -134,6 +136,7 @@ class WireParams(Record):
             structured=None if (so := params.structured) is None
             else (so.kind, so.spec, so.compact, so.closed, so.whitespace),
             bad_words=list(params.bad_words), priority=params.priority, lora=params.lora,
+            embed=params.embed,
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -150,6 +153,7 @@ class WireParams(Record):
             prompt_logprobs=self.prompt_logprobs,
             structured=None if self.structured is None else StructuredOutput(*self.structured),
             bad_words=tuple(self.bad_words), priority=self.priority, lora=self.lora,
+            embed=self.embed,
         )  # fmt: skip
 
 
@@ -869,11 +873,21 @@ class Tokens(Message):
     cached_tokens: int | None = None
     kv_bytes: int = 0
     prompt_logprobs: WireLogprobs | None = None
+    #: An embedding request's answer (no tokens, finished ``stop``): its vector as
+    #: little-endian float32 bytes.
+    embedding: bytes | None = None
 
     @property
     def token_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The log-probability records (empty when none were asked for)."""
         return logprobs_from_wire(self.logprobs or ())
+
+    @property
+    def embedding_values(self) -> tuple[float, ...] | None:
+        """The embedding as floats (None: not an embedding answer)."""
+        if self.embedding is None:
+            return None
+        return struct.unpack(f"<{len(self.embedding) // 4}f", self.embedding)
 
     @property
     def prompt_token_logprobs(self) -> tuple[TokenLogprob, ...] | None:

@@ -11,7 +11,8 @@ routes of :mod:`halfmoon.serve.gateway.responses_api`), ``/v1/models``
 (and ``/v1/models/{id}``),
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's ``/load``
 and SageMaker's ``/ping`` and ``/invocations`` (a chat or a completion, by its body), vLLM's
-``/reset_prefix_cache``, its RL controls and weight updates
+``/reset_prefix_cache``, OpenAI's ``/v1/embeddings``
+(:mod:`halfmoon.serve.gateway.embeddings_api`), its RL controls and weight updates
 (:mod:`halfmoon.serve.gateway.weights_api`; only under ``VLLM_SERVER_DEV_MODE=1``, as
 vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
@@ -42,6 +43,7 @@ from halfmoon.serve.gateway.batch_chat import batch_chat_router
 from halfmoon.serve.gateway.beam_search import search_beams
 from halfmoon.serve.gateway.config import PUBLIC_PATHS, GatewayConfig
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
+from halfmoon.serve.gateway.embeddings_api import embeddings_router
 from halfmoon.serve.gateway.errors import error_response, install_error_handlers
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.http_limits import BodyLimit
@@ -352,6 +354,7 @@ def create_app(
     if config.dev_endpoints:  # RL weight updates, with vLLM's other RL controls
         app.include_router(weights_router(gw))
     app.include_router(batch_chat_router(gw, _start, _name))
+    app.include_router(embeddings_router(gw))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too
         app.add_middleware(request_ids.RequestIdHeader)

@@ -37,6 +37,9 @@ class GenerationChunk:
     #: With the first chunk of a request that asked for them (``prompt_logprobs``): the
     #: log-probabilities of its prompt tokens after the first.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: An embedding request's answer (``params.embed``: one chunk, no tokens, finished
+    #: ``stop``): the last token's final hidden state, not normalized.
+    embedding: tuple[float, ...] | None = None
 
 
 class Rejected(HalfmoonError):

@@ -6,7 +6,9 @@ It asks the Conductor service for a placement, then talks to the workers directl
 - disaggregated: ``expect`` to the decode worker (it will stream the tokens), then
   ``prefill`` to the prefill worker with the decode worker's transfer endpoint; the
   prefill worker streams the KV layer by layer to the decode worker and sends the first
-  token back itself.
+  token back itself;
+- an embedding (``params.embed``): ``prefill`` alone to the chosen prefill (or ``generate``
+  to the coupled) worker, which computes the prompt and answers with its vector.
 
 Its connections are :mod:`~halfmoon.serve.gateway.cluster_link`'s (one DEALER socket per
 peer, replies routed to each request's queue); its cluster-wide operations (metrics,
@@ -283,6 +285,7 @@ class ClusterBackend(ClusterOperations):
                     rtt_s if first else None,
                     msg.token_logprobs,
                     msg.prompt_token_logprobs,
+                    msg.embedding_values,
                 )
                 if first:  # once the client has it: the Conductor learns how late it came
                     await self._tell_conductor(FirstTokenSeen(request_id=request_id))
@@ -370,6 +373,15 @@ class ClusterBackend(ClusterOperations):
             await self._send(chosen.command, Generate(
                 request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
                 cache_salt=cache_salt,
+            ))  # fmt: skip
+            return
+        if params.embed:  # computed where it was placed, and answered from there
+            self._route_ids[request_id] = (_incarnation(chosen),)
+            self._routes[request_id] = (chosen.command,)
+            await self._send(chosen.command, Prefill(
+                request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
+                decode=decode_ep, cache_source=decision.cache_source,
+                cached_tokens=decision.cached_tokens, cache_salt=cache_salt,
             ))  # fmt: skip
             return
         group = decision.group or []

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-from halfmoon.core.request import TokenLogprob
+from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.metrics.latency import tbt_gaps_s
 from halfmoon.serve.gateway.access_log import note_generation
@@ -33,7 +33,7 @@ from halfmoon.serve.gateway.timeseries import TimeSeries
 T = TypeVar("T")
 
 #: What answers put before a request's public id: ids :meth:`Gateway.abort_requests` reads.
-ANSWER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "generate-tokens-", "msg_")
+ANSWER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "generate-tokens-", "msg_", "embd-")
 
 
 class Gateway(RequestPreparation):
@@ -114,6 +114,39 @@ class Gateway(RequestPreparation):
             self.metrics.running.dec()
             if lora is not None:
                 self.metrics.lora_running.labels(lora_name=lora).dec()
+
+    async def embed(
+        self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        client_id: str | None = None,
+    ) -> tuple[tuple[float, ...], int | None]:  # fmt: skip
+        """The embedding of ``prompt_ids`` (``params.embed``), run as any request (counted,
+        held while paused, ended by :meth:`abort_requests` under ``client_id``): its
+        vector, not normalized, and the prompt tokens a prefix cache served (None:
+        unknown). Raises :class:`Rejected` or :class:`BackendError` as generation does."""
+        p = Prepared(self.new_id(), prompt_ids, params, (), False, False,
+                     cache_salt=cache_salt, client_id=client_id)  # fmt: skip
+        arrival = time.monotonic()
+        vector: tuple[float, ...] | None = None
+        cached = est = None
+        finish = "abort"
+        try:
+            async with aclosing(self.chunks(p)) as chunks:
+                async for chunk in chunks:
+                    if chunk.cached_tokens is not None:
+                        cached, est = chunk.cached_tokens, chunk.est_ttft_s
+                    vector = chunk.embedding if chunk.embedding is not None else vector
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+                        break
+        except BaseException:
+            await self.backend.abort(p.request_id)
+            raise
+        if vector is None:
+            raise BackendError(f"embedding request {p.request_id} ended without a vector "
+                               f"({finish})")  # fmt: skip
+        no_output = OutputText(self.tokenizer, prompt_ids, (), False, True)
+        self._observe_end(p, arrival, [time.monotonic()], no_output, finish, cached, est)
+        return vector, cached
 
     async def abort_requests(self, ids: Iterable[str] | None) -> int:
         """End the generations running under these ids (None: every one): a request id a

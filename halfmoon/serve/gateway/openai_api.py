@@ -73,6 +73,19 @@ MAX_BATCH_PROMPTS = 64
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1 - MAX_CHOICES
 
 
+def checked_salt(value: object) -> object:
+    """A request's ``cache_salt`` (None, or a non-empty string of at most
+    :data:`MAX_CACHE_SALT_CHARS` characters of valid text), or a ValueError; meant to run
+    before pydantic's own parsing, so every bad salt gets this one message."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
+    return check_text(value, "cache_salt")
+
+
 def check_text(value: str, what: str) -> str:
     """``value`` unchanged, or a ValueError when it is not valid Unicode text (a lone
     UTF-16 surrogate such as ``"\\ud800"`` parses from JSON but cannot be tokenized)."""
@@ -207,15 +220,7 @@ class _Common(BaseModel):
     @field_validator("cache_salt", mode="before")
     @classmethod
     def _salt(cls, value: object) -> object:
-        # Checked before pydantic's own parsing, so every bad salt gets this one message.
-        if value is None:
-            return None
-        if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
-            raise ValueError(
-                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                "characters"
-            )
-        return check_text(value, "cache_salt")
+        return checked_salt(value)
 
     def structured_output(self) -> StructuredOutput | None:
         """The request's structured output, from vLLM's ``structured_outputs`` (``json``,

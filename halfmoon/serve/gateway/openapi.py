@@ -225,6 +225,25 @@ class TokenizeResponse(_Open):
     tokens: list[int]
 
 
+class EmbeddingDatum(_Open):
+    """One input's embedding: floats, or (``encoding_format: base64``) float32 bytes."""
+
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(_Open):
+    """Body of ``POST /v1/embeddings``: each input's embedding, in input order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingDatum]
+    usage: dict[str, Any]
+
+
 class TokenizerInfo(_Open):
     """Body of ``GET /tokenizer_info`` (vLLM's): the tokenizer's configuration as its
     ``tokenizer_config.json`` has it, with the chat template in use."""
@@ -331,6 +350,7 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/load", "get"): LoadResponse,
     ("/invocations", "post"): InvocationResponse,
     ("/tokenize", "post"): TokenizeResponse,
+    ("/v1/embeddings", "post"): EmbeddingResponse,
     ("/detokenize", "post"): DetokenizeResponse,
     ("/tokenizer_info", "get"): TokenizerInfo,
     ("/inference/v1/generate", "post"): GenerateResponse,
@@ -358,6 +378,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/responses/{response_id}/cancel", "post"): (400, 404),
     ("/v1/models/{model}", "get"): (404,),
     ("/tokenize", "post"): (404, 413),
+    ("/v1/embeddings", "post"): (404, 413, 429, 503),
     ("/detokenize", "post"): (404, 413),
     ("/health", "get"): (503,),
     ("/ping", "get"): (503,),
@@ -478,7 +499,7 @@ def _pin_requests(
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest", "MessagesRequest",
                  "CountTokensRequest", "GenerateRequest", "GenerateSamplingParams",
-                 "SglangGenerateRequest", "SglangSamplingParams"):  # fmt: skip
+                 "SglangGenerateRequest", "SglangSamplingParams", "EmbeddingRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
@@ -497,6 +518,8 @@ def _pin_requests(
         ):
             if field in props:
                 _bound_token_ids(props[field], vocab_size)
+        if name == "EmbeddingRequest" and "input" in props:  # (a Responses input is no ids)
+            _bound_token_ids(props["input"], vocab_size)
 
 
 def build_openapi(

@@ -62,15 +62,15 @@ class RequestPreparation(ServedModels):
                 "BadRequestError",
                 param=unsupported[0].split()[0],
             )
-        self._check_priority(body.priority)
+        self.check_priority(body.priority)
         chat = isinstance(body, ChatCompletionRequest)
         if chat:
             messages = [m.for_template() for m in body.messages]
-            prompt_ids = self._truncated(self.chat_prompt(messages, body.template_options()),
+            prompt_ids = self.truncated(self.chat_prompt(messages, body.template_options()),
                                          body.truncate_prompt_tokens)  # fmt: skip
             max_tokens = body.output_limit(0) or self.default_output(len(prompt_ids))
         else:
-            batch = [self._truncated(self._completion_prompt(prompt, body.add_special_tokens),
+            batch = [self.truncated(self._completion_prompt(prompt, body.add_special_tokens),
                                      body.truncate_prompt_tokens)
                      for prompt in body.prompts()]  # fmt: skip
             prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
@@ -106,9 +106,9 @@ class RequestPreparation(ServedModels):
                        for text, ids in zip(body.prompts(), batch, strict=True)]  # fmt: skip
         (first_ids, first_echo), *more = prompts
         return Prepared(
-            self._ids.next(), first_ids, params, body.stop_strings(), include_usage, chat,
+            self.new_id(), first_ids, params, body.stop_strings(), include_usage, chat,
             continuous, first_echo, body.n, body.include_stop_str_in_output,
-            cache_salt=self._salt(body.cache_salt, api_key, params.lora),
+            cache_salt=self.salt(body.cache_salt, api_key, params.lora),
             more=tuple(more),
             echo_logprobs=not chat and body.echo and body.logprobs is not None,
             echo_only=not chat and body.max_tokens == 0,
@@ -122,6 +122,10 @@ class RequestPreparation(ServedModels):
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             client_id=client_id,
         )  # fmt: skip
+
+    def new_id(self) -> str:
+        """A new request id (unique across gateways and restarts)."""
+        return self._ids.next()
 
     def default_output(self, num_prompt_tokens: int) -> int:
         """A chat (or generate) request's output limit when it sets none, as in vLLM: the rest of the
@@ -195,7 +199,7 @@ class RequestPreparation(ServedModels):
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
 
-    def _check_priority(self, priority: int) -> None:
+    def check_priority(self, priority: int) -> None:
         """A 400 naming ``priority`` unless the engines schedule by it (or it is 0), or
         when it does not fit in 32 bits."""
         if priority and self.config.scheduling_policy != "priority":
@@ -249,7 +253,7 @@ class RequestPreparation(ServedModels):
             return prompt
         return self.tokenizer.decode(ids)
 
-    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the last ``keep`` prompt tokens (-1: as many
         as the context holds with one token of output); None keeps them all."""
         if keep is None:
@@ -288,7 +292,7 @@ class RequestPreparation(ServedModels):
         self.checked_token_ids(ids, "logit_bias keys")
         return tuple((token, float(bias)) for token, (_, bias) in zip(ids, pairs, strict=True))
 
-    def _salt(self, cache_salt: str | None, api_key: str | None, lora: str | None) -> str | None:
+    def salt(self, cache_salt: str | None, api_key: str | None, lora: str | None) -> str | None:
         """The salt the request's blocks hash under: its own, its tenant's (API key) and
         its LoRA adapter's (:func:`~halfmoon.core.hashing.adapter_salt`); a 400 for a salt
         no request may send."""

@@ -688,6 +688,11 @@ class VllmServerConnector(EngineConnector):
     ) -> dict[str, Any]:  # fmt: skip
         if request_id in self._requests:
             raise HalfmoonError(f"request {request_id!r} is already running")
+        if params.embed:
+            raise VllmUnsupported(
+                "embeddings are served by halfmoon's engine: a vLLM server "
+                "started to generate does not pool (--engine halfmoon)"
+            )
         if len(token_ids) + params.max_tokens > self.max_model_len > 0:
             raise HalfmoonError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "

@@ -70,7 +70,8 @@ class _Prefill:
     params: SamplingParams
     decode: Endpoints
     num_blocks: int
-    stream: OutStream
+    #: Its KV stream to the decode worker (None: an embedding, which ends here).
+    stream: OutStream | None
     cache_salt: str | None = None
     error: str = ""
     pulled_bytes: int = 0
@@ -166,11 +167,13 @@ class PrefillRole(TokenStreaming):
         self.cache.end_load(load)
         decode = msg.decode
         codec = self.worker.kv_codec
-        layout = kv_stream_layout(self.num_layers, n, self.half_block_bytes, codec)
-        stream = OutStream(
-            self.transfer, decode.transfer, rid, layout, f"decode {decode.instance_id}",
-            self.streamers, codec=codec,
-        )  # fmt: skip
+        stream = None
+        if not params.embed:
+            layout = kv_stream_layout(self.num_layers, n, self.half_block_bytes, codec)
+            stream = OutStream(
+                self.transfer, decode.transfer, rid, layout, f"decode {decode.instance_id}",
+                self.streamers, codec=codec,
+            )  # fmt: skip
         p = _Prefill(identity, tokens, params, decode, n, stream, salt)
         p.pulled_bytes = load.fetch.num_pulled * self.bytes_per_block
         if p.pulled_bytes:
@@ -190,7 +193,7 @@ class PrefillRole(TokenStreaming):
         p = self.prefills.get(rid)
         if p is None:
             self.stage.on_prompt_kv(rid, layer, keys, values)
-        elif not p.error and layer >= p.next_layer:
+        elif not p.error and layer >= p.next_layer and p.stream is not None:
             p.next_layer = layer + 1
             p.stream.submit_kv(layer, keys, values)
 
@@ -207,13 +210,14 @@ class PrefillRole(TokenStreaming):
         )
         self.cache.save(rid, p.prompt_token_ids, p.cache_salt)  # the store reports events
         p.out = out
-        if out.finish_reason == "stop" or p.params.max_tokens == 1:
+        if out.finish_reason == "stop" or p.params.max_tokens == 1 or p.stream is None:
             self._hand_over(rid, p, out.finish_reason)
             return
         # Every layer must be on the wire before the blocks go back to the pool: the
         # stream ends on its own thread, and tick() hands the request over after that.
         p.handing_s = time.monotonic()
         self.handing[rid] = p
+        assert p.stream is not None
         finish_all([p.stream], p.streamed.set)
 
     def _hand_over(self, rid: str, p: _Prefill, finish: str | None) -> None:
@@ -230,7 +234,7 @@ class PrefillRole(TokenStreaming):
             self.worker.conductor.event("request_finished", request_id=rid)
             return
         streamed = 0
-        if finish is None:
+        if finish is None and p.stream is not None:
             if p.stream.error:
                 self._fail(rid, p, p.stream.error)
                 return
@@ -255,7 +259,8 @@ class PrefillRole(TokenStreaming):
 
     def _fail(self, rid: str, p: _Prefill, error: str) -> None:
         log.warning("request %s: %s", rid, error)
-        p.stream.submit_cancel()
+        if p.stream is not None:
+            p.stream.submit_cancel()
         # The decode side failed, not the request: the gateway may place it again.
         self.end_failed(p.identity, rid, error, retryable=True, suspect=p.decode.instance_id)
 
@@ -269,7 +274,8 @@ class PrefillRole(TokenStreaming):
             return
         log.warning("request %s: %s", rid, failure.error)
         p.error = failure.error
-        p.stream.submit_cancel()
+        if p.stream is not None:
+            p.stream.submit_cancel()
         self.end_failed(p.identity, rid, failure.error, retryable=failure.retryable)
 
     def on_abort(self, request_id: str) -> None:
@@ -283,7 +289,8 @@ class PrefillRole(TokenStreaming):
         p = self.prefills.pop(request_id, None) or self.handing.get(request_id)
         if p is not None:
             p.error = "aborted"
-            p.stream.submit_cancel()
+            if p.stream is not None:
+                p.stream.submit_cancel()
         if request_id in self.handing:
             return  # its blocks go back once its stream thread is done with them
         staged = self.stage.on_abort(request_id)
@@ -307,6 +314,7 @@ class PrefillRole(TokenStreaming):
                     log.info("%s: the pool holds %d of its blocks", what, self.cache.end_load(load))
         now = time.monotonic()
         for rid, p in list(self.handing.items()):
+            assert p.stream is not None  # (an embedding is never handing)
             if not p.streamed.is_set() and now - p.handing_s > HANDOFF_TIMEOUT_S:
                 p.stream.error = p.stream.error or f"KV stream not done in {HANDOFF_TIMEOUT_S:g}s"
             elif not p.streamed.is_set():

@@ -3,6 +3,7 @@ roles that produce tokens), and the handoff timeouts both sides of a handoff use
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,8 @@ class TokenStreaming:
             prompt_logprobs=(
                 logprobs_to_wire(out.prompt_logprobs) if out.prompt_logprobs is not None else None
             ),
+            embedding=None if out.embedding is None
+            else struct.pack(f"<{len(out.embedding)}f", *out.embedding),
         )  # fmt: skip
         client.index += len(out.new_token_ids)
         if batch:
