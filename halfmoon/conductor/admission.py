@@ -217,6 +217,8 @@ def rejection_reason(
         return RejectCode.TTFT, (
             f"estimated TTFT {ttft:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
+    if request.prefill_only:  # (it never reaches a decode batch)
+        return "", ""
     need = kv_need_tokens(request, config.decode_kv_booking)
     if dstate.committed_tokens + need > dstate.kv_capacity_tokens:
         return RejectCode.KV_FULL, (

@@ -374,6 +374,8 @@ class Conductor(Cluster):
             num_candidates = len(candidates)
         else:
             candidates, num_candidates = self._pruned_candidates(request)
+        if request.prefill_only:  # answered by the instance that computes it: no CPP group
+            candidates = [c for c in candidates if not c.group]
         if not candidates or not self.decode_instances:
             return Decision(
                 request_id=request.request_id,
@@ -523,8 +525,11 @@ class Conductor(Cluster):
     def _commit(
         self, request: Request, chosen: PrefillCandidate, decode_id: str, ready_s: float
     ) -> tuple[ReplicationPlan, ...]:
-        """Book the placement and plan any replication it calls for."""
+        """Book the placement and plan any replication it calls for (a prefill-only
+        request books no decode instance: it is placed with ``decode_id`` "")."""
         rid = request.request_id
+        if request.prefill_only:
+            decode_id = ""
         if rid in self._placements:  # placed again under the same id: drop the old booking
             self._finish(rid, self.clock.now(), sample=False)
         if self._lateness is not None:  # the estimate its first token will be held against
@@ -557,15 +562,16 @@ class Conductor(Cluster):
             )
             if self._links is not None:
                 self._book_links(request, chosen, decode_id, ready_s)
-        dstate = self._decode[decode_id]
-        dstate.incoming[rid] = (ready_s, request.input_length)
-        if self._by_prefix is not None and (root := prefix_root(request)) is not None:
-            self._root_of[rid] = root
-            if (predicted_s := self._by_prefix.predict(root)) is not None:
-                dstate.predicted_s[rid] = predicted_s
+        if decode_id:
+            dstate = self._decode[decode_id]
+            dstate.incoming[rid] = (ready_s, request.input_length)
+            if self._by_prefix is not None and (root := prefix_root(request)) is not None:
+                self._root_of[rid] = root
+                if (predicted_s := self._by_prefix.predict(root)) is not None:
+                    dstate.predicted_s[rid] = predicted_s
+            if self._decode_loads is not None:
+                self._decode_loads.touch(decode_id)
         self._urgent.placed(self.clock.now(), request.priority, chosen.prefill_s)
-        if self._decode_loads is not None:
-            self._decode_loads.touch(decode_id)
         self._placements[rid] = (chosen.instance_id, decode_id)
         if chosen.is_remote:
             self._sources[rid] = chosen.cache_source
@@ -636,6 +642,8 @@ class Conductor(Cluster):
             ready = now if chosen.overlap else now + chosen.queue_s
             fetch_s = chosen.transfer_s - links.wait_s(ready, chosen.cache_source, p)
             links.reserve(ready, fetch_s, chosen.cache_source, p)
+        if not decode_id:  # prefill only: no hand-off
+            return
         cm = self._prefill[p].cost_model
         stream_s = cm.transfer_time_s(request.input_length * cm.kv_bytes_per_token)
         links.reserve(ready_s, stream_s - chosen.prefill_s, p, decode_id)

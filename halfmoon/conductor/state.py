@@ -297,12 +297,14 @@ def check_bookings(
     members in ``group_of``) is booked where it says and that every booking belongs to a
     placement on that instance; each prefill state's total equals the sum of its parts."""
     for rid, (prefill_id, decode_id) in placements.items():
+        assert prefill_id in prefill, f"{rid}: placed on unknown prefill {prefill_id}"
+        if not decode_id:  # prefill only (an embedding): no decode instance booked
+            continue
         dstate = decode.get(decode_id)
         assert dstate is not None, f"{rid}: placed on unknown decode {decode_id}"
         assert (rid in dstate.incoming) != (rid in dstate.running), (
             f"{rid}: neither (or both) incoming and running on {decode_id}"
         )
-        assert prefill_id in prefill, f"{rid}: placed on unknown prefill {prefill_id}"
     for iid, state in prefill.items():
         assert state.pending_s.keys() == state.pending_tokens.keys(), iid
         assert state.started_at_s.keys() <= state.pending_s.keys(), iid

@@ -172,6 +172,8 @@ class Request:
     client was promised. ``priority``: vLLM's request priority (lower first under the
     ``priority`` scheduling policy; always 0 under ``fcfs``), which the Conductor's queue
     estimates follow (:meth:`~halfmoon.conductor.state.PrefillState.queue_s`).
+    ``prefill_only``: an embedding, answered by the instance that computes its prompt: it
+    books no decode instance, and only its TTFT is held against the SLOs.
     """
 
     request_id: str
@@ -183,6 +185,7 @@ class Request:
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
     admitted: bool = False
     priority: int = 0
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if self.input_length < 1:

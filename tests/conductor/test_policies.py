@@ -331,3 +331,29 @@ def test_a_request_placed_again_after_a_failure_is_never_rejected_early(paper_co
     big = _req("m", 40, first=99_000)
     assert not c.route_coupled(big).accepted
     assert c.route_coupled(dataclasses.replace(big, admitted=True)).accepted
+
+
+@pytest.mark.parametrize("early_reject", ["snapshot", "predict"])
+def test_a_prefill_only_request_books_no_decode_instance(make_conductor, early_reject):
+    """An embedding is answered by the instance that computes it: a full decode pool does
+    not refuse it, it books nothing there (nor a hand-off on the links), and its prefill
+    worker's RequestFinished ends it."""
+    c = make_conductor(num_prefill=1, num_decode=1, early_reject=early_reject,
+                       slo=SLOConfig(ttft_s=100.0, tbt_s=10.0), link_backlog=True)  # fmt: skip
+    c._decode["D1"].kv_capacity_tokens = 1000  # noqa: SLF001 - a small pool
+    embed = dataclasses.replace(_req("e", 100), prefill_only=True)  # 1,600 prompt tokens
+    d = c.schedule(embed)
+    assert d.accepted and d.prefill.instance_id == "P1", d.reject_reason
+    dstate = c._decode["D1"]  # noqa: SLF001
+    assert "e" not in dstate.incoming and dstate.committed_tokens == 0
+    assert c.queue_s("P1") > 0
+    c.check_integrity()
+    assert not c.schedule(_req("big", 100)).accepted  # the same prompt to decode: no room
+    c.handle(RequestFinished("P1", "e"))
+    assert c.num_placements == 0 and c.queue_s("P1") == 0.0
+    c.check_integrity()
+    # a TTFT beyond the SLO refuses it still
+    slow = make_conductor(num_prefill=1, num_decode=1, early_reject=early_reject,
+                          slo=SLOConfig(ttft_s=0.01, tbt_s=10.0))  # fmt: skip
+    refused = slow.schedule(embed)
+    assert not refused.accepted and refused.reject_code == RejectCode.TTFT

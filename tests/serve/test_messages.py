@@ -35,7 +35,7 @@ TOKENS = m.Tokens(request_id="r", index=0, token_ids=[7], finish_reason=None,
 #: One example of every message kind, every optional field set where there is one.
 EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.Schedule(request_id="r", input_length=40, output_length=8, block_size=16, hashes=HASHES,
-               coupled=True, priority=-2, msg_id=3),
+               coupled=True, priority=-2, prefill_only=True, msg_id=3),
     m.PlacementDecision(accepted=True, prefill=P0, decode=D0, cache_source=P0, cached_tokens=16,
                         est_ttft_s=0.25, why="kvcache-centric",
                         replications=[m.Replication(source=P0, target=P0, hashes=HASHES,

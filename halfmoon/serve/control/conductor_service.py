@@ -511,6 +511,7 @@ class ConductorService:
             block_size,
             admitted=message.admitted,
             priority=message.priority,
+            prefill_only=message.prefill_only,
         )
         start = time.perf_counter()
         if message.coupled:

@@ -285,7 +285,7 @@ class Schedule(Message):
     empty for a request that computes its whole prompt whatever is cached (prompt
     log-probabilities): it is placed and estimated as one without a cached prefix.
     ``priority``: the request's (vLLM's ``priority``, 0 under ``fcfs``), which its queue
-    estimate follows."""
+    estimate follows. ``prefill_only``: an embedding (no decode instance is booked)."""
 
     wire_name: ClassVar[str] = "schedule"
     request_id: str
@@ -296,6 +296,7 @@ class Schedule(Message):
     coupled: bool = False
     admitted: bool = False
     priority: int = 0
+    prefill_only: bool = False
 
     @property
     def block_hashes(self) -> list[int]:

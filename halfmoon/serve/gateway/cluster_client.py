@@ -329,7 +329,7 @@ class ClusterBackend(ClusterOperations):
             request_id=request_id, input_length=len(prompt_token_ids),
             output_length=params.max_tokens, block_size=self.block_size,
             hashes=hashes_to_wire(hashes), coupled=self.mode == "coupled", admitted=admitted,
-            priority=params.priority,
+            priority=params.priority, prefill_only=params.embed,
         )  # fmt: skip
         wait_s = max(self.conductor_wait_s, self.failover_wait_s if admitted else 0.0)
         deadline = time.monotonic() + wait_s
