@@ -34,18 +34,16 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from halfmoon.engine.catalog import cache_dir, resolve_model
-from halfmoon.serve.launch.local import LocalCluster
-from halfmoon.serve.runtime import new_secret
-from halfmoon.serve.vllm.server import VllmLaunch, VllmProcess, find_vllm_python
+from halfmoon.engine.catalog import resolve_model
 
-from .vllm_routing import use_vllm_venv
+from .served_vs_vllm import common_args, measure, serve_halfmoon, serve_vllm
 
+#: How vLLM serves a generative model as an embedding model (its documented flags).
+POOLING = ("--runner", "pooling", "--convert", "embed")
 #: The smallest cosine similarity between the two servers' vectors of an input accepted.
 MIN_COSINE = 0.999
 
@@ -74,27 +72,6 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
-def serve_halfmoon(args: argparse.Namespace, log: Path) -> tuple[Any, str]:
-    serve = ["--mode", "coupled", "--instances", "1", "--model", args.model,
-             "--num-threads", str(args.threads), "--kv-cache-mb", str(args.kv_cache_mb),
-             "--block-size", "16", "--dtype", "float32", "--early-reject", "none"]  # fmt: skip
-    cluster = LocalCluster(serve, cache_dir(), new_secret(), log).start()
-    cluster.wait_ready(900)
-    return cluster, cluster.base_url
-
-
-def serve_vllm(args: argparse.Namespace, model_dir: Path, log: Path) -> tuple[Any, str]:
-    launch = VllmLaunch(
-        python=find_vllm_python(), model_dir=str(model_dir), served_model_name=args.model,
-        kv_cache_mb=args.kv_cache_mb, num_threads=args.threads, dtype="float32",
-        max_model_len=args.max_model_len,
-        extra_args=("--runner", "pooling", "--convert", "embed"),
-    )  # fmt: skip
-    server = VllmProcess(launch, "kv@embed-bench", log)
-    server.wait_ready(900)
-    return server, server.endpoints.url
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (round, server, point), and the two servers' agreement."""
     model_dir = resolve_model(args.model, 0)
@@ -110,9 +87,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vectors: dict[str, list[list[float]]] = {}
         for arm in order:
             log = args.out / f"r{rnd}-{arm}.log"
-            start = serve_halfmoon if arm == "halfmoon" else serve_vllm
-            server, url = (start(args, log) if arm == "halfmoon"
-                           else start(args, model_dir, log))  # fmt: skip
+            if arm == "halfmoon":
+                server: Any = serve_halfmoon(args, log)
+                url = server.base_url
+            else:
+                server = serve_vllm(args, model_dir, log, POOLING)
+                url = server.endpoints.url
             try:
                 with httpx.Client(timeout=900) as client:
                     embed(client, url, args.model, warm)
@@ -183,29 +163,11 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--kv-cache-mb",
-        type=int,
-        default=1024,
-        help="each server's KV pool (the default holds the batch's inputs)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    common_args(parser, "embeddings_vs_vllm", kv_cache_mb=1024)  # (holds the batch's inputs)
     parser.add_argument("--inputs", type=int, default=64, help="inputs of the batch request")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per input")
     parser.add_argument("--singles", type=int, default=16, help="one-input requests timed")
-    parser.add_argument("--out", type=Path, default=Path("out/embeddings_vs_vllm"))
-    parser.add_argument(
-        "--results", type=Path, default=Path("benchmarks/results/embeddings_vs_vllm.json")
-    )
-    args = parser.parse_args()
-    use_vllm_venv()
-    results = run(args)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
+    measure(parser.parse_args(), run, table)
 
 
 if __name__ == "__main__":

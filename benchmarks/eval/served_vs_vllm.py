@@ -80,6 +80,8 @@ def bench(url: str, model: str, tokenizer: Path, point: tuple, out: Path, seed: 
 
 
 def serve_halfmoon(args: argparse.Namespace, log: Path) -> LocalCluster:
+    """``halfmoon serve``, one coupled worker, float32, 16-token blocks, ``args``' threads
+    and KV pool, no early rejection; ready."""
     serve = ["--mode", "coupled", "--instances", "1", "--model", args.model,
              "--num-threads", str(args.threads), "--kv-cache-mb", str(args.kv_cache_mb),
              "--block-size", "16", "--dtype", "float32", "--early-reject", "none"]  # fmt: skip
@@ -88,16 +90,43 @@ def serve_halfmoon(args: argparse.Namespace, log: Path) -> LocalCluster:
     return cluster
 
 
-def serve_vllm(args: argparse.Namespace, model_dir: Path, log: Path) -> VllmProcess:
+def serve_vllm(
+    args: argparse.Namespace, model_dir: Path, log: Path, extra_args: tuple[str, ...] = ()
+) -> VllmProcess:
+    """vLLM's server as :func:`serve_halfmoon`'s peer (``extra_args`` added to its command
+    line; ``--enforce-eager`` with ``args.eager``)."""
+    if getattr(args, "eager", False):
+        extra_args = ("--enforce-eager", *extra_args)
     launch = VllmLaunch(
         python=find_vllm_python(), model_dir=str(model_dir), served_model_name=args.model,
         kv_cache_mb=args.kv_cache_mb, num_threads=args.threads, dtype="float32",
-        max_model_len=args.max_model_len,
-        extra_args=("--enforce-eager",) if args.eager else (),
+        max_model_len=args.max_model_len, extra_args=extra_args,
     )  # fmt: skip
     server = VllmProcess(launch, "kv@bench", log)
     server.wait_ready(900)
     return server
+
+
+def common_args(parser: argparse.ArgumentParser, name: str, kv_cache_mb: int = 256) -> None:
+    """The options every side-by-side run with vLLM takes (``name``: its output names)."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-mb", type=int, default=kv_cache_mb,
+                        help="each server's KV pool")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=Path(f"out/{name}"))
+    parser.add_argument("--results", type=Path, default=Path(f"benchmarks/results/{name}.json"))
+
+
+def measure(args: argparse.Namespace, run_all: Any, table_of: Any) -> None:
+    """Run ``run_all(args)`` with vLLM's environment, write its results and print their
+    table."""
+    use_vllm_venv()
+    results = run_all(args)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    print(table_of(results))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,22 +187,9 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-cache-mb", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    common_args(parser, "served_vs_vllm")
     parser.add_argument("--eager", action="store_true", help="vLLM with --enforce-eager")
-    parser.add_argument("--out", type=Path, default=Path("out/served_vs_vllm"))
-    parser.add_argument(
-        "--results", type=Path, default=Path("benchmarks/results/served_vs_vllm.json")
-    )
-    args = parser.parse_args()
-    use_vllm_venv()
-    results = run(args)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
+    measure(parser.parse_args(), run, table)
 
 
 if __name__ == "__main__":
