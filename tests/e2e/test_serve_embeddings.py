@@ -23,7 +23,9 @@ EMBED = SamplingParams(max_tokens=1, embed=True)
 
 @pytest.fixture(scope="module")
 def disagg(cluster_factory):
-    return cluster_factory("--kv-cache-mb", "64")
+    # (no early rejection: a context-long input's estimated TTFT may pass the SLO on a
+    # loaded machine, and this module checks answers, not admission)
+    return cluster_factory("--kv-cache-mb", "64", "--early-reject", "none")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,22 @@ def test_generation_runs_beside_embeddings(disagg, reference):
     expected = _expected(reference, [reference.tokenizer.encode(TEXTS[1])])[0]
     for vector in vectors:
         _assert_same(vector, expected)
+
+
+def test_score_and_rerank_by_the_engines_embeddings(disagg, reference):
+    query, docs = TEXTS[0], TEXTS
+    expected = _expected(reference, [reference.tokenizer.encode(t) for t in docs])
+    cosines = [float(expected[0] @ e) for e in expected]
+    r = httpx.post(disagg.base_url + "/score", json={"text_1": query, "text_2": docs},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(cosines, abs=1e-5)
+    r = httpx.post(disagg.base_url + "/v1/rerank", json={"query": query, "documents": docs,
+                                                         "top_n": 2}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -cosines[i])[:2]
+    assert results[0]["index"] == 0 and results[0]["relevance_score"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

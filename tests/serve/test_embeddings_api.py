@@ -187,3 +187,96 @@ def test_text_that_is_not_unicode_is_a_400(client, backend):
     r = client.post("/v1/embeddings", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid Unicode" in r.text, r.text
     assert not backend.seen
+
+
+def _vector(gateways, text: str) -> list[float]:
+    ids = gateways.tokenizer.encode(text)
+    return [float(len(ids)), float(ids[0]), float(ids[-1])]
+
+
+def _cos(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
+        sum(x * x for x in a) * sum(y * y for y in b)
+    )
+
+
+@pytest.mark.parametrize("path, first, second", [("/score", "text_1", "text_2"),
+                                                  ("/v1/score", "queries", "documents"),
+                                                  ("/score", "data_1", "data_2"),
+                                                  ("/score", "queries", "items")])  # fmt: skip
+def test_score_is_the_cosine_of_the_embeddings(client, backend, gateways, path, first, second):
+    docs = ["zz", "hello", "query text"]
+    r = client.post(path, json={"model": "m", first: "query text", second: docs})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    q = _vector(gateways, "query text")
+    assert [d["index"] for d in out["data"]] == [0, 1, 2]
+    for datum, doc in zip(out["data"], docs, strict=True):
+        assert datum["object"] == "score"
+        assert datum["score"] == pytest.approx(_cos(q, _vector(gateways, doc)))
+    assert out["data"][2]["score"] == pytest.approx(1.0)
+    # each distinct text embedded once, counted once
+    assert len(backend.seen) == 3
+    used = sum(len(gateways.tokenizer.encode(t)) for t in docs)
+    assert out["usage"]["prompt_tokens"] == used and out["id"].startswith("score-")
+    # pairwise: as many first texts as second ones
+    pairs = client.post("/score", json={"text_1": ["a", "bb"], "text_2": ["ab", "bb"]}).json()
+    assert pairs["data"][0]["score"] == pytest.approx(_cos(_vector(gateways, "a"),
+                                                           _vector(gateways, "ab")))  # fmt: skip
+    assert pairs["data"][1]["score"] == pytest.approx(1.0)
+
+
+def test_rerank_orders_documents_most_relevant_first(client, gateways):
+    docs = ["x", "apple pie", "apple", "zebra crossing"]
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = client.post(path, json={"query": "apple", "documents": docs, "top_n": 3})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        q = _vector(gateways, "apple")
+        want = sorted(range(4), key=lambda i: -_cos(q, _vector(gateways, docs[i])))[:3]
+        assert [res["index"] for res in out["results"]] == want
+        assert out["results"][0] == {"index": 2, "relevance_score": pytest.approx(1.0),
+                                     "document": {"text": "apple"}}  # fmt: skip
+        assert out["usage"]["prompt_tokens"] == sum(len(gateways.tokenizer.encode(t)) for t in docs)
+    bare = client.post("/rerank", json={"query": "apple", "documents": docs,
+                                        "return_documents": False}).json()  # fmt: skip
+    assert len(bare["results"]) == 4 and "document" not in bare["results"][0]
+
+
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/score", {"text_1": "a", "text_2": []}, "text_2 must not be empty"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "give one, or as many"),
+        ("/score", {"text_1": "a"}, "give one pair"),
+        ("/score", {"text_1": "a", "text_2": "b", "queries": "c", "items": "d"}, "give one pair"),
+        ("/rerank", {"query": "a", "documents": ["b"], "instruction": "judge"}, "instruction"),
+        ("/rerank", {"query": "a", "documents": ["b", "x" * 300]}, "documents 1 has 301 tokens"),
+        ("/rerank", {"query": "a", "documents": ["b"], "model": "x"}, "x"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ],
+)
+def test_bad_scoring_requests_are_clear_4xx(client, backend, path, body, fragment):
+    r = client.post(path, json=body)
+    assert 400 <= r.status_code < 500 and fragment in r.text, r.text
+    assert not backend.seen
+
+
+def test_scoring_routes_need_the_api_key(gateways, backend):
+    keyed = TestClient(gateways.app(backend, "m", api_key="k"))
+    for path, body in (("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v1/embeddings", {"input": "a"})):  # fmt: skip
+        assert keyed.post(path, json=body).status_code == 401
+        ok = keyed.post(path, json=body, headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_scoring_truncation_options(client, backend, gateways):
+    long = "abcdefghij"
+    r = client.post("/score", json={"text_1": long, "text_2": [long + "k"],
+                                    "max_tokens_per_query": 3, "max_tokens_per_doc": 5})  # fmt: skip
+    assert r.status_code == 200, r.text
+    lengths = sorted(len(prompt) for prompt, _, _ in backend.seen)
+    assert lengths == [3, 5]

@@ -17,7 +17,8 @@ when the client chose the id (``internal_id=``, the id the workers' logs name; s
 halfmoon.serve.gateway.request_ids).
 
 Lines go to the ``gateway.access`` logger: API calls (:data:`API_PREFIXES`: ``/v1/``,
-``/tokenize``, SageMaker's, vLLM's and SGLang's generation routes, the control calls) and
+``/tokenize``, SageMaker's, vLLM's and SGLang's generation routes, vLLM's ``/score`` and
+``/rerank``, the control calls) and
 every error at INFO; other successful requests (health checks, metrics scrapes, model
 info, the live page's polling) at DEBUG, so a polling page does not flood the log. ``halfmoon serve --disable-access-log`` leaves the middleware out.
 """
@@ -48,6 +49,9 @@ API_PREFIXES = (
     "/update_weight",
     "/continue_generation",
     "/flush_cache",
+    "/score",
+    "/rerank",
+    "/v2/",
 )
 
 Scope = dict[str, Any]

@@ -12,7 +12,8 @@ routes of :mod:`halfmoon.serve.gateway.responses_api`), ``/v1/models``
 ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``, vLLM's ``/load``
 and SageMaker's ``/ping`` and ``/invocations`` (a chat or a completion, by its body), vLLM's
 ``/reset_prefix_cache``, OpenAI's ``/v1/embeddings``
-(:mod:`halfmoon.serve.gateway.embeddings_api`), its RL controls and weight updates
+(:mod:`halfmoon.serve.gateway.embeddings_api`) and vLLM's ``/score`` and ``/rerank`` over
+them (:mod:`halfmoon.serve.gateway.scoring_api`), its RL controls and weight updates
 (:mod:`halfmoon.serve.gateway.weights_api`; only under ``VLLM_SERVER_DEV_MODE=1``, as
 vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
@@ -67,6 +68,7 @@ from halfmoon.serve.gateway.responses import (
     turned_away,
 )
 from halfmoon.serve.gateway.responses_api import responses_router
+from halfmoon.serve.gateway.scoring_api import scoring_router
 from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.sglang_api import sglang_router
 from halfmoon.serve.gateway.tenancy import matching_key
@@ -355,6 +357,7 @@ def create_app(
         app.include_router(weights_router(gw))
     app.include_router(batch_chat_router(gw, _start, _name))
     app.include_router(embeddings_router(gw))
+    app.include_router(scoring_router(gw))
 
     if config.request_id_headers:  # outside the key check: a 401 carries one too
         app.add_middleware(request_ids.RequestIdHeader)

@@ -110,7 +110,7 @@ class GatewayConfig:
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
                 "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
-                *private)  # fmt: skip
+                "/score", "/rerank", "/v2/", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

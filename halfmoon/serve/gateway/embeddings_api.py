@@ -20,6 +20,8 @@ import base64
 import math
 import struct
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -103,6 +105,98 @@ class EmbeddingRequest(ChatTemplateOptions):
         return list(given)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """A pooling request's answers: each prompt's token ids and vector (not normalized),
+    in order, and the id the client knows the request by (None: the gateway's)."""
+
+    prompts: list[list[int]]
+    vectors: list[tuple[float, ...]]
+    run_id: str
+    client_id: str | None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens of every input."""
+        return sum(len(prompt) for prompt in self.prompts)
+
+    def answer_id(self, prefix: str) -> str:
+        """The id an answer is shown under: the client's, else ``prefix`` + the gateway's."""
+        return self.client_id if self.client_id is not None else f"{prefix}{self.run_id}"
+
+
+def checked_prompts(
+    gw: Gateway, ids: list[list[int]], what: str, keep: int | None
+) -> list[list[int]]:
+    """``ids`` (the prompts of ``what``, the field a 400 names) truncated to their last
+    ``keep`` tokens when asked, each checked to fit the context with its one computed
+    position; a 400 when there are none, too many, an empty one or one too long."""
+    if not ids:
+        raise HTTPError(400, f"{what} must not be empty", "BadRequestError", param=what)
+    if len(ids) > MAX_INPUTS:
+        raise HTTPError(400, f"at most {MAX_INPUTS} inputs per request, got {len(ids)}",
+                        "BadRequestError", param=what)  # fmt: skip
+    ids = [gw.truncated(one, keep) for one in ids]
+    limit = gw.config.max_model_len - 1
+    for i, one in enumerate(ids):
+        if not one:
+            raise HTTPError(400, f"{what} {i} has no tokens", "BadRequestError", param=what)
+        if len(one) > limit:
+            raise HTTPError(
+                400, f"{what} {i} has {len(one)} tokens; this model embeds at most {limit} "
+                f"(its context is {gw.config.max_model_len})", "BadRequestError", param=what,
+            )  # fmt: skip
+    return ids
+
+
+async def pool(
+    gw: Gateway, request: Request, tokenize: Callable[[], list[list[int]]], *,
+    model: str | None, priority: int, cache_salt: str | None, request_id: str | None,
+) -> Pooled:  # fmt: skip
+    """Embed the prompts ``tokenize`` makes (on the gateway's CPU threads), each its own
+    request to the cluster, all under one id (``/abort_requests`` ends them together):
+    the model checked, the request counted against the server's limit (429) while it is
+    tokenized, inputs beyond the limit waiting their turn; a refusal or failure answered
+    as generation's are (429, 503)."""
+    config = gw.config
+    gw.check_model(model)
+    gw.check_priority(priority)
+    lora = gw.lora_of(model)
+    salt = gw.salt(cache_salt, getattr(request.state, "api_key", None), lora)
+    client_id = client_request_id(request.headers.get(request_ids.HEADER), request_id)
+    run_id = client_id if client_id is not None else gw.new_id()
+    busy = gw.in_flight + gw.preparing
+    if busy + 1 > config.max_concurrent_requests:
+        gw.metrics.rejections.inc()
+        gw.series.rejected()
+        raise HTTPError(429, f"server busy: {busy} requests in flight", "RateLimitError",
+                        {"Retry-After": "1"})  # fmt: skip
+    gw.preparing += 1
+    try:
+        prompts = await gw.off_loop(tokenize)
+    finally:
+        gw.preparing -= 1
+    params = SamplingParams(max_tokens=1, embed=True, priority=priority, lora=lora)
+    # Inputs beyond the server's concurrency wait their turn here, not as 429s.
+    slots = asyncio.Semaphore(max(1, config.max_concurrent_requests - gw.in_flight))
+
+    async def one(prompt: list[int]) -> tuple[float, ...]:
+        async with slots:
+            return (await gw.embed(prompt, params, salt, run_id))[0]
+
+    try:
+        vectors = await asyncio.gather(*(one(prompt) for prompt in prompts))
+    except (Rejected, BackendError) as exc:
+        if isinstance(exc, Rejected):
+            gw.series.rejected()
+        else:
+            gw.series.failed()
+        raise turned_away(exc, gw.metrics) from None
+    pooled = Pooled(prompts, list(vectors), run_id, client_id)
+    note_generation(pooled.num_tokens, 0, None)  # the access line counts every input
+    return pooled
+
+
 def embeddings_router(gw: Gateway) -> APIRouter:
     """``POST /v1/embeddings`` over ``gw``."""
     router = APIRouter()
@@ -113,87 +207,37 @@ def embeddings_router(gw: Gateway) -> APIRouter:
         if body.messages is not None:
             options = body.template_options()
             ids = [gw.chat_prompt([m.for_template() for m in body.messages], options)]
-        else:
-            special = body.add_special_tokens
-            ids = [
-                gw.tokenizer.encode(item, add_special_tokens=special) if isinstance(item, str)
-                else gw.checked_token_ids(item, "input token ids")
-                for item in body.inputs()
-            ]  # fmt: skip
-        if not ids:
-            raise HTTPError(400, "input must not be empty", "BadRequestError", param="input")
-        if len(ids) > MAX_INPUTS:
-            raise HTTPError(400, f"at most {MAX_INPUTS} inputs per request, got {len(ids)}",
-                            "BadRequestError", param="input")  # fmt: skip
-        ids = [gw.truncated(one, body.truncate_prompt_tokens) for one in ids]
-        limit = config.max_model_len - 1
-        for i, one in enumerate(ids):
-            if not one:
-                raise HTTPError(400, f"input {i} has no tokens", "BadRequestError",
-                                param="input")  # fmt: skip
-            if len(one) > limit:
-                raise HTTPError(
-                    400, f"input {i} has {len(one)} tokens; this model embeds at most {limit} "
-                    f"(its context is {config.max_model_len})", "BadRequestError",
-                    param="messages" if body.messages is not None else "input",
-                )  # fmt: skip
-        return ids
+            return checked_prompts(gw, ids, "messages", body.truncate_prompt_tokens)
+        special = body.add_special_tokens
+        ids = [
+            gw.tokenizer.encode(item, add_special_tokens=special) if isinstance(item, str)
+            else gw.checked_token_ids(item, "input token ids")
+            for item in body.inputs()
+        ]  # fmt: skip
+        return checked_prompts(gw, ids, "input", body.truncate_prompt_tokens)
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
         """Each input's embedding, in input order."""
-        gw.check_model(body.model)
         if body.dimensions is not None:
             raise HTTPError(400, "dimensions is not supported: this model has no matryoshka "
                             "embeddings", "BadRequestError", param="dimensions")  # fmt: skip
-        gw.check_priority(body.priority)
-        lora = gw.lora_of(body.model)
-        api_key = getattr(request.state, "api_key", None)
-        salt = gw.salt(body.cache_salt, api_key, lora)
-        client_id = client_request_id(request.headers.get(request_ids.HEADER), body.request_id)
-        # Every input runs under one id, which /abort_requests ends them all by.
-        run_id = client_id if client_id is not None else gw.new_id()
-        busy = gw.in_flight + gw.preparing
-        if busy + 1 > config.max_concurrent_requests:
-            gw.metrics.rejections.inc()
-            gw.series.rejected()
-            raise HTTPError(429, f"server busy: {busy} requests in flight", "RateLimitError",
-                            {"Retry-After": "1"})  # fmt: skip
-        gw.preparing += 1
-        try:
-            ids = await gw.off_loop(tokenized, body)
-        finally:
-            gw.preparing -= 1
-        params = SamplingParams(max_tokens=1, embed=True, priority=body.priority, lora=lora)
-        # Inputs beyond the server's concurrency wait their turn here, not as 429s.
-        slots = asyncio.Semaphore(max(1, config.max_concurrent_requests - gw.in_flight))
-
-        async def one(prompt: list[int]) -> tuple[tuple[float, ...], int | None]:
-            async with slots:
-                return await gw.embed(prompt, params, salt, run_id)
-
-        try:
-            answers = await asyncio.gather(*(one(prompt) for prompt in ids))
-        except (Rejected, BackendError) as exc:
-            if isinstance(exc, Rejected):
-                gw.series.rejected()
-            else:
-                gw.series.failed()
-            raise turned_away(exc, gw.metrics) from None
+        pooled = await pool(gw, request, lambda: tokenized(body), model=body.model,
+                            priority=body.priority, cache_salt=body.cache_salt,
+                            request_id=body.request_id)  # fmt: skip
         normalize = body.use_activation is not False
         order = {"native": "=", "little": "<", "big": ">"}[body.endianness]
         data = []
-        for index, (vector, _) in enumerate(answers):
+        for index, vector in enumerate(pooled.vectors):
             values = unit(vector) if normalize else list(vector)
             shown: list[float] | str = values
             if body.encoding_format == "base64":
                 packed = struct.pack(f"{order}{len(values)}f", *values)
                 shown = base64.b64encode(packed).decode("ascii")
             data.append({"object": "embedding", "index": index, "embedding": shown})
-        num_tokens = sum(len(prompt) for prompt in ids)
-        note_generation(num_tokens, 0, None)  # the access line counts every input
-        public = client_id if client_id is not None else f"embd-{run_id}"
+        public = pooled.answer_id("embd-")
         request_ids.note_response_id(request.scope, public)
+        num_tokens = pooled.num_tokens
         return {
             "id": public, "object": "list", "created": int(time.time()),
             "model": body.model or config.model_names[0], "data": data,

@@ -244,6 +244,43 @@ class EmbeddingResponse(_Open):
     usage: dict[str, Any]
 
 
+class ScoreDatum(_Open):
+    """One pair's score: the cosine similarity of its texts' embeddings."""
+
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(_Open):
+    """Body of ``POST /score`` (vLLM's): each pair's score, in pair order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreDatum]
+    usage: dict[str, Any]
+
+
+class RerankResult(_Open):
+    """One document's place: its index in the request, its score and (unless
+    ``return_documents`` is false) its text."""
+
+    index: int
+    relevance_score: float
+    document: dict[str, Any] | None = None
+
+
+class RerankResponse(_Open):
+    """Body of ``POST /rerank`` (vLLM's, Jina's and Cohere's shape): most relevant first."""
+
+    id: str
+    model: str
+    usage: dict[str, Any]
+    results: list[RerankResult]
+
+
 class TokenizerInfo(_Open):
     """Body of ``GET /tokenizer_info`` (vLLM's): the tokenizer's configuration as its
     ``tokenizer_config.json`` has it, with the chat template in use."""
@@ -351,6 +388,11 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/invocations", "post"): InvocationResponse,
     ("/tokenize", "post"): TokenizeResponse,
     ("/v1/embeddings", "post"): EmbeddingResponse,
+    ("/score", "post"): ScoreResponse,
+    ("/v1/score", "post"): ScoreResponse,
+    ("/rerank", "post"): RerankResponse,
+    ("/v1/rerank", "post"): RerankResponse,
+    ("/v2/rerank", "post"): RerankResponse,
     ("/detokenize", "post"): DetokenizeResponse,
     ("/tokenizer_info", "get"): TokenizerInfo,
     ("/inference/v1/generate", "post"): GenerateResponse,
@@ -379,6 +421,11 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/models/{model}", "get"): (404,),
     ("/tokenize", "post"): (404, 413),
     ("/v1/embeddings", "post"): (404, 413, 429, 503),
+    ("/score", "post"): (404, 413, 429, 503),
+    ("/v1/score", "post"): (404, 413, 429, 503),
+    ("/rerank", "post"): (404, 413, 429, 503),
+    ("/v1/rerank", "post"): (404, 413, 429, 503),
+    ("/v2/rerank", "post"): (404, 413, 429, 503),
     ("/detokenize", "post"): (404, 413),
     ("/health", "get"): (503,),
     ("/ping", "get"): (503,),
@@ -499,7 +546,8 @@ def _pin_requests(
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest", "ResponsesRequest", "MessagesRequest",
                  "CountTokensRequest", "GenerateRequest", "GenerateSamplingParams",
-                 "SglangGenerateRequest", "SglangSamplingParams", "EmbeddingRequest"):  # fmt: skip
+                 "SglangGenerateRequest", "SglangSamplingParams", "EmbeddingRequest",
+                 "ScoreRequest", "RerankRequest"):  # fmt: skip
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props and model_names:
             pinned = {"type": "string", "enum": list(model_names)}
