@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps(row), flush=True)
             row = {"round": rnd, "server": arm, "point": "c1",
                    "median_ms": 1000 * statistics.median(latencies),
-                   "p90_ms": 1000 * sorted(latencies)[int(0.9 * (len(latencies) - 1))]}  # fmt: skip
+                   "p90_ms": 1000 * sorted(latencies)[math.ceil(0.9 * len(latencies)) - 1]}  # fmt: skip
             runs.append(row)
             print(json.dumps(row), flush=True)
         agreement = [cosine(a, b) for a, b in zip(vectors["halfmoon"], vectors["vllm"],

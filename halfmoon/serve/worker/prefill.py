@@ -22,6 +22,10 @@ then hands it over. A frozen decode worker fails only its own streams, within
 ``PEER_TIMEOUT_S`` per step; the request goes back to the gateway as retryable, naming
 the suspect.
 
+An embedding (``params.embed``, ``/v1/embeddings``) ends here: no ``expect`` went to a
+decode worker, no stream is opened, and the engine's vector goes back to the gateway in
+the ``tokens`` message that ends it (its blocks saved in the store as any prompt's).
+
 Nor does it wait on a prefix pull: a request whose prefix comes from a peer's store
 waits in ``loading`` while a pull thread fetches it, and joins the engine once that ended
 (:meth:`~halfmoon.serve.worker.prefix_cache.ClusterPrefixCache.begin_load`).
