@@ -497,3 +497,17 @@ def test_new_weights_are_refused_by_vllm_cpu_servers(fleet, smollm2_dir):
     assert r.status_code == 400 and r.json()["success"] is False, r.text
     assert "runs vLLM's CPU build" in r.json()["message"]
     assert [vllm_greedy(url, ids, 8) for url in servers] == before
+
+
+def test_embeddings_are_refused_with_a_400_naming_the_engine(fleet):
+    """A vLLM server started to generate does not pool: an embedding (and a score, which
+    embeds) is a 400 that says which engine serves them, and the fleet serves on."""
+    r = httpx.post(fleet.base_url + "/v1/embeddings", json={"input": "hello"}, timeout=120)
+    assert r.status_code == 400 and "--engine halfmoon" in r.text, r.text
+    r = httpx.post(fleet.base_url + "/rerank", json={"query": "a", "documents": ["b"]},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 400 and "--engine halfmoon" in r.text, r.text
+    out = _client(fleet).completions.create(
+        model="smollm2-135m-instruct", prompt="Hi", max_tokens=2
+    )
+    assert out.choices[0].finish_reason in ("length", "stop")

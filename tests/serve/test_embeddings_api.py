@@ -15,7 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from halfmoon.core.request import SamplingParams
-from halfmoon.serve.gateway.backend import BackendError, GenerationChunk, Rejected
+from halfmoon.serve.gateway.backend import (
+    BackendError,
+    BackendRefused,
+    GenerationChunk,
+    Rejected,
+)
 
 
 class VectorBackend:
@@ -152,6 +157,9 @@ def test_refusals_and_failures(client, backend):
     backend.fail = BackendError("worker gone")
     r = client.post("/v1/embeddings", json={"input": ["x", "y"]})
     assert r.status_code == 503 and "worker gone" in r.text
+    backend.fail = BackendRefused("embeddings are served by halfmoon's engine")
+    r = client.post("/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 400 and "not supported by this cluster" in r.text
 
 
 def test_abort_requests_ends_an_embedding_by_its_id(gateways, backend):

@@ -53,7 +53,7 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
                     store_stats={"p0": {"corrupt": 0, "ssd_hits": 4}},
                     cluster=m.ClusterIdentity(block_size=16, model="tiny#00", dtype="float32"),
                     msg_id=1),
-    m.Error(error="boom", request_id="r", retryable=True, suspect="d0"),
+    m.Error(error="boom", request_id="r", retryable=True, suspect="d0", unsupported=True),
     m.AdapterUpdate(op="load", adapter=m.AdapterRecord(name="sql", path="/a/sql",
                                                        tag="0123456789ab"), msg_id=4),
     m.AdaptersOk(adapters=[m.AdapterRecord(name="sql", path="/a/sql", tag="0123456789ab")],

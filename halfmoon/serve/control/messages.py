@@ -584,13 +584,16 @@ class CacheReset(Message):
 @dataclass(frozen=True, kw_only=True)
 class Error(Message):
     """Any process -> the sender of a command it could not carry out. ``retryable``: the
-    gateway may place the request again; ``suspect``: the worker to blame."""
+    gateway may place the request again; ``suspect``: the worker to blame;
+    ``unsupported``: the worker's engine cannot do what the request asks (the client's
+    request is at fault, not the cluster: a 400)."""
 
     wire_name: ClassVar[str] = "error"
     error: str
     request_id: str | None = None
     retryable: bool = False
     suspect: str = ""
+    unsupported: bool = False
 
 
 # -- workers <-> Conductor -------------------------------------------------------------------

@@ -55,6 +55,11 @@ class BackendError(HalfmoonError):
     """The request failed inside the cluster (a worker died, a transfer timed out)."""
 
 
+class BackendRefused(BackendError):
+    """The cluster's engines cannot do what the request asks (e.g. embeddings from a vLLM
+    server started to generate): the request is at fault, answered with a 400."""
+
+
 class Backend(Protocol):
     """Generates tokens for the gateway. A backend may also offer ``async
     metrics_texts(timeout_s)``: the metrics of every process of its cluster, which

@@ -50,7 +50,12 @@ from halfmoon.serve.control.messages import (
     WireParams,
 )
 from halfmoon.serve.control.protocol import hashes_to_wire
-from halfmoon.serve.gateway.backend import BackendError, GenerationChunk, Rejected
+from halfmoon.serve.gateway.backend import (
+    BackendError,
+    BackendRefused,
+    GenerationChunk,
+    Rejected,
+)
 from halfmoon.serve.gateway.cluster_link import WorkerLost
 from halfmoon.serve.gateway.cluster_ops import ClusterOperations
 
@@ -258,7 +263,7 @@ class ClusterBackend(ClusterOperations):
             if isinstance(msg, Error):
                 if msg.retryable:
                     raise WorkerLost(msg.error, msg.suspect)
-                raise BackendError(msg.error)
+                raise (BackendRefused if msg.unsupported else BackendError)(msg.error)
             if isinstance(msg, Lost):
                 raise WorkerLost(f"worker {msg.instance_id} is gone")
             if msg is _ABORTED:

@@ -8,8 +8,8 @@ An input is a text, a list of texts, a list of token ids or a list of such lists
 generation prompt unless asked). Each input is its own request to the cluster: placed by
 the Conductor (prefix-cache hits count: an input whose prefix is cached computes only
 the rest), computed by a prefill (or coupled) worker, answered from there; no decode
-worker is involved. Answers as ``float`` lists or ``base64`` (float32, little-endian
-unless ``endianness`` says otherwise). ``dimensions`` is refused: the served models have
+worker is involved. Answers as ``float`` lists or ``base64`` (float32 in the host's byte
+order, vLLM's default, unless ``endianness`` names one). ``dimensions`` is refused: the served models have
 no matryoshka embeddings (vLLM refuses it for them too).
 """
 

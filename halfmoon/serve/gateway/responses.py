@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
-from halfmoon.serve.gateway.backend import BackendError, Rejected
+from halfmoon.serve.gateway.backend import BackendError, BackendRefused, Rejected
 from halfmoon.serve.gateway.openai_api import (
     choice_body,
     chunk_body,
@@ -44,12 +44,14 @@ class HTTPError(Exception):
 
 
 def turned_away(exc: Rejected | BackendError, metrics: GatewayMetrics) -> HTTPError:
-    """The answer to a request the cluster refused (429 with ``Retry-After``) or failed
-    (503), counted in ``metrics``."""
+    """The answer to a request the cluster refused (429 with ``Retry-After``), cannot
+    serve at all (400: :class:`BackendRefused`) or failed (503), counted in ``metrics``."""
     if isinstance(exc, Rejected):
         metrics.rejections.inc()
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
         return HTTPError(429, f"request rejected: {exc.reason}", "RateLimitError", headers)
+    if isinstance(exc, BackendRefused):
+        return HTTPError(400, f"not supported by this cluster: {exc}", "BadRequestError")
     metrics.errors.inc()
     return HTTPError(503, f"request failed: {exc}", "ServiceUnavailable")
 

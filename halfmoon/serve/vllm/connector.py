@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from halfmoon.core.adapters import RUNTIME_LORA_ENV, RuntimeAdapter
-from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.flags import DEV_MODE_ENV
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
@@ -96,7 +96,7 @@ SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
-class VllmUnsupported(HalfmoonError):
+class VllmUnsupported(Unsupported):
     """What a vLLM server behind the coupled connector cannot do (moving KV in or out:
     that needs halfmoon's KV connector inside vLLM)."""
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from halfmoon.core.adapters import RuntimeAdapter
-from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import BlockStored, CacheEvent
 from halfmoon.costmodel.speculation import RecentSpeculation
 from halfmoon.serve.control import messages
@@ -485,13 +485,19 @@ class Worker:
             handler(identity, msg)
         except Exception as exc:  # a bad command must not take the worker down
             log.warning("command %s failed: %s", msg.wire_name, exc)
-            self._refuse(identity, getattr(msg, "request_id", None), msg.msg_id, str(exc))
+            self._refuse(identity, getattr(msg, "request_id", None), msg.msg_id, str(exc),
+                         unsupported=isinstance(exc, Unsupported))  # fmt: skip
 
-    def _refuse(self, identity: bytes, rid: str | None, msg_id: int | None, error: str) -> None:
-        """Drop what the role holds of the request, and tell the sender why."""
+    def _refuse(
+        self, identity: bytes, rid: str | None, msg_id: int | None, error: str,
+        unsupported: bool = False,
+    ) -> None:  # fmt: skip
+        """Drop what the role holds of the request, and tell the sender why
+        (``unsupported``: this engine cannot do what it asks)."""
         if rid is not None and self.role is not None:
             self.role.on_abort(rid)
-        self.send(identity, Error(error=error, request_id=rid, msg_id=msg_id))
+        self.send(identity, Error(error=error, request_id=rid, msg_id=msg_id,
+                                  unsupported=unsupported))  # fmt: skip
 
     def send(self, identity: bytes, msg: Message) -> None:
         """Send one signed message to a peer of the ROUTER socket."""
