@@ -26,10 +26,13 @@ class Scripted(ClusterOperations):
     worker's ``update_weights`` with ``weights_ok`` unless ``refuse`` names it for that
     op; every message is kept in ``sent`` as (endpoint, op)."""
 
-    def __init__(self, pongs: list[ConductorPong], refuse: dict[str, str] | None = None):
+    def __init__(self, pongs: list[ConductorPong], refuse: dict[str, str] | None = None,
+                 busy: dict[str, int] | None = None):  # fmt: skip
         self._conductor_endpoint = "conductor"
         self.pongs = pongs
         self.refuse = refuse or {}
+        #: Commits a worker answers "requests are running" (retryable) before it takes one.
+        self.busy = dict(busy or {})
         self.sent: list[tuple[str, str]] = []
 
     async def _call(self, endpoint: str, msg: Message, timeout_s: float) -> Message:
@@ -39,6 +42,9 @@ class Scripted(ClusterOperations):
         self.sent.append((endpoint, msg.op))
         if self.refuse.get(endpoint) == msg.op:
             return Error(error=f"{endpoint} cannot {msg.op}")
+        if msg.op == "commit" and self.busy.get(endpoint, 0) > 0:
+            self.busy[endpoint] -= 1
+            return Error(error=f"{endpoint}: requests are running here", retryable=True)
         return WeightsOk(weights=msg.weights)
 
 
@@ -72,3 +78,22 @@ def test_a_worker_that_restarted_meanwhile_is_given_them_too():
     assert sorted(late) == [("tcp://d0", "commit"), ("tcp://d0", "stage"),
                             ("tcp://d1", "commit"), ("tcp://d1", "stage")]  # fmt: skip
     assert ("tcp://p0", "stage") not in late
+
+
+def test_a_worker_still_ending_requests_is_asked_to_commit_again():
+    # p0's aborted requests are still finishing their KV streams at the first two asks
+    ops = Scripted([pong(p0="a", d0="b")], busy={"tcp://p0": 2})
+    asyncio.run(ops.update_weights("/ckpt/1", "1"))
+    assert ops.sent.count(("tcp://p0", "commit")) == 3
+    assert ops.sent.count(("tcp://d0", "commit")) == 1
+    assert ("conductor", "record") in ops.sent and not [s for s in ops.sent if s[1] == "drop"]
+
+
+def test_a_worker_busy_past_the_settle_time_fails_the_update(monkeypatch):
+    from halfmoon.serve.gateway import cluster_ops
+
+    monkeypatch.setattr(cluster_ops, "COMMIT_SETTLE_S", 0.3)
+    ops = Scripted([pong(p0="a", d0="b")], busy={"tcp://p0": 10**6})
+    with pytest.raises(BackendError, match="requests are running here"):
+        asyncio.run(ops.update_weights("/ckpt/1", "1"))
+    assert 2 <= ops.sent.count(("tcp://p0", "commit")) <= 6

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.serve.control.messages import (
@@ -20,6 +21,7 @@ from halfmoon.serve.control.messages import (
     ConductorPong,
     Drain,
     Draining,
+    Error,
     MetricsQuery,
     MetricsText,
     ResetPrefixCache,
@@ -34,6 +36,13 @@ from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.cluster_link import ClusterLink, reason_of
 
 log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
+
+#: How long a weight update's commit waits for a worker's last requests to end.
+COMMIT_SETTLE_S = 10.0
+
+
+class WorkerBusy(BackendError):
+    """A worker refused a step for now (its requests are still ending): ask again."""
 
 
 class ClusterOperations(ClusterLink):
@@ -171,9 +180,7 @@ class ClusterOperations(ClusterLink):
         if failed:
             await self._weights_on(endpoints, UpdateWeights(op="drop"), timeout_s)
             raise BackendError(f"new weights not installed: {failed[0]}")
-        committed = await self._weights_on(
-            endpoints, UpdateWeights(op="commit", weights=record), timeout_s
-        )
+        committed = await self._commit_when_idle(endpoints, record, timeout_s)
         failed = [f"{i}: {r}" for i, r in committed.items() if r is not None]
         # (those that installed them serve them: the record says so, and a worker that
         # failed to is told again when it registers)
@@ -192,6 +199,23 @@ class ClusterOperations(ClusterLink):
         if failed:
             await self._weights_on(endpoints, UpdateWeights(op="drop"), timeout_s)
             raise BackendError(f"new weights not installed everywhere: {'; '.join(failed)}")
+
+    async def _commit_when_idle(
+        self, endpoints: dict[str, str], record: WeightsRecord, timeout_s: float
+    ) -> dict[str, BackendError | None]:
+        """``commit`` on every worker; one whose requests are still ending (the gateway
+        saw them end, but an aborted one may still be finishing its KV stream there) is
+        asked again every 0.1 s for up to :data:`COMMIT_SETTLE_S`."""
+        msg = UpdateWeights(op="commit", weights=record)
+        results = await self._weights_on(endpoints, msg, timeout_s)
+        deadline = time.monotonic() + COMMIT_SETTLE_S
+        while time.monotonic() < deadline:
+            busy = {i: endpoints[i] for i, r in results.items() if isinstance(r, WorkerBusy)}
+            if not busy:
+                break
+            await asyncio.sleep(0.1)
+            results.update(await self._weights_on(busy, msg, timeout_s))
+        return results
 
     async def weights(self, timeout_s: float = 5.0) -> WeightsRecord | None:
         """The weights installed while the cluster serves (None: those it started with)."""
@@ -224,7 +248,10 @@ class ClusterOperations(ClusterLink):
                 reply = await self._call(endpoint, msg, timeout_s)
             except BackendError as exc:
                 return exc
-            return None if isinstance(reply, WeightsOk) else BackendError(reason_of(reply))
+            if isinstance(reply, WeightsOk):
+                return None
+            busy = isinstance(reply, Error) and reply.retryable
+            return (WorkerBusy if busy else BackendError)(reason_of(reply))
 
         results = await asyncio.gather(*(one(e) for e in endpoints.values()))
         return dict(zip(endpoints, results, strict=True))

@@ -89,6 +89,10 @@ MAX_PENDING_EVENTS = 100_000
 Handler = Callable[[bytes, Any], None]
 
 
+class RequestsRunning(HalfmoonError):
+    """New weights cannot be installed yet: requests are still running on this worker."""
+
+
 class RegistrationRefused(HalfmoonError):
     """The Conductor refused this worker: it disagrees with the cluster (block size, model
     or dtype). The worker cannot serve; the message names the mismatch."""
@@ -609,7 +613,10 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
             if not isinstance(exc, HalfmoonError):
                 log.exception("weight update %s failed", msg.op)
-            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id))
+            # (retryable: requests still ending here, e.g. aborted ones whose KV streams
+            # finish: the same commit succeeds once they have)
+            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id,
+                                      retryable=isinstance(exc, RequestsRunning)))  # fmt: skip
             return
         self.send(identity, WeightsOk(weights=self.weights, msg_id=msg.msg_id))
 
@@ -634,8 +641,8 @@ class Worker:
             raise HalfmoonError(f"no weights of {weights.path} are staged here")
         assert self.role is not None
         if self.engine.has_unfinished_requests() or self.role.num_pending():
-            raise HalfmoonError("requests are running here: new weights are installed once "
-                                "none is (pause generation first)")  # fmt: skip
+            raise RequestsRunning("requests are running here: new weights are installed once "
+                                  "none is (pause generation first)")  # fmt: skip
         # The store first (nothing installed when it cannot be), then the engine, whose
         # reset demotes nothing; the store again for a block stored meanwhile.
         namespace = None if self.ssd_namespace_of is None else self.ssd_namespace_of(weights.path)
