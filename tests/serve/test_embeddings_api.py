@@ -190,9 +190,14 @@ def test_metrics_count_embeddings(client):
     assert "halfmoon:prompt_tokens_total" in text
 
 
-def test_text_that_is_not_unicode_is_a_400(client, backend):
-    raw = '{"input": ["ok", "\\ud800"]}'  # a lone surrogate parses from JSON
-    r = client.post("/v1/embeddings", content=raw, headers={"content-type": "application/json"})
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/embeddings", '{"input": ["ok", "\\ud800"]}'),
+    ("/score", '{"text_1": "ok", "text_2": ["\\ud800"]}'),
+    ("/rerank", '{"query": "\\ud800", "documents": ["ok"]}'),
+])  # fmt: skip
+def test_text_that_is_not_unicode_is_a_400(client, backend, path, raw):
+    # (a lone surrogate parses from JSON but cannot be tokenized)
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid Unicode" in r.text, r.text
     assert not backend.seen
 

@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from halfmoon.serve.gateway import request_ids
 from halfmoon.serve.gateway.embeddings_api import MAX_INPUTS, checked_prompts, pool
@@ -63,11 +70,16 @@ class _Scoring(BaseModel):
         return [n for n in ("instruction", "chat_template_kwargs") if getattr(self, n)]
 
 
-def _texts(value: Texts | None, what: str) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value or [])
-    for item in items:
-        check_text(item, what)
-    return items
+def _texts(value: Texts | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _valid_texts(value: Texts | None, info: ValidationInfo) -> Texts | None:
+    """``value`` unchanged, or a ValueError naming the field when a text is not valid
+    Unicode (a lone surrogate parses from JSON but cannot be tokenized)."""
+    for item in _texts(value):
+        check_text(item, str(info.field_name))
+    return value
 
 
 class ScoreRequest(_Scoring):
@@ -80,6 +92,9 @@ class ScoreRequest(_Scoring):
     queries: Texts | None = None
     documents: Texts | None = None
     items: Texts | None = None
+
+    _text = field_validator("text_1", "text_2", "data_1", "data_2", "queries", "documents",
+                            "items")(_valid_texts)  # fmt: skip
 
     @model_validator(mode="after")
     def _one_pair(self) -> ScoreRequest:
@@ -94,8 +109,7 @@ class ScoreRequest(_Scoring):
         """The first and second texts, and the names they came under."""
         first, second = next(p for p in PAIR_NAMES if getattr(self, p[0]) is not None
                              and getattr(self, p[1]) is not None)  # fmt: skip
-        return (_texts(getattr(self, first), first), _texts(getattr(self, second), second),
-                (first, second))  # fmt: skip
+        return _texts(getattr(self, first)), _texts(getattr(self, second)), (first, second)
 
 
 class RerankRequest(_Scoring):
@@ -107,6 +121,8 @@ class RerankRequest(_Scoring):
     top_n: int = Field(0, ge=0)
     #: Cohere's: leave the documents' texts out of the results when false.
     return_documents: bool = True
+
+    _text = field_validator("query", "documents")(_valid_texts)
 
 
 def scoring_router(gw: Gateway) -> APIRouter:
@@ -170,8 +186,7 @@ def scoring_router(gw: Gateway) -> APIRouter:
         }  # fmt: skip
 
     async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-        query = _texts(body.query, "query")
-        documents = _texts(body.documents, "documents")
+        query, documents = _texts(body.query), _texts(body.documents)
         scores, pooled = await similarities(body, request, query, documents,
                                             ("query", "documents"))  # fmt: skip
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
