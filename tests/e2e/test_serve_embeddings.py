@@ -169,5 +169,6 @@ def test_an_input_longer_than_the_context_is_refused(disagg):
     limit = httpx.post(disagg.base_url + "/tokenize", json={"prompt": "x"},
                        timeout=30).json()["max_model_len"]  # fmt: skip
     r = _post(disagg, {"input": [5] * limit})
-    assert r.status_code == 400 and "embeds at most" in r.text, r.text
-    assert _post(disagg, {"input": [5] * (limit - 1)}).status_code == 200
+    assert r.status_code == 400 and f"embeds at most {limit - 1}" in r.text, r.text
+    # (that the longest input is embedded is checked in process, where the context is
+    # short: tests/serve/test_embeddings_api.py; here it took 25 s of the suite)

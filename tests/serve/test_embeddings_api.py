@@ -293,3 +293,11 @@ def test_scoring_truncation_options(client, backend, gateways):
     assert r.status_code == 200, r.text
     lengths = sorted(len(prompt) for prompt, _, _ in backend.seen)
     assert lengths == [3, 5]
+
+
+def test_the_longest_input_the_context_holds_is_embedded(client, backend):
+    # a 256-token context: 255 tokens and the one computed position
+    r = client.post("/v1/embeddings", json={"input": [7] * 255})
+    assert r.status_code == 200, r.text
+    assert len(backend.seen[-1][0]) == 255
+    assert client.post("/v1/embeddings", json={"input": [7] * 256}).status_code == 400
