@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.gateway import request_ids
@@ -45,37 +45,44 @@ from halfmoon.serve.gateway.responses import HTTPError, turned_away
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(ChatTemplateOptions):
-    """Body of ``POST /v1/embeddings``: ``input`` (OpenAI's) or ``messages`` (vLLM's chat
-    form), and vLLM's extra options."""
+class PoolingOptions(BaseModel):
+    """The options every pooling request takes (embeddings, score, rerank), as vLLM's."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
-    messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     #: vLLM's: keep the last ``n`` tokens of each input (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    #: A text ``input`` gets the tokenizer's special tokens (BOS); false: it does not.
-    #: (``messages`` get what their chat template writes.)
-    add_special_tokens: bool = True
     #: vLLM's: false leaves the vectors unnormalized.
     use_activation: bool | None = None
-    embed_dtype: Literal["float32"] = "float32"
-    endianness: Literal["native", "little", "big"] = "native"
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
-    #: Unlike a chat completion's, off by default (vLLM's default for embeddings).
-    add_generation_prompt: bool = False
 
     @field_validator("cache_salt", mode="before")
     @classmethod
     def _salt(cls, value: object) -> object:
         return checked_salt(value)
+
+
+class EmbeddingRequest(ChatTemplateOptions, PoolingOptions):
+    """Body of ``POST /v1/embeddings``: ``input`` (OpenAI's) or ``messages`` (vLLM's chat
+    form), and vLLM's extra options."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    #: A text ``input`` gets the tokenizer's special tokens (BOS); false: it does not.
+    #: (``messages`` get what their chat template writes.)
+    add_special_tokens: bool = True
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    #: Unlike a chat completion's, off by default (vLLM's default for embeddings).
+    add_generation_prompt: bool = False
 
     @field_validator("input")
     @classmethod
@@ -182,7 +189,7 @@ async def pool(
 
     async def one(prompt: list[int]) -> tuple[float, ...]:
         async with slots:
-            return (await gw.embed(prompt, params, salt, run_id))[0]
+            return await gw.embed(prompt, params, salt, run_id)
 
     try:
         vectors = await asyncio.gather(*(one(prompt) for prompt in prompts))

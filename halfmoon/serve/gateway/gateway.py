@@ -118,11 +118,11 @@ class Gateway(RequestPreparation):
     async def embed(
         self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
         client_id: str | None = None,
-    ) -> tuple[tuple[float, ...], int | None]:  # fmt: skip
+    ) -> tuple[float, ...]:  # fmt: skip
         """The embedding of ``prompt_ids`` (``params.embed``), run as any request (counted,
         held while paused, ended by :meth:`abort_requests` under ``client_id``): its
-        vector, not normalized, and the prompt tokens a prefix cache served (None:
-        unknown). Raises :class:`Rejected` or :class:`BackendError` as generation does."""
+        vector, not normalized (the prefix cache's hits reach the metrics and the access
+        line). Raises :class:`Rejected` or :class:`BackendError` as generation does."""
         p = Prepared(self.new_id(), prompt_ids, params, (), False, False,
                      cache_salt=cache_salt, client_id=client_id)  # fmt: skip
         arrival = time.monotonic()
@@ -146,7 +146,7 @@ class Gateway(RequestPreparation):
                                f"({finish})")  # fmt: skip
         no_output = OutputText(self.tokenizer, prompt_ids, (), False, True)
         self._observe_end(p, arrival, [time.monotonic()], no_output, finish, cached, est)
-        return vector, cached
+        return vector
 
     async def abort_requests(self, ids: Iterable[str] | None) -> int:
         """End the generations running under these ids (None: every one): a request id a

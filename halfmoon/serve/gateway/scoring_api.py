@@ -20,19 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from halfmoon.serve.gateway import request_ids
-from halfmoon.serve.gateway.embeddings_api import MAX_INPUTS, checked_prompts, pool
+from halfmoon.serve.gateway.embeddings_api import MAX_INPUTS, PoolingOptions, checked_prompts, pool
 from halfmoon.serve.gateway.gateway import Gateway
-from halfmoon.serve.gateway.openai_api import check_text, checked_salt
+from halfmoon.serve.gateway.openai_api import check_text
 from halfmoon.serve.gateway.responses import HTTPError
 
 #: The names a score request's two sides may go by (vLLM's four forms).
@@ -42,28 +35,14 @@ PAIR_NAMES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents
 Texts = str | list[str]
 
 
-class _Scoring(BaseModel):
+class _Scoring(PoolingOptions):
     """What score and rerank requests share (vLLM's pooling options)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     #: Keep a query's (a document's) first this many tokens; 0: all.
     max_tokens_per_query: int = Field(0, ge=0)
     max_tokens_per_doc: int = Field(0, ge=0)
-    use_activation: bool | None = None
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    priority: int = 0
-    request_id: str | None = None
-    cache_salt: str | None = None
-    user: str | None = None
-
-    @field_validator("cache_salt", mode="before")
-    @classmethod
-    def _salt(cls, value: object) -> object:
-        return checked_salt(value)
 
     def cross_encoder_options(self) -> list[str]:
         """The options only a cross-encoder's template would read, that were given."""
