@@ -199,15 +199,16 @@ def rejection_reason(
     config: ConductorConfig,
     request: Request,
     chosen: PrefillCandidate,
-    decode: DecodeCandidate,
-    dstate: DecodeState,
+    decode: DecodeCandidate | None,
+    dstate: DecodeState | None,
     now_s: float | None = None,
     ttft_s: float | None = None,
 ) -> tuple[str, str]:
     """Why the request must be rejected before any prefill work: (a
     :class:`RejectCode`, the text), or ("", "") to admit it. ``now_s`` (when given) lets
     the snapshot count the tokens the running requests generated since they joined;
-    ``ttft_s``: the TTFT to hold against the SLO (default: the candidate's)."""
+    ``ttft_s``: the TTFT to hold against the SLO (default: the candidate's). A
+    prefill-only request has no ``decode`` (None) and is held to its TTFT alone."""
     mode = config.early_reject
     if mode == "none" or request.admitted:  # a failed-over request was admitted once
         return "", ""
@@ -217,7 +218,7 @@ def rejection_reason(
         return RejectCode.TTFT, (
             f"estimated TTFT {ttft:.2f}s on {chosen.label} exceeds the {slo.ttft_s:g}s SLO"
         )
-    if request.prefill_only:  # (it never reaches a decode batch)
+    if request.prefill_only or decode is None or dstate is None:  # (never decoded)
         return "", ""
     need = kv_need_tokens(request, config.decode_kv_booking)
     if dstate.committed_tokens + need > dstate.kv_capacity_tokens:

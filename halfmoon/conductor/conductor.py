@@ -348,9 +348,10 @@ class Conductor(Cluster):
         return decode_candidate(request, dstate)
 
     def _rejection(
-        self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate, ttft_s: float
-    ) -> tuple[str, str]:
-        dstate = self._decode[decode.instance_id]
+        self, request: Request, chosen: PrefillCandidate, decode: DecodeCandidate | None,
+        ttft_s: float,
+    ) -> tuple[str, str]:  # fmt: skip
+        dstate = None if decode is None else self._decode[decode.instance_id]
         now = self.clock.now()
         return rejection_reason(self.config, request, chosen, decode, dstate, now, ttft_s)
 
@@ -362,7 +363,8 @@ class Conductor(Cluster):
         return chosen.ttft_s + late, note
 
     def schedule(self, request: Request, *, exhaustive: bool = False) -> Decision:
-        """Place ``request`` on a prefill and a decode instance, or reject it.
+        """Place ``request`` on a prefill and a decode instance, or reject it (a
+        prefill-only request: on a prefill instance alone, ``Decision.decode`` None).
 
         The decision is the same with or without ``exhaustive``; without it, instances
         that cannot win are pruned (kvcache-centric; snapshot decode estimates) and
@@ -376,7 +378,7 @@ class Conductor(Cluster):
             candidates, num_candidates = self._pruned_candidates(request)
         if request.prefill_only:  # answered by the instance that computes it: no CPP group
             candidates = [c for c in candidates if not c.group]
-        if not candidates or not self.decode_instances:
+        if not candidates or not (request.prefill_only or self.decode_instances):
             return Decision(
                 request_id=request.request_id,
                 policy=policy,
@@ -391,15 +393,18 @@ class Conductor(Cluster):
         chosen = self._choose(candidates)
         ttft_s, note = self._held_ttft(chosen)
         ready_s = self.clock.now() + ttft_s
-        decode, decodes = self._decode_choice(request, ready_s, exhaustive)
-        counts = {
-            "num_candidates": num_candidates,
-            "num_decode_candidates": len(self.decode_instances),
-        }
+        decode: DecodeCandidate | None = None
+        decodes: list[DecodeCandidate] = []
+        then = "prefill only"
+        if not request.prefill_only:
+            decode, decodes = self._decode_choice(request, ready_s, exhaustive)
+            then = f"decode {decode.instance_id} (est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
+        counts = {"num_candidates": num_candidates, "num_decode_candidates": len(decodes)}
+        if decode is not None:
+            counts["num_decode_candidates"] = len(self.decode_instances)
         why = (
             f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
-            f"est TTFT {ttft_s:.3f}s{note}); decode {decode.instance_id} "
-            f"(est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
+            f"est TTFT {ttft_s:.3f}s{note}); {then}"
         )
         code, reason = self._rejection(request, chosen, decode, ttft_s)
         if code:
@@ -416,7 +421,8 @@ class Conductor(Cluster):
                 reject_code=code,
                 **counts,
             )
-        replications = self._commit(request, chosen, decode.instance_id, ready_s)
+        replications = self._commit(request, chosen, "" if decode is None else decode.instance_id,
+                                    ready_s)  # fmt: skip
         self._observe_placement(request, chosen, candidates)
         return Decision(
             request_id=request.request_id,

@@ -357,3 +357,22 @@ def test_a_prefill_only_request_books_no_decode_instance(make_conductor, early_r
                           slo=SLOConfig(ttft_s=0.01, tbt_s=10.0))  # fmt: skip
     refused = slow.schedule(embed)
     assert not refused.accepted and refused.reject_code == RejectCode.TTFT
+
+
+@pytest.mark.parametrize("early_reject", ["none", "snapshot", "predict"])
+def test_a_prefill_only_request_needs_no_decode_instance(make_conductor, early_reject):
+    """An embedding's decision names no decode instance and evaluates none; a cluster
+    whose decode instances are all gone still places it (a generation it refuses)."""
+    c = make_conductor(num_prefill=2, num_decode=1, early_reject=early_reject)
+    embed = dataclasses.replace(_req("e", 4), prefill_only=True)
+    d = c.schedule(embed, exhaustive=True)
+    assert d.accepted and d.decode is None and d.decode_candidates == (), d
+    assert d.num_decode_candidates == 0 and d.why.endswith("; prefill only"), d.why
+    assert "e" not in c._decode["D1"].incoming  # noqa: SLF001
+    c.handle(RequestFinished(d.prefill.instance_id, "e"))
+    c.remove_instance("D1")
+    assert not c.schedule(_req("g", 4)).accepted
+    again = c.schedule(dataclasses.replace(_req("e2", 4), prefill_only=True))
+    assert again.accepted and again.decode is None
+    assert "request e2" in again.explain()
+    c.check_integrity()

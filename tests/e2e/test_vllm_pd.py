@@ -218,6 +218,13 @@ def test_the_conductors_index_matches_the_prefill_servers(pd):
     assert held == {i: index.get(i) for i in held} and all(held.values()), (held, index)
 
 
+def test_an_embedding_is_refused_with_a_400_naming_the_engine(pd):
+    """Placed on a prefill server alone (no decode worker named), an embedding reaches a
+    vLLM server started to generate: a 400 that says which engine serves it."""
+    r = httpx.post(pd.base_url + "/v1/embeddings", json={"input": "hello"}, timeout=120)
+    assert r.status_code == 400 and "--engine halfmoon" in r.text, r.text
+
+
 def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
     """The only decode server dies mid-stream: the request ends with an error naming the
     lost server, within the gateway's timeouts (nothing hangs)."""

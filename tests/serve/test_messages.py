@@ -316,3 +316,14 @@ def test_an_embedding_travels_as_float32():
     assert m.Tokens(request_id="r", index=0, token_ids=[1]).embedding_values is None
     params = m.WireParams.of(SamplingParams(max_tokens=1, embed=True)).to_params()
     assert params.embed
+
+
+def test_only_an_embeddings_prefill_goes_without_a_decode_worker():
+    embed = m.WireParams.of(SamplingParams(max_tokens=1, embed=True))
+    msg = m.Prefill(request_id="e", token_ids=[1, 2], params=embed)
+    assert m.decode_message(m.encode_message(msg, SECRET), SECRET) == msg
+    with pytest.raises(ValueError, match="names the decode worker"):
+        m.Prefill(request_id="g", token_ids=[1, 2], params=PARAMS)
+    generation = {k: v for k, v in m.to_wire(EXAMPLES["prefill"]).items() if k != "decode"}
+    with pytest.raises(ProtocolError, match="'prefill' message: .*names the decode worker"):
+        m.from_wire(generation)

@@ -534,13 +534,14 @@ class ConductorService:
             accepted=decision.accepted, reject_reason=decision.reject_reason,
             reject_code=decision.reject_code, why=decision.why,
         )  # fmt: skip
-        if not decision.accepted or decision.prefill is None or decision.decode is None:
+        if not decision.accepted or decision.prefill is None:
             return refused
         chosen = decision.prefill
+        decode = decision.decode  # (None: a prefill-only request)
         return dataclasses.replace(
             refused,
             prefill=self._endpoints(chosen.instance_id),
-            decode=self._endpoints(decision.decode.instance_id),
+            decode=None if decode is None else self._endpoints(decode.instance_id),
             cache_source=self._endpoints(chosen.cache_source),
             cached_tokens=chosen.cached_tokens,
             est_ttft_s=chosen.ttft_s,

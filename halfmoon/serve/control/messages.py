@@ -731,13 +731,14 @@ class Expect(Message):
 @dataclass(frozen=True, kw_only=True)
 class Prefill(Message):
     """Gateway -> prefill worker: prefill the prompt (its prefix from ``cache_source``),
-    stream the KV to ``decode``, send the first token back."""
+    stream the KV to ``decode``, send the first token back (an embedding, ``params.embed``:
+    no ``decode``; its vector goes back instead)."""
 
     wire_name: ClassVar[str] = "prefill"
     request_id: str
     token_ids: list[int]
     params: WireParams
-    decode: Endpoints
+    decode: Endpoints | None = None
     cache_source: Endpoints | None = None
     cached_tokens: int = 0
     replications: list[Replication] = field(default_factory=list)
@@ -745,6 +746,8 @@ class Prefill(Message):
 
     def __post_init__(self) -> None:
         check_cache_salt(self.cache_salt)
+        if self.decode is None and not self.params.embed:
+            raise ValueError("a prefill names the decode worker its KV streams to")
 
 
 @dataclass(frozen=True, kw_only=True)

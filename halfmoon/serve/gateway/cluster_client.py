@@ -371,7 +371,7 @@ class ClusterBackend(ClusterOperations):
     ) -> None:
         wire_params = WireParams.of(params)
         chosen, decode_ep = decision.prefill, decision.decode
-        assert chosen is not None and decode_ep is not None, "an accepted decision names both"
+        assert chosen is not None, "an accepted decision names its prefill (or coupled) instance"
         if self.mode == "coupled":
             self._route_ids[request_id] = (_incarnation(chosen),)
             self._routes[request_id] = (chosen.command,)
@@ -385,10 +385,11 @@ class ClusterBackend(ClusterOperations):
             self._routes[request_id] = (chosen.command,)
             await self._send(chosen.command, Prefill(
                 request_id=request_id, token_ids=list(prompt_token_ids), params=wire_params,
-                decode=decode_ep, cache_source=decision.cache_source,
+                cache_source=decision.cache_source,
                 cached_tokens=decision.cached_tokens, cache_salt=cache_salt,
             ))  # fmt: skip
             return
+        assert decode_ep is not None, "a generation's decision names its decode instance"
         group = decision.group or []
         self._route_ids[request_id] = (
             *(_incarnation(m) for m in group or [chosen]),

@@ -96,6 +96,11 @@ SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
+#: Why an embedding (score, rerank) is refused behind ``--engine vllm``.
+NO_POOLING = ("embeddings are served by halfmoon's engine: a vLLM server started to generate "
+              "does not pool (--engine halfmoon)")  # fmt: skip
+
+
 class VllmUnsupported(Unsupported):
     """What a vLLM server behind the coupled connector cannot do (moving KV in or out:
     that needs halfmoon's KV connector inside vLLM)."""
@@ -689,10 +694,7 @@ class VllmServerConnector(EngineConnector):
         if request_id in self._requests:
             raise HalfmoonError(f"request {request_id!r} is already running")
         if params.embed:
-            raise VllmUnsupported(
-                "embeddings are served by halfmoon's engine: a vLLM server "
-                "started to generate does not pool (--engine halfmoon)"
-            )
+            raise VllmUnsupported(NO_POOLING)
         if len(token_ids) + params.max_tokens > self.max_model_len > 0:
             raise HalfmoonError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "

@@ -37,7 +37,7 @@ from halfmoon.serve.control.messages import (
     Replicate,
     logprobs_to_wire,
 )
-from halfmoon.serve.vllm.connector import VllmServerConnector
+from halfmoon.serve.vllm.connector import NO_POOLING, VllmServerConnector, VllmUnsupported
 from halfmoon.serve.vllm.pd import PrefillResult, prefill_params
 from halfmoon.serve.worker.coupled import CoupledRole
 from halfmoon.serve.worker.process import Handler, Worker
@@ -78,6 +78,8 @@ class VllmPrefillRole(CoupledRole):
 
     def _on_prefill(self, identity: bytes, msg: Prefill) -> None:
         rid, source = msg.request_id, msg.cache_source
+        if msg.decode is None:  # an embedding (the worker answers it as a 400)
+            raise VllmUnsupported(NO_POOLING)
         remote = source is not None and source.instance_id != self.worker.me.instance_id
         params = prefill_params(
             rid, msg.decode.transfer, source.transfer if remote and source else None,

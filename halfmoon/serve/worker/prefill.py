@@ -72,7 +72,8 @@ class _Prefill:
     identity: bytes
     prompt_token_ids: list[int]
     params: SamplingParams
-    decode: Endpoints
+    #: Where its KV streams (None: an embedding).
+    decode: Endpoints | None
     num_blocks: int
     #: Its KV stream to the decode worker (None: an embedding, which ends here).
     stream: OutStream | None
@@ -173,6 +174,7 @@ class PrefillRole(TokenStreaming):
         codec = self.worker.kv_codec
         stream = None
         if not params.embed:
+            assert decode is not None  # (checked on arrival)
             layout = kv_stream_layout(self.num_layers, n, self.half_block_bytes, codec)
             stream = OutStream(
                 self.transfer, decode.transfer, rid, layout, f"decode {decode.instance_id}",
@@ -242,6 +244,7 @@ class PrefillRole(TokenStreaming):
             if p.stream.error:
                 self._fail(rid, p, p.stream.error)
                 return
+            assert p.decode is not None
             try:
                 self.worker.send_to(p.decode.command, Handoff(
                     request_id=rid, token_ids=list(handoff.token_ids),
@@ -266,7 +269,8 @@ class PrefillRole(TokenStreaming):
         if p.stream is not None:
             p.stream.submit_cancel()
         # The decode side failed, not the request: the gateway may place it again.
-        self.end_failed(p.identity, rid, error, retryable=True, suspect=p.decode.instance_id)
+        suspect = p.decode.instance_id if p.decode is not None else ""
+        self.end_failed(p.identity, rid, error, retryable=True, suspect=suspect)
 
     def on_failure(self, failure: RequestFailure) -> None:
         """A prefill failed in the engine (a step it was part of failed): its stream is
