@@ -220,6 +220,7 @@ class GatewayHost:
             end_token_ids=end_token_ids(model_dir),
             scheduling_policy=spec.scheduling_policy,
             lora_modules=spec.lora_modules,
+            allow_runtime_lora=spec.allow_runtime_lora,
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from halfmoon.core.adapters import lora_pairs, parse_lora_modules
+from halfmoon.core.adapters import lora_pairs, parse_lora_modules, runtime_lora_allowed
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.flags import dev_mode
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
@@ -197,6 +197,9 @@ class GatewaySpec:
     scheduling_policy: str = "fcfs"
     #: The engines' ``--lora-modules`` as ``(name, path)`` (GatewayConfig.lora_modules).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: ``--allow-runtime-lora-updating`` (or vLLM's switch where the deployment was made):
+    #: GatewayConfig.allow_runtime_lora. An adapter's path must be readable on every node.
+    allow_runtime_lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,9 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         lora_modules=lora_pairs(parse_lora_modules(getattr(args, "lora_modules", None) or ())),
+        allow_runtime_lora=runtime_lora_allowed(
+            getattr(args, "allow_runtime_lora_updating", False), os.environ
+        ),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

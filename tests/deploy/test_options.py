@@ -115,3 +115,14 @@ def test_the_gateway_spec_carries_cors_and_tls(tmp_path):
     argv = ("--ray", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
     tls = deploy_spec(_serve(*argv), "{}", "{}").gateway.tls
     assert tls is not None and (tls.keyfile, tls.certfile) == (str(key), str(cert))
+
+
+def test_the_gateway_spec_carries_runtime_lora_updating(monkeypatch):
+    from halfmoon.core.adapters import RUNTIME_LORA_ENV
+
+    monkeypatch.delenv(RUNTIME_LORA_ENV, raising=False)
+    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.allow_runtime_lora is False
+    spec = deploy_spec(_serve("--ray", "--allow-runtime-lora-updating"), "{}", "{}")
+    assert spec.gateway.allow_runtime_lora is True
+    monkeypatch.setenv(RUNTIME_LORA_ENV, "True")  # vLLM's switch, where the deployment is made
+    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.allow_runtime_lora is True

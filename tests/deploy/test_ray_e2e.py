@@ -1,5 +1,6 @@
-"""``halfmoon serve --ray`` on a two-node local Ray cluster: serve, scale, survive a
-killed worker actor, gateway actor and controller, stop leaving nothing behind.
+"""``halfmoon serve --ray`` on a two-node local Ray cluster: serve, scale, load a LoRA
+adapter while serving, survive a killed worker actor (which loads the adapter again),
+gateway actor and controller, stop leaving nothing behind.
 
 One deployment serves every test of this module (starting one takes most of a minute);
 the tests run in file order and the last one stops it. Each test needs only a deployment
@@ -28,6 +29,7 @@ from halfmoon.serve.runtime import free_port
 from .conftest import RayNodes, marked_processes
 
 API_KEY = "ray-e2e-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 NAME = "e2e"
 ORIGIN = "https://app.example"
 pytestmark = pytest.mark.timeout(400)
@@ -53,7 +55,7 @@ def deployment(ray_nodes: RayNodes, tmp_path_factory):
         "1", "--prefill-resource", "prefill", "--decode-resource", "decode",
         "--port", str(free_port()), "--api-key", API_KEY, "--max-worker-restarts", "2",
         "--store-dram-mb", "32", "--startup-timeout", "150", "--deployment-name", NAME,
-        "--allowed-origins", ORIGIN, log=log,
+        "--allowed-origins", ORIGIN, "--allow-runtime-lora-updating", log=log,
     )  # fmt: skip
     try:
         url = _wait_for_url(serve, log)
@@ -102,15 +104,69 @@ def test_serve_and_scale_on_two_nodes(deployment: Deployment, ray_nodes: RayNode
     _complete(url)
 
 
-def test_a_killed_worker_actor_is_restarted(deployment: Deployment):
+@pytest.fixture(scope="module")
+def adapter(deployment: Deployment, ray_nodes: RayNodes, tmp_path_factory) -> str:
+    """A random LoRA adapter of the tiny preset, loaded as "one" through the gateway's
+    ``/v1/load_lora_adapter`` (``--allow-runtime-lora-updating``), and an offline engine's
+    greedy answer with it."""
+    from halfmoon.core.adapters import RuntimeAdapter
+    from halfmoon.core.request import SamplingParams
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.engine.loader import preset_config
+    from halfmoon.engine.lora import write_random_adapter
+
+    path = write_random_adapter(preset_config("tiny"), tmp_path_factory.mktemp("lora") / "one",
+                                seed=1, std=0.3)  # fmt: skip
+    preset = ray_nodes.root / "cache" / "presets" / "tiny-seed0"  # (the nodes' own copy)
+    offline = LLMEngine(EngineConfig(model=str(preset)))
+    offline.load_lora(RuntimeAdapter.new("one", str(path)))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, lora="one")
+    (out,) = offline.generate([LORA_PROMPT], params)
+    load = httpx.post(f"{deployment.url}/v1/load_lora_adapter", headers=AUTH, timeout=120,
+                      json={"lora_name": "one", "lora_path": str(path)})  # fmt: skip
+    assert load.status_code == 200, load.text
+    return out.text
+
+
+LORA_PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def _lora_answer(url: str, model: str, retry_s: float = 0.0) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            out = client.completions.create(model=model, prompt=LORA_PROMPT, max_tokens=8,
+                                            temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            return out.choices[0].text
+        except Exception:  # only while a restarted process comes back (retry_s > 0)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_an_adapter_loaded_while_serving_reaches_every_worker(deployment: Deployment, adapter):
+    """vLLM's load endpoint on the gateway actor loads the adapter on both nodes'
+    workers: a request naming it gets the offline engine's answer with it."""
+    models = httpx.get(f"{deployment.url}/v1/models", headers=AUTH, timeout=30).json()["data"]
+    assert "one" in {m["id"] for m in models}
+    assert _lora_answer(deployment.url, "one") == adapter
+    assert _lora_answer(deployment.url, "tiny") != adapter
+
+
+def test_a_killed_worker_actor_is_restarted(deployment: Deployment, adapter):
     import ray
 
-    # kill a worker actor: Ray restarts it, it registers again and serves
+    # kill a worker actor: Ray restarts it, it registers again and serves (the adapter
+    # loaded while serving too: the Conductor's list is given to it as it registers)
     actor = ray.get_actor(f"{NAME}:decode-0", namespace="halfmoon")
     old_pid = ray.get(actor.info.remote())["pid"]
     ray.kill(actor, no_restart=False)
     _wait(lambda: _restarted(ray, actor, old_pid), "decode-0 to be restarted")
     _complete(deployment.url, retry_s=60)
+    assert _lora_answer(deployment.url, "one", retry_s=60) == adapter
 
 
 def test_a_killed_gateway_comes_back_at_the_same_url(deployment: Deployment):
