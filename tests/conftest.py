@@ -11,10 +11,19 @@ test tiers: markers given by directory and by fixture (README, "Tests").
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
+# OpenMP threads that wait yield their core at once instead of spinning. The suite runs
+# more busy processes than this host has cores (two pytest-xdist workers, each with
+# torch's threads, beside clusters' workers and vLLM servers); spinning waits then burn
+# the cores the others need: an in-process engine module took 47 s instead of 8 beside two
+# busy torch processes, and they did a seventh of their work. Set before torch is
+# imported here, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 from hypothesis import settings
 
 from halfmoon.engine.catalog import NAMED_MODELS, named_model_file
