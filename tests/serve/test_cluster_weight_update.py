@@ -1,11 +1,13 @@
 """The cluster's all-or-none weight update (ClusterOperations.update_weights) against
 scripted answers: every worker stages before any commits; one that cannot stage has
 every other drop theirs; a worker that registered or restarted during the update is given
-the new weights too; the Conductor records them once any worker serves them."""
+the new weights too; the Conductor records them once any worker serves them; a draining
+worker is left out."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -18,7 +20,7 @@ from halfmoon.serve.control.messages import (
     WeightsOk,
 )
 from halfmoon.serve.gateway.backend import BackendError
-from halfmoon.serve.gateway.cluster_ops import ClusterOperations
+from halfmoon.serve.gateway.cluster_ops import ClusterOperations, serving
 
 
 class Scripted(ClusterOperations):
@@ -97,3 +99,14 @@ def test_a_worker_busy_past_the_settle_time_fails_the_update(monkeypatch):
     with pytest.raises(BackendError, match="requests are running here"):
         asyncio.run(ops.update_weights("/ckpt/1", "1"))
     assert 2 <= ops.sent.count(("tcp://p0", "commit")) <= 6
+
+
+def test_a_draining_worker_is_left_out():
+    """It takes no new request and exits once idle (it may be gone, not yet noticed):
+    neither weights nor adapters (cluster_ops.serving) are sent to it."""
+    draining = dataclasses.replace(pong(p0="a", d0="b", d1="c"), draining=["d1"])
+    assert serving(draining) == {"p0": "tcp://p0", "d0": "tcp://d0"}
+    ops = Scripted([draining])
+    asyncio.run(ops.update_weights("/ckpt/1", "1"))
+    assert not [s for s in ops.sent if s[0] == "tcp://d1"]
+    assert ("tcp://d0", "commit") in ops.sent

@@ -41,6 +41,13 @@ log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
 COMMIT_SETTLE_S = 10.0
 
 
+def serving(pong: ConductorPong) -> dict[str, str]:
+    """The command endpoints of the instances ``pong`` lists that are not draining: a
+    draining worker takes no new request and exits once idle (it may be gone already, its
+    silence not yet noticed), so what changes the cluster from now on skips it."""
+    return {i: e for i, e in pong.endpoints.items() if i not in pong.draining}
+
+
 class WorkerBusy(BackendError):
     """A worker refused a step for now (its requests are still ending): ask again."""
 
@@ -114,7 +121,7 @@ class ClusterOperations(ClusterLink):
         await self._tell_adapters("load", record, timeout_s)
         loaded: dict[str, str] = {}
         try:
-            endpoints = (await self._ping(timeout_s)).endpoints
+            endpoints = serving(await self._ping(timeout_s))
             results = await self._on_workers(
                 endpoints, AdapterUpdate(op="load", adapter=record), timeout_s
             )
@@ -136,7 +143,7 @@ class ClusterOperations(ClusterLink):
         then off every worker, each once the requests using it there have finished."""
         record = AdapterRecord(name=name, path="", tag="")
         await self._tell_adapters("unload", record, timeout_s)
-        endpoints = (await self._ping(timeout_s)).endpoints
+        endpoints = serving(await self._ping(timeout_s))
         results = await self._on_workers(endpoints, AdapterUpdate(op="unload", adapter=record),
                                          timeout_s)  # fmt: skip
         for instance_id, result in results.items():
@@ -158,7 +165,7 @@ class ClusterOperations(ClusterLink):
                 return "" if reply.success else reply.reason or "not reset"
             return reason_of(reply)
 
-        endpoints = (await self._ping(timeout_s)).endpoints
+        endpoints = serving(await self._ping(timeout_s))
         reasons = await asyncio.gather(*(one(e) for e in endpoints.values()))
         return dict(zip(endpoints, reasons, strict=True))
 
@@ -171,7 +178,7 @@ class ClusterOperations(ClusterLink):
         then on installs them first). Requests must have ended (the gateway pauses)."""
         record = WeightsRecord(path=path, version=version)
         first = await self._ping(timeout_s)
-        endpoints = first.endpoints
+        endpoints = serving(first)
         if not endpoints:
             raise BackendError("no worker is registered")
         staged = await self._weights_on(endpoints, UpdateWeights(op="stage", weights=record),
@@ -189,7 +196,7 @@ class ClusterOperations(ClusterLink):
             # A worker that registered (or restarted) meanwhile was given the old record:
             # it installs them now (one registering from now on is given the new one).
             later = await self._ping(timeout_s)
-            joined = {i: e for i, e in later.endpoints.items()
+            joined = {i: e for i, e in serving(later).items()
                       if later.incarnations.get(i) != first.incarnations.get(i)}  # fmt: skip
             for op in ("stage", "commit"):
                 late = await self._weights_on(joined, UpdateWeights(op=op, weights=record),
