@@ -399,9 +399,10 @@ class Conductor(Cluster):
         if not request.prefill_only:
             decode, decodes = self._decode_choice(request, ready_s, exhaustive)
             then = f"decode {decode.instance_id} (est TBT {decode.est_tbt_s * 1e3:.1f}ms)"
-        counts = {"num_candidates": num_candidates, "num_decode_candidates": len(decodes)}
-        if decode is not None:
-            counts["num_decode_candidates"] = len(self.decode_instances)
+        counts = {
+            "num_candidates": num_candidates,
+            "num_decode_candidates": 0 if decode is None else len(self.decode_instances),
+        }
         why = (
             f"{policy}: {chosen.label} (prefix from {chosen.cache_source}, "
             f"est TTFT {ttft_s:.3f}s{note}); {then}"
