@@ -121,8 +121,8 @@ class Gateway(RequestPreparation):
     ) -> tuple[float, ...]:  # fmt: skip
         """The embedding of ``prompt_ids`` (``params.embed``), run as any request (counted,
         held while paused, ended by :meth:`abort_requests` under ``client_id``): its
-        vector, not normalized (the prefix cache's hits reach the metrics and the access
-        line). Raises :class:`Rejected` or :class:`BackendError` as generation does."""
+        vector, not normalized (the prompt tokens a prefix cache served count in the
+        metrics). Raises :class:`Rejected` or :class:`BackendError` as generation does."""
         p = Prepared(self.new_id(), prompt_ids, params, (), False, False,
                      cache_salt=cache_salt, client_id=client_id)  # fmt: skip
         arrival = time.monotonic()
