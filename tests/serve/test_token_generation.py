@@ -65,6 +65,18 @@ class CountingBackend:
         return {"mode": "counting"}
 
 
+async def started(backend: CountingBackend, count: int, tokens_s: float = 0.1) -> None:
+    """Wait until ``backend`` has been asked for ``count`` generations (a loaded host, or
+    a chat template's first use, may take a while), then ``tokens_s`` more for them to
+    generate a few tokens: a fixed sleep instead once aborted one before it began."""
+    for _ in range(1000):
+        if len(backend.prompts) >= count:
+            break
+        await asyncio.sleep(0.02)
+    assert len(backend.prompts) >= count, f"{len(backend.prompts)} of {count} generations began"
+    await asyncio.sleep(tokens_s)
+
+
 def generation_of(client: httpx.AsyncClient, max_tokens: int) -> asyncio.Future:
     """A token-in generation of ``max_tokens`` tokens, started in the background (its
     answer when awaited)."""
@@ -245,11 +257,7 @@ def test_abort_requests_ends_running_generations(gateways):
             chat = {"model": "m", "messages": [{"role": "user", "content": "x"}],
                     "max_tokens": 200, "request_id": "talk"}  # fmt: skip
             talking = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat))
-            for _ in range(500):  # both generating (a chat template's first use may be slow)
-                if len(backend.prompts) == 2:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.1)
+            await started(backend, 2)
             ended = await client.post("/abort_requests",
                                       json={"request_ids": ["long", "chatcmpl-talk", "none"]})  # fmt: skip
             unknown = await client.post("/inference/v1/abort_requests", json={"request_ids": ["x"]})
@@ -278,7 +286,7 @@ def test_abort_requests_without_ids_ends_every_one(gateways):
             body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 200, "n": 2}}
             running = [asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
                        for _ in range(2)]  # fmt: skip
-            await asyncio.sleep(0.3)
+            await started(backend, 4)
             ended = (await client.post("/abort_requests", json={})).json()
             answers = [(await r).json() for r in running]
             return ended, [c["finish_reason"] for a in answers for c in a["choices"]]
@@ -312,7 +320,7 @@ def test_pause_and_resume_hold_new_generations(gateways):
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             out: dict[str, Any] = {}
             running = generation_of(client, 200)
-            await asyncio.sleep(0.2)
+            await started(backend, 1)
             out["paused"] = (await client.post("/pause")).json()
             out["aborted"] = (await running).json()["choices"][0]["finish_reason"]
             held = generation_of(client, 3)
@@ -323,7 +331,7 @@ def test_pause_and_resume_hold_new_generations(gateways):
             out["after"] = (await held).json()["choices"][0]["finish_reason"]
             out["resumed"] = (await client.get("/is_paused")).json()
             finishing = generation_of(client, 10)
-            await asyncio.sleep(0.05)
+            await started(backend, 3, tokens_s=0.0)
             await client.post("/pause", params={"mode": "wait"})
             out["waited"] = finishing.done() and (await finishing).json()["choices"][0][
                 "finish_reason"]  # fmt: skip
