@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from .test_token_generation import LETTERS, CountingBackend, counting
+from .test_token_generation import LETTERS, CountingBackend, counting, started
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,43 @@ def test_a_stream_is_cumulative_and_ends_with_the_finish(served):
     assert text.rstrip().endswith("data: [DONE]") and "index" not in events[0]
 
 
+def test_a_batch_whose_prompts_differ_in_options_runs_prompt_by_prompt(served):
+    """Each prompt's own ``sampling_params`` (and logprob options): one completion per
+    prompt, answered as one batch in the prompts' order."""
+    client, backend = served
+    body = {"input_ids": [[5, 6], [7], [8, 9, 10]], "rid": ["a", "b", "c"],
+            "sampling_params": [{"max_new_tokens": 2, "temperature": 0},
+                                {"max_new_tokens": 3, "n": 2, "sampling_seed": 4},
+                                {"max_new_tokens": 1, "temperature": 0.5}],
+            "return_logprob": [True, False, False]}  # fmt: skip
+    before = len(backend.params)
+    out = client.post("/generate", json=body).json()
+    assert [o["index"] for o in out] == [0, 1, 2, 3]
+    assert [o["meta_info"]["id"] for o in out] == ["a", "b", "b", "c"]
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 3, 3, 1]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 1, 1, 3]
+    assert ["output_token_logprobs" in o["meta_info"] for o in out] == [True, False, False, False]
+    ran = backend.params[before:]
+    assert sorted((p.max_tokens, p.temperature) for p in ran) == [
+        (1, 0.5),
+        (2, 0.0),
+        (3, 0.2),
+        (3, 0.2),
+    ]  # fmt: skip (0.2: the model's default)
+    assert sorted(p.seed for p in ran if p.max_tokens == 3) == [4, 5]
+
+
+def test_a_batch_whose_prompts_differ_streams_one_batchs_indexes(served):
+    client, _ = served
+    body = {"text": ["x", "y"], "stream": True,
+            "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}]}  # fmt: skip
+    text = client.post("/generate", json=body).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1] and [last[i]["text"] for i in (0, 1)] == ["ab", "abc"]
+    assert text.count("data: [DONE]") == 1 and text.rstrip().endswith("data: [DONE]")
+
+
 def test_a_stop_string_is_matched(served):
     client, _ = served
     body = {"text": "Hi", "sampling_params": {"max_new_tokens": 8, "stop": ["cd"]}}
@@ -101,9 +138,10 @@ def test_a_stop_string_is_matched(served):
         ({"text": "a", "sampling_params": {"beam_width": 2}}, "beam_width"),
         ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
         (
-            {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
-            "differing",
+            {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}] * 2},
+            "4 values for 2 prompts",
         ),
+        ({"input_ids": [[5], [6]], "return_logprob": [True, False, True]}, "return_logprob"),
         ({"text": "a", "sampling_params": {"temperature": 9}}, "temperature"),
         ({"input_ids": [100000]}, "prompt"),
         ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
@@ -155,7 +193,7 @@ def test_abort_request_ends_a_running_generation(gateways):
             body = {"input_ids": [5], "rid": "r", "sampling_params": {"max_new_tokens": 200}}
             running = asyncio.ensure_future(client.post("/generate", json=body))
             other = asyncio.ensure_future(client.post("/generate", json={**body, "rid": "s"}))
-            await asyncio.sleep(0.3)
+            await started(backend, 2)
             ended = await client.post("/abort_request", json={"rid": "r"})
             first = (await running).json()
             await client.post("/abort_request", json={"abort_all": True})

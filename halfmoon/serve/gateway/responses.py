@@ -14,6 +14,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.serve.gateway.backend import BackendError, BackendRefused, Rejected
@@ -246,13 +247,29 @@ def prompt_field(prompt: list[Entry], token_text: Callable[[int], str]) -> list 
     return prompt_logprobs_body(ids, values, token_text)
 
 
+_Item = TypeVar("_Item")
+
+
 async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
     """The items of every choice's stream as they come, tagged with the choice's index.
     A stream ends after its item with a finish reason; closing this closes them all."""
+    async with contextlib.aclosing(interleave(streams, lambda item: item[1] is not None)) as items:
+        async for index, item in items:
+            yield index, item
+
+
+async def interleave(
+    streams: list[AsyncIterator[_Item]], last: Callable[[_Item], bool] = lambda _: False
+) -> AsyncIterator[tuple[int, _Item]]:
+    """The items of every stream as they come, tagged with the stream's index. A stream
+    ends when exhausted, or after an item ``last`` accepts; an exception of one ends the
+    whole; closing this closes them all (each aborting what it runs as it ends)."""
     if len(streams) == 1:  # the common case: no tasks
         try:
             async for item in streams[0]:
                 yield 0, item
+                if last(item):
+                    break
         finally:
             await streams[0].aclose()
         return
@@ -262,11 +279,14 @@ async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tu
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 index = pending.pop(future)
-                item = future.result()  # (a Rejected or BackendError ends the whole request)
+                try:
+                    item = future.result()  # (a Rejected or BackendError ends the whole)
+                except StopAsyncIteration:
+                    continue
                 yield index, item
-                if item[1] is None:
+                if not last(item):
                     pending[asyncio.ensure_future(anext(streams[index]))] = index
-    finally:  # stop the other choices (each aborts its backend request as it ends)
+    finally:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -26,8 +26,11 @@ from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.sglang_generation import (
     Answers,
     SglangGenerateRequest,
+    Started,
     streamed,
+    streamed_parts,
     whole,
+    whole_parts,
 )
 
 #: How long ``/health_generate`` waits for its token (SGLang's own check waits 20 s).
@@ -48,8 +51,42 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
     router = APIRouter()
     config = gw.config
 
+    async def started(part: SglangGenerateRequest, request: Request, began: float) -> Started:
+        completion = part.to_completion(config.model_names[0])
+        p, first, stream = await start(completion, request)
+        return (
+            Answers(part, p, began, p.token_text(gw.token_text), gw.weight_version),
+            first,
+            stream,
+        )
+
+    async def generate_parts(parts: list[SglangGenerateRequest], request: Request,
+                             stream: bool) -> Response:  # fmt: skip
+        """A batch whose per-prompt options differ: a completion per prompt, at once."""
+        if len(parts) > config.max_concurrent_requests:  # never fits: not a 429
+            raise HTTPError(400, f"{len(parts)} prompts with options of their own; this server "
+                            f"runs at most {config.max_concurrent_requests} requests at once",
+                            "BadRequestError", param="sampling_params")  # fmt: skip
+        began = time.monotonic()
+        results = await asyncio.gather(*(started(part, request, began) for part in parts),
+                                       return_exceptions=True)  # fmt: skip
+        failed = [r for r in results if isinstance(r, BaseException)]
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        if failed:  # one was turned away: the others stop (their requests abort)
+            for _, _, rest in ok:
+                await rest.aclose()
+            raise failed[0]
+        name(ok[0][0].p, request, ok[0][0].p.public_id)
+        if stream:
+            return StreamingResponse(streamed_parts(ok, gw.metrics),
+                                     media_type="text/event-stream")  # fmt: skip
+        return JSONResponse(await whole_parts(ok, gw.metrics))
+
     @router.post("/generate")
     async def generate(body: SglangGenerateRequest, request: Request) -> Response:
+        parts = body.parts()
+        if parts is not None:
+            return await generate_parts(parts, request, body.stream)
         began = time.monotonic()
         completion = body.to_completion(config.model_names[0])
         p, first, stream = await start(completion, request)

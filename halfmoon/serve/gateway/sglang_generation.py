@@ -20,12 +20,18 @@ Answers follow SGLang's shapes: ``text`` and ``output_ids``
 ``output_top_logprobs``; ``input_*`` from ``logprob_start_len``). A batch, or ``n`` above
 1, answers a list (streamed: each chunk with its ``index``). Options SGLang has and this
 server does not (multimodal data, embeddings in, hidden states out, custom logit
-processors, beam width, regex stops, per-prompt sampling parameters that differ) are a
-400 naming them.
+processors, beam width, regex stops) are a 400 naming them.
+
+A batch whose per-prompt options differ (``sampling_params``, ``return_logprob``,
+``logprob_start_len``, ``top_logprobs_num`` or ``lora_path`` given as a list of one value
+per prompt, not all equal) runs as one completion per prompt, all at once, answered as
+one list in the prompts' order (:meth:`SglangGenerateRequest.parts`; streamed, their
+events interleave as they come, each with its ``index``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,10 +51,13 @@ from halfmoon.serve.gateway.responses import (
     Prepared,
     all_items,
     failed_event,
+    interleave,
     turned_away,
 )
 from halfmoon.serve.gateway.token_generation import completion_from, refuse
 
+#: The last event of a stream.
+DONE_EVENT = b"data: [DONE]\n\n"
 #: What SGLang defaults ``max_new_tokens`` to.
 DEFAULT_MAX_NEW_TOKENS = 128
 #: Completion fields by the names SGLang's requests give them (in a 400).
@@ -164,6 +173,36 @@ class SglangGenerateRequest(BaseModel):
             self.input_ids and isinstance(self.input_ids[0], list)
         )
 
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch's prompts (text or token ids), one per answer group."""
+        if isinstance(self.text, list):
+            return self.text
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return self.input_ids  # type: ignore[return-value]
+        return []
+
+    def parts(self) -> list[SglangGenerateRequest] | None:
+        """One request per prompt when the batch's per-prompt options differ (each list a
+        value per prompt; a 400 when a list's length is not the number of prompts), else
+        None: one completion serves the whole request."""
+        prompts = self.prompts()
+        lists = {name: value for name in _PER_PROMPT
+                 if isinstance(value := getattr(self, name), list)}  # fmt: skip
+        if not prompts or all(all(v == value[0] for v in value) for value in lists.values()):
+            return None
+        for name, value in lists.items():
+            if len(value) != len(prompts):
+                raise HTTPError(400, f"{name}: {len(value)} values for {len(prompts)} prompts "
+                                "(give one per prompt)", "BadRequestError", param=name)  # fmt: skip
+        field = "text" if isinstance(self.text, list) else "input_ids"
+        return [
+            self.model_copy(update={
+                field: [prompt], "rid": [self.rid[i]] if isinstance(self.rid, list) else None,
+                **{name: value[i] for name, value in lists.items()},
+            })
+            for i, prompt in enumerate(prompts)
+        ]  # fmt: skip
+
     def to_completion(self, served_model: str) -> CompletionRequest:
         """The completion of these prompts that answers this request."""
         refuse(self.refused())
@@ -194,14 +233,19 @@ class SglangGenerateRequest(BaseModel):
         return completion_from(fields, _SGLANG_NAMES)
 
 
+#: The options SGLang takes once or per prompt (a list, one value per prompt).
+_PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+               "lora_path")  # fmt: skip
+
+
 def _one(name: str, value: Any) -> Any:
-    """A per-prompt option given once, or as a list of one value for every prompt (a 400
-    when they differ: each batch runs with one set of options here)."""
+    """A per-prompt option given once, or as a list of one value for every prompt (all
+    equal: a batch whose values differ runs as :meth:`SglangGenerateRequest.parts`)."""
     if not isinstance(value, list):
         return value
-    if any(v != value[0] for v in value):
-        raise HTTPError(400, f"{name} differing between the prompts of a batch is not "
-                        "supported by this server", "BadRequestError", param=name)  # fmt: skip
+    if any(v != value[0] for v in value):  # (parts() splits such a batch first)
+        raise HTTPError(400, f"{name} differs between the prompts", "BadRequestError",
+                        param=name)  # fmt: skip
     return value[0] if value else None
 
 
@@ -321,4 +365,45 @@ async def streamed(answers: Answers, first: tuple[int, Delta], rest: AsyncIterat
                     yield f"data: {json.dumps(answers.output(index))}\n\n".encode()
     except (BackendError, Rejected) as exc:
         yield failed_event(exc, metrics)
-    yield b"data: [DONE]\n\n"
+    yield DONE_EVENT
+
+
+# -- a batch run as parts -----------------------------------------------------------------
+Started = tuple[Answers, tuple[int, Delta], AsyncIterator]
+
+
+async def whole_parts(parts: list[Started], metrics: GatewayMetrics) -> list[dict[str, Any]]:
+    """The answer of a batch run as parts (:meth:`SglangGenerateRequest.parts`): every
+    part's outputs in the prompts' order, indexed as one batch's. One part turned away or
+    failed ends the others (their requests abort) and answers as it does."""
+    tasks = [asyncio.ensure_future(whole(a, first, rest, metrics)) for a, first, rest in parts]
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    outputs = [output for answer in answers for output in answer]
+    for index, output in enumerate(outputs):
+        output["index"] = index
+    return outputs
+
+
+async def streamed_parts(parts: list[Started], metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+    """The events of a batch run as parts, interleaved as they come, each output's
+    ``index`` that of one batch; one ``[DONE]`` at the end. A part's error event ends
+    the others."""
+    offsets = [sum(a.p.num_choices for a, _, _ in parts[:i]) for i in range(len(parts))]
+    streams = [streamed(a, first, rest, metrics) for a, first, rest in parts]
+    async with aclosing(interleave(streams)) as events:
+        async for part, event in events:
+            if event == DONE_EVENT:
+                continue
+            body = json.loads(event.removeprefix(b"data: "))
+            if "index" in body:
+                body["index"] += offsets[part]
+            yield f"data: {json.dumps(body)}\n\n".encode()
+            if "error" in body:  # one part failed: the others end too (their requests abort)
+                break
+    yield DONE_EVENT
