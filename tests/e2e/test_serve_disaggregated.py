@@ -658,8 +658,9 @@ def test_token_in_token_out_through_the_cluster(disagg):
 def test_sglangs_generate_through_the_cluster(disagg):
     """SGLang's native ``/generate``: greedy text and ids equal to the same completion's,
     streamed cumulatively to the same text, the prompt's log-probabilities from
-    ``logprob_start_len`` (the first token's null), and a prompt scored alone
-    (``max_new_tokens`` 0, as RL trainers score)."""
+    ``logprob_start_len`` (the first token's null), a prompt scored alone
+    (``max_new_tokens`` 0, as RL trainers score), and a batch whose prompts differ in
+    options."""
     base = disagg.base_url
     completion = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0,
                   "ignore_eos": True, "return_token_ids": True}  # fmt: skip
@@ -679,6 +680,15 @@ def test_sglangs_generate_through_the_cluster(disagg):
     prompt = meta["input_token_logprobs"]
     assert [t for _, t, _ in prompt] == ref["prompt_token_ids"] and prompt[0][0] is None
     assert all(lp <= 0 for lp, _, _ in prompt[1:]) and meta["output_token_logprobs"] == []
+    # a batch whose prompts have their own sampling_params: each its own completion's
+    mixed = {"text": [PROMPTS[2], PROMPTS[0]],
+             "sampling_params": [body["sampling_params"], {**body["sampling_params"],
+                                                           "max_new_tokens": 3}]}  # fmt: skip
+    first, second = httpx.post(base + "/generate", json=mixed, timeout=60).json()
+    assert (first["index"], first["output_ids"]) == (0, ref["token_ids"])
+    short = httpx.post(base + "/v1/completions", timeout=60,
+                       json={**completion, "prompt": PROMPTS[0], "max_tokens": 3}).json()  # fmt: skip
+    assert (second["index"], second["output_ids"]) == (1, short["choices"][0]["token_ids"])
     info = httpx.get(base + "/server_info", timeout=60).json()  # (its benchmarks read it)
     (state,) = info["internal_states"]  # the decode worker's
     assert state["role"] == "decode" and state["memory_usage"]["token_capacity"] > 0
