@@ -14,7 +14,9 @@ holds every member instance, see :mod:`halfmoon.sim.cpp`)::
               then ``handoff_s_per_token`` x prompt tokens of serving-path work (store
               save, KV streaming, export and hand-over)
     finish:   PrefillFinished; cache the prompt's full blocks (BlockStored/Evicted);
-              the KV tail reaches the decode instance after kv_stream_tail_s
+              the KV tail reaches the decode instance after kv_stream_tail_s (a
+              prefill-only request, an embedding, ends here instead: its answer is due
+              now, RequestFinished, nothing streamed)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from halfmoon.conductor.messages import PrefillFinished, PrefillStarted
+from halfmoon.conductor.messages import PrefillFinished, PrefillStarted, RequestFinished
 from halfmoon.core.clock import Clock
 from halfmoon.sim.cache import InstanceCache, Notify
 from halfmoon.sim.config import InstanceSpec
@@ -213,6 +215,11 @@ class PrefillInstance:
         self.cache.touch(job.full_block_hashes)
         cached = job.record.cached_tokens
         self._notify(PrefillFinished(self.instance_id, job.request_id, cached))
+        if job.request.prefill_only:  # an embedding: answered here, no KV goes anywhere
+            job.record.token_times_s.append(now)  # (its answer: what its TTFT measures)
+            job.record.finish_s = now
+            self._notify(RequestFinished(self.instance_id, job.request_id))
+            return self._start_next()
         decode = job.decode
         if decode is None:
             raise RuntimeError(f"request {job.request_id} has no decode instance")

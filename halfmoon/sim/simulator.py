@@ -293,12 +293,17 @@ class Simulator:
 
     def _place(self, job: Job) -> list[Event]:
         decision = self.conductor.schedule(job.request)
-        if not decision.accepted or decision.prefill is None or decision.decode is None:
+        decode = decision.decode  # (None for a prefill-only request: answered by its prefill)
+        if (
+            not decision.accepted
+            or decision.prefill is None
+            or (decode is None and not job.request.prefill_only)
+        ):
             self._reject(job, decision)
             return []
         chosen = decision.prefill
         job.prefill = self.prefill[chosen.instance_id]
-        job.decode = self.decode[decision.decode.instance_id]
+        job.decode = None if decode is None else self.decode[decode.instance_id]
         job.cache_source = self.prefill[chosen.cache_source]
         job.planned_cached_blocks = -(-chosen.cached_tokens // self.block_size_tokens)
         if chosen.group:

@@ -83,6 +83,23 @@ def test_arrival_log_replays_running_requests_at_what_finished_ones_generated():
     assert outs == [40, 30, 50, 40, 300, 40, 300, 45, 20]
 
 
+def test_an_embedding_is_replayed_as_one_and_weighs_in_no_output_median():
+    """A prefill-only arrival (an embedding) keeps its mark through the window into the
+    replay's requests, and its one-token bound is no output other requests are replayed
+    with."""
+    log = ArrivalLog(keep_s=100.0)
+    doc = hashes_to_wire([7])
+    log.record(16, 1, doc, 0.0, "embed", prefill_only=True)
+    log.record(16, 500, doc, 1.0, "chat")
+    log.finished("chat", 60)
+    log.record(16, 500, doc, 2.0, "running")  # the chat's median, not the embedding's 1
+    window = log.window(10.0, now_s=2.0)
+    assert [(a.output_length, a.prefill_only) for a in window] == [
+        (1, True), (60, False), (60, False)]  # fmt: skip
+    requests = window_requests(WorkloadWindow(window_s=10, arrivals=window), 16)
+    assert [r.prefill_only for r in requests] == [True, False, False]
+
+
 def _register(peer: Peer, iid: str, role: str, profile: dict | None = None) -> None:
     peer.call(Register(instance_id=iid, role=role, command_endpoint=f"tcp://127.0.0.1:1/{iid}",
                        transfer_endpoint=f"127.0.0.1:2/{iid}", kv_capacity_tokens=4096,

@@ -185,3 +185,21 @@ def test_the_instances_can_fetch_otherwise_than_the_conductor_estimates(
     b = _records(result)["b"]
     fetch_s = 20 * BLOCK * KV_BYTES_PER_TOKEN / SLOW_LINK_BYTES_PER_S
     assert b.prefill_done_s == pytest.approx(7.0 + fetch_s + 100 / 2000.0)
+
+
+def test_a_prefill_only_request_ends_on_its_prefill_instance(run_sim, make_request) -> None:
+    """An embedding (``prefill_only``): answered when its prefill ends, no KV streamed,
+    nothing placed on the decode instance (even with no decode pool room for it)."""
+    import dataclasses
+
+    embed = dataclasses.replace(make_request("e", 0.0, 4000, 1), prefill_only=True)
+    chat = make_request("c", 0.0, 1000, 4)
+    result, sim = run_sim("1P1D", [embed, chat])
+    e, c = _records(result)["e"], _records(result)["c"]
+    assert e.prefill_done_s == pytest.approx(4000 / 2000.0)  # first in the queue
+    assert e.ttft_s == pytest.approx(e.prefill_done_s) and e.finish_s == e.prefill_done_s
+    assert len(e.token_times_s) == 1 and not e.rejected
+    assert len(c.token_times_s) == 4 and c.prefill_done_s == pytest.approx(5000 / 2000.0)
+    assert result.report["num_completed"] == 2
+    assert sim.conductor.num_placements == 0
+    sim.conductor.check_integrity()

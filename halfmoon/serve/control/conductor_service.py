@@ -520,7 +520,8 @@ class ConductorService:
             decision = self.conductor.schedule(request)
         else:
             self.arrivals.record(message.input_length, message.output_length, message.hashes,
-                                 request_id=message.request_id)  # fmt: skip
+                                 request_id=message.request_id,
+                                 prefill_only=message.prefill_only)  # fmt: skip
             decision = self.conductor.schedule(request)
         elapsed_s = time.perf_counter() - start
         self.recent_decisions.append((time.time(), decision, elapsed_s))

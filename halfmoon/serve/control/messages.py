@@ -442,12 +442,14 @@ class ClusterStatus(Message):
 class Arrival(Record):
     """One request the Conductor was asked to place (a :class:`WorkloadWindow` row):
     ``age_s`` seconds before the window's end, its prompt length, the output length it
-    asked for (``max_tokens``) and its prompt's block hashes (packed as in ``schedule``)."""
+    asked for (``max_tokens``) and its prompt's block hashes (packed as in ``schedule``);
+    ``prefill_only``: an embedding (answered by its prefill instance)."""
 
     age_s: float
     input_length: int
     output_length: int
     hashes: bytes = b""
+    prefill_only: bool = False
 
     @property
     def block_hashes(self) -> list[int]:

@@ -33,6 +33,7 @@ class _Entry:
     hashes: bytes
     request_id: str = ""
     done: bool = False
+    prefill_only: bool = False
 
     @property
     def root(self) -> bytes:
@@ -63,10 +64,13 @@ class ArrivalLog:
         return len(self._entries)
 
     def record(self, input_length: int, output_length: int, hashes: bytes,
-               now_s: float | None = None, request_id: str = "") -> None:  # fmt: skip
-        """A request arrived (``now_s``: monotonic seconds, now by default)."""
+               now_s: float | None = None, request_id: str = "",
+               prefill_only: bool = False) -> None:  # fmt: skip
+        """A request arrived (``now_s``: monotonic seconds, now by default;
+        ``prefill_only``: an embedding, which generates nothing)."""
         now_s = time.monotonic() if now_s is None else now_s
-        entry = _Entry(now_s, input_length, output_length, hashes, request_id)
+        entry = _Entry(now_s, input_length, output_length, hashes, request_id,
+                       done=prefill_only, prefill_only=prefill_only)  # fmt: skip
         self._entries.append(entry)
         if request_id:
             self._by_id[request_id] = entry
@@ -89,7 +93,7 @@ class ArrivalLog:
         by_root: dict[bytes, list[int]] = {}
         every: list[int] = []
         for e in self._entries:
-            if e.done:
+            if e.done and not e.prefill_only:
                 every.append(e.output_length)
                 if e.root:
                     by_root.setdefault(e.root, []).append(e.output_length)
@@ -116,6 +120,7 @@ class ArrivalLog:
                 input_length=e.input_length,
                 output_length=output(e),
                 hashes=e.hashes,
+                prefill_only=e.prefill_only,
             )  # fmt: skip
             for e in reversed(recent)
         ]

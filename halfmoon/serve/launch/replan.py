@@ -64,7 +64,8 @@ def window_requests(window: WorkloadWindow, block_size: int) -> list[Request]:
         if len(hashes) != -(-a.input_length // block_size):
             hashes = ()  # (hashed with another block size: lengths only)
         out.append(Request(f"w{i}", max(0.0, first - a.age_s), a.input_length,
-                           max(1, a.output_length), hashes, block_size))  # fmt: skip
+                           max(1, a.output_length), hashes, block_size,
+                           prefill_only=a.prefill_only))  # fmt: skip
     return out
 
 
