@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from halfmoon.core.adapters import RuntimeAdapter
-from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.costmodel import CostProfile
@@ -261,6 +261,21 @@ class EngineConnector(ABC):
         requests hold blocks; HalfmoonError naming why it cannot at all. Cache listeners
         hear the evictions."""
         raise HalfmoonError(f"{type(self).__name__} cannot reset its prefix cache")
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine sleeps (:meth:`sleep`)."""
+        return False
+
+    def sleep(self) -> int:
+        """vLLM's sleep, level 1: forget every cached prefix and release the KV pool's
+        memory; the bytes released. HalfmoonError while requests are in the engine;
+        :class:`~halfmoon.core.errors.Unsupported` where the engine has no sleep mode."""
+        raise Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
+
+    def wake_up(self) -> None:
+        """The KV pool's memory again after :meth:`sleep` (nothing when awake)."""
+        raise Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
 
     def stage_weights(self, model_path: str) -> object:
         """Read new weights for the served model (SGLang's ``/update_weights_from_disk``)
@@ -524,6 +539,21 @@ class LocalConnector(EngineConnector):
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    @property
+    def sleeping(self) -> bool:
+        return self.engine.sleeping
+
+    def sleep(self) -> int:
+        freed = self.engine.sleep()
+        # The pipeline stages' pools too (made again, empty, by the next stage job; their
+        # cached prefixes were never in the Conductor's index).
+        freed += sum(stage.executor.kv_cache.pool.nbytes for stage in self._stages.values())
+        self._stages.clear()
+        return freed
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def stage_weights(self, model_path: str) -> object:
         return self.engine.stage_weights(model_path)
 
@@ -618,6 +648,8 @@ class LocalConnector(EngineConnector):
 
     # -- pipeline stages -----------------------------------------------------------------------
     def pipeline_stage(self, num_stages: int, stage: int) -> StageConnector:
+        if self.engine.sleeping:
+            raise HalfmoonError("the engine sleeps (vLLM's /sleep): no request until it wakes up")
         layers = LayerSlice.split(self.layout.num_layers, num_stages)[stage]
         key = (layers.first, layers.last)
         if key not in self._stages:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -255,11 +255,17 @@ class LLMEngine:
         for name, info in self.loras.describe().items():
             logger.info("LoRA adapter %r: rank %d on %s, %.1f MiB (%s)", name, info["rank"],
                         ", ".join(info["modules"]), info["mib"], info["path"])  # fmt: skip
+        #: Makes the decode step's CUDA graphs (None: none), again after a sleep (the
+        #: graphs hold the pool's old address).
+        self._new_graphs: Callable[[], DecodeGraphs] | None = None
         if config.cuda_graphs:
             blocks = -(-self.max_model_len // config.block_size)
-            self.runner.decode_graphs = DecodeGraphs(
-                loaded.model, self.kv_cache, config.max_num_seqs, blocks, kernel
-            )
+
+            def new_graphs(model=loaded.model, kernel=kernel) -> DecodeGraphs:
+                return DecodeGraphs(model, self.kv_cache, config.max_num_seqs, blocks, kernel)
+
+            self._new_graphs = new_graphs
+            self.runner.decode_graphs = new_graphs()
             self.attention_backend += ", CUDA graphs for decode"
         #: Speculative decoding's drafts and their counts (None: the engine does not speculate).
         self.proposer: NgramProposer | None = None
@@ -300,6 +306,8 @@ class LLMEngine:
         self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams,
         seed: int | None, keep_kv: bool,
     ) -> Sequence:  # fmt: skip
+        if self.sleeping:
+            raise HalfmoonError("the engine sleeps (vLLM's /sleep): no request until it wakes up")
         if request_id in self._seqs:
             raise HalfmoonError(f"request id {request_id!r} is already in use")
         if params.lora is not None:
@@ -417,6 +425,40 @@ class LLMEngine:
         """Forget the pool's cached prefixes (vLLM's ``reset_prefix_cache``); False while
         a request holds blocks (nothing is forgotten then)."""
         return self.block_manager.reset_prefix_cache()
+
+    # -- sleeping (vLLM's sleep mode, level 1) --------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        """Whether the KV pool's memory is released (:meth:`sleep`)."""
+        return self.kv_cache.released
+
+    def sleep(self) -> int:
+        """vLLM's sleep, level 1: forget every cached prefix and release the KV pool's
+        memory (the weights stay where they are); the bytes released (0 when asleep
+        already). HalfmoonError while requests are in the engine; until :meth:`wake_up`
+        no request is taken and no block read or written."""
+        if self.sleeping:
+            return 0
+        if self._seqs:
+            raise HalfmoonError(
+                f"{len(self._seqs)} requests are in the engine: it sleeps once none is"
+            )
+        if not self.block_manager.reset_prefix_cache():  # (no request holds a block)
+            raise HalfmoonError("the engine's prefix cache could not be reset")
+        self.runner.decode_graphs = None  # (captured over the pool's address)
+        freed = self.kv_cache.release()
+        logger.info("asleep: %.1f MiB of KV pool released", freed / 2**20)
+        return freed
+
+    def wake_up(self) -> None:
+        """The KV pool's memory again (empty: nothing cached) after :meth:`sleep`."""
+        if not self.sleeping:
+            return
+        self.kv_cache.restore()
+        if self._new_graphs is not None:
+            self.runner.decode_graphs = self._new_graphs()
+        logger.info("awake: KV pool of %.1f MiB allocated again",
+                    self.kv_cache.pool.nbytes / 2**20)  # fmt: skip
 
     # -- weights replaced while serving --------------------------------------------------------
     def stage_weights(self, model_path: str) -> StagedWeights:

@@ -149,6 +149,10 @@ class KVCache:
         self._views = [(self.pool[i, 0], self.pool[i, 1]) for i in range(layout.num_layers)]
         rows = (-1, layout.num_kv_heads, layout.head_dim)
         self._slot_views = [(k.view(rows), v.view(rows)) for k, v in self._views]
+        #: The pool's bytes while its memory is released (:meth:`release`), else 0, and
+        #: where each of its tensors lay in it.
+        self._released_bytes = 0
+        self._layout_of_views: list[tuple[int, torch.Size, tuple[int, ...]]] = []
 
     @classmethod
     def from_budget(
@@ -163,13 +167,63 @@ class KVCache:
             )
         return cls(layout, num_blocks, device)
 
+    @property
+    def released(self) -> bool:
+        """Whether the pool's memory is released (:meth:`release`)."""
+        return self._released_bytes > 0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """The pool and every view made of it (what :meth:`release` re-points)."""
+        return [self.pool, *(t for pair in (*self._views, *self._slot_views) for t in pair)]
+
+    def release(self) -> int:
+        """Free the pool's memory (what its blocks held is lost): the pool and its views
+        stay, empty, until :meth:`restore`; the bytes freed, 0 when released already.
+        Until then every method here that reads or writes blocks raises HalfmoonError.
+        (The tensors are re-pointed, not their storage resized: a storage whose bytes
+        were once lent to a reader as a numpy array cannot be resized. Such a reader
+        still alive keeps the old memory until it lets go.)"""
+        if self.released:
+            return 0
+        self._layout_of_views = [(t.storage_offset(), t.size(), t.stride())
+                                 for t in self._tensors()]  # fmt: skip
+        self._released_bytes = self.pool.untyped_storage().nbytes()
+        with torch.inference_mode(self.pool.is_inference()):
+            empty = torch.empty(0, dtype=self.pool.dtype, device=self.pool.device)
+            for tensor in self._tensors():
+                tensor.set_(empty)
+        if self.pool.device.type == "cuda":
+            torch.cuda.empty_cache()  # (back to the device, not only to torch's cache)
+        return self._released_bytes
+
+    def restore(self) -> None:
+        """The pool's memory again after :meth:`release`, zero-filled (the same tensor and
+        views, at a new address)."""
+        if not self.released:
+            return
+        with torch.inference_mode(self.pool.is_inference()):
+            element = self.pool.element_size()
+            fresh = torch.zeros(self._released_bytes // element, dtype=self.pool.dtype,
+                                device=self.pool.device).untyped_storage()  # fmt: skip
+            for tensor, (offset, size, stride) in zip(
+                self._tensors(), self._layout_of_views, strict=True
+            ):
+                tensor.set_(fresh, offset, size, stride)
+        self._released_bytes = 0
+
+    def _held(self) -> None:
+        if self.released:
+            raise HalfmoonError("the KV pool's memory is released (the engine sleeps)")
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(K, V)`` of one layer, each ``[num_blocks, block_size, H_kv, D]``."""
+        self._held()
         return self._views[layer]
 
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The same views flat over slots, each ``[num_blocks * block_size, H_kv, D]``:
         row ``block * B + offset`` is one token's K (V)."""
+        self._held()
         return self._slot_views[layer]
 
     def layer_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +245,7 @@ class KVCache:
         return [host_bytes(k) for k in keys], [host_bytes(v) for v in values]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
+        self._held()
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise HalfmoonError(f"block ids out of range [0, {self.num_blocks}): {bad[:5]}")
