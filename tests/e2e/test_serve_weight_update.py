@@ -165,3 +165,33 @@ def test_updates_under_load_lose_no_request_and_leak_nothing(devmode, tmp_path):
             break
         time.sleep(0.2)
     assert idle and all(p.integrity == "ok" for p in pongs)
+
+
+def _resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_sleep_releases_every_kv_pool_and_wakes_serving_the_same(devmode):
+    """vLLM's ``/sleep`` (level 1): each worker's 64 MiB KV pool goes back to the system; a
+    request sent while asleep waits, and once ``/wake_up`` has woken everything it is
+    answered as before the sleep."""
+    base = devmode.base_url
+    before, _ = _generate(devmode)
+    workers = _pids(devmode, "prefill") + _pids(devmode, "decode")
+    resident = {pid: _resident_bytes(pid) for pid in workers}
+    slept = httpx.post(base + "/sleep", params={"level": 1}, timeout=120)
+    assert slept.json() == {"status": "sleeping", "level": 1}, slept.text
+    assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+    for pid in workers:  # the pool (64 MiB, zero-filled: resident) is gone
+        assert resident[pid] - _resident_bytes(pid) > 48 * 2**20, (pid, resident[pid])
+    out: dict = {}
+    held = threading.Thread(target=lambda: out.setdefault("tokens", _generate(devmode)[0]))
+    held.start()
+    time.sleep(0.5)
+    assert held.is_alive()  # waits while asleep
+    woke = httpx.post(base + "/wake_up", timeout=120)
+    assert woke.json() == {"status": "awake", "tags": None}, woke.text
+    held.join(120)
+    assert out["tokens"] == before
+    assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}

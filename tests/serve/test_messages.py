@@ -63,6 +63,8 @@ EXAMPLES: dict[str, m.Message] = {msg.wire_name: msg for msg in [
     m.UpdateWeights(op="query", msg_id=7),
     m.WeightsOk(weights=m.WeightsRecord(path="/ckpt/step-20", version="20"), msg_id=6),
     m.WeightsOk(msg_id=7),
+    m.Sleep(op="sleep", msg_id=8),
+    m.SleepState(sleeping=True, released_bytes=64 * 2**20, msg_id=8),
     m.ResetPrefixCache(external=True, msg_id=5),
     m.CacheReset(success=False, reason="2 requests hold blocks", msg_id=5),
     m.Register(instance_id="p0", role="prefill", command_endpoint="tcp://h:1",

@@ -563,6 +563,31 @@ class WeightsOk(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sleep(Message):
+    """Gateway -> worker, vLLM's sleep mode (level 1): ``sleep`` forgets the engine's
+    cached prefixes and releases its KV pool's memory (``error``, retryable, while
+    requests are still ending there), ``wake`` allocates the pool again; answered
+    ``sleep_state``."""
+
+    wire_name: ClassVar[str] = "sleep"
+    op: str
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sleep", "wake"):
+            raise ValueError(f"sleep op must be sleep or wake, not {self.op!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SleepState(Message):
+    """Worker -> gateway: whether its engine sleeps now, and the bytes the ``sleep`` it
+    answers released."""
+
+    wire_name: ClassVar[str] = "sleep_state"
+    sleeping: bool
+    released_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResetPrefixCache(Message):
     """Gateway -> worker: forget the engine's cached prefixes (vLLM's
     ``/reset_prefix_cache``), with ``external`` its block store's too (DRAM and SSD);

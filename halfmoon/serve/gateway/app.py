@@ -14,7 +14,8 @@ and SageMaker's ``/ping`` and ``/invocations`` (a chat or a completion, by its b
 ``/reset_prefix_cache``, OpenAI's ``/v1/embeddings``
 (:mod:`halfmoon.serve.gateway.embeddings_api`) and vLLM's ``/score`` and ``/rerank`` over
 them (:mod:`halfmoon.serve.gateway.scoring_api`), its RL controls and weight updates
-(:mod:`halfmoon.serve.gateway.weights_api`; only under ``VLLM_SERVER_DEV_MODE=1``, as
+(:mod:`halfmoon.serve.gateway.weights_api`) and sleep mode
+(:mod:`halfmoon.serve.gateway.sleep_mode`; only under ``VLLM_SERVER_DEV_MODE=1``, as
 vLLM), and the API docs
 (``/docs``, ``/redoc``: offline, :mod:`halfmoon.serve.gateway.openapi`); every error is
 OpenAI-shaped, Anthropic-shaped under ``/v1/messages`` (:mod:`halfmoon.serve.gateway.errors`); the live cluster page ``/`` ->
@@ -71,6 +72,7 @@ from halfmoon.serve.gateway.responses_api import responses_router
 from halfmoon.serve.gateway.scoring_api import scoring_router
 from halfmoon.serve.gateway.scrape import scrape
 from halfmoon.serve.gateway.sglang_api import sglang_router
+from halfmoon.serve.gateway.sleep_mode import sleep_router
 from halfmoon.serve.gateway.tenancy import matching_key
 from halfmoon.serve.gateway.tokens_api import tokens_router
 from halfmoon.serve.gateway.weights_api import forget_cached_prefixes, weights_router
@@ -353,8 +355,9 @@ def create_app(
     app.include_router(messages_router(gw, _start, _name))
     app.include_router(tokens_router(gw, _start, _name))
     app.include_router(sglang_router(gw, _start, _name))
-    if config.dev_endpoints:  # RL weight updates, with vLLM's other RL controls
+    if config.dev_endpoints:  # RL weight updates and sleep mode, with vLLM's other RL controls
         app.include_router(weights_router(gw))
+        app.include_router(sleep_router(gw))
     app.include_router(batch_chat_router(gw, _start, _name))
     app.include_router(embeddings_router(gw))
     app.include_router(scoring_router(gw))

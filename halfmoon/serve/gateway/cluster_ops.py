@@ -22,9 +22,12 @@ from halfmoon.serve.control.messages import (
     Drain,
     Draining,
     Error,
+    Message,
     MetricsQuery,
     MetricsText,
     ResetPrefixCache,
+    Sleep,
+    SleepState,
     StatusQuery,
     UpdateWeights,
     WeightsOk,
@@ -32,7 +35,7 @@ from halfmoon.serve.control.messages import (
     WorkloadQuery,
     WorkloadWindow,
 )
-from halfmoon.serve.gateway.backend import BackendError
+from halfmoon.serve.gateway.backend import BackendError, BackendRefused
 from halfmoon.serve.gateway.cluster_link import ClusterLink, reason_of
 
 log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
@@ -210,19 +213,51 @@ class ClusterOperations(ClusterLink):
     async def _commit_when_idle(
         self, endpoints: dict[str, str], record: WeightsRecord, timeout_s: float
     ) -> dict[str, BackendError | None]:
-        """``commit`` on every worker; one whose requests are still ending (the gateway
-        saw them end, but an aborted one may still be finishing its KV stream there) is
-        asked again every 0.1 s for up to :data:`COMMIT_SETTLE_S`."""
+        """``commit`` on every worker, each asked again while its requests are still
+        ending (:meth:`_when_idle`)."""
         msg = UpdateWeights(op="commit", weights=record)
-        results = await self._weights_on(endpoints, msg, timeout_s)
+        results = await self._when_idle(endpoints, msg, WeightsOk, timeout_s)
+        return {i: r if isinstance(r, BackendError) else None for i, r in results.items()}
+
+    async def _when_idle(
+        self, endpoints: dict[str, str], msg: Message, answer: type[Message], timeout_s: float
+    ) -> dict[str, Message | BackendError]:
+        """:meth:`_each`, a worker whose requests are still ending (the gateway saw them
+        end, but an aborted one may still be finishing its KV stream there) asked again
+        every 0.1 s for up to :data:`COMMIT_SETTLE_S`."""
+        results = await self._each(endpoints, msg, answer, timeout_s)
         deadline = time.monotonic() + COMMIT_SETTLE_S
         while time.monotonic() < deadline:
             busy = {i: endpoints[i] for i, r in results.items() if isinstance(r, WorkerBusy)}
             if not busy:
                 break
             await asyncio.sleep(0.1)
-            results.update(await self._weights_on(busy, msg, timeout_s))
+            results.update(await self._each(busy, msg, answer, timeout_s))
         return results
+
+    async def sleep_workers(self, timeout_s: float = 60.0) -> int:
+        """vLLM's sleep, level 1, on every worker (but a draining one): each forgets its
+        cached prefixes and releases its KV pool, once its last requests have ended
+        (:meth:`_when_idle`); the bytes released in all. All or none: when any cannot,
+        those that slept wake up again and the BackendError says why
+        (:class:`BackendRefused` where an engine has no sleep mode)."""
+        endpoints = serving(await self._ping(timeout_s))
+        results = await self._when_idle(endpoints, Sleep(op="sleep"), SleepState, timeout_s)
+        failed = [r for r in results.values() if isinstance(r, BackendError)]
+        if failed:
+            asleep = {i: endpoints[i] for i, r in results.items() if isinstance(r, SleepState)}
+            await self._each(asleep, Sleep(op="wake"), SleepState, timeout_s)
+            raise failed[0]
+        return sum(r.released_bytes for r in results.values() if isinstance(r, SleepState))
+
+    async def wake_workers(self, timeout_s: float = 60.0) -> None:
+        """Every worker's KV pool allocated again after :meth:`sleep_workers` (one that
+        restarted meanwhile is awake already); BackendError naming one that could not."""
+        endpoints = serving(await self._ping(timeout_s))
+        results = await self._each(endpoints, Sleep(op="wake"), SleepState, timeout_s)
+        failed = [r for r in results.values() if isinstance(r, BackendError)]
+        if failed:
+            raise failed[0]
 
     async def weights(self, timeout_s: float = 5.0) -> WeightsRecord | None:
         """The weights installed while the cluster serves (None: those it started with)."""
@@ -249,16 +284,29 @@ class ClusterOperations(ClusterLink):
     ) -> dict[str, BackendError | None]:
         """``msg`` to every worker at once: per instance, None when it carried it out,
         else the error (a BackendError naming why)."""
+        results = await self._each(endpoints, msg, WeightsOk, timeout_s)
+        return {i: r if isinstance(r, BackendError) else None for i, r in results.items()}
 
-        async def one(endpoint: str) -> BackendError | None:
+    async def _each(
+        self, endpoints: dict[str, str], msg: Message, answer: type[Message], timeout_s: float
+    ) -> dict[str, Message | BackendError]:
+        """``msg`` to every worker at once: per instance, its reply when an ``answer``,
+        else the error naming why (:class:`WorkerBusy` for a retryable refusal,
+        :class:`BackendRefused` for what its engine cannot do)."""
+
+        async def one(endpoint: str) -> Message | BackendError:
             try:
                 reply = await self._call(endpoint, msg, timeout_s)
             except BackendError as exc:
                 return exc
-            if isinstance(reply, WeightsOk):
-                return None
-            busy = isinstance(reply, Error) and reply.retryable
-            return (WorkerBusy if busy else BackendError)(reason_of(reply))
+            if isinstance(reply, answer):
+                return reply
+            kind = BackendError
+            if isinstance(reply, Error) and reply.retryable:
+                kind = WorkerBusy
+            elif isinstance(reply, Error) and reply.unsupported:
+                kind = BackendRefused
+            return kind(reason_of(reply))
 
         results = await asyncio.gather(*(one(e) for e in endpoints.values()))
         return dict(zip(endpoints, results, strict=True))

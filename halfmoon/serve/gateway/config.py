@@ -110,7 +110,8 @@ class GatewayConfig:
                 "/abort_request", "/generate", "/model_info", "/get_model_info", "/pause",
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
                 "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
-                "/score", "/rerank", "/v2/", *private)  # fmt: skip
+                "/score", "/rerank", "/v2/", "/sleep", "/wake_up", "/is_sleeping",
+                "/release_kv_cache_memory", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

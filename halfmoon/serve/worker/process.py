@@ -51,6 +51,8 @@ from halfmoon.serve.control.messages import (
     Refused,
     Registered,
     ResetPrefixCache,
+    Sleep,
+    SleepState,
     UpdateWeights,
     WeightsOk,
     WeightsRecord,
@@ -90,7 +92,8 @@ Handler = Callable[[bytes, Any], None]
 
 
 class RequestsRunning(HalfmoonError):
-    """New weights cannot be installed yet: requests are still running on this worker."""
+    """New weights cannot be installed yet, or the engine cannot sleep: requests are still
+    running on this worker."""
 
 
 class RegistrationRefused(HalfmoonError):
@@ -344,7 +347,7 @@ class Worker:
         self._own: dict[type[Message], Callable[[bytes, Any], None]] = {
             Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
             AdapterUpdate: self._on_adapter_update, ResetPrefixCache: self._on_reset_prefix_cache,
-            UpdateWeights: self._on_update_weights,
+            UpdateWeights: self._on_update_weights, Sleep: self._on_sleep,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -619,6 +622,31 @@ class Worker:
                                       retryable=isinstance(exc, RequestsRunning)))  # fmt: skip
             return
         self.send(identity, WeightsOk(weights=self.weights, msg_id=msg.msg_id))
+
+    def _on_sleep(self, identity: bytes, msg: Sleep) -> None:
+        """vLLM's sleep mode, level 1 (:meth:`LLMEngine.sleep`): ``sleep`` once no request
+        is here (else a retryable ``error``: those ending, say an aborted one finishing its
+        KV stream, soon will be), ``wake``; answered ``sleep_state``. The forgotten
+        prefixes reach the Conductor as cache events; the block store keeps its blocks."""
+        released = 0
+        try:
+            if msg.op == "wake":
+                self.engine.wake_up()
+            else:
+                assert self.role is not None
+                if self.engine.has_unfinished_requests() or self.role.num_pending():
+                    raise RequestsRunning("requests are running here: the engine sleeps once "
+                                          "none is (pause generation first)")  # fmt: skip
+                released = self.engine.sleep()
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
+            if not isinstance(exc, HalfmoonError):
+                log.exception("sleep mode %s failed", msg.op)
+            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id,
+                                      retryable=isinstance(exc, RequestsRunning),
+                                      unsupported=isinstance(exc, Unsupported)))  # fmt: skip
+            return
+        self.send(identity, SleepState(sleeping=self.engine.sleeping, released_bytes=released,
+                                       msg_id=msg.msg_id))  # fmt: skip
 
     def update_weights(self, op: str, weights: WeightsRecord | None) -> None:
         """``stage``: read the checkpoint at ``weights.path`` beside the served weights;
