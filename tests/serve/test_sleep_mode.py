@@ -66,6 +66,9 @@ def test_sleep_releases_and_a_request_waits_until_fully_awake(gateways):
         out["kv"] = (await client.post("/wake_up", params=[("tags", "kv_cache")])).json()
         out["after"] = (await held).json()["choices"][0]["finish_reason"]
         out["awake"] = (await client.get("/is_sleeping")).json()
+        await client.post("/sleep")
+        out["resume"] = await client.post("/resume")  # (memory asleep: wake it up instead)
+        await client.post("/wake_up")
         return out
 
     out = _run(app, scenario)
@@ -74,7 +77,8 @@ def test_sleep_releases_and_a_request_waits_until_fully_awake(gateways):
     assert out["weights"] == {"status": "sleeping", "tags": ["weights"]} and out["still_held"]
     assert out["kv"] == {"status": "awake", "tags": ["kv_cache"]}
     assert out["after"] == "length" and out["awake"] == {"is_sleeping": False}
-    assert backend.calls == ["sleep", "wake"]
+    assert out["resume"].status_code == 400 and "/wake_up" in out["resume"].text
+    assert backend.calls == ["sleep", "wake", "sleep", "wake"]
 
 
 def test_level_0_pauses_only_and_release_kv_cache_memory_needs_a_pause(gateways):

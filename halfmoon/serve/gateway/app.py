@@ -188,7 +188,10 @@ def create_app(
 
         @app.post("/resume")
         async def resume() -> dict[str, str]:
-            """Resume generation after ``/pause``."""
+            """Resume generation after ``/pause`` (a 400 while memory sleeps: ``/wake_up``)."""
+            if gw.memory_asleep:
+                raise HTTPError(400, f"the cluster's {' and '.join(sorted(gw.memory_asleep))} "
+                                "sleep: POST /wake_up resumes generation", "BadRequestError")  # fmt: skip
             gw.resume()
             return {"status": "resumed"}
 

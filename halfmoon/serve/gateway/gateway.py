@@ -71,6 +71,9 @@ class Gateway(RequestPreparation):
         self._generating = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        #: The memory asleep in the cluster (vLLM's tags, :mod:`~.sleep_mode`): while any
+        #: is, generation stays paused.
+        self.memory_asleep: set[str] = set()
         #: One weight update at a time.
         self._weights_lock = asyncio.Lock()
         #: The served weights' version label as this gateway last learned it (SGLang's

@@ -43,8 +43,9 @@ class SleepMode:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        #: The memory tags asleep (level 1: both).
-        self.asleep: set[str] = set()
+        #: The memory tags asleep (level 1: both), kept on the gateway (``/resume``
+        #: refuses while any is).
+        self.asleep: set[str] = gw.memory_asleep
         self._lock = asyncio.Lock()
 
     @property
@@ -69,18 +70,21 @@ class SleepMode:
                             param="level")  # fmt: skip
         async with self._lock:
             was_paused = self.gw.paused
-            release = self._ops("sleep_workers") if level == 1 and not self.asleep else None
+            release = None
+            if level == 1 and "kv_cache" not in self.asleep:
+                release = self._ops("sleep_workers")
             await self.gw.pause(mode)
-            if release is None:
-                return 0
-            try:
-                freed = await release()
-            except BaseException:
-                if not was_paused:
-                    self.gw.resume()
-                raise
-            self.asleep.update(MEMORY_TAGS)
-            log.info("asleep (level %d): %.1f MiB of KV pools released", level, freed / 2**20)
+            freed = 0
+            if release is not None:
+                try:
+                    freed = await release()
+                except BaseException:
+                    if not was_paused:
+                        self.gw.resume()
+                    raise
+                log.info("asleep: %.1f MiB of KV pools released", freed / 2**20)
+            if level == 1:
+                self.asleep.update(MEMORY_TAGS)
             return freed
 
     async def release_kv_cache(self) -> int:
@@ -106,7 +110,7 @@ class SleepMode:
         async with self._lock:
             if "kv_cache" in wake and "kv_cache" in self.asleep:
                 await self._ops("wake_workers")()
-            self.asleep -= wake
+            self.asleep.difference_update(wake)
             if self.asleep:
                 return False
             self.gw.resume()
