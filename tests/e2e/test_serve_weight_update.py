@@ -3,7 +3,9 @@
 the old weights (pools and block store) is forgotten, so a prompt served before the update
 is computed afresh and answers as an engine started on the new weights does; a worker
 restarted afterwards installs them before it serves; a checkpoint of another shape is
-refused everywhere and changes nothing."""
+refused everywhere and changes nothing. vLLM's sleep mode through the same cluster: the
+workers' KV pools go back to the system and come back, and an RL trainer's round (sleep,
+wake the weights, install new ones, wake the KV cache) serves the new weights."""
 
 from __future__ import annotations
 
@@ -195,3 +197,23 @@ def test_sleep_releases_every_kv_pool_and_wakes_serving_the_same(devmode):
     held.join(120)
     assert out["tokens"] == before
     assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+
+
+def test_a_trainers_round_sleep_new_weights_wake(devmode, tmp_path):
+    """An RL trainer's round on vLLM: sleep, wake the weights, install new ones, wake the
+    KV cache; the cluster then answers as an engine started on the new weights."""
+    base = devmode.base_url
+    new_dir = create_preset_dir("tiny", tmp_path / "step-2", seed=11)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = list(LLMEngine(EngineConfig(model=str(new_dir), kv_cache_mb=16))
+                    .generate([PROMPT_IDS], params)[0].token_ids)  # fmt: skip
+    assert _generate(devmode)[0] != expected
+    assert httpx.post(base + "/sleep", timeout=120).status_code == 200
+    woke = httpx.post(base + "/wake_up", params={"tags": "weights"}, timeout=120).json()
+    assert woke == {"status": "sleeping", "tags": ["weights"]}
+    r = _update(devmode, model_path=str(new_dir), weight_version="step-2")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+    woke = httpx.post(base + "/wake_up", params={"tags": "kv_cache"}, timeout=120).json()
+    assert woke == {"status": "awake", "tags": ["kv_cache"]}
+    assert _generate(devmode)[0] == expected
