@@ -29,6 +29,7 @@ or free its buffer as soon as the call returns).
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +132,16 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torc
         return torch.frombuffer(raw, dtype=dtype)
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
+    where there is none): a pool that the allocator carved out of its free lists, as a
+    long-running process's may be, goes back to them when freed, not to the system."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class KVCache:
     """The KV block pool of one engine (see the module docstring for the layout)."""
 
@@ -194,6 +205,8 @@ class KVCache:
                 tensor.set_(empty)
         if self.pool.device.type == "cuda":
             torch.cuda.empty_cache()  # (back to the device, not only to torch's cache)
+        else:
+            trim_heap()
         return self._released_bytes
 
     def restore(self) -> None:
