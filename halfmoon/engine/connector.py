@@ -51,6 +51,7 @@ from halfmoon.engine.attention import LayerKV
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig, ModelConfig
 from halfmoon.engine.engine import (
+    ASLEEP,
     EngineStats,
     KVHandoff,
     LLMEngine,
@@ -271,11 +272,14 @@ class EngineConnector(ABC):
         """vLLM's sleep, level 1: forget every cached prefix and release the KV pool's
         memory; the bytes released. HalfmoonError while requests are in the engine;
         :class:`~halfmoon.core.errors.Unsupported` where the engine has no sleep mode."""
-        raise Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
+        raise self._no_sleep_mode()
 
     def wake_up(self) -> None:
         """The KV pool's memory again after :meth:`sleep` (nothing when awake)."""
-        raise Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
+        raise self._no_sleep_mode()
+
+    def _no_sleep_mode(self) -> Unsupported:
+        return Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
 
     def stage_weights(self, model_path: str) -> object:
         """Read new weights for the served model (SGLang's ``/update_weights_from_disk``)
@@ -649,7 +653,7 @@ class LocalConnector(EngineConnector):
     # -- pipeline stages -----------------------------------------------------------------------
     def pipeline_stage(self, num_stages: int, stage: int) -> StageConnector:
         if self.engine.sleeping:
-            raise HalfmoonError("the engine sleeps (vLLM's /sleep): no request until it wakes up")
+            raise HalfmoonError(ASLEEP)
         layers = LayerSlice.split(self.layout.num_layers, num_stages)[stage]
         key = (layers.first, layers.last)
         if key not in self._stages:

@@ -66,6 +66,8 @@ from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 from halfmoon.engine.weight_update import StagedWeights, install_weights, stage_weights
 
+#: Why a sleeping engine takes no request (:meth:`LLMEngine.sleep`).
+ASLEEP = "the engine sleeps (vLLM's /sleep): no request until it wakes up"
 logger = logging.getLogger(__name__)
 
 Prompt = str | SequenceABC[int]
@@ -307,7 +309,7 @@ class LLMEngine:
         seed: int | None, keep_kv: bool,
     ) -> Sequence:  # fmt: skip
         if self.sleeping:
-            raise HalfmoonError("the engine sleeps (vLLM's /sleep): no request until it wakes up")
+            raise HalfmoonError(ASLEEP)
         if request_id in self._seqs:
             raise HalfmoonError(f"request id {request_id!r} is already in use")
         if params.lora is not None:

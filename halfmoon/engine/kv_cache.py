@@ -132,14 +132,16 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torc
         return torch.frombuffer(raw, dtype=dtype)
 
 
-def trim_heap() -> None:
-    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
-    where there is none): a pool that the allocator carved out of its free lists, as a
-    long-running process's may be, goes back to them when freed, not to the system."""
+def trim_heap() -> bool:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``): a pool
+    that the allocator carved out of its free lists, as a long-running process's may be,
+    goes back to them when freed, not to the system. Whether any memory went back (False
+    too where the C library has no such call)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return False
+    return bool(trim(0))
 
 
 class KVCache:
