@@ -53,8 +53,11 @@ def wait_for_log(cluster: LocalCluster, pattern: str, timeout_s: float = 10.0) -
         time.sleep(0.1)
 
 
-def link_shared_cache(cache: Path, shared: Path) -> None:
-    """Make ``cache/presets`` and ``cache/profiles`` links into ``shared``.
+def link_shared_cache(
+    cache: Path, shared: Path, names: tuple[str, ...] = ("presets", "profiles")
+) -> None:
+    """Make ``cache/presets`` and ``cache/profiles`` (or the given ``names``) links into
+    ``shared``.
 
     Starting a cluster on a fresh cache writes the tiny preset and measures its cost
     profile (~13 s of a ~20 s start here). The profile's key is the model's resolved path
@@ -63,7 +66,7 @@ def link_shared_cache(cache: Path, shared: Path) -> None:
     :meth:`Cluster.stop` finds them.
     """
     cache.mkdir(parents=True, exist_ok=True)
-    for name in ("presets", "profiles"):
+    for name in names:
         (shared / name).mkdir(parents=True, exist_ok=True)
         (cache / name).symlink_to(shared / name, target_is_directory=True)
 
@@ -143,10 +146,17 @@ class Cluster(LocalCluster):
 
     With ``shared``, a tiny-model cluster reuses the preset and cost profile measured by
     an earlier one with the same ``--kv-cache-mb`` (the pool size bounds the contexts the
-    profiler measures, so only those agree); a named model always starts from scratch.
+    profiler measures, so only those agree); a named model starts from scratch, but for
+    the cost profiles in ``shared_profiles`` when given (the clusters of vLLM servers: a
+    server's profile takes ~15-25 s to measure here, and one of the same shape is read).
     """
 
-    def __init__(self, tmp: Path, *args: str, shared: Path | None = None) -> None:
+    def __init__(
+        self, tmp: Path, *args: str, shared: Path | None = None,
+        shared_profiles: Path | None = None,
+    ) -> None:  # fmt: skip
+        if shared_profiles is not None:
+            link_shared_cache(tmp / "cache", shared_profiles, names=("profiles",))
         if "--model" not in args:
             if shared is not None:
                 kv_mb = args[args.index("--kv-cache-mb") + 1] if "--kv-cache-mb" in args else ""

