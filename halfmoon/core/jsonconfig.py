@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -25,3 +26,23 @@ def config_fields(cls: type, text: str, what: str) -> dict[str, Any]:
     if unknown:
         raise HalfmoonError(f"unknown {what}: {', '.join(sorted(unknown))}")
     return data
+
+
+def json_object_option(value: str | Mapping[str, Any] | None, flag: str,
+                       example: str) -> Mapping[str, Any] | None:  # fmt: skip
+    """A command-line flag's JSON object (vLLM's ``--speculative-config``,
+    ``--profiler-config``), given as text or already parsed; None for None or an empty
+    value. A :class:`HalfmoonError` names ``flag`` (and shows ``example``) for bad JSON or
+    anything but an object."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise HalfmoonError(
+                f"{flag} must be a JSON object such as '{example}': {exc}"
+            ) from None
+    if not isinstance(value, Mapping):
+        raise HalfmoonError(f"{flag} must be a JSON object, got {value!r}")
+    return value

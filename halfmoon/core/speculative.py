@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.jsonconfig import json_object_option
 
 #: The methods served (vLLM's ``method`` names).
 METHODS = ("ngram",)
@@ -70,18 +71,12 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None) -> Speculati
     ``num_speculative_tokens`` is required, and a missing ``prompt_lookup_min`` or
     ``prompt_lookup_max`` takes the other's value (both missing: 5). HalfmoonError names
     the problem (bad JSON, an unknown key or method, a value out of range)."""
-    if value is None or (isinstance(value, str) and not value.strip()):
+    value = json_object_option(
+        value, "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    )  # fmt: skip
+    if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise HalfmoonError(
-                f"--speculative-config must be a JSON object such as "
-                f'\'{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}}\': {exc}'
-            ) from None
-    if not isinstance(value, Mapping):
-        raise HalfmoonError(f"--speculative-config must be a JSON object, got {value!r}")
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise HalfmoonError(

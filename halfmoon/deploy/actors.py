@@ -32,6 +32,7 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
+from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.deploy.options import NAMESPACE, GatewaySpec
 from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.launch.launcher import prepare_model
@@ -221,6 +222,7 @@ class GatewayHost:
             scheduling_policy=spec.scheduling_policy,
             lora_modules=spec.lora_modules,
             allow_runtime_lora=spec.allow_runtime_lora,
+            profiler=parse_profiler_config(spec.profiler_config),
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

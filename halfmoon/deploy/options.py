@@ -16,6 +16,7 @@ from typing import Any
 from halfmoon.core.adapters import lora_pairs, parse_lora_modules, runtime_lora_allowed
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.flags import dev_mode
+from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
@@ -200,6 +201,9 @@ class GatewaySpec:
     #: ``--allow-runtime-lora-updating`` (or vLLM's switch where the deployment was made):
     #: GatewayConfig.allow_runtime_lora. An adapter's path must be readable on every node.
     allow_runtime_lora: bool = False
+    #: ``--profiler-config`` (checked, its directory absolute) as JSON, or None: each
+    #: worker writes its traces there on its own node (GatewayConfig.profiler).
+    profiler_config: str | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         raise HalfmoonError("every pool needs at least 1 worker")
     if getattr(args, "engine", "halfmoon") != "halfmoon":
         raise HalfmoonError("--ray runs halfmoon's own engine only (drop --engine vllm)")
+    profiler = parse_profiler_config(getattr(args, "profiler_config", None))
     gateway = GatewaySpec(
         args.model, args.seed, args.mode, args.block_size, args.host, args.port,
         api_keys(args.api_key), args.served_model_name, args.max_model_len,
@@ -276,6 +281,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         allow_runtime_lora=runtime_lora_allowed(
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
+        profiler_config=profiler and profiler.to_json(),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -45,6 +45,7 @@ from pathlib import Path
 from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import CacheEvent
+from halfmoon.core.profiling import ProfilerConfig, ProfileSession
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.costmodel import CostProfile
 from halfmoon.engine.attention import LayerKV
@@ -277,6 +278,16 @@ class EngineConnector(ABC):
     def wake_up(self) -> None:
         """The KV pool's memory again after :meth:`sleep` (nothing when awake)."""
         raise self._no_sleep_mode()
+
+    def start_profile(self, config: ProfilerConfig, session: ProfileSession, name: str) -> None:
+        """vLLM's ``/start_profile``: record the engine's coming steps with torch's profiler
+        into ``config``'s directory, the trace named after ``name`` (nothing while a
+        session is on); :class:`~halfmoon.core.errors.Unsupported` where it cannot."""
+        raise Unsupported(f"{type(self).__name__} has no profiler")
+
+    def stop_profile(self) -> list[str]:
+        """End the session (if one is on): the traces written since the last stop."""
+        raise Unsupported(f"{type(self).__name__} has no profiler")
 
     def _no_sleep_mode(self) -> Unsupported:
         return Unsupported(f"{type(self).__name__} has no sleep mode (--engine halfmoon has)")
@@ -557,6 +568,12 @@ class LocalConnector(EngineConnector):
 
     def wake_up(self) -> None:
         self.engine.wake_up()
+
+    def start_profile(self, config: ProfilerConfig, session: ProfileSession, name: str) -> None:
+        self.engine.start_profile(config, session, name)
+
+    def stop_profile(self) -> list[str]:
+        return self.engine.stop_profile()
 
     def stage_weights(self, model_path: str) -> object:
         return self.engine.stage_weights(model_path)

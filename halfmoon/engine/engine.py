@@ -24,6 +24,7 @@ import torch
 from halfmoon.core.adapters import RuntimeAdapter, check_adapter_dir
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import adapter_salt, chain_root
+from halfmoon.core.profiling import ProfilerConfig, ProfileSession
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.engine.attention import LayerHook
@@ -62,6 +63,7 @@ from halfmoon.engine.sampling import (
 from halfmoon.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from halfmoon.engine.seeding import PrefixReservation, reserve_prefix, seed_prefix
 from halfmoon.engine.speculative import NgramProposer
+from halfmoon.engine.step_profiler import StepProfiler, step_label
 from halfmoon.engine.structured import Constraint, grammar_tokenizer
 from halfmoon.engine.tokenizer import IncrementalDetokenizer
 from halfmoon.engine.weight_update import StagedWeights, install_weights, stage_weights
@@ -282,6 +284,9 @@ class LLMEngine:
         self._suspects: set[str] = set()
         #: Embedding requests whose prompt the running step finished, with their vectors.
         self._pooled: list[tuple[Sequence, torch.Tensor]] = []
+        #: torch's profiler over the steps, between :meth:`start_profile` and
+        #: :meth:`stop_profile` (vLLM's ``/start_profile``, ``/stop_profile``).
+        self.profiler = StepProfiler()
         fail_on = os.environ.get(FAIL_STEP_ENV, "").strip()
         self._fail_on_token = int(fail_on) if fail_on.lstrip("-").isdigit() else None
 
@@ -462,6 +467,18 @@ class LLMEngine:
         logger.info("awake: KV pool of %.1f MiB allocated again",
                     self.kv_cache.pool.nbytes / 2**20)  # fmt: skip
 
+    # -- profiling (vLLM's /start_profile, /stop_profile) ----------------------------------------
+    def start_profile(
+        self, config: ProfilerConfig, session: ProfileSession, name: str = "engine"
+    ) -> None:
+        """Record the coming steps with torch's profiler (:mod:`halfmoon.engine.step_profiler`),
+        ``name`` in the trace's file name (nothing while a session is on)."""
+        self.profiler.start(config, session, name)
+
+    def stop_profile(self) -> list[str]:
+        """End the session (if one is on): the traces written since the last stop."""
+        return self.profiler.stop()
+
     # -- weights replaced while serving --------------------------------------------------------
     def stage_weights(self, model_path: str) -> StagedWeights:
         """Read new weights for this engine's model (:mod:`halfmoon.engine.weight_update`):
@@ -553,7 +570,13 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
-        chunks = plan.chunks
+        if not self.profiler.active:
+            return self._step(plan.chunks)
+        with self.profiler.step(step_label(plan.chunks) if self.profiler.recording else ""):
+            return self._step(plan.chunks)
+
+    def _step(self, chunks: tuple[ScheduledChunk, ...]) -> list[RequestOutput]:
+        """:meth:`step`'s work on the scheduled ``chunks``."""
         if self._suspects:
             alone = [c for c in chunks if c.seq.request_id in self._suspects]
             chunks = tuple(alone[:1]) or chunks

@@ -126,3 +126,15 @@ def test_the_gateway_spec_carries_runtime_lora_updating(monkeypatch):
     assert spec.gateway.allow_runtime_lora is True
     monkeypatch.setenv(RUNTIME_LORA_ENV, "True")  # vLLM's switch, where the deployment is made
     assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.allow_runtime_lora is True
+
+
+def test_the_gateway_spec_carries_the_profiler_config(tmp_path, monkeypatch):
+    """``serve --ray --profiler-config``: the gateway actor serves the profiler's routes
+    with it (its directory made absolute where the command runs)."""
+    from halfmoon.core.profiling import parse_profiler_config
+
+    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.profiler_config is None
+    monkeypatch.chdir(tmp_path)
+    argv = ("--ray", "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "t"}')
+    config = parse_profiler_config(deploy_spec(_serve(*argv), "{}", "{}").gateway.profiler_config)
+    assert config is not None and config.torch_profiler_dir == str(tmp_path / "t")

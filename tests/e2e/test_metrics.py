@@ -5,6 +5,7 @@ queries is one the running cluster exports."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import time
@@ -12,6 +13,7 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,12 +34,18 @@ MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(cluster_factory):
+def cluster(cluster_factory, tmp_path_factory):
     """One prefill and one decode worker (the default), after three requests; the store
-    gets every prompt's blocks (``--prefix-store copy``), so its gauges move."""
+    gets every prompt's blocks (``--prefix-store copy``), so its gauges move. The profiler
+    is configured (vLLM's ``--profiler-config``), off until asked."""
+    traces = tmp_path_factory.mktemp("traces")
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(traces),
+                "torch_profiler_with_stack": False}  # fmt: skip
     cluster = cluster_factory(
-        "--kv-cache-mb", "64", "--prefill", "1", "--decode", "1", "--prefix-store", "copy"
-    )
+        "--kv-cache-mb", "64", "--prefill", "1", "--decode", "1", "--prefix-store", "copy",
+        "--profiler-config", json.dumps(profiler),
+    )  # fmt: skip
+    cluster.traces = traces
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     cluster.prompt_tokens = 0
@@ -127,3 +135,37 @@ def test_every_dashboard_metric_is_exported(cluster):
     text, _ = _scrape(cluster)
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert used - exported == set()
+
+
+def _step_ranges(trace: str) -> list[str]:
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    return [e["name"] for e in events if e.get("name", "").startswith("step[")]
+
+
+def test_the_profiler_traces_each_workers_steps(cluster):
+    """vLLM's ``/start_profile`` and ``/stop_profile`` (the server's ``--profiler-config``):
+    each worker writes one Chrome trace of the steps between them, the prefill worker's
+    computing the prompts, the decode worker's decoding; none is written after the stop."""
+    client = httpx.Client(base_url=cluster.base_url, timeout=60, trust_env=False)
+    started = client.post("/start_profile", json={"profile_prefix": "live"})
+    assert started.json() == {"status": "profiling", "workers": ["decode-0", "prefill-0"]}
+    for prompt in PROMPTS[:2]:
+        body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        assert client.post("/v1/completions", json=body).status_code == 200
+    stopped = client.post("/stop_profile").json()
+    assert stopped["status"] == "stopped" and stopped["errors"] == {}, stopped
+    traces = {worker: paths for worker, paths in stopped["traces"].items()}
+    assert sorted(traces) == ["decode-0", "prefill-0"], stopped
+    written = sorted(p.name for p in cluster.traces.iterdir())
+    assert written == sorted(Path(p).name for paths in traces.values() for p in paths)
+    assert all(name.startswith("live.") for name in written)
+    prefill, decode = _step_ranges(traces["prefill-0"][0]), _step_ranges(traces["decode-0"][0])
+    assert prefill and all(r.startswith("step[prefill 1x") for r in prefill), prefill
+    assert decode and all(r.startswith("step[decode ") for r in decode), decode
+    assert len(decode) >= MAX_TOKENS - 1  # (the first token comes from the prefill worker)
+    assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)
+    client.post("/v1/completions", json=body)
+    assert sorted(p.name for p in cluster.traces.iterdir()) == written

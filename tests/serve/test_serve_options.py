@@ -36,6 +36,20 @@ from halfmoon.core.errors import HalfmoonError
             ["--speculative-config", '{"prompt_lookup_max": 3}'],
             "num_speculative_tokens is required",
         ),
+        (["--profiler-config", "torch"], "--profiler-config must be a JSON object"),
+        (["--profiler-config", '{"profiler": "torch"}'], '"torch_profiler_dir" names'),
+        (
+            ["--profiler-config", '{"profiler": "cuda", "torch_profiler_dir": "/tmp/t"}'],
+            "profiler 'cuda' is not served",
+        ),
+        (
+            [
+                "--profiler-config",
+                '{"profiler": "torch", "torch_profiler_dir": "/tmp/t", '
+                '"proton_profiler_dir": "/tmp/p"}',
+            ],
+            "proton_profiler_dir not served by halfmoon",
+        ),  # fmt: skip
     ],
 )
 def test_bad_cpp_options_are_named(argv, message, capsys, tmp_path, monkeypatch):

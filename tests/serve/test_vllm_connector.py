@@ -238,6 +238,21 @@ def test_speculative_config_reaches_vllms_command_line() -> None:
     assert "--speculative-config" not in VllmLaunch("python3", "/m", "smol").argv(1, 2, 3, "t")
 
 
+def test_each_server_profiles_into_a_directory_of_its_own() -> None:
+    """``--profiler-config``: a worker starts its vLLM server with the cluster's config,
+    writing under it into a directory named after the worker."""
+    from halfmoon.serve.vllm.worker import server_profiler_config
+
+    cluster = '{"profiler": "torch", "torch_profiler_dir": "/traces", "max_iterations": 8}'
+    own = server_profiler_config(cluster, "coupled-1")
+    argv = VllmLaunch("python3", "/m", "smol", profiler_config=own).argv(1, 2, 3, "t")
+    given = json.loads(argv[argv.index("--profiler-config") + 1])
+    assert given["torch_profiler_dir"] == "/traces/coupled-1" and given["max_iterations"] == 8
+    assert given["profiler"] == "torch" and given["torch_profiler_with_stack"] is True
+    assert server_profiler_config(None, "coupled-1") is None
+    assert "--profiler-config" not in VllmLaunch("python3", "/m", "smol").argv(1, 2, 3, "t")
+
+
 def test_lora_adapters_reach_vllms_command_line(tmp_path) -> None:
     from halfmoon.serve.vllm.server import VllmServerError, lora_argv
 

@@ -588,6 +588,37 @@ class SleepState(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Profile(Message):
+    """Gateway -> worker, vLLM's ``/start_profile`` and ``/stop_profile``: ``start``
+    records the engine's coming steps with torch's profiler (``config``: the
+    :class:`~halfmoon.core.profiling.ProfilerConfig` as JSON; the session's file-name
+    ``prefix`` and iteration bounds, -1 for the config's); ``stop`` ends it and writes
+    the trace. Answered ``profile_state``, or ``error`` (``unsupported`` where the engine
+    has no profiler)."""
+
+    wire_name: ClassVar[str] = "profile"
+    op: str
+    config: str = ""
+    prefix: str = ""
+    delay_iterations: int = -1
+    max_iterations: int = -1
+
+    def __post_init__(self) -> None:
+        if self.op not in ("start", "stop"):
+            raise ValueError(f"profile op must be start or stop, not {self.op!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileState(Message):
+    """Worker -> gateway: whether a profiling session is on there now, and the traces
+    the ``stop`` it answers wrote (paths on the worker's host)."""
+
+    wire_name: ClassVar[str] = "profile_state"
+    active: bool
+    traces: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResetPrefixCache(Message):
     """Gateway -> worker: forget the engine's cached prefixes (vLLM's
     ``/reset_prefix_cache``), with ``external`` its block store's too (DRAM and SSD);

@@ -59,6 +59,7 @@ from halfmoon.serve.gateway.openai_api import (
     response_id,
 )
 from halfmoon.serve.gateway.openapi import install_docs, install_openapi
+from halfmoon.serve.gateway.profiling import profiler_router
 from halfmoon.serve.gateway.responses import (
     Delta,
     HTTPError,
@@ -361,6 +362,8 @@ def create_app(
     if config.dev_endpoints:  # RL weight updates and sleep mode, with vLLM's other RL controls
         app.include_router(weights_router(gw))
         app.include_router(sleep_router(gw))
+    if config.profiler is not None:  # vLLM's, with its --profiler-config
+        app.include_router(profiler_router(gw, config.profiler))
     app.include_router(batch_chat_router(gw, _start, _name))
     app.include_router(embeddings_router(gw))
     app.include_router(scoring_router(gw))

@@ -1,7 +1,8 @@
 """The gateway's operations on a whole cluster, beside serving requests: every process's
 metrics, the Conductor's status and workload window, LoRA adapters loaded and unloaded
-while serving, prefix caches reset, workers drained. :class:`ClusterOperations` is a
-base of :class:`~halfmoon.serve.gateway.cluster_client.ClusterBackend`.
+while serving, prefix caches reset, weights updated, sleep mode, the profiler, workers
+drained. :class:`ClusterOperations` is a base of
+:class:`~halfmoon.serve.gateway.cluster_client.ClusterBackend`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import time
 
 from halfmoon.core.adapters import RuntimeAdapter
+from halfmoon.core.profiling import STOP_TIMEOUT_S, ProfilerConfig, ProfileSession
 from halfmoon.serve.control.messages import (
     AdapterRecord,
     AdaptersOk,
@@ -25,6 +27,8 @@ from halfmoon.serve.control.messages import (
     Message,
     MetricsQuery,
     MetricsText,
+    Profile,
+    ProfileState,
     ResetPrefixCache,
     Sleep,
     SleepState,
@@ -42,6 +46,11 @@ log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
 
 #: How long a weight update's commit waits for a worker's last requests to end.
 COMMIT_SETTLE_S = 10.0
+
+
+def _or_unset(value: int | None) -> int:
+    """An optional count on the wire (-1: not given)."""
+    return -1 if value is None else value
 
 
 def serving(pong: ConductorPong) -> dict[str, str]:
@@ -258,6 +267,40 @@ class ClusterOperations(ClusterLink):
         failed = [r for r in results.values() if isinstance(r, BackendError)]
         if failed:
             raise failed[0]
+
+    async def start_profile(
+        self, config: ProfilerConfig, session: ProfileSession, timeout_s: float = 60.0
+    ) -> list[str]:
+        """vLLM's ``/start_profile`` on every worker (but a draining one): each records its
+        engine's coming steps with torch's profiler; the instances profiling. All or none:
+        when any cannot, those that started stop again (their traces, if any, stay) and
+        the BackendError says why (:class:`BackendRefused` where an engine has none)."""
+        endpoints = serving(await self._ping(timeout_s))
+        if not endpoints:
+            raise BackendError("no worker is registered")
+        msg = Profile(op="start", config=config.to_json(), prefix=session.profile_prefix or "",
+                      delay_iterations=_or_unset(session.delay_iterations),
+                      max_iterations=_or_unset(session.max_iterations))  # fmt: skip
+        results = await self._each(endpoints, msg, ProfileState, timeout_s)
+        failed = [r for r in results.values() if isinstance(r, BackendError)]
+        if failed:
+            started = {i: endpoints[i] for i, r in results.items() if isinstance(r, ProfileState)}
+            await self._each(started, Profile(op="stop"), ProfileState, STOP_TIMEOUT_S)
+            raise failed[0]
+        return sorted(endpoints)
+
+    async def stop_profile(
+        self, timeout_s: float = STOP_TIMEOUT_S
+    ) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """vLLM's ``/stop_profile`` on every worker (a draining one too: it may have
+        recorded): each ends its session and writes its trace (a worker that was not
+        profiling writes none). Returns the traces written, by instance, and the errors
+        of those that failed to stop, by instance."""
+        pong = await self._ping(5.0)
+        results = await self._each(pong.endpoints, Profile(op="stop"), ProfileState, timeout_s)
+        traces = {i: r.traces for i, r in results.items() if isinstance(r, ProfileState)}
+        errors = {i: str(r) for i, r in results.items() if isinstance(r, BackendError)}
+        return traces, errors
 
     async def weights(self, timeout_s: float = 5.0) -> WeightsRecord | None:
         """The weights installed while the cluster serves (None: those it started with)."""

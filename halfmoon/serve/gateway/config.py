@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from halfmoon.core.profiling import ProfilerConfig
 from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.serve.gateway.exposure import CorsPolicy
 from halfmoon.serve.gateway.tools import PARSERS
@@ -72,6 +73,9 @@ class GatewayConfig:
     #: Every response carries ``X-Request-Id`` (``--enable-request-id-headers``;
     #: halfmoon.serve.gateway.request_ids).
     request_id_headers: bool = False
+    #: torch's profiler over the workers' engine steps (``--profiler-config``): served
+    #: ``POST /start_profile`` and ``/stop_profile`` (halfmoon.serve.gateway.profiling).
+    profiler: ProfilerConfig | None = None
     #: vLLM's development endpoints (``POST /reset_prefix_cache``), as vLLM serves them
     #: under ``VLLM_SERVER_DEV_MODE=1`` (halfmoon.core.flags.dev_mode).
     dev_endpoints: bool = False
@@ -111,7 +115,7 @@ class GatewayConfig:
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
                 "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
                 "/score", "/rerank", "/v2/", "/sleep", "/wake_up", "/is_sleeping",
-                "/release_kv_cache_memory", *private)  # fmt: skip
+                "/release_kv_cache_memory", "/start_profile", "/stop_profile", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -367,6 +367,22 @@ class AbortResponse(_Open):
     aborted: int
 
 
+class ProfileStarted(_Open):
+    """Body of ``POST /start_profile`` (with ``--profiler-config``): the workers profiling."""
+
+    status: Literal["profiling"]
+    workers: list[str]
+
+
+class ProfileStopped(_Open):
+    """Body of ``POST /stop_profile``: the traces written, by worker (paths on its host),
+    and the errors of any that failed to stop, by worker."""
+
+    status: Literal["stopped"]
+    traces: dict[str, list[str]]
+    errors: dict[str, str]
+
+
 #: The 200 body of each (path, method).
 RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
@@ -406,6 +422,8 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/model_info", "get"): SglangModelInfo,
     ("/get_model_info", "get"): SglangModelInfo,
     ("/abort_request", "post"): AbortResponse,
+    ("/start_profile", "post"): ProfileStarted,
+    ("/stop_profile", "post"): ProfileStopped,
 }
 #: Error statuses each (path, method) may answer besides 400 (bodies) and 401 (API keys).
 ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
@@ -438,6 +456,8 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/inference/v1/abort_requests", "post"): (413,),
     ("/abort_requests", "post"): (413,),
     ("/generate", "post"): (404, 413, 429, 503),
+    ("/start_profile", "post"): (413, 503),
+    ("/stop_profile", "post"): (503,),
     ("/v1/chat/completions/batch", "post"): (404, 413, 429, 503),
     ("/abort_request", "post"): (413,),
 }

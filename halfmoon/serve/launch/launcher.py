@@ -29,6 +29,7 @@ from halfmoon.core.adapters import (
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.flags import dev_mode
 from halfmoon.core.heap import settle_gc
+from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -173,6 +174,7 @@ async def _serve_gateway(
         allow_runtime_lora=runtime_lora_allowed(
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
+        profiler=parse_profiler_config(getattr(args, "profiler_config", None)),
         cors=exposure[0],
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)

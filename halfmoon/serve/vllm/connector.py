@@ -36,6 +36,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,12 @@ from halfmoon.core.adapters import RUNTIME_LORA_ENV, RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import CacheEvent
 from halfmoon.core.flags import DEV_MODE_ENV
+from halfmoon.core.profiling import (
+    STOP_TIMEOUT_S,
+    ProfilerConfig,
+    ProfileSession,
+    parse_profiler_config,
+)
 from halfmoon.core.request import SamplingParams, StructuredOutput, TokenLogprob
 from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.costmodel import CostProfile
@@ -422,6 +429,32 @@ class VllmServerConnector(EngineConnector):
                     self._listener(event)
         return success
 
+    def start_profile(self, config: ProfilerConfig, session: ProfileSession, name: str) -> None:
+        """vLLM's own ``/start_profile`` on this worker's server, with the session's
+        prefix and bounds: a server halfmoon starts runs with the cluster's
+        ``--profiler-config``, writing into a directory of its own under the config's; an
+        attached one with the profiler config it was started with (without one it has no
+        such route: :class:`Unsupported`)."""
+        body = {k: v for k, v in dataclasses.asdict(session).items() if v is not None}
+        self._dev_call("POST", "/start_profile", 120.0, json=body or None,
+                       missing="it was started without --profiler-config")  # fmt: skip
+        self._profile_since = time.time()
+
+    def stop_profile(self) -> list[str]:
+        """vLLM's own ``/stop_profile`` on this worker's server (it writes its traces
+        before it answers): the trace files written into its directory since the start
+        (none listed for an attached server: its directory is its own)."""
+        self._dev_call("POST", "/stop_profile", STOP_TIMEOUT_S,
+                       missing="it was started without --profiler-config")  # fmt: skip
+        since, self._profile_since = self._profile_since, None
+        launch = getattr(self.process, "launch", None)
+        config = parse_profiler_config(getattr(launch, "profiler_config", None))
+        if since is None or config is None:
+            return []
+        directory = Path(config.torch_profiler_dir)
+        return sorted(str(p) for p in directory.rglob("*")
+                      if p.is_file() and p.stat().st_mtime >= since - 1.0)  # fmt: skip
+
     def stage_weights(self, model_path: str) -> object:
         """Check the checkpoint that :meth:`commit_weights` has vLLM read: what
         ``--model`` takes, of the served model's architecture (HalfmoonError naming what
@@ -465,15 +498,20 @@ class VllmServerConnector(EngineConnector):
                                 "requests hold blocks")  # fmt: skip
         log.info("vLLM at %s reloaded its weights from %s", self.endpoints.url, staged)
 
-    def _dev_call(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
-        """One of vLLM's development endpoints on this worker's server: its 200 answer,
-        else a HalfmoonError naming why (404: the server runs without
-        ``VLLM_SERVER_DEV_MODE=1``, which a server halfmoon starts inherits)."""
+    def _dev_call(
+        self, method: str, path: str, timeout_s: float, missing: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One of vLLM's development (or otherwise optional) endpoints on this worker's
+        server: its 200 answer, else a HalfmoonError naming why (404: the server runs
+        without ``VLLM_SERVER_DEV_MODE=1``, which a server halfmoon starts inherits; or,
+        as :class:`Unsupported`, the ``missing`` reason)."""
         try:
             resp = httpx.request(method, f"{self.endpoints.url}{path}", timeout=timeout_s,
                                  **kwargs)  # fmt: skip
         except httpx.HTTPError as exc:
             raise HalfmoonError(f"vLLM at {self.endpoints.url}: {exc!r}") from None
+        if resp.status_code == 404 and missing is not None:
+            raise Unsupported(f"the vLLM server at {self.endpoints.url} has no {path}: {missing}")
         if resp.status_code == 404:
             raise HalfmoonError(f"the vLLM server at {self.endpoints.url} has no {path} "
                                 f"(start it with {DEV_MODE_ENV}=1)")  # fmt: skip
@@ -504,6 +542,8 @@ class VllmServerConnector(EngineConnector):
         self.endpoints = endpoints
         self.instance_id = instance_id
         self.process = process
+        #: When the profiling session on its server started (None: no session).
+        self._profile_since: float | None = None
         self.facts: ServerFacts = server_facts(endpoints.url)
         check_server(self.facts, block_size, endpoints.url)
         self._layout = model_kv_layout(model_dir, block_size, dtype)

@@ -222,6 +222,8 @@ class VllmLaunch:
     runtime_lora: bool = False
     #: ``--speculative-config`` JSON (vLLM's own flag), or None.
     speculative_config: str | None = None
+    #: ``--profiler-config`` JSON (vLLM's own flag; its directory this server's), or None.
+    profiler_config: str | None = None
 
     def argv(self, port: int, events_port: int, replay_port: int, topic: str) -> list[str]:
         """The server's command line (what ``vllm serve`` would run)."""
@@ -248,6 +250,8 @@ class VllmLaunch:
         argv += lora_argv(self.lora_modules, self.runtime_lora)
         if self.speculative_config is not None:
             argv += ["--speculative-config", self.speculative_config]
+        if self.profiler_config is not None:
+            argv += ["--profiler-config", self.profiler_config]
         if runs_model_in_engine_core(self.extra_args):
             argv += ["--distributed-executor-backend", "uni"]
         return argv + list(self.extra_args)

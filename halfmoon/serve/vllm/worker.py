@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.serve.vllm.connector import VllmServerConnector
 from halfmoon.serve.vllm.pd import ConnectorSettings, kv_transfer_config
 from halfmoon.serve.vllm.server import (
@@ -61,6 +63,7 @@ def vllm_engine(
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
         scheduling_policy=options.scheduling_policy, lora_modules=options.lora_modules,
         runtime_lora=options.runtime_lora, speculative_config=options.speculative_config,
+        profiler_config=server_profiler_config(options.profiler_config, instance_id),
         extra_args=tuple(shlex.split(options.vllm_args)) + (
             ("--kv-transfer-config", kv_transfer_config(kv_connector)) if kv_connector else ()
         ),
@@ -73,6 +76,15 @@ def vllm_engine(
     except BaseException:
         process.stop()
         raise
+
+
+def server_profiler_config(config: str | None, instance_id: str) -> str | None:
+    """The ``--profiler-config`` of a worker's own vLLM server: the cluster's, writing into
+    a directory of the worker's own under it (so each trace is known to be its server's)."""
+    parsed = parse_profiler_config(config)
+    if parsed is None:
+        return None
+    return parsed.for_directory(str(Path(parsed.torch_profiler_dir) / instance_id)).to_json()
 
 
 def _serving_adapters(connector: VllmServerConnector, options: Any) -> VllmServerConnector:

@@ -21,6 +21,7 @@ from halfmoon.core.adapters import (
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.jsonconfig import config_fields, config_to_json
+from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.core.speculative import parse_speculative_config
 from halfmoon.costmodel.decode_guard import DECODE_GUARDS
@@ -93,6 +94,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         '"prompt_lookup_min": 2}\'; each decode step also checks up to that many draft '
         "tokens copied from the request's own text, and keeps those the model agrees "
         "with (the same tokens as without it, fewer steps); docs/serving.md",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profiler-config", default=None, metavar="JSON",
+        help="torch's profiler over the engine's steps (vLLM's flag): e.g. "
+        '\'{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}\'; halfmoon serve then '
+        "serves POST /start_profile and /stop_profile, between which each worker records "
+        "one Chrome trace into the directory (with --engine vllm, each server into a "
+        "directory of its own there); docs/serving.md, \"Profiling\"",
     )  # fmt: skip
     parser.add_argument(
         "--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
@@ -221,6 +230,9 @@ class EngineOptions:
     enable_lora: bool = False
     #: ``--speculative-config`` as its canonical JSON (checked), or None.
     speculative_config: str | None = None
+    #: ``--profiler-config`` as its canonical JSON (checked), or None: a vLLM-backed worker
+    #: starts its server with it (halfmoon's engine gets it with each session's start).
+    profiler_config: str | None = None
     #: Adapters may be loaded while serving (``halfmoon serve --allow-runtime-lora-updating``
     #: or vLLM's environment switch): a vLLM-backed worker starts its server ready for them.
     runtime_lora: bool = False
@@ -228,6 +240,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         spec = parse_speculative_config(self.speculative_config)
         object.__setattr__(self, "speculative_config", None if spec is None else spec.to_json())
+        profiler = parse_profiler_config(self.profiler_config)
+        object.__setattr__(self, "profiler_config", profiler and profiler.to_json())
         if self.enable_lora and not self.lora_modules and not self.runtime_lora:
             raise HalfmoonError(
                 "--enable-lora: name the adapters with --lora-modules NAME=PATH, or load them "

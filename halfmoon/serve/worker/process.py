@@ -34,6 +34,7 @@ import zmq
 from halfmoon.core.adapters import RuntimeAdapter
 from halfmoon.core.errors import HalfmoonError, Unsupported
 from halfmoon.core.events import BlockStored, CacheEvent
+from halfmoon.core.profiling import ProfileSession, parse_profiler_config
 from halfmoon.costmodel.speculation import RecentSpeculation
 from halfmoon.serve.control import messages
 from halfmoon.serve.control.messages import (
@@ -48,6 +49,8 @@ from halfmoon.serve.control.messages import (
     MetricsQuery,
     MetricsText,
     Ping,
+    Profile,
+    ProfileState,
     Refused,
     Registered,
     ResetPrefixCache,
@@ -348,6 +351,7 @@ class Worker:
             Ping: self._on_ping, Abort: self._on_abort, MetricsQuery: self._on_metrics,
             AdapterUpdate: self._on_adapter_update, ResetPrefixCache: self._on_reset_prefix_cache,
             UpdateWeights: self._on_update_weights, Sleep: self._on_sleep,
+            Profile: self._on_profile,
         }  # fmt: skip
         self._handlers: dict[str, Handler] = {}
         self.role: Role | None = None
@@ -614,12 +618,9 @@ class Worker:
         try:
             self.update_weights(msg.op, msg.weights)
         except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
-            if not isinstance(exc, HalfmoonError):
-                log.exception("weight update %s failed", msg.op)
             # (retryable: requests still ending here, e.g. aborted ones whose KV streams
             # finish: the same commit succeeds once they have)
-            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id,
-                                      retryable=isinstance(exc, RequestsRunning)))  # fmt: skip
+            self._answer_failure(identity, msg, exc, f"weight update {msg.op}")
             return
         self.send(identity, WeightsOk(weights=self.weights, msg_id=msg.msg_id))
 
@@ -639,14 +640,44 @@ class Worker:
                                           "none is (pause generation first)")  # fmt: skip
                 released = self.engine.sleep()
         except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
-            if not isinstance(exc, HalfmoonError):
-                log.exception("sleep mode %s failed", msg.op)
-            self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id,
-                                      retryable=isinstance(exc, RequestsRunning),
-                                      unsupported=isinstance(exc, Unsupported)))  # fmt: skip
+            self._answer_failure(identity, msg, exc, f"sleep mode {msg.op}")
             return
         self.send(identity, SleepState(sleeping=self.engine.sleeping, released_bytes=released,
                                        msg_id=msg.msg_id))  # fmt: skip
+
+    def _on_profile(self, identity: bytes, msg: Profile) -> None:
+        """vLLM's ``/start_profile`` and ``/stop_profile`` on this worker's engine
+        (:meth:`EngineConnector.start_profile`); answered ``profile_state`` with the
+        traces a ``stop`` wrote."""
+        traces: list[str] = []
+        try:
+            if msg.op == "start":
+                config = parse_profiler_config(msg.config)
+                if config is None:
+                    raise HalfmoonError("a profile start names no profiler config")
+                session = ProfileSession(
+                    profile_prefix=msg.prefix or None,
+                    delay_iterations=None if msg.delay_iterations < 0 else msg.delay_iterations,
+                    max_iterations=None if msg.max_iterations < 0 else msg.max_iterations,
+                )  # fmt: skip
+                self.engine.start_profile(config, session, self.me.instance_id)
+            else:
+                traces = self.engine.stop_profile()
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer, not a crash
+            self._answer_failure(identity, msg, exc, f"profile {msg.op}")
+            return
+        self.send(identity, ProfileState(active=msg.op == "start", traces=traces,
+                                         msg_id=msg.msg_id))  # fmt: skip
+
+    def _answer_failure(self, identity: bytes, msg: Message, exc: Exception, what: str) -> None:
+        """Answer ``msg`` with an ``error`` naming ``exc`` (retryable while requests are
+        still ending here, ``unsupported`` where the engine cannot); one that is not a
+        HalfmoonError is logged with its traceback."""
+        if not isinstance(exc, HalfmoonError):
+            log.exception("%s failed", what)
+        self.send(identity, Error(error=f"{self.me.instance_id}: {exc}", msg_id=msg.msg_id,
+                                  retryable=isinstance(exc, RequestsRunning),
+                                  unsupported=isinstance(exc, Unsupported)))  # fmt: skip
 
     def update_weights(self, op: str, weights: WeightsRecord | None) -> None:
         """``stage``: read the checkpoint at ``weights.path`` beside the served weights;
