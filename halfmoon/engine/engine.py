@@ -161,6 +161,8 @@ class EngineStats:
     #: Speculative decoding so far (:class:`~halfmoon.core.speculative.SpecDecodeCounts`),
     #: or None when the engine does not speculate.
     spec_decode: SpecDecodeCounts | None = None
+    #: Whether its KV pool's memory is released (:meth:`LLMEngine.sleep`, sleep level 1).
+    sleeping: bool = False
 
 
 def _build_compiled_side_by_side(backend: str, kernel: KernelShape, glue: GlueShape) -> None:
@@ -306,6 +308,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens=self.scheduler.num_prefill_tokens(),
             spec_decode=None if self.proposer is None else self.proposer.stats.counts(),
+            sleeping=self.sleeping,
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -187,6 +188,10 @@ def test_sleep_releases_every_kv_pool_and_wakes_serving_the_same(devmode):
     assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}
     for pid in workers:  # the pool (64 MiB, zero-filled: resident) is gone
         assert resident[pid] - _resident_bytes(pid) > 48 * 2**20, (pid, resident[pid])
+    assert _sleep_states(base) == {
+        "prefill-0": "weights_offloaded",
+        "decode-0": "weights_offloaded",
+    }
     out: dict = {}
     held = threading.Thread(target=lambda: out.setdefault("tokens", _generate(devmode)[0]))
     held.start()
@@ -197,6 +202,17 @@ def test_sleep_releases_every_kv_pool_and_wakes_serving_the_same(devmode):
     held.join(120)
     assert out["tokens"] == before
     assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+    assert _sleep_states(base) == {"prefill-0": "awake", "decode-0": "awake"}
+
+
+def _sleep_states(base: str) -> dict[str, str]:
+    """Each worker's state in vLLM's ``engine_sleep_state`` gauge, as ``/metrics`` says."""
+    states = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("halfmoon:engine_sleep_state{") and line.endswith(" 1.0"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            states[labels["worker"]] = labels["sleep_state"]
+    return states
 
 
 def test_a_trainers_round_sleep_new_weights_wake(devmode, tmp_path):

@@ -118,6 +118,17 @@ def test_load_gauges_and_preemptions(metrics):
     assert _value(metrics, "halfmoon:kv_cache_usage_perc") == 0.0
 
 
+def test_the_sleep_state_as_vllms(metrics):
+    """vLLM's ``engine_sleep_state`` gauge: awake, or asleep at level 1."""
+    text = metrics.render(EngineStats(0, 0, 100, 100, 0, 0))
+    assert 'halfmoon:engine_sleep_state{sleep_state="awake"} 1.0' in text
+    assert 'halfmoon:engine_sleep_state{sleep_state="weights_offloaded"} 0.0' in text
+    text = metrics.render(EngineStats(0, 0, 100, 100, 0, 0, sleeping=True))
+    assert 'halfmoon:engine_sleep_state{sleep_state="awake"} 0.0' in text
+    assert 'halfmoon:engine_sleep_state{sleep_state="weights_offloaded"} 1.0' in text
+    assert 'halfmoon:engine_sleep_state{sleep_state="discard_all"} 0.0' in text
+
+
 def test_requests_the_engine_dropped_count_by_retryable(metrics):
     metrics.request_failed(True)
     metrics.request_failed(True)

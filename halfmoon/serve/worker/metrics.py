@@ -162,6 +162,12 @@ class WorkerMetrics:
         self.kv_capacity_blocks = Gauge(
             "halfmoon:kv_cache_capacity_blocks", "KV pool blocks in all.", registry=r
         )
+        self.sleep_state = Gauge(
+            "halfmoon:engine_sleep_state",
+            "The engine's sleep state, as vLLM's: awake = 1 while awake; weights_offloaded = 1 "
+            "at sleep level 1 (here the KV pool released, the weights in place); discard_all "
+            "= 1 at level 2 (not served).", ["sleep_state"], registry=r,
+        )  # fmt: skip
         self.preemptions = Counter(
             "halfmoon:num_preemptions",
             "Requests the engine preempted (blocks freed, recomputed later). Stays 0 for an "
@@ -336,6 +342,10 @@ class WorkerMetrics:
         self.kv_used_blocks.set(used)
         self.kv_capacity_blocks.set(stats.num_blocks)
         self.kv_usage.set(used / stats.num_blocks if stats.num_blocks else 0.0)
+        asleep = bool(getattr(stats, "sleeping", False))
+        for state, value in (("awake", not asleep), ("weights_offloaded", asleep),
+                             ("discard_all", False)):  # fmt: skip
+            self.sleep_state.labels(state).set(float(value))
         if stats.num_preemptions > self._num_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
             self._num_preemptions = stats.num_preemptions
