@@ -4,7 +4,9 @@
 A session starts, skips ``delay_iterations`` steps, then records every step (each one a
 ``step[...]`` range naming what it computed: prompt tokens and decoding sequences) until
 it is stopped or has recorded ``max_iterations`` of them; then one Chrome trace is
-written, atomically, into the config's directory. Nothing is recorded between sessions.
+written, atomically, into the config's directory, and beside it a table of the ops by
+their own time (``.profiler_out.txt``, as vLLM writes). Nothing is recorded between
+sessions.
 As vLLM's, a start while a session is on and a stop while none is are no-ops.
 """
 
@@ -25,6 +27,8 @@ from halfmoon.core.profiling import ProfilerConfig, ProfileSession
 from halfmoon.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
+#: Rows of the summary table written beside each trace.
+SUMMARY_ROWS = 40
 
 
 class StepProfiler:
@@ -119,18 +123,20 @@ class StepProfiler:
         config = self._config
         assert config is not None
         stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
+        base = Path(config.torch_profiler_dir) / f"{self._prefix}.{self.name}.{stamp}"
         suffix = ".pt.trace.json.gz" if config.torch_profiler_use_gzip else ".pt.trace.json"
-        path = Path(config.torch_profiler_dir) / f"{self._prefix}.{self.name}.{stamp}{suffix}"
+        path, summary = Path(f"{base}{suffix}"), Path(f"{base}.profiler_out.txt")
         partial = path.with_name(f".{path.name}.partial{suffix}")  # (torch gzips by suffix)
         try:
             prof.export_chrome_trace(str(partial))
             os.replace(partial, path)
+            summary.write_text(_summary(prof))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 partial.unlink()
             raise HalfmoonError(f"the trace could not be written to {path}: {exc}") from None
         log.info("profiler trace of %d engine steps written to %s", self._recorded, path)
-        self._written.append(str(path))
+        self._written += [str(path), str(summary)]
 
     def stop(self) -> list[str]:
         """End the session (if one is on); the traces written since the last stop."""
@@ -140,6 +146,14 @@ class StepProfiler:
             self._config = None
             written, self._written = self._written, []
         return written
+
+
+def _summary(prof: profile) -> str:
+    """What a trace holds, as a table to read without a trace viewer (as vLLM writes
+    beside its traces): the ops and step ranges by their own time, most first."""
+    timed_on_gpu = any(a == ProfilerActivity.CUDA for a in prof.activities)
+    key = "self_cuda_time_total" if timed_on_gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=SUMMARY_ROWS) + "\n"
 
 
 def step_label(chunks: Sequence[ScheduledChunk]) -> str:

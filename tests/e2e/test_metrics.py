@@ -162,6 +162,8 @@ def test_the_profiler_traces_each_workers_steps(cluster):
     written = sorted(p.name for p in cluster.traces.iterdir())
     assert written == sorted(Path(p).name for paths in traces.values() for p in paths)
     assert all(name.startswith("live.") for name in written)
+    assert all(len(paths) == 2 and paths[1].endswith(".profiler_out.txt")  # (its table)
+               for paths in traces.values())  # fmt: skip
     prefill, decode = _step_ranges(traces["prefill-0"][0]), _step_ranges(traces["decode-0"][0])
     assert prefill and all(r.startswith("step[prefill 1x") for r in prefill), prefill
     assert decode and all(r.startswith("step[decode ") for r in decode), decode

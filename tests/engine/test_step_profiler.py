@@ -37,12 +37,16 @@ def test_a_session_traces_every_step_and_changes_no_token(llama_ref: Reference, 
     engine.start_profile(config, ProfileSession(profile_prefix="run1"), "decode-0")
     outputs = engine.generate(batch, PARAMS)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
-    (trace,) = engine.stop_profile()
+    trace, summary = engine.stop_profile()
     assert Path(trace).parent == tmp_path / "traces"
     assert Path(trace).name.startswith("run1.decode-0.") and trace.endswith(".pt.trace.json.gz")
-    assert [p.name for p in (tmp_path / "traces").iterdir()] == [Path(trace).name]  # no partial
+    assert summary == trace.replace(".pt.trace.json.gz", ".profiler_out.txt")
+    written = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert written == sorted([Path(trace).name, Path(summary).name])  # no partial file left
     # one prefill step of both prompts, then five steps decoding both
     assert _steps(trace) == ["step[prefill 2x29]"] + ["step[decode 2]"] * 5
+    table = Path(summary).read_text()  # the ops and steps by their own time
+    assert "Self CPU" in table and "step[decode 2]" in table and "aten::" in table
     assert engine.stop_profile() == []  # stopped: nothing more, and no error
 
 
@@ -54,13 +58,13 @@ def test_delay_and_max_iterations_bound_the_session(llama_ref: Reference, prompt
     engine.start_profile(config, ProfileSession(delay_iterations=0))  # on already: ignored
     engine.generate(batch, PARAMS)  # six steps: two skipped, three recorded, one after
     assert not engine.profiler.active  # the session ended at its third step...
-    (trace,) = engine.stop_profile()  # ...and its trace is the stop's to report
+    trace, _ = engine.stop_profile()  # ...and its trace is the stop's to report
     assert trace.endswith(".pt.trace.json") and Path(trace).name.startswith("halfmoon.engine.")
     assert _steps(trace) == ["step[decode 1]"] * 3
     # the config's bounds when the session names none; a new session after the last
     engine.start_profile(config, ProfileSession())
     engine.generate(prompts(7, [40], llama_ref.vocab_size), PARAMS)
-    (second,) = engine.stop_profile()
+    second, _ = engine.stop_profile()
     assert _steps(second) == ["step[prefill 1x40]"] + ["step[decode 1]"] * 5
 
 
