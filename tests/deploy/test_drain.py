@@ -29,7 +29,8 @@ from halfmoon.serve.control.messages import (
     encode_message,
 )
 from halfmoon.serve.control.protocol import hashes_to_wire
-from halfmoon.serve.worker.process import DRAIN_QUIET_S, Worker, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import WorkerIdentity
+from halfmoon.serve.worker.process import DRAIN_QUIET_S, Worker
 
 SECRET = b"drain-test-secret"
 

@@ -9,7 +9,7 @@ import threading
 import zmq
 
 from halfmoon.serve.control.messages import Events, decode_message
-from halfmoon.serve.worker.process import ConductorLink, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
 
 SECRET = b"conductor-link-test-secret-01234"
 

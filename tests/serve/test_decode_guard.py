@@ -291,7 +291,7 @@ def test_a_worker_learns_the_clusters_tbt_slo_when_it_registers():
     from halfmoon.conductor import Conductor, ConductorConfig
     from halfmoon.serve.control.conductor_main import load_cost_model
     from halfmoon.serve.control.conductor_service import ConductorService
-    from halfmoon.serve.worker.process import ConductorLink, WorkerIdentity
+    from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
 
     secret = b"decode-guard-test-secret"
     config = ConductorConfig(block_size_tokens=16, slo=SLOConfig(ttft_s=5.0, tbt_s=0.25))

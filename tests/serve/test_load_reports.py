@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 from halfmoon.engine.engine import EngineStats
 from halfmoon.serve.worker import process
-from halfmoon.serve.worker.process import ConductorLink, Worker, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
+from halfmoon.serve.worker.process import Worker
 from tests.serve.fakes import IdleRole, conductor_thread
 
 SECRET = b"load-reports-secret-0123456789"

@@ -17,7 +17,7 @@ from halfmoon.serve.gateway.cluster_client import ClusterBackend
 from halfmoon.serve.gateway.prom import GatewayMetrics
 from halfmoon.serve.gateway.scrape import ProcessText, merge, scrape
 from halfmoon.serve.runtime import free_port
-from halfmoon.serve.worker.process import ConductorLink, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
 from tests.serve.fakes import conductor_thread
 
 SECRET = b"metrics-merge-secret"

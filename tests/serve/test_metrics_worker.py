@@ -19,8 +19,9 @@ from halfmoon.serve.control.messages import (
     encode_message,
 )
 from halfmoon.serve.runtime import free_port
+from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
 from halfmoon.serve.worker.metrics import WorkerMetrics
-from halfmoon.serve.worker.process import ConductorLink, Worker, WorkerIdentity
+from halfmoon.serve.worker.process import Worker
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from tests.serve.fakes import IdleRole
 

@@ -26,9 +26,10 @@ def prefill(monkeypatch):
     from halfmoon.engine import EngineConfig, LLMEngine
     from halfmoon.engine.connector import LocalConnector
     from halfmoon.serve.worker import prefix_cache
+    from halfmoon.serve.worker.conductor_link import WorkerIdentity
     from halfmoon.serve.worker.prefill import PrefillRole
     from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
-    from halfmoon.serve.worker.process import Worker, WorkerIdentity
+    from halfmoon.serve.worker.process import Worker
     from halfmoon.transfer import TransferEngine
 
     monkeypatch.setattr(prefix_cache, "PEER_TIMEOUT_S", 0.5)

@@ -31,7 +31,7 @@ from halfmoon.serve.control.messages import (
 )
 from halfmoon.serve.control.protocol import hashes_to_wire
 from halfmoon.serve.runtime import free_port
-from halfmoon.serve.worker.process import ConductorLink, RegistrationRefused, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import ConductorLink, RegistrationRefused, WorkerIdentity
 
 SECRET = b"registration-test-secret"
 MODEL = "smollm2-135m-instruct#0123456789ab"

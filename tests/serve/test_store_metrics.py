@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from halfmoon.engine.engine import EngineStats
 from halfmoon.serve.gateway.cluster_client import ClusterBackend
 from halfmoon.serve.runtime import free_port
-from halfmoon.serve.worker.process import ConductorLink, Worker, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import ConductorLink, WorkerIdentity
+from halfmoon.serve.worker.process import Worker
 from halfmoon.store import BlockMeta, StoreConfig, TieredStore
 from halfmoon.store.ssd import DATA_FILE
 from tests.serve.fakes import IdleRole, conductor_thread

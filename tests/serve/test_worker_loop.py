@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import zmq
 
 from halfmoon.engine.engine import EngineStats
-from halfmoon.serve.worker.process import COMMANDS_PER_STEP, Worker, WorkerIdentity
+from halfmoon.serve.worker.conductor_link import WorkerIdentity
+from halfmoon.serve.worker.process import COMMANDS_PER_STEP, Worker
 from tests.serve.fakes import RecordingLink
 
 SECRET = b"worker-loop-secret-0123456789abc"

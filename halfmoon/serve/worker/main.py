@@ -394,18 +394,18 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the engine, register with the Conductor, serve until SIGTERM."""
     from halfmoon.costmodel import CostProfile
     from halfmoon.engine.connector import LocalConnector
+    from halfmoon.serve.worker.conductor_link import (
+        ConductorLink,
+        Heartbeat,
+        RegistrationRefused,
+        WorkerIdentity,
+    )
     from halfmoon.serve.worker.coupled import CoupledRole
     from halfmoon.serve.worker.decode import DecodeRole
     from halfmoon.serve.worker.decode_guard import DecodeGuard
     from halfmoon.serve.worker.prefill import PrefillRole
     from halfmoon.serve.worker.prefix_cache import ClusterPrefixCache, Holdings
-    from halfmoon.serve.worker.process import (
-        ConductorLink,
-        Heartbeat,
-        RegistrationRefused,
-        Worker,
-        WorkerIdentity,
-    )
+    from halfmoon.serve.worker.process import Worker
     from halfmoon.store.meta import NO_NAMESPACE
     from halfmoon.transfer import TransferEngine
 
