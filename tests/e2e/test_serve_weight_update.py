@@ -203,6 +203,17 @@ def test_sleep_releases_every_kv_pool_and_wakes_serving_the_same(devmode):
     assert out["tokens"] == before
     assert httpx.get(base + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
     assert _sleep_states(base) == {"prefill-0": "awake", "decode-0": "awake"}
+    # SGLang's names for the same (what RL frameworks driving SGLang call)
+    released = httpx.post(base + "/release_memory_occupation", json={"tags": ["kv_cache"]},
+                          timeout=120).json()  # fmt: skip
+    assert released["released_bytes"] >= 2 * 64 * 2**20, released  # both pools
+    assert _sleep_states(base) == {
+        "prefill-0": "weights_offloaded",
+        "decode-0": "weights_offloaded",
+    }
+    resumed = httpx.post(base + "/resume_memory_occupation", json={}, timeout=120).json()
+    assert resumed == {"status": "awake", "tags": None}
+    assert _generate(devmode)[0] == before
 
 
 def _sleep_states(base: str) -> dict[str, str]:

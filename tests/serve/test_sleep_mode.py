@@ -143,6 +143,78 @@ def test_the_routes_exist_only_under_the_dev_switch(gateways):
 
     async def scenario(client: httpx.AsyncClient) -> list[int]:
         return [(await client.post("/sleep")).status_code,
-                (await client.get("/is_sleeping")).status_code]  # fmt: skip
+                (await client.get("/is_sleeping")).status_code,
+                (await client.post("/release_memory_occupation")).status_code]  # fmt: skip
 
-    assert _run(app, scenario) == [404, 404]
+    assert _run(app, scenario) == [404, 404, 404]
+
+
+def test_sglangs_memory_occupation_routes(gateways):
+    """SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` (what RL
+    frameworks driving SGLang call): a release waits for the running request, releases the
+    KV pools with ``kv_cache`` and holds new requests; the resume that wakes the last tag
+    resumes generation."""
+    backend = SleepingBackend(gateways.tokenizer)
+    backend.pace_s = 0.02
+    app = gateways.app(backend, "m", dev_endpoints=True)
+
+    async def scenario(client: httpx.AsyncClient) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        running = generation_of(client, 20)
+        await started(backend, 1)
+        out["released"] = (await client.post("/release_memory_occupation", json={})).json()
+        out["finished"] = (await running).json()["choices"][0]["finish_reason"]  # not aborted
+        out["sleeping"] = (await client.get("/is_sleeping")).json()
+        held = generation_of(client, 3)
+        await asyncio.sleep(0.3)
+        out["held"] = not held.done()
+        resumed = await client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+        out["kv"] = resumed.json()
+        await asyncio.sleep(0.1)
+        out["still_held"] = not held.done()  # (the weights' tag still sleeps)
+        out["all"] = (await client.get("/resume_memory_occupation")).json()
+        out["after"] = (await held).json()["choices"][0]["finish_reason"]
+        # only the weights: no pool released, generation held and resumed all the same
+        out["weights"] = (
+            await client.post(
+                "/release_memory_occupation", json={"tags": ["weights", "cuda_graph"]}
+            )
+        ).json()
+        out["weights_back"] = (
+            await client.post("/resume_memory_occupation", json={"tags": ["weights"]})
+        ).json()
+        out["bad"] = await client.post("/release_memory_occupation", json={"tags": ["gpu"]})
+        return out
+
+    out = _run(app, scenario)
+    assert out["released"] == {"status": "released", "tags": None,
+                               "released_bytes": 64 * 2**20}  # fmt: skip
+    assert out["finished"] == "length" and out["sleeping"] == {"is_sleeping": True}
+    assert out["held"] and out["still_held"]
+    assert out["kv"] == {"status": "sleeping", "tags": ["kv_cache"]}
+    assert out["all"] == {"status": "awake", "tags": None} and out["after"] == "length"
+    assert out["weights"]["released_bytes"] == 0
+    assert out["weights_back"] == {"status": "awake", "tags": ["weights"]}
+    assert out["bad"].status_code == 400 and "'gpu'" in out["bad"].text
+    assert backend.calls == ["sleep", "wake"]
+
+
+def test_a_pause_before_the_release_outlasts_the_resume(gateways):
+    """Generation paused before a release (SGLang's ``/pause_generation``) stays paused
+    after the resume: ``/continue_generation`` resumes it."""
+    backend = SleepingBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", dev_endpoints=True)
+
+    async def scenario(client: httpx.AsyncClient) -> list[Any]:
+        await client.post("/pause_generation", json={"mode": "abort"})
+        await client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        resumed = (await client.post("/resume_memory_occupation", json={})).json()
+        paused = (await client.get("/is_sleeping")).json()
+        await client.post("/continue_generation")
+        served = (await generation_of(client, 2)).json()["choices"][0]["finish_reason"]
+        return [resumed, paused, served]
+
+    resumed, paused, served = _run(app, scenario)
+    assert resumed == {"status": "awake", "tags": None}
+    assert paused == {"is_sleeping": True} and served == "length"  # (paused, not asleep)
+    assert backend.calls == ["sleep", "wake"]

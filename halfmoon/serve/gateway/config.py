@@ -115,7 +115,8 @@ class GatewayConfig:
                 "/resume", "/is_paused", "/update_weight", "/weight_info", "/continue_generation",
                 "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
                 "/score", "/rerank", "/v2/", "/sleep", "/wake_up", "/is_sleeping",
-                "/release_kv_cache_memory", "/start_profile", "/stop_profile", *private)  # fmt: skip
+                "/release_kv_cache_memory", "/release_memory_occupation", "/start_profile",
+                "/stop_profile", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -17,6 +17,12 @@ with the server drives between rollouts.
 - ``/is_sleeping``: paused or any memory asleep, as vLLM's.
 - ``/release_kv_cache_memory``: after a ``/pause``, the KV pools alone released (woken
   with ``kv_cache``).
+- SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``tags``:
+  ``weights``, ``kv_cache``, ``cuda_graph``; none: all), what RL frameworks driving SGLang
+  call: a release pauses generation (running requests finish first; new ones wait) and
+  releases the KV pools with ``kv_cache``; the resume that wakes the last of them resumes
+  generation, unless it was paused before the release (``/pause_generation``: then
+  ``/continue_generation`` does).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
 
 from halfmoon.serve.gateway.backend import BackendError, BackendRefused
 from halfmoon.serve.gateway.gateway import Gateway
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 #: What sleeps at level 1, and what ``/wake_up`` may name.
 MEMORY_TAGS = ("weights", "kv_cache")
 WAKE_TAGS = (*MEMORY_TAGS, "scheduling")
+#: What SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` may name.
+OCCUPATION_TAGS = (*MEMORY_TAGS, "cuda_graph")
 
 
 class SleepMode:
@@ -47,6 +56,9 @@ class SleepMode:
         #: refuses while any is).
         self.asleep: set[str] = gw.memory_asleep
         self._lock = asyncio.Lock()
+        #: A release paused generation (it was not paused before): the resume that wakes
+        #: the last memory resumes it.
+        self._resume_when_awake = False
 
     @property
     def sleeping(self) -> bool:
@@ -85,6 +97,7 @@ class SleepMode:
                 log.info("asleep: %.1f MiB of KV pools released", freed / 2**20)
             if level == 1:
                 self.asleep.update(MEMORY_TAGS)
+            self._resume_when_awake |= not was_paused
             return freed
 
     async def release_kv_cache(self) -> int:
@@ -102,19 +115,69 @@ class SleepMode:
 
     async def wake_up(self, tags: list[str] | None) -> bool:
         """Wake ``tags`` (None: all); whether fully awake (generation resumed then)."""
-        unknown = sorted(set(tags or ()) - set(WAKE_TAGS))
-        if unknown:
-            raise HTTPError(400, f"unknown wake-up tags {unknown}: use {', '.join(WAKE_TAGS)}",
-                            "BadRequestError", param="tags")  # fmt: skip
-        wake = set(WAKE_TAGS if tags is None else tags)
+        wake = _chosen(tags, WAKE_TAGS, "wake-up")
         async with self._lock:
-            if "kv_cache" in wake and "kv_cache" in self.asleep:
-                await self._ops("wake_workers")()
-            self.asleep.difference_update(wake)
+            await self._wake(wake)
             if self.asleep:
                 return False
+            self._resume_when_awake = False
             self.gw.resume()
             return True
+
+    async def _wake(self, tags: set[str]) -> None:
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            await self._ops("wake_workers")()
+        self.asleep.difference_update(tags)
+
+    async def release_occupation(self, tags: list[str] | None) -> int:
+        """SGLang's ``/release_memory_occupation``: generation paused (running requests
+        finish first), then ``tags`` released (None: all; ``kv_cache``: every worker's KV
+        pool, as at sleep level 1; ``weights`` stay in place, as there); the bytes freed."""
+        release = _chosen(tags, OCCUPATION_TAGS, "memory occupation")
+        async with self._lock:
+            was_paused = self.gw.paused
+            await self.gw.pause("wait")
+            freed = 0
+            if "kv_cache" in release and "kv_cache" not in self.asleep:
+                try:
+                    freed = await self._ops("sleep_workers")()
+                except BaseException:
+                    if not was_paused:
+                        self.gw.resume()
+                    raise
+            self._resume_when_awake |= not was_paused
+            self.asleep.update(release & set(MEMORY_TAGS))
+            return freed
+
+    async def resume_occupation(self, tags: list[str] | None) -> bool:
+        """SGLang's ``/resume_memory_occupation``: ``tags`` back (None: all); generation
+        resumes once nothing sleeps, if a release paused it. Whether all is awake."""
+        resume = _chosen(tags, OCCUPATION_TAGS, "memory occupation")
+        async with self._lock:
+            await self._wake(resume)
+            if self.asleep:
+                return False
+            if self._resume_when_awake:
+                self._resume_when_awake = False
+                self.gw.resume()
+            return True
+
+
+def _chosen(tags: list[str] | None, known: tuple[str, ...], what: str) -> set[str]:
+    """``tags`` as a set (None: all of ``known``); a 400 naming any unknown one."""
+    unknown = sorted(set(tags or ()) - set(known))
+    if unknown:
+        raise HTTPError(400, f"unknown {what} tags {unknown}: use {', '.join(known)}",
+                        "BadRequestError", param="tags")  # fmt: skip
+    return set(known if tags is None else tags)
+
+
+class OccupationRequest(BaseModel):
+    """The body of SGLang's ``/release_memory_occupation`` and
+    ``/resume_memory_occupation``: the tags (none: all)."""
+
+    model_config = ConfigDict(extra="ignore")
+    tags: list[str] | None = None
 
 
 def sleep_router(gw: Gateway) -> APIRouter:
@@ -151,6 +214,23 @@ def sleep_router(gw: Gateway) -> APIRouter:
     async def is_sleeping() -> dict[str, bool]:
         """Whether generation is paused or any memory asleep."""
         return {"is_sleeping": state.sleeping}
+
+    async def release_memory_occupation(body: OccupationRequest | None = None) -> dict[str, Any]:
+        """SGLang's: pause generation, then release the memory of the ``tags`` given."""
+        tags = None if body is None else body.tags
+        freed = await answered(state.release_occupation(tags))
+        return {"status": "released", "tags": tags, "released_bytes": freed}
+
+    async def resume_memory_occupation(body: OccupationRequest | None = None) -> dict[str, Any]:
+        """SGLang's: the memory of the ``tags`` given back."""
+        tags = None if body is None else body.tags
+        awake = await answered(state.resume_occupation(tags))
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+    for route in (release_memory_occupation, resume_memory_occupation):
+        for method in ("GET", "POST"):  # (SGLang takes both)
+            router.add_api_route(f"/{route.__name__}", route, methods=[method],
+                                 operation_id=f"{route.__name__}_{method.lower()}")  # fmt: skip
 
     @router.post("/release_kv_cache_memory")
     async def release_kv_cache_memory() -> dict[str, str]:
