@@ -42,6 +42,8 @@ class Deployment:
     url: str
     serve: subprocess.Popen
     log: Path
+    #: Where the workers write their profiler traces (``--profiler-config``).
+    traces: Path
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +52,22 @@ def deployment(ray_nodes: RayNodes, tmp_path_factory):
     import ray
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    traces = tmp_path_factory.mktemp("traces")
+    profiler = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces),
+                           "torch_profiler_with_stack": False})  # fmt: skip
     serve = ray_nodes.halfmoon(
         "serve", "--ray", ray_nodes.address, "--model", "tiny", "--prefill", "1", "--decode",
         "1", "--prefill-resource", "prefill", "--decode-resource", "decode",
         "--port", str(free_port()), "--api-key", API_KEY, "--max-worker-restarts", "2",
         "--store-dram-mb", "32", "--startup-timeout", "150", "--deployment-name", NAME,
-        "--allowed-origins", ORIGIN, "--allow-runtime-lora-updating", log=log,
+        "--allowed-origins", ORIGIN, "--allow-runtime-lora-updating",
+        "--profiler-config", profiler, log=log,
     )  # fmt: skip
     try:
         url = _wait_for_url(serve, log)
         ray.init(address=ray_nodes.address, namespace="halfmoon", logging_level="ERROR",
                  log_to_driver=False)  # fmt: skip
-        yield Deployment(url, serve, log)
+        yield Deployment(url, serve, log, traces)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -102,6 +108,18 @@ def test_serve_and_scale_on_two_nodes(deployment: Deployment, ray_nodes: RayNode
     with pytest.raises(ValueError):
         ray.get_actor(f"{NAME}:decode-1", namespace="halfmoon")
     _complete(url)
+
+
+def test_the_profiler_reaches_the_worker_actors(deployment: Deployment):
+    """``serve --ray --profiler-config``: the gateway actor serves ``/start_profile`` and
+    ``/stop_profile``; each worker actor's process writes its trace on its node."""
+    started = httpx.post(f"{deployment.url}/start_profile", headers=AUTH, timeout=60)
+    assert started.json() == {"status": "profiling", "workers": ["decode-0", "prefill-0"]}
+    _complete(deployment.url)
+    stopped = httpx.post(f"{deployment.url}/stop_profile", headers=AUTH, timeout=300).json()
+    assert sorted(stopped["traces"]) == ["decode-0", "prefill-0"], stopped
+    for paths in stopped["traces"].values():
+        assert all(Path(p).parent == deployment.traces and Path(p).is_file() for p in paths)
 
 
 @pytest.fixture(scope="module")
