@@ -39,6 +39,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -457,8 +458,10 @@ class _LocalStage(StageConnector):
         hidden_in: memoryview | None, pad_rows: int,
     ) -> memoryview | None:  # fmt: skip
         self.owner.engine.check_fault(token_ids[start:end])
-        out = self.executor.run(request_id, token_ids[start:end], start, hidden_in,
-                                lora=self._lora.get(request_id))  # fmt: skip
+        profiler = self.owner.engine.profiler  # (a stage's chunk is a step of its trace)
+        with profiler.step(self._label(end - start)) if profiler.active else nullcontext():
+            out = self.executor.run(request_id, token_ids[start:end], start, hidden_in,
+                                    lora=self._lora.get(request_id))  # fmt: skip
         self.executor.commit(request_id, token_ids, end)  # later prompts reuse this slice
         if self.layers.is_last:
             self._last_rows[request_id] = out[-1:]
@@ -471,6 +474,10 @@ class _LocalStage(StageConnector):
                 )  # fmt: skip
             return None
         return self.executor.hidden_bytes(out, pad_rows)
+
+    def _label(self, num_tokens: int) -> str:
+        """A chunk's range name in a profiler trace: ``stage[layers 0-14, prefill 256]``."""
+        return f"stage[layers {self.layers.first}-{self.layers.last - 1}, prefill {num_tokens}]"
 
     def sample_first(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams

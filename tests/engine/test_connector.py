@@ -136,3 +136,38 @@ def test_pipeline_stages_give_the_engines_first_token(pair, num_stages: int) -> 
     one = SamplingParams(max_tokens=1, temperature=0.0)
     with pytest.raises(Exception, match="no final hidden state"):
         stages[-1].sample_first(rid, prompt, one)
+
+
+def test_a_profiler_session_records_the_stages_chunks(pair, tmp_path) -> None:
+    """A pipeline stage's chunks are steps of the worker's profiler trace, each a range
+    naming its layers and tokens (``/start_profile`` on a CPP group's member)."""
+    import gzip
+    import json
+
+    from halfmoon.core.profiling import ProfilerConfig, ProfileSession
+
+    a, _ = pair
+    prompt = [(i * 31) % 4000 + 5 for i in range(40)]
+    first, last = a.pipeline_stage(2, 0), a.pipeline_stage(2, 1)
+    config = ProfilerConfig(str(tmp_path), torch_profiler_with_stack=False)
+    a.start_profile(config, ProfileSession(), "prefill-0")
+    for stage in (first, last):
+        stage.start("prof", prompt, 0)
+    for lo in (0, 32):
+        hidden = first.run_chunk("prof", prompt, lo, min(lo + 32, 40), None, 32)
+        last.run_chunk("prof", prompt, lo, min(lo + 32, 40), hidden, 32)
+    for stage in (first, last):
+        stage.release("prof")
+    trace, _ = a.stop_profile()
+    with gzip.open(trace, "rt") as f:
+        names = [e["name"] for e in json.load(f)["traceEvents"]
+                 if e.get("name", "").startswith("stage[")]  # fmt: skip
+    half = first.layers.last - 1
+    assert sorted(names) == sorted(
+        [
+            f"stage[layers 0-{half}, prefill 32]",
+            f"stage[layers {half + 1}-{last.layers.last - 1}, prefill 32]",
+            f"stage[layers 0-{half}, prefill 8]",
+            f"stage[layers {half + 1}-{last.layers.last - 1}, prefill 8]",
+        ]
+    )
