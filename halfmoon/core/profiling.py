@@ -27,7 +27,7 @@ PROFILERS = ("torch",)
 ACTIVITIES = ("CPU", "CUDA")
 #: How long a worker may take to stop its profiler (it writes its trace first: seconds
 #: for a long session with stacks).
-STOP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 120.0
 #: vLLM's rule for a trace's file-name prefix.
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _BOOLS = ("torch_profiler_with_stack", "torch_profiler_with_flops", "torch_profiler_use_gzip",

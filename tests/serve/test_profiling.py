@@ -21,7 +21,7 @@ from halfmoon.serve.control.messages import (
     ProfileState,
 )
 from halfmoon.serve.gateway.backend import BackendError, BackendRefused
-from halfmoon.serve.gateway.cluster_ops import ClusterOperations
+from halfmoon.serve.gateway.cluster_ops import DRAINING_ANSWER_S, ClusterOperations
 
 from .test_token_generation import CountingBackend
 
@@ -37,6 +37,8 @@ class Scripted(ClusterOperations):
         self.refuse = refuse or {}
         self.sent: list[tuple[str, Profile]] = []
         self.on = {"tcp://d1"}
+        self.gone: set[str] = set()
+        self.timeouts: dict[str, float] = {}
 
     async def _call(self, endpoint: str, msg: Message, timeout_s: float) -> Message:
         if isinstance(msg, Ping):
@@ -44,6 +46,9 @@ class Scripted(ClusterOperations):
                                  draining=["d1"])  # fmt: skip
         assert isinstance(msg, Profile)
         self.sent.append((endpoint, msg))
+        self.timeouts[endpoint] = timeout_s
+        if endpoint in self.gone:
+            raise BackendError(f"{endpoint} did not answer within {timeout_s:g}s")
         if msg.op == "start":
             if endpoint in self.refuse:
                 return self.refuse[endpoint]
@@ -83,6 +88,14 @@ def test_one_that_cannot_start_stops_the_others(refusal, kind):
         asyncio.run(ops.start_profile(CONFIG, ProfileSession()))
     assert ops.on == {"tcp://d1"}  # p0 stopped again (d1 was never asked)
     assert ("tcp://p0", Profile(op="stop")) in ops.sent
+
+
+def test_a_draining_worker_that_has_exited_is_not_waited_for():
+    ops = Scripted()
+    ops.gone = {"tcp://d1"}
+    traces, errors = asyncio.run(ops.stop_profile())
+    assert set(traces) == {"p0", "d0"} and errors == {}
+    assert ops.timeouts["tcp://d1"] == DRAINING_ANSWER_S < ops.timeouts["tcp://p0"]
 
 
 def test_a_worker_that_fails_to_stop_is_named_beside_the_others_traces():

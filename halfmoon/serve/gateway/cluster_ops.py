@@ -46,6 +46,9 @@ log = logging.getLogger("halfmoon.serve.gateway.cluster_client")
 
 #: How long a weight update's commit waits for a worker's last requests to end.
 COMMIT_SETTLE_S = 10.0
+#: How long a draining worker (which may have exited) is waited for where its answer is
+#: only welcome.
+DRAINING_ANSWER_S = 5.0
 
 
 def _or_unset(value: int | None) -> int:
@@ -292,13 +295,20 @@ class ClusterOperations(ClusterLink):
     async def stop_profile(
         self, timeout_s: float = STOP_TIMEOUT_S
     ) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """vLLM's ``/stop_profile`` on every worker (a draining one too: it may have
-        recorded): each ends its session and writes its trace (a worker that was not
-        profiling writes none). Returns the traces written, by instance, and the errors
-        of those that failed to stop, by instance."""
+        """vLLM's ``/stop_profile`` on every worker: each ends its session and writes its
+        trace (a worker that was not profiling writes none). A draining one is asked too
+        (it may have recorded), for a few seconds only: it may have exited. Returns the
+        traces written, by instance, and the errors of serving workers that failed to
+        stop, by instance."""
         pong = await self._ping(5.0)
-        results = await self._each(pong.endpoints, Profile(op="stop"), ProfileState, timeout_s)
-        traces = {i: r.traces for i, r in results.items() if isinstance(r, ProfileState)}
+        endpoints = serving(pong)
+        draining = {i: e for i, e in pong.endpoints.items() if i not in endpoints}
+        results, leaving = await asyncio.gather(
+            self._each(endpoints, Profile(op="stop"), ProfileState, timeout_s),
+            self._each(draining, Profile(op="stop"), ProfileState, DRAINING_ANSWER_S),
+        )  # fmt: skip
+        answers = {**leaving, **results}
+        traces = {i: r.traces for i, r in answers.items() if isinstance(r, ProfileState)}
         errors = {i: str(r) for i, r in results.items() if isinstance(r, BackendError)}
         return traces, errors
 
