@@ -148,26 +148,26 @@ def test_the_profiler_traces_each_workers_steps(cluster):
     """vLLM's ``/start_profile`` and ``/stop_profile`` (the server's ``--profiler-config``):
     each worker writes one Chrome trace of the steps between them, the prefill worker's
     computing the prompts, the decode worker's decoding; none is written after the stop."""
-    client = httpx.Client(base_url=cluster.base_url, timeout=60, trust_env=False)
-    started = client.post("/start_profile", json={"profile_prefix": "live"})
-    assert started.json() == {"status": "profiling", "workers": ["decode-0", "prefill-0"]}
-    for prompt in PROMPTS[:2]:
-        body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-        assert client.post("/v1/completions", json=body).status_code == 200
-    stopped = client.post("/stop_profile").json()
-    assert stopped["status"] == "stopped" and stopped["errors"] == {}, stopped
-    traces = {worker: paths for worker, paths in stopped["traces"].items()}
-    assert sorted(traces) == ["decode-0", "prefill-0"], stopped
-    written = sorted(p.name for p in cluster.traces.iterdir())
-    assert written == sorted(Path(p).name for paths in traces.values() for p in paths)
-    assert all(name.startswith("live.") for name in written)
-    assert all(len(paths) == 2 and paths[1].endswith(".profiler_out.txt")  # (its table)
-               for paths in traces.values())  # fmt: skip
-    prefill, decode = _step_ranges(traces["prefill-0"][0]), _step_ranges(traces["decode-0"][0])
-    assert prefill and all(r.startswith("step[prefill 1x") for r in prefill), prefill
-    assert decode and all(r.startswith("step[decode ") for r in decode), decode
-    assert len(decode) >= MAX_TOKENS - 1  # (the first token comes from the prefill worker)
-    assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)
-    client.post("/v1/completions", json=body)
-    assert sorted(p.name for p in cluster.traces.iterdir()) == written
+    with httpx.Client(base_url=cluster.base_url, timeout=60, trust_env=False) as client:
+        started = client.post("/start_profile", json={"profile_prefix": "live"})
+        assert started.json() == {"status": "profiling", "workers": ["decode-0", "prefill-0"]}
+        for prompt in PROMPTS[:2]:
+            body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            assert client.post("/v1/completions", json=body).status_code == 200
+        stopped = client.post("/stop_profile").json()
+        assert stopped["status"] == "stopped" and stopped["errors"] == {}, stopped
+        traces = {worker: paths for worker, paths in stopped["traces"].items()}
+        assert sorted(traces) == ["decode-0", "prefill-0"], stopped
+        written = sorted(p.name for p in cluster.traces.iterdir())
+        assert written == sorted(Path(p).name for paths in traces.values() for p in paths)
+        assert all(name.startswith("live.") for name in written)
+        assert all(len(paths) == 2 and paths[1].endswith(".profiler_out.txt")  # (its table)
+                   for paths in traces.values())  # fmt: skip
+        prefill, decode = _step_ranges(traces["prefill-0"][0]), _step_ranges(traces["decode-0"][0])
+        assert prefill and all(r.startswith("step[prefill 1x") for r in prefill), prefill
+        assert decode and all(r.startswith("step[decode ") for r in decode), decode
+        assert len(decode) >= MAX_TOKENS - 1  # (the first token comes from the prefill worker)
+        assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)
+        client.post("/v1/completions", json=body)
+        assert sorted(p.name for p in cluster.traces.iterdir()) == written

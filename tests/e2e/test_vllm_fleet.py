@@ -527,20 +527,22 @@ def test_the_profiler_runs_in_each_vllm_server(fleet):
     its own) profile through vLLM's own routes; the answer lists each server's traces, which
     are Chrome traces of what it ran."""
     servers = _whole_fleet(fleet)
-    client = httpx.Client(base_url=fleet.base_url, timeout=300, trust_env=False)
-    started = client.post("/start_profile", json={"profile_prefix": "fleet"})
-    assert started.status_code == 200 and started.json()["workers"] == sorted(servers), started.text
-    out = _client(fleet).completions.create(model="smollm2-135m-instruct", prompt="Hi",
-                                            max_tokens=4, temperature=0)  # fmt: skip
-    assert out.choices[0].text
-    stopped = client.post("/stop_profile")
-    assert stopped.status_code == 200 and stopped.json()["errors"] == {}, stopped.text
-    traces = stopped.json()["traces"]
-    assert traces and set(traces) <= set(servers), traces
-    for worker, paths in traces.items():
-        assert all(Path(p).is_relative_to(fleet.traces / worker) for p in paths), paths
-        for path in (p for p in paths if p.endswith((".json", ".json.gz"))):
-            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-                assert json.load(f)["traceEvents"], path
-    assert any(Path(p).name.startswith("fleet") for paths in traces.values() for p in paths)
-    assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)
+    with httpx.Client(base_url=fleet.base_url, timeout=300, trust_env=False) as client:
+        started = client.post("/start_profile", json={"profile_prefix": "fleet"})
+        assert started.status_code == 200 and started.json()["workers"] == sorted(servers), (
+            started.text
+        )
+        out = _client(fleet).completions.create(model="smollm2-135m-instruct", prompt="Hi",
+                                                max_tokens=4, temperature=0)  # fmt: skip
+        assert out.choices[0].text
+        stopped = client.post("/stop_profile")
+        assert stopped.status_code == 200 and stopped.json()["errors"] == {}, stopped.text
+        traces = stopped.json()["traces"]
+        assert traces and set(traces) <= set(servers), traces
+        for worker, paths in traces.items():
+            assert all(Path(p).is_relative_to(fleet.traces / worker) for p in paths), paths
+            for path in (p for p in paths if p.endswith((".json", ".json.gz"))):
+                with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                    assert json.load(f)["traceEvents"], path
+        assert any(Path(p).name.startswith("fleet") for paths in traces.values() for p in paths)
+        assert client.post("/stop_profile").json()["traces"] == {}  # (off: nothing more)
