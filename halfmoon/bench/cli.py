@@ -60,6 +60,30 @@ def discover_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) 
         raise HalfmoonError(f"{base_url}/v1/models lists no model; pass --model") from None
 
 
+def profiler_call(base_url: str, api_key: str | None, op: str, timeout_s: float) -> dict:
+    """``POST /start_profile`` or ``/stop_profile`` (``op``: ``start`` or ``stop``; vLLM's
+    routes, which halfmoon and vLLM serve with ``--profiler-config``): the answer's JSON
+    (``{}`` for vLLM's empty one); a HalfmoonError names a server without them."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = f"{base_url}/{op}_profile"
+    try:
+        response = httpx.post(url, headers=headers, timeout=timeout_s, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise HalfmoonError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
+    if response.status_code == 404:
+        raise HalfmoonError(f"{base_url} serves no /{op}_profile: start the server with "
+                            "--profiler-config (--profile asks it to profile the run)")  # fmt: skip
+    if response.status_code != 200:
+        raise HalfmoonError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        answer = response.json() if response.content else {}
+    except ValueError:
+        answer = {}
+    return answer if isinstance(answer, dict) else {}
+
+
 def _plan(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
     """The planned requests and a short description of the workload."""
     if args.trace is not None:
@@ -113,11 +137,17 @@ def run_bench(args: argparse.Namespace) -> int:
         base_url, model, args.api_key, args.temperature, not args.no_vllm_extensions,
         check_positive("--timeout", args.timeout),
     )  # fmt: skip
+    if args.profile:
+        profiler_call(base_url, args.api_key, "start", 60.0)
     tick, close = _progress(len(planned))
     try:
         run = run_benchmark(planned, config, prompts, args.max_concurrency, tick)
     finally:
         close()
+        if args.profile:
+            stopped = profiler_call(base_url, args.api_key, "stop", 300.0)
+            for worker, paths in sorted((stopped.get("traces") or {}).items()):
+                print(f"profiler trace of {worker}: {', '.join(paths)}")
     report = bench_report(run, slo, {
         "url": base_url, "model": model, "workload": label, "time_scale": args.time_scale,
         "length_scale": args.length_scale, "max_concurrency": args.max_concurrency,
@@ -187,6 +217,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--tbt-metric", default="top10mean", help=f"one of {', '.join(TBT_METRICS)}"
     )
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="have the server profile the run (its POST /start_profile before, /stop_profile "
+        "after: a server started with --profiler-config, halfmoon's or vLLM's) and print "
+        "where each worker's trace went",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="OUT", help="write the JSON report here")
     parser.add_argument("--records", metavar="OUT", help="write every request's record (JSON)")
     parser.add_argument("--plot", metavar="OUT.png", help="write TTFT/TBT CDFs here")

@@ -17,7 +17,12 @@ pytestmark = pytest.mark.e2e  # a real cluster (so also slow: tests/conftest.py)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, shared_cache):
-    started = Cluster(tmp_path_factory.mktemp("serve"), "--kv-cache-mb", "64", shared=shared_cache)
+    traces = tmp_path_factory.mktemp("traces")
+    profiler = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces),
+                           "torch_profiler_with_stack": False})  # fmt: skip
+    started = Cluster(tmp_path_factory.mktemp("serve"), "--kv-cache-mb", "64",
+                      "--profiler-config", profiler, shared=shared_cache)  # fmt: skip
+    started.traces = traces
     try:
         started.wait_ready()
         yield started
@@ -48,3 +53,17 @@ def test_bench_against_a_live_cluster(cluster, tmp_path):
         assert 1 <= len(record.token_times_s) <= record.output_length
         assert record.ttft_s > 0 and record.e2e_s >= record.ttft_s
     assert report["slo_attainment"] == 1.0 and report["cache_hit_ratio"] > 0.3
+
+
+def test_bench_profiles_the_run(cluster, tmp_path, capsys):
+    """``--profile``: the server profiles the run (vLLM's ``/start_profile`` before it,
+    ``/stop_profile`` after) and the bench prints where each worker's trace went."""
+    trace = tmp_path / "t.jsonl"
+    write_trace([Request("a", 0.0, 200, 4, (7,), 512)], trace)
+    assert main(["bench", "--url", cluster.base_url, "--trace", str(trace), "--profile",
+                 "--ttft-slo", "30", "--tbt-slo", "5"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    for worker in ("prefill-0", "decode-0"):
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"profiler trace of {worker}:")]
+        paths = line.split(": ", 1)[1].split(", ")
+        assert paths and all(p.startswith(str(cluster.traces)) for p in paths), line

@@ -113,6 +113,14 @@ def test_bad_url_and_unreachable_server(trace, capsys):
     assert err.startswith("halfmoon: error: cannot reach") and "\n" not in err
 
 
+def test_profile_needs_a_server_with_the_profiler(trace, capsys):
+    with FakeOpenAI(lambda body: Reply()) as server:
+        assert main(["bench", "--url", server.url, "--trace", str(trace), "--profile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("halfmoon: error:") and "serves no /start_profile" in err
+    assert "--profiler-config" in err and "\n" not in err
+
+
 def test_bench_sends_the_priority_mix_and_reports_each_class(tmp_path, capsys):
     """``--priority-mix`` gives a seeded share of the requests vLLM's ``priority``; the
     server sees it in their bodies (none in the others'), and the report has each
