@@ -1,6 +1,5 @@
 import os
 import socket
-import threading
 import time
 
 import pytest
@@ -83,16 +82,34 @@ def test_pauses_grow_while_polls_keep_missing_and_a_hit_starts_over(sock_pair):
     assert poller._pause_s == 1e-3  # noqa: SLF001  (it paused 0.5 ms and doubled once)
 
 
+class _SendsOnFirstMiss:
+    """A poller's socket whose first fruitless read has ``sender`` send a byte: the byte
+    comes while the poll polls, however the threads are scheduled (a byte sent from a
+    thread 2 ms after the poll began was already waiting when a loaded CI host ran the
+    poll late, and the test failed)."""
+
+    def __init__(self, sock: socket.socket, sender: socket.socket) -> None:
+        self._sock, self._sender, self._sent = sock, sender, False
+
+    def recv_into(self, view: memoryview, nbytes: int, flags: int) -> int:
+        try:
+            return self._sock.recv_into(view, nbytes, flags)
+        except BlockingIOError:
+            if not self._sent:
+                self._sent = True
+                self._sender.sendall(b"y")
+            raise
+
+
 def hit_while_polling(poller: BusyPoller, view: memoryview, sender: socket.socket) -> int:
-    """One poll that finds a byte sent (from another thread) while it polls."""
+    """One poll that finds a byte sent while it polls."""
     budget, poller.poll_s = poller.poll_s, 5.0
-    thread = threading.Thread(target=lambda: (time.sleep(0.002), sender.sendall(b"y")))
-    thread.start()
+    sock = poller._sock  # noqa: SLF001
+    poller._sock = _SendsOnFirstMiss(sock, sender)  # type: ignore[assignment]  # noqa: SLF001
     try:
         return poller.poll_into(view)
     finally:
-        thread.join()
-        poller.poll_s = budget
+        poller._sock, poller.poll_s = sock, budget  # noqa: SLF001
 
 
 def test_bytes_already_waiting_say_nothing_about_polling(sock_pair):
