@@ -81,24 +81,30 @@ class SleepMode:
                             "which discards the weights, is not supported", "BadRequestError",
                             param="level")  # fmt: skip
         async with self._lock:
-            was_paused = self.gw.paused
-            release = None
-            if level == 1 and "kv_cache" not in self.asleep:
-                release = self._ops("sleep_workers")
-            await self.gw.pause(mode)
-            freed = 0
-            if release is not None:
-                try:
-                    freed = await release()
-                except BaseException:
-                    if not was_paused:
-                        self.gw.resume()
-                    raise
-                log.info("asleep: %.1f MiB of KV pools released", freed / 2**20)
-            if level == 1:
-                self.asleep.update(MEMORY_TAGS)
-            self._resume_when_awake |= not was_paused
-            return freed
+            return await self._pause_and_release(mode, set(MEMORY_TAGS) if level == 1 else set())
+
+    async def _pause_and_release(self, mode: str, tags: set[str]) -> int:
+        """Pause generation (``mode``), then release the memory ``tags`` names
+        (``kv_cache``: every worker's KV pool, :meth:`ClusterOperations.sleep_workers`);
+        the bytes released. A failure leaves the cluster awake, and as paused as it was
+        before. Called under the lock."""
+        was_paused = self.gw.paused
+        release = None
+        if "kv_cache" in tags and "kv_cache" not in self.asleep:
+            release = self._ops("sleep_workers")
+        await self.gw.pause(mode)
+        freed = 0
+        if release is not None:
+            try:
+                freed = await release()
+            except BaseException:
+                if not was_paused:
+                    self.gw.resume()
+                raise
+            log.info("asleep: %.1f MiB of KV pools released", freed / 2**20)
+        self.asleep.update(tags & set(MEMORY_TAGS))
+        self._resume_when_awake |= not was_paused
+        return freed
 
     async def release_kv_cache(self) -> int:
         """vLLM's ``/release_kv_cache_memory``: the KV pools released, generation being
@@ -135,19 +141,7 @@ class SleepMode:
         pool, as at sleep level 1; ``weights`` stay in place, as there); the bytes freed."""
         release = _chosen(tags, OCCUPATION_TAGS, "memory occupation")
         async with self._lock:
-            was_paused = self.gw.paused
-            await self.gw.pause("wait")
-            freed = 0
-            if "kv_cache" in release and "kv_cache" not in self.asleep:
-                try:
-                    freed = await self._ops("sleep_workers")()
-                except BaseException:
-                    if not was_paused:
-                        self.gw.resume()
-                    raise
-            self._resume_when_awake |= not was_paused
-            self.asleep.update(release & set(MEMORY_TAGS))
-            return freed
+            return await self._pause_and_release("wait", release)
 
     async def resume_occupation(self, tags: list[str] | None) -> bool:
         """SGLang's ``/resume_memory_occupation``: ``tags`` back (None: all); generation
