@@ -138,7 +138,7 @@ def conductor():
 
 def test_a_dead_worker_is_skipped_within_the_timeout(conductor, gateways):
     """A registered worker whose command socket nobody serves: the Conductor's metrics
-    come, the worker is counted in scrape_errors, the scrape stays well under a second."""
+    come, the worker is counted in scrape_errors, the scrape does not wait on it."""
     me = WorkerIdentity("decode", "decode-9", f"tcp://127.0.0.1:{free_port()}")
     link = ConductorLink(conductor.endpoint, SECRET, me)
     link.register(kv_capacity_tokens=128, timeout_s=10)
@@ -147,7 +147,9 @@ def test_a_dead_worker_is_skipped_within_the_timeout(conductor, gateways):
         with TestClient(gateways.app(backend, model="tiny")) as client:
             start = time.monotonic()
             text = client.get("/metrics").text
-            assert time.monotonic() - start < 1.0
+            # (each process is awaited 0.3 s at most; the bound only tells skipping from
+            # waiting on the dead worker: a loaded CI host once took 1.003 s)
+            assert time.monotonic() - start < 3.0
             assert (
                 'halfmoon:scrape_errors_total{model_name="tiny",role="gateway",'
                 'worker="decode-9"} 1.0' in text
