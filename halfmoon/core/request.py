@@ -28,6 +28,15 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 #: The kinds of :class:`StructuredOutput` (vLLM's ``structured_outputs`` fields).
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
+#: The tags between which a thinking model reasons (the gateway's reasoning parsers).
+REASONING_TAGS = ("<think>", "</think>")
+#: :attr:`StructuredOutput.reasoning`: none; the output starts in reasoning (a start tag
+#: may open it) and the constraint holds after the end tag; or a reasoning block between
+#: the tags may come first.
+REASONING_PLACES = ("", "first", "optional")
+#: The kinds that may hold after a reasoning (:attr:`StructuredOutput.reasoning`).
+AFTER_REASONING_KINDS = ("json", "json_object", "regex", "choice")
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -42,7 +51,9 @@ class StructuredOutput:
     ``whitespace``, a regex for the whitespace allowed between items instead (vLLM's
     ``whitespace_pattern``; "" for the default); ``closed``, objects without an
     ``additionalProperties`` admit only their listed properties (vLLM's
-    ``disable_additional_properties``). Plain data: the engine compiles it
+    ``disable_additional_properties``). ``reasoning`` (:data:`REASONING_PLACES`): the
+    constraint holds after a thinking model's reasoning (``<think>...</think>``, free
+    text), as vLLM holds it under a reasoning parser. Plain data: the engine compiles it
     (:mod:`halfmoon.engine.structured`)."""
 
     kind: str
@@ -50,6 +61,7 @@ class StructuredOutput:
     compact: bool = False
     closed: bool = False
     whitespace: str = ""
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -61,6 +73,10 @@ class StructuredOutput:
             raise ValueError("a json_object structured output takes no spec")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"a {self.kind} structured output needs a spec")
+        if self.reasoning not in REASONING_PLACES:
+            raise ValueError(f"reasoning must be one of {REASONING_PLACES}, got {self.reasoning!r}")
+        if self.reasoning and self.kind not in AFTER_REASONING_KINDS:
+            raise ValueError(f"a {self.kind} structured output cannot follow a reasoning")
 
 
 @dataclass(frozen=True)

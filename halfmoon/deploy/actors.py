@@ -223,6 +223,8 @@ class GatewayHost:
             lora_modules=spec.lora_modules,
             allow_runtime_lora=spec.allow_runtime_lora,
             profiler=parse_profiler_config(spec.profiler_config),
+            tool_call_parser=spec.tool_call_parser,
+            reasoning_parser=spec.reasoning_parser,
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

@@ -204,6 +204,9 @@ class GatewaySpec:
     #: ``--profiler-config`` (checked, its directory absolute) as JSON, or None: each
     #: worker writes its traces there on its own node (GatewayConfig.profiler).
     profiler_config: str | None = None
+    #: ``--tool-call-parser`` and ``--reasoning-parser`` (GatewayConfig's).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,8 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
         profiler_config=profiler and profiler.to_json(),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -14,7 +14,10 @@ As in vLLM: JSON schemas allow free whitespace between items unless ``compact`` 
 as ``whitespace`` says), and ``closed`` closes objects (:func:`closed_objects`); a
 ``grammar`` is Lark (llguidance's dialect) or GBNF (llama.cpp's); ``json_object`` is any
 JSON object; a ``structural_tag`` (vLLM's structures-and-triggers form) is free text in
-which each trigger starts one of its structures (:func:`_structural_tag`).
+which each trigger starts one of its structures (:func:`_structural_tag`). Under a
+reasoning parser a JSON, ``json_object``, regex or choice constraint holds after the
+model's reasoning (free text up to ``</think>``; :func:`after_reasoning`), as vLLM
+starts its grammar where the reasoning ends.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from halfmoon.core.errors import HalfmoonError
-from halfmoon.core.request import StructuredOutput
+from halfmoon.core.request import REASONING_TAGS, StructuredOutput
 
 if TYPE_CHECKING:
     import torch
@@ -65,37 +68,78 @@ def grammar_text(structured: StructuredOutput) -> str:
     its spec does not parse)."""
     ll = _llguidance()
     kind, spec = structured.kind, structured.spec
-    options: dict[str, Any] = {"whitespace_flexible": not structured.compact}
-    if structured.whitespace:
-        options["whitespace_pattern"] = structured.whitespace
+    options = _json_options(structured)
     try:
+        if structured.reasoning:
+            return ll.LLMatcher.grammar_from_lark(after_reasoning(structured))
         if kind == "json_object":
             return ll.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
         if kind == "json":
-            schema = json.loads(spec)
-            if not isinstance(schema, dict | bool):
-                raise ValueError("a JSON schema is an object (or true/false)")
-            if structured.closed:
-                schema = closed_objects(schema)
-            return ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+            schema = json.dumps(_schema(structured))
+            return ll.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if kind == "regex":
             return ll.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
-            choices = json.loads(spec)
-            if (
-                not isinstance(choices, list)
-                or not choices
-                or any(not isinstance(c, str) or not c for c in choices)
-            ):
-                raise ValueError("choice takes a non-empty list of non-empty strings")
-            return ll.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in choices)
-            )
+            return ll.LLMatcher.grammar_from_lark("start: " + _choices(spec))
         if kind == "structural_tag":
             return _structural_tag(spec, options, structured.closed)
         return ll.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise HalfmoonError(f"structured output ({kind}): {exc}") from None
+
+
+def _json_options(structured: StructuredOutput) -> dict[str, Any]:
+    """llguidance's JSON options of ``structured`` (its whitespace)."""
+    options: dict[str, Any] = {"whitespace_flexible": not structured.compact}
+    if structured.whitespace:
+        options["whitespace_pattern"] = structured.whitespace
+    return options
+
+
+def _schema(structured: StructuredOutput) -> Any:
+    """A ``json`` structured output's schema (closed where it asks)."""
+    schema = json.loads(structured.spec)
+    if not isinstance(schema, dict | bool):
+        raise ValueError("a JSON schema is an object (or true/false)")
+    return closed_objects(schema) if structured.closed else schema
+
+
+def _choices(spec: str) -> str:
+    """A ``choice`` spec (a JSON list of strings) as a Lark alternation."""
+    choices = json.loads(spec)
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or any(not isinstance(c, str) or not c for c in choices)
+    ):
+        raise ValueError("choice takes a non-empty list of non-empty strings")
+    return " | ".join(json.dumps(c) for c in choices)
+
+
+def after_reasoning(structured: StructuredOutput) -> str:
+    """The Lark grammar (llguidance's dialect) of ``structured`` held after a reasoning:
+    free text up to the end tag (a lazy lexeme: the first end tag ends it), then the
+    constraint (JSON inline as ``%json``, with the request's JSON options; a regex as a
+    terminal; choices as strings). ``first``: the output starts in the reasoning (a start
+    tag may open it); ``optional``: a reasoning between the tags may come first.
+    ValueError when the spec does not parse."""
+    opening, closing = (json.dumps(tag) for tag in REASONING_TAGS)
+    kind, spec = structured.kind, structured.spec
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else _schema(structured)
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        options = {**schema.get("x-guidance", {}), **_json_options(structured)}
+        body = "%json " + json.dumps({**schema, "x-guidance": options})
+    elif kind == "regex":
+        body = "/" + spec.replace("/", "\\/") + "/"
+    elif kind == "choice":
+        body = _choices(spec)
+    else:
+        raise ValueError(f"a {kind} structured output cannot follow a reasoning")
+    start = (f"{opening}? think body" if structured.reasoning == "first"
+             else f"({opening} think)? body")  # fmt: skip
+    return f"start: {start}\nthink[stop={closing}]: /(.|\\n)*/\nbody: {body}\n"
 
 
 def _structural_tag(spec: str, options: dict[str, Any], closed: bool) -> str:

@@ -98,6 +98,16 @@ def test_the_gateway_spec_carries_the_request_id_headers_option():
     assert spec.gateway.request_id_headers is True
 
 
+def test_the_gateway_spec_carries_the_parsers(capsys):
+    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.reasoning_parser is None
+    argv = ("--ray", "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes")
+    spec = deploy_spec(_serve(*argv), "{}", "{}").gateway
+    assert (spec.reasoning_parser, spec.tool_call_parser) == ("qwen3", "hermes")
+    with pytest.raises(SystemExit):
+        _serve("--reasoning-parser", "nope")
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
 def test_the_gateway_spec_carries_cors_and_tls(tmp_path):
     import shutil
     import subprocess

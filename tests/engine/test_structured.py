@@ -15,7 +15,14 @@ from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.request import SamplingParams, StructuredOutput
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.sampling import row_for, sample
-from halfmoon.engine.structured import check, closed_objects, grammar_text, grammar_tokenizer
+from halfmoon.engine.structured import (
+    Constraint,
+    after_reasoning,
+    check,
+    closed_objects,
+    grammar_text,
+    grammar_tokenizer,
+)
 
 SCHEMA = {
     "type": "object",
@@ -277,3 +284,62 @@ def test_a_pipeline_stage_samples_the_first_token_under_the_grammar(tiny_dir, ma
         stage.release("p")
     assert token == reference.token_ids[0]
     assert finish == (reference.finish_reason if len(reference.token_ids) == 1 else None)
+
+
+def _allowed_text(constraint: Constraint, tokenizer) -> set[str]:
+    """The texts of the tokens ``constraint`` allows next."""
+    allowed = constraint.allowed().nonzero().flatten().tolist()
+    return {tokenizer.decode([t]) for t in allowed}
+
+
+def test_a_constraint_held_after_the_reasoning_leaves_the_reasoning_free(engine) -> None:
+    """Under a reasoning parser (``reasoning``): anything until ``</think>`` (the first
+    one ends it), then the constraint; ``optional``: a reasoning block may come first,
+    else the constraint holds from the start. The compiled grammar is Lark, as a vLLM
+    server is sent it."""
+    tok = grammar_tokenizer(engine.tokenizer, engine.model_config.vocab_size, [1])
+    encode = engine.tokenizer.encode
+    first = StructuredOutput("json", json.dumps(SCHEMA), compact=True, reasoning="first")
+    assert after_reasoning(first).startswith('start: "<think>"? think body')
+    check(first, tok)
+    held = Constraint(first, tok)
+    assert len(_allowed_text(held, engine.tokenizer)) > 200  # the reasoning: free
+    held.consume(encode('Hm, {"ok": </thin', add_special_tokens=False))
+    assert not held.done
+    held.consume(encode("g></think>", add_special_tokens=False))  # ("</thing>": not it)
+    after = _allowed_text(held, engine.tokenizer)  # then the schema, compact
+    assert after and all(text.startswith("{") for text in after), after
+    held.consume(encode('{"ok":true,"n":5,"tag":"red"}', add_special_tokens=False))
+    assert held.done
+    with pytest.raises(HalfmoonError, match="do not follow"):
+        Constraint(first, tok).consume(encode("x</think>nope", add_special_tokens=False))
+    choice = StructuredOutput("choice", '["yes", "no"]', reasoning="optional")
+    starts = {text[0] for text in _allowed_text(Constraint(choice, tok), engine.tokenizer)}
+    assert starts == {"<", "y", "n"}
+    held = Constraint(choice, tok)
+    held.consume(encode("<think>why?</think>", add_special_tokens=False))
+    assert {text[0] for text in _allowed_text(held, engine.tokenizer)} == {"y", "n"}
+    regex = StructuredOutput("regex", r"a/\d+", reasoning="first")
+    held = Constraint(regex, tok)
+    held.consume(encode("so</think>a/12", add_special_tokens=False))
+    assert not held.done  # (\d+ may go on)
+    with pytest.raises(ValueError, match="cannot follow a reasoning"):
+        StructuredOutput("grammar", 'root ::= "x"', reasoning="first")
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        StructuredOutput("regex", "x", reasoning="later")
+
+
+def test_a_random_model_reasons_freely_then_keeps_to_the_grammar(engine: LLMEngine) -> None:
+    """In the engine: held after a reasoning the model first writes what it would alone
+    (a random model never closes the reasoning here); a reasoning that may come first,
+    and does not, leaves the grammar holding from the start."""
+    prompt = [5, 9, 17, 33]
+    free = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    (alone,) = engine.generate([prompt], free)
+    first = StructuredOutput("json", json.dumps(SCHEMA), compact=True, reasoning="first")
+    (held,) = engine.generate([prompt], SamplingParams(**{**free.__dict__, "structured": first}))
+    assert "</think>" not in alone.text and held.token_ids == alone.token_ids
+    optional = StructuredOutput("choice", json.dumps(["alpha", "beta"]), reasoning="optional")
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
+                                                       structured=optional))  # fmt: skip
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"

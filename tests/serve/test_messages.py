@@ -20,7 +20,7 @@ from halfmoon.serve.control.protocol import ProtocolError, hashes_to_wire
 SECRET = b"messages-test-secret"
 HASHES = hashes_to_wire([1, 2**128 - 1])
 STRUCTURED = StructuredOutput(
-    "json", '{"type": "object"}', compact=True, closed=True, whitespace="[ ]"
+    "json", '{"type": "object"}', compact=True, closed=True, whitespace="[ ]", reasoning="first"
 )
 PARAMS = m.WireParams.of(SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                                         logit_bias=((5, -2.5),), presence_penalty=0.5,

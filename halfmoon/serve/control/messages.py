@@ -113,8 +113,8 @@ class WireParams(Record):
     min_p: float = 0.0
     allowed_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int | None = None
-    #: A structured output as (kind, spec, compact, closed, whitespace), or None.
-    structured: tuple[str, str, bool, bool, str] | None = None
+    #: A structured output as (kind, spec, compact, closed, whitespace, reasoning), or None.
+    structured: tuple[str, str, bool, bool, str, str] | None = None
     bad_words: list[str] = field(default_factory=list)
     priority: int = 0
     lora: str | None = None
@@ -134,7 +134,7 @@ class WireParams(Record):
             min_p=float(params.min_p), allowed_token_ids=list(params.allowed_token_ids),
             prompt_logprobs=params.prompt_logprobs,
             structured=None if (so := params.structured) is None
-            else (so.kind, so.spec, so.compact, so.closed, so.whitespace),
+            else (so.kind, so.spec, so.compact, so.closed, so.whitespace, so.reasoning),
             bad_words=list(params.bad_words), priority=params.priority, lora=params.lora,
             embed=params.embed,
         )  # fmt: skip

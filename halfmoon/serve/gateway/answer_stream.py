@@ -7,8 +7,10 @@ Under a tool mode the output is held as the chat route holds it: a named functio
 output is its call's arguments, out as generated (``call`` parts); otherwise content goes
 out only where it cannot be, or begin, a call (``text`` parts;
 :class:`~halfmoon.serve.gateway.tools.HeldText`), and the calls are read from the whole
-answer at the end. Both close the stream, also when the cluster fails mid-way
-(BackendError / Rejected propagate).
+answer at the end. Under a reasoning parser the reasoning comes first, apart
+(``reasoning`` parts, the answer's ``reasoning``; dropped with ``include_reasoning:
+false``), and only the content is read for calls. Both close the stream, also when the
+cluster fails mid-way (BackendError / Rejected propagate).
 """
 
 from __future__ import annotations
@@ -17,42 +19,60 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from halfmoon.serve.gateway.reasoning import split_reasoning
 from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
 from halfmoon.serve.gateway.tools import HeldText
 
 
 @dataclass(frozen=True)
 class Answer:
-    """A finished answer: its whole text, finish reason and usage."""
+    """A finished answer: its whole text (the content, under a reasoning parser), finish
+    reason, usage and reasoning (None: none, or not to be shown)."""
 
     text: str
     finish: str | None
     usage: dict | None
+    reasoning: str | None = None
 
 
-async def whole_answer(first: tuple[int, Delta], rest: AsyncIterator) -> Answer:
-    """The whole answer of a one-choice stream (its first item, then the rest)."""
+async def whole_answer(
+    first: tuple[int, Delta], rest: AsyncIterator, p: Prepared | None = None
+) -> Answer:
+    """The whole answer of a one-choice stream (its first item, then the rest; ``p``:
+    the request, whose reasoning parser splits it)."""
     parts, finish, use = [], None, None
     async with aclosing(all_items(first, rest)) as items:
         async for _, (text, fin, u, _entries, _prompt) in items:
             parts.append(text)
             if fin is not None:
                 finish, use = fin, u
-    return Answer("".join(parts), finish, use)
+    text, reasoning = "".join(parts), None
+    if p is not None and p.reasoning is not None:
+        reasoning, content = split_reasoning(p.reasoning, text)
+        text, reasoning = content or "", reasoning if p.reasoning.show else None
+    return Answer(text, finish, use, reasoning)
 
 
 async def answer_parts(
     p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
 ) -> AsyncIterator[tuple[str, str] | Answer]:
-    """``("call", delta)`` (a named function's arguments) and ``("text", delta)``
-    (content) parts as they may go out, then the :class:`Answer`."""
+    """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments) and
+    ``("text", delta)`` (content) parts as they may go out, then the :class:`Answer`."""
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
-    text, finish, use = "", None, None
+    thinking = p.reasoning.splitter() if p.reasoning is not None else None
+    text, finish, use, reasoning = "", None, None, []
     async with aclosing(all_items(first, rest)) as items:
         async for _, (delta, fin, u, _entries, _prompt) in items:
             if fin is not None:
                 finish, use = fin, u
+            if thinking is not None:
+                thought, delta = thinking.add(delta, fin is not None)
+                if thought and p.reasoning.show:
+                    reasoning.append(thought)
+                    yield "reasoning", thought
+                if not delta and fin is None:  # nothing of the answer yet
+                    continue
             if named is not None:
                 text += delta
                 yield "call", delta
@@ -65,4 +85,4 @@ async def answer_parts(
                 text = held.text
                 if out:
                     yield "text", out
-    yield Answer(text, finish, use)
+    yield Answer(text, finish, use, "".join(reasoning) if reasoning else None)

@@ -18,13 +18,14 @@ schema) a structured output; ``thinking`` sets the chat template's ``enable_thin
 vLLM's extras ``priority``, ``cache_salt``, ``request_id`` and ``chat_template_kwargs``
 pass through, and so does a ``seed``.
 
-The answer (:func:`message_body`) is a ``message``: a ``text`` block and/or ``tool_use``
-blocks (``input`` an object), ``stop_reason`` ``end_turn`` / ``max_tokens`` /
+The answer (:func:`message_body`) is a ``message``: a ``thinking`` block first where the
+server has a reasoning parser and the model reasoned (``signature`` empty: nothing signs
+it), a ``text`` block and/or ``tool_use`` blocks (``input`` an object), ``stop_reason`` ``end_turn`` / ``max_tokens`` /
 ``stop_sequence`` (with the ``stop_sequence`` that matched) / ``tool_use``, and ``usage``
 as Anthropic counts it: ``input_tokens`` the prompt tokens not read from the prefix
 cache, ``cache_read_input_tokens`` those that were. Streamed (:func:`message_events`):
 ``message_start``, ``ping``, per block ``content_block_start``, its
-``content_block_delta`` events (``text_delta``; a tool's ``input_json_delta``, as
+``content_block_delta`` events (``thinking_delta``, ``text_delta``; a tool's ``input_json_delta``, as
 generated for a named tool, other calls' whole at the end), ``content_block_stop``,
 then ``message_delta`` (stop reason, usage) and ``message_stop``; an ``error`` event when
 the cluster fails mid-way.
@@ -267,14 +268,19 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
             "name": call["function"]["name"], "input": arguments}  # fmt: skip
 
 
-def content_blocks(p: Prepared, text: str) -> list[dict[str, Any]]:
-    """The ``content`` of an answer: its text and/or its tool calls (a call whose
-    arguments are not an object, as one cut by ``max_tokens``, stays text)."""
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def content_blocks(p: Prepared, text: str, reasoning: str | None = None) -> list[dict[str, Any]]:
+    """The ``content`` of an answer: its reasoning (when any), its text and/or its tool
+    calls (a call whose arguments are not an object, as one cut by ``max_tokens``, stays
+    text)."""
     content, calls = split_answer(p.tool_mode, text) if p.tool_mode else (text, None)
     uses = [_tool_use(call) for call in calls or ()]
     if calls is not None and None in uses:
         content, uses = text, []
-    blocks: list[dict[str, Any]] = []
+    blocks: list[dict[str, Any]] = [] if reasoning is None else [_thinking(reasoning)]
     if content or not uses:
         blocks.append({"type": "text", "text": content or ""})
     return blocks + uses  # type: ignore[operator]
@@ -324,8 +330,8 @@ async def collect_message(
     model: str, p: Prepared, first: tuple[int, Delta], rest: AsyncIterator, msg_id: str
 ) -> dict[str, Any]:
     """The whole ``message`` of one answer (BackendError / Rejected propagate)."""
-    answer = await whole_answer(first, rest)
-    content = content_blocks(p, answer.text)
+    answer = await whole_answer(first, rest, p)
+    content = content_blocks(p, answer.text, answer.reasoning)
     return message_body(msg_id, model, content, answer.finish, answer.usage, len(p.prompt_ids))
 
 
@@ -349,35 +355,52 @@ async def message_events(
     yield sse_event("ping")
     named = p.tool_mode.name if p.tool_mode is not None else None
     opened, text, finish, use = False, "", None, None
+    # A thinking block (the reasoning parts come first) is block 0, stopped before the
+    # first other part; the answer's blocks then follow it (``base``).
+    thinking, base = False, 0
     try:
         async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
             async for part in parts:  # the client goes away: the request is aborted)
                 if isinstance(part, Answer):
                     text, finish, use = part.text, part.finish, part.usage
                     continue
+                if part[0] == "reasoning":
+                    if not thinking:
+                        yield sse_event("content_block_start", index=0,
+                                        content_block=_thinking(""))  # fmt: skip
+                        thinking = True
+                    yield sse_event("content_block_delta", index=0,
+                                    delta={"type": "thinking_delta", "thinking": part[1]})  # fmt: skip
+                    continue
+                if thinking and not base:
+                    yield sse_event("content_block_stop", index=0)
+                    base = 1
                 if not opened:  # the first block: the named tool's call, or the text
                     block = ({"type": "text", "text": ""} if part[0] == "text" else
                              {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}",
                               "name": named, "input": {}})  # fmt: skip
-                    yield sse_event("content_block_start", index=0, content_block=block)
+                    yield sse_event("content_block_start", index=base, content_block=block)
                     opened = True
                 if part[1]:
                     delta = ({"type": "text_delta", "text": part[1]} if part[0] == "text" else
                              {"type": "input_json_delta", "partial_json": part[1]})  # fmt: skip
-                    yield sse_event("content_block_delta", index=0, delta=delta)
+                    yield sse_event("content_block_delta", index=base, delta=delta)
     except (BackendError, Rejected) as exc:
         yield error_event(f"request failed: {exc}")
         return
-    tool_use, index = named is not None, 0
+    if thinking and not base:
+        yield sse_event("content_block_stop", index=0)
+        base = 1
+    tool_use, index = named is not None, base
     if named is None:
         blocks = content_blocks(p, text)
         if blocks[0]["type"] == "text" and not opened:  # an empty answer: its block all the same
-            yield sse_event("content_block_start", index=0,
+            yield sse_event("content_block_start", index=base,
                             content_block={"type": "text", "text": ""})  # fmt: skip
             opened = True
         if opened:
-            yield sse_event("content_block_stop", index=0)
-            index = 1
+            yield sse_event("content_block_stop", index=base)
+            index = base + 1
         for block in blocks:
             if block["type"] != "tool_use":
                 continue

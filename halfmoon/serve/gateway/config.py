@@ -10,6 +10,7 @@ from typing import Any
 from halfmoon.core.profiling import ProfilerConfig
 from halfmoon.core.request import SCHEDULING_POLICIES
 from halfmoon.serve.gateway.exposure import CorsPolicy
+from halfmoon.serve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from halfmoon.serve.gateway.tools import PARSERS
 
 #: What ``GatewayConfig.public`` may name, and the paths each opens without an API key.
@@ -55,6 +56,9 @@ class GatewayConfig:
     #: How ``tool_choice: "auto"`` reads the model's tool calls (``tools.PARSERS``; None:
     #: such requests are refused).
     tool_call_parser: str | None = None
+    #: How chat answers' reasoning is told from their content (``reasoning.PARSERS``;
+    #: None: the whole output is content).
+    reasoning_parser: str | None = None
     #: Bytes of Responses API answers kept for ``previous_response_id`` and
     #: ``GET /v1/responses/{id}`` (halfmoon.serve.gateway.response_store; 0: none kept).
     responses_store_bytes: int = 256 * 1024 * 1024
@@ -88,6 +92,10 @@ class GatewayConfig:
             raise ValueError(f"LoRA adapter names must be unique and not {self.model_name!r}")
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}: {REASONING_PARSERS}"
+            )
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must be >= 0")
         if self.max_model_len < 2 or (self.max_tokens_limit or 1) < 1:

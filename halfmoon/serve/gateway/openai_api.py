@@ -19,6 +19,9 @@ structures-and-triggers form); its older ``guided_*`` fields; OpenAI's ``respons
 ``json_object`` and ``json_schema``, and vLLM's ``structural_tag`` there),
 tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required``,
 ``none``, or ``auto`` with ``--tool-call-parser``: :mod:`halfmoon.serve.gateway.tools`),
+a thinking model's reasoning apart from its answer (``--reasoning-parser``: the
+message's ``reasoning``, and vLLM's ``include_reasoning``:
+:mod:`halfmoon.serve.gateway.reasoning`),
 ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
 ``add_special_tokens`` (completions), ``return_token_ids`` and
 ``return_tokens_as_token_ids``, chat
@@ -446,6 +449,10 @@ class ChatMessage(BaseModel):
     #: A ``tool`` message's answer to this call id.
     tool_call_id: str | None = None
     name: str | None = None
+    #: An assistant turn's reasoning (vLLM's ``reasoning``, or its older
+    #: ``reasoning_content``), which templates read as ``reasoning_content``.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
@@ -485,6 +492,9 @@ class ChatMessage(BaseModel):
         for name in ("tool_calls", "tool_call_id", "name"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return template_message(out)
 
 
@@ -500,6 +510,8 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's older name for tools
     echo: bool = False  # vLLM's: the final (assistant's) message's text before the output
+    #: vLLM's: the reasoning (``--reasoning-parser``) goes out; false: only the content.
+    include_reasoning: bool = True
     #: vLLM's: special tokens added to the rendered template too (its BOS usually is already).
     add_special_tokens: bool = False
 
@@ -627,11 +639,14 @@ def stop_reason(finish: str | None) -> int | str | None:
 
 def choice_body(
     index: int, text: str | None, finish: str | None, chat: bool, logprobs: dict[str, Any] | None,
-    tool_calls: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One choice of a complete (non-streaming) response (chat: with its tool calls)."""
+    """One choice of a complete (non-streaming) response (chat: with its tool calls and
+    any reasoning)."""
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning"] = reasoning
         if tool_calls is not None:
             message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": logprobs,
@@ -664,13 +679,17 @@ def chunk_body(
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk of choice ``index``; ``delta=None`` with ``finish=None`` makes
-    a usage-only chunk. Chat ``tool_calls`` go whole, each with its ``index``."""
+    a usage-only chunk. Chat ``tool_calls`` go whole, each with its ``index``; chat
+    ``reasoning`` is the delta's reasoning text."""
     if chat:
         d: dict[str, Any] = {}
         if first:
             d["role"] = "assistant"
+        if reasoning:
+            d["reasoning"] = reasoning
         if delta:
             d["content"] = delta
         if tool_calls:

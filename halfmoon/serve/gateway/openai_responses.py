@@ -6,12 +6,16 @@ system message; ``input`` text, or items — messages (text content parts),
 items (a ``tool`` message); ``tools`` (function tools, the Responses API's flat shape) and
 ``tool_choice``; ``text.format`` (``json_object``, ``json_schema``) a structured output;
 ``max_output_tokens``, ``temperature``, ``top_p`` (left out: the model's defaults), and
-vLLM's ``seed`` and ``priority``. It then runs as any chat request, and its answer is rendered as a
-``response`` object (:func:`response_body`): an ``output`` of a ``message`` item (its
-``output_text``) and/or ``function_call`` items; ``status`` ``incomplete`` with
-``incomplete_details.reason`` ``max_output_tokens`` when the output was cut there.
-Streamed (:func:`response_events`), the events are ``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+vLLM's ``seed``, ``priority`` and ``include_reasoning``. It then runs as any chat request,
+and its answer is rendered as a ``response`` object (:func:`response_body`): an ``output``
+of a ``reasoning`` item first where the server has a reasoning parser and the model
+reasoned (its ``reasoning_text``), a ``message`` item (its ``output_text``) and/or
+``function_call`` items; ``status`` ``incomplete`` with ``incomplete_details.reason``
+``max_output_tokens`` when the output was cut there. An input's ``reasoning`` items (an
+earlier turn's) are not shown to the model again, as chat templates drop earlier
+reasoning. Streamed (:func:`response_events`), the events are ``response.created``,
+``response.in_progress``, a reasoning item's ``response.reasoning_text.delta`` ... and
+``.done``, ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta`` ..., their ``done`` events, a function call's
 ``response.function_call_arguments.delta`` (as generated for a named ``tool_choice``;
 other calls' whole at the end) / ``.done``, and ``response.completed`` with the whole
@@ -35,7 +39,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -73,6 +77,8 @@ class ResponsesRequest(BaseModel):
     #: vLLM's request priority (as on chat completions: under ``--scheduling-policy
     #: priority``, lower first; else only 0).
     priority: int = 0
+    #: vLLM's: the reasoning item (``--reasoning-parser``) goes out; false: the answer only.
+    include_reasoning: bool = True
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -178,6 +184,8 @@ def _messages(
                 last["tool_calls"].append(call)  # calls of one turn: one assistant message
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: not shown to the model again
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -237,7 +245,8 @@ def to_chat(
     }
     given = req.model_fields_set
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p"), ("seed", "seed"), ("priority", "priority")):  # fmt: skip
+                         ("top_p", "top_p"), ("seed", "seed"), ("priority", "priority"),
+                         ("include_reasoning", "include_reasoning")):  # fmt: skip
         if ours in given and getattr(req, ours) is not None:
             body[theirs] = getattr(req, ours)
     return chat_request_of(body, messages_as="input")
@@ -248,16 +257,33 @@ def new_ids() -> tuple[str, str]:
     return f"resp_{secrets.token_hex(12)}", f"msg_{secrets.token_hex(12)}"
 
 
-def output_items(p: Prepared, text: str, finish: str | None, msg_id: str) -> list[dict[str, Any]]:
-    """The ``output`` of an answer: a message with its text, and/or its function calls."""
+def output_items(
+    p: Prepared, text: str, finish: str | None, msg_id: str, reasoning: str | None = None,
+    reasoning_id: str | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The ``output`` of an answer: its reasoning (when any), a message with its text,
+    and/or its function calls."""
     status = "incomplete" if finish == "length" else "completed"
     content, calls = split_answer(p.tool_mode, text) if p.tool_mode else (text, None)
     items = []
+    if reasoning is not None:
+        items.append(_reasoning(reasoning_id or new_reasoning_id(), reasoning, "completed"))
     if content or calls is None:
         items.append(_message(msg_id, content or "", status))
     for call in calls or ():
         items.append(_function_call(call, status))
     return items
+
+
+def new_reasoning_id() -> str:
+    """A new reasoning item's id."""
+    return f"rs_{secrets.token_hex(12)}"
+
+
+def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "encrypted_content": None, "status": status}  # fmt: skip
 
 
 def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
@@ -343,8 +369,8 @@ async def collect_response(
     (when given) before it is returned (BackendError / Rejected propagate)."""
     resp_id, msg_id = ids or new_ids()
     created = time.time() if created is None else created
-    answer = await whole_answer(first, rest)
-    output = output_items(p, answer.text, answer.finish, msg_id)
+    answer = await whole_answer(first, rest, p)
+    output = output_items(p, answer.text, answer.finish, msg_id, answer.reasoning)
     body = response_body(req, resp_id, created, req.model, output, answer.finish, answer.usage,
                          keep is not None)  # fmt: skip
     if keep is not None:
@@ -395,53 +421,84 @@ async def response_events(
     named = p.tool_mode.name if p.tool_mode is not None else None
     call: dict[str, Any] | None = None  # a named function's call, its arguments streamed
     opened, text, finish, use = False, "", None, None
+    # The reasoning (its parts come first): item 0 while it streams, closed before the
+    # first other part; the answer's items then follow it (``base``).
+    thought_id, thought, base = new_reasoning_id(), "", 0
+
+    def close_reasoning() -> Iterator[bytes]:
+        nonlocal base
+        if thought and not base:
+            item = _reasoning(thought_id, thought, "completed")
+            yield event("response.reasoning_text.done", item_id=thought_id, output_index=0,
+                        content_index=0, text=thought)  # fmt: skip
+            yield event("response.content_part.done", item_id=thought_id, output_index=0,
+                        content_index=0, part=item["content"][0])  # fmt: skip
+            yield event("response.output_item.done", output_index=0, item=item)
+            base = 1
+
     try:
         async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
             async for part in parts:  # the client goes away: the request is aborted)
                 if isinstance(part, Answer):
                     text, finish, use = part.text, part.finish, part.usage
-                elif part[0] == "call":  # the output is the call's arguments: out as they come
+                    continue
+                if part[0] == "reasoning":
+                    if not thought:
+                        yield event("response.output_item.added", output_index=0,
+                                    item=_reasoning(thought_id, "", "in_progress"))  # fmt: skip
+                        yield event("response.content_part.added", item_id=thought_id,
+                                    output_index=0, content_index=0,
+                                    part={"type": "reasoning_text", "text": ""})  # fmt: skip
+                    thought += part[1]
+                    yield event("response.reasoning_text.delta", item_id=thought_id,
+                                output_index=0, content_index=0, delta=part[1])  # fmt: skip
+                    continue
+                for closing in close_reasoning():
+                    yield closing
+                if part[0] == "call":  # the output is the call's arguments: out as they come
                     if call is None:
                         call = _function_call(_call_of(named or ""), "in_progress")
-                        yield event("response.output_item.added", output_index=0, item=call)
+                        yield event("response.output_item.added", output_index=base, item=call)
                     if part[1]:
                         yield event("response.function_call_arguments.delta", item_id=call["id"],
-                                    output_index=0, delta=part[1])  # fmt: skip
+                                    output_index=base, delta=part[1])  # fmt: skip
                 else:
                     if not opened:
-                        yield event("response.output_item.added", output_index=0,
+                        yield event("response.output_item.added", output_index=base,
                                     item={**_message(msg_id, "", "in_progress"), "content": []})  # fmt: skip
-                        yield event("response.content_part.added", item_id=msg_id, output_index=0,
-                                    content_index=0, part={"type": "output_text", "text": "",
-                                                           "annotations": []})  # fmt: skip
+                        yield event("response.content_part.added", item_id=msg_id,
+                                    output_index=base, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
                         opened = True
-                    yield event("response.output_text.delta", item_id=msg_id, output_index=0,
+                    yield event("response.output_text.delta", item_id=msg_id, output_index=base,
                                 content_index=0, delta=part[1], logprobs=[])  # fmt: skip
     except (BackendError, Rejected) as exc:
         yield event("error", code="server_error", message=f"request failed: {exc}", param=None)
         return
-    output = output_items(p, text, finish, msg_id)
+    for closing in close_reasoning():
+        yield closing
+    output = output_items(p, text, finish, msg_id, thought or None, thought_id)
     if call is not None:  # the item streamed already: its ids
-        output[0].update(id=call["id"], call_id=call["call_id"])
-    index = 0
-    for out in output:
+        output[base].update(id=call["id"], call_id=call["call_id"])
+    index = base
+    for out in output[base:]:
         if call is not None:
             yield event("response.function_call_arguments.done", item_id=out["id"],
-                        output_index=0, arguments=out["arguments"])  # fmt: skip
-            yield event("response.output_item.done", output_index=0, item=out)
+                        output_index=base, arguments=out["arguments"])  # fmt: skip
+            yield event("response.output_item.done", output_index=base, item=out)
         elif out["type"] == "message":
             if not opened:  # an empty answer: its message all the same
-                yield event("response.output_item.added", output_index=0,
+                yield event("response.output_item.added", output_index=base,
                             item={**out, "status": "in_progress", "content": []})  # fmt: skip
-                yield event("response.content_part.added", item_id=msg_id, output_index=0,
+                yield event("response.content_part.added", item_id=msg_id, output_index=base,
                             content_index=0, part={"type": "output_text", "text": "",
                                                    "annotations": []})  # fmt: skip
             part = out["content"][0]
-            yield event("response.output_text.done", item_id=msg_id, output_index=0,
+            yield event("response.output_text.done", item_id=msg_id, output_index=base,
                         content_index=0, text=part["text"], logprobs=[])  # fmt: skip
-            yield event("response.content_part.done", item_id=msg_id, output_index=0,
+            yield event("response.content_part.done", item_id=msg_id, output_index=base,
                         content_index=0, part=part)  # fmt: skip
-            yield event("response.output_item.done", output_index=0, item=out)
+            yield event("response.output_item.done", output_index=base, item=out)
         else:
             yield event("response.output_item.added", output_index=index,
                         item={**out, "arguments": "", "status": "in_progress"})  # fmt: skip

@@ -25,11 +25,15 @@ from halfmoon.serve.gateway.openai_api import (
     CompletionRequest,
     FieldError,
 )
+from halfmoon.serve.gateway.reasoning import ReasoningMode, held_after_reasoning
 from halfmoon.serve.gateway.request_ids import client_request_id
 from halfmoon.serve.gateway.responses import HTTPError, Prepared
 from halfmoon.serve.gateway.served_models import ServedModels
 from halfmoon.serve.gateway.tenancy import effective_salt
 from halfmoon.serve.gateway.tools import ToolMode
+
+#: Prompt tokens read to see whether the template opened the reasoning (``<think>``).
+_PROMPT_TAIL = 8
 
 
 class RequestPreparation(ServedModels):
@@ -95,6 +99,9 @@ class RequestPreparation(ServedModels):
             )
         tool_mode, tool_schema = self._tool_mode(body) if chat else (None, None)
         params = self._sampling_params(body, max_tokens, tool_schema)
+        reasoning = None
+        if chat:
+            params, reasoning = self._reasoning(body, prompt_ids, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(
             body.stream and include_usage and body.stream_options.continuous_usage_stats
@@ -114,6 +121,7 @@ class RequestPreparation(ServedModels):
             echo_only=not chat and body.max_tokens == 0,
             show_prompt_logprobs=body.prompt_logprobs is not None,
             tool_mode=tool_mode,
+            reasoning=reasoning,
             # (a tool-call format whose marker is a special token keeps them, as vLLM's
             # parser asks)
             skip_special_tokens=body.skip_special_tokens
@@ -147,6 +155,19 @@ class RequestPreparation(ServedModels):
             return self.tokenizer.apply_chat_template(messages, **(options or {}))
         except HalfmoonError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def _reasoning(
+        self, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[SamplingParams, ReasoningMode | None]:
+        """How the answer's reasoning is read (None: no ``--reasoning-parser``, or a
+        grammar holds the whole output), and ``params`` with any structured output held
+        after the reasoning (:func:`reasoning.held_after_reasoning`)."""
+        parser = self.config.reasoning_parser
+        if parser is None:
+            return params, None
+        tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+        mode = ReasoningMode.for_prompt(parser, tail, body.include_reasoning)
+        return (params, None) if mode is None else held_after_reasoning(mode, params)
 
     def _tool_mode(self, body: ChatCompletionRequest) -> tuple[ToolMode | None, dict | None]:
         """:meth:`ChatCompletionRequest.tool_mode` under this server's tool-call parser

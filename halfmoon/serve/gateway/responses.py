@@ -28,6 +28,7 @@ from halfmoon.serve.gateway.openai_api import (
     prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
+from halfmoon.serve.gateway.reasoning import ReasoningMode, split_reasoning
 from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer, tool_call_id
 
 
@@ -99,6 +100,10 @@ class Prepared:
     #: Chat with tools and a ``tool_choice`` other than ``none``: the output is answered
     #: as tool calls (forced ones, or those its parser reads).
     tool_mode: ToolMode | None = None
+    #: Chat under ``--reasoning-parser`` (unless its prompt closed the reasoning, or a
+    #: grammar holds the whole output): how the output's reasoning is told from its
+    #: content (the tool calls are read from the content alone).
+    reasoning: ReasoningMode | None = None
     #: vLLM's ``skip_special_tokens``: special tokens stay out of the text.
     skip_special_tokens: bool = True
     #: vLLM's ``return_token_ids``: the prompt's and output's token ids in the response.
@@ -216,12 +221,15 @@ async def collect(
         elif p.params.logprobs is not None:
             logprobs = logprobs_body(entries[index], token_text, p.chat, len(p.echo_of(index)))
         text: str | None = "".join(parts[index])
-        finish, calls = finishes[index], None
-        if p.tool_mode is not None:
+        finish, calls, reasoning = finishes[index], None, None
+        if p.reasoning is not None:
+            reasoning, text = split_reasoning(p.reasoning, text)
+            reasoning = reasoning if p.reasoning.show else None
+        if p.tool_mode is not None and text is not None:
             text, calls = split_answer(p.tool_mode, text)
             if calls is not None:
                 finish = p.tool_mode.finish(finish)
-        choice = choice_body(index, text, finish, p.chat, logprobs, calls)
+        choice = choice_body(index, text, finish, p.chat, logprobs, calls, reasoning)
         if p.show_prompt_logprobs and not p.chat:
             choice["prompt_logprobs"] = prompt_field(prompts[index], token_text)
         if p.return_token_ids:  # (completions: the prompt's per choice, as on vLLM)
@@ -334,11 +342,35 @@ async def sse(
         [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode and not named else []
     )
     kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]
+    # Reasoning: each delta's reasoning goes out first, in its own chunk (with the
+    # delta's log-probabilities when no content came with it); the content goes on below.
+    thinking = [p.reasoning.splitter() for _ in range(p.num_choices)] if p.reasoning else []
+    carried: list[list[Entry]] = [[] for _ in range(p.num_choices)]  # (of deltas held back)
     running = p.num_choices
     item: tuple[int, Delta] | None = first
     try:
         while item is not None:
             index, (text, finish, use, entries, prompt) = item
+            if thinking:
+                thought, text = thinking[index].add(text, finish is not None)
+                entries, carried[index] = carried[index] + list(entries), []
+                own = entries if thought and not text else []  # (else: with the content)
+                if thought and p.reasoning.show:
+                    logprobs = None
+                    if p.params.logprobs is not None:
+                        logprobs = logprobs_body(own, token_text, True, 0)
+                    chunk = chunk_body(p.public_id, model, None, None, True, opening[index],
+                                       logprobs, index, reasoning=thought)  # fmt: skip
+                    if p.continuous_usage:
+                        chunk["usage"] = use
+                    yield event(with_ids(chunk, index, own, opening[index]))
+                    opening[index] = False
+                if own:
+                    entries = []
+                if not text and finish is None:  # nothing of the answer yet
+                    carried[index] = entries
+                    item = await anext(rest, None)
+                    continue
             if named is not None and (text or call_ids[index] is None):
                 call: dict = {"function": {"arguments": text}}
                 if call_ids[index] is None:

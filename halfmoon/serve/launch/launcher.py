@@ -32,6 +32,7 @@ from halfmoon.core.heap import settle_gc
 from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.engine.config import resolve_dtype
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
+from halfmoon.serve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.gateway.tools import PARSERS
 from halfmoon.serve.launch.processes import ProcessGroup
@@ -167,6 +168,7 @@ async def _serve_gateway(
         dev_endpoints=dev_mode(os.environ),
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
@@ -504,6 +506,13 @@ def register(subparsers: Any) -> None:
         'that is a Python list of calls, [f(a=1)], as Llama 3.2 and 4 write them; '
         "mistral: [TOOL_CALLS] and a JSON array, or name[ARGS]{...} per call, as Mistral's "
         "instruct models write them); without it such requests get a 400",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=REASONING_PARSERS,
+        help="tell a thinking model's reasoning from its answer: chat answers carry the "
+        "<think>...</think> text as the message's 'reasoning' (Responses: a reasoning item; "
+        "Anthropic: a thinking block), the rest as content (deepseek_r1: reasoning until "
+        "</think>; qwen3: reasoning only where the prompt or the output opened <think>)",
     )  # fmt: skip
     p.add_argument(
         "--responses-store-mb", type=float, default=256, metavar="MB",

@@ -70,6 +70,7 @@ from halfmoon.engine.connector import (
     StageConnector,
     model_kv_layout,
 )
+from halfmoon.engine.structured import after_reasoning
 from halfmoon.serve.vllm.kv_events import HashTranslator
 from halfmoon.serve.vllm.server import (
     ServerFacts,
@@ -215,7 +216,12 @@ def whole_answer(body: dict[str, Any]) -> dict[str, Any]:
 
 def structured_outputs_body(structured: StructuredOutput) -> dict[str, Any]:
     """vLLM's ``structured_outputs`` object for ``structured`` (on a disaggregated vLLM
-    pair both sides get it: the decode side generates every output token)."""
+    pair both sides get it: the decode side generates every output token). One held
+    after a reasoning goes as the Lark grammar halfmoon's engine follows (vLLM's guidance
+    backend reads it; its JSON options inside), so that the servers need no reasoning
+    parser of their own."""
+    if structured.reasoning:
+        return {"grammar": after_reasoning(structured)}
     kind, spec = structured.kind, structured.spec
     value: Any = {"json": json.loads, "choice": json.loads}.get(kind, str)(spec)
     if kind == "structural_tag":  # vLLM takes it as JSON text, with its type
