@@ -478,3 +478,78 @@ def test_llama3_held_from() -> None:
     assert mode.held_from("") == 0 and mode.held_from(" [") == 0
     assert mode.held_from("<|py") == 0 and mode.held_from("<|python_start|>[") == 0
     assert mode.held_from("Sunny") == 5 and mode.held_from("{") == 1
+
+
+TYPED = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "scale": {"type": "number"},
+    "metric": {"type": "boolean"}, "hours": {"type": "array"}, "where": {"type": "object"},
+    "note": {"type": ["string", "null"]}, "hint": {"type": ["integer", "null"]}}}  # fmt: skip
+CODER_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": TYPED}},
+               {"type": "function", "function": {"name": "clock"}}]  # fmt: skip
+QWEN3_CODER = (
+    "I'll check.\n<tool_call>\n<function=forecast>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=scale>\n1.5\n</parameter>\n"
+    "<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[6, 12]\n</parameter>\n"
+    "<parameter=where>\n{'lat': 40.7}\n</parameter>\n<parameter=note>\n  two\nlines \n"
+    '</parameter>\n<parameter=hint>\nnull\n</parameter>\n<parameter=extra>\n{"k": 1}\n'
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=clock>\n</function>\n"
+    "</tool_call>"
+)
+
+
+@pytest.fixture(scope="module")
+def coder(gateways):
+    with answering(gateways, "qwen3_coder") as pair:
+        yield pair
+
+
+def test_auto_reads_qwen3_coder_calls_by_their_schemas(coder):
+    """``--tool-call-parser qwen3_coder``: ``<function=...>`` blocks with
+    ``<parameter=...>`` values, each value read as its parameter's schema types it (a
+    string as written, whitespace inside it kept; a parameter it does not name as JSON)."""
+    client, backend = coder
+    backend.answer = QWEN3_CODER
+    choice = _chat(client, tools=CODER_TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I'll check."
+    forecast, clock = choice["message"]["tool_calls"]
+    assert forecast["function"]["name"] == "forecast"
+    assert json.loads(forecast["function"]["arguments"]) == {
+        "city": "New York", "days": 3, "scale": 1.5, "metric": True, "hours": [6, 12],
+        "where": {"lat": 40.7}, "note": "  two\nlines ", "hint": None, "extra": {"k": 1}}  # fmt: skip
+    assert clock["function"] == {"name": "clock", "arguments": "{}"}
+    # the wrapper left out, the last parameter and function left open at EOS
+    backend.answer = (
+        "<function=forecast>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2"
+    )
+    message = _chat(client, tools=CODER_TOOLS).json()["choices"][0]["message"]
+    assert message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Oslo", "days": 2}  # fmt: skip
+    # a value that is not of its type stays text; inf is no JSON number
+    backend.answer = ("<function=forecast><parameter=days>soon</parameter>"
+                      "<parameter=scale>inf</parameter></function>")  # fmt: skip
+    arguments = _chat(client, tools=CODER_TOOLS).json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(arguments[0]["function"]["arguments"]) == {"days": "soon", "scale": "inf"}
+    backend.answer = "No call <function here, just text."
+    body = _chat(client, tools=CODER_TOOLS).json()
+    assert body["choices"][0]["message"]["content"] == backend.answer
+    assert "tool_calls" not in body["choices"][0]["message"]
+    backend.answer = "<function=>nameless</function>"  # unreadable: text as it came
+    body = _chat(client, tools=CODER_TOOLS).json()
+    assert body["choices"][0]["message"]["content"] == backend.answer
+
+
+def test_qwen3_coder_calls_stream_after_the_text(coder):
+    client, backend = coder
+    backend.answer = QWEN3_CODER
+    text = _chat(client, tools=CODER_TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content", "") for d in deltas) == "I'll check.\n"  # (as written)
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["function"]["name"] for c in calls] == ["forecast", "clock"]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    mode = ToolMode(parser="qwen3_coder")
+    assert mode.held_from("Hi <func") == 3 and mode.held_from("Hi <tool_ca") == 3
+    assert mode.held_from("Hi <function=f>") == 3 and mode.held_from("a<tool_call>b<function=") == 1
+    assert mode.held_from("Hi <b") == 5

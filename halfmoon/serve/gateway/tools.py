@@ -29,7 +29,12 @@ serves them without a model-specific tool-call parser.
   ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``, as v11 and later
   do; ``[TOOL_CALLS]`` is a special token, so such requests keep special tokens in their
   text, as vLLM's parser asks; call ids are 9 letters and digits, which Mistral's chat
-  templates require of the ``tool_call_id`` that answers them).
+  templates require of the ``tool_call_id`` that answers them); ``qwen3_coder`` (Qwen3-Coder's XML-like
+  calls: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>``, the wrapper optional; each value's text read as its parameter's schema
+  types it: a string as written, numbers, booleans and null as such, objects and arrays
+  as JSON (or Python literals); a parameter the schema does not type as JSON where it
+  parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
@@ -46,8 +51,11 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import math
+import re
 import secrets
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 #: An empty parameters object: the schema of a function that declares none.
@@ -55,12 +63,16 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 #: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 #: Mistral's marker before its calls, and between a v11+ call's name and arguments.
 _TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"
 #: Parsers whose calls follow the content after a marker: the marker.
-_OPENERS = {"hermes": _HERMES_OPEN, "mistral": _TOOL_CALLS}
+_OPENERS = {"hermes": (_HERMES_OPEN,), "mistral": (_TOOL_CALLS,),
+            "qwen3_coder": (_HERMES_OPEN, "<function=")}  # fmt: skip
+#: Qwen3-Coder's calls and their parameters (either may be left open at the end).
+_QWEN_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.x's marker before a tool call (a special token: usually not in the text).
 _PYTHON_TAG = "<|python_tag|>"
@@ -74,10 +86,13 @@ _WHOLE_ANSWER_STARTS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_
 @dataclass(frozen=True)
 class ToolMode:
     """How a chat request's output becomes tool calls: ``name`` a forced function;
-    ``parser`` the model's own format (``auto``); neither: ``required`` (a JSON array)."""
+    ``parser`` the model's own format (``auto``; ``functions``: the tools' parameter
+    schemas, which a format of text values is read by); neither: ``required`` (a JSON
+    array)."""
 
     name: str | None = None
     parser: str | None = None
+    functions: Mapping[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -100,12 +115,12 @@ class ToolMode:
             head = text.lstrip()
             undecided = not head or marker.startswith(head[: len(marker)])
             return 0 if undecided or head.startswith((first, marker)) else len(text)
-        opener = _OPENERS[self.parser]
-        start = text.find(opener)
-        if start >= 0:
-            return start
-        for k in range(min(len(opener) - 1, len(text)), 0, -1):
-            if text.endswith(opener[:k]):
+        openers = _OPENERS[self.parser]
+        starts = [at for at in (text.find(opener) for opener in openers) if at >= 0]
+        if starts:
+            return min(starts)
+        for k in range(min(max(map(len, openers)) - 1, len(text)), 0, -1):
+            if any(text.endswith(opener[:k]) for opener in openers):
                 return len(text) - k
         return len(text)
 
@@ -158,7 +173,7 @@ def tool_schema(
         raise ValueError("tool_choice needs tools")
     functions = _functions(tools)
     if choice == "auto" and parser is not None:
-        return ToolMode(parser=parser), None
+        return ToolMode(parser=parser, functions=functions), None
     if choice == "auto":
         raise ValueError(
             'tool_choice "auto" (the default when tools are given) needs a parser of the '
@@ -203,6 +218,8 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
         return _pythonic(text)
     if mode.parser == "mistral":
         return _mistral(text)
+    if mode.parser == "qwen3_coder":
+        return _qwen3_coder(text, mode.functions)
     if mode.parser is not None:
         return _hermes(text)
     if mode.name is not None:  # the output is the arguments (cut short: as far as they got)
@@ -282,6 +299,60 @@ def _mistral(text: str) -> list[dict[str, Any]] | None:
         except ValueError:
             return None
     return _calls(items, mistral_tool_call_id) if items else None
+
+
+def _qwen3_coder(text: str, functions: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Qwen3-Coder's calls from the first ``<tool_call>`` or ``<function=``: each
+    ``<function=NAME>`` block's ``<parameter=KEY>`` values (a newline after the tag and
+    before its end is the format's, not the value's), read by the function's schema."""
+    starts = [at for at in (text.find(opener) for opener in _OPENERS["qwen3_coder"]) if at >= 0]
+    if not starts:
+        return None
+    calls = []
+    for match in _QWEN_FUNCTION.finditer(text, min(starts)):
+        name = match.group(1).strip()
+        if not name:
+            return None
+        properties = (functions.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for param in _QWEN_PARAMETER.finditer(match.group(2)):
+            key, value = param.group(1).strip(), param.group(2)
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, properties.get(key))
+        calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type says (as vLLM's qwen3_coder parser reads
+    it): ``string`` as written; ``integer``, ``number``, ``boolean``, ``null`` as such
+    where the text is one; ``object``/``array`` (and an untyped parameter) as JSON, or a
+    Python literal; else the text."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if "string" in kinds:
+        return value
+    stripped = value.strip()
+    if "null" in kinds and stripped.lower() in ("null", "none"):
+        return None
+    if "boolean" in kinds and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if "integer" in kinds or "number" in kinds:
+        with contextlib.suppress(ValueError):
+            return int(stripped)
+        if "number" in kinds:
+            with contextlib.suppress(ValueError):
+                number = float(stripped)
+                if math.isfinite(number):  # (JSON has no inf or nan)
+                    return number
+    if not kinds or "object" in kinds or "array" in kinds:
+        with contextlib.suppress(ValueError):
+            return json.loads(stripped)
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+            literal = ast.literal_eval(stripped)
+            if isinstance(literal, dict | list | tuple | int | float | bool) or literal is None:
+                return list(literal) if isinstance(literal, tuple) else literal
+    return value
 
 
 def _hermes(text: str) -> list[dict[str, Any]] | None:

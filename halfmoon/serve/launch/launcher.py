@@ -505,7 +505,9 @@ def register(subparsers: Any) -> None:
         '{"name", "parameters"} objects, as Llama 3.x writes them; pythonic: an answer '
         'that is a Python list of calls, [f(a=1)], as Llama 3.2 and 4 write them; '
         "mistral: [TOOL_CALLS] and a JSON array, or name[ARGS]{...} per call, as Mistral's "
-        "instruct models write them); without it such requests get a 400",
+        "instruct models write them; qwen3_coder: <function=NAME><parameter=KEY>value"
+        "</parameter></function> blocks, as Qwen3-Coder writes them); without it such "
+        "requests get a 400",
     )  # fmt: skip
     p.add_argument(
         "--reasoning-parser", default=None, choices=REASONING_PARSERS,
