@@ -266,3 +266,17 @@ def test_the_messages_api_answers_a_thinking_block_first(served):
     )
     stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
     assert stops == [0, 1]
+
+
+def test_sglangs_separate_reasoning_reads_a_text(served):
+    client, _ = served
+    said = client.post("/separate_reasoning", json={"text": ANSWER,
+                                                    "reasoning_parser": "deepseek-r1"})  # fmt: skip
+    assert said.json() == {"text": "\n\nYes, Paris.", "reasoning_text": THOUGHT}
+    said = client.post("/separate_reasoning", json={"text": ANSWER, "reasoning_parser": "qwen3"})
+    assert said.json() == {"text": ANSWER, "reasoning_text": ""}  # (not opened)
+    said = client.post("/separate_reasoning",
+                       json={"text": ANSWER, "reasoning_parser": "qwen3-thinking"})  # fmt: skip
+    assert said.json()["reasoning_text"] == THOUGHT
+    refused = client.post("/separate_reasoning", json={"text": "x", "reasoning_parser": "kimi"})
+    assert refused.status_code == 400 and "unknown reasoning parser 'kimi'" in refused.text

@@ -43,6 +43,7 @@ API_PREFIXES = (
     "/inference/",
     "/generate",
     "/abort_request",
+    "/separate_reasoning",
     "/pause",
     "/resume",
     "/reset_prefix_cache",

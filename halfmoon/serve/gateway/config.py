@@ -124,7 +124,7 @@ class GatewayConfig:
                 "/flush_cache", "/server_info", "/get_server_info", "/health_generate",
                 "/score", "/rerank", "/v2/", "/sleep", "/wake_up", "/is_sleeping",
                 "/release_kv_cache_memory", "/release_memory_occupation", "/start_profile",
-                "/stop_profile", *private)  # fmt: skip
+                "/stop_profile", "/separate_reasoning", *private)  # fmt: skip
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -360,6 +360,14 @@ class SglangModelInfo(_Open):
     is_generation: bool
 
 
+class SeparatedReasoning(_Open):
+    """Body of SGLang's ``POST /separate_reasoning``: the text without its reasoning, and
+    the reasoning."""
+
+    text: str
+    reasoning_text: str
+
+
 class AbortResponse(_Open):
     """Body of ``POST /abort_requests``: how many running generations were ended."""
 
@@ -422,6 +430,7 @@ RESPONSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/model_info", "get"): SglangModelInfo,
     ("/get_model_info", "get"): SglangModelInfo,
     ("/abort_request", "post"): AbortResponse,
+    ("/separate_reasoning", "post"): SeparatedReasoning,
     ("/start_profile", "post"): ProfileStarted,
     ("/stop_profile", "post"): ProfileStopped,
 }
@@ -460,6 +469,7 @@ ERROR_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/stop_profile", "post"): (503,),
     ("/v1/chat/completions/batch", "post"): (404, 413, 429, 503),
     ("/abort_request", "post"): (413,),
+    ("/separate_reasoning", "post"): (413,),
 }
 STREAMING = {("/v1/completions", "post"), ("/v1/chat/completions", "post"),
              ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),

@@ -1,7 +1,9 @@
 """The routes of SGLang's native API (:mod:`halfmoon.serve.gateway.sglang_generation`
 translates): ``POST /generate``, ``GET /model_info`` (and its older name
 ``/get_model_info``), ``GET /server_info`` (and ``/get_server_info``),
-``GET /health_generate`` and ``POST /abort_request``.
+``GET /health_generate``, ``POST /abort_request`` and ``POST /separate_reasoning`` (a
+text read into reasoning and the rest by a reasoning parser,
+:mod:`halfmoon.serve.gateway.reasoning`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from halfmoon import __version__
 from halfmoon.core.request import SamplingParams
 from halfmoon.serve.gateway.backend import BackendError
 from halfmoon.serve.gateway.gateway import Gateway
+from halfmoon.serve.gateway.reasoning import ReasoningMode, split_reasoning
 from halfmoon.serve.gateway.responses import HTTPError
 from halfmoon.serve.gateway.responses_api import Name, Start
 from halfmoon.serve.gateway.sglang_generation import (
@@ -36,6 +39,22 @@ from halfmoon.serve.gateway.sglang_generation import (
 #: How long ``/health_generate`` waits for its token (SGLang's own check waits 20 s).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 log = logging.getLogger(__name__)
+
+
+class SeparateReasoningRequest(BaseModel):
+    """The body of SGLang's ``/separate_reasoning``: a model's text and the parser to
+    read it with (SGLang's names: ``deepseek-r1``, ``qwen3``, ``qwen3-thinking``; vLLM's
+    ``deepseek_r1`` too)."""
+
+    text: str
+    reasoning_parser: str
+
+
+#: SGLang's reasoning parser names (and vLLM's): the parser, and whether the text starts
+#: in the reasoning (``qwen3-thinking``: the template opened it, as SGLang's forced mode).
+SGLANG_REASONING_PARSERS = {"deepseek-r1": ("deepseek_r1", False),
+                            "deepseek_r1": ("deepseek_r1", False), "qwen3": ("qwen3", False),
+                            "qwen3-thinking": ("qwen3", True)}  # fmt: skip
 
 
 class AbortRequest(BaseModel):
@@ -190,5 +209,17 @@ def sglang_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
         answers finished ``abort``. (SGLang answers an empty 200; this one counts them.)"""
         ended = await gw.abort_requests(None if body.abort_all else [body.rid])
         return {"status": "aborted", "aborted": ended}
+
+    @router.post("/separate_reasoning")
+    async def separate_reasoning(body: SeparateReasoningRequest) -> dict[str, Any]:
+        """``text`` read into its reasoning (``reasoning_text``) and the rest (``text``),
+        as a chat answer is under ``--reasoning-parser``; a 400 names an unknown parser."""
+        if body.reasoning_parser not in SGLANG_REASONING_PARSERS:
+            raise HTTPError(400, f"unknown reasoning parser {body.reasoning_parser!r}: this "
+                            f"server reads {', '.join(SGLANG_REASONING_PARSERS)}",
+                            "BadRequestError", param="reasoning_parser")  # fmt: skip
+        parser, opened = SGLANG_REASONING_PARSERS[body.reasoning_parser]
+        reasoning, content = split_reasoning(ReasoningMode(parser, opened), body.text)
+        return {"text": content or "", "reasoning_text": reasoning or ""}
 
     return router
