@@ -280,3 +280,22 @@ def test_sglangs_separate_reasoning_reads_a_text(served):
     assert said.json()["reasoning_text"] == THOUGHT
     refused = client.post("/separate_reasoning", json={"text": "x", "reasoning_parser": "kimi"})
     assert refused.status_code == 400 and "unknown reasoning parser 'kimi'" in refused.text
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
+    from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
+    from halfmoon.serve.gateway.openai_responses import ResponsesRequest, to_chat
+
+    def kwargs(**body):
+        request = ChatCompletionRequest(model="m", messages=MESSAGES, **body)
+        return request.template_options()["template_kwargs"]
+
+    assert kwargs() == {}
+    assert kwargs(reasoning_effort="low") == {"enable_thinking": True, "reasoning_effort": "low"}
+    assert kwargs(reasoning_effort="none")["enable_thinking"] is False
+    kept = kwargs(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert kept == {"enable_thinking": False, "reasoning_effort": "high"}  # the client's wins
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        ChatCompletionRequest(model="m", messages=MESSAGES, reasoning_effort="extreme")
+    chat = to_chat(ResponsesRequest(model="m", input="hi", reasoning={"effort": "minimal"}))
+    assert chat.reasoning_effort == "minimal"

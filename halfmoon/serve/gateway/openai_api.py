@@ -331,6 +331,10 @@ def _response_format(value: dict[str, Any]) -> tuple[str, str, Any]:
     )
 
 
+#: ``reasoning_effort`` values (OpenAI's, and vLLM's ``max``).
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatTemplateOptions(BaseModel):
     """vLLM's chat-template options (chat completions and ``/tokenize`` with messages):
     ``add_generation_prompt`` (default true: end with the assistant's turn opened),
@@ -512,6 +516,10 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     echo: bool = False  # vLLM's: the final (assistant's) message's text before the output
     #: vLLM's: the reasoning (``--reasoning-parser``) goes out; false: only the content.
     include_reasoning: bool = True
+    #: OpenAI's: how hard a reasoning model thinks; the template reads it as
+    #: ``reasoning_effort``, and (unless ``chat_template_kwargs`` sets it) as
+    #: ``enable_thinking`` (false for ``none``), as vLLM passes it.
+    reasoning_effort: REASONING_EFFORTS | None = None
     #: vLLM's: special tokens added to the rendered template too (its BOS usually is already).
     add_special_tokens: bool = False
 
@@ -549,6 +557,15 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
         except ValueError as exc:
             field = "tool_choice" if "tool_choice" in str(exc) else "tools"
             raise FieldError(str(exc), field) from None
+
+    def template_options(self) -> dict[str, Any]:
+        """:meth:`ChatTemplateOptions.template_options`, with ``reasoning_effort``."""
+        options = super().template_options()
+        if self.reasoning_effort is not None:
+            kwargs = options["template_kwargs"]
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return options
 
     def output_limit(self, default: int) -> int:
         """The requested output length, or ``default``."""

@@ -6,7 +6,8 @@ system message; ``input`` text, or items — messages (text content parts),
 items (a ``tool`` message); ``tools`` (function tools, the Responses API's flat shape) and
 ``tool_choice``; ``text.format`` (``json_object``, ``json_schema``) a structured output;
 ``max_output_tokens``, ``temperature``, ``top_p`` (left out: the model's defaults), and
-vLLM's ``seed``, ``priority`` and ``include_reasoning``. It then runs as any chat request,
+vLLM's ``seed``, ``priority`` and ``include_reasoning``, ``reasoning.effort`` (chat's
+``reasoning_effort``). It then runs as any chat request,
 and its answer is rendered as a ``response`` object (:func:`response_body`): an ``output``
 of a ``reasoning`` item first where the server has a reasoning parser and the model
 reasoned (its ``reasoning_text``), a ``message`` item (its ``output_text``) and/or
@@ -79,6 +80,8 @@ class ResponsesRequest(BaseModel):
     priority: int = 0
     #: vLLM's: the reasoning item (``--reasoning-parser``) goes out; false: the answer only.
     include_reasoning: bool = True
+    #: OpenAI's ``{"effort": ...}``: chat's ``reasoning_effort`` (the template reads it).
+    reasoning: dict[str, Any] | None = None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -243,6 +246,9 @@ def to_chat(
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
     }
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = effort
     given = req.model_fields_set
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("seed", "seed"), ("priority", "priority"),
