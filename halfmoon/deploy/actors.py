@@ -225,6 +225,7 @@ class GatewayHost:
             profiler=parse_profiler_config(spec.profiler_config),
             tool_call_parser=spec.tool_call_parser,
             reasoning_parser=spec.reasoning_parser,
+            model_aliases=spec.model_aliases,
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

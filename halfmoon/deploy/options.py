@@ -17,6 +17,7 @@ from halfmoon.core.adapters import lora_pairs, parse_lora_modules, runtime_lora_
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.flags import dev_mode
 from halfmoon.core.profiling import parse_profiler_config
+from halfmoon.serve.gateway.config import served_names
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
@@ -207,6 +208,8 @@ class GatewaySpec:
     #: ``--tool-call-parser`` and ``--reasoning-parser`` (GatewayConfig's).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    #: ``--served-model-name``'s further names (GatewayConfig.model_aliases).
+    model_aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,8 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
     profiler = parse_profiler_config(getattr(args, "profiler_config", None))
     gateway = GatewaySpec(
         args.model, args.seed, args.mode, args.block_size, args.host, args.port,
-        api_keys(args.api_key), args.served_model_name, args.max_model_len,
+        api_keys(args.api_key), (served_names(args.served_model_name) or (None,))[0],
+        args.max_model_len,
         args.max_concurrent_requests, args.startup_timeout or 180.0,
         getattr(args, "cache_salt_from_api_key", False), tuple(getattr(args, "public", None) or ()),
         chat_template=_chat_template(getattr(args, "chat_template", None)),
@@ -287,6 +291,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         profiler_config=profiler and profiler.to_json(),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        model_aliases=served_names(args.served_model_name)[1:],
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

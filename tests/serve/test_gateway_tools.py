@@ -39,11 +39,14 @@ class AnswerBackend:
         self.answer = ""
         self.params: list[SamplingParams] = []
         self.prompts: list[list[int]] = []
+        self.salts: list[str | None] = []
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationChunk]:
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:  # fmt: skip
         self.params.append(params)
+        self.salts.append(cache_salt)
         self.prompts.append(list(prompt_token_ids))
         ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
         for i in range(0, len(ids), 2):

@@ -3,7 +3,7 @@ be opened without an API key (:data:`PUBLIC_PATHS`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,14 @@ PUBLIC_PATHS: dict[str, tuple[str, ...]] = {
     "metrics": ("/metrics",),
     "docs": ("/docs", "/redoc", "/openapi.json"),
 }
+
+
+def served_names(given: Sequence[str] | str | None) -> tuple[str, ...]:
+    """``--served-model-name``'s values as a tuple (none given: empty; the first is the
+    model's name, the rest its aliases)."""
+    if given is None:
+        return ()
+    return (given,) if isinstance(given, str) else tuple(given)
 
 
 @dataclass(frozen=True)
@@ -83,13 +91,19 @@ class GatewayConfig:
     #: vLLM's development endpoints (``POST /reset_prefix_cache``), as vLLM serves them
     #: under ``VLLM_SERVER_DEV_MODE=1`` (halfmoon.core.flags.dev_mode).
     dev_endpoints: bool = False
+    #: More names a request's ``model`` may give the base model (``--served-model-name``'s
+    #: further values, as vLLM's); metrics and SGLang's info name it by ``model_name``.
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
+        bases = self.base_names
+        if len(set(bases)) < len(bases) or not all(bases):
+            raise ValueError(f"the served model's names must be unique and not empty: {bases}")
         names = [name for name, _ in self.lora_modules]
-        if self.model_name in names or len(set(names)) < len(names):
-            raise ValueError(f"LoRA adapter names must be unique and not {self.model_name!r}")
+        if set(bases) & set(names) or len(set(names)) < len(names):
+            raise ValueError(f"LoRA adapter names must be unique and none of {bases}")
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}: {PARSERS}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
@@ -127,9 +141,15 @@ class GatewayConfig:
                 "/stop_profile", "/separate_reasoning", *private)  # fmt: skip
 
     @property
+    def base_names(self) -> tuple[str, ...]:
+        """The base model's names: its own, then its aliases."""
+        return (self.model_name, *self.model_aliases)
+
+    @property
     def model_names(self) -> tuple[str, ...]:
-        """What a request's ``model`` may say: the base model, then each LoRA adapter."""
-        return (self.model_name, *(name for name, _ in self.lora_modules))
+        """What a request's ``model`` may say: the base model (each of its names), then
+        each LoRA adapter."""
+        return (*self.base_names, *(name for name, _ in self.lora_modules))
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
         """A served model (the base one by default) as ``/v1/models`` lists it, with the
@@ -143,6 +163,8 @@ class GatewayConfig:
         path = dict(self.lora_modules).get(name) if name is not None else None
         if path is not None:
             card.update(id=name, root=path, parent=self.model_name)
+        elif name in self.model_aliases:
+            card["id"] = name
         return card
 
     @property

@@ -60,7 +60,7 @@ class ServedModels:
         if not name or not path:
             raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.",
                             "BadRequestError")  # fmt: skip
-        if name == self.config.model_name:
+        if name in self.config.base_names:
             raise HTTPError(400, f"The lora adapter '{name}' conflicts with the base model "
                             "name.", "BadRequestError", param="lora_name")  # fmt: skip
         async with self._adapter_lock:
@@ -123,5 +123,6 @@ class ServedModels:
             )
 
     def lora_of(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's ``model`` selects (None: the base model)."""
-        return model if model is not None and model != self.config.model_name else None
+        """The LoRA adapter a request's ``model`` selects (None: the base model, by any of
+        its names)."""
+        return model if model is not None and model not in self.config.base_names else None

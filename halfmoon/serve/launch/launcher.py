@@ -31,6 +31,7 @@ from halfmoon.core.flags import dev_mode
 from halfmoon.core.heap import settle_gc
 from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.engine.config import resolve_dtype
+from halfmoon.serve.gateway.config import served_names
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions, add_exposure_options
 from halfmoon.serve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
@@ -156,7 +157,7 @@ async def _serve_gateway(
                              args.mode, expected_instances=num_workers)  # fmt: skip
     await _wait_ready(backend, group, args.startup_timeout, num_workers)
     config = GatewayConfig(
-        args.served_model_name or model_dir.name.split("-seed")[0],
+        (served_names(args.served_model_name) or (model_dir.name.split("-seed")[0],))[0],
         limit.max_model_len,
         max_tokens_limit=getattr(args, "max_tokens_limit", None),
         api_keys=api_keys(args.api_key, os.environ.get(API_KEY_ENV)),
@@ -169,6 +170,7 @@ async def _serve_gateway(
         sampling_defaults=defaults_from_args(args, model_dir),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        model_aliases=served_names(args.served_model_name)[1:],
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
@@ -437,7 +439,12 @@ def register(subparsers: Any) -> None:
         help="KV sent inline over tcp: xxh3 (default: every payload checksummed and "
         "verified) or none (TCP's own checks only; ~10%% less CPU per byte)",
     )  # fmt: skip
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="the model's name in the API (default: the model directory's); more names are "
+        "aliases a request's 'model' may give too, as vLLM's (metrics and responses of "
+        "SGLang's routes use the first)",
+    )  # fmt: skip
     p.add_argument(
         "--api-key",
         action="append",
