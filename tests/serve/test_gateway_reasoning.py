@@ -115,6 +115,8 @@ def test_a_chat_answer_carries_its_reasoning_apart(served):
     assert message["reasoning"] == THOUGHT and message["content"] == "\n\nYes, Paris."
     hidden = _chat(client, include_reasoning=False).json()["choices"][0]["message"]
     assert "reasoning" not in hidden and hidden["content"] == "\n\nYes, Paris."
+    raw = _chat(client, separate_reasoning=False).json()["choices"][0]["message"]
+    assert raw == {"role": "assistant", "content": ANSWER}  # (SGLang's switch: not read)
 
 
 def test_streamed_reasoning_comes_in_its_own_deltas_before_the_content(served):

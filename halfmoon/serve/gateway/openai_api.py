@@ -516,6 +516,8 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     echo: bool = False  # vLLM's: the final (assistant's) message's text before the output
     #: vLLM's: the reasoning (``--reasoning-parser``) goes out; false: only the content.
     include_reasoning: bool = True
+    #: SGLang's: false reads no reasoning (the whole output is content, tags and all).
+    separate_reasoning: bool = True
     #: OpenAI's: how hard a reasoning model thinks; the template reads it as
     #: ``reasoning_effort``, and (unless ``chat_template_kwargs`` sets it) as
     #: ``enable_thinking`` (false for ``none``), as vLLM passes it.

@@ -163,7 +163,7 @@ class RequestPreparation(ServedModels):
         grammar holds the whole output), and ``params`` with any structured output held
         after the reasoning (:func:`reasoning.held_after_reasoning`)."""
         parser = self.config.reasoning_parser
-        if parser is None:
+        if parser is None or not body.separate_reasoning:
             return params, None
         tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
         mode = ReasoningMode.for_prompt(parser, tail, body.include_reasoning)
