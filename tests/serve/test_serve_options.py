@@ -27,6 +27,7 @@ from halfmoon.core.errors import HalfmoonError
         (["--lora-modules", "sql"], "expected NAME=PATH"),
         (["--lora-modules", "a b=/x"], "use letters, digits"),
         (["--enable-lora"], "name the adapters with --lora-modules"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--speculative-config", "ngram"], "--speculative-config must be a JSON object"),
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],

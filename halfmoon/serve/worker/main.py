@@ -154,6 +154,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="turn off prefix reuse (engine pools and block stores) to measure its effect",
     )  # fmt: skip
     parser.add_argument(
+        "--enable-prefix-caching", dest="prefix_caching", action="store_true",
+        help="accepted for vLLM's command lines: prefix reuse is on unless --no-prefix-caching",
+    )  # fmt: skip
+    parser.add_argument(
         "--store-dram-mb", type=float, default=256.0, help="prefill workers' DRAM block store, MiB"
     )
     parser.add_argument(
