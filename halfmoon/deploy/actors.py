@@ -226,6 +226,8 @@ class GatewayHost:
             tool_call_parser=spec.tool_call_parser,
             reasoning_parser=spec.reasoning_parser,
             model_aliases=spec.model_aliases,
+            tokens_as_ids=spec.tokens_as_ids,
+            force_include_usage=spec.force_include_usage,
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
@@ -236,7 +238,15 @@ class GatewayHost:
         app = create_app(backend, Tokenizer.from_dir(model_dir, spec.chat_template), config,
                          [admin_router(controller.scale, controller.status)])  # fmt: skip
         self._server = uvicorn.Server(
-            server_config(app, self.host, spec.port, ConnectionLimits(), spec.tls)
+            server_config(
+                app,
+                self.host,
+                spec.port,
+                ConnectionLimits(),
+                spec.tls,
+                log_level=spec.uvicorn_log_level,
+                root_path=spec.root_path,
+            )  # fmt: skip
         )
         replanning = None
         if spec.replan is not None:  # each worker on CPUs of its own: host_cores None

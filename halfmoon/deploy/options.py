@@ -210,6 +210,12 @@ class GatewaySpec:
     reasoning_parser: str | None = None
     #: ``--served-model-name``'s further names (GatewayConfig.model_aliases).
     model_aliases: tuple[str, ...] = ()
+    #: vLLM's ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage``
+    #: (GatewayConfig's), ``--uvicorn-log-level`` and ``--root-path`` (the HTTP server's).
+    tokens_as_ids: bool = False
+    force_include_usage: bool = False
+    uvicorn_log_level: str = "warning"
+    root_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -292,6 +298,10 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         model_aliases=served_names(args.served_model_name)[1:],
+        tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
+        uvicorn_log_level=getattr(args, "uvicorn_log_level", "warning"),
+        root_path=getattr(args, "root_path", None) or "",
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -143,7 +143,7 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
              "--kv-compression-keep-mb", "12", "--scheduling-policy", "priority",
              "--enable-lora", "--lora-modules", f"sql={adapter}", "org/b=" + str(adapter),
              "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_max": 4}',
-             "--allow-runtime-lora-updating"]  # fmt: skip
+             "--allow-runtime-lora-updating", "--max-num-batched-tokens", "256"]  # fmt: skip
     args = build_parser().parse_args(["serve", *flags])
     doc = engine_json(args, "/models/x")
     worker = build_parser().parse_args(["worker", "--role", "prefill", "--port", "1",
@@ -156,6 +156,8 @@ def test_every_engine_option_of_serve_reaches_the_workers(tmp_path):
     assert options.prefix_store == "demote" and options.decode_guard == "wait"
     assert options.cuda_graphs and options.kv_compression_keep_mb == 12
     assert options.scheduling_policy == "priority" and options.runtime_lora
+    assert replace(options, cuda_graphs=False).engine_config("decode").max_num_batched_tokens == 256
+    assert EngineOptions().engine_config("decode").max_num_batched_tokens == 2048  # (the default)
     spec = replace(options, cuda_graphs=False).engine_config("decode").speculative
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
         3,

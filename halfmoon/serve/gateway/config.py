@@ -94,6 +94,11 @@ class GatewayConfig:
     #: More names a request's ``model`` may give the base model (``--served-model-name``'s
     #: further values, as vLLM's); metrics and SGLang's info name it by ``model_name``.
     model_aliases: tuple[str, ...] = ()
+    #: vLLM's ``--return-tokens-as-token-ids``: every request's default.
+    tokens_as_ids: bool = False
+    #: vLLM's ``--enable-force-include-usage``: streamed answers end with their usage
+    #: whether or not ``stream_options`` asks.
+    force_include_usage: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

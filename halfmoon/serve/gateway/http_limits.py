@@ -208,14 +208,16 @@ def guarded_protocol(header_timeout_s: float, limits: ConnectionLimits | None = 
 
 
 def server_config(
-    app: ASGIApp, host: str, port: int, limits: ConnectionLimits, tls: TlsOptions | None = None
-) -> Any:
+    app: ASGIApp, host: str, port: int, limits: ConnectionLimits, tls: TlsOptions | None = None,
+    log_level: str = "warning", root_path: str = "",
+) -> Any:  # fmt: skip
     """The uvicorn configuration of a gateway serving ``app`` with ``limits``, over HTTPS
-    with ``tls``."""
+    with ``tls``; ``log_level``: uvicorn's own; ``root_path``: the prefix a proxy serves
+    the app under."""
     import uvicorn
 
     return uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="off",
+        app, host=host, port=port, log_level=log_level, lifespan="off", root_path=root_path,
         http=guarded_protocol(limits.header_timeout_s, limits),
         timeout_keep_alive=limits.keep_alive_s,
         **(tls.uvicorn_settings() if tls is not None else {}),

@@ -102,10 +102,13 @@ class RequestPreparation(ServedModels):
         reasoning = None
         if chat:
             params, reasoning = self._reasoning(body, prompt_ids, params)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(
-            body.stream and include_usage and body.stream_options.continuous_usage_stats
+        include_usage = bool(body.stream_options and body.stream_options.include_usage) or (
+            cfg.force_include_usage
         )
+        continuous = bool(
+            body.stream and body.stream_options and body.stream_options.include_usage
+            and body.stream_options.continuous_usage_stats
+        )  # fmt: skip
         if chat:  # (echo with tool calls: they would not parse)
             prompts = [(prompt_ids, "" if tool_mode else body.echo_text())]
         else:
@@ -127,7 +130,7 @@ class RequestPreparation(ServedModels):
             skip_special_tokens=body.skip_special_tokens
             and not (tool_mode is not None and tool_mode.keeps_special_tokens),
             return_token_ids=bool(body.return_token_ids),
-            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids) or cfg.tokens_as_ids,
             client_id=client_id,
         )  # fmt: skip
 

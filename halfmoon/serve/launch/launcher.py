@@ -37,6 +37,7 @@ from halfmoon.serve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.gateway.tools import PARSERS
 from halfmoon.serve.launch.processes import ProcessGroup
+from halfmoon.serve.launch.vllm_flags import add_vllm_flags, check_vllm_flags
 from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
@@ -171,6 +172,8 @@ async def _serve_gateway(
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         model_aliases=served_names(args.served_model_name)[1:],
+        tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
@@ -183,7 +186,11 @@ async def _serve_gateway(
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     tls = exposure[1]
-    server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits(), tls))
+    server = _QuietServer(server_config(
+        app, args.host, args.port, ConnectionLimits(), tls,
+        log_level=getattr(args, "uvicorn_log_level", "warning"),
+        root_path=getattr(args, "root_path", None) or "",
+    ))  # fmt: skip
     log.info(
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
         limit.max_model_len, limit.source, config.max_tokens_limit,
@@ -309,6 +316,7 @@ def _make_quiet_server() -> type:
 def check_shape(args: argparse.Namespace) -> None:
     """Refuse contradictory pool and pipeline options before anything starts (and fill in
     the defaults that depend on others)."""
+    check_vllm_flags(args)
     engine_defaults(args)
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(
         args, "tool_call_parser", None
@@ -556,6 +564,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="INFO")
     add_exposure_options(p)
     add_engine_options(p)
+    add_vllm_flags(p)
     add_conductor_options(p, "live")
     from halfmoon.serve.launch.replan import add_replan_options
 

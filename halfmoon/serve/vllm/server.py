@@ -212,6 +212,8 @@ class VllmLaunch:
     kv_cache_mb: float = 256.0
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    #: vLLM's ``--max-num-batched-tokens`` (None: its default).
+    max_num_batched_tokens: int | None = None
     num_threads: int = 1
     scheduling_policy: str = "fcfs"
     extra_args: tuple[str, ...] = ()
@@ -247,6 +249,8 @@ class VllmLaunch:
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
+        if self.max_num_batched_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         argv += lora_argv(self.lora_modules, self.runtime_lora)
         if self.speculative_config is not None:
             argv += ["--speculative-config", self.speculative_config]

@@ -61,6 +61,7 @@ def vllm_engine(
             model_dir, options.kv_cache_mb, options.block_size, options.dtype, options.vllm_args
         ),
         max_num_seqs=options.max_num_seqs, num_threads=options.num_threads,
+        max_num_batched_tokens=options.max_num_batched_tokens,
         scheduling_policy=options.scheduling_policy, lora_modules=options.lora_modules,
         runtime_lora=options.runtime_lora, speculative_config=options.speculative_config,
         profiler_config=server_profiler_config(options.profiler_config, instance_id),

@@ -76,6 +76,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=int, default=64, help="sequences per step (decode, coupled)"
     )
     parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, metavar="N",
+        help="tokens one engine step computes at most, a prompt's chunk included (vLLM's "
+        "flag; default 2048, a vLLM server's own default with --engine vllm)",
+    )  # fmt: skip
+    parser.add_argument(
         "--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
         help="LoRA adapters served beside the base model (vLLM's flag): NAME=PATH of a PEFT "
         "directory, or a JSON object with name and path; a request picks one by its "
@@ -209,6 +214,8 @@ class EngineOptions:
     dtype: str = "float32"
     kv_cache_mb: float = 256.0
     max_num_seqs: int = 64
+    #: ``--max-num-batched-tokens`` (None: the engine's default).
+    max_num_batched_tokens: int | None = None
     decode_guard: str = DEFAULT_DECODE_GUARD
     prefill_max_num_seqs: int = 1
     max_model_len: int | None = None
@@ -324,6 +331,8 @@ class EngineOptions:
             cuda_graphs=self.cuda_graphs, scheduling_policy=self.scheduling_policy,
             lora_modules=self.lora_modules,
             speculative=parse_speculative_config(self.speculative_config),
+            **({} if self.max_num_batched_tokens is None
+               else {"max_num_batched_tokens": self.max_num_batched_tokens}),
         )  # fmt: skip
 
 
