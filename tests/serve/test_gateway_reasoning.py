@@ -301,3 +301,27 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
         ChatCompletionRequest(model="m", messages=MESSAGES, reasoning_effort="extreme")
     chat = to_chat(ResponsesRequest(model="m", input="hi", reasoning={"effort": "minimal"}))
     assert chat.reasoning_effort == "minimal"
+
+
+def test_usage_counts_the_reasoning_tokens(served, gateways):
+    """vLLM's ``completion_tokens_details.reasoning_tokens`` (the Responses API's
+    ``output_tokens_details``): the tokens whose text is reasoning, the tags' not."""
+    client, backend = served
+    backend.answer = ANSWER
+    ids = gateways.tokenizer.encode(ANSWER, add_special_tokens=False)
+    ends = [len(gateways.tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    expected = sum(1 for end in ends if end <= len(THOUGHT))
+    assert 0 < expected < len(ids)
+    use = _chat(client).json()["usage"]
+    assert use["completion_tokens_details"] == {"reasoning_tokens": expected}
+    use = _chat(client, n=2).json()["usage"]  # (summed over the choices)
+    assert use["completion_tokens_details"] == {"reasoning_tokens": 2 * expected}
+    events = _events(_chat(client, stream=True, stream_options={"include_usage": True}).text)
+    assert events[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == expected
+    body = client.post("/v1/responses", json={"model": "m", "input": "Paris?"}).json()
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+    backend.answer = "Plain."  # a prompt that closed it: no reasoning read, none counted
+    closed = [*MESSAGES, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    use = _chat(client, messages=closed, add_generation_prompt=False,
+                continue_final_message=True).json()["usage"]  # fmt: skip
+    assert "completion_tokens_details" not in use

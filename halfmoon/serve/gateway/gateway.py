@@ -285,8 +285,9 @@ class Gateway(RequestPreparation):
         the last yield, ``prompt`` the prompt's entries (with the first yield, when the
         request asked for them; else None)."""
         arrival = time.monotonic()
+        thinking = p.reasoning.splitter() if p.reasoning is not None else None
         out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop,
-                         p.skip_special_tokens)  # fmt: skip
+                         p.skip_special_tokens, thinking)  # fmt: skip
         entries: list[Entry] = []
         prompt: list[Entry] | None = None
         times: list[float] = []
@@ -343,8 +344,11 @@ class Gateway(RequestPreparation):
             use = usage(len(p.prompt_ids), 0, cached)
             yield "", finish, use, [], prompt
             return
+        tail = out.flush()
         use = usage(len(p.prompt_ids), out.num_tokens, cached)
-        yield pending + out.flush(), finish, use, entries, prompt
+        if thinking is not None:  # (vLLM's usage under a reasoning parser)
+            use["completion_tokens_details"] = {"reasoning_tokens": out.reasoning_tokens}
+        yield pending + tail, finish, use, entries, prompt
 
     def _stop_token(self, p: Prepared, token: int) -> bool:
         """Whether ``token`` ends ``p`` by itself: one of its ``stop_token_ids``, or an

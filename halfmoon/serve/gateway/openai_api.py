@@ -741,6 +741,10 @@ def merged_usage(uses: list[dict[str, Any]], per_prompt: int | None = None) -> d
     if len(firsts) > 1 and "prompt_tokens_details" in out:
         cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in firsts)
         out["prompt_tokens_details"] = {"cached_tokens": cached}
+    if any("completion_tokens_details" in u for u in uses):
+        reasoning = sum(u.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
+                        for u in uses)  # fmt: skip
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return out
 
 

@@ -332,7 +332,11 @@ def response_body(
                 "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             },
             "output_tokens": use.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": (use.get("completion_tokens_details") or {}).get(
+                    "reasoning_tokens", 0
+                )
+            },
             "total_tokens": use.get("total_tokens", 0),
         }
     return {

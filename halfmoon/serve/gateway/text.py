@@ -3,7 +3,9 @@ stop strings, with the hold-back streaming needs.
 
 A stop string may straddle two deltas, so the last ``len(longest stop) - 1`` characters
 are held back until more text arrives or the request ends; when a stop string appears,
-the text is cut just before it and the request finishes with ``stop``.
+the text is cut just before it and the request finishes with ``stop``. Under a reasoning
+parser the tokens whose text is reasoning are counted (``reasoning_tokens``, as vLLM's
+usage reports them; the tags' tokens are not).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from halfmoon.serve.gateway.reasoning import ReasoningSplit
 
 
 class OutputText:
@@ -23,10 +26,12 @@ class OutputText:
         stop: Sequence[str] = (),
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        reasoning: ReasoningSplit | None = None,
     ) -> None:
         """``include_stop``: keep the stop string that ended the text (vLLM's
         ``include_stop_str_in_output``); ``skip_special_tokens`` False: special tokens'
-        text too."""
+        text too; ``reasoning``: a reader of the output's reasoning, by which tokens are
+        counted as reasoning."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              skip_special_tokens=skip_special_tokens)  # fmt: skip
         self._stop = tuple(stop)
@@ -38,6 +43,10 @@ class OutputText:
         #: The stop string that ended the text (None: none did).
         self.stop_string: str | None = None
         self.num_tokens = 0
+        self._reasoning = reasoning
+        #: Tokens whose text was reasoning (a token whose text went out later, held while
+        #: it might have begun the end tag, is counted with the token that settled it).
+        self.reasoning_tokens = 0
 
     @property
     def text(self) -> str:
@@ -57,6 +66,8 @@ class OutputText:
             if k == last and stop_token and not self._include_stop:
                 break
             delta = self._detok.add(tid)
+            if self._reasoning is not None and self._reasoning.add(delta)[0]:
+                self.reasoning_tokens += 1
             if not delta:
                 continue
             start = max(0, len(self._text) - self._hold)
@@ -75,6 +86,8 @@ class OutputText:
 
     def flush(self) -> str:
         """The held-back remainder, at the end of the request."""
+        if self._reasoning is not None and self._reasoning.add("", final=True)[0]:
+            self.reasoning_tokens += 1
         out = self._text[self._sent :]
         self._sent = len(self._text)
         return out
