@@ -325,3 +325,36 @@ def test_usage_counts_the_reasoning_tokens(served, gateways):
     use = _chat(client, messages=closed, add_generation_prompt=False,
                 continue_final_message=True).json()["usage"]  # fmt: skip
     assert "completion_tokens_details" not in use
+
+
+def test_the_sdks_read_the_reasoning(served):
+    """OpenAI's and Anthropic's SDKs as clients: chat's ``reasoning``, the Responses
+    API's reasoning item, the Messages API's thinking block, whole and streamed."""
+    import anthropic
+    import openai
+
+    client, backend = served
+    backend.answer = ANSWER
+    oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="none", http_client=client,
+                       max_retries=0)  # fmt: skip
+    chat = oa.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64)
+    assert chat.choices[0].message.reasoning == THOUGHT
+    assert chat.choices[0].message.content == "\n\nYes, Paris."
+    streamed = oa.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64, stream=True)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == THOUGHT
+    response = oa.responses.create(model="m", input="Paris?")
+    assert response.output[0].type == "reasoning"
+    assert response.output[0].content[0].text == THOUGHT
+    assert response.output_text == "\n\nYes, Paris."
+    with oa.responses.stream(model="m", input="Paris?") as events:
+        final = events.get_final_response()
+    assert final.output[0].content[0].text == THOUGHT
+    sdk = anthropic.Anthropic(base_url=str(client.base_url), api_key="none", http_client=client,
+                              max_retries=0)  # fmt: skip
+    message = sdk.messages.create(model="m", max_tokens=64, messages=MESSAGES)
+    assert message.content[0].type == "thinking" and message.content[0].thinking == THOUGHT
+    with sdk.messages.stream(model="m", max_tokens=64, messages=MESSAGES) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "\n\nYes, Paris." and final.content[0].thinking == THOUGHT
