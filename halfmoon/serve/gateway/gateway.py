@@ -287,7 +287,8 @@ class Gateway(RequestPreparation):
         arrival = time.monotonic()
         thinking = p.reasoning.splitter() if p.reasoning is not None else None
         out = OutputText(self.tokenizer, p.prompt_ids, p.stop, p.include_stop,
-                         p.skip_special_tokens, thinking)  # fmt: skip
+                         p.skip_special_tokens, thinking, p.stop_regex,
+                         hold_all=bool(p.stop_regex) and not p.stream)  # fmt: skip
         entries: list[Entry] = []
         prompt: list[Entry] | None = None
         times: list[float] = []

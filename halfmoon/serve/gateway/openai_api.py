@@ -22,7 +22,8 @@ tool calls on chat (``tools`` with ``tool_choice`` a named function, ``required`
 a thinking model's reasoning apart from its answer (``--reasoning-parser``: the
 message's ``reasoning``, and vLLM's ``include_reasoning``:
 :mod:`halfmoon.serve.gateway.reasoning`),
-``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``skip_special_tokens``,
+``include_stop_str_in_output``, SGLang's ``stop_regex``, ``truncate_prompt_tokens``,
+``skip_special_tokens``,
 ``add_special_tokens`` (completions), ``return_token_ids`` and
 ``return_tokens_as_token_ids``, chat
 ``echo`` (the final assistant message's text first), vLLM's ``use_beam_search`` with
@@ -60,6 +61,7 @@ from pydantic import (
 
 from halfmoon.core.request import MAX_LOGPROBS, StructuredOutput, TokenLogprob
 from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
+from halfmoon.serve.gateway.stop_regex import parse_stop_regex
 from halfmoon.serve.gateway.tenancy import MAX_CACHE_SALT_CHARS
 from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_schema
 
@@ -125,6 +127,9 @@ class _Common(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
+    #: SGLang's: the output ends where it first matches one of these regular expressions
+    #: (:mod:`halfmoon.serve.gateway.stop_regex`).
+    stop_regex: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -276,6 +281,13 @@ class _Common(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def stop_patterns(self) -> tuple[str, ...]:
+        """``stop_regex`` as a tuple of checked patterns (FieldError naming what is wrong)."""
+        try:
+            return parse_stop_regex(self.stop_regex)
+        except ValueError as exc:
+            raise FieldError(str(exc), "stop_regex") from None
 
 
 class FieldError(ValueError):

@@ -125,6 +125,8 @@ class RequestPreparation(ServedModels):
             show_prompt_logprobs=body.prompt_logprobs is not None,
             tool_mode=tool_mode,
             reasoning=reasoning,
+            stop_regex=self._stop_regex(body),
+            stream=bool(body.stream),
             # (a tool-call format whose marker is a special token keeps them, as vLLM's
             # parser asks)
             skip_special_tokens=body.skip_special_tokens
@@ -158,6 +160,14 @@ class RequestPreparation(ServedModels):
             return self.tokenizer.apply_chat_template(messages, **(options or {}))
         except HalfmoonError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    @staticmethod
+    def _stop_regex(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
+        """The request's ``stop_regex`` patterns, checked (a 400 names what is wrong)."""
+        try:
+            return body.stop_patterns()
+        except FieldError as exc:
+            raise HTTPError(400, str(exc), "BadRequestError", param=exc.param) from None
 
     def _reasoning(
         self, body: ChatCompletionRequest, prompt_ids: list[int], params: SamplingParams

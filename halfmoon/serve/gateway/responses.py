@@ -104,6 +104,10 @@ class Prepared:
     #: grammar holds the whole output): how the output's reasoning is told from its
     #: content (the tool calls are read from the content alone).
     reasoning: ReasoningMode | None = None
+    #: SGLang's ``stop_regex`` patterns (checked: :mod:`halfmoon.serve.gateway.stop_regex`).
+    stop_regex: tuple[str, ...] = ()
+    #: The answer streams (else it is whole: nothing of it goes out before its end).
+    stream: bool = False
     #: vLLM's ``skip_special_tokens``: special tokens stay out of the text.
     skip_special_tokens: bool = True
     #: vLLM's ``return_token_ids``: the prompt's and output's token ids in the response.

@@ -104,7 +104,7 @@ class SglangSamplingParams(BaseModel):
 
     def completion_fields(self) -> dict[str, Any]:
         """The completion request's fields these set (a 400 for what cannot be done)."""
-        refused = [name for name in ("stop_regex", "beam_width", "custom_params", "watermark")
+        refused = [name for name in ("beam_width", "custom_params", "watermark")
                    if getattr(self, name) is not None]  # fmt: skip
         if self.spaces_between_special_tokens is False:
             refused.append("spaces_between_special_tokens false")
@@ -115,7 +115,7 @@ class SglangSamplingParams(BaseModel):
         }  # fmt: skip
         renamed = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
                    "sampling_seed": "seed"}  # fmt: skip
-        for name in ("min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
+        for name in ("min_new_tokens", "stop", "stop_regex", "stop_token_ids", "temperature", "top_p",
                      "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                      "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias",
                      "sampling_seed"):  # fmt: skip

@@ -3,7 +3,9 @@ stop strings, with the hold-back streaming needs.
 
 A stop string may straddle two deltas, so the last ``len(longest stop) - 1`` characters
 are held back until more text arrives or the request ends; when a stop string appears,
-the text is cut just before it and the request finishes with ``stop``. Under a reasoning
+the text is cut just before it and the request finishes with ``stop``; then SGLang's
+``stop_regex`` patterns (:mod:`halfmoon.serve.gateway.stop_regex`: searched as text
+comes, nothing held back for them). Under a reasoning
 parser the tokens whose text is reasoning are counted (``reasoning_tokens``, as vLLM's
 usage reports them; the tags' tokens are not).
 """
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from halfmoon.serve.gateway.reasoning import ReasoningSplit
+from halfmoon.serve.gateway.stop_regex import StopPatterns
 
 
 class OutputText:
@@ -27,11 +30,15 @@ class OutputText:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         reasoning: ReasoningSplit | None = None,
+        stop_regex: Sequence[str] = (),
+        hold_all: bool = False,
     ) -> None:
         """``include_stop``: keep the stop string that ended the text (vLLM's
         ``include_stop_str_in_output``); ``skip_special_tokens`` False: special tokens'
         text too; ``reasoning``: a reader of the output's reasoning, by which tokens are
-        counted as reasoning."""
+        counted as reasoning; ``stop_regex``: patterns that end the text where it first
+        matches one (after the stop strings); ``hold_all``: nothing goes out before the
+        end (a whole answer's text, which a later match may still cut)."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              skip_special_tokens=skip_special_tokens)  # fmt: skip
         self._stop = tuple(stop)
@@ -44,6 +51,8 @@ class OutputText:
         self.stop_string: str | None = None
         self.num_tokens = 0
         self._reasoning = reasoning
+        self._regex = StopPatterns(stop_regex) if stop_regex else None
+        self._hold_all = hold_all
         #: Tokens whose text was reasoning (a token whose text went out later, held while
         #: it might have begun the end tag, is counted with the token that settled it).
         self.reasoning_tokens = 0
@@ -79,7 +88,18 @@ class OutputText:
                     self.stopped = True
                     self.stop_string = s
                     break
-        limit = len(self._text) if self.stopped else max(self._sent, len(self._text) - self._hold)
+            if self._regex is not None and not self.stopped:
+                found = self._regex.first_match(self._text, len(self._text) - len(delta))
+                if found is not None:
+                    self._text = self._text[: found.end if self._include_stop else found.start]
+                    self.stopped = True
+                    self.stop_string = found.text
+        if self.stopped:
+            limit = len(self._text)
+        elif self._hold_all:
+            limit = self._sent
+        else:
+            limit = max(self._sent, len(self._text) - self._hold)
         out = self._text[self._sent : limit]
         self._sent = limit
         return out
