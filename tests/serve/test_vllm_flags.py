@@ -86,3 +86,17 @@ def test_a_vllm_server_gets_the_batched_tokens_limit():
     argv = launch.argv(1, 2, 3, "t")
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "512"
     assert "--max-num-batched-tokens" not in VllmLaunch("python", "/m", "m").argv(1, 2, 3, "t")
+
+
+def test_behind_a_root_path_the_api_key_still_guards_the_api(gateways):
+    """``--root-path``: the server puts the proxy's prefix before every path; what needs
+    a key is judged by the path within the app, so the prefix opens nothing."""
+    backend = AnswerBackend(gateways.tokenizer)
+    app = gateways.app(backend, "m", api_keys=("sekret",))
+    with TestClient(app, root_path="/llm") as client:
+        for path in ("/llm/v1/models", "/v1/models", "/llm/tokenize"):
+            said = client.request("GET" if "models" in path else "POST", path)
+            assert said.status_code == 401, (path, said.status_code)
+        keyed = client.get("/llm/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert keyed.status_code == 200 and keyed.json()["data"][0]["id"] == "m"
+        assert client.get("/llm/health").status_code == 200  # (open, as without a prefix)

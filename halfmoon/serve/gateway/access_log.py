@@ -31,6 +31,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from halfmoon.serve.gateway.exposure import app_path
+
 #: The logger of the access lines.
 ACCESS_LOGGER = "gateway.access"
 #: Paths whose successful requests are logged at INFO (the rest at DEBUG).
@@ -174,7 +176,7 @@ class AccessLog:
 
     def _write(self, scope: Scope, record: RequestRecord) -> None:
         path = scope.get("path", "")
-        important = path.startswith(API_PREFIXES) or (record.status or 500) >= 400
+        important = app_path(scope).startswith(API_PREFIXES) or (record.status or 500) >= 400
         level = logging.INFO if important else logging.DEBUG
         if self.log.isEnabledFor(level):
             line = access_line(scope.get("method", "-"), path, _client(scope), record,

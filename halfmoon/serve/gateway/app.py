@@ -47,6 +47,7 @@ from halfmoon.serve.gateway.config import PUBLIC_PATHS, GatewayConfig
 from halfmoon.serve.gateway.dashboard import ProcessStates, dashboard_router
 from halfmoon.serve.gateway.embeddings_api import embeddings_router
 from halfmoon.serve.gateway.errors import error_response, install_error_handlers
+from halfmoon.serve.gateway.exposure import app_path
 from halfmoon.serve.gateway.gateway import Gateway
 from halfmoon.serve.gateway.http_limits import BodyLimit
 from halfmoon.serve.gateway.openai_api import (
@@ -118,11 +119,12 @@ def create_app(
 
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/admin/") and not config.keys:
+        path = app_path(request.scope)
+        if path.startswith("/admin/") and not config.keys:
             return error_response(
                 403, "admin endpoints need an API key (--api-key)", "PermissionDenied"
             )
-        if config.keys and request.url.path.startswith(guarded):
+        if config.keys and path.startswith(guarded):
             key = matching_key(_authorization(request), config.keys)
             if key is None:
                 return error_response(401, "invalid or missing API key", "AuthenticationError",

@@ -23,6 +23,17 @@ from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
 
+
+def app_path(scope: dict[str, Any]) -> str:
+    """A request's path within the app: without the prefix a proxy serves the app under
+    (``--root-path``; the server puts it before every path), so that what needs an API key
+    is judged by the same paths with a root path as without."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
 ALL = ("*",)
 
 
