@@ -228,6 +228,7 @@ class GatewayHost:
             model_aliases=spec.model_aliases,
             tokens_as_ids=spec.tokens_as_ids,
             force_include_usage=spec.force_include_usage,
+            docs=spec.docs,
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

@@ -214,6 +214,8 @@ class GatewaySpec:
     #: (GatewayConfig's), ``--uvicorn-log-level`` and ``--root-path`` (the HTTP server's).
     tokens_as_ids: bool = False
     force_include_usage: bool = False
+    #: Not vLLM's ``--disable-fastapi-docs`` (GatewayConfig.docs).
+    docs: bool = True
     uvicorn_log_level: str = "warning"
     root_path: str = ""
 
@@ -300,6 +302,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         model_aliases=served_names(args.served_model_name)[1:],
         tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
+        docs=not getattr(args, "disable_fastapi_docs", False),
         uvicorn_log_level=getattr(args, "uvicorn_log_level", "warning"),
         root_path=getattr(args, "root_path", None) or "",
     )  # fmt: skip

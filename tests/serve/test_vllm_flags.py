@@ -25,7 +25,7 @@ VLLM_LINE = (
     "--load-format safetensors --disable-uvicorn-access-log --root-path /llm "
     "--return-tokens-as-token-ids --enable-force-include-usage --enable-prefix-caching "
     "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1 "
-    "--served-model-name smol chat"
+    "--served-model-name smol chat --data-parallel-size 1 --enable-server-load-tracking"
 )
 
 
@@ -54,6 +54,8 @@ def test_a_vllm_command_line_parses_and_passes_the_checks():
         (["--tokenizer", "other"], "--tokenizer is not supported"),
         (["--enable-log-requests"], "--enable-log-requests is not supported"),
         (["tiny", "--model", "small"], "two models given: 'tiny' and --model 'small'"),
+        (["-dp", "2"], "--data-parallel-size 2: only 1 is served"),
+        (["--kv-transfer-config", "{}"], "halfmoon moves KV between its own workers"),
     ],
 )  # fmt: skip
 def test_what_halfmoon_cannot_do_is_refused_naming_its_way(argv, message, capsys, tmp_path,
@@ -63,6 +65,15 @@ def test_what_halfmoon_cannot_do_is_refused_naming_its_way(argv, message, capsys
     err = capsys.readouterr().err
     assert err.startswith("halfmoon: error:") and message in err, err
     assert not any(tmp_path.iterdir())  # nothing was prepared or started
+
+
+def test_the_docs_can_be_turned_off(gateways):
+    with TestClient(gateways.app(AnswerBackend(gateways.tokenizer), "m", docs=False)) as client:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert client.get(path).status_code == 404, path
+        assert client.get("/v1/models").status_code == 200
+    args = build_parser().parse_args(["serve", "--disable-fastapi-docs"])
+    assert args.disable_fastapi_docs
 
 
 def test_the_request_defaults_they_set_take_effect(gateways):

@@ -103,13 +103,15 @@ def create_app(
     processes are restarting."""
     gw = Gateway(backend, tokenizer, config)
     app = FastAPI(title="halfmoon", description="KV-cache-centric disaggregated LLM serving",
-                  version=__version__, docs_url=None, redoc_url=None)  # fmt: skip
+                  version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if config.docs else None)  # fmt: skip
     app.state.gateway = gw
     install_error_handlers(app)
-    install_docs(app)
-    pinned = () if config.allow_runtime_lora else config.model_names
-    install_openapi(app, pinned, config.max_tokens_limit,
-                    config.guarded_paths() if config.keys else (), tokenizer.vocab_size)  # fmt: skip
+    if config.docs:
+        install_docs(app)
+        pinned = () if config.allow_runtime_lora else config.model_names
+        install_openapi(app, pinned, config.max_tokens_limit,
+                        config.guarded_paths() if config.keys else (), tokenizer.vocab_size)  # fmt: skip
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # before auth: bounded
     for router in admin_routers:
         app.include_router(router, prefix="/admin")

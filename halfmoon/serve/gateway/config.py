@@ -94,6 +94,9 @@ class GatewayConfig:
     #: More names a request's ``model`` may give the base model (``--served-model-name``'s
     #: further values, as vLLM's); metrics and SGLang's info name it by ``model_name``.
     model_aliases: tuple[str, ...] = ()
+    #: ``/openapi.json``, ``/docs`` and ``/redoc`` served (vLLM's
+    #: ``--disable-fastapi-docs``: not).
+    docs: bool = True
     #: vLLM's ``--return-tokens-as-token-ids``: every request's default.
     tokens_as_ids: bool = False
     #: vLLM's ``--enable-force-include-usage``: streamed answers end with their usage

@@ -174,6 +174,7 @@ async def _serve_gateway(
         model_aliases=served_names(args.served_model_name)[1:],
         tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
+        docs=not getattr(args, "disable_fastapi_docs", False),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),

@@ -7,8 +7,9 @@ Each flag is one of:
   argument (``vllm serve MODEL``), ``--max-num-batched-tokens`` (the engine's tokens per
   step, the prefill chunk; passed to vLLM servers with ``--engine vllm``),
   ``--uvicorn-log-level``, ``--disable-uvicorn-access-log`` (halfmoon's
-  ``--disable-access-log``), ``--root-path``, ``--return-tokens-as-token-ids`` and
-  ``--enable-force-include-usage`` (server-wide defaults of the request options);
+  ``--disable-access-log``), ``--root-path``, ``--disable-fastapi-docs``,
+  ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (server-wide
+  defaults of the request options);
 - *accepted, changing nothing* because halfmoon already behaves as the flag asks
   (:data:`ACCEPTED`, each with the reason its help states);
 - *refused* where halfmoon cannot do what it asks (:data:`REFUSED`; or a value other
@@ -36,6 +37,7 @@ ACCEPTED = {
     "--disable-log-stats": "halfmoon logs no periodic stats line (its figures: /metrics)",
     "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens "
     "whenever the cluster reports it",
+    "--enable-server-load-tracking": "GET /load (requests in flight) is always served",
 }
 #: Flags with a value that ask for what halfmoon does anyway: why each changes nothing.
 ACCEPTED_VALUES = {
@@ -55,6 +57,9 @@ REFUSED = {
     "--enable-log-requests": "halfmoon logs no request contents; its access log (on by "
     "default) has a line per request",
     "--middleware": "no middleware is loaded from the command line",
+    "--kv-transfer-config": "halfmoon moves KV between its own workers (--mode "
+    "disaggregated; with --engine vllm, its servers get halfmoon's connector)",
+    "--limit-mm-per-prompt": "multimodal inputs are not served",
 }
 #: Flags whose value must be the one halfmoon serves: those values.
 ONLY = {
@@ -62,6 +67,8 @@ ONLY = {
     "--pipeline-parallel-size": ("1",),
     "--kv-cache-dtype": ("auto",),
     "--load-format": ("auto", "safetensors"),
+    "--data-parallel-size": ("1",),
+    "--api-server-count": ("1",),
 }
 #: Why a value other than :data:`ONLY`'s is refused.
 _ONLY_WHY = {
@@ -73,9 +80,12 @@ _ONLY_WHY = {
     "--kv-cache-dtype": "the KV pool holds the model's --dtype (--kv-compression int8 or fp8 "
     "compresses KV on the wire)",
     "--load-format": "safetensors checkpoints (and GGUF files) are read",
+    "--data-parallel-size": "each worker runs the whole model: more copies are more "
+    "workers (--prefill/--decode, --instances)",
+    "--api-server-count": "one gateway serves the API (its Conductor places the requests)",
 }
 _SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
-          "--quantization": "-q"}  # fmt: skip
+          "--quantization": "-q", "--data-parallel-size": "-dp"}  # fmt: skip
 
 
 def _dest(flag: str) -> str:
@@ -106,6 +116,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "--return-tokens-as-token-ids", action="store_true",
         help="log-probability tokens as 'token_id:<id>' by default (vLLM's flag; a request's "
         "return_tokens_as_token_ids too)",
+    )  # fmt: skip
+    p.add_argument(
+        "--disable-fastapi-docs", action="store_true",
+        help="no /openapi.json, /docs or /redoc (vLLM's flag)",
     )  # fmt: skip
     p.add_argument(
         "--enable-force-include-usage", action="store_true",
