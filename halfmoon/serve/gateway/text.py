@@ -5,9 +5,9 @@ A stop string may straddle two deltas, so the last ``len(longest stop) - 1`` cha
 are held back until more text arrives or the request ends; when a stop string appears,
 the text is cut just before it and the request finishes with ``stop``; then SGLang's
 ``stop_regex`` patterns (:mod:`halfmoon.serve.gateway.stop_regex`: searched as text
-comes, nothing held back for them). Under a reasoning
-parser the tokens whose text is reasoning are counted (``reasoning_tokens``, as vLLM's
-usage reports them; the tags' tokens are not).
+comes, nothing held back for them). Under a reasoning parser the tokens whose text is
+reasoning are counted (``reasoning_tokens``, as vLLM's usage reports them; the tags'
+tokens are not).
 """
 
 from __future__ import annotations

@@ -319,11 +319,6 @@ def check_shape(args: argparse.Namespace) -> None:
     the defaults that depend on others)."""
     check_vllm_flags(args)
     engine_defaults(args)
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
-        args, "tool_call_parser", None
-    ):
-        raise HalfmoonError("--enable-auto-tool-choice needs --tool-call-parser (the format "
-                            "of the model's tool calls)")  # fmt: skip
     attach = getattr(args, "attach", None)
     if getattr(args, "engine", "halfmoon") == "vllm":
         if args.mode != "coupled" and attach:
@@ -529,11 +524,6 @@ def register(subparsers: Any) -> None:
         "instruct models write them; qwen3_coder: <function=NAME><parameter=KEY>value"
         "</parameter></function> blocks, as Qwen3-Coder writes them); without it such "
         "requests get a 400",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-auto-tool-choice", action="store_true",
-        help="accepted for vLLM's command lines: --tool-call-parser alone lets tool_choice "
-        "be 'auto' (this flag without it is refused, as on vLLM)",
     )  # fmt: skip
     p.add_argument(
         "--reasoning-parser", default=None, choices=REASONING_PARSERS,

@@ -6,6 +6,7 @@ Each flag is one of:
 - *done here* (wired where halfmoon does the same thing): ``MODEL`` as the first
   argument (``vllm serve MODEL``), ``--max-num-batched-tokens`` (the engine's tokens per
   step, the prefill chunk; passed to vLLM servers with ``--engine vllm``),
+  ``--enable-auto-tool-choice`` (refused without ``--tool-call-parser``, as on vLLM),
   ``--uvicorn-log-level``, ``--disable-uvicorn-access-log`` (halfmoon's
   ``--disable-access-log``), ``--root-path``, ``--disable-fastapi-docs``,
   ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (server-wide
@@ -118,6 +119,11 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "return_tokens_as_token_ids too)",
     )  # fmt: skip
     p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone lets tool_choice "
+        "be 'auto' (this flag without it is refused, as on vLLM)",
+    )  # fmt: skip
+    p.add_argument(
         "--disable-fastapi-docs", action="store_true",
         help="no /openapi.json, /docs or /redoc (vLLM's flag)",
     )  # fmt: skip
@@ -153,6 +159,11 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
         if given is not None and given not in values:
             raise HalfmoonError(f"{flag} {given}: only {' or '.join(values)} is served "
                                 f"({_ONLY_WHY[flag]})")  # fmt: skip
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
+        args, "tool_call_parser", None
+    ):
+        raise HalfmoonError("--enable-auto-tool-choice needs --tool-call-parser (the format "
+                            "of the model's tool calls)")  # fmt: skip
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model not in (tag, DEFAULT_MODEL):
