@@ -25,7 +25,8 @@ VLLM_LINE = (
     "--load-format safetensors --disable-uvicorn-access-log --root-path /llm "
     "--return-tokens-as-token-ids --enable-force-include-usage --enable-prefix-caching "
     "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1 "
-    "--served-model-name smol chat --data-parallel-size 1 --enable-server-load-tracking"
+    "--served-model-name smol chat --data-parallel-size 1 --enable-server-load-tracking "
+    "--max-loras 4 --max-lora-rank 64 --max-cpu-loras 8 --tokenizer-mode auto"
 )
 
 

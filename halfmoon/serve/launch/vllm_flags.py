@@ -44,6 +44,11 @@ ACCEPTED = {
 ACCEPTED_VALUES = {
     "--max-log-len": "halfmoon logs no request contents",
     "--swap-space": "a preempted sequence is recomputed, not swapped out to host memory",
+    "--max-loras": "halfmoon's engine reserves no adapter slots: any number of LoRA adapters "
+    "share a step (with --engine vllm its servers are sized for the adapters given)",
+    "--max-lora-rank": "halfmoon's engine takes adapters of any rank (with --engine vllm its "
+    "servers are sized for the largest given)",
+    "--max-cpu-loras": "adapters stay loaded in every worker's memory",
 }
 #: Flags that ask for what halfmoon does not do: what to use instead.
 REFUSED = {
@@ -70,6 +75,7 @@ ONLY = {
     "--load-format": ("auto", "safetensors"),
     "--data-parallel-size": ("1",),
     "--api-server-count": ("1",),
+    "--tokenizer-mode": ("auto", "hf"),
 }
 #: Why a value other than :data:`ONLY`'s is refused.
 _ONLY_WHY = {
@@ -84,6 +90,7 @@ _ONLY_WHY = {
     "--data-parallel-size": "each worker runs the whole model: more copies are more "
     "workers (--prefill/--decode, --instances)",
     "--api-server-count": "one gateway serves the API (its Conductor places the requests)",
+    "--tokenizer-mode": "the model directory's Hugging Face tokenizer is read",
 }
 _SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
           "--quantization": "-q", "--data-parallel-size": "-dp"}  # fmt: skip
