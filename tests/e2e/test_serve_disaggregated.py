@@ -661,10 +661,21 @@ def test_reasoning_through_the_cluster(cluster_factory):
     ``reasoning``, the same text as a completion of the same rendered prompt, whole and
     streamed; the same chat not opened answers content, as without a parser; a choice
     held after the reasoning leaves the reasoning as free, and holds from the start
-    where the prompt closed the reasoning."""
-    thinking = cluster_factory("--mode", "coupled", "--instances", "1", "--kv-cache-mb", "32",
-                               "--reasoning-parser", "qwen3")  # fmt: skip
+    where the prompt closed the reasoning. Started as a vLLM command line would start it
+    (the model first; vLLM's flags, one done here, others accepted; a second served name)."""
+    thinking = cluster_factory("tiny", "--mode", "coupled", "--instances", "1",
+                               "--kv-cache-mb", "32", "--reasoning-parser", "qwen3",
+                               "--max-num-batched-tokens", "128", "--trust-remote-code",
+                               "--enable-force-include-usage", "--disable-log-requests",
+                               "--served-model-name", "tiny", "thinker")  # fmt: skip
     base = thinking.base_url
+    names = [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
+    assert names == ["tiny", "thinker"]
+    hello = {"model": "thinker", "messages": [{"role": "user", "content": "Hi"}],
+             "max_tokens": 3, "stream": True}  # fmt: skip
+    events = httpx.post(base + "/v1/chat/completions", json=hello, timeout=60).text
+    last = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")][-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3  # (forced usage)
     opened = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"},
                                             {"role": "assistant", "content": "<think>\n"}],
               "add_generation_prompt": False, "continue_final_message": True,
