@@ -23,6 +23,7 @@ fires when the *thread* that forked dies, and it must fire only when the actor d
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -229,6 +230,7 @@ class GatewayHost:
             tokens_as_ids=spec.tokens_as_ids,
             force_include_usage=spec.force_include_usage,
             docs=spec.docs,
+            default_template_kwargs=json.loads(spec.default_template_kwargs),
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",

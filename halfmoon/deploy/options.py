@@ -9,6 +9,7 @@ on the nodes that should hold prefill workers pins the pool there.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from halfmoon.serve.gateway.config import served_names
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
 from halfmoon.serve.launch.replan import replan_config_from_args
+from halfmoon.serve.launch.vllm_flags import default_template_kwargs
 from halfmoon.sim.replan import ReplanConfig
 
 POOL_ROLES = ("prefill", "decode", "coupled")
@@ -216,6 +218,8 @@ class GatewaySpec:
     force_include_usage: bool = False
     #: Not vLLM's ``--disable-fastapi-docs`` (GatewayConfig.docs).
     docs: bool = True
+    #: ``--default-chat-template-kwargs`` as JSON (GatewayConfig.default_template_kwargs).
+    default_template_kwargs: str = "{}"
     uvicorn_log_level: str = "warning"
     root_path: str = ""
 
@@ -303,6 +307,7 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
         tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
         docs=not getattr(args, "disable_fastapi_docs", False),
+        default_template_kwargs=json.dumps(default_template_kwargs(args)),
         uvicorn_log_level=getattr(args, "uvicorn_log_level", "warning"),
         root_path=getattr(args, "root_path", None) or "",
     )  # fmt: skip

@@ -26,7 +26,8 @@ VLLM_LINE = (
     "--return-tokens-as-token-ids --enable-force-include-usage --enable-prefix-caching "
     "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1 "
     "--served-model-name smol chat --data-parallel-size 1 --enable-server-load-tracking "
-    "--max-loras 4 --max-lora-rank 64 --max-cpu-loras 8 --tokenizer-mode auto"
+    "--max-loras 4 --max-lora-rank 64 --max-cpu-loras 8 --tokenizer-mode auto "
+    "--chat-template-content-format string"
 )
 
 
@@ -112,3 +113,49 @@ def test_behind_a_root_path_the_api_key_still_guards_the_api(gateways):
         keyed = client.get("/llm/v1/models", headers={"Authorization": "Bearer sekret"})
         assert keyed.status_code == 200 and keyed.json()["data"][0]["id"] == "m"
         assert client.get("/llm/health").status_code == 200  # (open, as without a prefix)
+
+
+class _Recording:
+    """A tokenizer whose chat template records the variables it is given."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict] = []
+
+    def apply_chat_template(self, messages, **options):
+        self.kwargs.append(options.get("template_kwargs") or {})
+        return [1, 2]
+
+
+def test_default_template_variables_yield_to_the_requests():
+    from halfmoon.serve.gateway.config import GatewayConfig
+    from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
+    from halfmoon.serve.gateway.preparation import RequestPreparation
+    from halfmoon.serve.launch.vllm_flags import default_template_kwargs
+
+    tok = _Recording()
+    config = GatewayConfig("m", 256, default_template_kwargs={"enable_thinking": False, "x": 1})
+    prep = RequestPreparation(AnswerBackend(None), tok, config)
+
+    def rendered(**body) -> dict:
+        request = ChatCompletionRequest(model="m", messages=MESSAGES, **body)
+        prep.chat_prompt([m.for_template() for m in request.messages], request.template_options())
+        return tok.kwargs[-1]
+
+    assert rendered() == {"enable_thinking": False, "x": 1}
+    assert rendered(chat_template_kwargs={"enable_thinking": True}) == {
+        "enable_thinking": True, "x": 1}  # fmt: skip
+    assert rendered(reasoning_effort="low")["enable_thinking"] is True  # (asked for)
+    given = build_parser().parse_args(
+        ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])  # fmt: skip
+    assert default_template_kwargs(given) == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("[1]", "must be a JSON object"), ('{"messages": []}', "cannot set messages"),
+     ("{bad", "must be a JSON object such as")],
+)  # fmt: skip
+def test_bad_default_template_variables_are_refused(value, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HALFMOON_CACHE", str(tmp_path))
+    assert main(["serve", "--default-chat-template-kwargs", value]) == 2
+    assert words in capsys.readouterr().err

@@ -94,6 +94,9 @@ class GatewayConfig:
     #: More names a request's ``model`` may give the base model (``--served-model-name``'s
     #: further values, as vLLM's); metrics and SGLang's info name it by ``model_name``.
     model_aliases: tuple[str, ...] = ()
+    #: vLLM's ``--default-chat-template-kwargs``: template variables every chat gets
+    #: unless its ``chat_template_kwargs`` set them (e.g. ``{"enable_thinking": false}``).
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     #: ``/openapi.json``, ``/docs`` and ``/redoc`` served (vLLM's
     #: ``--disable-fastapi-docs``: not).
     docs: bool = True

@@ -154,10 +154,15 @@ class RequestPreparation(ServedModels):
         self, messages: list[dict[str, Any]], options: Mapping[str, Any] | None = None
     ) -> list[int]:
         """``messages`` through the chat template (with ``options``: the request's
-        :meth:`ChatTemplateOptions.template_options`), tokenized; a 400 when the model has
-        no template or the template refuses them (``raise_exception``)."""
+        :meth:`ChatTemplateOptions.template_options`, under the server's default template
+        variables), tokenized; a 400 when the model has no template or the template
+        refuses them (``raise_exception``)."""
+        options = dict(options or {})
+        defaults = self.config.default_template_kwargs
+        if defaults:  # (the request's own win, as on vLLM)
+            options["template_kwargs"] = {**defaults, **(options.get("template_kwargs") or {})}
         try:
-            return self.tokenizer.apply_chat_template(messages, **(options or {}))
+            return self.tokenizer.apply_chat_template(messages, **options)
         except HalfmoonError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
 

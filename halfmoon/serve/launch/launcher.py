@@ -37,7 +37,11 @@ from halfmoon.serve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from halfmoon.serve.gateway.tenancy import API_KEY_ENV, api_keys
 from halfmoon.serve.gateway.tools import PARSERS
 from halfmoon.serve.launch.processes import ProcessGroup
-from halfmoon.serve.launch.vllm_flags import add_vllm_flags, check_vllm_flags
+from halfmoon.serve.launch.vllm_flags import (
+    add_vllm_flags,
+    check_vllm_flags,
+    default_template_kwargs,
+)
 from halfmoon.serve.runtime import (
     SECRET_ENV,
     free_port,
@@ -175,6 +179,7 @@ async def _serve_gateway(
         tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
         docs=not getattr(args, "disable_fastapi_docs", False),
+        default_template_kwargs=default_template_kwargs(args),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),

@@ -9,6 +9,7 @@ Each flag is one of:
   ``--enable-auto-tool-choice`` (refused without ``--tool-call-parser``, as on vLLM),
   ``--uvicorn-log-level``, ``--disable-uvicorn-access-log`` (halfmoon's
   ``--disable-access-log``), ``--root-path``, ``--disable-fastapi-docs``,
+  ``--default-chat-template-kwargs``,
   ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (server-wide
   defaults of the request options);
 - *accepted, changing nothing* because halfmoon already behaves as the flag asks
@@ -22,8 +23,11 @@ Each flag is one of:
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.jsonconfig import json_object_option
+from halfmoon.engine.tokenizer import RESERVED_TEMPLATE_NAMES
 from halfmoon.serve.worker.main import DEFAULT_MODEL
 
 #: Switches that ask for what halfmoon does anyway: why each changes nothing.
@@ -76,6 +80,7 @@ ONLY = {
     "--data-parallel-size": ("1",),
     "--api-server-count": ("1",),
     "--tokenizer-mode": ("auto", "hf"),
+    "--chat-template-content-format": ("auto", "string"),
 }
 #: Why a value other than :data:`ONLY`'s is refused.
 _ONLY_WHY = {
@@ -91,6 +96,8 @@ _ONLY_WHY = {
     "workers (--prefill/--decode, --instances)",
     "--api-server-count": "one gateway serves the API (its Conductor places the requests)",
     "--tokenizer-mode": "the model directory's Hugging Face tokenizer is read",
+    "--chat-template-content-format": "a message's text parts reach the template as one "
+    "string",
 }
 _SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
           "--quantization": "-q", "--data-parallel-size": "-dp"}  # fmt: skip
@@ -131,6 +138,11 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "be 'auto' (this flag without it is refused, as on vLLM)",
     )  # fmt: skip
     p.add_argument(
+        "--default-chat-template-kwargs", default=None, metavar="JSON",
+        help="chat template variables every chat request gets unless its own "
+        "chat_template_kwargs set them (vLLM's flag), e.g. '{\"enable_thinking\": false}'",
+    )  # fmt: skip
+    p.add_argument(
         "--disable-fastapi-docs", action="store_true",
         help="no /openapi.json, /docs or /redoc (vLLM's flag)",
     )  # fmt: skip
@@ -155,6 +167,19 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                        help=f"vLLM's flag: only {' or '.join(values)} ({_ONLY_WHY[flag]})")  # fmt: skip
 
 
+def default_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--default-chat-template-kwargs`` as a dict (empty when not given); HalfmoonError
+    for anything but a JSON object, or one that sets a variable the template's caller
+    sets itself."""
+    given = json_object_option(getattr(args, "default_chat_template_kwargs", None),
+                               "--default-chat-template-kwargs", '{"enable_thinking": false}')  # fmt: skip
+    kwargs = dict(given or {})
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise HalfmoonError(f"--default-chat-template-kwargs cannot set {', '.join(reserved)}")
+    return kwargs
+
+
 def check_vllm_flags(args: argparse.Namespace) -> None:
     """Refuse what halfmoon cannot do (HalfmoonError naming the flag and halfmoon's way),
     and take the positional ``MODEL`` as ``--model``."""
@@ -171,6 +196,7 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
     ):
         raise HalfmoonError("--enable-auto-tool-choice needs --tool-call-parser (the format "
                             "of the model's tool calls)")  # fmt: skip
+    default_template_kwargs(args)  # (checked here, before anything starts)
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model not in (tag, DEFAULT_MODEL):
