@@ -23,7 +23,6 @@ fires when the *thread* that forked dies, and it must fire only when the actor d
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -224,13 +223,7 @@ class GatewayHost:
             lora_modules=spec.lora_modules,
             allow_runtime_lora=spec.allow_runtime_lora,
             profiler=parse_profiler_config(spec.profiler_config),
-            tool_call_parser=spec.tool_call_parser,
-            reasoning_parser=spec.reasoning_parser,
-            model_aliases=spec.model_aliases,
-            tokens_as_ids=spec.tokens_as_ids,
-            force_include_usage=spec.force_include_usage,
-            docs=spec.docs,
-            default_template_kwargs=json.loads(spec.default_template_kwargs),
+            **dict(spec.api_options),
             cors=spec.cors,
         )
         log.info("context limit %d tokens (prompt + output), set by %s",
@@ -247,8 +240,7 @@ class GatewayHost:
                 spec.port,
                 ConnectionLimits(),
                 spec.tls,
-                log_level=spec.uvicorn_log_level,
-                root_path=spec.root_path,
+                **dict(spec.http_options),
             )  # fmt: skip
         )
         replanning = None

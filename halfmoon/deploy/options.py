@@ -9,7 +9,6 @@ on the nodes that should hold prefill workers pins the pool there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,8 @@ from halfmoon.core.profiling import parse_profiler_config
 from halfmoon.serve.gateway.config import served_names
 from halfmoon.serve.gateway.exposure import CorsPolicy, TlsOptions
 from halfmoon.serve.gateway.tenancy import api_keys
+from halfmoon.serve.launch.launcher import api_options, http_options
 from halfmoon.serve.launch.replan import replan_config_from_args
-from halfmoon.serve.launch.vllm_flags import default_template_kwargs
 from halfmoon.sim.replan import ReplanConfig
 
 POOL_ROLES = ("prefill", "decode", "coupled")
@@ -207,21 +206,11 @@ class GatewaySpec:
     #: ``--profiler-config`` (checked, its directory absolute) as JSON, or None: each
     #: worker writes its traces there on its own node (GatewayConfig.profiler).
     profiler_config: str | None = None
-    #: ``--tool-call-parser`` and ``--reasoning-parser`` (GatewayConfig's).
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    #: ``--served-model-name``'s further names (GatewayConfig.model_aliases).
-    model_aliases: tuple[str, ...] = ()
-    #: vLLM's ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage``
-    #: (GatewayConfig's), ``--uvicorn-log-level`` and ``--root-path`` (the HTTP server's).
-    tokens_as_ids: bool = False
-    force_include_usage: bool = False
-    #: Not vLLM's ``--disable-fastapi-docs`` (GatewayConfig.docs).
-    docs: bool = True
-    #: ``--default-chat-template-kwargs`` as JSON (GatewayConfig.default_template_kwargs).
-    default_template_kwargs: str = "{}"
-    uvicorn_log_level: str = "warning"
-    root_path: str = ""
+    #: How the API reads and answers requests: GatewayConfig fields
+    #: (:func:`~halfmoon.serve.launch.launcher.api_options`), as ``(name, value)`` pairs.
+    api_options: tuple[tuple[str, Any], ...] = ()
+    #: The HTTP server's options (:func:`~halfmoon.serve.launch.launcher.http_options`).
+    http_options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,15 +290,8 @@ def deploy_spec(args: argparse.Namespace, engine_json: str, conductor_json: str)
             getattr(args, "allow_runtime_lora_updating", False), os.environ
         ),
         profiler_config=profiler and profiler.to_json(),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        reasoning_parser=getattr(args, "reasoning_parser", None),
-        model_aliases=served_names(args.served_model_name)[1:],
-        tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
-        force_include_usage=getattr(args, "enable_force_include_usage", False),
-        docs=not getattr(args, "disable_fastapi_docs", False),
-        default_template_kwargs=json.dumps(default_template_kwargs(args)),
-        uvicorn_log_level=getattr(args, "uvicorn_log_level", "warning"),
-        root_path=getattr(args, "root_path", None) or "",
+        api_options=tuple(api_options(args).items()),
+        http_options=tuple(http_options(args).items()),
     )  # fmt: skip
     return DeploySpec(deploy_config(args), args.mode, sizes, args.model, args.seed,
                       engine_json, conductor_json, gateway, args.log_level)  # fmt: skip

@@ -99,10 +99,19 @@ def test_the_gateway_spec_carries_the_request_id_headers_option():
 
 
 def test_the_gateway_spec_carries_the_parsers(capsys):
-    assert deploy_spec(_serve("--ray"), "{}", "{}").gateway.reasoning_parser is None
-    argv = ("--ray", "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes")
+    plain = dict(deploy_spec(_serve("--ray"), "{}", "{}").gateway.api_options)
+    assert plain["reasoning_parser"] is None and plain["docs"]
+    argv = ("--ray", "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+            "--disable-fastapi-docs", "--default-chat-template-kwargs", '{"t": 1}',
+            "--root-path", "/llm")  # fmt: skip
     spec = deploy_spec(_serve(*argv), "{}", "{}").gateway
-    assert (spec.reasoning_parser, spec.tool_call_parser) == ("qwen3", "hermes")
+    options = dict(spec.api_options)
+    assert (options["reasoning_parser"], options["tool_call_parser"]) == ("qwen3", "hermes")
+    assert not options["docs"] and options["default_template_kwargs"] == {"t": 1}
+    assert dict(spec.http_options) == {"log_level": "warning", "root_path": "/llm"}
+    from halfmoon.serve.gateway.config import GatewayConfig
+
+    assert GatewayConfig("m", 256, **options).reasoning_parser == "qwen3"  # (the actor's)
     with pytest.raises(SystemExit):
         _serve("--reasoning-parser", "nope")
     assert "invalid choice: 'nope'" in capsys.readouterr().err

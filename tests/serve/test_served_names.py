@@ -51,6 +51,6 @@ def test_the_flag_takes_several_names():
     assert served_names(None) == () and served_names("x") == ("x",)
     spec = deploy_spec(build_parser().parse_args(
         ["serve", "--ray", "--served-model-name", "m", "a", "b"]), "{}", "{}").gateway  # fmt: skip
-    assert (spec.served_model_name, spec.model_aliases) == ("m", ("a", "b"))
+    assert (spec.served_model_name, dict(spec.api_options)["model_aliases"]) == ("m", ("a", "b"))
     plain = deploy_spec(build_parser().parse_args(["serve", "--ray"]), "{}", "{}").gateway
-    assert (plain.served_model_name, plain.model_aliases) == (None, ())
+    assert (plain.served_model_name, dict(plain.api_options)["model_aliases"]) == (None, ())

@@ -60,6 +60,29 @@ from halfmoon.serve.worker.main import (
 log = logging.getLogger("serve")
 
 
+def api_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The GatewayConfig fields of how the API reads and answers requests, from serve's
+    flags (the launcher's gateway and ``--ray``'s alike): the tool-call and reasoning
+    parsers, the model's further names, vLLM's server-wide request defaults, the docs
+    pages and the default chat-template variables."""
+    return {
+        "tool_call_parser": getattr(args, "tool_call_parser", None),
+        "reasoning_parser": getattr(args, "reasoning_parser", None),
+        "model_aliases": served_names(args.served_model_name)[1:],
+        "tokens_as_ids": getattr(args, "return_tokens_as_token_ids", False),
+        "force_include_usage": getattr(args, "enable_force_include_usage", False),
+        "docs": not getattr(args, "disable_fastapi_docs", False),
+        "default_template_kwargs": default_template_kwargs(args),
+    }
+
+
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`server_config`'s keyword arguments from vLLM's flags: uvicorn's log level
+    and the root path a proxy serves the API under."""
+    return {"log_level": getattr(args, "uvicorn_log_level", "warning"),
+            "root_path": getattr(args, "root_path", None) or ""}  # fmt: skip
+
+
 def prepare_model(model: str, seed: int) -> Path:
     """The model directory ``model`` names (:func:`halfmoon.engine.catalog.resolve_model`):
     a directory as it is; a named model, a .gguf file or a preset imported or written once
@@ -173,13 +196,7 @@ async def _serve_gateway(
         request_id_headers=getattr(args, "enable_request_id_headers", False),
         dev_endpoints=dev_mode(os.environ),
         sampling_defaults=defaults_from_args(args, model_dir),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        reasoning_parser=getattr(args, "reasoning_parser", None),
-        model_aliases=served_names(args.served_model_name)[1:],
-        tokens_as_ids=getattr(args, "return_tokens_as_token_ids", False),
-        force_include_usage=getattr(args, "enable_force_include_usage", False),
-        docs=not getattr(args, "disable_fastapi_docs", False),
-        default_template_kwargs=default_template_kwargs(args),
+        **api_options(args),
         responses_store_bytes=int(getattr(args, "responses_store_mb", 256) * 2**20),
         end_token_ids=end_token_ids(model_dir),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
@@ -192,11 +209,8 @@ async def _serve_gateway(
     )
     app = create_app(backend, tokenizer, config, process_states=group.states)
     tls = exposure[1]
-    server = _QuietServer(server_config(
-        app, args.host, args.port, ConnectionLimits(), tls,
-        log_level=getattr(args, "uvicorn_log_level", "warning"),
-        root_path=getattr(args, "root_path", None) or "",
-    ))  # fmt: skip
+    server = _QuietServer(server_config(app, args.host, args.port, ConnectionLimits(), tls,
+                                        **http_options(args)))  # fmt: skip
     log.info(
         "context limit %d tokens (prompt + output), set by %s; max_tokens up to %d",
         limit.max_model_len, limit.source, config.max_tokens_limit,

@@ -96,8 +96,7 @@ _ONLY_WHY = {
     "workers (--prefill/--decode, --instances)",
     "--api-server-count": "one gateway serves the API (its Conductor places the requests)",
     "--tokenizer-mode": "the model directory's Hugging Face tokenizer is read",
-    "--chat-template-content-format": "a message's text parts reach the template as one "
-    "string",
+    "--chat-template-content-format": "a message's text parts reach the template as one string",
 }
 _SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
           "--quantization": "-q", "--data-parallel-size": "-dp"}  # fmt: skip
