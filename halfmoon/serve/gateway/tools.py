@@ -29,12 +29,12 @@ serves them without a model-specific tool-call parser.
   ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``, as v11 and later
   do; ``[TOOL_CALLS]`` is a special token, so such requests keep special tokens in their
   text, as vLLM's parser asks; call ids are 9 letters and digits, which Mistral's chat
-  templates require of the ``tool_call_id`` that answers them); ``qwen3_coder`` (Qwen3-Coder's XML-like
-  calls: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
-  </tool_call>``, the wrapper optional; each value's text read as its parameter's schema
-  types it: a string as written, numbers, booleans and null as such, objects and arrays
-  as JSON (or Python literals); a parameter the schema does not type as JSON where it
-  parses, else text).
+  templates require of the ``tool_call_id`` that answers them); ``qwen3_coder``
+  (Qwen3-Coder's XML-like calls: ``<tool_call><function=NAME><parameter=KEY>value
+  </parameter>...</function></tool_call>``, the wrapper optional; each value's text read
+  as its parameter's schema types it: a string as written, numbers, booleans and null as
+  such, objects and arrays as JSON (or Python literals); a parameter the schema does not
+  type as JSON where it parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
