@@ -24,6 +24,18 @@ def disagg(cluster_factory):
                            "--scheduling-policy", "priority")  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def coupled(cluster_factory):
+    """One coupled worker, started as a vLLM command line would start it (the model first;
+    vLLM's flags, some done here, others accepted; a second served name), with qwen3's
+    reasoning parser (which reads nothing of a completion, nor of a chat not opened)."""
+    return cluster_factory("tiny", "--mode", "coupled", "--instances", "1",
+                           "--kv-cache-mb", "32", "--reasoning-parser", "qwen3",
+                           "--max-num-batched-tokens", "128", "--trust-remote-code",
+                           "--enable-force-include-usage", "--disable-log-requests",
+                           "--served-model-name", "tiny", "thinker")  # fmt: skip
+
+
 def _client(cluster):
     return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
 
@@ -43,11 +55,10 @@ def _metric(cluster, name):
     return float(m.group(1)) if m else 0.0
 
 
-def test_greedy_identical_across_disaggregated_coupled_and_offline(disagg, cluster_factory):
+def test_greedy_identical_across_disaggregated_coupled_and_offline(disagg, coupled):
     from halfmoon.core.request import SamplingParams
     from halfmoon.engine import EngineConfig, LLMEngine
 
-    coupled = cluster_factory("--mode", "coupled", "--instances", "1", "--kv-cache-mb", "32")
     engine = LLMEngine(EngineConfig(model=str(disagg.cache / "presets" / "tiny-seed0")))
     offline = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for prompt, ref in zip(PROMPTS, offline, strict=True):
@@ -655,20 +666,15 @@ def test_token_in_token_out_through_the_cluster(disagg):
     _wait_idle(disagg)
 
 
-def test_reasoning_through_the_cluster(cluster_factory):
-    """``--reasoning-parser qwen3`` (a coupled worker): a chat whose prompt opens
+def test_reasoning_through_the_cluster(coupled):
+    """``--reasoning-parser qwen3`` (the coupled worker): a chat whose prompt opens
     ``<think>`` (the final assistant message continued) answers the model's output as its
     ``reasoning``, the same text as a completion of the same rendered prompt, whole and
     streamed; the same chat not opened answers content, as without a parser; a choice
     held after the reasoning leaves the reasoning as free, and holds from the start
-    where the prompt closed the reasoning. Started as a vLLM command line would start it
-    (the model first; vLLM's flags, one done here, others accepted; a second served name)."""
-    thinking = cluster_factory("tiny", "--mode", "coupled", "--instances", "1",
-                               "--kv-cache-mb", "32", "--reasoning-parser", "qwen3",
-                               "--max-num-batched-tokens", "128", "--trust-remote-code",
-                               "--enable-force-include-usage", "--disable-log-requests",
-                               "--served-model-name", "tiny", "thinker")  # fmt: skip
-    base = thinking.base_url
+    where the prompt closed the reasoning. The vLLM flags it started with hold: both
+    served names, usage forced into a stream."""
+    base = coupled.base_url
     names = [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
     assert names == ["tiny", "thinker"]
     hello = {"model": "thinker", "messages": [{"role": "user", "content": "Hi"}],
