@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from halfmoon.serve.gateway.reasoning import split_reasoning
+from halfmoon.serve.gateway.reasoning import shown_reasoning
 from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
 from halfmoon.serve.gateway.tools import HeldText
 
@@ -48,8 +48,8 @@ async def whole_answer(
                 finish, use = fin, u
     text, reasoning = "".join(parts), None
     if p is not None and p.reasoning is not None:
-        reasoning, content = split_reasoning(p.reasoning, text)
-        text, reasoning = content or "", reasoning if p.reasoning.show else None
+        reasoning, content = shown_reasoning(p.reasoning, text)
+        text = content or ""
     return Answer(text, finish, use, reasoning)
 
 

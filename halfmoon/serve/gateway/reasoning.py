@@ -142,3 +142,10 @@ def split_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | N
     if not reasoning:
         return None, content
     return reasoning, content or None
+
+
+def shown_reasoning(mode: ReasoningMode, text: str) -> tuple[str | None, str | None]:
+    """:func:`split_reasoning` as an answer shows it: the reasoning None unless the
+    request shows it (``include_reasoning``)."""
+    reasoning, content = split_reasoning(mode, text)
+    return (reasoning if mode.show else None), content

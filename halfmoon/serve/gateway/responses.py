@@ -28,7 +28,7 @@ from halfmoon.serve.gateway.openai_api import (
     prompt_logprobs_body,
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
-from halfmoon.serve.gateway.reasoning import ReasoningMode, split_reasoning
+from halfmoon.serve.gateway.reasoning import ReasoningMode, shown_reasoning
 from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer, tool_call_id
 
 
@@ -227,8 +227,7 @@ async def collect(
         text: str | None = "".join(parts[index])
         finish, calls, reasoning = finishes[index], None, None
         if p.reasoning is not None:
-            reasoning, text = split_reasoning(p.reasoning, text)
-            reasoning = reasoning if p.reasoning.show else None
+            reasoning, text = shown_reasoning(p.reasoning, text)
         if p.tool_mode is not None and text is not None:
             text, calls = split_answer(p.tool_mode, text)
             if calls is not None:

@@ -102,6 +102,11 @@ _SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
           "--quantization": "-q", "--data-parallel-size": "-dp"}  # fmt: skip
 
 
+def _names(flag: str) -> list[str]:
+    """A flag's names: vLLM's short one too, where it has one."""
+    return [flag, _SHORT[flag]] if flag in _SHORT else [flag]
+
+
 def _dest(flag: str) -> str:
     return "vllm_" + flag.lstrip("-").replace("-", "_")
 
@@ -157,12 +162,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, dest=_dest(flag), default=None, metavar="VALUE",
                        help=f"accepted for vLLM's command lines, changing nothing: {why}")  # fmt: skip
     for flag, why in REFUSED.items():
-        names = [flag, _SHORT[flag]] if flag in _SHORT else [flag]
-        p.add_argument(*names, dest=_dest(flag), default=None, nargs="?", const="",
+        p.add_argument(*_names(flag), dest=_dest(flag), default=None, nargs="?", const="",
                        metavar="VALUE", help=f"refused (vLLM's flag): {why}")  # fmt: skip
     for flag, values in ONLY.items():
-        names = [flag, _SHORT[flag]] if flag in _SHORT else [flag]
-        p.add_argument(*names, dest=_dest(flag), default=None, metavar="VALUE",
+        p.add_argument(*_names(flag), dest=_dest(flag), default=None, metavar="VALUE",
                        help=f"vLLM's flag: only {' or '.join(values)} ({_ONLY_WHY[flag]})")  # fmt: skip
 
 
