@@ -63,7 +63,7 @@ def test_the_pools_follow_the_traffic(ray_nodes: RayNodes, tmp_path):
         target = _Target(url)
         assert _sizes(ray, controller) == {"prefill": 1, "decode": 2}
 
-        assert set(_phase(target, CHAT, seconds=12)) == {200}
+        assert set(_phase(target, CHAT, seconds=8)) == {200}
         assert _sizes(ray, controller) == {"prefill": 1, "decode": 2}  # chat: it stays
 
         def moved() -> bool:

@@ -89,7 +89,7 @@ def test_a_shift_to_long_prompts_moves_a_decode_worker_to_prefill(cluster_factor
     cluster = cluster_factory(*REPLAN_ARGS, "--ttft-slo", str(slo))
     assert sorted(_roles(cluster).values()) == ["decode", "decode", "prefill"]
 
-    chat = _phase(cluster, CHAT, seconds=12)
+    chat = _phase(cluster, CHAT, seconds=8)
     assert set(chat) == {200}
     assert sorted(_roles(cluster).values()) == ["decode", "decode", "prefill"]  # stays
 

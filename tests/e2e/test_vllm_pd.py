@@ -127,7 +127,7 @@ def test_a_structured_output_through_the_pair_equals_vllms_own(pd, tokenized):
     schema = {"type": "object", "properties": {"fruit": {"enum": ["apple", "pear", "plum"]}},
               "required": ["fruit"], "additionalProperties": False}  # fmt: skip
     prompt = "My favourite fruit, as JSON:"
-    url = _decode_server_url(pd)  # (up again, if the kill test ran before)
+    url = _decode_server_url(pd)
     ours = _client(pd).completions.create(
         model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"structured_outputs": {"json": schema}},
@@ -149,7 +149,7 @@ def test_prompt_logprobs_through_the_pair_equal_vllms_own(pd, tokenized):
     ids = tokenizer.encode("The capital of France is Paris, and the capital of Spain is")
     body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0,
             "prompt_logprobs": 1}  # fmt: skip
-    url = _decode_server_url(pd)  # (up again, if the kill test ran before)
+    url = _decode_server_url(pd)
     ours = httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=120).json()
     theirs = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
     got, expected = ours["choices"][0]["prompt_logprobs"], theirs["choices"][0]["prompt_logprobs"]
@@ -226,31 +226,6 @@ def test_an_embedding_is_refused_with_a_400_naming_the_engine(pd):
     assert r.status_code == 400 and "--engine halfmoon" in r.text, r.text
 
 
-def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
-    """The only decode server dies mid-stream: the request ends with an error naming the
-    lost server, within the gateway's timeouts (nothing hangs)."""
-    client = _client(pd)
-    stream = client.completions.create(
-        model=MODEL, prompt="Write a long story about a dragon who learns to paint.",
-        max_tokens=96, temperature=0, stream=True, extra_body={"ignore_eos": True},
-        timeout=180,
-    )  # fmt: skip
-    chunks = iter(stream)
-    next(chunks)
-    decode = _decode_servers(pd)
-    assert decode, "no decode vLLM found"
-    started = time.monotonic()
-    os.kill(decode[0], signal.SIGKILL)
-    text = ""
-    try:  # completes on a decode server started again, or fails with a clear error
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-    except openai.APIError as exc:
-        assert "decode" in str(exc) or "vLLM" in str(exc), exc
-    else:
-        assert text
-    assert time.monotonic() - started < 240
-
-
 def test_beam_search_through_the_pair_equals_vllms_own(pd, tokenized):
     """``use_beam_search`` through a disaggregated vLLM pair (each step a one-token
     request, answered by the prefill server) finds the beams vLLM's own beam search finds
@@ -277,3 +252,30 @@ def test_a_lora_adapter_through_the_pair_equals_vllms_own(pd, tokenized):
     served = _client(pd).completions.create(model="sql", prompt=PROMPTS[2],
                                             max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
     assert served.choices[0].text == expected
+
+
+# Last in the module: the only decode server restarts (~20 s of a core), which the tests
+# above would otherwise wait for.
+def test_killing_the_decode_server_mid_request_fails_it_clearly(pd):
+    """The only decode server dies mid-stream: the request ends with an error naming the
+    lost server, within the gateway's timeouts (nothing hangs)."""
+    client = _client(pd)
+    stream = client.completions.create(
+        model=MODEL, prompt="Write a long story about a dragon who learns to paint.",
+        max_tokens=96, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        timeout=180,
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    decode = _decode_servers(pd)
+    assert decode, "no decode vLLM found"
+    started = time.monotonic()
+    os.kill(decode[0], signal.SIGKILL)
+    text = ""
+    try:  # completes on a decode server started again, or fails with a clear error
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    except openai.APIError as exc:
+        assert "decode" in str(exc) or "vLLM" in str(exc), exc
+    else:
+        assert text
+    assert time.monotonic() - started < 240
