@@ -128,6 +128,10 @@ class SamplingParams:
     #: answers with its last token's final hidden state (after the model's last norm, as
     #: vLLM pools a generative model by default) instead of sampling a token.
     embed: bool = False
+    #: vLLM's ``thinking_token_budget``: at most this many tokens of a reasoning (counted
+    #: from its start tag, in the prompt or the output) before the engine forces its end
+    #: tag (:data:`REASONING_TAGS`); None: no limit.
+    thinking_token_budget: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -170,6 +174,10 @@ class SamplingParams:
             )
         if self.embed and (self.prompt_logprobs is not None or self.structured is not None):
             raise ValueError("an embedding request takes no prompt_logprobs or structured output")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError(
+                f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

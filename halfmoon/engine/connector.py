@@ -491,7 +491,7 @@ class _LocalStage(StageConnector):
         constraint = engine.new_constraint(params)
         mask = constraint.allowed() if constraint is not None else None
         row = row_for(params, seed, 0, tuple(sorted(stop_ids)), list(prompt), mask,
-                      engine.bad_words_ids(params))  # fmt: skip
+                      engine.bad_words_ids(params), engine.thinking_tags(params))  # fmt: skip
         (token,), (entry,) = sample_with_logprobs(
             self.executor.logits(rows), [row], [params.logprobs]
         )

@@ -25,7 +25,7 @@ from halfmoon.core.adapters import RuntimeAdapter, check_adapter_dir
 from halfmoon.core.errors import HalfmoonError
 from halfmoon.core.hashing import adapter_salt, chain_root
 from halfmoon.core.profiling import ProfilerConfig, ProfileSession
-from halfmoon.core.request import SamplingParams, TokenLogprob
+from halfmoon.core.request import REASONING_TAGS, SamplingParams, TokenLogprob
 from halfmoon.core.speculative import SpecDecodeCounts
 from halfmoon.engine.attention import LayerHook
 from halfmoon.engine.block_manager import BlockManager
@@ -54,6 +54,7 @@ from halfmoon.engine.runner import (
     ModelRunner,
 )
 from halfmoon.engine.sampling import (
+    ThinkingTags,
     chunk_prompt_logprobs,
     finish_reason,
     row_for,
@@ -279,6 +280,7 @@ class LLMEngine:
             self.proposer = NgramProposer(config.speculative, self.max_model_len)
             self.scheduler.proposer = self.proposer.propose
         self._rng = random.Random(config.seed)
+        self._thinking_tags: ThinkingTags | None = None
         self._seqs: dict[str, Sequence] = {}
         self._failures: list[RequestFailure] = []
         self._failed_steps_in_a_row = 0
@@ -368,6 +370,20 @@ class LLMEngine:
             return self.tokenizer.bad_word_ids(params.bad_words)
         except ValueError as exc:
             raise HalfmoonError(str(exc)) from None
+
+    def thinking_tags(self, params: SamplingParams) -> ThinkingTags | None:
+        """The reasoning's tags as token ids when ``params`` set a thinking budget (the
+        sampler forces the end tag once it is spent: :func:`sampling.thinking_forced`),
+        else None; tokenized as vLLM does (no special tokens added)."""
+        if params.thinking_token_budget is None:
+            return None
+        if self._thinking_tags is None:
+            if self.tokenizer is None:
+                raise HalfmoonError("thinking_token_budget needs the model's tokenizer")
+            start, end = (tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+                          for tag in REASONING_TAGS)  # fmt: skip
+            self._thinking_tags = (start, end)
+        return self._thinking_tags
 
     def new_constraint(self, params: SamplingParams) -> Constraint | None:
         """A fresh :class:`Constraint` for ``params.structured`` (None without one);
@@ -693,7 +709,7 @@ class LLMEngine:
                 token_ids = seq.token_ids + list(c.draft[:j]) if j else seq.token_ids
                 rows.append(row_for(
                     seq.params, seq.seed, seq.num_output_tokens + j, tuple(seq.stop_token_ids),
-                    token_ids, mask, seq.bad_words,
+                    token_ids, mask, seq.bad_words, self.thinking_tags(seq.params),
                 ))  # fmt: skip
         batch = torch.cat([lg for _, lg in sampling])
         num_top = [c.seq.params.logprobs for c, _ in sampling for _ in range(len(c.draft) + 1)]

@@ -59,6 +59,42 @@ class SamplingRow:
     grammar_mask: torch.Tensor | None = field(default=None, compare=False)
     #: ``bad_words`` as token sequences (:meth:`Tokenizer.bad_word_ids`).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    #: The one token this row must draw (a thinking budget spent: its end tag's next
+    #: token, :func:`thinking_forced`), or None.
+    forced_token: int | None = None
+
+
+#: A reasoning's start and end tags as token ids (the engine's tokenizer's).
+ThinkingTags = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _rfind(token_ids: SequenceABC[int], tag: tuple[int, ...], start: int = 0) -> int:
+    """The position of the last ``tag`` in ``token_ids[start:]``, or -1."""
+    n = len(tag)
+    first = tag[0]
+    for i in range(len(token_ids) - n, start - 1, -1):
+        if token_ids[i] == first and tuple(token_ids[i : i + n]) == tag:
+            return i
+    return -1
+
+
+def thinking_forced(token_ids: SequenceABC[int], tags: ThinkingTags, budget: int) -> int | None:
+    """vLLM's ``thinking_token_budget`` on ``token_ids`` (prompt + output so far): inside
+    a reasoning (its last start tag not yet followed by an end tag) that has had
+    ``budget`` tokens since its start tag, the next token of the end tag, which the
+    sampler then forces until the tag is whole; None elsewhere. Each reasoning (a start
+    tag after an end tag) has a budget of its own, as on vLLM."""
+    start, end = tags
+    opened = _rfind(token_ids, start)
+    if opened < 0:
+        return None
+    inside = opened + len(start)
+    if _rfind(token_ids, end, inside) >= 0:
+        return None  # (closed)
+    forced = len(token_ids) - inside - budget  # end-tag tokens already forced
+    if forced < 0 or forced >= len(end):
+        return None
+    return end[forced]
 
 
 def row_for(
@@ -69,12 +105,17 @@ def row_for(
     token_ids: SequenceABC[int] = (),
     grammar_mask: torch.Tensor | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
+    thinking: ThinkingTags | None = None,
 ) -> SamplingRow:
     """The :class:`SamplingRow` of a request; its stop ids are banned until ``min_tokens``.
-    ``token_ids`` (prompt + output so far) matter only to penalties and ``bad_words``
-    (:meth:`~halfmoon.engine.tokenizer.Tokenizer.bad_word_ids`); ``grammar_mask`` is its structured output's
-    :meth:`~halfmoon.engine.structured.Constraint.allowed`."""
+    ``token_ids`` (prompt + output so far) matter only to penalties, ``bad_words``
+    (:meth:`~halfmoon.engine.tokenizer.Tokenizer.bad_word_ids`) and a thinking budget
+    (``thinking``: the reasoning's tags, :func:`thinking_forced`); ``grammar_mask`` is its
+    structured output's :meth:`~halfmoon.engine.structured.Constraint.allowed`."""
     banned = stop_ids if num_output_tokens < params.min_tokens else ()
+    forced = None
+    if thinking is not None and params.thinking_token_budget is not None:
+        forced = thinking_forced(token_ids, thinking, params.thinking_token_budget)
     return SamplingRow(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -91,6 +132,7 @@ def row_for(
         allowed_token_ids=params.allowed_token_ids,
         grammar_mask=grammar_mask,
         bad_words=bad_words,
+        forced_token=forced,
     )
 
 
@@ -225,7 +267,11 @@ def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | 
     """The tokens a row may draw (bool ``[vocab]``), None for all. A structured output's
     grammar wins over ``allowed_token_ids`` when they share no token, and either wins over
     ``min_tokens`` and ``bad_words``: stop tokens and bad words' tokens are banned only
-    while something else is left."""
+    while something else is left. A forced token (a spent thinking budget) wins over all."""
+    if row.forced_token is not None and row.forced_token < vocab:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+        keep[row.forced_token] = True
+        return keep
     keep = grammar = None
     if row.grammar_mask is not None:
         keep = grammar = torch.zeros(vocab, dtype=torch.bool, device=device)

@@ -717,6 +717,13 @@ def test_reasoning_through_the_cluster(coupled):
         **held, "messages": closed, "max_tokens": 30}).json()  # fmt: skip
     assert said["choices"][0]["message"]["content"] in choices["choice"], said["choices"]
     assert "reasoning" not in said["choices"][0]["message"]
+    # a thinking budget: the worker's engine ends the reasoning after 4 tokens (the
+    # prompt's one after <think> counts), and the rest of the answer is its content
+    budgeted = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        **opened, "max_tokens": 16, "thinking_token_budget": 4}).json()  # fmt: skip
+    message, usage = budgeted["choices"][0]["message"], budgeted["usage"]
+    assert raw.startswith(message["reasoning"]) and message["content"], message
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 3, usage
 
 
 def test_sglangs_generate_through_the_cluster(disagg):

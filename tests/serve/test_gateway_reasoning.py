@@ -358,3 +358,46 @@ def test_the_sdks_read_the_reasoning(served):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "\n\nYes, Paris." and final.content[0].thinking == THOUGHT
+
+
+def test_a_thinking_budget_reaches_the_engine_from_every_api(served):
+    """vLLM's ``thinking_token_budget`` on chat, completions and ``/inference/v1/generate``
+    (-1: none), and an enabled Messages ``thinking``'s ``budget_tokens``, as vLLM maps
+    it; beam search cannot honour one (a 400)."""
+    client, backend = served
+    backend.answer = ANSWER
+    assert _chat(client, thinking_token_budget=12).status_code == 200
+    assert backend.params[-1].thinking_token_budget == 12
+    assert _chat(client, thinking_token_budget=-1).status_code == 200
+    assert backend.params[-1].thinking_token_budget is None
+    completion = {"model": "m", "prompt": "Why?", "max_tokens": 8, "thinking_token_budget": 0}
+    assert client.post("/v1/completions", json=completion).status_code == 200
+    assert backend.params[-1].thinking_token_budget == 0
+    generate = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4,
+                                                             "thinking_token_budget": 3}}  # fmt: skip
+    assert client.post("/inference/v1/generate", json=generate).status_code == 200
+    assert backend.params[-1].thinking_token_budget == 3
+    body = {"model": "m", "max_tokens": 64, "messages": MESSAGES,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    assert client.post("/v1/messages", json=body).status_code == 200
+    assert backend.params[-1].thinking_token_budget == 1024
+    bad = _chat(client, thinking_token_budget=-2)
+    assert bad.status_code == 400 and "thinking_token_budget" in bad.text
+    beams = _chat(client, thinking_token_budget=4, use_beam_search=True, n=2)
+    assert beams.status_code == 400 and "thinking_token_budget" in beams.text
+
+
+def test_without_a_parser_a_thinking_budget_is_refused_naming_it(gateways):
+    """No parser, no reasoning to bound: a 400 naming the flag (vLLM refuses one without
+    its reasoning config); a Messages request's ``thinking`` is then only the template's
+    switch."""
+    with answering(gateways) as (client, backend):
+        refused = _chat(client, thinking_token_budget=8)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "thinking_token_budget"
+        assert "--reasoning-parser" in error["message"]
+        body = {"model": "m", "max_tokens": 64, "messages": MESSAGES,
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+        assert client.post("/v1/messages", json=body).status_code == 200
+        assert backend.params[-1].thinking_token_budget is None

@@ -25,7 +25,8 @@ STRUCTURED = StructuredOutput(
 PARAMS = m.WireParams.of(SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                                         logit_bias=((5, -2.5),), presence_penalty=0.5,
                                         min_p=0.05, allowed_token_ids=(5, 9),
-                                        structured=STRUCTURED, bad_words=("x",)))  # fmt: skip
+                                        structured=STRUCTURED, bad_words=("x",),
+                                        thinking_token_budget=12))  # fmt: skip
 P0 = m.Endpoints(instance_id="p0", command="tcp://h:1", transfer="h:2", incarnation="i1")
 D0 = m.Endpoints(instance_id="d0", command="tcp://h:3", transfer="h:4")
 TOKENS = m.Tokens(request_id="r", index=0, token_ids=[7], finish_reason=None,
@@ -162,7 +163,7 @@ def test_typed_views_of_the_wire_forms():
     params = SamplingParams(max_tokens=8, temperature=0.5, seed=3, logprobs=2,
                             logit_bias=((5, -2.5),), presence_penalty=0.5, min_p=0.05,
                             allowed_token_ids=(5, 9), structured=STRUCTURED,
-                            bad_words=("x",))  # fmt: skip
+                            bad_words=("x",), thinking_token_budget=12)  # fmt: skip
     assert PARAMS.to_params() == params
     assert m.params_from_wire(m.params_to_wire(params)) == params
     urgent = SamplingParams(max_tokens=4, priority=-7)  # (the priority policy's order)

@@ -119,6 +119,7 @@ class WireParams(Record):
     priority: int = 0
     lora: str | None = None
     embed: bool = False
+    thinking_token_budget: int | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
@@ -136,7 +137,7 @@ class WireParams(Record):
             structured=None if (so := params.structured) is None
             else (so.kind, so.spec, so.compact, so.closed, so.whitespace, so.reasoning),
             bad_words=list(params.bad_words), priority=params.priority, lora=params.lora,
-            embed=params.embed,
+            embed=params.embed, thinking_token_budget=params.thinking_token_budget,
         )  # fmt: skip
 
     def to_params(self) -> SamplingParams:
@@ -153,7 +154,7 @@ class WireParams(Record):
             prompt_logprobs=self.prompt_logprobs,
             structured=None if self.structured is None else StructuredOutput(*self.structured),
             bad_words=tuple(self.bad_words), priority=self.priority, lora=self.lora,
-            embed=self.embed,
+            embed=self.embed, thinking_token_budget=self.thinking_token_budget,
         )  # fmt: skip
 
 

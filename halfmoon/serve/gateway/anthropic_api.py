@@ -28,9 +28,9 @@ from halfmoon.serve.gateway.token_generation import rendered
 from halfmoon.serve.gateway.tokens_api import render_prepared
 
 
-def _chat(body: CountTokensRequest) -> ChatCompletionRequest:
+def _chat(body: CountTokensRequest, gw: Gateway) -> ChatCompletionRequest:
     try:
-        return to_chat(body)
+        return to_chat(body, reasoning=gw.config.reasoning_parser is not None)
     except ValueError as exc:  # (FieldError names the field)
         param = getattr(exc, "param", None)
         raise HTTPError(400, str(exc), "BadRequestError", param=param) from None
@@ -43,7 +43,7 @@ def messages_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        p, first, stream = await start(_chat(body), request)
+        p, first, stream = await start(_chat(body, gw), request)
         msg_id = f"msg_{p.public_id}"
         name(p, request, msg_id)
         if body.stream:
@@ -59,14 +59,14 @@ def messages_router(gw: Gateway, start: Start, name: Name) -> APIRouter:
     @router.post("/v1/messages/render")
     async def render_messages(body: MessagesRequest, request: Request) -> dict[str, Any]:
         """The token-in, token-out generate request of a message (vLLM's ``render``)."""
-        chat = _chat(body)
+        chat = _chat(body, gw)
         p = await render_prepared(gw, chat, request)
         return rendered(p, body.model, body.stream, None, None)[0]
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
         gw.check_model(body.model)
-        chat = _chat(body)
+        chat = _chat(body, gw)
         messages = [m.for_template() for m in chat.messages]
         tokens = await gw.off_loop(gw.chat_prompt, messages, chat.template_options())
         return {"input_tokens": len(tokens)}

@@ -14,7 +14,8 @@ last assistant turn is a prefilled answer, which the output continues.
 ``required`` / a named function / ``none`` (``disable_parallel_tool_use``: one call at
 most); ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``,
 ``top_k`` as they are (left out: the model's defaults); ``output_config.format`` (a JSON
-schema) a structured output; ``thinking`` sets the chat template's ``enable_thinking``.
+schema) a structured output; ``thinking`` sets the chat template's ``enable_thinking`` (and, under a
+reasoning parser, an enabled one's ``budget_tokens`` is the ``thinking_token_budget``).
 vLLM's extras ``priority``, ``cache_salt``, ``request_id`` and ``chat_template_kwargs``
 pass through, and so does a ``seed``.
 
@@ -232,9 +233,11 @@ def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat(req: CountTokensRequest, reasoning: bool = False) -> ChatCompletionRequest:
     """The chat completion request that serves ``req`` (FieldError for what cannot be
-    served); a :class:`CountTokensRequest` gives the prompt alone."""
+    served); a :class:`CountTokensRequest` gives the prompt alone. ``reasoning``: the
+    server reads reasoning (``--reasoning-parser``): an enabled ``thinking``'s
+    ``budget_tokens`` is then the request's ``thinking_token_budget``, as on vLLM."""
     choice, parallel = _tool_choice(req.tool_choice)
     body: dict[str, Any] = {
         "model": req.model,
@@ -253,6 +256,9 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
                  "response_format": _response_format(req.output_config)}  # fmt: skip
         for name in _PASSED:
             body[name] = getattr(req, name)
+        thinking = req.thinking or {}
+        if reasoning and thinking.get("type") == "enabled":  # (vLLM's mapping)
+            body["thinking_token_budget"] = thinking.get("budget_tokens")
     return chat_request_of(body)
 
 

@@ -176,6 +176,9 @@ class _Common(BaseModel):
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     #: vLLM's: only these tokens may be generated (checked against the vocabulary).
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
+    #: vLLM's: at most this many tokens of a reasoning before its end tag is forced
+    #: (needs ``--reasoning-parser``, as vLLM needs its reasoning config; -1: no limit).
+    thinking_token_budget: int | None = Field(None, ge=-1)
 
     def num_choices(self) -> int:
         """Choices of the response, each its own request to the cluster."""
@@ -203,7 +206,7 @@ class _Common(BaseModel):
                    "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
                    "presence_penalty": 0.0, "frequency_penalty": 0.0,
                    "repetition_penalty": 1.0, "prompt_logprobs": None, "echo": False,
-                   "tools": None}  # fmt: skip
+                   "tools": None, "thinking_token_budget": None}  # fmt: skip
         out = [name for name, value in neutral.items()
                if (given := getattr(self, name, value)) != value and given not in ([], {})]  # fmt: skip
         if self.num_logprobs() is not None:

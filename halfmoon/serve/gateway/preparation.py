@@ -234,9 +234,22 @@ class RequestPreparation(ServedModels):
                 bad_words=self._bad_words(body.bad_words or ()),
                 priority=body.priority,
                 lora=self.lora_of(body.model),
+                thinking_token_budget=self.thinking_budget(body.thinking_token_budget),
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "BadRequestError") from None
+
+    def thinking_budget(self, budget: int | None) -> int | None:
+        """A request's ``thinking_token_budget`` (None: no limit, -1 too), a 400 without a
+        reasoning parser: the server then knows no reasoning (vLLM refuses it without
+        its reasoning config)."""
+        if budget is None or budget == -1:
+            return None
+        if self.config.reasoning_parser is None:
+            raise HTTPError(400, "thinking_token_budget needs a reasoning model's parser "
+                            "(halfmoon serve --reasoning-parser)", "BadRequestError",
+                            param="thinking_token_budget")  # fmt: skip
+        return budget
 
     def check_priority(self, priority: int) -> None:
         """A 400 naming ``priority`` unless the engines schedule by it (or it is 0), or

@@ -56,9 +56,10 @@ from halfmoon.serve.gateway.responses import (
 _PASSED = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
            "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
            "logprobs", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output",
-           "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")  # fmt: skip
+           "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
+           "thinking_token_budget")  # fmt: skip
 #: vLLM ``SamplingParams`` fields this server does not do: refused unless left unset.
-_REFUSED = ("watermarking", "thinking_token_budget", "repetition_detection",
+_REFUSED = ("watermarking", "repetition_detection",
             "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids",
             "extra_args")  # fmt: skip
 
@@ -120,6 +121,7 @@ class GenerateSamplingParams(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    thinking_token_budget: int | None = Field(None, ge=-1)
     # how vLLM's engine hands outputs over: accepted, no effect here
     output_kind: int | None = None
     stream_interval: int | None = None
@@ -131,7 +133,6 @@ class GenerateSamplingParams(BaseModel):
     trace_decode_token_ids: Any = None
     # not done here (refused when set: GenerateRequest.refused)
     watermarking: Any = None
-    thinking_token_budget: Any = None
     repetition_detection: Any = None
     prompt_logprob_token_ids: Any = None
     prompt_logprob_start: Any = None
@@ -366,6 +367,7 @@ def sampling_params_of(p: Prepared) -> dict[str, Any]:
         "logit_bias": {str(t): b for t, b in s.logit_bias} or None,
         "allowed_token_ids": list(s.allowed_token_ids) or None,
         "bad_words": list(s.bad_words),
+        "thinking_token_budget": s.thinking_token_budget,
     }  # fmt: skip
     defaults = GenerateSamplingParams()
     out = {name: value for name, value in fields.items()

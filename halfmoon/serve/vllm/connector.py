@@ -202,6 +202,8 @@ def request_body(
         body["bad_words"] = list(params.bad_words)
     if params.priority:  # (its server runs --scheduling-policy priority: the gateway checked)
         body["priority"] = params.priority
+    if params.thinking_token_budget is not None:  # (its server has the reasoning tags)
+        body["thinking_token_budget"] = params.thinking_token_budget
     if params.prompt_logprobs is not None:  # (vLLM returns them in a whole answer only)
         body["prompt_logprobs"] = params.prompt_logprobs
     return body

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from halfmoon.core.adapters import RUNTIME_LORA_ENV
 from halfmoon.core.errors import HalfmoonError
+from halfmoon.core.request import REASONING_TAGS
 from halfmoon.serve.runtime import die_with_parent, free_port
 from halfmoon.store.shm import owner_gone, owner_tag, sweep_orphan_segments
 
@@ -246,6 +247,11 @@ class VllmLaunch:
             "--scheduling-policy", self.scheduling_policy,
             "--kv-events-config", json.dumps(events), "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
+            # The reasoning's tags, so that a request's thinking_token_budget works (the
+            # gateway reads the reasoning itself: no parser, which would also change how
+            # the server holds structured outputs).
+            "--reasoning-config", json.dumps(dict(zip(
+                ("reasoning_start_str", "reasoning_end_str"), REASONING_TAGS, strict=True))),
         ]  # fmt: skip
         if self.max_model_len is not None:
             argv += ["--max-model-len", str(self.max_model_len)]
