@@ -267,10 +267,17 @@ def _kept(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor | 
     """The tokens a row may draw (bool ``[vocab]``), None for all. A structured output's
     grammar wins over ``allowed_token_ids`` when they share no token, and either wins over
     ``min_tokens`` and ``bad_words``: stop tokens and bad words' tokens are banned only
-    while something else is left. A forced token (a spent thinking budget) wins over all."""
-    if row.forced_token is not None and row.forced_token < vocab:
+    while something else is left. A forced token (a spent thinking budget) wins over all
+    but a grammar that does not admit it (a structured output held from the start: the
+    request then has no reasoning to end)."""
+    forced, grammar = row.forced_token, row.grammar_mask
+    if (
+        forced is not None
+        and forced < vocab
+        and (grammar is None or (forced < grammar.shape[0] and bool(grammar[forced])))
+    ):
         keep = torch.zeros(vocab, dtype=torch.bool, device=device)
-        keep[row.forced_token] = True
+        keep[forced] = True
         return keep
     keep = grammar = None
     if row.grammar_mask is not None:

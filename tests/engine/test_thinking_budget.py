@@ -48,6 +48,21 @@ def test_a_forced_token_wins_over_every_other_option() -> None:
     assert unbudgeted.forced_token is None
 
 
+def test_a_grammar_that_does_not_admit_the_end_tag_wins() -> None:
+    """A structured output held from the start (no reasoning read) may not admit the
+    end tag: the grammar then holds, and the budget forces nothing."""
+    import torch
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, thinking_token_budget=0)
+    grammar = torch.zeros(16, dtype=torch.bool)
+    grammar[[7, 8]] = True
+    row = row_for(params, 1, 0, (), [1, 2], grammar_mask=grammar, thinking=TAGS)
+    assert row.forced_token == 3 and sample(torch.zeros(1, 16), [row]) in ([7], [8])
+    grammar[3] = True
+    row = row_for(params, 1, 0, (), [1, 2], grammar_mask=grammar, thinking=TAGS)
+    assert sample(torch.zeros(1, 16), [row]) == [3]
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_dir) -> LLMEngine:
     return LLMEngine(engine_config(tiny_dir))
