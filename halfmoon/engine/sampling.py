@@ -91,10 +91,14 @@ def thinking_forced(token_ids: SequenceABC[int], tags: ThinkingTags, budget: int
     inside = opened + len(start)
     if _rfind(token_ids, end, inside) >= 0:
         return None  # (closed)
-    forced = len(token_ids) - inside - budget  # end-tag tokens already forced
-    if forced < 0 or forced >= len(end):
+    over = len(token_ids) - inside - budget  # tokens past the budget
+    if over < 0:
         return None
-    return end[forced]
+    # The end tag's tokens forced so far: the longest head of it that ends the tokens
+    # within those past the budget (none where the prompt itself ran past it).
+    done = next(j for j in range(min(over, len(end) - 1), -1, -1)
+                if j == 0 or tuple(token_ids[-j:]) == end[:j])  # fmt: skip
+    return end[done]
 
 
 def row_for(

@@ -29,6 +29,9 @@ TAGS = (START, END)
         ([1, 2, 7, 3, 4, 5, 1, 2, 7], 1, 3),  # a second reasoning: a budget of its own
         ([1, 2], 0, 3),  # a budget of 0: the end tag at once
         ([1, 2, 7, 3, 4], 10, None),  # the model ended it itself, part-way: its own business
+        ([1, 2, 7, 7, 7], 1, 3),  # the prompt ran past the budget: the whole tag still
+        ([1, 2, 7, 7, 7, 3], 1, 4),
+        ([1, 2, 7, 7, 7, 3, 4, 7], 1, 3),  # (a tag cut short: started again)
     ],
 )
 def test_the_end_tag_is_forced_once_the_budget_is_spent(token_ids, budget, forced) -> None:
@@ -89,6 +92,15 @@ def test_a_reasoning_opened_by_the_prompt_ends_after_its_budget(engine, temperat
     (unbudgeted,) = engine.generate([prompt], free)
     assert out.token_ids[:4] == unbudgeted.token_ids[:4]  # the same until it is spent
     engine.check_integrity()
+
+
+def test_a_prompt_that_reasoned_past_the_budget_gets_the_whole_end_tag(engine) -> None:
+    start, end = _tags(engine)
+    prompt = [11, 12, *start, 21, 22, 23]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=2, ignore_eos=True,
+                            thinking_token_budget=1)  # fmt: skip
+    (out,) = engine.generate([prompt], params)
+    assert list(out.token_ids[: len(end)]) == end
 
 
 def test_outside_a_reasoning_a_budget_changes_nothing(engine) -> None:

@@ -57,6 +57,10 @@ def test_text_in_text_out(served):
         usage["input_tokens"] + usage["output_tokens"]
     )
     assert backend.params[-1].max_tokens == 32
+    # ``tools: []`` (the API's default, which clients send as it is) is no tools
+    empty = _post(client, input="Capital of France?", tools=[], tool_choice="auto")
+    assert empty.status_code == 200, empty.text
+    assert empty.json()["output"][0]["content"][0]["text"] == "Paris is the capital."
 
 
 def test_a_cut_answer_is_incomplete(served):

@@ -166,6 +166,16 @@ def test_a_chat_without_an_output_limit_runs_to_the_end_of_the_context(gateways)
     with TestClient(app) as client:
         _chat(client)
         assert backend.params[-1].max_tokens == 32  # the server's limit is lower
+    app = gateways.app(backend, "m", max_model_len=256, max_tokens_limit=8)
+    with TestClient(app) as client:  # a completion's default of 16, within the limit
+        assert (
+            client.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code == 200
+        )
+        assert backend.params[-1].max_tokens == 8
+        asked = client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 16}
+        )
+        assert asked.status_code == 400 and "limit of 8" in asked.text  # (asked for: refused)
     app = gateways.app(backend, "m", max_model_len=256, sampling_defaults={"max_new_tokens": 8})
     with TestClient(app) as client:
         _chat(client)

@@ -199,8 +199,9 @@ def _messages(
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) as chat tools."""
-    if tools is None:
+    """Responses function tools (flat) as chat tools (none for ``[]``: the Responses
+    API's default, which clients send as it is)."""
+    if not tools:
         return None
     out = []
     for i, tool in enumerate(tools):
@@ -242,7 +243,10 @@ def to_chat(
         "messages": _messages(req.instructions, history, items),
         "stream": req.stream,
         "tools": _tools(req.tools),
-        "tool_choice": _tool_choice(req.tool_choice),
+        # (without tools, the API's default "auto" or a "none" mean plain text)
+        "tool_choice": _tool_choice(req.tool_choice)
+        if req.tools or req.tool_choice not in ("auto", "none")
+        else None,
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text),
     }

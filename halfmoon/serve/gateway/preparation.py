@@ -79,6 +79,8 @@ class RequestPreparation(ServedModels):
                      for prompt in body.prompts()]  # fmt: skip
             prompt_ids = max(batch, key=len)  # the limits below hold for every prompt
             max_tokens = body.max_tokens or 1  # 0 (with echo): one is computed, none sent
+            if "max_tokens" not in body.model_fields_set:  # (OpenAI's default of 16)
+                max_tokens = min(max_tokens, cfg.max_tokens_limit)
         if max_tokens > cfg.max_tokens_limit:
             raise HTTPError(
                 400,
