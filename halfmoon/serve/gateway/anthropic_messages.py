@@ -14,8 +14,9 @@ last assistant turn is a prefilled answer, which the output continues.
 ``required`` / a named function / ``none`` (``disable_parallel_tool_use``: one call at
 most); ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``,
 ``top_k`` as they are (left out: the model's defaults); ``output_config.format`` (a JSON
-schema) a structured output; ``thinking`` sets the chat template's ``enable_thinking`` (and, under a
-reasoning parser, an enabled one's ``budget_tokens`` is the ``thinking_token_budget``).
+schema) a structured output; ``thinking`` sets the chat template's ``enable_thinking``
+(and under a reasoning parser an enabled one's ``budget_tokens`` is the request's
+``thinking_token_budget``, as vLLM maps it).
 vLLM's extras ``priority``, ``cache_salt``, ``request_id`` and ``chat_template_kwargs``
 pass through, and so does a ``seed``.
 
