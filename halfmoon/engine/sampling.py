@@ -9,6 +9,7 @@ after a KV handoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -69,13 +70,17 @@ ThinkingTags = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _rfind(token_ids: SequenceABC[int], tag: tuple[int, ...], start: int = 0) -> int:
-    """The position of the last ``tag`` in ``token_ids[start:]``, or -1."""
-    n = len(tag)
-    first = tag[0]
-    for i in range(len(token_ids) - n, start - 1, -1):
-        if token_ids[i] == first and tuple(token_ids[i : i + n]) == tag:
-            return i
-    return -1
+    """The position of the last ``tag`` in ``token_ids[start:]``, or -1 (its first token
+    sought by ``index``, at C speed: a step of a long context pays little for it)."""
+    n, first, found = len(tag), tag[0], -1
+    with contextlib.suppress(ValueError):
+        i = start
+        while True:
+            i = token_ids.index(first, i)
+            if tuple(token_ids[i : i + n]) == tag:
+                found = i
+            i += 1
+    return found
 
 
 def thinking_forced(token_ids: SequenceABC[int], tags: ThinkingTags, budget: int) -> int | None:
