@@ -153,7 +153,9 @@ def test_tool_calls_are_read_from_the_content_alone(served):
     events = _events(_chat(client, tools=tools, stream=True).text)
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == "I need the weather."
-    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", ())] == ["weather"]
+    parts = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [c["function"]["name"] for c in parts if "id" in c] == ["weather"]
+    assert "".join(c["function"]["arguments"] for c in parts) == '{"city": "Paris"}'
 
 
 def test_a_structured_output_holds_after_the_reasoning(served):

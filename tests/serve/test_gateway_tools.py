@@ -317,16 +317,60 @@ def test_auto_streams_the_text_then_the_calls(hermes):
     deltas = [e["choices"][0]["delta"] for e in events]
     content = "".join(d.get("content", "") for d in deltas)
     assert content == "Let me check."  # nothing of the blocks leaked as text
-    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert [c["index"] for c in calls] == [0, 1]
-    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    # each call as it is written (as vLLM streams them): its id and name once its JSON
+    # named the function, then its arguments' text in parts; joined, the whole answer's
+    parts = [c for d in deltas for c in d.get("tool_calls", ())]
+    heads = [c for c in parts if "id" in c]
+    assert [(c["index"], c["function"]["name"]) for c in heads] == [(0, "weather"), (1, "clock")]
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in heads)
+    joined = ["".join(c["function"]["arguments"] for c in parts if c["index"] == i) for i in (0, 1)]
+    assert joined == ['{"city": "Paris"}', "{}"]
+    assert len([c for c in parts if c["index"] == 0]) > 2  # (in parts: two tokens a chunk)
+    whole = _chat(client, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in whole] == [
+        json.loads(j) for j in joined
+    ]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     first_call = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
     assert all("content" not in d for d in deltas[first_call:])
+    # a call cut short (by max_tokens, say): what was written of it, and no text of it
+    # as content
+    backend.answer = HERMES[: HERMES.index("Paris") + 2]
+    text = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    cut = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", ()))
+    assert cut and '{"city": "Paris"}'.startswith(cut) and cut != '{"city": "Paris"}'
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"  # (the generation's)
+    # arguments first (a shape read only whole): the call goes whole at the end
+    backend.answer = '<tool_call>{"arguments": {"city": "Oslo"}, "name": "weather"}</tool_call>'
+    text = _chat(client, tools=TOOLS, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    (calls,) = [e["choices"][0]["delta"]["tool_calls"] for e in events
+                if "tool_calls" in e["choices"][0]["delta"]]  # fmt: skip
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
     backend.answer = "Plain <tool text, no call."  # a tail that looked like a tag: sent
     text = _chat(client, tools=TOOLS, stream=True).text
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == backend.answer
+
+
+def test_the_openai_sdk_puts_streamed_calls_together(hermes):
+    """OpenAI's SDK joins the parts by index into the answer's calls (its stream helper
+    parses each call's arguments at the end)."""
+    import openai
+
+    client, backend = hermes
+    backend.answer = HERMES
+    oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="none", http_client=client,
+                       max_retries=0)  # fmt: skip
+    with oa.chat.completions.stream(model="m", messages=MESSAGES, tools=TOOLS) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "Let me check." and final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("weather", {"city": "Paris"}), ("clock", {})]  # fmt: skip
 
 
 def test_held_from_keeps_back_what_may_start_a_block() -> None:

@@ -29,7 +29,13 @@ from halfmoon.serve.gateway.openai_api import (
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
 from halfmoon.serve.gateway.reasoning import ReasoningMode, shown_reasoning
-from halfmoon.serve.gateway.tools import HeldText, ToolMode, split_answer, tool_call_id
+from halfmoon.serve.gateway.tools import (
+    HeldText,
+    StreamedCalls,
+    ToolMode,
+    split_answer,
+    tool_call_id,
+)
 
 
 class HTTPError(Exception):
@@ -337,13 +343,15 @@ async def sse(
     uses: list[dict] = [{}] * p.num_choices
     # Tool calls: a named function's arguments go out as they come, its first chunk
     # with the call's id and name (``call_ids``); any other choice's output is held back
-    # where calls may be (all of it for ``required``) and sent as calls at its end, its
-    # log-probabilities then too.
+    # where calls may be (all of it for ``required``) and sent as calls at its end (Hermes
+    # calls as they are written: ``streamed``), its log-probabilities then too.
     named = p.tool_mode.name if p.tool_mode is not None else None
     call_ids: list[str | None] = [None] * p.num_choices
     held = (
         [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode and not named else []
     )
+    # Hermes calls go out as they are written (their arguments' text as it comes).
+    streamed = [StreamedCalls() for _ in held] if held and p.tool_mode.parser == "hermes" else []
     kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]
     # Reasoning: each delta's reasoning goes out first, in its own chunk (with the
     # delta's log-probabilities when no content came with it); the content goes on below.
@@ -391,19 +399,31 @@ async def sse(
                 kept[index] += entries
                 text, calls = held[index].add(text, finish is not None)
                 entries = kept[index] if finish is not None and calls is None else []
-                if calls is not None:
-                    finish = p.tool_mode.finish(finish)
+                deltas = streamed[index].deltas(held[index].text) if streamed else []
+                if calls is None and finish is not None and streamed and streamed[index].started:
+                    text = ""  # (calls went out in part and did not end whole: no content)
+                if deltas or (calls is not None and text):
                     if text:
                         yield event(chunk_body(p.public_id, model, text, None, True,
                                                opening[index], None, index))  # fmt: skip
+                        opening[index], text = False, ""
+                    if deltas:
+                        yield event(chunk_body(p.public_id, model, None, None, True,
+                                               opening[index], None, index, deltas))  # fmt: skip
                         opening[index] = False
+                if calls is not None:
+                    finish = p.tool_mode.finish(finish)
+                    unsent = streamed[index].rest(calls) if streamed else calls
                     logprobs = None
                     if p.params.logprobs is not None:
                         logprobs = logprobs_body(kept[index], token_text, True, 0)
-                    chunk = chunk_body(p.public_id, model, None, None, True,
-                                       opening[index], logprobs, index, calls)  # fmt: skip
-                    yield event(with_ids(chunk, index, kept[index], opening[index]))
-                    opening[index] = False
+                    if unsent:
+                        chunk = chunk_body(p.public_id, model, None, None, True,
+                                           opening[index], logprobs, index, unsent)  # fmt: skip
+                        yield event(with_ids(chunk, index, kept[index], opening[index]))
+                        opening[index] = False
+                    else:  # (every call went out as it came: the finish carries them)
+                        entries = kept[index]
                     text = ""
             echo = p.echo_of(index) if opening[index] else ""
             if echo:

@@ -37,13 +37,15 @@ serves them without a model-specific tool-call parser.
   type as JSON where it parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
-  begin (a tail that could start ``<tool_call>`` is held back); the calls follow whole.
+  begin (a tail that could start ``<tool_call>`` is held back); on chat completions the
+  calls then follow as they are written (:class:`StreamedCalls`), elsewhere whole.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
 expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
-they come and any other choice's tool calls whole, in one chunk before its finish (a
-client joining the deltas gets the same calls).
+they come, Hermes calls on chat completions as they are written, and any other choice's
+tool calls whole, in one chunk before its finish (a client joining the deltas gets the
+same calls).
 """
 
 from __future__ import annotations
@@ -259,6 +261,94 @@ class HeldText:
             return "", calls
         out, self._sent = self.text[self._sent : upto], upto
         return out, calls
+
+
+#: A Hermes call's head: its function's name, then the key of its arguments.
+_HERMES_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+class _JsonScan:
+    """Where a JSON object or array ends, read as its text grows (each character once)."""
+
+    def __init__(self, start: int) -> None:
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+
+    def end(self, text: str) -> int | None:
+        """Just after the value's end in ``text`` (its text so far), or None while open."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
+
+
+class StreamedCalls:
+    """Hermes calls (``--tool-call-parser hermes``) streamed as they are written, as vLLM
+    streams them: a call's id and name once its JSON has named the function, then its
+    arguments' text as it comes (the object as the model writes it). A call whose JSON
+    begins otherwise (its arguments first, or as a string) goes whole at the end."""
+
+    def __init__(self) -> None:
+        #: Per block: its id, name, how far its arguments were sent, where they end (None
+        #: while open) and their scan; None for a block sent whole at the end.
+        self.calls: list[dict[str, Any] | None] = []
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        """The chat ``tool_calls`` deltas (each with its ``index``) that ``text``, the
+        output so far, adds to what went out before."""
+        out: list[dict[str, Any]] = []
+        at, k = text.find(_HERMES_OPEN), 0
+        while at >= 0:
+            if k == len(self.calls):
+                head = _HERMES_HEAD.match(text, at + len(_HERMES_OPEN))
+                if head is None or head.end() >= len(text):
+                    break  # (not named yet; or another shape, read at the end)
+                if text[head.end()] != "{":
+                    self.calls.append(None)
+                else:
+                    call = {"id": tool_call_id(), "name": json.loads(head.group(1)),
+                            "sent": head.end(), "end": None, "scan": _JsonScan(head.end())}  # fmt: skip
+                    self.calls.append(call)
+                    out.append({"index": k, "id": call["id"], "type": "function",
+                                "function": {"name": call["name"], "arguments": ""}})  # fmt: skip
+            call = self.calls[k]
+            if call is not None and call["end"] is None:
+                call["end"] = call["scan"].end(text)
+                upto = len(text) if call["end"] is None else call["end"]
+                if upto > call["sent"]:
+                    out.append({"index": k, "function": {"arguments": text[call["sent"] : upto]}})
+                    call["sent"] = upto
+                if call["end"] is None:
+                    break
+            at, k = text.find(_HERMES_OPEN, at + 1), k + 1
+        return out
+
+    @property
+    def started(self) -> bool:
+        """Whether any call went out (in part)."""
+        return any(call is not None for call in self.calls)
+
+    def rest(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Of the whole answer's ``calls``, those not streamed, each with its ``index``."""
+        return [{"index": k, **call} for k, call in enumerate(calls)
+                if k >= len(self.calls) or self.calls[k] is None]  # fmt: skip
 
 
 def _calls(items: list[Any], make_id=tool_call_id) -> list[dict[str, Any]] | None:
