@@ -154,7 +154,7 @@ class GenerateRequest(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     token_offsets: Any = None  # (informational: where the tokens came from)
-    reasoning_ended: bool | None = None  # (no reasoning parser here: nothing gates on it)
+    reasoning_ended: bool | None = None  # (token requests are not read for reasoning)
     reasoning_parser_kwargs: dict[str, Any] | None = None
     features: Any = None
     content_parts: Any = None
