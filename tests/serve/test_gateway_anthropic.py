@@ -130,10 +130,42 @@ def test_text_then_a_parsed_call(served):
     assert blocks == [(0, "text"), (1, "tool_use")]
     said = "".join(e["delta"].get("text", "") for n, e in events if n == "content_block_delta")
     assert said == "Let me look."
-    (args,) = [e["delta"]["partial_json"] for n, e in events
-               if n == "content_block_delta" and e["index"] == 1]  # fmt: skip
-    assert json.loads(args) == {"city": "Oslo"}
+    # the call as it is written (Hermes): its arguments' JSON in parts, joined the input
+    args = [e["delta"]["partial_json"] for n, e in events
+            if n == "content_block_delta" and e["index"] == 1]  # fmt: skip
+    assert len(args) > 1 and json.loads("".join(args)) == {"city": "Oslo"}
+    order = [(n, e.get("index")) for n, e in events if n.startswith("content_block")]
+    assert order.index(("content_block_stop", 0)) < order.index(("content_block_start", 1))
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    # two calls, the second arguments-first (read only whole): at the end, after the first
+    second = '<tool_call>{"arguments": {"city": "Rome"}, "name": "weather"}</tool_call>'
+    backend.answer += second
+    events = _events(_post(client, tools=TOOLS, stream=True).text)
+    starts = [(e["index"], e["content_block"]["type"]) for n, e in events
+              if n == "content_block_start"]  # fmt: skip
+    assert starts == [(0, "text"), (1, "tool_use"), (2, "tool_use")]
+    inputs = ["".join(e["delta"]["partial_json"] for n, e in events
+                      if n == "content_block_delta" and e["index"] == i) for i in (1, 2)]  # fmt: skip
+    assert [json.loads(i) for i in inputs] == [{"city": "Oslo"}, {"city": "Rome"}]
+    stops = [e["index"] for n, e in events if n == "content_block_stop"]
+    assert stops == [0, 1, 2]
+    # the Anthropic SDK puts the streamed call together
+    sdk = anthropic.Anthropic(base_url=str(client.base_url), api_key="none", http_client=client,
+                              max_retries=0)  # fmt: skip
+    with sdk.messages.stream(model="m", max_tokens=64, messages=HELLO, tools=TOOLS) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use", "tool_use"]
+    assert [b.input for b in final.content[1:]] == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert final.stop_reason == "tool_use"
+    # a call cut short: what was written of it; none of its text as content
+    backend.answer = backend.answer[: backend.answer.index("Oslo") + 2]
+    events = _events(_post(client, tools=TOOLS, stream=True).text)
+    said = "".join(e["delta"].get("text", "") for n, e in events if n == "content_block_delta")
+    assert said == "Let me look."
+    starts = [(e["index"], e["content_block"]["type"]) for n, e in events
+              if n == "content_block_start"]  # fmt: skip
+    assert starts == [(0, "text"), (1, "tool_use")]
+    assert [e["index"] for n, e in events if n == "content_block_stop"] == [0, 1]
 
 
 def test_calls_alone_streamed_start_at_the_first_block(served):

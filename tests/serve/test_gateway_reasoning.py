@@ -156,6 +156,17 @@ def test_tool_calls_are_read_from_the_content_alone(served):
     parts = [c for d in deltas for c in d.get("tool_calls", ())]
     assert [c["function"]["name"] for c in parts if "id" in c] == ["weather"]
     assert "".join(c["function"]["arguments"] for c in parts) == '{"city": "Paris"}'
+    # the Messages API: the thinking block, then the call's block as it is written
+    body = {"model": "m", "max_tokens": 64, "messages": MESSAGES, "stream": True,
+            "tools": [{"name": "weather", "input_schema": {"type": "object"}}]}  # fmt: skip
+    events = _events(client.post("/v1/messages", json=body).text)
+    starts = [(e["index"], e["content_block"]["type"]) for e in events
+              if e["type"] == "content_block_start"]  # fmt: skip
+    assert starts == [(0, "thinking"), (1, "tool_use")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]
+    args = "".join(e["delta"].get("partial_json", "") for e in events
+                   if e["type"] == "content_block_delta" and e["index"] == 1)  # fmt: skip
+    assert json.loads(args) == {"city": "Paris"}
 
 
 def test_a_structured_output_holds_after_the_reasoning(served):

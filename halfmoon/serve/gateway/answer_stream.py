@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from halfmoon.serve.gateway.reasoning import shown_reasoning
 from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
-from halfmoon.serve.gateway.tools import HeldText
+from halfmoon.serve.gateway.tools import HeldText, StreamedCalls
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Answer:
     finish: str | None
     usage: dict | None
     reasoning: str | None = None
+    #: The calls that went out as they were written (``calls`` parts), or None.
+    streamed: StreamedCalls | None = None
 
 
 async def whole_answer(
@@ -54,12 +57,17 @@ async def whole_answer(
 
 
 async def answer_parts(
-    p: Prepared, first: tuple[int, Delta], rest: AsyncIterator
-) -> AsyncIterator[tuple[str, str] | Answer]:
-    """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments) and
-    ``("text", delta)`` (content) parts as they may go out, then the :class:`Answer`."""
+    p: Prepared, first: tuple[int, Delta], rest: AsyncIterator, stream_calls: bool = False
+) -> AsyncIterator[tuple[str, Any] | Answer]:
+    """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments),
+    ``("text", delta)`` (content) and ``("calls", deltas)`` (Hermes calls as they are
+    written: chat ``tool_calls`` deltas, :class:`~halfmoon.serve.gateway.tools.
+    StreamedCalls`; with ``stream_calls``, else whole at the end) parts as they may go
+    out, then the :class:`Answer`."""
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
+    hermes = held is not None and p.tool_mode.parser == "hermes"
+    streamed = StreamedCalls() if stream_calls and hermes else None
     thinking = p.reasoning.splitter() if p.reasoning is not None else None
     text, finish, use, reasoning = "", None, None, []
     async with aclosing(all_items(first, rest)) as items:
@@ -81,8 +89,13 @@ async def answer_parts(
                 if delta:
                     yield "text", delta
             else:  # text before calls (there may be none): as it may go out
-                out, _ = held.add(delta, fin is not None)
+                out, calls = held.add(delta, fin is not None)
                 text = held.text
+                deltas = streamed.deltas(text) if streamed is not None else []
+                if calls is None and fin is not None and streamed is not None and streamed.started:
+                    out = ""  # (calls went out in part and did not end whole: no content)
                 if out:
                     yield "text", out
-    yield Answer(text, finish, use, "".join(reasoning) if reasoning else None)
+                if deltas:
+                    yield "calls", deltas
+    yield Answer(text, finish, use, "".join(reasoning) if reasoning else None, streamed)

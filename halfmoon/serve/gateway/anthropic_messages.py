@@ -342,6 +342,30 @@ async def collect_message(
     return message_body(msg_id, model, content, answer.finish, answer.usage, len(p.prompt_ids))
 
 
+def _call_events(
+    deltas: list[dict[str, Any]], calls: dict[int, int], base: int, text_opened: bool
+) -> list[bytes]:
+    """The events of chat ``tool_calls`` deltas (Hermes calls as they are written): a new
+    call stops the block before it (the text's, or the call's before) and starts its
+    ``tool_use`` block; its arguments' text goes as ``input_json_delta``. ``calls``
+    (call index -> block index) is updated."""
+    out = []
+    for delta in deltas:
+        k = delta["index"]
+        if "id" in delta:
+            last = max(calls.values()) if calls else (base if text_opened else None)
+            if last is not None:
+                out.append(sse_event("content_block_stop", index=last))
+            calls[k] = base if last is None else last + 1
+            block = {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}",
+                     "name": delta["function"]["name"], "input": {}}  # fmt: skip
+            out.append(sse_event("content_block_start", index=calls[k], content_block=block))
+        if delta["function"].get("arguments"):
+            out.append(sse_event("content_block_delta", index=calls[k], delta={
+                "type": "input_json_delta", "partial_json": delta["function"]["arguments"]}))  # fmt: skip
+    return out
+
+
 def sse_event(kind: str, **fields: Any) -> bytes:
     """One server-sent event of the Messages API."""
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
@@ -365,11 +389,15 @@ async def message_events(
     # A thinking block (the reasoning parts come first) is block 0, stopped before the
     # first other part; the answer's blocks then follow it (``base``).
     thinking, base = False, 0
+    # Hermes calls as they are written: each a tool_use block after the text's (``calls``:
+    # call index -> block index); the text block stops when the first call starts.
+    calls: dict[int, int] = {}
+    streamed = None
     try:
-        async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
-            async for part in parts:  # the client goes away: the request is aborted)
+        async with aclosing(answer_parts(p, first, rest, stream_calls=True)) as parts:  # (closed
+            async for part in parts:  # at once when the client goes away: the request is aborted)
                 if isinstance(part, Answer):
-                    text, finish, use = part.text, part.finish, part.usage
+                    text, finish, use, streamed = part.text, part.finish, part.usage, part.streamed
                     continue
                 if part[0] == "reasoning":
                     if not thinking:
@@ -382,6 +410,10 @@ async def message_events(
                 if thinking and not base:
                     yield sse_event("content_block_stop", index=0)
                     base = 1
+                if part[0] == "calls":
+                    for event in _call_events(part[1], calls, base, opened):
+                        yield event
+                    continue
                 if not opened:  # the first block: the named tool's call, or the text
                     block = ({"type": "text", "text": ""} if part[0] == "text" else
                              {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}",
@@ -399,7 +431,22 @@ async def message_events(
         yield sse_event("content_block_stop", index=0)
         base = 1
     tool_use, index = named is not None, base
-    if named is None:
+    if calls:  # (the text block stopped when the first call started)
+        yield sse_event("content_block_stop", index=max(calls.values()))
+        _, whole = split_answer(p.tool_mode, text)
+        index = max(calls.values()) + 1
+        for call in streamed.rest(whole or []) if streamed is not None else ():
+            block = _tool_use(call)
+            if block is None:
+                continue
+            yield sse_event("content_block_start", index=index,
+                            content_block={**block, "input": {}})  # fmt: skip
+            yield sse_event("content_block_delta", index=index, delta={
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])})  # fmt: skip
+            yield sse_event("content_block_stop", index=index)
+            index += 1
+        tool_use = True
+    elif named is None:
         blocks = content_blocks(p, text)
         if blocks[0]["type"] == "text" and not opened:  # an empty answer: its block all the same
             yield sse_event("content_block_start", index=base,
