@@ -167,6 +167,16 @@ def test_tool_calls_are_read_from_the_content_alone(served):
     args = "".join(e["delta"].get("partial_json", "") for e in events
                    if e["type"] == "content_block_delta" and e["index"] == 1)  # fmt: skip
     assert json.loads(args) == {"city": "Paris"}
+    # the Responses API: the reasoning item, then the call's item as it is written
+    body = {"model": "m", "input": "Paris?", "stream": True,
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}]}  # fmt: skip
+    events = _events(client.post("/v1/responses", json=body).text)
+    added = [(e["output_index"], e["item"]["type"]) for e in events
+             if e["type"] == "response.output_item.added"]  # fmt: skip
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "function_call"]
+    assert json.loads(output[1]["arguments"]) == {"city": "Paris"}
 
 
 def test_a_structured_output_holds_after_the_reasoning(served):

@@ -157,6 +157,46 @@ def test_auto_calls_and_text_streamed(served):
     assert final["output"][1]["arguments"] == '{"city": "Oslo"}'
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [0, 1]
+    # the call as it is written: its item once its JSON names the function (the message
+    # done before it), its arguments in parts; joined, the item's arguments
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_text.done") < kinds.index(
+        "response.function_call_arguments.delta"
+    )
+    parts = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(parts) > 1 and "".join(parts) == final["output"][1]["arguments"]
+    call_id = next(e["item"]["call_id"] for e in events if e["type"] == "response.output_item.added"
+                   and e["item"]["type"] == "function_call")  # fmt: skip
+    assert final["output"][1]["call_id"] == call_id and final["output"][0]["content"][0][
+        "text"
+    ] == ("Checking.")
+    # a second call, arguments first (read only whole): after the first, at the end
+    backend.answer += '<tool_call>{"arguments": {"city": "Rome"}, "name": "weather"}</tool_call>'
+    events = _events(_post(client, input="x", tools=TOOLS, stream=True).text)
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call", "function_call"]
+    assert [json.loads(o["arguments"]) for o in final["output"][1:]] == [
+        {"city": "Oslo"}, {"city": "Rome"}]  # fmt: skip
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == [0, 1, 2]
+    # OpenAI's SDK puts the stream together
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="none", http_client=client,
+                       max_retries=0)  # fmt: skip
+    with oa.responses.stream(model="m", input="x", tools=TOOLS) as stream:
+        response = stream.get_final_response()
+    calls = [o for o in response.output if o.type == "function_call"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+    # a call cut short: what was written of it, incomplete; none of its text as content
+    backend.answer = backend.answer[: backend.answer.index("Oslo") + 2]
+    events = _events(_post(client, input="x", tools=TOOLS, stream=True).text)
+    said = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert said == "Checking."
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["arguments"] == '{"city": "Os'
 
 
 def test_text_streams_as_deltas_that_add_up(served):

@@ -7,7 +7,8 @@ Under a tool mode the output is held as the chat route holds it: a named functio
 output is its call's arguments, out as generated (``call`` parts); otherwise content goes
 out only where it cannot be, or begin, a call (``text`` parts;
 :class:`~halfmoon.serve.gateway.tools.HeldText`), and the calls are read from the whole
-answer at the end. Under a reasoning parser the reasoning comes first, apart
+answer at the end (Hermes calls, with ``stream_calls``, also as they are written:
+``calls`` parts). Under a reasoning parser the reasoning comes first, apart
 (``reasoning`` parts, the answer's ``reasoning``; dropped with ``include_reasoning:
 false``), and only the content is read for calls. Both close the stream, also when the
 cluster fails mid-way (BackendError / Rejected propagate).

@@ -450,9 +450,33 @@ async def response_events(
             yield event("response.output_item.done", output_index=0, item=item)
             base = 1
 
+    # Hermes calls as they are written (``calls`` parts): each a function_call item after
+    # the message, which is done when the first call starts (``said``: its text).
+    streamed: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, item)
+    said, open_call = "", None
+
+    def close_message() -> Iterator[bytes]:
+        if opened and not streamed:
+            part = {"type": "output_text", "text": said, "annotations": [], "logprobs": []}
+            yield event("response.output_text.done", item_id=msg_id, output_index=base,
+                        content_index=0, text=said, logprobs=[])  # fmt: skip
+            yield event("response.content_part.done", item_id=msg_id, output_index=base,
+                        content_index=0, part=part)  # fmt: skip
+            yield event("response.output_item.done", output_index=base,
+                        item=_message(msg_id, said, "completed"))  # fmt: skip
+
+    def close_call(k: int | None, status: str = "completed") -> Iterator[bytes]:
+        if k is None:
+            return
+        index, item = streamed[k]
+        item["status"] = status
+        yield event("response.function_call_arguments.done", item_id=item["id"],
+                    output_index=index, arguments=item["arguments"])  # fmt: skip
+        yield event("response.output_item.done", output_index=index, item=item)
+
     try:
-        async with aclosing(answer_parts(p, first, rest)) as parts:  # (closed at once when
-            async for part in parts:  # the client goes away: the request is aborted)
+        async with aclosing(answer_parts(p, first, rest, stream_calls=True)) as parts:  # (closed
+            async for part in parts:  # at once when the client goes away: the request is aborted)
                 if isinstance(part, Answer):
                     text, finish, use = part.text, part.finish, part.usage
                     continue
@@ -469,6 +493,25 @@ async def response_events(
                     continue
                 for closing in close_reasoning():
                     yield closing
+                if part[0] == "calls":
+                    for delta in part[1]:
+                        k, args = delta["index"], delta["function"].get("arguments", "")
+                        if "id" in delta:
+                            for closing in [*close_message(), *close_call(open_call)]:
+                                yield closing
+                            item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}",
+                                    "call_id": delta["id"], "name": delta["function"]["name"],
+                                    "arguments": "", "status": "in_progress"}  # fmt: skip
+                            streamed[k] = (base + int(opened) + len(streamed), item)
+                            open_call = k
+                            yield event("response.output_item.added", output_index=streamed[k][0],
+                                        item=dict(item))  # fmt: skip
+                        if args:
+                            index, item = streamed[k]
+                            item["arguments"] += args
+                            yield event("response.function_call_arguments.delta",
+                                        item_id=item["id"], output_index=index, delta=args)  # fmt: skip
+                    continue
                 if part[0] == "call":  # the output is the call's arguments: out as they come
                     if call is None:
                         call = _function_call(_call_of(named or ""), "in_progress")
@@ -486,11 +529,39 @@ async def response_events(
                         opened = True
                     yield event("response.output_text.delta", item_id=msg_id, output_index=base,
                                 content_index=0, delta=part[1], logprobs=[])  # fmt: skip
+                    said += part[1]
     except (BackendError, Rejected) as exc:
         yield event("error", code="server_error", message=f"request failed: {exc}", param=None)
         return
     for closing in close_reasoning():
         yield closing
+    if streamed:
+        status = "incomplete" if finish == "length" else "completed"
+        for closing in close_call(open_call, status):
+            yield closing
+        head = [_reasoning(thought_id, thought, "completed")] if thought else []
+        if opened:
+            head.append(_message(msg_id, said, status))
+        output = head + [item for _, item in sorted(streamed.values(), key=lambda s: s[0])]
+        _, whole = split_answer(p.tool_mode, text)
+        for k, whole_call in enumerate(whole or ()):
+            if k in streamed:
+                continue
+            out = _function_call(whole_call, status)
+            index = len(output)
+            yield event("response.output_item.added", output_index=index,
+                        item={**out, "arguments": "", "status": "in_progress"})  # fmt: skip
+            yield event("response.function_call_arguments.delta", item_id=out["id"],
+                        output_index=index, delta=out["arguments"])  # fmt: skip
+            yield event("response.function_call_arguments.done", item_id=out["id"],
+                        output_index=index, arguments=out["arguments"])  # fmt: skip
+            yield event("response.output_item.done", output_index=index, item=out)
+            output.append(out)
+        done = response_body(req, resp_id, created, req.model, output, finish, use, stored)
+        if keep is not None:
+            keep(done)
+        yield event("response.completed", response=done)
+        return
     output = output_items(p, text, finish, msg_id, thought or None, thought_id)
     if call is not None:  # the item streamed already: its ids
         output[base].update(id=call["id"], call_id=call["call_id"])

@@ -37,13 +37,13 @@ serves them without a model-specific tool-call parser.
   type as JSON where it parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
-  begin (a tail that could start ``<tool_call>`` is held back); on chat completions the
-  calls then follow as they are written (:class:`StreamedCalls`), elsewhere whole.
+  begin (a tail that could start ``<tool_call>`` is held back); the calls then follow
+  as they are written (:class:`StreamedCalls`).
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
 expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
-they come, Hermes calls on chat completions as they are written, and any other choice's
+they come, Hermes calls as they are written, and any other choice's
 tool calls whole, in one chunk before its finish (a client joining the deltas gets the
 same calls).
 """
