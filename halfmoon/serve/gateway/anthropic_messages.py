@@ -342,6 +342,16 @@ async def collect_message(
     return message_body(msg_id, model, content, answer.finish, answer.usage, len(p.prompt_ids))
 
 
+def _whole_tool_use_events(block: dict[str, Any], index: int) -> list[bytes]:
+    """The events of a ``tool_use`` block sent whole at ``index``."""
+    return [
+        sse_event("content_block_start", index=index, content_block={**block, "input": {}}),
+        sse_event("content_block_delta", index=index, delta={
+            "type": "input_json_delta", "partial_json": json.dumps(block["input"])}),
+        sse_event("content_block_stop", index=index),
+    ]  # fmt: skip
+
+
 def _call_events(
     deltas: list[dict[str, Any]], calls: dict[int, int], base: int, text_opened: bool
 ) -> list[bytes]:
@@ -439,11 +449,8 @@ async def message_events(
             block = _tool_use(call)
             if block is None:
                 continue
-            yield sse_event("content_block_start", index=index,
-                            content_block={**block, "input": {}})  # fmt: skip
-            yield sse_event("content_block_delta", index=index, delta={
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])})  # fmt: skip
-            yield sse_event("content_block_stop", index=index)
+            for whole in _whole_tool_use_events(block, index):
+                yield whole
             index += 1
         tool_use = True
     elif named is None:
@@ -459,11 +466,8 @@ async def message_events(
             if block["type"] != "tool_use":
                 continue
             tool_use = True
-            yield sse_event("content_block_start", index=index,
-                            content_block={**block, "input": {}})  # fmt: skip
-            yield sse_event("content_block_delta", index=index, delta={
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])})  # fmt: skip
-            yield sse_event("content_block_stop", index=index)
+            for whole in _whole_tool_use_events(block, index):
+                yield whole
             index += 1
     else:
         if not opened:  # no input at all (a cut answer): its block all the same

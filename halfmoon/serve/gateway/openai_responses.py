@@ -318,6 +318,22 @@ def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
     }
 
 
+def _whole_call_events(
+    event: Callable[..., bytes], item: dict[str, Any], index: int
+) -> list[bytes]:
+    """The events of a function call item sent whole at output ``index`` (``event``: the
+    stream's event maker)."""
+    return [
+        event("response.output_item.added", output_index=index,
+              item={**item, "arguments": "", "status": "in_progress"}),
+        event("response.function_call_arguments.delta", item_id=item["id"],
+              output_index=index, delta=item["arguments"]),
+        event("response.function_call_arguments.done", item_id=item["id"],
+              output_index=index, arguments=item["arguments"]),
+        event("response.output_item.done", output_index=index, item=item),
+    ]  # fmt: skip
+
+
 def response_body(
     req: ResponsesRequest, resp_id: str, created: float, model: str,
     output: list[dict[str, Any]], finish: str | None, use: dict[str, Any] | None,
@@ -540,33 +556,23 @@ async def response_events(
         for closing in close_call(open_call, status):
             yield closing
         head = [_reasoning(thought_id, thought, "completed")] if thought else []
-        if opened:
-            head.append(_message(msg_id, said, status))
+        if opened:  # (done when the first call started)
+            head.append(_message(msg_id, said, "completed"))
         output = head + [item for _, item in sorted(streamed.values(), key=lambda s: s[0])]
         _, whole = split_answer(p.tool_mode, text)
         for k, whole_call in enumerate(whole or ()):
             if k in streamed:
                 continue
             out = _function_call(whole_call, status)
-            index = len(output)
-            yield event("response.output_item.added", output_index=index,
-                        item={**out, "arguments": "", "status": "in_progress"})  # fmt: skip
-            yield event("response.function_call_arguments.delta", item_id=out["id"],
-                        output_index=index, delta=out["arguments"])  # fmt: skip
-            yield event("response.function_call_arguments.done", item_id=out["id"],
-                        output_index=index, arguments=out["arguments"])  # fmt: skip
-            yield event("response.output_item.done", output_index=index, item=out)
+            for whole_event in _whole_call_events(event, out, len(output)):
+                yield whole_event
             output.append(out)
-        done = response_body(req, resp_id, created, req.model, output, finish, use, stored)
-        if keep is not None:
-            keep(done)
-        yield event("response.completed", response=done)
-        return
-    output = output_items(p, text, finish, msg_id, thought or None, thought_id)
+    else:
+        output = output_items(p, text, finish, msg_id, thought or None, thought_id)
     if call is not None:  # the item streamed already: its ids
         output[base].update(id=call["id"], call_id=call["call_id"])
     index = base
-    for out in output[base:]:
+    for out in output[base:] if not streamed else ():
         if call is not None:
             yield event("response.function_call_arguments.done", item_id=out["id"],
                         output_index=base, arguments=out["arguments"])  # fmt: skip
@@ -585,13 +591,8 @@ async def response_events(
                         content_index=0, part=part)  # fmt: skip
             yield event("response.output_item.done", output_index=base, item=out)
         else:
-            yield event("response.output_item.added", output_index=index,
-                        item={**out, "arguments": "", "status": "in_progress"})  # fmt: skip
-            yield event("response.function_call_arguments.delta", item_id=out["id"],
-                        output_index=index, delta=out["arguments"])  # fmt: skip
-            yield event("response.function_call_arguments.done", item_id=out["id"],
-                        output_index=index, arguments=out["arguments"])  # fmt: skip
-            yield event("response.output_item.done", output_index=index, item=out)
+            for whole_event in _whole_call_events(event, out, index):
+                yield whole_event
         index += 1
     done = response_body(req, resp_id, created, req.model, output, finish, use, stored)
     if keep is not None:
