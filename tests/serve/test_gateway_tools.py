@@ -20,7 +20,13 @@ from fastapi.testclient import TestClient
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.serve.gateway.backend import GenerationChunk
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
-from halfmoon.serve.gateway.tools import ToolMode, template_message, tool_calls, tool_schema
+from halfmoon.serve.gateway.tools import (
+    StreamedCoderCalls,
+    ToolMode,
+    template_message,
+    tool_calls,
+    tool_schema,
+)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -586,6 +592,54 @@ def test_auto_reads_qwen3_coder_calls_by_their_schemas(coder):
     assert body["choices"][0]["message"]["content"] == backend.answer
 
 
+def test_qwen3_coder_calls_stream_on_the_responses_and_messages_apis(coder):
+    client, backend = coder
+    backend.answer = QWEN3_CODER
+    whole = _chat(client, tools=CODER_TOOLS).json()["choices"][0]["message"]["tool_calls"]
+    want = [json.loads(c["function"]["arguments"]) for c in whole]
+    flat = [{"type": "function", **t["function"]} for t in CODER_TOOLS]
+    text = client.post("/v1/responses", json={"model": "m", "input": "x", "tools": flat,
+                                              "stream": True}).text  # fmt: skip
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["message", "function_call", "function_call"]
+    assert [json.loads(o["arguments"]) for o in output[1:]] == want
+    parts = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(parts) > 8
+    anthropic_tools = [{"name": t["function"]["name"],
+                        "input_schema": t["function"].get("parameters") or {"type": "object"}}
+                       for t in CODER_TOOLS]  # fmt: skip
+    text = client.post("/v1/messages", json={"model": "m", "max_tokens": 64, "messages": MESSAGES,
+                                             "tools": anthropic_tools, "stream": True}).text  # fmt: skip
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    inputs = ["".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["index"] == i) for i in (1, 2)]  # fmt: skip
+    assert [json.loads(i) for i in inputs] == want
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_qwen3_coder_calls_cut_anyhow_join_into_the_whole_answers(step):
+    """However the output is cut, the streamed arguments join into JSON of the whole
+    answer's (a value with an end tag's beginning in it, a call left open at the end, a
+    parameter without its end tag, an empty call)."""
+    functions = {name: t["function"].get("parameters") or {} for t in CODER_TOOLS
+                 for name in [t["function"]["name"]]}  # fmt: skip
+    cases = [QWEN3_CODER, QWEN3_CODER.replace("New York", 'say "</p" then\n\n'),
+             "<function=forecast>\n<parameter=city>\nleft open",
+             "<function=forecast>\n<parameter=days>\n5\n<parameter=city>\np\n</function>"]  # fmt: skip
+    for text in cases:
+        whole = tool_calls(ToolMode(parser="qwen3_coder", functions=functions), text)
+        streamer, parts = StreamedCoderCalls(functions), []
+        cuts = [*range(step, len(text), step), len(text)]
+        for i, cut in enumerate(cuts):
+            parts += streamer.deltas(text[:cut], final=i == len(cuts) - 1)
+        joined = {}
+        for part in parts:
+            joined[part["index"]] = joined.get(part["index"], "") + part["function"]["arguments"]
+        assert [json.loads(j) for j in joined.values()] == [
+            json.loads(c["function"]["arguments"]) for c in whole]  # fmt: skip
+
+
 def test_qwen3_coder_calls_stream_after_the_text(coder):
     client, backend = coder
     backend.answer = QWEN3_CODER
@@ -593,9 +647,26 @@ def test_qwen3_coder_calls_stream_after_the_text(coder):
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("content", "") for d in deltas) == "I'll check.\n"  # (as written)
-    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert [c["function"]["name"] for c in calls] == ["forecast", "clock"]
+    # each call as it is written: its name once its tag is whole, then its arguments as
+    # JSON, a parameter once its value ends (a string's as its text comes); joined, the
+    # whole answer's arguments
+    parts = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [c["function"]["name"] for c in parts if "id" in c] == ["forecast", "clock"]
+    joined = ["".join(c["function"]["arguments"] for c in parts if c["index"] == i) for i in (0, 1)]
+    whole = _chat(client, tools=CODER_TOOLS).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(j) for j in joined] == [
+        json.loads(c["function"]["arguments"]) for c in whole
+    ]
+    assert len([c for c in parts if c["index"] == 0]) > 8
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # a string value streams as it comes, the format's newline and an end tag's start held
+    streamer = StreamedCoderCalls({"write": {"properties": {"text": {"type": "string"}}}})
+    assert streamer.deltas("<function=write>\n<parameter=text>\nab\n</par")[1:] == [
+        {"index": 0, "function": {"arguments": '{"text": "ab'}}]  # fmt: skip
+    assert streamer.deltas("<function=write>\n<parameter=text>\nab\n</parameter>\n") == [
+        {"index": 0, "function": {"arguments": '"'}}]  # fmt: skip
+    assert streamer.deltas("<function=write>\n<parameter=text>\nab\n</parameter>\n</function>") == [
+        {"index": 0, "function": {"arguments": "}"}}]  # fmt: skip
     mode = ToolMode(parser="qwen3_coder")
     assert mode.held_from("Hi <func") == 3 and mode.held_from("Hi <tool_ca") == 3
     assert mode.held_from("Hi <function=f>") == 3 and mode.held_from("a<tool_call>b<function=") == 1

@@ -7,8 +7,8 @@ Under a tool mode the output is held as the chat route holds it: a named functio
 output is its call's arguments, out as generated (``call`` parts); otherwise content goes
 out only where it cannot be, or begin, a call (``text`` parts;
 :class:`~halfmoon.serve.gateway.tools.HeldText`), and the calls are read from the whole
-answer at the end (Hermes calls, with ``stream_calls``, also as they are written:
-``calls`` parts). Under a reasoning parser the reasoning comes first, apart
+answer at the end (Hermes and Qwen3-Coder calls, with ``stream_calls``, also as they are
+written: ``calls`` parts). Under a reasoning parser the reasoning comes first, apart
 (``reasoning`` parts, the answer's ``reasoning``; dropped with ``include_reasoning:
 false``), and only the content is read for calls. Both close the stream, also when the
 cluster fails mid-way (BackendError / Rejected propagate).
@@ -23,7 +23,7 @@ from typing import Any
 
 from halfmoon.serve.gateway.reasoning import shown_reasoning
 from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
-from halfmoon.serve.gateway.tools import HeldText, StreamedCalls
+from halfmoon.serve.gateway.tools import HeldText, StreamedCalls, streamed_calls
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,12 @@ async def answer_parts(
     p: Prepared, first: tuple[int, Delta], rest: AsyncIterator, stream_calls: bool = False
 ) -> AsyncIterator[tuple[str, Any] | Answer]:
     """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments),
-    ``("text", delta)`` (content) and ``("calls", deltas)`` (Hermes calls as they are
-    written: chat ``tool_calls`` deltas, :class:`~halfmoon.serve.gateway.tools.
+    ``("text", delta)`` (content) and ``("calls", deltas)`` (calls as they are written: chat ``tool_calls`` deltas, :class:`~halfmoon.serve.gateway.tools.
     StreamedCalls`; with ``stream_calls``, else whole at the end) parts as they may go
     out, then the :class:`Answer`."""
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
-    hermes = held is not None and p.tool_mode.parser == "hermes"
-    streamed = StreamedCalls() if stream_calls and hermes else None
+    streamed = streamed_calls(p.tool_mode) if stream_calls and held is not None else None
     thinking = p.reasoning.splitter() if p.reasoning is not None else None
     text, finish, use, reasoning = "", None, None, []
     async with aclosing(all_items(first, rest)) as items:
@@ -92,7 +90,7 @@ async def answer_parts(
             else:  # text before calls (there may be none): as it may go out
                 out, calls = held.add(delta, fin is not None)
                 text = held.text
-                deltas = streamed.deltas(text) if streamed is not None else []
+                deltas = streamed.deltas(text, fin is not None) if streamed is not None else []
                 if calls is None and fin is not None and streamed is not None and streamed.started:
                     out = ""  # (calls went out in part and did not end whole: no content)
                 if out:

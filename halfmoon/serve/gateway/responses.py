@@ -31,9 +31,9 @@ from halfmoon.serve.gateway.prom import GatewayMetrics
 from halfmoon.serve.gateway.reasoning import ReasoningMode, shown_reasoning
 from halfmoon.serve.gateway.tools import (
     HeldText,
-    StreamedCalls,
     ToolMode,
     split_answer,
+    streamed_calls,
     tool_call_id,
 )
 
@@ -350,8 +350,9 @@ async def sse(
     held = (
         [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode and not named else []
     )
-    # Hermes calls go out as they are written (their arguments' text as it comes).
-    streamed = [StreamedCalls() for _ in held] if held and p.tool_mode.parser == "hermes" else []
+    # Hermes and Qwen3-Coder calls go out as they are written (their arguments' text as it comes).
+    streamers = [streamed_calls(p.tool_mode) for _ in held]
+    streamed = streamers if streamers and streamers[0] is not None else []
     kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]
     # Reasoning: each delta's reasoning goes out first, in its own chunk (with the
     # delta's log-probabilities when no content came with it); the content goes on below.
@@ -399,7 +400,9 @@ async def sse(
                 kept[index] += entries
                 text, calls = held[index].add(text, finish is not None)
                 entries = kept[index] if finish is not None and calls is None else []
-                deltas = streamed[index].deltas(held[index].text) if streamed else []
+                deltas = (
+                    streamed[index].deltas(held[index].text, finish is not None) if streamed else []
+                )
                 if calls is None and finish is not None and streamed and streamed[index].started:
                     text = ""  # (calls went out in part and did not end whole: no content)
                 if deltas or (calls is not None and text):

@@ -37,13 +37,14 @@ serves them without a model-specific tool-call parser.
   type as JSON where it parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
-  begin (a tail that could start ``<tool_call>`` is held back); the calls then follow
-  as they are written (:class:`StreamedCalls`).
+  begin (a tail that could start ``<tool_call>`` is held back); Hermes and Qwen3-Coder
+  calls then follow as they are written (:class:`StreamedCalls`,
+  :class:`StreamedCoderCalls`), the other formats' whole.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
 expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
-they come, Hermes calls as they are written, and any other choice's
+they come, Hermes and Qwen3-Coder calls as they are written, and any other choice's
 tool calls whole, in one chunk before its finish (a client joining the deltas gets the
 same calls).
 """
@@ -310,9 +311,9 @@ class StreamedCalls:
         #: while open) and their scan; None for a block sent whole at the end.
         self.calls: list[dict[str, Any] | None] = []
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
+    def deltas(self, text: str, final: bool = False) -> list[dict[str, Any]]:
         """The chat ``tool_calls`` deltas (each with its ``index``) that ``text``, the
-        output so far, adds to what went out before."""
+        output so far (``final``: whole), adds to what went out before."""
         out: list[dict[str, Any]] = []
         at, k = text.find(_HERMES_OPEN), 0
         while at >= 0:
@@ -349,6 +350,113 @@ class StreamedCalls:
         """Of the whole answer's ``calls``, those not streamed, each with its ``index``."""
         return [{"index": k, **call} for k, call in enumerate(calls)
                 if k >= len(self.calls) or self.calls[k] is None]  # fmt: skip
+
+
+#: What may end a Qwen3-Coder parameter's value (after the format's newline).
+_CODER_ENDS = ("</parameter>", "<parameter=", "</function>")
+_CODER_FUNCTION = re.compile(r"<function=([^>\n]*)>")
+_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
+
+
+class StreamedCoderCalls(StreamedCalls):
+    """Qwen3-Coder calls (``--tool-call-parser qwen3_coder``) streamed as they are
+    written: a call's id and name once its ``<function=NAME>`` is whole, then its
+    arguments as JSON, each parameter once its value ends (typed by the tool's schema,
+    as the whole answer reads it), a ``string`` one as its text comes (the format's
+    newlines around it left out, a tail that may begin an end tag held back)."""
+
+    def __init__(self, functions: Mapping[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.functions = functions
+
+    def deltas(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        """As :meth:`StreamedCalls.deltas`; ``final``: the output is whole (a call or a
+        value left open at its end ends there, as the whole answer reads it)."""
+        out: list[dict[str, Any]] = []
+        starts = [at for at in (text.find(o) for o in _OPENERS["qwen3_coder"]) if at >= 0]
+        pos, k = (min(starts) if starts else len(text)), 0
+        while (head := _CODER_FUNCTION.search(text, pos)) is not None:
+            close = text.find("</function>", head.end())
+            body = text[head.end() : len(text) if close < 0 else close]
+            if k == len(self.calls):
+                name = head.group(1).strip()
+                if not name:
+                    break
+                self.calls.append({"id": tool_call_id(), "name": name, "done": 0, "value": None,
+                                   "end": None})  # fmt: skip
+                out.append({"index": k, "id": self.calls[k]["id"], "type": "function",
+                            "function": {"name": name, "arguments": ""}})  # fmt: skip
+            call = self.calls[k]
+            if call["end"] is None:
+                piece = self._arguments(call, body, close >= 0 or final)
+                if piece:
+                    out.append({"index": k, "function": {"arguments": piece}})
+                if close < 0 and not final:
+                    break
+                call["end"] = True
+            pos, k = (len(text) if close < 0 else close + len("</function>")), k + 1
+        return out
+
+    def _arguments(self, call: dict[str, Any], body: str, whole: bool) -> str:
+        """The next text of ``call``'s arguments JSON from its ``body`` so far (``whole``:
+        the body is all there is). ``call`` keeps ``done`` (parameters sent whole) and
+        ``value`` (a string parameter's text sent so far, None between parameters)."""
+        properties = (self.functions.get(call["name"]) or {}).get("properties") or {}
+        params = list(_CODER_PARAMETER.finditer(body))
+        piece = ""
+        for j, param in enumerate(params[call["done"] :], call["done"]):
+            key = param.group(1).strip()
+            nxt = params[j + 1].start() if j + 1 < len(params) else None
+            end = body.find("</parameter>", param.end())
+            if end < 0 or (nxt is not None and end > nxt):
+                end = nxt if nxt is not None else (len(body) if whole else -1)
+            raw = body[param.end() :] if end < 0 else body[param.end() : end]
+            raw = raw.removeprefix("\n")
+            lead = ("{" if j == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+            kinds = (
+                (properties.get(key) or {}).get("type")
+                if isinstance(properties.get(key), dict)
+                else None
+            )
+            is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
+            if end < 0:  # the value is still being written: a string's text so far
+                if is_string:
+                    if call["value"] is None:
+                        piece, call["value"] = piece + lead + '"', ""
+                    shown = _held_tail(raw)
+                    piece += json.dumps(shown[len(call["value"]) :], ensure_ascii=False)[1:-1]
+                    call["value"] = shown
+                break
+            value = raw.removesuffix("\n")
+            if call["value"] is not None:  # (a string streamed so far: its rest, closed)
+                piece += json.dumps(value[len(call["value"]) :], ensure_ascii=False)[1:-1] + '"'
+                call["value"] = None
+            else:
+                piece += lead + json.dumps(_typed(value, properties.get(key)), ensure_ascii=False)
+            call["done"] = j + 1
+        if whole and call["value"] is None and (call["done"] == len(params)):
+            piece += "}" if params else "{}"
+        return piece
+
+
+def _held_tail(value: str) -> str:
+    """``value`` (a string parameter's text so far) without a tail that may still be its
+    format's closing newline or the start of an end tag."""
+    for cut in range(min(len(value), 1 + max(map(len, _CODER_ENDS))), 0, -1):
+        tail = value[-cut:]
+        if any(("\n" + end).startswith(tail) or end.startswith(tail) for end in _CODER_ENDS):
+            return value[:-cut]
+    return value
+
+
+def streamed_calls(mode: ToolMode) -> StreamedCalls | None:
+    """What streams ``mode``'s calls as they are written (its parser's format), or None
+    (read whole at the end)."""
+    if mode.parser == "hermes":
+        return StreamedCalls()
+    if mode.parser == "qwen3_coder":
+        return StreamedCoderCalls(mode.functions)
+    return None
 
 
 def _calls(items: list[Any], make_id=tool_call_id) -> list[dict[str, Any]] | None:
