@@ -22,6 +22,7 @@ from halfmoon.serve.gateway.backend import GenerationChunk
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
 from halfmoon.serve.gateway.tools import (
     StreamedCoderCalls,
+    StreamedJsonCalls,
     ToolMode,
     template_message,
     tool_calls,
@@ -412,8 +413,12 @@ def test_auto_reads_llama3_json_calls(llama):
     events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert not any(d.get("content") for d in deltas)
-    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    # each object as it is written (its arguments' text in parts), as Hermes calls
+    parts = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [c["function"]["name"] for c in parts if "id" in c] == ["weather", "clock"]
+    joined = ["".join(c["function"]["arguments"] for c in parts if c["index"] == i) for i in (0, 1)]
+    assert joined == ['{"city": "Paris; France"}', "{}"] and len(parts) > 4
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     backend.answer = "It is sunny; no call needed."
     streamed = _chat(client, tools=TOOLS, stream=True).text
     events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
@@ -423,6 +428,37 @@ def test_auto_reads_llama3_json_calls(llama):
     backend.answer = '{"weather": "sunny"}'  # JSON, but not a call: text
     body = _chat(client, tools=TOOLS).json()
     assert body["choices"][0]["message"]["content"] == backend.answer
+    streamed = _chat(client, tools=TOOLS, stream=True).text  # (streamed alike: no call)
+    events = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == backend.answer
+    assert not any("tool_calls" in e["choices"][0]["delta"] for e in events)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_llama3_json_calls_cut_anyhow_join_into_the_whole_answers(step):
+    """However the answer is cut, the streamed objects' arguments (and those sent whole at
+    the end: an object that names its arguments first, and every one after it) are the
+    whole answer's."""
+    mode = ToolMode(parser="llama3_json")
+    cases = ['{"name": "weather", "parameters": {"city": "Pa\\"ris}"}}; {"name": "clock", '
+             '"parameters": {}}',
+             '<|python_tag|>{"name": "weather", "parameters": {"days": [1, {"a": 2}]}}',
+             '  {"name": "weather", "arguments": {"city": "Oslo"}}\n{"name": "clock", '
+             '"parameters": {}}',
+             '{"parameters": {"city": "X"}, "name": "weather"}; {"name": "clock", "parameters": {}}']  # fmt: skip
+    for text in cases:
+        whole = tool_calls(mode, text)
+        streamer, parts = StreamedJsonCalls(), []
+        cuts = [*range(step, len(text), step), len(text)]
+        for i, cut in enumerate(cuts):
+            parts += streamer.deltas(text[:cut], final=i == len(cuts) - 1)
+        got = {}
+        for part in parts:
+            got[part["index"]] = got.get(part["index"], "") + part["function"]["arguments"]
+        for call in streamer.rest(whole):
+            got[call["index"]] = call["function"]["arguments"]
+        assert [json.loads(got[k]) for k in sorted(got)] == [
+            json.loads(c["function"]["arguments"]) for c in whole]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ Under a tool mode the output is held as the chat route holds it: a named functio
 output is its call's arguments, out as generated (``call`` parts); otherwise content goes
 out only where it cannot be, or begin, a call (``text`` parts;
 :class:`~halfmoon.serve.gateway.tools.HeldText`), and the calls are read from the whole
-answer at the end (Hermes and Qwen3-Coder calls, with ``stream_calls``, also as they are
-written: ``calls`` parts). Under a reasoning parser the reasoning comes first, apart
+answer at the end (calls of the formats read as they come, with ``stream_calls``, also as
+they are written: ``calls`` parts). Under a reasoning parser the reasoning comes first, apart
 (``reasoning`` parts, the answer's ``reasoning``; dropped with ``include_reasoning:
 false``), and only the content is read for calls. Both close the stream, also when the
 cluster fails mid-way (BackendError / Rejected propagate).
@@ -61,9 +61,10 @@ async def answer_parts(
     p: Prepared, first: tuple[int, Delta], rest: AsyncIterator, stream_calls: bool = False
 ) -> AsyncIterator[tuple[str, Any] | Answer]:
     """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments),
-    ``("text", delta)`` (content) and ``("calls", deltas)`` (calls as they are written: chat ``tool_calls`` deltas, :class:`~halfmoon.serve.gateway.tools.
-    StreamedCalls`; with ``stream_calls``, else whole at the end) parts as they may go
-    out, then the :class:`Answer`."""
+    ``("text", delta)`` (content) and ``("calls", deltas)`` (calls as they are written,
+    as chat ``tool_calls`` deltas: :func:`~halfmoon.serve.gateway.tools.streamed_calls`;
+    with ``stream_calls``, else whole at the end) parts as they may go out, then the
+    :class:`Answer`."""
     named = p.tool_mode.name if p.tool_mode is not None else None
     held = HeldText(p.tool_mode) if p.tool_mode is not None and named is None else None
     streamed = streamed_calls(p.tool_mode) if stream_calls and held is not None else None

@@ -350,7 +350,8 @@ async def sse(
     held = (
         [HeldText(p.tool_mode) for _ in range(p.num_choices)] if p.tool_mode and not named else []
     )
-    # Hermes and Qwen3-Coder calls go out as they are written (their arguments' text as it comes).
+    # Calls in a format read as it comes (Hermes, Llama 3 JSON, Qwen3-Coder) go out as
+    # they are written (their arguments' text as it comes).
     streamers = [streamed_calls(p.tool_mode) for _ in held]
     streamed = streamers if streamers and streamers[0] is not None else []
     kept: list[list[Entry]] = [[] for _ in range(p.num_choices)]

@@ -37,14 +37,15 @@ serves them without a model-specific tool-call parser.
   type as JSON where it parses, else text).
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
-  begin (a tail that could start ``<tool_call>`` is held back); Hermes and Qwen3-Coder
-  calls then follow as they are written (:class:`StreamedCalls`,
-  :class:`StreamedCoderCalls`), the other formats' whole.
+  begin (a tail that could start ``<tool_call>`` is held back); Hermes, Llama 3 JSON
+  and Qwen3-Coder calls then follow as they are written (:class:`StreamedCalls`,
+  :class:`StreamedJsonCalls`, :class:`StreamedCoderCalls`), the other formats' whole.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
 expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
-they come, Hermes and Qwen3-Coder calls as they are written, and any other choice's
+they come, Hermes, Llama 3 JSON and Qwen3-Coder calls as they are written, and any
+other choice's
 tool calls whole, in one chunk before its finish (a client joining the deltas gets the
 same calls).
 """
@@ -57,7 +58,7 @@ import json
 import math
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,17 +316,17 @@ class StreamedCalls:
         """The chat ``tool_calls`` deltas (each with its ``index``) that ``text``, the
         output so far (``final``: whole), adds to what went out before."""
         out: list[dict[str, Any]] = []
-        at, k = text.find(_HERMES_OPEN), 0
-        while at >= 0:
+        for k, at in enumerate(self._block_starts(text)):
             if k == len(self.calls):
-                head = _HERMES_HEAD.match(text, at + len(_HERMES_OPEN))
+                head = _HERMES_HEAD.match(text, at)
                 if head is None or head.end() >= len(text):
                     break  # (not named yet; or another shape, read at the end)
                 if text[head.end()] != "{":
                     self.calls.append(None)
                 else:
+                    start = head.end()
                     call = {"id": tool_call_id(), "name": json.loads(head.group(1)),
-                            "sent": head.end(), "end": None, "scan": _JsonScan(head.end())}  # fmt: skip
+                            "sent": start, "end": None, "scan": _JsonScan(start)}  # fmt: skip
                     self.calls.append(call)
                     out.append({"index": k, "id": call["id"], "type": "function",
                                 "function": {"name": call["name"], "arguments": ""}})  # fmt: skip
@@ -338,8 +339,14 @@ class StreamedCalls:
                     call["sent"] = upto
                 if call["end"] is None:
                     break
-            at, k = text.find(_HERMES_OPEN, at + 1), k + 1
         return out
+
+    def _block_starts(self, text: str) -> Iterator[int]:
+        """Where each call's JSON begins in ``text`` (after its ``<tool_call>``)."""
+        at = text.find(_HERMES_OPEN)
+        while at >= 0:
+            yield at + len(_HERMES_OPEN)
+            at = text.find(_HERMES_OPEN, at + 1)
 
     @property
     def started(self) -> bool:
@@ -350,6 +357,39 @@ class StreamedCalls:
         """Of the whole answer's ``calls``, those not streamed, each with its ``index``."""
         return [{"index": k, **call} for k, call in enumerate(calls)
                 if k >= len(self.calls) or self.calls[k] is None]  # fmt: skip
+
+
+class StreamedJsonCalls(StreamedCalls):
+    """Llama 3.x JSON calls (``--tool-call-parser llama3_json``) streamed as they are
+    written: the answer's ``{"name": ..., "parameters": {...}}`` objects (``;`` between
+    them, after an optional ``<|python_tag|>``), each as a Hermes call's JSON."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Each object's scan and end (None while open), to find the next one.
+        self._objects: list[tuple[_JsonScan, list[int | None]]] = []
+
+    def _block_starts(self, text: str) -> Iterator[int]:
+        """Where each call's object begins: the answer's first ``{``, then each after the
+        end of the one before (past whitespace and ``;``)."""
+        pos = len(text) - len(text.lstrip())
+        if text.startswith(_PYTHON_TAG, pos):
+            rest = text[pos + len(_PYTHON_TAG) :]
+            pos += len(_PYTHON_TAG) + len(rest) - len(rest.lstrip())
+        k = 0
+        while pos < len(text) and text[pos] == "{":
+            yield pos
+            if k == len(self._objects):
+                self._objects.append((_JsonScan(pos), [None]))
+            scan, end = self._objects[k]
+            if end[0] is None:
+                end[0] = scan.end(text)
+            if end[0] is None:
+                return
+            pos = end[0]
+            while pos < len(text) and text[pos] in " \t\r\n;":
+                pos += 1
+            k += 1
 
 
 #: What may end a Qwen3-Coder parameter's value (after the format's newline).
@@ -454,6 +494,8 @@ def streamed_calls(mode: ToolMode) -> StreamedCalls | None:
     (read whole at the end)."""
     if mode.parser == "hermes":
         return StreamedCalls()
+    if mode.parser == "llama3_json":
+        return StreamedJsonCalls()
     if mode.parser == "qwen3_coder":
         return StreamedCoderCalls(mode.functions)
     return None
