@@ -20,9 +20,8 @@ from fastapi.testclient import TestClient
 from halfmoon.core.request import SamplingParams, TokenLogprob
 from halfmoon.serve.gateway.backend import GenerationChunk
 from halfmoon.serve.gateway.openai_api import ChatCompletionRequest
+from halfmoon.serve.gateway.tool_streams import StreamedCoderCalls, StreamedJsonCalls
 from halfmoon.serve.gateway.tools import (
-    StreamedCoderCalls,
-    StreamedJsonCalls,
     ToolMode,
     template_message,
     tool_calls,
@@ -447,18 +446,22 @@ def test_llama3_json_calls_cut_anyhow_join_into_the_whole_answers(step):
              '"parameters": {}}',
              '{"parameters": {"city": "X"}, "name": "weather"}; {"name": "clock", "parameters": {}}']  # fmt: skip
     for text in cases:
-        whole = tool_calls(mode, text)
-        streamer, parts = StreamedJsonCalls(), []
-        cuts = [*range(step, len(text), step), len(text)]
-        for i, cut in enumerate(cuts):
-            parts += streamer.deltas(text[:cut], final=i == len(cuts) - 1)
-        got = {}
-        for part in parts:
+        _assert_streamed_as_whole(mode, StreamedJsonCalls(), text, step)
+
+
+def _assert_streamed_as_whole(mode, streamer, text: str, step: int) -> None:
+    """``text`` given to ``streamer`` ``step`` characters at a time: the arguments it
+    streamed, joined (with the calls it leaves to the end), are the whole answer's."""
+    whole = tool_calls(mode, text)
+    cuts = [*range(step, len(text), step), len(text)]
+    got: dict[int, str] = {}
+    for i, cut in enumerate(cuts):
+        for part in streamer.deltas(text[:cut], final=i == len(cuts) - 1):
             got[part["index"]] = got.get(part["index"], "") + part["function"]["arguments"]
-        for call in streamer.rest(whole):
-            got[call["index"]] = call["function"]["arguments"]
-        assert [json.loads(got[k]) for k in sorted(got)] == [
-            json.loads(c["function"]["arguments"]) for c in whole]  # fmt: skip
+    for call in streamer.rest(whole):
+        got[call["index"]] = call["function"]["arguments"]
+    assert [json.loads(got[k]) for k in sorted(got)] == [
+        json.loads(c["function"]["arguments"]) for c in whole]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -663,17 +666,9 @@ def test_qwen3_coder_calls_cut_anyhow_join_into_the_whole_answers(step):
     cases = [QWEN3_CODER, QWEN3_CODER.replace("New York", 'say "</p" then\n\n'),
              "<function=forecast>\n<parameter=city>\nleft open",
              "<function=forecast>\n<parameter=days>\n5\n<parameter=city>\np\n</function>"]  # fmt: skip
+    mode = ToolMode(parser="qwen3_coder", functions=functions)
     for text in cases:
-        whole = tool_calls(ToolMode(parser="qwen3_coder", functions=functions), text)
-        streamer, parts = StreamedCoderCalls(functions), []
-        cuts = [*range(step, len(text), step), len(text)]
-        for i, cut in enumerate(cuts):
-            parts += streamer.deltas(text[:cut], final=i == len(cuts) - 1)
-        joined = {}
-        for part in parts:
-            joined[part["index"]] = joined.get(part["index"], "") + part["function"]["arguments"]
-        assert [json.loads(j) for j in joined.values()] == [
-            json.loads(c["function"]["arguments"]) for c in whole]  # fmt: skip
+        _assert_streamed_as_whole(mode, StreamedCoderCalls(functions), text, step)
 
 
 def test_qwen3_coder_calls_stream_after_the_text(coder):

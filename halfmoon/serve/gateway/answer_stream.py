@@ -23,7 +23,8 @@ from typing import Any
 
 from halfmoon.serve.gateway.reasoning import shown_reasoning
 from halfmoon.serve.gateway.responses import Delta, Prepared, all_items
-from halfmoon.serve.gateway.tools import HeldText, StreamedCalls, streamed_calls
+from halfmoon.serve.gateway.tool_streams import StreamedCalls, streamed_calls
+from halfmoon.serve.gateway.tools import HeldText
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ async def answer_parts(
 ) -> AsyncIterator[tuple[str, Any] | Answer]:
     """``("reasoning", delta)``, ``("call", delta)`` (a named function's arguments),
     ``("text", delta)`` (content) and ``("calls", deltas)`` (calls as they are written,
-    as chat ``tool_calls`` deltas: :func:`~halfmoon.serve.gateway.tools.streamed_calls`;
+    as chat ``tool_calls`` deltas: :func:`~halfmoon.serve.gateway.tool_streams.streamed_calls`;
     with ``stream_calls``, else whole at the end) parts as they may go out, then the
     :class:`Answer`."""
     named = p.tool_mode.name if p.tool_mode is not None else None

@@ -29,11 +29,11 @@ from halfmoon.serve.gateway.openai_api import (
 )
 from halfmoon.serve.gateway.prom import GatewayMetrics
 from halfmoon.serve.gateway.reasoning import ReasoningMode, shown_reasoning
+from halfmoon.serve.gateway.tool_streams import streamed_calls
 from halfmoon.serve.gateway.tools import (
     HeldText,
     ToolMode,
     split_answer,
-    streamed_calls,
     tool_call_id,
 )
 

@@ -38,16 +38,15 @@ serves them without a model-specific tool-call parser.
   Without a parser, a 400 saying so, as vLLM answers without
   ``--enable-auto-tool-choice``. Streamed, text goes out as it comes until a block may
   begin (a tail that could start ``<tool_call>`` is held back); Hermes, Llama 3 JSON
-  and Qwen3-Coder calls then follow as they are written (:class:`StreamedCalls`,
-  :class:`StreamedJsonCalls`, :class:`StreamedCoderCalls`), the other formats' whole.
+  and Qwen3-Coder calls then follow as they are written
+  (:mod:`halfmoon.serve.gateway.tool_streams`), the other formats' whole.
 
 The tools reach the chat template as its ``tools`` variable, and earlier turns' tool calls
 and results as the messages' ``tool_calls`` (``arguments`` as objects, which templates
 expect) and ``tool_call_id``. A streamed answer sends a named function's arguments as
 they come, Hermes, Llama 3 JSON and Qwen3-Coder calls as they are written, and any
-other choice's
-tool calls whole, in one chunk before its finish (a client joining the deltas gets the
-same calls).
+other choice's tool calls whole, in one chunk before its finish (a client joining the
+deltas gets the same calls).
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ import json
 import math
 import re
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,23 +67,23 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 #: ``--tool-call-parser`` choices: the formats ``tool_choice: "auto"`` can read.
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 #: Mistral's marker before its calls, and between a v11+ call's name and arguments.
 _TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"
 #: Parsers whose calls follow the content after a marker: the marker.
-_OPENERS = {"hermes": (_HERMES_OPEN,), "mistral": (_TOOL_CALLS,),
-            "qwen3_coder": (_HERMES_OPEN, "<function=")}  # fmt: skip
+OPENERS = {"hermes": (HERMES_OPEN,), "mistral": (_TOOL_CALLS,),
+            "qwen3_coder": (HERMES_OPEN, "<function=")}  # fmt: skip
 #: Qwen3-Coder's calls and their parameters (either may be left open at the end).
 _QWEN_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
 _QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.x's marker before a tool call (a special token: usually not in the text).
-_PYTHON_TAG = "<|python_tag|>"
+PYTHON_TAG = "<|python_tag|>"
 #: Llama 4's markers around pythonic calls (special tokens too).
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 #: Parsers whose calls are the whole answer: how an answer that is calls may begin
 #: (its marker, then the first character of its calls).
-_WHOLE_ANSWER_STARTS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
+_WHOLE_ANSWER_STARTS = {"llama3_json": (PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class ToolMode:
             head = text.lstrip()
             undecided = not head or marker.startswith(head[: len(marker)])
             return 0 if undecided or head.startswith((first, marker)) else len(text)
-        openers = _OPENERS[self.parser]
+        openers = OPENERS[self.parser]
         starts = [at for at in (text.find(opener) for opener in openers) if at >= 0]
         if starts:
             return min(starts)
@@ -265,242 +264,6 @@ class HeldText:
         return out, calls
 
 
-#: A Hermes call's head: its function's name, then the key of its arguments.
-_HERMES_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-)
-
-
-class _JsonScan:
-    """Where a JSON object or array ends, read as its text grows (each character once)."""
-
-    def __init__(self, start: int) -> None:
-        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
-
-    def end(self, text: str) -> int | None:
-        """Just after the value's end in ``text`` (its text so far), or None while open."""
-        for i in range(self.pos, len(text)):
-            c = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.pos = i + 1
-                    return i + 1
-        self.pos = len(text)
-        return None
-
-
-class StreamedCalls:
-    """Hermes calls (``--tool-call-parser hermes``) streamed as they are written, as vLLM
-    streams them: a call's id and name once its JSON has named the function, then its
-    arguments' text as it comes (the object as the model writes it). A call whose JSON
-    begins otherwise (its arguments first, or as a string) goes whole at the end."""
-
-    def __init__(self) -> None:
-        #: Per block: its id, name, how far its arguments were sent, where they end (None
-        #: while open) and their scan; None for a block sent whole at the end.
-        self.calls: list[dict[str, Any] | None] = []
-
-    def deltas(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """The chat ``tool_calls`` deltas (each with its ``index``) that ``text``, the
-        output so far (``final``: whole), adds to what went out before."""
-        out: list[dict[str, Any]] = []
-        for k, at in enumerate(self._block_starts(text)):
-            if k == len(self.calls):
-                head = _HERMES_HEAD.match(text, at)
-                if head is None or head.end() >= len(text):
-                    break  # (not named yet; or another shape, read at the end)
-                if text[head.end()] != "{":
-                    self.calls.append(None)
-                else:
-                    start = head.end()
-                    call = {"id": tool_call_id(), "name": json.loads(head.group(1)),
-                            "sent": start, "end": None, "scan": _JsonScan(start)}  # fmt: skip
-                    self.calls.append(call)
-                    out.append({"index": k, "id": call["id"], "type": "function",
-                                "function": {"name": call["name"], "arguments": ""}})  # fmt: skip
-            call = self.calls[k]
-            if call is not None and call["end"] is None:
-                call["end"] = call["scan"].end(text)
-                upto = len(text) if call["end"] is None else call["end"]
-                if upto > call["sent"]:
-                    out.append({"index": k, "function": {"arguments": text[call["sent"] : upto]}})
-                    call["sent"] = upto
-                if call["end"] is None:
-                    break
-        return out
-
-    def _block_starts(self, text: str) -> Iterator[int]:
-        """Where each call's JSON begins in ``text`` (after its ``<tool_call>``)."""
-        at = text.find(_HERMES_OPEN)
-        while at >= 0:
-            yield at + len(_HERMES_OPEN)
-            at = text.find(_HERMES_OPEN, at + 1)
-
-    @property
-    def started(self) -> bool:
-        """Whether any call went out (in part)."""
-        return any(call is not None for call in self.calls)
-
-    def rest(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Of the whole answer's ``calls``, those not streamed, each with its ``index``."""
-        return [{"index": k, **call} for k, call in enumerate(calls)
-                if k >= len(self.calls) or self.calls[k] is None]  # fmt: skip
-
-
-class StreamedJsonCalls(StreamedCalls):
-    """Llama 3.x JSON calls (``--tool-call-parser llama3_json``) streamed as they are
-    written: the answer's ``{"name": ..., "parameters": {...}}`` objects (``;`` between
-    them, after an optional ``<|python_tag|>``), each as a Hermes call's JSON."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: Each object's scan and end (None while open), to find the next one.
-        self._objects: list[tuple[_JsonScan, list[int | None]]] = []
-
-    def _block_starts(self, text: str) -> Iterator[int]:
-        """Where each call's object begins: the answer's first ``{``, then each after the
-        end of the one before (past whitespace and ``;``)."""
-        pos = len(text) - len(text.lstrip())
-        if text.startswith(_PYTHON_TAG, pos):
-            rest = text[pos + len(_PYTHON_TAG) :]
-            pos += len(_PYTHON_TAG) + len(rest) - len(rest.lstrip())
-        k = 0
-        while pos < len(text) and text[pos] == "{":
-            yield pos
-            if k == len(self._objects):
-                self._objects.append((_JsonScan(pos), [None]))
-            scan, end = self._objects[k]
-            if end[0] is None:
-                end[0] = scan.end(text)
-            if end[0] is None:
-                return
-            pos = end[0]
-            while pos < len(text) and text[pos] in " \t\r\n;":
-                pos += 1
-            k += 1
-
-
-#: What may end a Qwen3-Coder parameter's value (after the format's newline).
-_CODER_ENDS = ("</parameter>", "<parameter=", "</function>")
-_CODER_FUNCTION = re.compile(r"<function=([^>\n]*)>")
-_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
-
-
-class StreamedCoderCalls(StreamedCalls):
-    """Qwen3-Coder calls (``--tool-call-parser qwen3_coder``) streamed as they are
-    written: a call's id and name once its ``<function=NAME>`` is whole, then its
-    arguments as JSON, each parameter once its value ends (typed by the tool's schema,
-    as the whole answer reads it), a ``string`` one as its text comes (the format's
-    newlines around it left out, a tail that may begin an end tag held back)."""
-
-    def __init__(self, functions: Mapping[str, dict[str, Any]]) -> None:
-        super().__init__()
-        self.functions = functions
-
-    def deltas(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """As :meth:`StreamedCalls.deltas`; ``final``: the output is whole (a call or a
-        value left open at its end ends there, as the whole answer reads it)."""
-        out: list[dict[str, Any]] = []
-        starts = [at for at in (text.find(o) for o in _OPENERS["qwen3_coder"]) if at >= 0]
-        pos, k = (min(starts) if starts else len(text)), 0
-        while (head := _CODER_FUNCTION.search(text, pos)) is not None:
-            close = text.find("</function>", head.end())
-            body = text[head.end() : len(text) if close < 0 else close]
-            if k == len(self.calls):
-                name = head.group(1).strip()
-                if not name:
-                    break
-                self.calls.append({"id": tool_call_id(), "name": name, "done": 0, "value": None,
-                                   "end": None})  # fmt: skip
-                out.append({"index": k, "id": self.calls[k]["id"], "type": "function",
-                            "function": {"name": name, "arguments": ""}})  # fmt: skip
-            call = self.calls[k]
-            if call["end"] is None:
-                piece = self._arguments(call, body, close >= 0 or final)
-                if piece:
-                    out.append({"index": k, "function": {"arguments": piece}})
-                if close < 0 and not final:
-                    break
-                call["end"] = True
-            pos, k = (len(text) if close < 0 else close + len("</function>")), k + 1
-        return out
-
-    def _arguments(self, call: dict[str, Any], body: str, whole: bool) -> str:
-        """The next text of ``call``'s arguments JSON from its ``body`` so far (``whole``:
-        the body is all there is). ``call`` keeps ``done`` (parameters sent whole) and
-        ``value`` (a string parameter's text sent so far, None between parameters)."""
-        properties = (self.functions.get(call["name"]) or {}).get("properties") or {}
-        params = list(_CODER_PARAMETER.finditer(body))
-        piece = ""
-        for j, param in enumerate(params[call["done"] :], call["done"]):
-            key = param.group(1).strip()
-            nxt = params[j + 1].start() if j + 1 < len(params) else None
-            end = body.find("</parameter>", param.end())
-            if end < 0 or (nxt is not None and end > nxt):
-                end = nxt if nxt is not None else (len(body) if whole else -1)
-            raw = body[param.end() :] if end < 0 else body[param.end() : end]
-            raw = raw.removeprefix("\n")
-            lead = ("{" if j == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-            kinds = (
-                (properties.get(key) or {}).get("type")
-                if isinstance(properties.get(key), dict)
-                else None
-            )
-            is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
-            if end < 0:  # the value is still being written: a string's text so far
-                if is_string:
-                    if call["value"] is None:
-                        piece, call["value"] = piece + lead + '"', ""
-                    shown = _held_tail(raw)
-                    piece += json.dumps(shown[len(call["value"]) :], ensure_ascii=False)[1:-1]
-                    call["value"] = shown
-                break
-            value = raw.removesuffix("\n")
-            if call["value"] is not None:  # (a string streamed so far: its rest, closed)
-                piece += json.dumps(value[len(call["value"]) :], ensure_ascii=False)[1:-1] + '"'
-                call["value"] = None
-            else:
-                piece += lead + json.dumps(_typed(value, properties.get(key)), ensure_ascii=False)
-            call["done"] = j + 1
-        if whole and call["value"] is None and (call["done"] == len(params)):
-            piece += "}" if params else "{}"
-        return piece
-
-
-def _held_tail(value: str) -> str:
-    """``value`` (a string parameter's text so far) without a tail that may still be its
-    format's closing newline or the start of an end tag."""
-    for cut in range(min(len(value), 1 + max(map(len, _CODER_ENDS))), 0, -1):
-        tail = value[-cut:]
-        if any(("\n" + end).startswith(tail) or end.startswith(tail) for end in _CODER_ENDS):
-            return value[:-cut]
-    return value
-
-
-def streamed_calls(mode: ToolMode) -> StreamedCalls | None:
-    """What streams ``mode``'s calls as they are written (its parser's format), or None
-    (read whole at the end)."""
-    if mode.parser == "hermes":
-        return StreamedCalls()
-    if mode.parser == "llama3_json":
-        return StreamedJsonCalls()
-    if mode.parser == "qwen3_coder":
-        return StreamedCoderCalls(mode.functions)
-    return None
-
-
 def _calls(items: list[Any], make_id=tool_call_id) -> list[dict[str, Any]] | None:
     """JSON objects ``{"name", "parameters" (or "arguments")}`` as tool calls (None if
     any is not one), their ids from ``make_id``."""
@@ -545,7 +308,7 @@ def _qwen3_coder(text: str, functions: Mapping[str, dict[str, Any]]) -> list[dic
     """Qwen3-Coder's calls from the first ``<tool_call>`` or ``<function=``: each
     ``<function=NAME>`` block's ``<parameter=KEY>`` values (a newline after the tag and
     before its end is the format's, not the value's), read by the function's schema."""
-    starts = [at for at in (text.find(opener) for opener in _OPENERS["qwen3_coder"]) if at >= 0]
+    starts = [at for at in (text.find(opener) for opener in OPENERS["qwen3_coder"]) if at >= 0]
     if not starts:
         return None
     calls = []
@@ -558,18 +321,23 @@ def _qwen3_coder(text: str, functions: Mapping[str, dict[str, Any]]) -> list[dic
         for param in _QWEN_PARAMETER.finditer(match.group(2)):
             key, value = param.group(1).strip(), param.group(2)
             value = value.removeprefix("\n").removesuffix("\n")
-            arguments[key] = _typed(value, properties.get(key))
+            arguments[key] = typed(value, properties.get(key))
         calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
     return calls or None
 
 
-def _typed(value: str, schema: Any) -> Any:
+def schema_kinds(schema: Any) -> list[str]:
+    """The JSON types a parameter's ``schema`` names (its ``type``, one or a list)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    return [kinds] if isinstance(kinds, str) else list(kinds or [])
+
+
+def typed(value: str, schema: Any) -> Any:
     """A parameter's text as its schema's type says (as vLLM's qwen3_coder parser reads
     it): ``string`` as written; ``integer``, ``number``, ``boolean``, ``null`` as such
     where the text is one; ``object``/``array`` (and an untyped parameter) as JSON, or a
     Python literal; else the text."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    kinds = schema_kinds(schema)
     if "string" in kinds:
         return value
     stripped = value.strip()
@@ -598,11 +366,11 @@ def _typed(value: str, schema: Any) -> Any:
 def _hermes(text: str) -> list[dict[str, Any]] | None:
     """Hermes-style calls: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks (the
     last one may be left open, as models often end it at EOS)."""
-    start = text.find(_HERMES_OPEN)
+    start = text.find(HERMES_OPEN)
     if start < 0:
         return None
     items = []
-    for block in text[start:].split(_HERMES_OPEN)[1:]:
+    for block in text[start:].split(HERMES_OPEN)[1:]:
         try:
             items.append(json.loads(block.split(_HERMES_CLOSE, 1)[0]))
         except ValueError:
@@ -614,7 +382,7 @@ def _llama3_json(text: str) -> list[dict[str, Any]] | None:
     """Llama 3.x JSON calls: the answer is one or more ``{"name", "parameters"}`` objects
     (``;`` between them), after an optional ``<|python_tag|>``."""
     body = text.strip()
-    body = body[len(_PYTHON_TAG) :].lstrip() if body.startswith(_PYTHON_TAG) else body
+    body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
     if not body.startswith("{"):
         return None
     decoder, items, pos = json.JSONDecoder(), [], 0
